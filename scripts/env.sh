@@ -1,0 +1,6 @@
+# Runtime settings for vLLM on this CPU (sourced by the README commands).
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/inspect-lens/vllm}
+export TOKENIZERS_PARALLELISM=false
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}

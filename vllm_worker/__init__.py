@@ -1,0 +1,5 @@
+"""inspect-lens vLLM plugin: per-request residual-stream capture and steering inside vLLM."""
+
+from .steering import SteeringVector
+
+__all__ = ["SteeringVector"]

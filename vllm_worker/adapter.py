@@ -1,0 +1,330 @@
+"""Every touch of a vLLM internal lives here, behind a version check.
+
+If vLLM moves something we rely on, `check()` (run at plugin load and at engine start) raises a
+`LensIncompatibleVLLM` naming it — the plugin never silently does nothing. `tests/test_adapter.py`
+exercises each item against the installed vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from typing import Any, Callable, Iterator
+
+import torch
+
+logger = logging.getLogger("vllm_worker")
+
+SUPPORTED = ((0, 26), (0, 34))  # [min, max) on (major, minor)
+
+
+class LensIncompatibleVLLM(RuntimeError):
+    """The installed vLLM lacks an internal the plugin needs."""
+
+
+def vllm_version() -> tuple[int, int]:
+    import vllm
+
+    vt = getattr(vllm, "__version_tuple__", None)
+    if vt and isinstance(vt[0], int) and isinstance(vt[1], int):
+        return int(vt[0]), int(vt[1])
+    m = re.match(r"(\d+)\.(\d+)", getattr(vllm, "__version__", ""))
+    if not m:
+        raise LensIncompatibleVLLM(f"cannot read the vLLM version ({getattr(vllm, '__version__', None)!r})")
+    return int(m.group(1)), int(m.group(2))
+
+
+def check_version() -> tuple[int, int]:
+    v = vllm_version()
+    lo, hi = SUPPORTED
+    if not lo <= v < hi:
+        raise LensIncompatibleVLLM(
+            f"inspect-lens supports vLLM {lo[0]}.{lo[1]} up to (excluding) {hi[0]}.{hi[1]}; found {v[0]}.{v[1]}. "
+            "Set VLLM_LENS_DISABLE=1 to run without the plugin."
+        )
+    return v
+
+
+def _require(obj: Any, attr: str, where: str) -> Any:
+    if not hasattr(obj, attr):
+        raise LensIncompatibleVLLM(f"vLLM internal moved: {where}.{attr} not found (vLLM {vllm_version()})")
+    return getattr(obj, attr)
+
+
+def _wrap(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Replace `cls.name` by `make(original)` once (idempotent across repeated plugin loads)."""
+    orig = _require(cls, name, cls.__qualname__)
+    if getattr(orig, "__lens_wrapped__", False):
+        return
+    new = make(orig)
+    functools.update_wrapper(new, orig)
+    new.__lens_wrapped__ = True  # type: ignore[attr-defined]
+    setattr(cls, name, new)
+
+
+# ---------------------------------------------------------------- frontend (engine construction)
+
+
+def engine_args_cls() -> type:
+    from vllm.engine.arg_utils import EngineArgs
+
+    _require(EngineArgs, "create_engine_config", "EngineArgs")
+    _require(EngineArgs, "worker_extension_cls", "EngineArgs")
+    _require(EngineArgs, "enforce_eager", "EngineArgs")
+    return EngineArgs
+
+
+def patch_engine_args(adjust: Callable[[Any], Any]) -> None:
+    """`adjust(engine_args) -> engine_args` runs before every engine config is built (offline and serve)."""
+
+    def make(orig: Callable) -> Callable:
+        def create_engine_config(self, *args, **kwargs):
+            return orig(adjust(self), *args, **kwargs)
+
+        return create_engine_config
+
+    _wrap(engine_args_cls(), "create_engine_config", make)
+
+
+# ---------------------------------------------------------------- frontend (per request)
+
+
+def input_processor_cls() -> type:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    _require(InputProcessor, "process_inputs", "InputProcessor")
+    return InputProcessor
+
+
+def patch_process_inputs(post: Callable[[Any, str, Any], Any]) -> None:
+    """`post(processor, external_request_id, engine_core_request)` sees every new request after vLLM
+    cloned its `SamplingParams` (so we only ever edit vLLM's private copy)."""
+
+    def make(orig: Callable) -> Callable:
+        def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+            req = orig(self, request_id, prompt, params, *args, **kwargs)
+            return post(self, request_id, req)
+
+        return process_inputs
+
+    _wrap(input_processor_cls(), "process_inputs", make)
+
+
+def request_prompt_len(req: Any) -> int:
+    ids = getattr(req, "prompt_token_ids", None)
+    if ids is not None:
+        return len(ids)
+    emb = getattr(req, "prompt_embeds", None)
+    if emb is not None:
+        return int(emb.shape[0])
+    raise LensIncompatibleVLLM("EngineCoreRequest has neither prompt_token_ids nor prompt_embeds")
+
+
+def set_request_cache_salt(req: Any, salt: str) -> None:
+    _require(req, "cache_salt", "EngineCoreRequest")
+    req.cache_salt = salt if not req.cache_salt else f"{req.cache_salt}|{salt}"
+
+
+def model_shape(processor: Any) -> tuple[int, int]:
+    """(n_layers, d_model) of the served model, from the processor's model config."""
+    mc = _require(processor, "model_config", "InputProcessor")
+    return int(mc.get_total_num_hidden_layers()), int(mc.get_hidden_size())
+
+
+def offline_mixin_cls() -> type:
+    try:
+        from vllm.entrypoints.common.offline import OfflineInferenceMixin as cls
+    except ImportError:  # older vLLM keeps _run_engine on LLM itself
+        from vllm.entrypoints.llm import LLM as cls
+    _require(cls, "_run_engine", cls.__qualname__)
+    return cls
+
+
+def patch_run_engine(post: Callable[[Any, list], list]) -> None:
+    """`post(llm, outputs)` runs on the finished outputs of every `LLM.generate` / `LLM.chat`."""
+
+    def make(orig: Callable) -> Callable:
+        def _run_engine(self, *args, **kwargs):
+            return post(self, orig(self, *args, **kwargs))
+
+        return _run_engine
+
+    _wrap(offline_mixin_cls(), "_run_engine", make)
+
+
+def processor_of_llm(llm: Any) -> Any:
+    engine = _require(llm, "llm_engine", "LLM")
+    return _require(engine, "input_processor", "LLMEngine")
+
+
+def rpc(llm_or_engine: Any, method: str, *args: Any) -> list:
+    return llm_or_engine.collective_rpc(method, args=args)
+
+
+def add_output_defaults() -> None:
+    """`RequestOutput.activations` / `CompletionOutput.activations` exist (None) on every output."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    for cls in (RequestOutput, CompletionOutput):
+        if not hasattr(cls, "activations"):
+            cls.activations = None  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- worker
+
+
+_CHILD_RE = re.compile(r"^(\d+)_")
+
+
+def child_index(worker_request_id: str, n: int) -> int:
+    """Sample index of a worker request: vLLM fans `n > 1` out as `f"{i}_{internal_id}"`."""
+    if n <= 1:
+        return 0
+    m = _CHILD_RE.match(worker_request_id)
+    if not m:
+        raise LensIncompatibleVLLM(f"cannot read the sample index of request {worker_request_id!r} (n={n})")
+    return int(m.group(1))
+
+
+def runner_classes() -> list[type]:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    classes = [GPUModelRunner]
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+            classes.append(CPUModelRunner)
+    except ImportError:
+        pass
+    for c in classes:
+        _require(c, "load_model", c.__qualname__)
+    _require(GPUModelRunner, "_model_forward", "GPUModelRunner")
+    return classes
+
+
+def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[..., Any]) -> None:
+    """`on_loaded(runner)` after the model is loaded; `around_forward(runner, orig, **kw)` wraps each
+    forward pass (the forward context is set; `kw` holds input_ids / positions / ...)."""
+    classes = runner_classes()
+
+    def make_load(orig: Callable) -> Callable:
+        def load_model(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            on_loaded(self)
+            return out
+
+        return load_model
+
+    def make_forward(orig: Callable) -> Callable:
+        def _model_forward(self, *args, **kwargs):
+            return around_forward(self, orig, *args, **kwargs)
+
+        return _model_forward
+
+    for c in classes:
+        if "load_model" in c.__dict__:
+            _wrap(c, "load_model", make_load)
+    _wrap(classes[0], "_model_forward", make_forward)
+
+
+def runner_model(runner: Any) -> torch.nn.Module:
+    model = _require(runner, "model", type(runner).__name__)
+    return model
+
+
+def batch_layout(runner: Any) -> tuple[list[str], Any]:
+    """(request ids in batch order, host query_start_loc) for the forward pass being run.
+
+    Rows of request j are `qsl[j]:qsl[j+1]`. Read fresh every step: vLLM reorders the batch."""
+    ib = _require(runner, "input_batch", type(runner).__name__)
+    req_ids = ib.req_ids
+    n = len(req_ids)
+    qsl = getattr(runner, "query_start_loc", None)
+    if qsl is not None and hasattr(qsl, "np"):
+        return req_ids, qsl.np[: n + 1]
+    from vllm.forward_context import get_forward_context
+
+    md = get_forward_context().attn_metadata
+    if isinstance(md, dict) and md:
+        loc = next(iter(md.values())).query_start_loc
+        return req_ids, loc[: n + 1].cpu().numpy()
+    raise LensIncompatibleVLLM("cannot find query_start_loc for the running batch")
+
+
+def request_extra_args(runner: Any, req_id: str) -> dict | None:
+    reqs = _require(runner, "requests", type(runner).__name__)
+    st = reqs.get(req_id)
+    sp = getattr(st, "sampling_params", None)
+    return None if sp is None else sp.extra_args
+
+
+def live_request_ids(runner: Any) -> Any:
+    return _require(runner, "requests", type(runner).__name__).keys()
+
+
+def tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """(global index, module) of the decoder layers this rank holds.
+
+    Known layouts: `model.layers` (Llama/Qwen2/Mistral), `transformer.h` (GPT2), `model.decoder.layers`
+    (OPT), nested under `language_model` for multimodal wrappers. Pipeline-parallel placeholders
+    (`PPMissingLayer`) are skipped; indices stay global."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    candidates = []
+    for root in (model, getattr(model, "language_model", None)):
+        if root is None:
+            continue
+        for path in ("model.layers", "transformer.h", "model.decoder.layers", "model.model.layers", "layers"):
+            obj: Any = root
+            for part in path.split("."):
+                obj = getattr(obj, part, None)
+                if obj is None:
+                    break
+            if isinstance(obj, torch.nn.ModuleList) and len(obj) > 0:
+                candidates.append(obj)
+                break
+        if candidates:
+            break
+    if not candidates:
+        raise LensIncompatibleVLLM(
+            f"cannot find the decoder layers of {type(model).__name__} "
+            "(looked for model.layers, transformer.h, model.decoder.layers)"
+        )
+    layers = candidates[0]
+    return [(i, m) for i, m in enumerate(layers) if not isinstance(m, PPMissingLayer)]
+
+
+def residual_parts(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Split a decoder layer's output into (hidden, residual-or-None).
+
+    Fused layers return `(hidden, residual)`: the residual stream is their sum. Plain layers return
+    the stream itself. Anything else is an error, never silently skipped."""
+    if isinstance(output, torch.Tensor):
+        return output, None
+    if isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor):
+        res = output[1]
+        if res is None or isinstance(res, torch.Tensor):
+            return output[0], res
+    raise LensIncompatibleVLLM(f"unexpected decoder-layer output {type(output).__name__}")
+
+
+def iter_stage_layers(runner: Any) -> Iterator[tuple[int, torch.nn.Module]]:
+    yield from decoder_layers(runner_model(runner))
+
+
+def check() -> None:
+    """Everything the plugin needs, checked up front (plugin load in the frontend)."""
+    check_version()
+    engine_args_cls()
+    input_processor_cls()
+    offline_mixin_cls()

@@ -1,0 +1,54 @@
+"""Entry point of the `vllm.general_plugins` group: vLLM calls `register()` in every process."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("vllm_worker")
+
+EXTENSION = "vllm_worker.worker_ext.LensWorkerExtension"
+_registered = False
+_warned_eager = False
+
+
+def disabled() -> bool:
+    return os.environ.get("VLLM_LENS_DISABLE", "").strip().lower() in ("1", "true", "yes")
+
+
+def _adjust_engine_args(args):
+    """Copy of the engine args with our worker extension and eager mode (never edits the caller's)."""
+    import copy
+
+    from .composed import name_for
+
+    global _warned_eager
+    new = copy.copy(args)
+    user_ext = args.worker_extension_cls or ""
+    if not user_ext:
+        new.worker_extension_cls = EXTENSION
+    elif user_ext != EXTENSION and not user_ext.startswith("vllm_worker.composed."):
+        new.worker_extension_cls = name_for(user_ext)
+    if not args.enforce_eager:
+        if not _warned_eager:
+            logger.warning(
+                "inspect-lens: forcing enforce_eager=True (compiled mode would silently skip the "
+                "plugin's hooks). Set VLLM_LENS_DISABLE=1 to run vLLM without the plugin."
+            )
+            _warned_eager = True
+        new.enforce_eager = True
+    return new
+
+
+def register() -> None:
+    global _registered
+    if _registered or disabled():
+        return
+    from . import adapter, frontend
+
+    adapter.check()
+    adapter.add_output_defaults()
+    adapter.patch_engine_args(_adjust_engine_args)
+    adapter.patch_process_inputs(frontend.on_new_request)
+    adapter.patch_run_engine(frontend.attach_outputs)
+    _registered = True

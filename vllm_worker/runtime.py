@@ -1,0 +1,314 @@
+"""Worker side: per forward pass, find the rows of requests that asked for something, steer and
+capture them at the decoder-layer outputs, and keep captures until the frontend fetches them.
+
+Hot-path rules: one Python check per layer when nobody in the batch uses a feature; when someone
+does, device work is batched per layer and captures cross to the host in one copy per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import adapter
+from .spec import PAYLOAD_KEY, RequestSpec, Steer, decode
+from .wire import tensor_to_bytes
+
+logger = logging.getLogger("vllm_worker")
+
+# Captures kept in the worker until fetched. Past the cap the oldest are dropped and a later fetch of
+# them reports it (an error, never a silent empty result).
+MAX_STORED_BYTES = int(float(os.environ.get("VLLM_LENS_MAX_STORED_GB", "8")) * (1 << 30))
+
+
+@dataclass
+class _DeviceSteer:
+    layers: dict[int, int]  # layer -> row of vectors
+    vectors: torch.Tensor  # on device, model dtype
+    lut: torch.Tensor | None  # position -> row in vectors[:, row] (or -1); None for 2-D
+    scale: float
+    norm_match: bool
+
+
+@dataclass
+class _Req:
+    spec: RequestSpec
+    child: int
+    steers: list[_DeviceSteer]
+    capture_slot: dict[int, int]
+
+
+@dataclass
+class _Store:
+    layers: list[int]
+    chunks: list[tuple[int, np.ndarray, torch.Tensor]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass
+class _Plan:
+    positions: torch.Tensor
+    # layer -> list of (req, start, end)
+    steer: dict[int, list[tuple[_Req, int, int]]]
+    # layer -> (row index tensor on device, [(req, start, end)])
+    capture: dict[int, tuple[torch.Tensor, list[tuple[_Req, int, int]]]]
+    captured: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+class LensRuntime:
+    """Installed on a model runner once its model is loaded."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.layers = adapter.iter_stage_layers(runner)
+        self.layers = list(self.layers)
+        self.layer_ids = [i for i, _ in self.layers]
+        self.tp_rank = adapter.tp_rank()
+        self.capturing_rank = self.tp_rank == 0
+        self._reqs: dict[str, _Req | None] = {}
+        self._store: dict[tuple[str, int], _Store] = {}
+        self._evicted: set[str] = set()
+        self._stored_bytes = 0
+        self._lock = threading.Lock()
+        self._plan: _Plan | None = None
+        self.steps_with_features = 0
+        for idx, module in self.layers:
+            module.register_forward_hook(self._make_hook(idx))
+        logger.info("inspect-lens: hooked %d decoder layers (%s..%s) on TP rank %d",
+                    len(self.layers), self.layer_ids[0], self.layer_ids[-1], self.tp_rank)
+
+    # ---------------------------------------------------------------- per request state
+
+    def _request(self, req_id: str) -> _Req | None:
+        try:
+            return self._reqs[req_id]
+        except KeyError:
+            pass
+        args = adapter.request_extra_args(self.runner, req_id)
+        payload = None if not args else args.get(PAYLOAD_KEY)
+        req = None
+        if payload is not None:
+            spec = decode(payload)
+            model = adapter.runner_model(self.runner)
+            p = next(model.parameters())
+            dtype = p.dtype if p.is_floating_point() else torch.float32
+            steers = []
+            for s in spec.steers:
+                lut = None
+                if s.positions is not None:
+                    lut = torch.full((max(s.positions) + 1,), -1, dtype=torch.long)
+                    lut[torch.tensor(s.positions)] = torch.arange(len(s.positions))
+                    lut = lut.to(p.device)
+                steers.append(_DeviceSteer({l: i for i, l in enumerate(s.layers)},
+                                           s.vectors.to(p.device, dtype), lut, s.scale, s.norm_match))
+            n = int(payload.get("n", 1))
+            req = _Req(spec, adapter.child_index(req_id, n), steers,
+                       {l: i for i, l in enumerate(spec.capture)})
+        self._reqs[req_id] = req
+        return req
+
+    def _prune(self) -> None:
+        live = adapter.live_request_ids(self.runner)
+        if len(self._reqs) > len(live):
+            for rid in [r for r in self._reqs if r not in live]:
+                del self._reqs[rid]
+
+    # ---------------------------------------------------------------- forward pass
+
+    def around_forward(self, orig: Any, *args: Any, **kwargs: Any) -> Any:
+        self._prune()
+        plan = self._make_plan(kwargs.get("positions"))
+        if plan is None:
+            return orig(self.runner, *args, **kwargs)
+        self._plan = plan
+        try:
+            out = orig(self.runner, *args, **kwargs)
+        finally:
+            self._plan = None
+        self.steps_with_features += 1
+        if plan.captured:
+            self._finish_capture(plan)
+        return out
+
+    def _make_plan(self, positions: torch.Tensor | None) -> _Plan | None:
+        req_ids, qsl = adapter.batch_layout(self.runner)
+        active = []
+        for j, rid in enumerate(req_ids):
+            if rid is None:
+                continue
+            r = self._request(rid)
+            if r is not None:
+                s, e = int(qsl[j]), int(qsl[j + 1])
+                if e > s:
+                    active.append((r, s, e))
+        if not active:
+            return None
+        if positions is None:
+            raise adapter.LensIncompatibleVLLM("forward pass without `positions`")
+        steer: dict[int, list] = {}
+        cap_rows: dict[int, list] = {}
+        for r, s, e in active:
+            for st in r.steers:
+                for layer in st.layers:
+                    steer.setdefault(layer, []).append((r, s, e))
+            if self.capturing_rank:
+                for layer in r.spec.capture:
+                    cap_rows.setdefault(layer, []).append((r, s, e))
+        capture = {}
+        for layer, items in cap_rows.items():
+            idx = np.concatenate([np.arange(s, e) for _, s, e in items])
+            capture[layer] = (torch.from_numpy(idx).to(positions.device, non_blocking=True), items)
+        # de-duplicate requests listed once per steering vector
+        steer = {l: list(dict.fromkeys(v)) for l, v in steer.items()}
+        return _Plan(positions, steer, capture)
+
+    def _make_hook(self, layer: int):
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            plan = self._plan
+            if plan is None:
+                return None
+            hidden, residual = adapter.residual_parts(output)
+            items = plan.steer.get(layer)
+            if items:
+                self._steer(layer, plan, hidden, residual, items)
+            cap = plan.capture.get(layer)
+            if cap is not None:
+                idx = cap[0]
+                rows = hidden.index_select(0, idx)
+                if residual is not None:
+                    rows = rows + residual.index_select(0, idx)
+                plan.captured.append((layer, rows))
+            return None
+
+        return hook
+
+    def _steer(self, layer: int, plan: _Plan, hidden: torch.Tensor, residual: torch.Tensor | None,
+               items: list[tuple[_Req, int, int]]) -> None:
+        for r, s, e in items:
+            stream = None
+            delta = None
+            for st in r.steers:
+                row = st.layers.get(layer)
+                if row is None:
+                    continue
+                if st.lut is None:
+                    v = st.vectors[row].unsqueeze(0)  # (1, d)
+                    mask = None
+                else:
+                    pos = plan.positions[s:e]
+                    n = st.lut.shape[0]
+                    vi = st.lut[pos.clamp(max=n - 1)]
+                    mask = ((pos < n) & (vi >= 0)).unsqueeze(1)
+                    v = st.vectors[row].index_select(0, vi.clamp(min=0))  # (rows, d)
+                if st.norm_match:
+                    if stream is None:
+                        stream = hidden[s:e] if residual is None else hidden[s:e] + residual[s:e]
+                        stream = stream.norm(dim=-1, keepdim=True)
+                    v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-12) * stream
+                add = v * st.scale
+                if mask is not None:
+                    add = add * mask
+                delta = add if delta is None else delta + add
+            if delta is not None:
+                hidden[s:e] += delta.to(hidden.dtype)
+
+    def _finish_capture(self, plan: _Plan) -> None:
+        layers = [l for l, _ in plan.captured]
+        sizes = [t.shape[0] for _, t in plan.captured]
+        host = torch.cat([t for _, t in plan.captured]).to("cpu")
+        all_idx = torch.cat([plan.capture[l][0] for l in layers])
+        pos_host = plan.positions.index_select(0, all_idx).to("cpu").numpy()
+        off = 0
+        with self._lock:
+            for layer, size in zip(layers, sizes):
+                block = host[off:off + size]
+                pblock = pos_host[off:off + size]
+                o = 0
+                for r, s, e in plan.capture[layer][1]:
+                    n = e - s
+                    key = (r.spec.key, r.child)
+                    st = self._store.get(key)
+                    if st is None:
+                        st = self._store[key] = _Store(r.spec.capture)
+                    view = block[o:o + n]
+                    st.chunks.append((r.capture_slot[layer], pblock[o:o + n], view))
+                    nb = view.numel() * view.element_size()
+                    st.nbytes += nb
+                    self._stored_bytes += nb
+                    o += n
+                off += size
+            self._evict_if_needed()
+
+    def _evict_if_needed(self) -> None:
+        while self._stored_bytes > MAX_STORED_BYTES and self._store:
+            key = next(iter(self._store))
+            st = self._store.pop(key)
+            self._stored_bytes -= st.nbytes
+            self._evicted.add(key[0])
+            logger.error("inspect-lens: capture store over VLLM_LENS_MAX_STORED_GB; dropped request %s", key[0])
+
+    # ---------------------------------------------------------------- fetch (RPC)
+
+    def fetch(self, wanted: list[tuple[str, dict[int, int]]]) -> dict[str, Any]:
+        """{key: {child: payload}} for this rank's layers; pops what it returns."""
+        if not self.capturing_rank:
+            return {}
+        out: dict[str, Any] = {}
+        with self._lock:
+            for key, children in wanted:
+                if key in self._evicted:
+                    self._evicted.discard(key)
+                    out[key] = {"error": "captures were dropped: the worker's store exceeded "
+                                         "VLLM_LENS_MAX_STORED_GB before they were fetched"}
+                    continue
+                per_child = {}
+                for child, n_pos in children.items():
+                    st = self._store.pop((key, int(child)), None)
+                    if st is None:
+                        continue
+                    self._stored_bytes -= st.nbytes
+                    per_child[int(child)] = self._assemble(st, int(n_pos))
+                if per_child:
+                    out[key] = per_child
+        return out
+
+    def _assemble(self, st: _Store, n_pos: int) -> dict[str, Any]:
+        mine = [l for l in st.layers if l in self.layer_ids]
+        slots = [st.layers.index(l) for l in mine]
+        d = st.chunks[0][2].shape[-1]
+        t = torch.zeros((len(st.layers), n_pos, d), dtype=st.chunks[0][2].dtype)
+        filled = np.zeros((len(st.layers), n_pos), dtype=bool)
+        for slot, pos, rows in st.chunks:
+            keep = pos < n_pos
+            if not keep.all():
+                pos, rows = pos[keep], rows[torch.from_numpy(keep)]
+            t[slot, torch.from_numpy(pos)] = rows
+            filled[slot, pos] = True
+        t = t[slots]
+        missing = [(l, int(np.flatnonzero(~filled[s])[0])) for l, s in zip(mine, slots) if not filled[s].all()]
+        payload: dict[str, Any] = {"layers": mine, "tensor": tensor_to_bytes(t)}
+        if missing:
+            payload["error"] = f"positions never ran a forward pass (layer, first missing position): {missing}"
+        return payload
+
+    def drop(self, keys: list[str]) -> int:
+        with self._lock:
+            gone = [k for k in self._store if k[0] in set(keys)]
+            for k in gone:
+                self._stored_bytes -= self._store.pop(k).nbytes
+            return len(gone)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "layers": self.layer_ids,
+            "tp_rank": self.tp_rank,
+            "stored_requests": len(self._store),
+            "stored_bytes": self._stored_bytes,
+            "steps_with_features": self.steps_with_features,
+        }

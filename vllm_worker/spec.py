@@ -1,0 +1,220 @@
+"""Per-request specs: read the caller's `extra_args`, validate them (a `ValueError` naming the field),
+and turn them into a msgspec-safe payload the workers decode. Nothing here touches vLLM internals.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .steering import SteeringVector
+from .wire import tensor_from_bytes, tensor_to_bytes
+
+CAPTURE_KEY = "output_residual_stream"
+STEER_KEY = "apply_steering_vectors"
+PAYLOAD_KEY = "_inspect_lens"
+KNOWN_KEYS = (CAPTURE_KEY, STEER_KEY)
+# Keys with these prefixes belong to us: a typo (`output_residual_streams`) is an error, not ignored.
+NAMESPACE_PREFIXES = ("output_residual", "apply_steering", "apply_hook", "lens_", PAYLOAD_KEY)
+
+
+@dataclass
+class ModelShape:
+    n_layers: int
+    d_model: int
+
+
+@dataclass
+class Steer:
+    layers: list[int]
+    vectors: torch.Tensor  # (n_layers, d) or (n_layers, n_pos, d)
+    positions: list[int] | None
+    scale: float
+    norm_match: bool
+
+
+@dataclass
+class RequestSpec:
+    """What the worker does for one request (decoded form)."""
+
+    key: str
+    capture: list[int] = field(default_factory=list)
+    steers: list[Steer] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.capture or self.steers)
+
+
+def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
+    return bool(extra_args) and any(
+        isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES) for k in extra_args
+    )
+
+
+def _layer_list(value: Any, field_name: str, n_layers: int) -> list[int]:
+    if isinstance(value, (int,)) and not isinstance(value, bool):
+        value = [value]
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{field_name}: expected a non-empty list of layer indices, got {value!r}")
+    out = []
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{field_name}: layer indices must be ints, got {v!r}")
+        if not -n_layers <= v < n_layers:
+            raise ValueError(
+                f"{field_name}: layer {v} is out of range for a model with {n_layers} layers "
+                f"(valid: {-n_layers}..{n_layers - 1})"
+            )
+        out.append(v % n_layers)
+    return out
+
+
+def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Steer:
+    f = f"{STEER_KEY}[{i}]"
+    if isinstance(item, Mapping):
+        unknown = set(item) - {"activations", "layer_indices", "scale", "norm_match", "position_indices"}
+        if unknown:
+            raise ValueError(f"{f}: unknown fields {sorted(unknown)}")
+        if "activations" not in item or "layer_indices" not in item:
+            raise ValueError(f"{f}: needs 'activations' and 'layer_indices'")
+        item = SteeringVector(
+            activations=item["activations"],
+            layer_indices=item["layer_indices"],
+            scale=item.get("scale", 1.0),
+            norm_match=item.get("norm_match", False),
+            position_indices=item.get("position_indices"),
+        )
+    if not isinstance(item, SteeringVector):
+        raise ValueError(f"{f}: expected a SteeringVector, got {type(item).__name__}")
+    acts = item.activations
+    if not isinstance(acts, torch.Tensor):
+        raise ValueError(f"{f}.activations: expected a torch.Tensor, got {type(acts).__name__}")
+    if not acts.is_floating_point():
+        raise ValueError(f"{f}.activations: expected a floating-point tensor, got {acts.dtype}")
+    layers = _layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers)
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{f}.layer_indices: duplicate layers {list(item.layer_indices)}")
+    if acts.ndim not in (2, 3):
+        raise ValueError(
+            f"{f}.activations: expected 2-D (n_layers, d_model) or 3-D (n_layers, n_pos, d_model), "
+            f"got shape {tuple(acts.shape)}"
+        )
+    if acts.shape[0] != len(layers):
+        raise ValueError(
+            f"{f}.activations: first dimension {acts.shape[0]} != len(layer_indices) {len(layers)}"
+        )
+    if acts.shape[-1] != shape.d_model:
+        raise ValueError(f"{f}.activations: last dimension {acts.shape[-1]} != d_model {shape.d_model}")
+    acts = acts.detach().to("cpu", torch.float32).clone()
+    if not torch.isfinite(acts).all():
+        raise ValueError(f"{f}.activations: contains NaN or inf")
+    scale = item.scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"{f}.scale: expected a finite number, got {scale!r}")
+    if not isinstance(item.norm_match, bool):
+        raise ValueError(f"{f}.norm_match: expected a bool, got {item.norm_match!r}")
+    positions = None
+    if acts.ndim == 3:
+        n_pos = acts.shape[1]
+        positions = list(range(n_pos)) if item.position_indices is None else item.position_indices
+        if isinstance(positions, torch.Tensor):
+            positions = positions.tolist()
+        if not isinstance(positions, (list, tuple)) or len(positions) != n_pos:
+            raise ValueError(
+                f"{f}.position_indices: expected {n_pos} positions (one per row of activations), "
+                f"got {positions!r}"
+            )
+        positions = list(positions)
+        for p in positions:
+            if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+                raise ValueError(f"{f}.position_indices: positions must be non-negative ints, got {p!r}")
+            if p >= prompt_len:
+                raise ValueError(
+                    f"{f}.position_indices: position {p} is past the prompt ({prompt_len} tokens)"
+                )
+        if len(set(positions)) != len(positions):
+            raise ValueError(f"{f}.position_indices: duplicate positions")
+    elif item.position_indices is not None:
+        raise ValueError(f"{f}.position_indices: only valid with 3-D activations")
+    return Steer(layers, acts, positions, float(scale), item.norm_match)
+
+
+def parse_request(
+    extra_args: Mapping[str, Any], shape: ModelShape, prompt_len: int
+) -> RequestSpec | None:
+    """Validate our keys in `extra_args`; `None` when the request uses no feature."""
+    ours = {k: v for k, v in extra_args.items() if isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES)}
+    if not ours:
+        return None
+    for k in ours:
+        if k not in KNOWN_KEYS:
+            raise ValueError(f"extra_args.{k}: unknown inspect-lens key (known: {', '.join(KNOWN_KEYS)})")
+    spec = RequestSpec(key=uuid.uuid4().hex)
+    if CAPTURE_KEY in ours:
+        spec.capture = sorted(set(_layer_list(ours[CAPTURE_KEY], CAPTURE_KEY, shape.n_layers)))
+    if STEER_KEY in ours:
+        items = ours[STEER_KEY]
+        if isinstance(items, (SteeringVector, Mapping)):
+            items = [items]
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"{STEER_KEY}: expected a list of SteeringVector, got {type(items).__name__}")
+        spec.steers = [_steering_item(it, i, shape, prompt_len) for i, it in enumerate(items)]
+    return spec
+
+
+def encode(spec: RequestSpec) -> dict[str, Any]:
+    """msgspec-safe payload for the engine core and workers (no pickle, no tensors)."""
+    return {
+        "v": 1,
+        "key": spec.key,
+        "capture": spec.capture,
+        "steer": [
+            {
+                "layers": s.layers,
+                "vec": tensor_to_bytes(s.vectors),
+                "positions": s.positions,
+                "scale": s.scale,
+                "norm_match": s.norm_match,
+            }
+            for s in spec.steers
+        ],
+    }
+
+
+def decode(payload: Mapping[str, Any]) -> RequestSpec:
+    if payload.get("v") != 1:
+        raise ValueError(f"{PAYLOAD_KEY}: unsupported payload version {payload.get('v')!r}")
+    return RequestSpec(
+        key=payload["key"],
+        capture=list(payload.get("capture") or []),
+        steers=[
+            Steer(
+                list(s["layers"]),
+                tensor_from_bytes(s["vec"], "steer.vec"),
+                None if s.get("positions") is None else list(s["positions"]),
+                float(s["scale"]),
+                bool(s["norm_match"]),
+            )
+            for s in payload.get("steer") or []
+        ],
+    )
+
+
+def steering_fingerprint(spec: RequestSpec) -> str | None:
+    """A cache salt: KV computed under steering is shared only with identically steered requests."""
+    if not spec.steers:
+        return None
+    import hashlib
+
+    h = hashlib.sha256()
+    for s in spec.steers:
+        h.update(repr((s.layers, s.positions, s.scale, s.norm_match, tuple(s.vectors.shape))).encode())
+        h.update(s.vectors.numpy().tobytes())
+    return "inspect-lens:" + h.hexdigest()

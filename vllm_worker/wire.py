@@ -1,0 +1,106 @@
+"""A pickle-free tensor encoding that survives msgspec (engine IPC) and JSON (HTTP).
+
+`{"dtype": "float32", "shape": [2, 576], "data": <raw little-endian bytes>}`; over JSON the bytes are
+base64 (`"b64"`), optionally zlib-compressed (`"compression": "zlib"`). bfloat16 round-trips exactly
+because the raw bytes are moved, never converted.
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported tensor dtype {dtype}") from None
+
+
+def tensor_to_bytes(t: torch.Tensor) -> dict[str, Any]:
+    """Raw-bytes form (for in-engine IPC): dtype, shape, little-endian bytes."""
+    t = t.detach().to("cpu").contiguous()
+    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data": raw}
+
+
+def tensor_from_bytes(obj: dict[str, Any], field: str = "tensor") -> torch.Tensor:
+    """Inverse of `tensor_to_bytes`; validates sizes and names `field` in errors."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{field}: expected a tensor object, got {type(obj).__name__}")
+    name = obj.get("dtype")
+    if name not in _DTYPES:
+        raise ValueError(f"{field}.dtype: unsupported dtype {name!r} (one of {sorted(_DTYPES)})")
+    shape = obj.get("shape")
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise ValueError(f"{field}.shape: expected a list of non-negative ints, got {shape!r}")
+    raw = obj.get("data")
+    if isinstance(raw, memoryview):
+        raw = raw.tobytes()
+    if not isinstance(raw, (bytes, bytearray)):
+        raise ValueError(f"{field}.data: expected bytes")
+    dtype = _DTYPES[name]
+    n = 1
+    for s in shape:
+        n *= s
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(raw) != n * itemsize:
+        raise ValueError(f"{field}.data: {len(raw)} bytes do not match shape {list(shape)} of {name}")
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def tensor_to_json(t: torch.Tensor, compress: bool = False) -> dict[str, Any]:
+    """JSON-safe form: bytes as base64, optionally zlib-compressed (lossless)."""
+    obj = tensor_to_bytes(t)
+    raw = obj.pop("data")
+    if compress:
+        raw = zlib.compress(raw, 1)
+        obj["compression"] = "zlib"
+    obj["b64"] = base64.b64encode(raw).decode("ascii")
+    return obj
+
+
+def tensor_from_json(obj: Any, field: str = "tensor", max_bytes: int | None = None) -> torch.Tensor:
+    """Inverse of `tensor_to_json`; every malformed piece is a `ValueError` naming `field`."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{field}: expected a tensor object with dtype, shape, b64")
+    b64 = obj.get("b64")
+    if not isinstance(b64, str):
+        raise ValueError(f"{field}.b64: expected a base64 string")
+    if max_bytes is not None and len(b64) * 3 // 4 > max_bytes:
+        raise ValueError(f"{field}: payload exceeds the limit of {max_bytes} bytes")
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except Exception:
+        raise ValueError(f"{field}.b64: not valid base64") from None
+    comp = obj.get("compression")
+    if comp == "zlib":
+        try:
+            d = zlib.decompressobj()
+            raw = d.decompress(raw, max_bytes or 0)
+            if d.unconsumed_tail:
+                raise ValueError(f"{field}: decompressed payload exceeds the limit of {max_bytes} bytes")
+        except zlib.error:
+            raise ValueError(f"{field}.b64: not valid zlib data") from None
+    elif comp is not None:
+        raise ValueError(f"{field}.compression: unsupported {comp!r} (only 'zlib')")
+    return tensor_from_bytes({"dtype": obj.get("dtype"), "shape": obj.get("shape"), "data": raw}, field)

@@ -1,0 +1,48 @@
+"""The worker extension vLLM mixes into every worker (`worker_extension_cls`).
+
+Importing this module happens only in worker processes (vLLM resolves the extension there), so it
+is where the model-runner patches are installed. Methods are prefixed `lens_` (vLLM refuses name
+clashes with the worker) and are called through `collective_rpc`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import adapter
+from .runtime import LensRuntime
+
+
+def _on_loaded(runner: Any) -> None:
+    if getattr(runner, "_lens_runtime", None) is None:
+        runner._lens_runtime = LensRuntime(runner)
+
+
+def _around_forward(runner: Any, orig: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = getattr(runner, "_lens_runtime", None)
+    if rt is None:  # e.g. a drafter's runner or a model loaded before the patch
+        return orig(runner, *args, **kwargs)
+    return rt.around_forward(orig, *args, **kwargs)
+
+
+adapter.check_version()
+adapter.patch_runner(_on_loaded, _around_forward)
+
+
+class LensWorkerExtension:
+    """RPC surface of the plugin inside each worker."""
+
+    def _lens_rt(self) -> LensRuntime:
+        rt = getattr(getattr(self, "model_runner", None), "_lens_runtime", None)
+        if rt is None:
+            raise RuntimeError("inspect-lens is not installed on this worker's model runner")
+        return rt
+
+    def lens_fetch(self, wanted: list) -> dict:
+        return self._lens_rt().fetch([(k, {int(c): int(n) for c, n in ch.items()}) for k, ch in wanted])
+
+    def lens_drop(self, keys: list) -> int:
+        return self._lens_rt().drop(list(keys))
+
+    def lens_status(self) -> dict:
+        return self._lens_rt().status()
