@@ -1,0 +1,70 @@
+"""Shared, session-scoped engines and references.
+
+Engines are real in-process vLLM engines on CPU (VLLM_ENABLE_V1_MULTIPROCESSING=0 starts in seconds);
+one test module also starts a default multiprocess engine. The numeric reference is HF transformers
+on the same weights in float32.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny_models  # noqa: E402
+
+FAMILIES = ("llama", "qwen2", "gpt2")
+
+
+def models_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "inspect-lens" / "test-models-v1"
+
+
+def model_path(name: str) -> Path:
+    if name == "smollm2":
+        from vllm_worker.shipped_model import shipped_model_path
+
+        return shipped_model_path()
+    return tiny_models.build(name, models_root())
+
+
+_ENGINES: dict = {}
+
+
+def make_engine(name: str, **kwargs):
+    """One cached in-process engine per (model, settings)."""
+    key = (name, tuple(sorted(kwargs.items())))
+    if key not in _ENGINES:
+        from vllm import LLM
+
+        opts = dict(dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.5)
+        opts.update(kwargs)
+        _ENGINES[key] = LLM(str(model_path(name)), **opts)
+    return _ENGINES[key]
+
+
+@pytest.fixture(scope="session")
+def engine_factory():
+    return make_engine
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return make_engine("llama")
+
+
+@pytest.fixture(scope="session")
+def hf_factory():
+    import reference
+
+    return reference.hf_model
