@@ -36,7 +36,7 @@ class _DeviceSteer:
     norm_match: bool
 
 
-@dataclass
+@dataclass(eq=False)
 class _Req:
     spec: RequestSpec
     child: int
