@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models  # noqa: E402
 
-FAMILIES = ("llama", "qwen2", "gpt2")
 
 
 def models_root() -> Path:

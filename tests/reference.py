@@ -21,7 +21,7 @@ def hf_model(name: str):
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
-    for path in ("model.layers", "transformer.h"):
+    for path in ("model.layers", "transformer.h", "model.decoder.layers"):
         obj = model
         for part in path.split("."):
             obj = getattr(obj, part, None)

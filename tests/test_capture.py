@@ -15,7 +15,7 @@ def _n_layers(llm) -> int:
     return llm.llm_engine.model_config.get_total_num_hidden_layers()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "smollm2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "opt", "smollm2"])
 def test_capture_all_layers_matches_hf(engine_factory, name):
     llm = engine_factory(name)
     L = _n_layers(llm)

@@ -1,4 +1,4 @@
-"""Tiny random-weight models (Llama, Qwen2, GPT2 families) with an offline-built tokenizer.
+"""Tiny random-weight models (Llama, Qwen2, GPT2 and OPT families) with an offline-built tokenizer.
 
 head_dim is 32 (vLLM's CPU attention needs >= 32). Built once into a cache folder keyed by family.
 """
@@ -36,7 +36,7 @@ def _tokenizer(dst: Path) -> None:
 
 
 def _config(family: str):
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    from transformers import GPT2Config, LlamaConfig, OPTConfig, Qwen2Config
 
     common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
     if family == "llama":
@@ -47,6 +47,10 @@ def _config(family: str):
                            num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, **common)
     if family == "gpt2":
         return GPT2Config(n_embd=128, n_layer=4, n_head=4, n_positions=1024, **common)
+    if family == "opt":
+        return OPTConfig(hidden_size=128, ffn_dim=256, num_hidden_layers=4, num_attention_heads=4,
+                         word_embed_proj_dim=128, max_position_embeddings=1024, pad_token_id=0,
+                         do_layer_norm_before=True, **common)
     raise ValueError(family)
 
 
@@ -57,7 +61,7 @@ def build(family: str, root: Path) -> Path:
     dst = root / f"tiny-{family}"
     if (dst / "config.json").exists():
         return dst
-    torch.manual_seed({"llama": 1, "qwen2": 2, "gpt2": 3}[family])
+    torch.manual_seed({"llama": 1, "qwen2": 2, "gpt2": 3, "opt": 4}[family])
     cfg = _config(family)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Larger-than-default weights so that layers actually move the residual stream.
