@@ -14,7 +14,7 @@ from conftest import model_path
 from vllm_worker import SteeringVector
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mp_llama():
     from vllm import LLM
 
@@ -30,8 +30,13 @@ def mp_llama():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    # Kept alive until the session ends: shutting it down (explicitly or by garbage collection) tears
+    # down the process-wide distributed state that the in-process engines of other modules share.
+    _KEEP.append(llm)
+    return llm
+
+
+_KEEP: list = []
 
 
 def test_multiprocess_matches_inprocess_and_keeps_user_extension(mp_llama, llama):

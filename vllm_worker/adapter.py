@@ -318,6 +318,64 @@ def residual_parts(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     raise LensIncompatibleVLLM(f"unexpected decoder-layer output {type(output).__name__}")
 
 
+def layer_inputs(args: tuple) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """(position in args, hidden, residual-or-None) of a decoder layer's positional inputs.
+
+    Llama/Qwen2: `(positions, hidden, residual)` (residual None at layer 0; the stream entering the
+    layer is hidden + residual). GPT2/OPT: `(hidden,)`."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            res = args[i + 1] if i + 1 < len(args) else None
+            if res is not None and not (isinstance(res, torch.Tensor) and res.is_floating_point()):
+                res = None
+            return i, a, res
+    raise LensIncompatibleVLLM("decoder layer called without a floating-point hidden-states argument")
+
+
+_SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$")
+
+
+def external_request_id(worker_request_id: str, n: int) -> str:
+    """The caller's request id: vLLM appends `-<8 hex>` and prefixes `<i>_` for sample i of n > 1."""
+    rid = worker_request_id
+    child = None
+    if n > 1:
+        child = child_index(rid, n)
+        rid = rid.split("_", 1)[1]
+    rid = _SUFFIX_RE.sub("", rid)
+    return rid if child is None else f"{rid}#{child}"
+
+
+def get_parameter(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """Parameter by dotted name, following attributes (tied weights have no entry of their own)."""
+    obj: Any = model
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            break
+    if not isinstance(obj, torch.Tensor):
+        raise KeyError(f"no parameter {name!r} on this rank")
+    return obj
+
+
+def gather_tp(param: torch.Tensor, owner: Any) -> torch.Tensor:
+    """Full parameter from TP shards (vocab-parallel padding removed)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+
+    if get_tensor_model_parallel_world_size() == 1:
+        return param
+    dim = getattr(param, "output_dim", None)
+    if dim is None:
+        dim = getattr(param, "input_dim", None)
+    if dim is None:
+        return param  # replicated
+    full = tensor_model_parallel_all_gather(param.data.contiguous(), dim=dim)
+    org = getattr(owner, "org_vocab_size", None)
+    if org is not None and dim == 0:
+        full = full[: org]
+    return full
+
+
 def iter_stage_layers(runner: Any) -> Iterator[tuple[int, torch.nn.Module]]:
     yield from decoder_layers(runner_model(runner))
 

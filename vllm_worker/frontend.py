@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from . import adapter
-from .spec import PAYLOAD_KEY, ModelShape, encode, has_lens_keys, parse_request, steering_fingerprint
+from .hooks import HookError
+from .spec import PAYLOAD_KEY, ModelShape, cache_salt, encode, has_lens_keys, parse_request
 from .wire import tensor_from_bytes
 
 FETCH_GROUP_BYTES = 512 << 20  # per RPC round trip
@@ -48,11 +49,12 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     args = {k: v for k, v in sp.extra_args.items() if not has_lens_keys({k: v})}
     args[PAYLOAD_KEY] = payload
     sp.extra_args = args
-    if spec.capture:
-        # Every captured position must run a forward pass: don't read cached KV for this prompt.
+    if spec.capture or spec.hooks:
+        # Every captured / hooked position must run a forward pass: don't read cached KV.
         sp.skip_reading_prefix_cache = True
+    if spec.wants_results:
         _pending(processor)[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model)
-    salt = steering_fingerprint(spec)
+    salt = cache_salt(spec)
     if salt is not None:
         # Steered KV is stored under its own hash: it can never be read by an unsteered request.
         adapter.set_request_cache_salt(req, salt)

@@ -10,14 +10,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from . import adapter
-from .spec import PAYLOAD_KEY, RequestSpec, Steer, decode
+from .hooks import HookContext
+from .spec import PAYLOAD_KEY, RequestSpec, decode
 from .wire import tensor_to_bytes
 
 logger = logging.getLogger("vllm_worker")
@@ -25,6 +27,9 @@ logger = logging.getLogger("vllm_worker")
 # Captures kept in the worker until fetched. Past the cap the oldest are dropped and a later fetch of
 # them reports it (an error, never a silent empty result).
 MAX_STORED_BYTES = int(float(os.environ.get("VLLM_LENS_MAX_STORED_GB", "8")) * (1 << 30))
+# Requests whose persistent-hook results are kept until `clear_hook_results`. Past it, new requests
+# fail with an error that says so (never a silent drop).
+MAX_PERSISTENT_RESULTS = int(os.environ.get("VLLM_LENS_MAX_PERSISTENT_RESULTS", "10000"))
 
 
 @dataclass
@@ -36,19 +41,40 @@ class _DeviceSteer:
     norm_match: bool
 
 
-@dataclass(eq=False)
-class _Req:
-    spec: RequestSpec
-    child: int
-    steers: list[_DeviceSteer]
-    capture_slot: dict[int, int]
-
-
 @dataclass
 class _Store:
+    """Everything a request hands back: captures, hook state, and the first failure."""
+
     layers: list[int]
     chunks: list[tuple[int, np.ndarray, torch.Tensor]] = field(default_factory=list)
     nbytes: int = 0
+    saved: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class _HookRun:
+    fn: Callable
+    layers: frozenset
+    pre: bool
+    ctx: HookContext
+    index: int
+    persistent: bool
+
+
+@dataclass(eq=False)
+class _Req:
+    spec: RequestSpec | None
+    child: int
+    steers: list[_DeviceSteer]
+    capture_slot: dict[int, int]
+    hooks: list[_HookRun]
+    store: _Store | None
+    persistent_saved: list[dict] | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.store is not None and self.store.error is not None
 
 
 @dataclass
@@ -58,6 +84,8 @@ class _Plan:
     steer: dict[int, list[tuple[_Req, int, int]]]
     # layer -> (row index tensor on device, [(req, start, end)])
     capture: dict[int, tuple[torch.Tensor, list[tuple[_Req, int, int]]]]
+    # (layer, pre) -> [(req, start, end)]
+    hooks: dict[tuple[int, bool], list[tuple[_Req, int, int]]]
     captured: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
@@ -66,11 +94,14 @@ class LensRuntime:
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.layers = adapter.iter_stage_layers(runner)
-        self.layers = list(self.layers)
+        self.model = adapter.runner_model(runner)
+        self.layers = list(adapter.iter_stage_layers(runner))
         self.layer_ids = [i for i, _ in self.layers]
         self.tp_rank = adapter.tp_rank()
         self.capturing_rank = self.tp_rank == 0
+        p = next(self.model.parameters())
+        self.device = p.device
+        self.dtype = p.dtype if p.is_floating_point() else torch.float32
         self._reqs: dict[str, _Req | None] = {}
         self._store: dict[tuple[str, int], _Store] = {}
         self._evicted: set[str] = set()
@@ -78,8 +109,13 @@ class LensRuntime:
         self._lock = threading.Lock()
         self._plan: _Plan | None = None
         self.steps_with_features = 0
+        # persistent hooks (all requests), their results by caller request id, prefetched params
+        self._persistent: list[tuple[Callable, frozenset, bool]] = []
+        self._persistent_results: dict[str, list[dict]] = {}
+        self._prefetched: dict[str, torch.Tensor] = {}
         for idx, module in self.layers:
-            module.register_forward_hook(self._make_hook(idx))
+            module.register_forward_hook(self._make_post_hook(idx))
+            module.register_forward_pre_hook(self._make_pre_hook(idx))
         logger.info("inspect-lens: hooked %d decoder layers (%s..%s) on TP rank %d",
                     len(self.layers), self.layer_ids[0], self.layer_ids[-1], self.tp_rank)
 
@@ -93,25 +129,58 @@ class LensRuntime:
         args = adapter.request_extra_args(self.runner, req_id)
         payload = None if not args else args.get(PAYLOAD_KEY)
         req = None
-        if payload is not None:
-            spec = decode(payload)
-            model = adapter.runner_model(self.runner)
-            p = next(model.parameters())
-            dtype = p.dtype if p.is_floating_point() else torch.float32
-            steers = []
+        if payload is not None or self._persistent:
+            req = self._new_request(req_id, payload)
+        self._reqs[req_id] = req
+        return req
+
+    def _new_request(self, req_id: str, payload: Any) -> _Req:
+        import cloudpickle
+
+        spec = None if payload is None else decode(payload)
+        n = 1 if payload is None else int(payload.get("n", 1))
+        child = adapter.child_index(req_id, n)
+        external = adapter.external_request_id(req_id, n)
+        steers = []
+        hooks: list[_HookRun] = []
+        store = None
+        if spec is not None:
             for s in spec.steers:
                 lut = None
                 if s.positions is not None:
                     lut = torch.full((max(s.positions) + 1,), -1, dtype=torch.long)
                     lut[torch.tensor(s.positions)] = torch.arange(len(s.positions))
-                    lut = lut.to(p.device)
+                    lut = lut.to(self.device)
                 steers.append(_DeviceSteer({l: i for i, l in enumerate(s.layers)},
-                                           s.vectors.to(p.device, dtype), lut, s.scale, s.norm_match))
-            n = int(payload.get("n", 1))
-            req = _Req(spec, adapter.child_index(req_id, n), steers,
-                       {l: i for i, l in enumerate(spec.capture)})
-        self._reqs[req_id] = req
-        return req
+                                           s.vectors.to(self.device, self.dtype), lut, s.scale, s.norm_match))
+            if spec.wants_results:
+                store = _Store(spec.capture)
+                with self._lock:
+                    self._store[(spec.key, child)] = store
+            for i, h in enumerate(spec.hooks):
+                saved: dict = {}
+                store.saved.append(saved)
+                hooks.append(_HookRun(cloudpickle.loads(h.fn), frozenset(h.layers), h.pre,
+                                      self._ctx(saved, external), i, False))
+        persistent_saved = None
+        if self._persistent:
+            if store is None:
+                store = _Store([])
+            if len(self._persistent_results) >= MAX_PERSISTENT_RESULTS:
+                store.error = (f"persistent hook results are full ({MAX_PERSISTENT_RESULTS} requests, "
+                               "VLLM_LENS_MAX_PERSISTENT_RESULTS): call collect_hook_results() then "
+                               "clear_hook_results()")
+            else:
+                persistent_saved = [{} for _ in self._persistent]
+                self._persistent_results[external] = persistent_saved
+                for i, (fn, layers, pre) in enumerate(self._persistent):
+                    hooks.append(_HookRun(fn, layers, pre, self._ctx(persistent_saved[i], external), i, True))
+        return _Req(spec, child, steers, {} if spec is None else {l: i for i, l in enumerate(spec.capture)},
+                    hooks, store, persistent_saved)
+
+    def _ctx(self, saved: dict, external: str) -> HookContext:
+        return HookContext(saved=saved, request_id=external, tp_rank=self.tp_rank, model=self.model,
+                           _params=self.get_parameter)
 
     def _prune(self) -> None:
         live = adapter.live_request_ids(self.runner)
@@ -153,22 +222,40 @@ class LensRuntime:
             raise adapter.LensIncompatibleVLLM("forward pass without `positions`")
         steer: dict[int, list] = {}
         cap_rows: dict[int, list] = {}
+        hooks: dict[tuple[int, bool], list] = {}
         for r, s, e in active:
             for st in r.steers:
                 for layer in st.layers:
                     steer.setdefault(layer, []).append((r, s, e))
-            if self.capturing_rank:
+            for h in r.hooks:
+                for layer in h.layers:
+                    hooks.setdefault((layer, h.pre), []).append((r, s, e))
+            if self.capturing_rank and r.spec is not None:
                 for layer in r.spec.capture:
                     cap_rows.setdefault(layer, []).append((r, s, e))
         capture = {}
         for layer, items in cap_rows.items():
             idx = np.concatenate([np.arange(s, e) for _, s, e in items])
             capture[layer] = (torch.from_numpy(idx).to(positions.device, non_blocking=True), items)
-        # de-duplicate requests listed once per steering vector
+        # a request is listed once per layer even if several of its vectors/hooks act there
         steer = {l: list(dict.fromkeys(v)) for l, v in steer.items()}
-        return _Plan(positions, steer, capture)
+        hooks = {k: list(dict.fromkeys(v)) for k, v in hooks.items()}
+        return _Plan(positions, steer, capture, hooks)
 
-    def _make_hook(self, layer: int):
+    def _make_pre_hook(self, layer: int):
+        def pre_hook(module: torch.nn.Module, args: tuple) -> None:
+            plan = self._plan
+            if plan is None:
+                return None
+            items = plan.hooks.get((layer, True))
+            if items:
+                _, hidden, residual = adapter.layer_inputs(args)
+                self._run_hooks(layer, True, plan, hidden, residual, items)
+            return None
+
+        return pre_hook
+
+    def _make_post_hook(self, layer: int):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             plan = self._plan
             if plan is None:
@@ -177,6 +264,9 @@ class LensRuntime:
             items = plan.steer.get(layer)
             if items:
                 self._steer(layer, plan, hidden, residual, items)
+            items = plan.hooks.get((layer, False))
+            if items:
+                self._run_hooks(layer, False, plan, hidden, residual, items)
             cap = plan.capture.get(layer)
             if cap is not None:
                 idx = cap[0]
@@ -187,6 +277,40 @@ class LensRuntime:
             return None
 
         return hook
+
+    def _run_hooks(self, layer: int, pre: bool, plan: _Plan, hidden: torch.Tensor,
+                   residual: torch.Tensor | None, items: list[tuple[_Req, int, int]]) -> None:
+        """Run each request's hooks on its own rows; a failure fails that request only."""
+        for r, s, e in items:
+            for h in r.hooks:
+                if h.pre != pre or layer not in h.layers or r.failed:
+                    continue
+                stream = hidden[s:e] + residual[s:e] if residual is not None else hidden[s:e].clone()
+                ctx = h.ctx
+                ctx.layer_idx, ctx.seq_len, ctx.positions = layer, e - s, plan.positions[s:e]
+                try:
+                    new = h.fn(ctx, stream)
+                    if new is None:
+                        continue
+                    if not isinstance(new, torch.Tensor):
+                        raise TypeError(f"hook returned {type(new).__name__}, expected a Tensor or None")
+                    if new.shape != stream.shape or new.dtype != stream.dtype or new.device != stream.device:
+                        raise TypeError(
+                            f"hook returned shape {tuple(new.shape)} {new.dtype} on {new.device}; expected "
+                            f"{tuple(stream.shape)} {stream.dtype} on {stream.device} (the rows it was given)")
+                except Exception:
+                    kind = "persistent hook" if h.persistent else "hook"
+                    msg = (f"{kind} {h.index} ({'pre' if pre else 'post'}-hook at layer {layer}) failed:\n"
+                           + traceback.format_exc())
+                    if r.store is None:
+                        r.store = _Store([])
+                    r.store.error = msg
+                    logger.warning("inspect-lens: %s", msg)
+                    break
+                if residual is not None:
+                    hidden[s:e] = new - residual[s:e]
+                else:
+                    hidden[s:e] = new
 
     def _steer(self, layer: int, plan: _Plan, hidden: torch.Tensor, residual: torch.Tensor | None,
                items: list[tuple[_Req, int, int]]) -> None:
@@ -232,10 +356,7 @@ class LensRuntime:
                 o = 0
                 for r, s, e in plan.capture[layer][1]:
                     n = e - s
-                    key = (r.spec.key, r.child)
-                    st = self._store.get(key)
-                    if st is None:
-                        st = self._store[key] = _Store(r.spec.capture)
+                    st = r.store
                     view = block[o:o + n]
                     st.chunks.append((r.capture_slot[layer], pblock[o:o + n], view))
                     nb = view.numel() * view.element_size()
@@ -256,7 +377,10 @@ class LensRuntime:
     # ---------------------------------------------------------------- fetch (RPC)
 
     def fetch(self, wanted: list[tuple[str, dict[int, int]]]) -> dict[str, Any]:
-        """{key: {child: payload}} for this rank's layers; pops what it returns."""
+        """{key: {child: payload}} for this rank's layers; pops what it returns.
+
+        Hook state and errors come from TP rank 0 only (every rank runs the same hooks on the same
+        replicated stream), so nothing comes back duplicated tp_size times."""
         if not self.capturing_rank:
             return {}
         out: dict[str, Any] = {}
@@ -279,8 +403,18 @@ class LensRuntime:
         return out
 
     def _assemble(self, st: _Store, n_pos: int) -> dict[str, Any]:
+        payload: dict[str, Any] = {}
+        if st.error is not None:
+            payload["error"] = st.error
+        if st.saved:
+            payload["hooks"] = _pickle_saved(st.saved)
+        if not st.layers:
+            return payload
         mine = [l for l in st.layers if l in self.layer_ids]
         slots = [st.layers.index(l) for l in mine]
+        if not st.chunks:
+            payload.setdefault("error", "no positions were captured")
+            return payload
         d = st.chunks[0][2].shape[-1]
         t = torch.zeros((len(st.layers), n_pos, d), dtype=st.chunks[0][2].dtype)
         filled = np.zeros((len(st.layers), n_pos), dtype=bool)
@@ -292,9 +426,9 @@ class LensRuntime:
             filled[slot, pos] = True
         t = t[slots]
         missing = [(l, int(np.flatnonzero(~filled[s])[0])) for l, s in zip(mine, slots) if not filled[s].all()]
-        payload: dict[str, Any] = {"layers": mine, "tensor": tensor_to_bytes(t)}
+        payload.update({"layers": mine, "tensor": tensor_to_bytes(t)})
         if missing:
-            payload["error"] = f"positions never ran a forward pass (layer, first missing position): {missing}"
+            payload.setdefault("error", f"positions never ran a forward pass (layer, first missing position): {missing}")
         return payload
 
     def drop(self, keys: list[str]) -> int:
@@ -304,6 +438,58 @@ class LensRuntime:
                 self._stored_bytes -= self._store.pop(k).nbytes
             return len(gone)
 
+    # ---------------------------------------------------------------- persistent hooks (RPC)
+
+    def register_hooks(self, hooks: list[tuple[bytes, list[int], bool]]) -> int:
+        import cloudpickle
+
+        for fn, layers, pre in hooks:
+            self._persistent.append((cloudpickle.loads(fn), frozenset(layers), bool(pre)))
+        # plain requests cached as "nothing to do" must be re-planned
+        self._reqs = {k: v for k, v in self._reqs.items() if v is not None}
+        return len(self._persistent)
+
+    def collect_hook_results(self) -> bytes | None:
+        if not self.capturing_rank:
+            return None
+        return _pickle_saved(self._persistent_results)
+
+    def clear_hook_results(self) -> None:
+        self._persistent_results.clear()
+
+    def clear_hooks(self) -> None:
+        self._persistent.clear()
+        self._persistent_results.clear()
+        self._reqs = {k: v for k, v in self._reqs.items() if v is not None and v.spec is not None}
+
+    # ---------------------------------------------------------------- parameters
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        """Full parameter: prefetched copy if any, else gathered from this stage's TP shards."""
+        if name in self._prefetched:
+            return self._prefetched[name]
+        try:
+            param = adapter.get_parameter(self.model, name)
+        except KeyError:
+            raise KeyError(
+                f"parameter {name!r} is not on this pipeline stage (or does not exist); prefetch it first "
+                "with llm.prefetch_params([...])") from None
+        return adapter.gather_tp(param, self._owner(name)).detach()
+
+    def _owner(self, name: str) -> Any:
+        obj: Any = self.model
+        for part in name.split(".")[:-1]:
+            obj = getattr(obj, part, None)
+        return obj
+
+    def prefetch(self, names: list[str]) -> list[str]:
+        for name in names:
+            self._prefetched[name] = self.get_parameter(name).clone()
+        return sorted(self._prefetched)
+
+    def clear_prefetched(self) -> None:
+        self._prefetched.clear()
+
     def status(self) -> dict[str, Any]:
         return {
             "layers": self.layer_ids,
@@ -311,4 +497,25 @@ class LensRuntime:
             "stored_requests": len(self._store),
             "stored_bytes": self._stored_bytes,
             "steps_with_features": self.steps_with_features,
+            "persistent_hooks": len(self._persistent),
+            "persistent_results": len(self._persistent_results),
+            "prefetched": sorted(self._prefetched),
         }
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu")
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _pickle_saved(obj: Any) -> bytes:
+    """Hook state, tensors on CPU, as cloudpickle bytes: produced by our own worker, read by the
+    frontend that owns it (the HTTP layer converts to JSON before anything leaves the server)."""
+    import cloudpickle
+
+    return cloudpickle.dumps(_to_cpu(obj))

@@ -53,13 +53,13 @@ def shipped_model_path(verbose: bool = False) -> Path:
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The GGUF loader marks the model as quantized (unsaveable) although its weights are already
     # dequantized to float32: rebuild a plain model from the config and copy the weights over.
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     plain.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)

@@ -11,13 +11,15 @@ from typing import Any, Mapping
 
 import torch
 
+from .hooks import Hook
 from .steering import SteeringVector
 from .wire import tensor_from_bytes, tensor_to_bytes
 
 CAPTURE_KEY = "output_residual_stream"
 STEER_KEY = "apply_steering_vectors"
+HOOK_KEY = "apply_hooks"
 PAYLOAD_KEY = "_inspect_lens"
-KNOWN_KEYS = (CAPTURE_KEY, STEER_KEY)
+KNOWN_KEYS = (CAPTURE_KEY, STEER_KEY, HOOK_KEY)
 # Keys with these prefixes belong to us: a typo (`output_residual_streams`) is an error, not ignored.
 NAMESPACE_PREFIXES = ("output_residual", "apply_steering", "apply_hook", "lens_", PAYLOAD_KEY)
 
@@ -38,16 +40,24 @@ class Steer:
 
 
 @dataclass
+class HookSpec:
+    fn: bytes  # cloudpickle of the callable (the caller's own code, in-process or opted-in remote)
+    layers: list[int]
+    pre: bool
+
+
+@dataclass
 class RequestSpec:
     """What the worker does for one request (decoded form)."""
 
     key: str
     capture: list[int] = field(default_factory=list)
     steers: list[Steer] = field(default_factory=list)
+    hooks: list[HookSpec] = field(default_factory=list)
 
     @property
-    def active(self) -> bool:
-        return bool(self.capture or self.steers)
+    def wants_results(self) -> bool:
+        return bool(self.capture or self.hooks)
 
 
 def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
@@ -146,6 +156,37 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
     return Steer(layers, acts, positions, float(scale), item.norm_match)
 
 
+def _hook_item(item: Any, i: int, shape: ModelShape) -> HookSpec:
+    f = f"{HOOK_KEY}[{i}]"
+    if not isinstance(item, Hook):
+        raise ValueError(f"{f}: expected a vllm_worker.Hook, got {type(item).__name__}")
+    if not callable(item.fn):
+        raise ValueError(f"{f}.fn: not callable")
+    layers = _layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers)
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{f}.layer_indices: duplicate layers {list(item.layer_indices)}")
+    if not isinstance(item.pre, bool):
+        raise ValueError(f"{f}.pre: expected a bool")
+    return HookSpec(pickle_hook(item.fn, f), layers, item.pre)
+
+
+def pickle_hook(fn: Any, field_name: str) -> bytes:
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(fn)
+    except Exception as e:
+        raise ValueError(f"{field_name}.fn: cannot be serialized with cloudpickle: {e}") from None
+
+
+def parse_hooks(items: Any, shape: ModelShape) -> list[HookSpec]:
+    if isinstance(items, Hook):
+        items = [items]
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"{HOOK_KEY}: expected a list of Hook, got {type(items).__name__}")
+    return [_hook_item(it, i, shape) for i, it in enumerate(items)]
+
+
 def parse_request(
     extra_args: Mapping[str, Any], shape: ModelShape, prompt_len: int
 ) -> RequestSpec | None:
@@ -166,6 +207,8 @@ def parse_request(
         if not isinstance(items, (list, tuple)):
             raise ValueError(f"{STEER_KEY}: expected a list of SteeringVector, got {type(items).__name__}")
         spec.steers = [_steering_item(it, i, shape, prompt_len) for i, it in enumerate(items)]
+    if HOOK_KEY in ours:
+        spec.hooks = parse_hooks(ours[HOOK_KEY], shape)
     return spec
 
 
@@ -185,6 +228,7 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
             }
             for s in spec.steers
         ],
+        "hooks": [{"fn": h.fn, "layers": h.layers, "pre": h.pre} for h in spec.hooks],
     }
 
 
@@ -204,11 +248,15 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
             )
             for s in payload.get("steer") or []
         ],
+        hooks=[HookSpec(bytes(h["fn"]), list(h["layers"]), bool(h["pre"])) for h in payload.get("hooks") or []],
     )
 
 
-def steering_fingerprint(spec: RequestSpec) -> str | None:
-    """A cache salt: KV computed under steering is shared only with identically steered requests."""
+def cache_salt(spec: RequestSpec) -> str | None:
+    """A prefix-cache salt for requests that change the forward pass: KV computed under steering is
+    shared only with identically steered requests; KV computed under hooks (arbitrary code) never."""
+    if spec.hooks:
+        return "inspect-lens-hooks:" + spec.key
     if not spec.steers:
         return None
     import hashlib
