@@ -33,11 +33,16 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 Edit = Callable[[int, torch.Tensor], torch.Tensor | None]  # (layer, stream (1, T, d)) -> new stream
 
 
-def residuals(model, token_ids: list[int], edit: Edit | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(streams (n_layers, T, d) after each layer, logits (T, vocab)) for one sequence."""
+def residuals(model, token_ids: list[int], edit: Edit | None = None,
+              embed_edit: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(streams (n_layers, T, d) after each layer, logits (T, vocab)) for one sequence.
+
+    `embed_edit` changes the stream entering layer 0 (the embeddings), like a layer-0 pre-hook."""
     layers = decoder_layers(model)
     captured: list[torch.Tensor] = [None] * len(layers)  # type: ignore[list-item]
     handles = []
+    if embed_edit is not None:
+        handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: embed_edit(out)))
     for i, layer in enumerate(layers):
         def hook(mod, args, out, i=i):
             h = out[0] if isinstance(out, tuple) else out
@@ -59,11 +64,12 @@ def residuals(model, token_ids: list[int], edit: Edit | None = None) -> tuple[to
     return torch.stack(captured), out.logits[0]
 
 
-def greedy(model, prompt_ids: list[int], n_new: int, edit: Edit | None = None) -> list[int]:
+def greedy(model, prompt_ids: list[int], n_new: int, edit: Edit | None = None,
+           embed_edit: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[int]:
     """Greedy continuation by repeated full forward passes (so `edit` sees every position each time)."""
     ids = list(prompt_ids)
     for _ in range(n_new):
-        _, logits = residuals(model, ids, edit)
+        _, logits = residuals(model, ids, edit, embed_edit)
         ids.append(int(logits[-1].argmax()))
     return ids[len(prompt_ids):]
 

@@ -167,8 +167,21 @@ def add_output_defaults() -> None:
     from vllm.outputs import CompletionOutput, RequestOutput
 
     for cls in (RequestOutput, CompletionOutput):
-        if not hasattr(cls, "activations"):
-            cls.activations = None  # type: ignore[attr-defined]
+        for name in ("activations", "hook_results", "hook_error"):
+            if not hasattr(cls, name):
+                setattr(cls, name, None)
+
+
+def add_llm_methods(methods: dict[str, Callable]) -> None:
+    """Public methods on `vllm.LLM` (persistent hooks); never overrides one vLLM already has."""
+    from vllm.entrypoints.llm import LLM
+
+    for name, fn in methods.items():
+        existing = getattr(LLM, name, None)
+        if existing is not None and not getattr(existing, "__lens_wrapped__", False):
+            raise LensIncompatibleVLLM(f"vllm.LLM already defines {name}; refusing to shadow it")
+        fn.__lens_wrapped__ = True  # type: ignore[attr-defined]
+        setattr(LLM, name, fn)
 
 
 # ---------------------------------------------------------------- worker

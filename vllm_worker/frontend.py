@@ -94,8 +94,8 @@ def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str,
 def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
     by_layer: dict[int, torch.Tensor] = {}
     for part in parts:
-        if "error" in part:
-            raise RuntimeError(f"inspect-lens capture failed: {part['error']}")
+        if "tensor" not in part:
+            continue
         t = tensor_from_bytes(part["tensor"], "residual_stream")
         for i, layer in enumerate(part["layers"]):
             by_layer.setdefault(layer, t[i])
@@ -108,7 +108,18 @@ def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
 def attach_outputs(llm: Any, outputs: list) -> list:
     """Set `.activations` on finished `RequestOutput`s (and each sample's `CompletionOutput`)."""
     pending = _pending(adapter.processor_of_llm(llm))
+    failures: dict[str, str] = {}
+    if getattr(llm, "_lens_persistent_hooks", False):
+        ids = [o.request_id for o in outputs if hasattr(o, "request_id")]
+        for rank_errors in adapter.rpc(llm, "lens_pop_persistent_errors", ids):
+            failures.update(rank_errors or {})
+        for o in outputs:
+            msg = failures.get(getattr(o, "request_id", None))
+            if msg is not None:
+                o.hook_error = msg
     if not pending:
+        if failures:
+            raise HookError(failures, outputs)
         return outputs
     todo = []
     for out in outputs:
@@ -118,18 +129,63 @@ def attach_outputs(llm: Any, outputs: list) -> list:
         n_prompt = len(out.prompt_token_ids or [])
         children = {c.index if p.n > 1 else 0: n_prompt + len(c.token_ids) - 1 for c in out.outputs}
         todo.append((out, p, children))
-    if not todo:
-        return outputs
-    fetched = _fetch(llm, [(p, ch) for _, p, ch in todo])
+    fetched = _fetch(llm, [(p, ch) for _, p, ch in todo]) if todo else {}
     for out, p, children in todo:
         got = fetched.get(p.key, {})
         if "error" in got:
-            raise RuntimeError(f"inspect-lens: request {out.request_id}: {got['error']}")
+            failures[out.request_id] = got["error"]
+            continue
         for c in out.outputs:
             child = c.index if p.n > 1 else 0
             parts = got.get(child)
             if not parts:
-                raise RuntimeError(f"inspect-lens: no captures came back for request {out.request_id}")
-            c.activations = {"residual_stream": _assemble(p, parts), "layers": list(p.layers)}
+                failures[out.request_id] = "no results came back from the workers"
+                continue
+            errors = [part["error"] for part in parts if "error" in part]
+            if errors:
+                c.hook_error = errors[0]
+                failures[out.request_id if p.n == 1 else f"{out.request_id}#{child}"] = errors[0]
+                continue
+            if p.layers:
+                c.activations = {"residual_stream": _assemble(p, parts), "layers": list(p.layers)}
+            hook_parts = [part["hooks"] for part in parts if "hooks" in part]
+            if hook_parts:
+                c.hook_results = merge_stage_results([_unpickle(h) for h in hook_parts])
         out.activations = out.outputs[0].activations
+        out.hook_results = out.outputs[0].hook_results
+        out.hook_error = out.outputs[0].hook_error
+    if failures:
+        raise HookError(failures, outputs)
     return outputs
+
+
+def _unpickle(data: bytes) -> Any:
+    """Results produced by this engine's own workers (never bytes received from a network client)."""
+    import cloudpickle
+
+    return cloudpickle.loads(data)
+
+
+def merge_stage_results(stages: list[Any]) -> Any:
+    """Merge hook state from pipeline stages (TP duplicates never reach here: only TP rank 0 reports).
+
+    `[saved_of_hook_0, saved_of_hook_1, ...]` per stage -> `{"0": merged_0, ...}`. Keys written on one
+    stage are taken as they are; lists under the same key are concatenated in stage (= layer) order;
+    dicts merge recursively; for any other value the later stage wins."""
+    merged = [_merge_values([st[i] for st in stages]) for i in range(len(stages[0]))]
+    return {str(i): m for i, m in enumerate(merged)}
+
+
+def _merge_values(values: list[Any]) -> Any:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    if all(isinstance(v, dict) for v in values):
+        out: dict = {}
+        for v in values:
+            for k, x in v.items():
+                out[k] = _merge_values([out[k], x]) if k in out else x
+        return out
+    if all(isinstance(v, list) for v in values):
+        return [x for v in values for x in v]
+    return values[-1]

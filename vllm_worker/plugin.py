@@ -44,10 +44,11 @@ def register() -> None:
     global _registered
     if _registered or disabled():
         return
-    from . import adapter, frontend
+    from . import adapter, frontend, persistent
 
     adapter.check()
     adapter.add_output_defaults()
+    adapter.add_llm_methods(persistent.METHODS)
     adapter.patch_engine_args(_adjust_engine_args)
     adapter.patch_process_inputs(frontend.on_new_request)
     adapter.patch_run_engine(frontend.attach_outputs)

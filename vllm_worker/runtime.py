@@ -112,6 +112,7 @@ class LensRuntime:
         # persistent hooks (all requests), their results by caller request id, prefetched params
         self._persistent: list[tuple[Callable, frozenset, bool]] = []
         self._persistent_results: dict[str, list[dict]] = {}
+        self._persistent_errors: dict[str, str] = {}
         self._prefetched: dict[str, torch.Tensor] = {}
         for idx, module in self.layers:
             module.register_forward_hook(self._make_post_hook(idx))
@@ -170,6 +171,7 @@ class LensRuntime:
                 store.error = (f"persistent hook results are full ({MAX_PERSISTENT_RESULTS} requests, "
                                "VLLM_LENS_MAX_PERSISTENT_RESULTS): call collect_hook_results() then "
                                "clear_hook_results()")
+                self._persistent_errors[external] = store.error
             else:
                 persistent_saved = [{} for _ in self._persistent]
                 self._persistent_results[external] = persistent_saved
@@ -287,7 +289,7 @@ class LensRuntime:
                     continue
                 stream = hidden[s:e] + residual[s:e] if residual is not None else hidden[s:e].clone()
                 ctx = h.ctx
-                ctx.layer_idx, ctx.seq_len, ctx.positions = layer, e - s, plan.positions[s:e]
+                ctx.layer_idx, ctx.seq_len, ctx.positions = layer, e - s, plan.positions[s:e].clone()
                 try:
                     new = h.fn(ctx, stream)
                     if new is None:
@@ -305,6 +307,8 @@ class LensRuntime:
                     if r.store is None:
                         r.store = _Store([])
                     r.store.error = msg
+                    if h.persistent:
+                        self._persistent_errors[ctx.request_id] = msg
                     logger.warning("inspect-lens: %s", msg)
                     break
                 if residual is not None:
@@ -454,12 +458,23 @@ class LensRuntime:
             return None
         return _pickle_saved(self._persistent_results)
 
+    def pop_persistent_errors(self, request_ids: list[str]) -> dict[str, str]:
+        if not self.capturing_rank:
+            return {}
+        out = {}
+        for rid in request_ids:
+            for k in [k for k in self._persistent_errors if k == rid or k.startswith(rid + "#")]:
+                out[k] = self._persistent_errors.pop(k)
+        return out
+
     def clear_hook_results(self) -> None:
         self._persistent_results.clear()
+        self._persistent_errors.clear()
 
     def clear_hooks(self) -> None:
         self._persistent.clear()
         self._persistent_results.clear()
+        self._persistent_errors.clear()
         self._reqs = {k: v for k, v in self._reqs.items() if v is not None and v.spec is not None}
 
     # ---------------------------------------------------------------- parameters

@@ -46,3 +46,24 @@ class LensWorkerExtension:
 
     def lens_status(self) -> dict:
         return self._lens_rt().status()
+
+    def lens_register_hooks(self, hooks: list) -> int:
+        return self._lens_rt().register_hooks([(bytes(f), list(l), bool(p)) for f, l, p in hooks])
+
+    def lens_collect_hook_results(self) -> bytes | None:
+        return self._lens_rt().collect_hook_results()
+
+    def lens_pop_persistent_errors(self, request_ids: list) -> dict:
+        return self._lens_rt().pop_persistent_errors([str(r) for r in request_ids])
+
+    def lens_clear_hook_results(self) -> None:
+        self._lens_rt().clear_hook_results()
+
+    def lens_clear_hooks(self) -> None:
+        self._lens_rt().clear_hooks()
+
+    def lens_prefetch(self, names: list) -> list:
+        return self._lens_rt().prefetch(list(names))
+
+    def lens_clear_prefetched(self) -> None:
+        self._lens_rt().clear_prefetched()
