@@ -1,4 +1,4 @@
-"""Tensor parallelism (TP=2, two CPU worker processes): capture, steering, hooks, persistent hooks and
+"""Tensor and pipeline parallelism (TP=2 / PP=2, two CPU worker processes each): capture, steering, hooks, persistent hooks and
 `get_parameter` give the TP=1 / HF numbers; results come back once, not tp_size times."""
 
 from __future__ import annotations
@@ -20,6 +20,15 @@ _KEEP: list = []
 
 @pytest.fixture(scope="session")
 def tp2():
+    return _parallel_engine(tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="session")
+def pp2():
+    return _parallel_engine(pipeline_parallel_size=2)
+
+
+def _parallel_engine(**parallel):
     from vllm import LLM
 
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1",
@@ -28,7 +37,7 @@ def tp2():
     os.environ.update(env)
     try:
         llm = LLM(str(model_path("llama")), dtype="float32", max_model_len=512, seed=0,
-                  tensor_parallel_size=2, distributed_executor_backend="mp", enable_prefix_caching=False)
+                  distributed_executor_backend="mp", enable_prefix_caching=False, **parallel)
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -93,3 +102,47 @@ def test_tp2_persistent_hooks(tp2):
     assert len(res) == 2 and all(len(r["0"]["rows"]) == 3 for r in res.values())
     tp2.clear_hooks()
     assert all(s["stored_requests"] == 0 for s in tp2.collective_rpc("lens_status"))
+
+
+def test_pp2_stages_merge_by_layer_and_equal_hf(pp2):
+    assert [s["layers"] for s in pp2.collective_rpc("lens_status")] == [[0, 1], [2, 3]]
+    v = torch.randn(1, 128, generator=torch.Generator().manual_seed(8)) * 4
+    dim = 5
+
+    def ablate(ctx, h):
+        ctx.saved.setdefault("layers", []).append(ctx.layer_idx)
+        h = h.clone()
+        h[:, dim] = 0
+        return h
+
+    # a hook on stage 0 reading a parameter of the last stage needs a prefetch: a clear error first
+    with pytest.raises(Exception, match="prefetch"):
+        pp2.generate([PROMPT], SamplingParams(max_tokens=2, extra_args={"apply_hooks": [Hook(_lens, [0])]}),
+                     use_tqdm=False)
+    assert pp2.prefetch_params(["lm_head.weight", "model.norm.weight"]) == ["lm_head.weight", "model.norm.weight"]
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
+        "output_residual_stream": [0, 1, 2, 3],
+        "apply_steering_vectors": [SteeringVector(v, [2])],
+        "apply_hooks": [Hook(ablate, [1, 3]), Hook(_lens, [0])],
+    })
+    out = pp2.generate([PROMPT], sp, use_tqdm=False)[0]
+    steer = steer_edit({2: v[0]})
+
+    def edit(layer, h):
+        h = steer(layer, h) if layer == 2 else h
+        if layer in (1, 3):
+            h = h.clone()
+            h[..., dim] = 0
+        return h
+
+    hf = hf_model("llama")
+    assert list(out.outputs[0].token_ids) == greedy(hf, list(out.prompt_token_ids), 5, edit)
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref, _ = residuals(hf, ids[:-1], edit)
+    assert (out.activations["residual_stream"] - ref).abs().max() <= 1e-4
+    # stage 0 saw layer 1, stage 1 saw layer 3: lists concatenated in stage (= layer) order
+    assert out.hook_results["0"]["layers"] == [1] * 5 + [3] * 5
+    top = torch.cat(out.hook_results["1"]["top"])
+    hf_top = (hf.model.norm(ref[0]) @ hf.lm_head.weight.T).topk(5, dim=-1).indices
+    assert (top[:, 0] == hf_top[:, 0]).all()
+    pp2.clear_prefetched()

@@ -389,6 +389,45 @@ def gather_tp(param: torch.Tensor, owner: Any) -> torch.Tensor:
     return full
 
 
+def ensure_pp_buffers(runner: Any) -> None:
+    """vLLM's CPU worker skips the warm-up run that allocates the pipeline-parallel receive buffer on
+    later stages (rank 1 then dies on `assert self.intermediate_tensors is not None`). Allocate it the
+    way the warm-up would."""
+    from vllm.distributed import get_pp_group
+
+    if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
+        return
+    model = runner_model(runner)
+    make = _require(model, "make_empty_intermediate_tensors", type(model).__name__)
+    runner.intermediate_tensors = make(batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype,
+                                       device=runner.device)
+
+
+def pp_share(local: torch.Tensor | None, name: str) -> torch.Tensor:
+    """Every pipeline stage gets the tensor that one stage holds (collective over the PP group)."""
+    from vllm.distributed import get_pp_group
+
+    pp = get_pp_group()
+    if pp.world_size == 1:
+        if local is None:
+            raise KeyError(name)
+        return local
+    owner = None
+    for src in range(pp.world_size):
+        meta = pp.broadcast_object(None if local is None else (tuple(local.shape), str(local.dtype)), src=src) \
+            if pp.rank_in_group == src else pp.broadcast_object(None, src=src)
+        if meta is not None and owner is None:
+            owner = (src, meta)
+    if owner is None:
+        raise KeyError(name)
+    src, (shape, dtype) = owner
+    if pp.rank_in_group == src:
+        buf = local.contiguous()
+    else:
+        buf = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]), device=pp.device)
+    return pp.broadcast(buf, src=src)
+
+
 def iter_stage_layers(runner: Any) -> Iterator[tuple[int, torch.nn.Module]]:
     yield from decoder_layers(runner_model(runner))
 

@@ -501,8 +501,17 @@ class LensRuntime:
         return obj
 
     def prefetch(self, names: list[str]) -> list[str]:
+        """Collective on every rank: gather TP shards, then share across pipeline stages, so a hook on
+        any stage can read e.g. `lm_head.weight` that lives on the last one."""
         for name in names:
-            self._prefetched[name] = self.get_parameter(name).clone()
+            try:
+                local = self.get_parameter(name)
+            except KeyError:
+                local = None
+            try:
+                self._prefetched[name] = adapter.pp_share(local, name).detach().clone()
+            except KeyError:
+                raise KeyError(f"prefetch_params: no pipeline stage has a parameter {name!r}") from None
         return sorted(self._prefetched)
 
     def clear_prefetched(self) -> None:

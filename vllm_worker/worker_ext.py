@@ -14,6 +14,7 @@ from .runtime import LensRuntime
 
 
 def _on_loaded(runner: Any) -> None:
+    adapter.ensure_pp_buffers(runner)
     if getattr(runner, "_lens_runtime", None) is None:
         runner._lens_runtime = LensRuntime(runner)
 
