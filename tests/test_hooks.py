@@ -163,3 +163,21 @@ def test_persistent_hooks_over_20_requests(engine_factory):
     llm.clear_hooks()
     llm.generate([PROMPT], _sp(2), use_tqdm=False)
     assert llm.collect_hook_results() == {}
+
+
+def test_persistent_results_cap_is_an_error_not_a_silent_drop(llama, monkeypatch):
+    import vllm_worker.runtime as rt
+
+    monkeypatch.setattr(rt, "MAX_PERSISTENT_RESULTS", 2)
+    llama.clear_hooks()
+    llama.register_hooks([Hook(lambda ctx, h: None, range(2))])
+    try:
+        llama.generate([PROMPT, OTHER], _sp(2), use_tqdm=False)
+        with pytest.raises(HookError, match="persistent hook results are full"):
+            llama.generate([PROMPT], _sp(2), use_tqdm=False)
+        assert len(llama.collect_hook_results()) == 2
+        llama.clear_hook_results()
+        llama.generate([PROMPT], _sp(2), use_tqdm=False)
+        assert len(llama.collect_hook_results()) == 1
+    finally:
+        llama.clear_hooks()

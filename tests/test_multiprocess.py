@@ -21,6 +21,9 @@ def mp_llama():
     old = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "PYTHONPATH")}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), old["PYTHONPATH"]]))
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # earlier engines froze env values; these settings must be read
     try:
         llm = LLM(str(model_path("llama")), dtype="float32", max_model_len=512, seed=0,
                   worker_extension_cls="user_ext.UserExtension")

@@ -35,6 +35,9 @@ def _parallel_engine(**parallel):
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # earlier engines froze env values; these settings must be read
     try:
         llm = LLM(str(model_path("llama")), dtype="float32", max_model_len=512, seed=0,
                   distributed_executor_backend="mp", enable_prefix_caching=False, **parallel)

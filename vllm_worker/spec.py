@@ -71,6 +71,8 @@ def _layer_list(value: Any, field_name: str, n_layers: int) -> list[int]:
         value = [value]
     if isinstance(value, torch.Tensor):
         value = value.tolist()
+    if isinstance(value, range):
+        value = list(value)
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"{field_name}: expected a non-empty list of layer indices, got {value!r}")
     out = []
