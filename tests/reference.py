@@ -97,3 +97,16 @@ def steer_edit(layer_vecs: dict[int, torch.Tensor], scale: float = 1.0, norm_mat
         h[0, rows] += scale * vv
         return h
     return edit
+
+
+def zero_dim_edit(dim: int, layers: set[int] | tuple[int, ...], steer: Edit | None = None) -> Edit:
+    """Zero-ablate residual dimension `dim` after `layers` (after an optional steering edit)."""
+    def edit(layer: int, h: torch.Tensor):
+        if steer is not None:
+            steered = steer(layer, h)
+            h = h if steered is None else steered
+        if layer in layers:
+            h = h.clone()
+            h[..., dim] = 0
+        return h
+    return edit

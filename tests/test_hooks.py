@@ -6,7 +6,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from reference import greedy, hf_model, residuals
+from reference import greedy, hf_model, residuals, zero_dim_edit
 from vllm_worker import Hook, HookError
 
 PROMPT = "the water of people will come down to the side"
@@ -31,11 +31,7 @@ def test_zero_ablation_at_two_layers_equals_hf(llama):
     out = llama.generate([PROMPT], _sp(apply_hooks=[Hook(_zero_dim(dim), [1, 2])],
                                        output_residual_stream=[0, 1, 2, 3]), use_tqdm=False)[0]
 
-    def edit(layer, h):
-        if layer in (1, 2):
-            h = h.clone()
-            h[..., dim] = 0
-            return h
+    edit = zero_dim_edit(dim, (1, 2))
     hf = hf_model("llama")
     assert list(out.outputs[0].token_ids) == greedy(hf, list(out.prompt_token_ids), 6, edit)
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)

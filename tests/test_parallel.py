@@ -11,7 +11,7 @@ import torch
 from vllm import SamplingParams
 
 from conftest import model_path
-from reference import greedy, hf_model, residuals, steer_edit
+from reference import greedy, hf_model, residuals, steer_edit, zero_dim_edit
 from vllm_worker import Hook, SteeringVector
 
 PROMPT = "the water of people will come down to the side"
@@ -48,6 +48,26 @@ def _parallel_engine(**parallel):
     return llm
 
 
+def _ablate(dim):
+    def fn(ctx, h):
+        ctx.saved.setdefault("layers", []).append(ctx.layer_idx)
+        h = h.clone()
+        h[:, dim] = 0
+        return h
+    return fn
+
+
+def _equal_to_hf(out, v, steer_layer, dim, ablate_layers) -> torch.Tensor:
+    """Same tokens and residuals as HF with the steering and ablation done by torch hooks."""
+    edit = zero_dim_edit(dim, ablate_layers, steer_edit({steer_layer: v[0]}))
+    hf = hf_model("llama")
+    assert list(out.outputs[0].token_ids) == greedy(hf, list(out.prompt_token_ids), 5, edit)
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref, _ = residuals(hf, ids[:-1], edit)
+    assert (out.activations["residual_stream"] - ref).abs().max() <= 1e-4
+    return ref
+
+
 def _lens(ctx, h):
     w = ctx.get_parameter("lm_head.weight")
     g = ctx.get_parameter("model.norm.weight")
@@ -59,33 +79,14 @@ def _lens(ctx, h):
 def test_tp2_capture_steer_hook_and_logit_lens_equal_hf(tp2):
     assert [s["tp_rank"] for s in tp2.collective_rpc("lens_status")] == [0, 1]
     v = torch.randn(1, 128, generator=torch.Generator().manual_seed(5)) * 4
-    dim = 3
-
-    def ablate(ctx, h):
-        h = h.clone()
-        h[:, dim] = 0
-        return h
-
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
         "output_residual_stream": [0, 1, 2, 3],
         "apply_steering_vectors": [SteeringVector(v, [1])],
-        "apply_hooks": [Hook(ablate, [2]), Hook(_lens, [3])],
+        "apply_hooks": [Hook(_ablate(3), [2]), Hook(_lens, [3])],
     })
     out = tp2.generate([PROMPT], sp, use_tqdm=False)[0]
-    steer = steer_edit({1: v[0]})
-
-    def edit(layer, h):
-        h = steer(layer, h) if layer == 1 else h
-        if layer == 2:
-            h = h.clone()
-            h[..., dim] = 0
-        return h
-
+    ref = _equal_to_hf(out, v, 1, 3, (2,))
     hf = hf_model("llama")
-    assert list(out.outputs[0].token_ids) == greedy(hf, list(out.prompt_token_ids), 5, edit)
-    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-    ref, _ = residuals(hf, ids[:-1], edit)
-    assert (out.activations["residual_stream"] - ref).abs().max() <= 1e-4
     saved = out.hook_results["1"]
     assert saved["w_shape"] == (512, 128)  # gathered across both shards
     assert len(saved["top"]) == 5  # once per step, not once per rank
@@ -110,14 +111,6 @@ def test_tp2_persistent_hooks(tp2):
 def test_pp2_stages_merge_by_layer_and_equal_hf(pp2):
     assert [s["layers"] for s in pp2.collective_rpc("lens_status")] == [[0, 1], [2, 3]]
     v = torch.randn(1, 128, generator=torch.Generator().manual_seed(8)) * 4
-    dim = 5
-
-    def ablate(ctx, h):
-        ctx.saved.setdefault("layers", []).append(ctx.layer_idx)
-        h = h.clone()
-        h[:, dim] = 0
-        return h
-
     # a hook on stage 0 reading a parameter of the last stage needs a prefetch: a clear error first
     with pytest.raises(Exception, match="prefetch"):
         pp2.generate([PROMPT], SamplingParams(max_tokens=2, extra_args={"apply_hooks": [Hook(_lens, [0])]}),
@@ -126,23 +119,11 @@ def test_pp2_stages_merge_by_layer_and_equal_hf(pp2):
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
         "output_residual_stream": [0, 1, 2, 3],
         "apply_steering_vectors": [SteeringVector(v, [2])],
-        "apply_hooks": [Hook(ablate, [1, 3]), Hook(_lens, [0])],
+        "apply_hooks": [Hook(_ablate(5), [1, 3]), Hook(_lens, [0])],
     })
     out = pp2.generate([PROMPT], sp, use_tqdm=False)[0]
-    steer = steer_edit({2: v[0]})
-
-    def edit(layer, h):
-        h = steer(layer, h) if layer == 2 else h
-        if layer in (1, 3):
-            h = h.clone()
-            h[..., dim] = 0
-        return h
-
+    ref = _equal_to_hf(out, v, 2, 5, (1, 3))
     hf = hf_model("llama")
-    assert list(out.outputs[0].token_ids) == greedy(hf, list(out.prompt_token_ids), 5, edit)
-    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-    ref, _ = residuals(hf, ids[:-1], edit)
-    assert (out.activations["residual_stream"] - ref).abs().max() <= 1e-4
     # stage 0 saw layer 1, stage 1 saw layer 3: lists concatenated in stage (= layer) order
     assert out.hook_results["0"]["layers"] == [1] * 5 + [3] * 5
     top = torch.cat(out.hook_results["1"]["top"])
