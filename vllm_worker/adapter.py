@@ -331,8 +331,8 @@ def residual_parts(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     raise LensIncompatibleVLLM(f"unexpected decoder-layer output {type(output).__name__}")
 
 
-def layer_inputs(args: tuple) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-    """(position in args, hidden, residual-or-None) of a decoder layer's positional inputs.
+def layer_inputs(args: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(hidden, residual-or-None) of a decoder layer's positional inputs.
 
     Llama/Qwen2: `(positions, hidden, residual)` (residual None at layer 0; the stream entering the
     layer is hidden + residual). GPT2/OPT: `(hidden,)`."""
@@ -341,7 +341,7 @@ def layer_inputs(args: tuple) -> tuple[int, torch.Tensor, torch.Tensor | None]:
             res = args[i + 1] if i + 1 < len(args) else None
             if res is not None and not (isinstance(res, torch.Tensor) and res.is_floating_point()):
                 res = None
-            return i, a, res
+            return a, res
     raise LensIncompatibleVLLM("decoder layer called without a floating-point hidden-states argument")
 
 
@@ -359,22 +359,19 @@ def external_request_id(worker_request_id: str, n: int) -> str:
     return rid if child is None else f"{rid}#{child}"
 
 
-def get_parameter(model: torch.nn.Module, name: str) -> torch.Tensor:
-    """Parameter by dotted name, following attributes (tied weights have no entry of their own)."""
-    obj: Any = model
-    for part in name.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            break
-    if not isinstance(obj, torch.Tensor):
-        raise KeyError(f"no parameter {name!r} on this rank")
-    return obj
-
-
-def gather_tp(param: torch.Tensor, owner: Any) -> torch.Tensor:
-    """Full parameter from TP shards (vocab-parallel padding removed)."""
+def full_parameter(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """Parameter by dotted name, following attributes (tied weights have no entry of their own),
+    gathered from its TP shards (vocab-parallel padding removed). `KeyError` if this rank lacks it."""
     from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 
+    owner: Any = None
+    param: Any = model
+    for part in name.split("."):
+        owner, param = param, getattr(param, part, None)
+        if param is None:
+            break
+    if not isinstance(param, torch.Tensor):
+        raise KeyError(f"no parameter {name!r} on this rank")
     if get_tensor_model_parallel_world_size() == 1:
         return param
     dim = getattr(param, "output_dim", None)
@@ -412,10 +409,10 @@ def pp_share(local: torch.Tensor | None, name: str) -> torch.Tensor:
         if local is None:
             raise KeyError(name)
         return local
+    mine = None if local is None else (tuple(local.shape), str(local.dtype))
     owner = None
     for src in range(pp.world_size):
-        meta = pp.broadcast_object(None if local is None else (tuple(local.shape), str(local.dtype)), src=src) \
-            if pp.rank_in_group == src else pp.broadcast_object(None, src=src)
+        meta = pp.broadcast_object(mine if pp.rank_in_group == src else None, src=src)
         if meta is not None and owner is None:
             owner = (src, meta)
     if owner is None:

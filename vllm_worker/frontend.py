@@ -56,7 +56,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
         _pending(processor)[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model)
     salt = cache_salt(spec)
     if salt is not None:
-        # Steered KV is stored under its own hash: it can never be read by an unsteered request.
+        # Steered / hooked KV is stored under its own hash: no other request can ever read it.
         adapter.set_request_cache_salt(req, salt)
     return req
 

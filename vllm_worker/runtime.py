@@ -70,7 +70,6 @@ class _Req:
     capture_slot: dict[int, int]
     hooks: list[_HookRun]
     store: _Store | None
-    persistent_saved: list[dict] | None = None
 
     @property
     def failed(self) -> bool:
@@ -163,7 +162,6 @@ class LensRuntime:
                 store.saved.append(saved)
                 hooks.append(_HookRun(cloudpickle.loads(h.fn), frozenset(h.layers), h.pre,
                                       self._ctx(saved, external), i, False))
-        persistent_saved = None
         if self._persistent:
             if store is None:
                 store = _Store([])
@@ -178,7 +176,7 @@ class LensRuntime:
                 for i, (fn, layers, pre) in enumerate(self._persistent):
                     hooks.append(_HookRun(fn, layers, pre, self._ctx(persistent_saved[i], external), i, True))
         return _Req(spec, child, steers, {} if spec is None else {l: i for i, l in enumerate(spec.capture)},
-                    hooks, store, persistent_saved)
+                    hooks, store)
 
     def _ctx(self, saved: dict, external: str) -> HookContext:
         return HookContext(saved=saved, request_id=external, tp_rank=self.tp_rank, model=self.model,
@@ -251,7 +249,7 @@ class LensRuntime:
                 return None
             items = plan.hooks.get((layer, True))
             if items:
-                _, hidden, residual = adapter.layer_inputs(args)
+                hidden, residual = adapter.layer_inputs(args)
                 self._run_hooks(layer, True, plan, hidden, residual, items)
             return None
 
@@ -487,18 +485,11 @@ class LensRuntime:
         if name in self._prefetched:
             return self._prefetched[name]
         try:
-            param = adapter.get_parameter(self.model, name)
+            return adapter.full_parameter(self.model, name).detach()
         except KeyError:
             raise KeyError(
                 f"parameter {name!r} is not on this pipeline stage (or does not exist); prefetch it first "
                 "with llm.prefetch_params([...])") from None
-        return adapter.gather_tp(param, self._owner(name)).detach()
-
-    def _owner(self, name: str) -> Any:
-        obj: Any = self.model
-        for part in name.split(".")[:-1]:
-            obj = getattr(obj, part, None)
-        return obj
 
     def prefetch(self, names: list[str]) -> list[str]:
         """Collective on every rank: gather TP shards, then share across pipeline stages, so a hook on

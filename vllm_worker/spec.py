@@ -66,7 +66,7 @@ def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
     )
 
 
-def _layer_list(value: Any, field_name: str, n_layers: int) -> list[int]:
+def _layer_list(value: Any, field_name: str, n_layers: int, unique: bool = False) -> list[int]:
     if isinstance(value, (int,)) and not isinstance(value, bool):
         value = [value]
     if isinstance(value, torch.Tensor):
@@ -85,6 +85,8 @@ def _layer_list(value: Any, field_name: str, n_layers: int) -> list[int]:
                 f"(valid: {-n_layers}..{n_layers - 1})"
             )
         out.append(v % n_layers)
+    if unique and len(set(out)) != len(out):
+        raise ValueError(f"{field_name}: duplicate layers {list(value)}")
     return out
 
 
@@ -110,9 +112,7 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
         raise ValueError(f"{f}.activations: expected a torch.Tensor, got {type(acts).__name__}")
     if not acts.is_floating_point():
         raise ValueError(f"{f}.activations: expected a floating-point tensor, got {acts.dtype}")
-    layers = _layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers)
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"{f}.layer_indices: duplicate layers {list(item.layer_indices)}")
+    layers = _layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
     if acts.ndim not in (2, 3):
         raise ValueError(
             f"{f}.activations: expected 2-D (n_layers, d_model) or 3-D (n_layers, n_pos, d_model), "
@@ -164,9 +164,7 @@ def _hook_item(item: Any, i: int, shape: ModelShape) -> HookSpec:
         raise ValueError(f"{f}: expected a vllm_worker.Hook, got {type(item).__name__}")
     if not callable(item.fn):
         raise ValueError(f"{f}.fn: not callable")
-    layers = _layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers)
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"{f}.layer_indices: duplicate layers {list(item.layer_indices)}")
+    layers = _layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
     if not isinstance(item.pre, bool):
         raise ValueError(f"{f}.pre: expected a bool")
     return HookSpec(pickle_hook(item.fn, f), layers, item.pre)
