@@ -111,6 +111,38 @@ def patch_process_inputs(post: Callable[[Any, str, Any], Any]) -> None:
     _wrap(input_processor_cls(), "process_inputs", make)
 
 
+@functools.cache
+def validation_error_cls() -> type[ValueError]:
+    """A `ValueError` that vLLM's API server also maps to HTTP 400 (a plain ValueError raised while
+    adding a request becomes a 500 with an empty message there)."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return ValueError
+
+    class LensValidationError(VLLMValidationError, ValueError):
+        pass
+
+    return LensValidationError
+
+
+@functools.cache
+def forbidden_error_cls() -> type[PermissionError]:
+    """A `PermissionError` that vLLM's API server maps to HTTP 403."""
+    try:
+        from http import HTTPStatus
+
+        from vllm.exceptions import GracefulHTTPError
+    except ImportError:
+        return PermissionError
+
+    class LensForbidden(GracefulHTTPError, PermissionError):
+        def __init__(self, message: str) -> None:
+            super().__init__(message, HTTPStatus.FORBIDDEN)
+
+    return LensForbidden
+
+
 def request_prompt_len(req: Any) -> int:
     ids = getattr(req, "prompt_token_ids", None)
     if ids is not None:
@@ -156,6 +188,23 @@ def patch_run_engine(post: Callable[[Any, list], list]) -> None:
 def processor_of_llm(llm: Any) -> Any:
     engine = _require(llm, "llm_engine", "LLM")
     return _require(engine, "input_processor", "LLMEngine")
+
+
+def processor_of_engine_client(engine_client: Any) -> Any:
+    """The API server's `InputProcessor` (AsyncLLM keeps it in-process)."""
+    return _require(engine_client, "input_processor", type(engine_client).__name__)
+
+
+async def rpc_async(engine_client: Any, method: str, *args: Any) -> list:
+    return await engine_client.collective_rpc(method, args=args)
+
+
+def server_request_id(response_id: str, kind: str, prompt_index: int) -> str:
+    """Engine request id behind one prompt of an OpenAI response: completions use
+    `f"{response_id}-{i}"` per prompt; chat uses the response id (one prompt)."""
+    if kind == "chat":
+        return response_id
+    return f"{response_id}-{prompt_index}"
 
 
 def rpc(llm_or_engine: Any, method: str, *args: Any) -> list:

@@ -41,7 +41,13 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     if sp is None or not has_lens_keys(sp.extra_args):
         return req
     n_layers, d_model = adapter.model_shape(processor)
-    spec = parse_request(sp.extra_args, ModelShape(n_layers, d_model), adapter.request_prompt_len(req))
+    try:
+        spec = parse_request(sp.extra_args, ModelShape(n_layers, d_model), adapter.request_prompt_len(req))
+    except PermissionError as e:
+        raise adapter.forbidden_error_cls()(str(e)) from None
+    except ValueError as e:
+        field = str(e).split(":", 1)[0]
+        raise adapter.validation_error_cls()(str(e), parameter=f"vllm_xargs.{field}") from None
     if spec is None:
         return req
     payload = encode(spec)
@@ -61,33 +67,36 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     return req
 
 
-def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
-    """RPC in groups of bounded size; merges the layers each worker (PP stage) returns."""
-    merged: dict[str, dict] = {}
-    group: list = []
+def fetch_groups(todo: list[tuple[Pending, dict[int, int]]]) -> list[list[tuple[str, dict[int, int]]]]:
+    """Split `lens_fetch` arguments into RPC round trips of bounded estimated size."""
+    groups: list[list] = []
     size = 0
-
-    def flush() -> None:
-        nonlocal group, size
-        if not group:
-            return
-        for rank_result in adapter.rpc(engine, "lens_fetch", [(p.key, ch) for p, ch in group]):
-            for key, per_child in (rank_result or {}).items():
-                dst = merged.setdefault(key, {})
-                if "error" in per_child:
-                    dst["error"] = per_child["error"]
-                    continue
-                for child, payload in per_child.items():
-                    dst.setdefault(int(child), []).append(payload)
-        group, size = [], 0
-
     for p, children in todo:
         est = sum(children.values()) * len(p.layers) * p.d_model * 4
-        if group and size + est > FETCH_GROUP_BYTES:
-            flush()
-        group.append((p, children))
+        if not groups or (groups[-1] and size + est > FETCH_GROUP_BYTES):
+            groups.append([])
+            size = 0
+        groups[-1].append((p.key, children))
         size += est
-    flush()
+    return groups
+
+
+def merge_fetched(merged: dict[str, dict], rank_results: list) -> None:
+    """Fold one round trip's per-rank answers into `merged`: {key: {child: [part per stage]}}."""
+    for rank_result in rank_results:
+        for key, per_child in (rank_result or {}).items():
+            dst = merged.setdefault(key, {})
+            if "error" in per_child:
+                dst["error"] = per_child["error"]
+                continue
+            for child, payload in per_child.items():
+                dst.setdefault(int(child), []).append(payload)
+
+
+def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
+    merged: dict[str, dict] = {}
+    for group in fetch_groups(todo):
+        merge_fetched(merged, adapter.rpc(engine, "lens_fetch", group))
     return merged
 
 
@@ -105,6 +114,22 @@ def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
     return torch.stack([by_layer[l] for l in p.layers])
 
 
+def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict | None, str | None]:
+    """(activations, hook_results, error) of one sample from merged fetch results."""
+    if "error" in got:
+        return None, None, got["error"]
+    parts = got.get(child)
+    if not parts:
+        return None, None, "no results came back from the workers"
+    errors = [part["error"] for part in parts if "error" in part]
+    if errors:
+        return None, None, errors[0]
+    acts = {"residual_stream": _assemble(p, parts), "layers": list(p.layers)} if p.layers else None
+    hook_parts = [part["hooks"] for part in parts if "hooks" in part]
+    hooks = merge_stage_results([_unpickle(h) for h in hook_parts]) if hook_parts else None
+    return acts, hooks, None
+
+
 def attach_outputs(llm: Any, outputs: list) -> list:
     """Set `.activations` on finished `RequestOutput`s (and each sample's `CompletionOutput`)."""
     pending = _pending(adapter.processor_of_llm(llm))
@@ -117,10 +142,6 @@ def attach_outputs(llm: Any, outputs: list) -> list:
             msg = failures.get(getattr(o, "request_id", None))
             if msg is not None:
                 o.hook_error = msg
-    if not pending:
-        if failures:
-            raise HookError(failures, outputs)
-        return outputs
     todo = []
     for out in outputs:
         p = pending.pop(getattr(out, "request_id", None), None)
@@ -132,25 +153,11 @@ def attach_outputs(llm: Any, outputs: list) -> list:
     fetched = _fetch(llm, [(p, ch) for _, p, ch in todo]) if todo else {}
     for out, p, children in todo:
         got = fetched.get(p.key, {})
-        if "error" in got:
-            failures[out.request_id] = got["error"]
-            continue
         for c in out.outputs:
             child = c.index if p.n > 1 else 0
-            parts = got.get(child)
-            if not parts:
-                failures[out.request_id] = "no results came back from the workers"
-                continue
-            errors = [part["error"] for part in parts if "error" in part]
-            if errors:
-                c.hook_error = errors[0]
-                failures[out.request_id if p.n == 1 else f"{out.request_id}#{child}"] = errors[0]
-                continue
-            if p.layers:
-                c.activations = {"residual_stream": _assemble(p, parts), "layers": list(p.layers)}
-            hook_parts = [part["hooks"] for part in parts if "hooks" in part]
-            if hook_parts:
-                c.hook_results = merge_stage_results([_unpickle(h) for h in hook_parts])
+            c.activations, c.hook_results, c.hook_error = decode_sample(p, got, child)
+            if c.hook_error is not None:
+                failures[out.request_id if p.n == 1 else f"{out.request_id}#{child}"] = c.hook_error
         out.activations = out.outputs[0].activations
         out.hook_results = out.outputs[0].hook_results
         out.hook_error = out.outputs[0].hook_error
@@ -164,6 +171,15 @@ def _unpickle(data: bytes) -> Any:
     import cloudpickle
 
     return cloudpickle.loads(data)
+
+
+def merge_collected(rank_blobs: list[bytes | None]) -> dict[str, dict[str, Any]]:
+    """`lens_collect_hook_results` answers (one per rank) -> {request_id: {"0": saved, ...}}."""
+    per_rank = [_unpickle(b) for b in rank_blobs if b is not None]
+    ids: list[str] = []
+    for r in per_rank:
+        ids.extend(k for k in r if k not in ids)
+    return {rid: merge_stage_results([r[rid] for r in per_rank if rid in r]) for rid in ids}
 
 
 def merge_stage_results(stages: list[Any]) -> Any:

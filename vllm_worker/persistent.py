@@ -32,13 +32,9 @@ def register_hooks(self: Any, hooks: Sequence[Hook], prefetch_params: Sequence[s
 
 
 def collect_hook_results(self: Any) -> dict[str, dict[str, Any]]:
-    from .frontend import _unpickle, merge_stage_results
+    from .frontend import merge_collected
 
-    per_rank = [_unpickle(b) for b in adapter.rpc(self, "lens_collect_hook_results") if b is not None]
-    ids: list[str] = []
-    for r in per_rank:
-        ids.extend(k for k in r if k not in ids)
-    return {rid: merge_stage_results([r[rid] for r in per_rank if rid in r]) for rid in ids}
+    return merge_collected(adapter.rpc(self, "lens_collect_hook_results"))
 
 
 def clear_hook_results(self: Any) -> None:

@@ -4,7 +4,10 @@ and turn them into a msgspec-safe payload the workers decode. Nothing here touch
 
 from __future__ import annotations
 
+import base64
+import json
 import math
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -13,7 +16,7 @@ import torch
 
 from .hooks import Hook
 from .steering import SteeringVector
-from .wire import tensor_from_bytes, tensor_to_bytes
+from .wire import tensor_from_bytes, tensor_from_json, tensor_to_bytes
 
 CAPTURE_KEY = "output_residual_stream"
 STEER_KEY = "apply_steering_vectors"
@@ -22,6 +25,29 @@ PAYLOAD_KEY = "_inspect_lens"
 KNOWN_KEYS = (CAPTURE_KEY, STEER_KEY, HOOK_KEY)
 # Keys with these prefixes belong to us: a typo (`output_residual_streams`) is an error, not ignored.
 NAMESPACE_PREFIXES = ("output_residual", "apply_steering", "apply_hook", "lens_", PAYLOAD_KEY)
+
+
+# Largest structured payload accepted in one request (steering vectors, hooks), in bytes.
+MAX_PAYLOAD_BYTES = int(float(os.environ.get("VLLM_LENS_MAX_PAYLOAD_MB", "64")) * (1 << 20))
+REMOTE_HOOKS_ENV = "VLLM_LENS_ALLOW_REMOTE_HOOKS"
+
+
+def remote_hooks_allowed() -> bool:
+    """Hooks sent as bytes (over HTTP) run arbitrary code: only when the operator opted in."""
+    return os.environ.get(REMOTE_HOOKS_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def _from_json_string(value: Any, field_name: str) -> Any:
+    """Over HTTP, `vllm_xargs` values are flat: structured payloads arrive as JSON strings."""
+    if not isinstance(value, str):
+        return value
+    if len(value) > MAX_PAYLOAD_BYTES * 4 // 3 + 1024:
+        raise ValueError(f"{field_name}: payload exceeds the limit of {MAX_PAYLOAD_BYTES} bytes "
+                         "(VLLM_LENS_MAX_PAYLOAD_MB)")
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{field_name}: not valid JSON ({e.msg} at position {e.pos})") from None
 
 
 @dataclass
@@ -108,6 +134,8 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
     if not isinstance(item, SteeringVector):
         raise ValueError(f"{f}: expected a SteeringVector, got {type(item).__name__}")
     acts = item.activations
+    if isinstance(acts, Mapping):
+        acts = tensor_from_json(acts, f"{f}.activations", max_bytes=MAX_PAYLOAD_BYTES)
     if not isinstance(acts, torch.Tensor):
         raise ValueError(f"{f}.activations: expected a torch.Tensor, got {type(acts).__name__}")
     if not acts.is_floating_point():
@@ -160,6 +188,8 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
 
 def _hook_item(item: Any, i: int, shape: ModelShape) -> HookSpec:
     f = f"{HOOK_KEY}[{i}]"
+    if isinstance(item, Mapping):
+        return _remote_hook_item(item, f, shape)
     if not isinstance(item, Hook):
         raise ValueError(f"{f}: expected a vllm_worker.Hook, got {type(item).__name__}")
     if not callable(item.fn):
@@ -168,6 +198,29 @@ def _hook_item(item: Any, i: int, shape: ModelShape) -> HookSpec:
     if not isinstance(item.pre, bool):
         raise ValueError(f"{f}.pre: expected a bool")
     return HookSpec(pickle_hook(item.fn, f), layers, item.pre)
+
+
+def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> HookSpec:
+    """`{"fn": base64(cloudpickle), "layer_indices": [...], "pre": false}` — refused without opt-in."""
+    if not remote_hooks_allowed():
+        raise PermissionError(
+            f"{HOOK_KEY}: hooks sent as bytes execute arbitrary code on the server and are disabled; "
+            f"the operator must start the server with --allow-remote-hooks ({REMOTE_HOOKS_ENV}=1)")
+    unknown = set(item) - {"fn", "layer_indices", "pre"}
+    if unknown:
+        raise ValueError(f"{f}: unknown fields {sorted(unknown)}")
+    fn = item.get("fn")
+    if not isinstance(fn, str):
+        raise ValueError(f"{f}.fn: expected base64 of a cloudpickled function")
+    try:
+        raw = base64.b64decode(fn, validate=True)
+    except Exception:
+        raise ValueError(f"{f}.fn: not valid base64") from None
+    layers = _layer_list(item.get("layer_indices"), f"{f}.layer_indices", shape.n_layers, unique=True)
+    pre = item.get("pre", False)
+    if not isinstance(pre, bool):
+        raise ValueError(f"{f}.pre: expected a bool")
+    return HookSpec(raw, layers, pre)
 
 
 def pickle_hook(fn: Any, field_name: str) -> bytes:
@@ -180,7 +233,10 @@ def pickle_hook(fn: Any, field_name: str) -> bytes:
 
 
 def parse_hooks(items: Any, shape: ModelShape) -> list[HookSpec]:
-    if isinstance(items, Hook):
+    if isinstance(items, str) and not remote_hooks_allowed():
+        _remote_hook_item({}, HOOK_KEY, shape)  # raises the opt-in error before touching the payload
+    items = _from_json_string(items, HOOK_KEY)
+    if isinstance(items, (Hook, Mapping)):
         items = [items]
     if not isinstance(items, (list, tuple)):
         raise ValueError(f"{HOOK_KEY}: expected a list of Hook, got {type(items).__name__}")
@@ -201,7 +257,7 @@ def parse_request(
     if CAPTURE_KEY in ours:
         spec.capture = sorted(set(_layer_list(ours[CAPTURE_KEY], CAPTURE_KEY, shape.n_layers)))
     if STEER_KEY in ours:
-        items = ours[STEER_KEY]
+        items = _from_json_string(ours[STEER_KEY], STEER_KEY)
         if isinstance(items, (SteeringVector, Mapping)):
             items = [items]
         if not isinstance(items, (list, tuple)):

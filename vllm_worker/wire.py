@@ -104,3 +104,28 @@ def tensor_from_json(obj: Any, field: str = "tensor", max_bytes: int | None = No
     elif comp is not None:
         raise ValueError(f"{field}.compression: unsupported {comp!r} (only 'zlib')")
     return tensor_from_bytes({"dtype": obj.get("dtype"), "shape": obj.get("shape"), "data": raw}, field)
+
+
+def to_jsonable(obj: Any, compress: bool = False) -> Any:
+    """Hook state as JSON: tensors become tensor objects (see `tensor_to_json`), tuples lists, dict keys
+    strings; anything else JSON cannot hold becomes its `repr` (never pickle)."""
+    if isinstance(obj, torch.Tensor):
+        return tensor_to_json(obj, compress)
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v, compress) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v, compress) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return repr(obj)
+
+
+def from_jsonable(obj: Any) -> Any:
+    """Inverse of `to_jsonable` for tensors (client side)."""
+    if isinstance(obj, dict):
+        if "b64" in obj and "dtype" in obj and "shape" in obj:
+            return tensor_from_json(obj)
+        return {k: from_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_jsonable(v) for v in obj]
+    return obj

@@ -1,0 +1,390 @@
+"""HTTP surface: an endpoint plugin for vLLM's OpenAI server (`vllm.endpoint_plugins`).
+
+- `/v1/completions` and `/v1/chat/completions` accept our keys in `vllm_xargs`; every choice of the
+  response carries `activations` / `hook_results` (streaming: one extra chunk before `[DONE]`). The
+  response also carries `prompt_token_ids` / `token_ids`, which align positions with tokens.
+- `/v1/hooks/*` manage persistent hooks.
+- Hooks are code: they are refused (403) unless the server was started with `--allow-remote-hooks`.
+  Captures and steering never need it, and nothing received from a client is unpickled otherwise.
+- Bad input is a 4xx JSON error naming the field; vLLM's `--api-key` guards these routes too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from . import adapter
+from .frontend import Pending, _pending, decode_sample, fetch_groups, merge_collected, merge_fetched
+from .spec import HOOK_KEY, MAX_PAYLOAD_BYTES, ModelShape, has_lens_keys, parse_hooks, remote_hooks_allowed
+from .wire import to_jsonable
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MAX_BODY_BYTES = MAX_PAYLOAD_BYTES + (1 << 20)
+
+
+def error_body(status: int, message: str, param: str | None, kind: str) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, kind), status_code=status)
+
+
+@dataclass
+class LensState:
+    engine: Any
+    persistent_hooks: bool = False
+    shape: ModelShape | None = field(default=None)
+
+
+def _state(app: Any) -> LensState:
+    return app.state.lens
+
+
+# ---------------------------------------------------------------- results for one response
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+async def _results(state: LensState, kind: str, response_id: str, n: int,
+                   choices: list[_Choice]) -> tuple[dict[int, dict], dict[str, str]]:
+    """({choice index: {"activations": ..., "hook_results": ...}}, {request id: error})."""
+    pending = _pending(adapter.processor_of_engine_client(state.engine))
+    by_request: dict[str, list[tuple[_Choice, int]]] = {}
+    for c in choices:
+        rid = adapter.server_request_id(response_id, kind, c.index // n if kind == "cmpl" else 0)
+        child = c.index % n if kind == "cmpl" else c.index
+        by_request.setdefault(rid, []).append((c, child))
+    todo = []
+    for rid, items in by_request.items():
+        p: Pending | None = pending.pop(rid, None)
+        if p is not None:
+            todo.append((rid, p, {(ch if p.n > 1 else 0): len(c.prompt_ids) + len(c.token_ids) - 1
+                                  for c, ch in items}))
+    merged: dict[str, dict] = {}
+    for group in fetch_groups([(p, ch) for _, p, ch in todo]):
+        merge_fetched(merged, await adapter.rpc_async(state.engine, "lens_fetch", group))
+    out: dict[int, dict] = {}
+    errors: dict[str, str] = {}
+    for rid, p, _ in todo:
+        for c, child in by_request[rid]:
+            acts, hooks, err = decode_sample(p, merged.get(p.key, {}), child if p.n > 1 else 0)
+            if err is not None:
+                errors[rid if p.n == 1 else f"{rid}#{child}"] = err
+                continue
+            entry: dict[str, Any] = {}
+            if acts is not None:
+                entry["activations"] = {"residual_stream": to_jsonable(acts["residual_stream"]),
+                                        "layers": acts["layers"]}
+            if hooks is not None:
+                entry["hook_results"] = to_jsonable(hooks)
+            out[c.index] = entry
+    if state.persistent_hooks:
+        for rank_errors in await adapter.rpc_async(state.engine, "lens_pop_persistent_errors", list(by_request)):
+            errors.update(rank_errors or {})
+    return out, errors
+
+
+def _hook_failure(errors: dict[str, str]) -> dict:
+    msg = "inspect-lens hook failed\n" + "\n".join(f"request {r}: {m}" for r, m in errors.items())
+    return error_body(400, msg, f"vllm_xargs.{HOOK_KEY}", "HookError")
+
+
+# ---------------------------------------------------------------- middleware
+
+
+async def _read_body(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            break
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Any):
+    """Hand the (possibly rewritten) body to the app once; afterwards wait on the real channel, so
+    vLLM's disconnect watcher sees a real disconnect, not an invented one."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send_json(send: Any, status: int, obj: Any, headers: list | None = None) -> None:
+    body = json.dumps(obj).encode()
+    hdrs = [(k, v) for k, v in (headers or []) if k.lower() not in (b"content-length", b"content-type")]
+    hdrs += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})
+
+
+class LensMiddleware:
+    """Pure ASGI (streaming-safe) middleware on the two generation routes."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope.get("method") != "POST" or path not in (COMPLETIONS, CHAT):
+            return await self.app(scope, receive, send)
+        state = _state(scope["app"])
+        body = await _read_body(receive)
+        if len(body) > MAX_BODY_BYTES:
+            return await _send_json(send, 413, error_body(
+                413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)",
+                "vllm_xargs", "PayloadTooLargeError"))
+        try:
+            req = json.loads(body)
+        except ValueError:
+            req = None
+        xargs = req.get("vllm_xargs") if isinstance(req, dict) else None
+        ours = isinstance(xargs, dict) and has_lens_keys(xargs)
+        if not ours and not state.persistent_hooks:
+            return await self.app(scope, _replay(body, receive), send)
+        if ours and HOOK_KEY in xargs and not remote_hooks_allowed():
+            return await _send_json(send, 403, error_body(
+                403, "hooks execute arbitrary code on the server and are disabled; the operator must start "
+                     "the server with --allow-remote-hooks", f"vllm_xargs.{HOOK_KEY}", "Forbidden"))
+        req["return_token_ids"] = True  # positions of activations align with these tokens
+        body = json.dumps(req).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        scope = dict(scope, headers=headers + [(b"content-length", str(len(body)).encode())])
+        kind = "chat" if path == CHAT else "cmpl"
+        n = int(req.get("n") or 1)
+        if req.get("stream"):
+            return await self.app(scope, _replay(body, receive), _StreamInjector(send, state, kind, n).send)
+        await self._buffered(scope, _replay(body, receive), send, state, kind, n)
+
+    async def _buffered(self, scope: dict, receive: Any, send: Any, state: LensState, kind: str, n: int) -> None:
+        start: dict | None = None
+        chunks: list[bytes] = []
+
+        async def capture(msg: dict) -> None:
+            nonlocal start
+            if msg["type"] == "http.response.start":
+                start = msg
+            elif msg["type"] == "http.response.body":
+                chunks.append(msg.get("body", b""))
+
+        await self.app(scope, receive, capture)
+        raw = b"".join(chunks)
+        assert start is not None
+        if start["status"] != 200:
+            await send(start)
+            return await send({"type": "http.response.body", "body": raw})
+        resp = json.loads(raw)
+        choices = [_Choice(c["index"], c.get("prompt_token_ids") or resp.get("prompt_token_ids") or [],
+                           c.get("token_ids") or []) for c in resp.get("choices", [])]
+        extra, errors = await _results(state, kind, resp["id"], n, choices)
+        if errors:
+            return await _send_json(send, 400, _hook_failure(errors), start.get("headers"))
+        for c in resp["choices"]:
+            c.update(extra.get(c["index"], {}))
+        await _send_json(send, 200, resp, start.get("headers"))
+
+
+class _StreamInjector:
+    """Passes SSE events through, remembers token ids per choice, and adds one chunk with the
+    activations and hook results of every choice just before `data: [DONE]`."""
+
+    def __init__(self, send: Any, state: LensState, kind: str, n: int) -> None:
+        self._send, self.state, self.kind, self.n = send, state, kind, n
+        self.buf = b""
+        self.response_id: str | None = None
+        self.obj: str | None = None
+        self.choices: dict[int, _Choice] = {}
+
+    def _observe(self, event: bytes) -> None:
+        if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
+            return
+        try:
+            chunk = json.loads(event[6:])
+        except ValueError:
+            return
+        self.response_id = self.response_id or chunk.get("id")
+        self.obj = self.obj or chunk.get("object")
+        top_prompt = chunk.get("prompt_token_ids")
+        for c in chunk.get("choices") or []:
+            st = self.choices.setdefault(c["index"], _Choice(c["index"]))
+            st.prompt_ids = st.prompt_ids or c.get("prompt_token_ids") or top_prompt or []
+            st.token_ids.extend(c.get("token_ids") or [])
+
+    async def send(self, msg: dict) -> None:
+        if msg["type"] != "http.response.body":
+            return await self._send(msg)
+        self.buf += msg.get("body", b"")
+        out = b""
+        while b"\n\n" in self.buf:
+            event, self.buf = self.buf.split(b"\n\n", 1)
+            if event.startswith(b"data: [DONE]"):
+                out += await self._final_event()
+            else:
+                self._observe(event)
+            out += event + b"\n\n"
+        if out or not msg.get("more_body", False):
+            await self._send({"type": "http.response.body", "body": out + (b"" if msg.get("more_body") else self.buf),
+                              "more_body": msg.get("more_body", False)})
+
+    async def _final_event(self) -> bytes:
+        if self.response_id is None:
+            return b""
+        extra, errors = await _results(self.state, self.kind, self.response_id, self.n,
+                                       [self.choices[i] for i in sorted(self.choices)])
+        if errors:
+            return b"data: " + json.dumps(_hook_failure(errors)).encode() + b"\n\n"
+        chunk = {"id": self.response_id, "object": self.obj,
+                 "choices": [dict(index=i, **extra[i]) for i in sorted(extra)]}
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+# ---------------------------------------------------------------- /v1/hooks/*
+
+router = APIRouter(prefix="/v1/hooks")
+
+
+async def _json(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise _BadRequest(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", None)
+    if not raw:
+        return {}
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        raise _BadRequest(400, "request body is not valid JSON", None) from None
+    if not isinstance(obj, dict):
+        raise _BadRequest(400, "request body must be a JSON object", None)
+    return obj
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str, param: str | None) -> None:
+        self.status, self.message, self.param = status, message, param
+
+
+def _guard(fn):
+    import functools
+
+    @functools.wraps(fn)
+    async def wrapper(request: Request):
+        try:
+            return await fn(request)
+        except _BadRequest as e:
+            return _error(e.status, e.message, e.param)
+        except PermissionError as e:
+            return _error(403, str(e), f"hooks", "Forbidden")
+        except (ValueError, KeyError) as e:
+            msg = str(e).strip("'\"")
+            return _error(400, msg, msg.split(":", 1)[0] if ":" in msg else None)
+
+    return wrapper
+
+
+def _shape(state: LensState) -> ModelShape:
+    if state.shape is None:
+        state.shape = ModelShape(*adapter.model_shape(adapter.processor_of_engine_client(state.engine)))
+    return state.shape
+
+
+def _names(obj: dict, key: str) -> list[str]:
+    names = obj.get(key) or []
+    if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
+        raise _BadRequest(400, f"{key}: expected a list of parameter names", key)
+    return names
+
+
+@router.post("/register")
+@_guard
+async def register(request: Request):
+    state = _state(request.app)
+    if not remote_hooks_allowed():
+        raise PermissionError("hooks execute arbitrary code on the server and are disabled; the operator must "
+                              "start the server with --allow-remote-hooks")
+    body = await _json(request)
+    unknown = set(body) - {"hooks", "prefetch_params"}
+    if unknown:
+        raise _BadRequest(400, f"unknown fields {sorted(unknown)}", sorted(unknown)[0])
+    hooks = body.get("hooks")
+    if not isinstance(hooks, list) or not hooks:
+        raise _BadRequest(400, "hooks: expected a non-empty list", "hooks")
+    specs = parse_hooks(hooks, _shape(state))
+    names = _names(body, "prefetch_params")
+    if names:
+        await adapter.rpc_async(state.engine, "lens_prefetch", names)
+    counts = await adapter.rpc_async(state.engine, "lens_register_hooks", [(h.fn, h.layers, h.pre) for h in specs])
+    state.persistent_hooks = True
+    return {"registered": counts[0]}
+
+
+@router.post("/collect")
+@_guard
+async def collect(request: Request):
+    state = _state(request.app)
+    results = merge_collected(await adapter.rpc_async(state.engine, "lens_collect_hook_results"))
+    return {"results": to_jsonable(results)}
+
+
+@router.post("/clear")
+@_guard
+async def clear(request: Request):
+    state = _state(request.app)
+    await adapter.rpc_async(state.engine, "lens_clear_hooks")
+    state.persistent_hooks = False
+    return {"cleared": True}
+
+
+@router.post("/clear_results")
+@_guard
+async def clear_results(request: Request):
+    await adapter.rpc_async(_state(request.app).engine, "lens_clear_hook_results")
+    return {"cleared": True}
+
+
+@router.post("/prefetch")
+@_guard
+async def prefetch(request: Request):
+    names = _names(await _json(request), "names")
+    return {"prefetched": (await adapter.rpc_async(_state(request.app).engine, "lens_prefetch", names))[0]}
+
+
+@router.post("/clear_prefetched")
+@_guard
+async def clear_prefetched(request: Request):
+    await adapter.rpc_async(_state(request.app).engine, "lens_clear_prefetched")
+    return {"cleared": True}
+
+
+class LensEndpoints:
+    """The `vllm.endpoint_plugins` entry (`inspect_lens_http`); `vllm-lens serve` allow-lists it."""
+
+    name = "inspect_lens_http"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: Any) -> None:
+        app.include_router(router)
+        app.add_middleware(LensMiddleware)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        state.lens = LensState(engine_client)
