@@ -60,11 +60,15 @@ class LensResult:
 def _raise_for(resp: httpx.Response) -> None:
     if resp.status_code < 400:
         return
+    message, param, kind = resp.text, None, None
     try:
-        err = resp.json().get("error") or {}
+        err = resp.json().get("error")
+    except (ValueError, AttributeError):
+        err = None
+    if isinstance(err, dict):
         message, param, kind = err.get("message", resp.text), err.get("param"), err.get("type")
-    except ValueError:
-        message, param, kind = resp.text, None, None
+    elif isinstance(err, str):  # vLLM's auth middleware answers {"error": "Unauthorized"}
+        message = err
     cls = {401: LensUnauthorized, 403: LensForbidden}.get(resp.status_code)
     if cls is None:
         cls = LensServerError if resp.status_code >= 500 else LensBadRequest
@@ -97,7 +101,7 @@ def build_request(model: str, prompt: Any, messages: Any, max_tokens: int, captu
         xargs["apply_steering_vectors"] = encode_steering(steering_vectors)
     if hooks:
         xargs["apply_hooks"] = json.dumps(encode_hooks(hooks))
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, **sampling}
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "return_token_ids": True, **sampling}
     if xargs:
         body["vllm_xargs"] = xargs
     if messages is not None:

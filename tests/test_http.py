@@ -1,0 +1,245 @@
+"""A real `vllm-lens serve` on 127.0.0.1 (random free port), driven over HTTP and by `LensClient`."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from vllm import SamplingParams
+
+from conftest import model_path
+from vllm_worker import Hook, SteeringVector
+from vllm_worker.client import LensBadRequest, LensClient, LensForbidden, LensUnauthorized
+from vllm_worker.wire import tensor_to_json
+
+KEY = "test-key"
+PROMPT = "the water of people will come down to the side"
+_SERVERS: list = []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(*flags: str, **env: str) -> str:
+    port = _free_port()
+    cmd = [str(Path(sys.executable).parent / "vllm-lens"), "serve", str(model_path("llama")), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0", *flags]
+    full_env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), VLLM_ENABLE_V1_MULTIPROCESSING="1", **env)
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"lens-serve-{port}.log", "w")
+    proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    _SERVERS.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"server did not start; see {log.name}")
+
+
+@pytest.fixture(scope="session")
+def server():
+    """Operator opted in to remote hooks; API key set; 1 MiB payload limit."""
+    return _serve("--api-key", KEY, "--allow-remote-hooks", VLLM_LENS_MAX_PAYLOAD_MB="1")
+
+
+@pytest.fixture(scope="session")
+def locked_server():
+    """Default posture: no remote hooks."""
+    return _serve()
+
+
+def pytest_sessionfinish():  # pragma: no cover - pytest calls the conftest one; kept for clarity
+    pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_servers():
+    yield
+    for p in _SERVERS:
+        p.terminate()
+    for p in _SERVERS:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _client(url, key=KEY):
+    return LensClient(url, api_key=key)
+
+
+def _model() -> str:
+    return str(model_path("llama"))
+
+
+def _offline(llama, prompt_or_messages, n=1, **extra):
+    sp = SamplingParams(max_tokens=5, temperature=0 if n == 1 else 1.0, seed=3, n=n, ignore_eos=True,
+                        extra_args=extra)
+    if isinstance(prompt_or_messages, list):
+        return llama.chat(prompt_or_messages, sp, use_tqdm=False)[0]
+    return llama.generate([prompt_or_messages], sp, use_tqdm=False)[0]
+
+
+def _sse(url: str, path: str, body: dict) -> list[dict]:
+    events = []
+    with httpx.stream("POST", url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+            elif line == "data: [DONE]":
+                events.append("DONE")
+    return events
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_http_capture_equals_offline(server, llama, chat):
+    c = _client(server)
+    messages = [{"role": "user", "content": "the people will come"}]
+    src = messages if chat else PROMPT
+    for n in (1, 2):
+        kw = dict(messages=messages) if chat else dict(prompt=PROMPT)
+        r = c.generate(**kw, max_tokens=5, capture_layers=[0, 3], n=n, temperature=0 if n == 1 else 1.0, seed=3,
+                       ignore_eos=True)
+        ref = _offline(llama, src, n=n, output_residual_stream=[0, 3])
+        assert len(r.choices) == n
+        for got, want in zip(r.choices, ref.outputs):
+            assert got.token_ids == list(want.token_ids)
+            assert torch.equal(got.activations["residual_stream"], want.activations["residual_stream"])
+    # streaming: the activations arrive in one extra chunk before [DONE]
+    body = {"model": _model(), "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+            "vllm_xargs": {"output_residual_stream": [0, 3]}}
+    body.update({"messages": messages} if chat else {"prompt": PROMPT})
+    events = _sse(server, "/v1/chat/completions" if chat else "/v1/completions", body)
+    assert events[-1] == "DONE" and "activations" in events[-2]["choices"][0]
+    from vllm_worker.wire import tensor_from_json
+    got = tensor_from_json(events[-2]["choices"][0]["activations"]["residual_stream"])
+    assert torch.equal(got, _offline(llama, src, output_residual_stream=[0, 3]).activations["residual_stream"])
+
+
+def _ablate(ctx, h):
+    h = h.clone()
+    h[:, 0] = 0
+    ctx.saved["calls"] = ctx.saved.get("calls", 0) + 1
+    return h
+
+
+def test_16_concurrent_mixed_requests_equal_each_alone(server):
+    c = _client(server)
+    v = torch.randn(1, 128, generator=torch.Generator().manual_seed(2)) * 4
+    kinds = [{}, {"capture_layers": [1]}, {"steering_vectors": [SteeringVector(v, [1])], "capture_layers": [2]},
+             {"hooks": [Hook(_ablate, [2])], "capture_layers": [3]}]
+    jobs = [(f"{PROMPT} {w}", kinds[i % 4]) for i, w in enumerate("the a of to and in is it that was for on are with as his".split())]
+
+    def run(job):
+        prompt, kw = job
+        return c.generate(prompt, max_tokens=4, temperature=0, ignore_eos=True, **kw)
+
+    alone = [run(j) for j in jobs]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(run, jobs))
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids
+        if a.activations is not None:
+            assert (a.activations["residual_stream"] - b.activations["residual_stream"]).abs().max() <= 1e-5
+        assert a.hook_results == b.hook_results
+    assert alone[3].hook_results["0"]["calls"] == 4
+    assert alone[3].activations["residual_stream"][0, :, 0].abs().max() > 0  # layer 3 recomputes dim 0
+
+
+def test_hooks_need_opt_in_and_api_key(server, locked_server):
+    with pytest.raises(LensForbidden, match="allow-remote-hooks"):
+        LensClient(locked_server).generate(PROMPT, max_tokens=2, hooks=[Hook(_ablate, [0])])
+    with pytest.raises(LensForbidden):
+        LensClient(locked_server).register_hooks([Hook(_ablate, [0])])
+    assert LensClient(locked_server).generate(PROMPT, max_tokens=2, capture_layers=[0]).activations is not None
+    r = _client(server).generate(PROMPT, max_tokens=2, hooks=[Hook(_ablate, [0])])
+    assert r.hook_results["0"]["calls"] == 2
+    for path in ("register", "collect", "clear", "clear_results", "prefetch", "clear_prefetched"):
+        assert httpx.post(f"{server}/v1/hooks/{path}", json={}).status_code == 401
+    with pytest.raises(LensUnauthorized):
+        LensClient(server, api_key="wrong").collect_hook_results()
+
+
+def _post(url, path, body, key=KEY):
+    return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=300)
+
+
+def _bad_cases():
+    good_vec = tensor_to_json(torch.ones(1, 128))
+    big = tensor_to_json(torch.ones(1, 3000, 128))  # 1.5 MB: over the 1 MiB payload limit
+    huge = tensor_to_json(torch.ones(1, 8000, 128))  # 4 MB: the request body itself is refused
+    return [
+        ("steer JSON", {"apply_steering_vectors": "[{not json"}, 400, "apply_steering_vectors: not valid JSON"),
+        ("steer base64", {"apply_steering_vectors": json.dumps([{"activations": dict(good_vec, b64="@@@"),
+                                                                 "layer_indices": [0]}])}, 400, "b64"),
+        ("steer shape", {"apply_steering_vectors": json.dumps([{"activations": tensor_to_json(torch.ones(1, 64)),
+                                                                "layer_indices": [0]}])}, 400, "d_model"),
+        ("steer dtype", {"apply_steering_vectors": json.dumps([{"activations": dict(good_vec, dtype="complex7"),
+                                                                "layer_indices": [0]}])}, 400, "dtype"),
+        ("steer nan", {"apply_steering_vectors": json.dumps([{"activations": tensor_to_json(torch.full((1, 128), float("nan"))),
+                                                              "layer_indices": [0]}])}, 400, "NaN"),
+        ("layer", {"output_residual_stream": [42]}, 400, "output_residual_stream: layer 42"),
+        ("unknown key", {"output_residual_streams": [0]}, 400, "unknown inspect-lens key"),
+        ("payload too big", {"apply_steering_vectors": json.dumps([{"activations": big, "layer_indices": [0]}])},
+         400, "apply_steering_vectors: payload exceeds the limit"),
+        ("body too big", {"apply_steering_vectors": json.dumps([{"activations": huge, "layer_indices": [0]}])},
+         413, "request body exceeds the limit"),
+        ("hook base64", {"apply_hooks": json.dumps([{"fn": "%%%", "layer_indices": [0]}])}, 400, "not valid base64"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
+def test_bad_input_is_4xx_json_and_server_keeps_serving(server, case):
+    _, xargs, status, text = case
+    r = _post(server, "/v1/completions", {"model": _model(), "prompt": PROMPT, "max_tokens": 2, "vllm_xargs": xargs})
+    assert r.status_code == status, r.text
+    assert text in r.json()["error"]["message"]
+    ok = _client(server).generate(PROMPT, max_tokens=3, temperature=0, capture_layers=[0])
+    assert len(ok.token_ids) == 3 and ok.activations["residual_stream"].shape[1] == len(ok.prompt_token_ids) + 2
+
+
+def test_hooks_without_opt_in_is_403_and_server_keeps_serving(locked_server):
+    fn = base64.b64encode(b"not even a pickle").decode()
+    r = _post(locked_server, "/v1/completions", {"model": _model(), "prompt": PROMPT, "max_tokens": 2,
+                                                 "vllm_xargs": {"apply_hooks": json.dumps([{"fn": fn, "layer_indices": [0]}])}})
+    assert r.status_code == 403 and r.json()["error"]["param"] == "vllm_xargs.apply_hooks"
+    assert len(LensClient(locked_server).generate(PROMPT, max_tokens=3).token_ids) == 3
+
+
+def _count(ctx, h):
+    ctx.saved["rows"] = ctx.saved.get("rows", 0) + ctx.seq_len
+
+
+def test_persistent_hooks_over_http(server):
+    c = _client(server)
+    c.clear_hooks()
+    assert c.register_hooks([Hook(_count, [1])]) == 1
+    prompts = [f"{PROMPT} {w}" for w in "the a of to and in is it that was".split()]
+    with ThreadPoolExecutor(5) as pool:
+        outs = list(pool.map(lambda p: c.generate(p, max_tokens=3, ignore_eos=True), prompts))
+    res = c.collect_hook_results()
+    assert len(res) == 10
+    assert sorted(r["0"]["rows"] for r in res.values()) == sorted(len(o.prompt_token_ids) + 2 for o in outs)
+    c.clear_hook_results()
+    assert c.collect_hook_results() == {}
+    c.clear_hooks()
