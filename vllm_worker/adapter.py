@@ -170,6 +170,7 @@ def offline_mixin_cls() -> type:
     except ImportError:  # older vLLM keeps _run_engine on LLM itself
         from vllm.entrypoints.llm import LLM as cls
     _require(cls, "_run_engine", cls.__qualname__)
+    _require(cls, "_add_request", cls.__qualname__)
     return cls
 
 
@@ -183,6 +184,20 @@ def patch_run_engine(post: Callable[[Any, list], list]) -> None:
         return _run_engine
 
     _wrap(offline_mixin_cls(), "_run_engine", make)
+
+
+def patch_offline_add_request(pre: Callable[[Any], None]) -> None:
+    """`pre(llm)` before every request `LLM.generate` / `LLM.chat` adds (they all pass here)."""
+    cls = offline_mixin_cls()
+
+    def make(orig: Callable) -> Callable:
+        def _add_request(self, *args, **kwargs):
+            pre(self)
+            return orig(self, *args, **kwargs)
+
+        return _add_request
+
+    _wrap(cls, "_add_request", make)
 
 
 def processor_of_llm(llm: Any) -> Any:

@@ -28,6 +28,14 @@ class Pending:
     d_model: int
 
 
+CONSUMER_ATTR = "_lens_consumer"
+
+
+def mark_consumer(processor: Any, who: str) -> None:
+    """Record who hands results back to callers for this engine (`offline` LLM or the `http` plugin)."""
+    setattr(processor, CONSUMER_ATTR, who)
+
+
 def _pending(processor: Any) -> dict[str, Pending]:
     p = getattr(processor, "_lens_pending", None)
     if p is None:
@@ -59,6 +67,13 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
         # Every captured / hooked position must run a forward pass: don't read cached KV.
         sp.skip_reading_prefix_cache = True
     if spec.wants_results:
+        if getattr(processor, CONSUMER_ATTR, None) is None:
+            # Nobody would ever fetch the results: refuse instead of silently returning nothing.
+            raise adapter.validation_error_cls()(
+                "output_residual_stream/apply_hooks: this engine has no inspect-lens consumer for results; "
+                "use vllm.LLM offline, or serve with `vllm-lens serve` (or set "
+                "VLLM_PLUGINS=inspect_lens_worker,inspect_lens_http for `vllm serve`)",
+                parameter="vllm_xargs")
         _pending(processor)[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model)
     salt = cache_salt(spec)
     if salt is not None:

@@ -52,4 +52,5 @@ def register() -> None:
     adapter.patch_engine_args(_adjust_engine_args)
     adapter.patch_process_inputs(frontend.on_new_request)
     adapter.patch_run_engine(frontend.attach_outputs)
+    adapter.patch_offline_add_request(lambda llm: frontend.mark_consumer(adapter.processor_of_llm(llm), "offline"))
     _registered = True

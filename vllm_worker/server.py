@@ -19,8 +19,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from . import adapter
-from .frontend import Pending, _pending, decode_sample, fetch_groups, merge_collected, merge_fetched
-from .spec import HOOK_KEY, MAX_PAYLOAD_BYTES, ModelShape, has_lens_keys, parse_hooks, remote_hooks_allowed
+from .frontend import Pending, _pending, decode_sample, fetch_groups, mark_consumer, merge_collected, merge_fetched
+from .spec import CAPTURE_KEY, HOOK_KEY, MAX_PAYLOAD_BYTES, ModelShape, has_lens_keys, parse_hooks, remote_hooks_allowed
 from .wire import to_jsonable
 
 COMPLETIONS = "/v1/completions"
@@ -57,8 +57,12 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
 
 
-async def _results(state: LensState, kind: str, response_id: str, n: int,
-                   choices: list[_Choice]) -> tuple[dict[int, dict], dict[str, str]]:
+class _Unmatched(RuntimeError):
+    """The response's ids do not lead to our pending requests: fail loudly, never drop results."""
+
+
+async def _results(state: LensState, kind: str, response_id: str, n: int, choices: list[_Choice],
+                   expect: bool) -> tuple[dict[int, dict], dict[str, str]]:
     """({choice index: {"activations": ..., "hook_results": ...}}, {request id: error})."""
     pending = _pending(adapter.processor_of_engine_client(state.engine))
     by_request: dict[str, list[tuple[_Choice, int]]] = {}
@@ -72,6 +76,9 @@ async def _results(state: LensState, kind: str, response_id: str, n: int,
         if p is not None:
             todo.append((rid, p, {(ch if p.n > 1 else 0): len(c.prompt_ids) + len(c.token_ids) - 1
                                   for c, ch in items}))
+        elif expect:
+            raise _Unmatched(f"inspect-lens: no pending results for engine request {rid!r} of response "
+                             f"{response_id!r} (did vLLM change its request-id format?)")
     merged: dict[str, dict] = {}
     for group in fetch_groups([(p, ch) for _, p, ch in todo]):
         merge_fetched(merged, await adapter.rpc_async(state.engine, "lens_fetch", group))
@@ -173,11 +180,14 @@ class LensMiddleware:
         scope = dict(scope, headers=headers + [(b"content-length", str(len(body)).encode())])
         kind = "chat" if path == CHAT else "cmpl"
         n = int(req.get("n") or 1)
+        # requests that asked for results must get them (steering-only ones have nothing to fetch)
+        expect = ours and any(k in xargs for k in (CAPTURE_KEY, HOOK_KEY))
         if req.get("stream"):
-            return await self.app(scope, _replay(body, receive), _StreamInjector(send, state, kind, n).send)
-        await self._buffered(scope, _replay(body, receive), send, state, kind, n)
+            return await self.app(scope, _replay(body, receive), _StreamInjector(send, state, kind, n, expect).send)
+        await self._buffered(scope, _replay(body, receive), send, state, kind, n, expect)
 
-    async def _buffered(self, scope: dict, receive: Any, send: Any, state: LensState, kind: str, n: int) -> None:
+    async def _buffered(self, scope: dict, receive: Any, send: Any, state: LensState, kind: str, n: int,
+                        expect: bool) -> None:
         start: dict | None = None
         chunks: list[bytes] = []
 
@@ -197,7 +207,10 @@ class LensMiddleware:
         resp = json.loads(raw)
         choices = [_Choice(c["index"], c.get("prompt_token_ids") or resp.get("prompt_token_ids") or [],
                            c.get("token_ids") or []) for c in resp.get("choices", [])]
-        extra, errors = await _results(state, kind, resp["id"], n, choices)
+        try:
+            extra, errors = await _results(state, kind, resp["id"], n, choices, expect)
+        except _Unmatched as e:
+            return await _send_json(send, 500, error_body(500, str(e), None, "InternalServerError"))
         if errors:
             return await _send_json(send, 400, _hook_failure(errors), start.get("headers"))
         for c in resp["choices"]:
@@ -209,8 +222,8 @@ class _StreamInjector:
     """Passes SSE events through, remembers token ids per choice, and adds one chunk with the
     activations and hook results of every choice just before `data: [DONE]`."""
 
-    def __init__(self, send: Any, state: LensState, kind: str, n: int) -> None:
-        self._send, self.state, self.kind, self.n = send, state, kind, n
+    def __init__(self, send: Any, state: LensState, kind: str, n: int, expect: bool) -> None:
+        self._send, self.state, self.kind, self.n, self.expect = send, state, kind, n, expect
         self.buf = b""
         self.response_id: str | None = None
         self.obj: str | None = None
@@ -250,8 +263,11 @@ class _StreamInjector:
     async def _final_event(self) -> bytes:
         if self.response_id is None:
             return b""
-        extra, errors = await _results(self.state, self.kind, self.response_id, self.n,
-                                       [self.choices[i] for i in sorted(self.choices)])
+        try:
+            extra, errors = await _results(self.state, self.kind, self.response_id, self.n,
+                                           [self.choices[i] for i in sorted(self.choices)], self.expect)
+        except _Unmatched as e:
+            return b"data: " + json.dumps(error_body(500, str(e), None, "InternalServerError")).encode() + b"\n\n"
         if errors:
             return b"data: " + json.dumps(_hook_failure(errors)).encode() + b"\n\n"
         chunk = {"id": self.response_id, "object": self.obj,
@@ -388,3 +404,5 @@ class LensEndpoints:
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         state.lens = LensState(engine_client)
+        if engine_client is not None:
+            mark_consumer(adapter.processor_of_engine_client(engine_client), "http")
