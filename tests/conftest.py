@@ -12,7 +12,11 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Test models are tiny: 128 MiB of KV cache per engine (the GiB-granular VLLM_CPU_KVCACHE_SPACE would
+# override the per-engine size, so it is dropped; every test engine passes KV_BYTES instead).
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+KV_BYTES = 128 << 20
+ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=KV_BYTES)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -38,6 +42,14 @@ def model_path(name: str) -> Path:
 
 
 _ENGINES: dict = {}
+_KEEP: list = []
+
+
+def keep_alive(engine):
+    """Hold an engine until the session ends: shutting one down (explicitly or by garbage collection)
+    tears down the process-wide distributed state that every in-process engine shares."""
+    _KEEP.append(engine)
+    return engine
 
 
 def make_engine(name: str, **kwargs):
@@ -46,7 +58,7 @@ def make_engine(name: str, **kwargs):
     if key not in _ENGINES:
         from vllm import LLM
 
-        opts = dict(dtype="float32", max_model_len=512, seed=0, gpu_memory_utilization=0.5)
+        opts = dict(ENGINE_DEFAULTS)
         opts.update(kwargs)
         _ENGINES[key] = LLM(str(model_path(name)), **opts)
     return _ENGINES[key]

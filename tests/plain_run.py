@@ -13,7 +13,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.outputs import RequestOutput  # noqa: E402
 
 model, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = LLM(model, dtype="float32", max_model_len=512, seed=0, enforce_eager=True)
+llm = LLM(model, dtype="float32", max_model_len=512, seed=0, enforce_eager=True, kv_cache_memory_bytes=128 << 20)
 sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
                     extra_args={"output_residual_stream": [0]})
 outs = llm.generate(prompts, sp, use_tqdm=False)

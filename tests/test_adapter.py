@@ -65,10 +65,9 @@ def test_engine_without_a_result_consumer_refuses_capture_instead_of_dropping_it
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from conftest import model_path
+    from conftest import ENGINE_DEFAULTS, keep_alive, model_path
 
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_path("llama")), dtype="float32",
-                                                   max_model_len=256, seed=0))
+    engine = keep_alive(LLMEngine.from_engine_args(EngineArgs(model=str(model_path("llama")), **ENGINE_DEFAULTS)))
     with pytest.raises(ValueError, match="no inspect-lens consumer"):
         engine.add_request("x", "the water", SamplingParams(max_tokens=2, extra_args={"output_residual_stream": [0]}))
     # steering needs no consumer (nothing comes back) and keeps working

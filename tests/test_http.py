@@ -17,12 +17,13 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from conftest import model_path
+from conftest import KV_BYTES, model_path
 from vllm_worker import Hook, SteeringVector
 from vllm_worker.client import LensBadRequest, LensClient, LensForbidden, LensUnauthorized
 from vllm_worker.wire import tensor_to_json
 
 KEY = "test-key"
+pytestmark = pytest.mark.http  # own pytest process (scripts/test.sh): two servers
 PROMPT = "the water of people will come down to the side"
 _SERVERS: list = []
 
@@ -36,7 +37,8 @@ def _free_port() -> int:
 def _serve(*flags: str, **env: str) -> str:
     port = _free_port()
     cmd = [str(Path(sys.executable).parent / "vllm-lens"), "serve", str(model_path("llama")), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0", *flags]
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
+           "--kv-cache-memory-bytes", str(KV_BYTES), *flags]
     full_env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), VLLM_ENABLE_V1_MULTIPROCESSING="1", **env)
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"lens-serve-{port}.log", "w")
     proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from conftest import model_path
+from conftest import ENGINE_DEFAULTS, keep_alive, model_path
 from vllm_worker import SteeringVector
 
 
@@ -25,7 +25,7 @@ def mp_llama():
 
     vllm.envs.disable_envs_cache()  # earlier engines froze env values; these settings must be read
     try:
-        llm = LLM(str(model_path("llama")), dtype="float32", max_model_len=512, seed=0,
+        llm = LLM(str(model_path("llama")), **ENGINE_DEFAULTS,
                   worker_extension_cls="user_ext.UserExtension")
     finally:
         for k, v in old.items():
@@ -33,13 +33,7 @@ def mp_llama():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    # Kept alive until the session ends: shutting it down (explicitly or by garbage collection) tears
-    # down the process-wide distributed state that the in-process engines of other modules share.
-    _KEEP.append(llm)
-    return llm
-
-
-_KEEP: list = []
+    return keep_alive(llm)
 
 
 def test_multiprocess_matches_inprocess_and_keeps_user_extension(mp_llama, llama):

@@ -10,12 +10,12 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from conftest import model_path
+from conftest import ENGINE_DEFAULTS, keep_alive, model_path
 from reference import greedy, hf_model, residuals, steer_edit, zero_dim_edit
 from vllm_worker import Hook, SteeringVector
 
 PROMPT = "the water of people will come down to the side"
-_KEEP: list = []
+pytestmark = pytest.mark.parallel  # own pytest process (scripts/test.sh): 4 extra worker processes
 
 
 @pytest.fixture(scope="session")
@@ -39,13 +39,12 @@ def _parallel_engine(**parallel):
 
     vllm.envs.disable_envs_cache()  # earlier engines froze env values; these settings must be read
     try:
-        llm = LLM(str(model_path("llama")), dtype="float32", max_model_len=512, seed=0,
+        llm = LLM(str(model_path("llama")), **ENGINE_DEFAULTS,
                   distributed_executor_backend="mp", enable_prefix_caching=False, **parallel)
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    _KEEP.append(llm)  # never shut down mid-session (see test_multiprocess)
-    return llm
+    return keep_alive(llm)
 
 
 def _ablate(dim):
