@@ -235,7 +235,9 @@ def _count(ctx, h):
 def test_persistent_hooks_over_http(server):
     c = _client(server)
     c.clear_hooks()
-    assert c.register_hooks([Hook(_count, [1])]) == 1
+    assert c.register_hooks([Hook(_count, [1])], prefetch_params=["lm_head.weight"]) == 1
+    assert c.prefetch_params(["model.norm.weight"]) == ["lm_head.weight", "model.norm.weight"]
+    c.clear_prefetched()
     prompts = [f"{PROMPT} {w}" for w in "the a of to and in is it that was".split()]
     with ThreadPoolExecutor(5) as pool:
         outs = list(pool.map(lambda p: c.generate(p, max_tokens=3, ignore_eos=True), prompts))
@@ -245,3 +247,22 @@ def test_persistent_hooks_over_http(server):
     c.clear_hook_results()
     assert c.collect_hook_results() == {}
     c.clear_hooks()
+
+
+def test_async_client_equals_sync_client(server):
+    import asyncio
+
+    from vllm_worker.client import AsyncLensClient
+
+    async def run():
+        c = AsyncLensClient(server, api_key=KEY)
+        try:
+            return await asyncio.gather(*[c.generate(PROMPT, max_tokens=3, temperature=0, capture_layers=[2])
+                                          for _ in range(3)])
+        finally:
+            await c.aclose()
+
+    sync = _client(server).generate(PROMPT, max_tokens=3, temperature=0, capture_layers=[2])
+    for r in asyncio.run(run()):
+        assert r.token_ids == sync.token_ids
+        assert torch.equal(r.activations["residual_stream"], sync.activations["residual_stream"])

@@ -310,7 +310,7 @@ def _guard(fn):
         except _BadRequest as e:
             return _error(e.status, e.message, e.param)
         except PermissionError as e:
-            return _error(403, str(e), f"hooks", "Forbidden")
+            return _error(403, str(e), "hooks", "Forbidden")
         except (ValueError, KeyError) as e:
             msg = str(e).strip("'\"")
             return _error(400, msg, msg.split(":", 1)[0] if ":" in msg else None)
