@@ -1,0 +1,86 @@
+"""Probe library on synthetic data: a planted direction is found (AUROC ~ 1), noise is not (~ 0.5),
+the threshold hits the requested FPR on a control set, and files round-trip without pickle."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from inspect_ai.scorer import SampleScore, Score
+
+from inspect_lens import LinearProbe, auroc, threshold_at_fpr
+from inspect_lens.metrics import probe_auroc, recall_at_fpr
+
+D = 64
+
+
+def _data(n, planted: bool, seed: int):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, n)
+    x = rng.normal(size=(n, D)) * rng.uniform(0.5, 3, D)  # uneven scales: standardization matters
+    if planted:
+        direction = rng.normal(size=D)
+        x += np.outer(2 * y - 1, direction / np.linalg.norm(direction)) * 2.0
+    return x, y
+
+
+def test_planted_direction_gives_auroc_near_one_and_noise_near_half():
+    x, y = _data(2000, True, 0)
+    probe = LinearProbe.fit(x[:1000], y[:1000], layer=3)
+    assert auroc(probe.score_tokens(x[1000:]), y[1000:]) > 0.97
+    xn, yn = _data(2000, False, 1)
+    noise = LinearProbe.fit(xn[:1000], yn[:1000])
+    assert abs(auroc(noise.score_tokens(xn[1000:]), yn[1000:]) - 0.5) < 0.06
+
+
+def test_response_score_is_the_mean_over_the_window():
+    x, y = _data(400, True, 2)
+    probe = LinearProbe.fit(x, y)
+    acts = x[:10]
+    assert probe.score_response(acts, (2, 7)) == pytest.approx(probe.score_tokens(acts[2:7]).mean())
+    with pytest.raises(ValueError, match="empty detection window"):
+        probe.score_response(acts, (5, 5))
+
+
+def test_threshold_hits_requested_fpr_on_held_out_controls():
+    rng = np.random.default_rng(3)
+    control = rng.normal(size=20000)
+    t = threshold_at_fpr(control[:10000], 0.01)
+    assert (control[:10000] > t).mean() <= 0.01
+    assert abs((control[10000:] > t).mean() - 0.01) < 0.004
+
+
+def test_save_load_is_json_and_exact(tmp_path):
+    x, y = _data(300, True, 4)
+    probe = LinearProbe.fit(x, y, layer=7)
+    probe.calibrate(probe.score_tokens(x[y == 0]), 0.05)
+    path = probe.save(tmp_path / "p.json")
+    assert json.loads(path.read_text())["format"] == "inspect-lens-linear-probe/1"
+    back = LinearProbe.load(path)
+    assert back.layer == 7 and back.threshold == probe.threshold
+    assert np.array_equal(back.score_tokens(x), probe.score_tokens(x))
+    (tmp_path / "bad.json").write_text('{"format": "pickle"}')
+    with pytest.raises(ValueError, match="not an inspect-lens probe"):
+        LinearProbe.load(tmp_path / "bad.json")
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(ValueError, match="both classes"):
+        LinearProbe.fit(np.zeros((4, 2)), np.zeros(4))
+    with pytest.raises(ValueError, match=r"acts \(N, d\)"):
+        LinearProbe.fit(np.zeros(4), np.zeros(4))
+
+
+def _ss(value, label):
+    return SampleScore(score=Score(value=value, metadata={"label": label}))
+
+
+def test_inspect_metrics():
+    rng = np.random.default_rng(5)
+    scores = ([_ss(v, "deceptive") for v in rng.normal(3, 1, 200)] + [_ss(v, "honest") for v in rng.normal(0, 1, 200)]
+              + [_ss(v, "control") for v in rng.normal(0, 1, 1000)])
+    assert probe_auroc()(scores) > 0.95
+    r = recall_at_fpr(0.01)(scores)
+    assert 0.5 < r < 0.95  # threshold ~ 2.33 sigma of the controls; deceptive mean 3 sigma
+    assert np.isnan(recall_at_fpr(0.01)([s for s in scores if s.score.metadata["label"] != "control"]))
