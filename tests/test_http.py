@@ -266,3 +266,53 @@ def test_async_client_equals_sync_client(server):
     for r in asyncio.run(run()):
         assert r.token_ids == sync.token_ids
         assert torch.equal(r.activations["residual_stream"], sync.activations["residual_stream"])
+
+
+def test_inspect_provider_capture_and_steering_equal_offline(server, llama):
+    """`vllm-lens/<model>` through Inspect's model API: metadata holds the same tensors as offline."""
+    import asyncio
+
+    from inspect_ai.model import ChatMessageUser, GenerateConfig, get_model
+
+    messages = [{"role": "user", "content": "the people will come"}]
+    v = torch.randn(1, 128, generator=torch.Generator().manual_seed(4)) * 6
+    model = get_model(f"vllm-lens/{_model()}", base_url=f"{server}/v1", api_key=KEY)
+
+    async def run(extra):
+        return await model.generate([ChatMessageUser(content=messages[0]["content"])],
+                                    config=GenerateConfig(max_tokens=5, temperature=0, extra_body={"extra_args": extra}))
+
+    capture = asyncio.run(run({"output_residual_stream": [0, 3]}))
+    ref = _offline(llama, messages, output_residual_stream=[0, 3])
+    acts = capture.metadata["activations"]
+    assert acts["layers"] == [0, 3] and torch.equal(acts["residual_stream"], ref.activations["residual_stream"])
+    assert capture.metadata["token_ids"] == list(ref.outputs[0].token_ids)
+
+    steered = asyncio.run(run({"apply_steering_vectors": [SteeringVector(v, [1])], "output_residual_stream": [2]}))
+    ref_steered = _offline(llama, messages, apply_steering_vectors=[SteeringVector(v, [1])], output_residual_stream=[2])
+    assert steered.metadata["token_ids"] == list(ref_steered.outputs[0].token_ids)
+    assert steered.metadata["token_ids"] != capture.metadata["token_ids"]
+    assert torch.equal(steered.metadata["activations"]["residual_stream"], ref_steered.activations["residual_stream"])
+
+
+def test_inspect_eval_log_stays_small_and_loads(server, tmp_path):
+    from inspect_ai import Task, eval as inspect_eval
+    from inspect_ai.dataset import Sample
+    from inspect_ai.log import read_eval_log
+    from inspect_ai.model import GenerateConfig
+    from inspect_ai.solver import generate
+
+    task = Task(dataset=[Sample(input="the people will come"), Sample(input="a long thing")], solver=generate(),
+                config=GenerateConfig(max_tokens=8, temperature=0,
+                                      extra_body={"extra_args": {"output_residual_stream": [0, 1, 2, 3]}}))
+    [log] = inspect_eval(task, model=f"vllm-lens/{_model()}", model_base_url=f"{server}/v1",
+                         model_args={"api_key": KEY}, log_dir=str(tmp_path), display="none")
+    assert log.status == "success", log.error
+    path = Path(log.location)
+    captured_bytes = 2 * 4 * 20 * 128 * 4  # two samples, 4 layers, ~20 positions, d=128, float32
+    assert path.stat().st_size < captured_bytes / 2, path.stat().st_size
+    back = read_eval_log(str(path))
+    assert len(back.samples) == 2
+    calls = [e.call for s in back.samples for e in s.events if getattr(e, "call", None) is not None]
+    text = json.dumps([c.response for c in calls])
+    assert '"b64"' not in text and '"tensor": true' in text

