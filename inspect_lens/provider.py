@@ -4,7 +4,8 @@
 
 Capture / steering / hooks go in `GenerateConfig.extra_body={"extra_args": {...}}` with the same keys as
 offline (`output_residual_stream`, `apply_steering_vectors` with `SteeringVector`s or tensors,
-`apply_hooks` with `Hook`s). Results land in `ModelOutput.metadata`:
+`apply_hooks` with `Hook`s); steering vectors may also be names registered with
+`inspect_lens.register_steering_vector`. Results land in `ModelOutput.metadata`:
 
 - `metadata["activations"] = {"residual_stream": torch.Tensor (n_layers, n_prompt + n_generated - 1,
   d_model), "layers": [...]}` (first choice)
@@ -56,24 +57,19 @@ def _use_vllm_lens_serve():
 
 def encode_extra_args(extra_args: dict[str, Any]) -> dict[str, Any]:
     """Our keys into the flat `vllm_xargs` form the server accepts (tensors in the wire format)."""
-    import torch
-
     from vllm_worker.client import encode_hooks, encode_steering
-    from vllm_worker.steering import SteeringVector
+
+    from .steering import resolve_vectors
 
     out = {k: v for k, v in extra_args.items() if k not in LENS_KEYS}
     if "output_residual_stream" in extra_args:
         out["output_residual_stream"] = list(extra_args["output_residual_stream"])
     if "apply_steering_vectors" in extra_args:
         vecs = extra_args["apply_steering_vectors"]
-        if isinstance(vecs, str):
-            out["apply_steering_vectors"] = vecs
+        if isinstance(vecs, str) and vecs.lstrip().startswith("["):
+            out["apply_steering_vectors"] = vecs  # already encoded
         else:
-            if isinstance(vecs, (SteeringVector, torch.Tensor)):
-                vecs = [vecs]
-            if any(isinstance(v, torch.Tensor) for v in vecs):
-                raise ValueError("apply_steering_vectors: wrap tensors in SteeringVector(activations, layer_indices)")
-            out["apply_steering_vectors"] = encode_steering(vecs)
+            out["apply_steering_vectors"] = encode_steering(resolve_vectors(vecs))
     if "apply_hooks" in extra_args:
         hooks = extra_args["apply_hooks"]
         out["apply_hooks"] = hooks if isinstance(hooks, str) else json.dumps(encode_hooks(hooks))
@@ -110,6 +106,24 @@ class VLLMLensAPI(VLLMAPI):
             os.environ["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"  # read by the server we start
         with _use_vllm_lens_serve():
             return super()._start_server(model_path, port)
+
+    async def lens_info(self) -> dict[str, Any]:
+        """The served model's shape (`n_layers`, `d_model`) from `GET /v1/lens/info` (cached)."""
+        if getattr(self, "_lens_info", None) is None:
+            client = await self.lens_client()
+            try:
+                self._lens_info = await client.info()
+            finally:
+                await client.aclose()
+        return self._lens_info
+
+    async def lens_client(self):
+        """An `AsyncLensClient` on this provider's server (started if needed); the caller closes it.
+        Its calls are not logged by Inspect: use it for bulk work such as probe training."""
+        from vllm_worker.client import AsyncLensClient
+
+        await self._ensure_server_started()
+        return AsyncLensClient(self._server_root(), api_key=self.api_key, model=self.service_model_name())
 
     def _lens_args(self, config: GenerateConfig) -> dict[str, Any] | None:
         body = config.extra_body or {}

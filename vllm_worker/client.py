@@ -163,6 +163,12 @@ class LensClient(_Base):
                                    steering_vectors, hooks, sampling)
         return parse_response(self._post(path, body))
 
+    def info(self) -> dict[str, Any]:
+        """`{"n_layers", "d_model", "vllm_version", "remote_hooks"}` of the served model."""
+        resp = self._http.get("/v1/lens/info")
+        _raise_for(resp)
+        return resp.json()
+
     def register_hooks(self, hooks: Sequence[Hook], prefetch_params: Sequence[str] | None = None) -> int:
         body: dict[str, Any] = {"hooks": encode_hooks(hooks)}
         if prefetch_params:
@@ -215,6 +221,11 @@ class AsyncLensClient(_Base):
         path, body = build_request(await self._model(), prompt, messages, max_tokens, capture_layers,
                                    steering_vectors, hooks, sampling)
         return parse_response(await self._post(path, body))
+
+    async def info(self) -> dict[str, Any]:
+        resp = await self._http.get("/v1/lens/info")
+        _raise_for(resp)
+        return resp.json()
 
     async def register_hooks(self, hooks: Sequence[Hook], prefetch_params: Sequence[str] | None = None) -> int:
         body: dict[str, Any] = {"hooks": encode_hooks(hooks)}

@@ -3,7 +3,8 @@
 - `/v1/completions` and `/v1/chat/completions` accept our keys in `vllm_xargs`; every choice of the
   response carries `activations` / `hook_results` (streaming: one extra chunk before `[DONE]`). The
   response also carries `prompt_token_ids` / `token_ids`, which align positions with tokens.
-- `/v1/hooks/*` manage persistent hooks.
+- `/v1/hooks/*` manage persistent hooks; `GET /v1/lens/info` reports the model's shape (n_layers, d_model)
+  so clients can pick layers (e.g. the middle one) without loading the model themselves.
 - Hooks are code: they are refused (403) unless the server was started with `--allow-remote-hooks`.
   Captures and steering never need it, and nothing received from a client is unpickled otherwise.
 - Bad input is a 4xx JSON error naming the field; vLLM's `--api-key` guards these routes too.
@@ -392,6 +393,19 @@ async def clear_prefetched(request: Request):
     return {"cleared": True}
 
 
+info_router = APIRouter(prefix="/v1/lens")
+
+
+@info_router.get("/info")
+@_guard
+async def info(request: Request):
+    import vllm
+
+    shape = _shape(_state(request.app))
+    return {"n_layers": shape.n_layers, "d_model": shape.d_model, "vllm_version": vllm.__version__,
+            "remote_hooks": remote_hooks_allowed()}
+
+
 class LensEndpoints:
     """The `vllm.endpoint_plugins` entry (`inspect_lens_http`); `vllm-lens serve` allow-lists it."""
 
@@ -400,6 +414,7 @@ class LensEndpoints:
 
     def attach_router(self, app: Any) -> None:
         app.include_router(router)
+        app.include_router(info_router)
         app.add_middleware(LensMiddleware)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:

@@ -1,0 +1,124 @@
+"""Solvers: capture the residual stream of a sample's answer, and generate under steering.
+
+Captured tensors stay in this process (`captured(state)`), never in the eval log: the sample's
+metadata gets a summary (layers, shape, detection window) instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from inspect_ai.model import GenerateConfig, get_model
+from inspect_ai.solver import Generate, Solver, TaskState, solver
+
+from ._lens_model import count_tokens, resolve_layers
+
+_CAPTURES: dict[str, "Captured"] = {}
+
+
+@dataclass
+class Captured:
+    layers: list[int]
+    residual: torch.Tensor  # (n_layers, n_positions, d_model); row i = residual after the layer at token i
+    token_ids: list[int]  # the token at each position
+    window: tuple[int, int]  # positions of the detection window [start, end)
+    window_exact: bool  # the window's tokens equal the detect text tokenized alone
+
+    def window_acts(self, layer: int) -> torch.Tensor:
+        """(n_window, d_model) activations at `layer` over the detection window."""
+        if layer not in self.layers:
+            raise ValueError(f"layer {layer} was not captured (captured: {self.layers})")
+        return self.residual[self.layers.index(layer), self.window[0]:self.window[1]]
+
+
+def captured(state: TaskState, pop: bool = False) -> Captured:
+    """The capture `capture_activations` made for this sample."""
+    got = (_CAPTURES.pop if pop else _CAPTURES.get)(state.uuid, None)
+    if got is None:
+        raise ValueError(f"sample {state.sample_id!r} has no captured activations: put capture_activations() "
+                         "in the solver chain before scorers that read them")
+    return got
+
+
+def answer_window(prompt_ids: list[int], detect_ids: list[int]) -> tuple[tuple[int, int], bool]:
+    """The last len(detect_ids) positions (a teacher-forced prompt ends with the answer), and whether the
+    tokens there equal the detect text tokenized alone (BPE merges at the boundary can shift by one)."""
+    end = len(prompt_ids)
+    start = max(0, end - len(detect_ids))
+    return (start, end), prompt_ids[start:end] == detect_ids
+
+
+async def detect_token_ids(model: Any, answer: str, detect: str) -> list[int]:
+    """Tokens of the detect text as they appear at the end of the answer: a preceding space is kept,
+    because byte-level BPE tokenizers fold it into the first word's token."""
+    if detect != answer and answer.endswith(" " + detect):
+        detect = " " + detect
+    return await count_tokens(model, detect)
+
+
+@solver
+def capture_activations(layers: int | Sequence[int] | str | None = None, *, detect_key: str = "detect_text",
+                        generate_answer: bool = False) -> Solver:
+    """Capture the residual stream at `layers` (default: the middle layer) for the sample's answer.
+
+    Teacher-forced (default, when the last message is the assistant's): the answer is read, not generated
+    (one forward pass; no token is added). The detection window is `metadata[detect_key]` (a suffix of the
+    answer; default the whole answer). With `generate_answer=True` or no trailing assistant message the
+    model generates (task config applies) and the window is the generated tokens.
+    """
+
+    async def solve(state: TaskState, generate: Generate) -> TaskState:
+        model = get_model()
+        layer_list = await resolve_layers(model, layers)
+        extra = {"extra_args": {"output_residual_stream": layer_list}}
+        teacher_forced = not generate_answer and state.messages and state.messages[-1].role == "assistant"
+        if teacher_forced:
+            out = await model.generate(state.messages, config=GenerateConfig(max_tokens=1, temperature=0,
+                                                                              extra_body=extra))
+            meta = out.metadata or {}
+            prompt_ids = list(meta.get("prompt_token_ids") or [])
+            answer = state.messages[-1].text
+            detect = (state.metadata or {}).get(detect_key) or answer
+            detect_ids = await detect_token_ids(model, answer, detect)
+            window, exact = answer_window(prompt_ids, detect_ids)
+            token_ids = prompt_ids
+        else:
+            state = await generate(state, extra_body=extra)
+            out = state.output
+            meta = out.metadata or {}
+            prompt_ids = list(meta.get("prompt_token_ids") or [])
+            gen = list(meta.get("token_ids") or [])
+            # generated token j is an input at position n_prompt + j; the last one never is
+            window, exact = (len(prompt_ids), len(prompt_ids) + max(len(gen) - 1, 0)), True
+            token_ids = prompt_ids + gen[:-1]
+        acts = meta.get("activations")
+        if not acts:
+            raise RuntimeError("the server returned no activations (is the model served by vllm-lens?)")
+        cap = Captured(list(acts["layers"]), acts["residual_stream"], token_ids, window, exact)
+        _CAPTURES[state.uuid] = cap
+        state.metadata["inspect_lens_capture"] = {
+            "layers": cap.layers, "shape": list(cap.residual.shape), "dtype": str(cap.residual.dtype),
+            "window": list(window), "window_exact": exact, "teacher_forced": bool(teacher_forced)}
+        return state
+
+    return solve
+
+
+@solver
+def steer(vectors: Any, *, capture_layers: Sequence[int] | None = None, **generate_args: Any) -> Solver:
+    """Generate under steering. `vectors`: a `SteeringVector`, a registered name
+    (`register_steering_vector`), or a list of those. Names keep tensors out of the logged eval plan.
+    `capture_layers` also captures the residual stream (in `state.output.metadata["activations"]`)."""
+    from .steering import resolve_vectors
+
+    resolve_vectors(vectors)  # fail at task construction on unknown names / bad types
+
+    async def solve(state: TaskState, generate: Generate) -> TaskState:
+        extra: dict[str, Any] = {"apply_steering_vectors": vectors}
+        if capture_layers is not None:
+            extra["output_residual_stream"] = list(capture_layers)
+        return await generate(state, extra_body={"extra_args": extra}, **generate_args)
+
+    return solve
