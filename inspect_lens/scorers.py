@@ -21,7 +21,7 @@ from inspect_ai.solver import TaskState
 from ._lens_model import lens_api, resolve_layers
 from .metrics import probe_auroc, recall_at_fpr
 from .probes import LinearProbe
-from .solvers import answer_window, captured, detect_token_ids
+from .solvers import answer_window, captured, detect_candidates
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,8 @@ async def collect_training_acts(model: Model, samples: Sequence[Sample], layer: 
             r = await client.generate(messages=_chat_dicts(sample), max_tokens=1, temperature=0,
                                       capture_layers=[layer], add_generation_prompt=False,
                                       continue_final_message=True)
-        answer = sample.input[-1].text  # type: ignore[union-attr]
-        ids = await detect_token_ids(model, answer, meta.get("detect_text") or answer)
-        (start, end), _ = answer_window(r.prompt_token_ids, ids)
+        detect = meta.get("detect_text") or sample.input[-1].text  # type: ignore[union-attr]
+        (start, end), _ = answer_window(r.prompt_token_ids, await detect_candidates(model, detect))
         acts = r.activations["residual_stream"][0, start:end].float().numpy()
         return acts, int(label == "deceptive")
 

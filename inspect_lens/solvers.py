@@ -42,20 +42,23 @@ def captured(state: TaskState, pop: bool = False) -> Captured:
     return got
 
 
-def answer_window(prompt_ids: list[int], detect_ids: list[int]) -> tuple[tuple[int, int], bool]:
-    """The last len(detect_ids) positions (a teacher-forced prompt ends with the answer), and whether the
-    tokens there equal the detect text tokenized alone (BPE merges at the boundary can shift by one)."""
+def answer_window(prompt_ids: list[int], candidates: list[list[int]]) -> tuple[tuple[int, int], bool]:
+    """A teacher-forced prompt ends with the answer: the window is its last k positions, k from the first
+    candidate tokenization of the detect text that equals the prompt's tail (exact), else the first one."""
     end = len(prompt_ids)
-    start = max(0, end - len(detect_ids))
-    return (start, end), prompt_ids[start:end] == detect_ids
+    for ids in candidates:
+        if ids and prompt_ids[end - len(ids):] == ids:
+            return (end - len(ids), end), True
+    return (max(0, end - len(candidates[0])), end), False
 
 
-async def detect_token_ids(model: Any, answer: str, detect: str) -> list[int]:
-    """Tokens of the detect text as they appear at the end of the answer: a preceding space is kept,
-    because byte-level BPE tokenizers fold it into the first word's token."""
-    if detect != answer and answer.endswith(" " + detect):
-        detect = " " + detect
-    return await count_tokens(model, detect)
+async def detect_candidates(model: Any, detect: str) -> list[list[int]]:
+    """The detect text tokenized alone and with a leading space: byte-level BPE folds the space that
+    precedes it in context (template or speaker prefix) into its first token."""
+    out = [await count_tokens(model, detect)]
+    if not detect.startswith(" "):
+        out.append(await count_tokens(model, " " + detect))
+    return out
 
 
 @solver
@@ -79,10 +82,8 @@ def capture_activations(layers: int | Sequence[int] | str | None = None, *, dete
                                                                               extra_body=extra))
             meta = out.metadata or {}
             prompt_ids = list(meta.get("prompt_token_ids") or [])
-            answer = state.messages[-1].text
-            detect = (state.metadata or {}).get(detect_key) or answer
-            detect_ids = await detect_token_ids(model, answer, detect)
-            window, exact = answer_window(prompt_ids, detect_ids)
+            detect = (state.metadata or {}).get(detect_key) or state.messages[-1].text
+            window, exact = answer_window(prompt_ids, await detect_candidates(model, detect))
             token_ids = prompt_ids
         else:
             state = await generate(state, extra_body=extra)

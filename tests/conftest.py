@@ -79,3 +79,6 @@ def hf_factory():
     import reference
 
     return reference.hf_model
+
+
+from servers import _stop_servers, locked_server, server  # noqa: E402,F401  (HTTP fixtures, session-wide)

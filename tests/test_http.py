@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,72 +12,14 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from conftest import KV_BYTES, model_path
+from conftest import model_path
+from servers import KEY
 from vllm_worker import Hook, SteeringVector
 from vllm_worker.client import LensBadRequest, LensClient, LensForbidden, LensUnauthorized
 from vllm_worker.wire import tensor_to_json
 
-KEY = "test-key"
 pytestmark = pytest.mark.http  # own pytest process (scripts/test.sh): two servers
 PROMPT = "the water of people will come down to the side"
-_SERVERS: list = []
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(*flags: str, **env: str) -> str:
-    port = _free_port()
-    cmd = [str(Path(sys.executable).parent / "vllm-lens"), "serve", str(model_path("llama")), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
-           "--kv-cache-memory-bytes", str(KV_BYTES), *flags]
-    full_env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), VLLM_ENABLE_V1_MULTIPROCESSING="1", **env)
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"lens-serve-{port}.log", "w")
-    proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
-    _SERVERS.append(proc)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"server did not start; see {log.name}")
-
-
-@pytest.fixture(scope="session")
-def server():
-    """Operator opted in to remote hooks; API key set; 1 MiB payload limit."""
-    return _serve("--api-key", KEY, "--allow-remote-hooks", VLLM_LENS_MAX_PAYLOAD_MB="1")
-
-
-@pytest.fixture(scope="session")
-def locked_server():
-    """Default posture: no remote hooks."""
-    return _serve()
-
-
-def pytest_sessionfinish():  # pragma: no cover - pytest calls the conftest one; kept for clarity
-    pass
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _stop_servers():
-    yield
-    for p in _SERVERS:
-        p.terminate()
-    for p in _SERVERS:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def _client(url, key=KEY):
@@ -316,3 +253,9 @@ def test_inspect_eval_log_stays_small_and_loads(server, tmp_path):
     calls = [e.call for s in back.samples for e in s.events if getattr(e, "call", None) is not None]
     text = json.dumps([c.response for c in calls])
     assert '"b64"' not in text and '"tensor": true' in text
+
+
+def test_lens_info_reports_the_served_model_shape(server):
+    info = _client(server).info()
+    assert (info["n_layers"], info["d_model"]) == (4, 128) and info["remote_hooks"] is True
+    assert httpx.get(server + "/v1/lens/info").status_code == 401  # --api-key guards it like the rest

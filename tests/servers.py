@@ -1,0 +1,74 @@
+"""Real `vllm-lens serve` processes on 127.0.0.1 (random free ports), shared by the HTTP-marked tests
+(fixtures registered in conftest)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import KV_BYTES, model_path
+
+KEY = "test-key"
+_SERVERS: list = []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(*flags: str, **env: str) -> str:
+    port = _free_port()
+    cmd = [str(Path(sys.executable).parent / "vllm-lens"), "serve", str(model_path("llama")), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
+           "--kv-cache-memory-bytes", str(KV_BYTES), *flags]
+    full_env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), VLLM_ENABLE_V1_MULTIPROCESSING="1", **env)
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"lens-serve-{port}.log", "w")
+    proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    _SERVERS.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"server did not start; see {log.name}")
+
+
+@pytest.fixture(scope="session")
+def server():
+    """Operator opted in to remote hooks; API key set; 1 MiB payload limit."""
+    return _serve("--api-key", KEY, "--allow-remote-hooks", VLLM_LENS_MAX_PAYLOAD_MB="1")
+
+
+@pytest.fixture(scope="session")
+def locked_server():
+    """Default posture: no remote hooks."""
+    return _serve()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_servers():
+    yield
+    for p in _SERVERS:
+        p.terminate()
+    for p in _SERVERS:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
