@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from vllm import SamplingParams
@@ -77,3 +79,15 @@ def test_engine_without_a_result_consumer_refuses_capture_instead_of_dropping_it
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in outs] == ["y"] and len(outs[0].outputs[0].token_ids) == 2
+
+
+def test_v2_model_runner_is_refused_not_silently_ignored(monkeypatch):
+    """Our patches live on the V1 runner; asking for V2 must fail loudly, the default must select V1."""
+    from vllm_worker import adapter
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(adapter.LensIncompatibleVLLM, match="VLLM_USE_V2_MODEL_RUNNER"):
+        adapter.force_v1_model_runner()
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    adapter.force_v1_model_runner()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"

@@ -75,6 +75,24 @@ def engine_args_cls() -> type:
     return EngineArgs
 
 
+def force_v1_model_runner() -> None:
+    """Our worker patches live on the V1 `GPUModelRunner`. vLLM >= 0.26 on GPU defaults non-MoE models to
+    the V2 runner (`vllm/v1/worker/gpu/`), where they would silently never run: select V1 through its
+    env switch (read when the engine config is built, inherited by worker processes), and refuse V2."""
+    import os
+
+    import vllm.envs as envs
+
+    if "VLLM_USE_V2_MODEL_RUNNER" not in getattr(envs, "environment_variables", {}):
+        return  # this vLLM has no V2 runner
+    value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    if value in ("1", "true"):
+        raise LensIncompatibleVLLM("inspect-lens hooks the V1 model runner; VLLM_USE_V2_MODEL_RUNNER=1 would make "
+                                   "every capture/steering request a silent no-op. Unset it, or set "
+                                   "VLLM_LENS_DISABLE=1 to run without the plugin.")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
 def patch_engine_args(adjust: Callable[[Any], Any]) -> None:
     """`adjust(engine_args) -> engine_args` runs before every engine config is built (offline and serve)."""
 

@@ -23,6 +23,9 @@ def _adjust_engine_args(args):
     from .composed import name_for
 
     global _warned_eager
+    from . import adapter
+
+    adapter.force_v1_model_runner()
     new = copy.copy(args)
     user_ext = args.worker_extension_cls or ""
     if not user_ext:

@@ -1,0 +1,281 @@
+"""One benchmarked system in its own process: load once, then run workloads on request.
+
+    python bench/worker.py SYSTEM MODEL_DIR [--device cpu|cuda] [--dtype float32]
+
+Protocol: one JSON command per stdin line ({"workload": "W1", "n": 64, "new": 32, "prompt_len": 32}),
+one `BENCH {...}` line per answer on stdout ({"wall": s, "out_tokens": n, "rss_mb": ..., "hwm_mb": ...}
+or {"error": "..."}). The first answer reports the start-up time.
+
+Systems: vllm-eager, vllm-compiled (plain vLLM, plugins off), lens (this project), vllm-lens (the
+original, 1.3.0), hf (transformers + forward hooks), nnsight, transformer-lens. Which plugin loads is
+decided by the parent through VLLM_PLUGINS; this file only builds requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W5")
+
+
+def mem_mb() -> tuple[float, float]:
+    rss = hwm = 0.0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) / 1024
+    return rss, hwm
+
+
+def gpu_mem_mb() -> float | None:
+    try:
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    """Deterministic token-id prompts (distinct per index: no prefix-cache sharing between them)."""
+    return [[(1000 + 37 * i + 101 * j) % 30000 + 100 for j in range(length)] for i in range(n)]
+
+
+def send(obj: dict) -> None:
+    sys.stdout.write("BENCH " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+# ------------------------------------------------------------------------------------------ vLLM family
+
+
+class VLLMSystem:
+    def __init__(self, kind: str, model: str, device: str, dtype: str) -> None:
+        from vllm import LLM
+
+        self.kind = kind
+        eager = kind != "vllm-compiled"
+        kw: dict = dict(model=model, dtype=dtype, seed=0, max_model_len=1024, enforce_eager=eager,
+                        enable_prefix_caching=False)
+        if device == "cpu":
+            kw["kv_cache_memory_bytes"] = int(os.environ.get("BENCH_KV_BYTES", str(2 << 30)))
+        else:
+            kw["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_UTIL", "0.85"))
+            kw["max_num_seqs"] = 256
+        self.llm = LLM(**kw)
+        cfg = self.llm.llm_engine.model_config.hf_config
+        self.n_layers, self.d = cfg.num_hidden_layers, cfg.hidden_size
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        self.vec = torch.randn(1, self.d, generator=g) * 2.0
+
+    def _types(self):
+        if self.kind == "vllm-lens":
+            from vllm_lens import Hook, SteeringVector
+        else:
+            from vllm_worker import Hook, SteeringVector
+        return Hook, SteeringVector
+
+    def extra(self, workload: str, i: int, n: int) -> dict:
+        mid = self.n_layers // 2
+        if workload == "W0":
+            return {}
+        if self.kind in ("vllm-eager", "vllm-compiled"):
+            raise NotImplementedError("plain vLLM has no capture/steering/hooks")
+        Hook, SteeringVector = self._types()
+        if workload == "W5":  # a quarter capture, a quarter steer, the rest plain
+            workload = "W1" if i % 4 == 0 else "W3" if i % 4 == 1 else "W0"
+            if workload == "W0":
+                return {}
+        if workload == "W1":
+            return {"output_residual_stream": [mid]}
+        if workload == "W2":
+            return {"output_residual_stream": list(range(self.n_layers))}
+        if workload == "W3":
+            return {"apply_steering_vectors": [SteeringVector(activations=self.vec, layer_indices=[mid], scale=1.0)]}
+        if workload == "W4":
+            return {"apply_hooks": [Hook(fn=_norm_hook, layer_indices=[mid])]}
+        raise ValueError(workload)
+
+    def run(self, workload: str, n: int, new: int, prompt_len: int) -> int:
+        from vllm import SamplingParams
+
+        ps = prompts(n, prompt_len)
+        sps = [SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, extra_args=self.extra(workload, i, n) or None)
+               for i in range(n)]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in ps], sps, use_tqdm=False)
+        if workload in ("W1", "W2"):  # results must really be there (no silent no-op)
+            acts = outs[0].activations["residual_stream"]
+            assert acts.shape[1] == prompt_len + new - 1, acts.shape
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def _norm_hook(ctx, h):
+    ctx.saved["norm"] = h.float().norm(dim=-1).mean().item() if h.numel() else 0.0
+    return None
+
+
+# ------------------------------------------------------------------------------------------ HF family
+
+
+class HFSystem:
+    """transformers generate with forward hooks: the batch is one padded tensor, hooks see all rows."""
+
+    def __init__(self, kind: str, model: str, device: str, dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.kind, self.device = kind, device
+        self.model = AutoModelForCausalLM.from_pretrained(model, torch_dtype=getattr(torch, dtype)).to(device).eval()
+        cfg = self.model.config
+        self.n_layers, self.d = cfg.num_hidden_layers, cfg.hidden_size
+        self.vec = (torch.randn(1, self.d, generator=torch.Generator().manual_seed(0)) * 2.0).to(device, self.model.dtype)
+        self.batch = int(os.environ.get("BENCH_HF_BATCH", "64"))
+        if kind == "nnsight":
+            from nnsight import LanguageModel
+
+            self.nn = LanguageModel(self.model, tokenizer=_tokenizer(model))
+        if kind == "transformer-lens":
+            raise RuntimeError(_tl_unsupported(model))
+
+    def run(self, workload: str, n: int, new: int, prompt_len: int) -> int:
+        import torch
+
+        if workload == "W5":
+            raise NotImplementedError("no per-request features in a padded HF batch")
+        out_tokens = 0
+        ps = prompts(n, prompt_len)
+        for s in range(0, n, self.batch):
+            ids = torch.tensor(ps[s:s + self.batch], device=self.device)
+            if self.kind == "nnsight":
+                out_tokens += self._nnsight(workload, ids, new)
+            else:
+                out_tokens += self._hf(workload, ids, new)
+        return out_tokens
+
+    def _hf(self, workload: str, ids, new: int) -> int:
+        import torch
+
+        layers = self.model.model.layers
+        mid = self.n_layers // 2
+        saved: list = []
+        handles = []
+
+        def capture(_m, _i, out):
+            h = out[0] if isinstance(out, tuple) else out
+            saved.append(h.detach().to("cpu", copy=True))
+
+        def steer(_m, _i, out):
+            if isinstance(out, tuple):
+                return (out[0] + self.vec,) + tuple(out[1:])
+            return out + self.vec
+
+        def hook(_m, _i, out):
+            h = out[0] if isinstance(out, tuple) else out
+            saved.append(h.float().norm(dim=-1).mean().item())
+
+        if workload == "W1":
+            handles.append(layers[mid].register_forward_hook(capture))
+        elif workload == "W2":
+            handles += [layer.register_forward_hook(capture) for layer in layers]
+        elif workload == "W3":
+            handles.append(layers[mid].register_forward_hook(steer))
+        elif workload == "W4":
+            handles.append(layers[mid].register_forward_hook(hook))
+        try:
+            with torch.inference_mode():
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                          min_new_tokens=new, do_sample=False, pad_token_id=0)
+        finally:
+            for h in handles:
+                h.remove()
+        if workload in ("W1", "W2"):
+            assert saved, "no activations captured"
+        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
+    def _nnsight(self, workload: str, ids, new: int) -> int:
+        import torch
+
+        if workload not in ("W0", "W1", "W3"):
+            raise NotImplementedError("only W0/W1/W3 implemented for nnsight here")
+        mid = self.n_layers // 2
+        layer = self.nn.model.layers[mid]
+        saves = []
+        with torch.inference_mode():
+            with self.nn.generate({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, max_new_tokens=new,
+                                  min_new_tokens=new, do_sample=False, pad_token_id=0) as tracer:
+                if workload != "W0":
+                    with tracer.all():
+                        if workload == "W1":
+                            saves.append(layer.output[0].save())
+                        else:
+                            layer.output[0][:] += self.vec
+                out = self.nn.generator.output.save()
+        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
+
+def _tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def _tl_unsupported(model: str) -> str:
+    """TransformerLens builds models from its own registry of official names; try it and report why not."""
+    try:
+        import transformer_lens  # noqa: F401
+        from transformer_lens.loading_from_pretrained import get_official_model_name
+
+        get_official_model_name(os.path.basename(model))
+    except Exception as e:  # the reason goes in the table
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return "loaded name unexpectedly"
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    kind, model = sys.argv[1], sys.argv[2]
+    device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
+    dtype = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "float32"
+    t0 = time.perf_counter()
+    try:
+        system = (HFSystem if kind in ("hf", "nnsight", "transformer-lens") else VLLMSystem)(kind, model, device, dtype)
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        send({"error": f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+        return
+    send({"startup_s": time.perf_counter() - t0})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            break
+        try:
+            if device == "cuda":
+                import torch
+
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            toks = system.run(cmd["workload"], cmd["n"], cmd["new"], cmd["prompt_len"])
+            if device == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+            rss, hwm = mem_mb()
+            send({"wall": wall, "out_tokens": toks, "rss_mb": rss, "hwm_mb": hwm, "gpu_peak_mb": gpu_mem_mb()})
+        except NotImplementedError as e:
+            send({"error": f"n/a: {e}"})
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            send({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+
+
+if __name__ == "__main__":
+    main()
