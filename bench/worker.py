@@ -66,8 +66,10 @@ class VLLMSystem:
         if device == "cpu":
             kw["kv_cache_memory_bytes"] = int(os.environ.get("BENCH_KV_BYTES", str(2 << 30)))
         else:
-            kw["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_UTIL", "0.85"))
+            kw["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_UTIL", "0.2"))  # 4 engines side by side
             kw["max_num_seqs"] = 256
+        if os.environ.get("BENCH_LOAD_FORMAT"):
+            kw["load_format"] = os.environ["BENCH_LOAD_FORMAT"]  # "dummy": random weights of the real shape
         self.llm = LLM(**kw)
         cfg = self.llm.llm_engine.model_config.hf_config
         self.n_layers, self.d = cfg.num_hidden_layers, cfg.hidden_size
@@ -104,17 +106,49 @@ class VLLMSystem:
             return {"apply_hooks": [Hook(fn=_norm_hook, layer_indices=[mid])]}
         raise ValueError(workload)
 
-    def run(self, workload: str, n: int, new: int, prompt_len: int) -> int:
+    def bulk(self, n: int, new: int, prompt_len: int) -> dict:
+        """n capture requests (middle layer) in rounds of n/4, results dropped: does RSS stay flat?"""
         from vllm import SamplingParams
 
+        mid, rss, toks = self.n_layers // 2, [round(mem_mb()[0])], 0
+        sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [mid]})
+        for r in range(4):
+            ps = [[(p + 7919 * r) % 30000 + 100 for p in q] for q in prompts(n // 4, prompt_len)]
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+            toks += sum(len(o.outputs[0].token_ids) for o in outs)
+            del outs
+            rss.append(round(mem_mb()[0]))
+        return {"out_tokens": toks, "detail": f"{n} requests × ({prompt_len} prompt + {new} new tokens), capture layer "
+                f"{mid}: RSS MB before and after each quarter = {rss}"}
+
+    def run(self, workload: str, n: int, new: int, prompt_len: int) -> int | dict:
+        from vllm import SamplingParams
+
+        if workload == "BULK":
+            return self.bulk(n, new, prompt_len)
         ps = prompts(n, prompt_len)
         sps = [SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, extra_args=self.extra(workload, i, n) or None)
                for i in range(n)]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in ps], sps, use_tqdm=False)
+        # BENCH_W2_CHUNK: split an all-layer capture into several generate calls (the original tool hangs
+        # when one engine->frontend message passes 4 GiB)
+        chunk = int(os.environ.get("BENCH_W2_CHUNK", "0")) if workload == "W2" and self.kind == "vllm-lens" else 0
+        outs = []
+        for s in range(0, n, chunk or n):
+            outs += self.llm.generate([{"prompt_token_ids": p} for p in ps[s:s + (chunk or n)]], sps[s:s + (chunk or n)],
+                                      use_tqdm=False)
         if workload in ("W1", "W2"):  # results must really be there (no silent no-op)
             acts = outs[0].activations["residual_stream"]
             assert acts.shape[1] == prompt_len + new - 1, acts.shape
+            assert bool(acts.float().isfinite().all()) and float(acts.float().abs().sum()) > 0
+            if self.kind == "lens" and not getattr(self, "_checked", False):  # once (warm-up): the batch's captures line up with a request run alone (first position)
+                alone = self.llm.generate([{"prompt_token_ids": ps[0]}], [sps[0]], use_tqdm=False)[0]
+                a, b = alone.activations["residual_stream"][:, 0].float(), acts[:, 0].float()
+                assert torch.allclose(a, b, rtol=0.05, atol=0.05 * float(a.abs().max())), "capture misaligned"
+                self._checked = True
         return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+import torch  # noqa: E402  (after the vLLM import so its env settings apply first)
 
 
 def _norm_hook(ctx, h):
@@ -143,7 +177,10 @@ class HFSystem:
 
             self.nn = LanguageModel(self.model, tokenizer=_tokenizer(model))
         if kind == "transformer-lens":
-            raise RuntimeError(_tl_unsupported(model))
+            from transformer_lens.model_bridge import TransformerBridge
+
+            self.tl = TransformerBridge.boot_transformers(model, device=device, dtype=getattr(torch, dtype),
+                                                          hf_model=self.model)
 
     def run(self, workload: str, n: int, new: int, prompt_len: int) -> int:
         import torch
@@ -156,6 +193,8 @@ class HFSystem:
             ids = torch.tensor(ps[s:s + self.batch], device=self.device)
             if self.kind == "nnsight":
                 out_tokens += self._nnsight(workload, ids, new)
+            elif self.kind == "transformer-lens":
+                out_tokens += self._tl(workload, ids, new)
             else:
                 out_tokens += self._hf(workload, ids, new)
         return out_tokens
@@ -200,6 +239,32 @@ class HFSystem:
             assert saved, "no activations captured"
         return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
+    def _tl(self, workload: str, ids, new: int) -> int:
+        """TransformerLens (4.x TransformerBridge) hook points: blocks.{i}.hook_out is the residual stream."""
+        import torch
+
+        mid = self.n_layers // 2
+        saved: list = []
+
+        def capture(h, hook):
+            saved.append(h.detach().to("cpu", copy=True))
+
+        def steer(h, hook):
+            return h + self.vec
+
+        def norm(h, hook):
+            saved.append(h.float().norm(dim=-1).mean().item())
+
+        hooks = {"W0": [], "W1": [(f"blocks.{mid}.hook_out", capture)],
+                 "W2": [(f"blocks.{i}.hook_out", capture) for i in range(self.n_layers)],
+                 "W3": [(f"blocks.{mid}.hook_out", steer)], "W4": [(f"blocks.{mid}.hook_out", norm)]}[workload]
+        with torch.inference_mode(), self.tl.hooks(fwd_hooks=hooks):
+            out = self.tl.generate(ids, max_new_tokens=new, stop_at_eos=False, do_sample=False, verbose=False,
+                                   return_type="tokens")
+        if workload in ("W1", "W2"):
+            assert saved, "no activations captured"
+        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
     def _nnsight(self, workload: str, ids, new: int) -> int:
         import torch
 
@@ -211,13 +276,13 @@ class HFSystem:
         with torch.inference_mode():
             with self.nn.generate({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, max_new_tokens=new,
                                   min_new_tokens=new, do_sample=False, pad_token_id=0) as tracer:
+                out = self.nn.generator.output.save()  # before the all-steps block: code after it never runs
                 if workload != "W0":
                     with tracer.all():
                         if workload == "W1":
                             saves.append(layer.output[0].save())
                         else:
                             layer.output[0][:] += self.vec
-                out = self.nn.generator.output.save()
         return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
 
@@ -225,18 +290,6 @@ def _tokenizer(model: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model)
-
-
-def _tl_unsupported(model: str) -> str:
-    """TransformerLens builds models from its own registry of official names; try it and report why not."""
-    try:
-        import transformer_lens  # noqa: F401
-        from transformer_lens.loading_from_pretrained import get_official_model_name
-
-        get_official_model_name(os.path.basename(model))
-    except Exception as e:  # the reason goes in the table
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    return "loaded name unexpectedly"
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -264,12 +317,13 @@ def main() -> None:
 
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            toks = system.run(cmd["workload"], cmd["n"], cmd["new"], cmd["prompt_len"])
+            got = system.run(cmd["workload"], cmd["n"], cmd["new"], cmd["prompt_len"])
             if device == "cuda":
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t
             rss, hwm = mem_mb()
-            send({"wall": wall, "out_tokens": toks, "rss_mb": rss, "hwm_mb": hwm, "gpu_peak_mb": gpu_mem_mb()})
+            extra = got if isinstance(got, dict) else {"out_tokens": got}
+            send({"wall": wall, "rss_mb": rss, "hwm_mb": hwm, "gpu_peak_mb": gpu_mem_mb(), **extra})
         except NotImplementedError as e:
             send({"error": f"n/a: {e}"})
         except Exception as e:

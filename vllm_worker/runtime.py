@@ -29,6 +29,7 @@ logger = logging.getLogger("vllm_worker")
 MAX_STORED_BYTES = int(float(os.environ.get("VLLM_LENS_MAX_STORED_GB", "8")) * (1 << 30))
 # Requests whose persistent-hook results are kept until `clear_hook_results`. Past it, new requests
 # fail with an error that says so (never a silent drop).
+GPU_STAGING_BYTES = int(float(os.environ.get("VLLM_LENS_GPU_STAGING_MB", "1024")) * (1 << 20))
 MAX_PERSISTENT_RESULTS = int(os.environ.get("VLLM_LENS_MAX_PERSISTENT_RESULTS", "10000"))
 
 
@@ -70,6 +71,9 @@ class _Req:
     capture_slot: dict[int, int]
     hooks: list[_HookRun]
     store: _Store | None
+    # layer -> (1, d) sum of this request's position-independent, non-norm-matched vectors there;
+    # such layers are steered for the whole batch with one index_add_ (see LensRuntime._steer_batched)
+    simple_add: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -79,8 +83,10 @@ class _Req:
 @dataclass
 class _Plan:
     positions: torch.Tensor
-    # layer -> list of (req, start, end)
+    # layer -> list of (req, start, end): steering that needs per-request work (positions, norm_match)
     steer: dict[int, list[tuple[_Req, int, int]]]
+    # layer -> (row index tensor, per-row add (rows, d)): all simple steering at that layer, batched
+    steer_batched: dict[int, tuple[torch.Tensor, torch.Tensor]]
     # layer -> (row index tensor on device, [(req, start, end)])
     capture: dict[int, tuple[torch.Tensor, list[tuple[_Req, int, int]]]]
     # (layer, pre) -> [(req, start, end)]
@@ -107,6 +113,7 @@ class LensRuntime:
         self._stored_bytes = 0
         self._lock = threading.Lock()
         self._plan: _Plan | None = None
+        self._staged_bytes = 0  # capture chunks still on the device (CUDA), see _spill
         self.steps_with_features = 0
         # persistent hooks (all requests), their results by caller request id, prefetched params
         self._persistent: list[tuple[Callable, frozenset, bool]] = []
@@ -175,8 +182,16 @@ class LensRuntime:
                 self._persistent_results[external] = persistent_saved
                 for i, (fn, layers, pre) in enumerate(self._persistent):
                     hooks.append(_HookRun(fn, layers, pre, self._ctx(persistent_saved[i], external), i, True))
-        return _Req(spec, child, steers, {} if spec is None else {l: i for i, l in enumerate(spec.capture)},
-                    hooks, store)
+        simple: dict[int, torch.Tensor] = {}
+        complex_layers = {l for st in steers if st.lut is not None or st.norm_match for l in st.layers}
+        for st in steers:
+            for layer, row in st.layers.items():
+                if layer not in complex_layers:
+                    add = st.vectors[row].unsqueeze(0) * st.scale
+                    simple[layer] = add if layer not in simple else simple[layer] + add
+        return _Req(spec, child, [st for st in steers if set(st.layers) & complex_layers],
+                    {} if spec is None else {l: i for i, l in enumerate(spec.capture)}, hooks, store,
+                    {l: v.contiguous() for l, v in simple.items()})
 
     def _ctx(self, saved: dict, external: str) -> HookContext:
         return HookContext(saved=saved, request_id=external, tp_rank=self.tp_rank, model=self.model,
@@ -221,12 +236,16 @@ class LensRuntime:
         if positions is None:
             raise adapter.LensIncompatibleVLLM("forward pass without `positions`")
         steer: dict[int, list] = {}
+        simple: dict[int, list] = {}
         cap_rows: dict[int, list] = {}
         hooks: dict[tuple[int, bool], list] = {}
         for r, s, e in active:
             for st in r.steers:
                 for layer in st.layers:
-                    steer.setdefault(layer, []).append((r, s, e))
+                    if layer not in r.simple_add:
+                        steer.setdefault(layer, []).append((r, s, e))
+            for layer in r.simple_add:
+                simple.setdefault(layer, []).append((r, s, e))
             for h in r.hooks:
                 for layer in h.layers:
                     hooks.setdefault((layer, h.pre), []).append((r, s, e))
@@ -237,10 +256,19 @@ class LensRuntime:
         for layer, items in cap_rows.items():
             idx = np.concatenate([np.arange(s, e) for _, s, e in items])
             capture[layer] = (torch.from_numpy(idx).to(positions.device, non_blocking=True), items)
+        batched = {}
+        for layer, items in simple.items():
+            lens = np.array([e - s for _, s, e in items])
+            rows = np.concatenate([np.arange(s, e) for _, s, e in items])
+            adds = torch.cat([r.simple_add[layer] for r, _, _ in items])  # (n_req, d) on device
+            if len(rows) != len(items):  # prefill chunks: one add per row
+                adds = adds.index_select(0, torch.from_numpy(np.repeat(np.arange(len(items)), lens)).to(
+                    positions.device, non_blocking=True))
+            batched[layer] = (torch.from_numpy(rows).to(positions.device, non_blocking=True), adds)
         # a request is listed once per layer even if several of its vectors/hooks act there
         steer = {l: list(dict.fromkeys(v)) for l, v in steer.items()}
         hooks = {k: list(dict.fromkeys(v)) for k, v in hooks.items()}
-        return _Plan(positions, steer, capture, hooks)
+        return _Plan(positions, steer, batched, capture, hooks)
 
     def _make_pre_hook(self, layer: int):
         def pre_hook(module: torch.nn.Module, args: tuple) -> None:
@@ -261,6 +289,9 @@ class LensRuntime:
             if plan is None:
                 return None
             hidden, residual = adapter.residual_parts(output)
+            batched = plan.steer_batched.get(layer)
+            if batched is not None:
+                hidden.index_add_(0, batched[0], batched[1].to(hidden.dtype))
             items = plan.steer.get(layer)
             if items:
                 self._steer(layer, plan, hidden, residual, items)
@@ -347,9 +378,17 @@ class LensRuntime:
     def _finish_capture(self, plan: _Plan) -> None:
         layers = [l for l, _ in plan.captured]
         sizes = [t.shape[0] for _, t in plan.captured]
-        host = torch.cat([t for _, t in plan.captured]).to("cpu")
+        dev = torch.cat([t for _, t in plan.captured])
         all_idx = torch.cat([plan.capture[l][0] for l in layers])
-        pos_host = plan.positions.index_select(0, all_idx).to("cpu").numpy()
+        pos_dev = plan.positions.index_select(0, all_idx)
+        if dev.is_cuda:
+            # stay on the device (no sync per step); spilled to host in one copy when the staging budget
+            # is full or at fetch (_spill)
+            host, pos_host = dev, pos_dev
+            self._staged_bytes += dev.numel() * dev.element_size()
+        else:
+            host = dev.to("cpu")
+            pos_host = pos_dev.to("cpu").numpy()
         off = 0
         with self._lock:
             for layer, size in zip(layers, sizes):
@@ -367,6 +406,29 @@ class LensRuntime:
                     o += n
                 off += size
             self._evict_if_needed()
+            if self._staged_bytes > GPU_STAGING_BYTES:
+                self._spill()
+
+    def _spill(self) -> None:
+        """Move every device-resident capture chunk to host memory in one device->host copy."""
+        if not self._staged_bytes:
+            return
+        refs, rows, pos = [], [], []
+        for st in self._store.values():
+            for i, (slot, p, t) in enumerate(st.chunks):
+                if isinstance(p, torch.Tensor):
+                    refs.append((st, i, slot, t.shape[0]))
+                    rows.append(t)
+                    pos.append(p)
+        self._staged_bytes = 0
+        if not refs:
+            return
+        host = torch.cat(rows).to("cpu")
+        pos_host = torch.cat(pos).to("cpu").numpy()
+        off = 0
+        for st, i, slot, n in refs:
+            st.chunks[i] = (slot, pos_host[off:off + n], host[off:off + n])
+            off += n
 
     def _evict_if_needed(self) -> None:
         while self._stored_bytes > MAX_STORED_BYTES and self._store:
@@ -385,6 +447,7 @@ class LensRuntime:
         replicated stream), so nothing comes back duplicated tp_size times."""
         out: dict[str, Any] = {}
         with self._lock:
+            self._spill()
             if not self.capturing_rank:  # hooks ran here too; only rank 0 reports
                 for key, children in wanted:
                     for child in children:
@@ -423,12 +486,15 @@ class LensRuntime:
         d = st.chunks[0][2].shape[-1]
         t = torch.zeros((len(st.layers), n_pos, d), dtype=st.chunks[0][2].dtype)
         filled = np.zeros((len(st.layers), n_pos), dtype=bool)
-        for slot, pos, rows in st.chunks:
-            keep = pos < n_pos
-            if not keep.all():
-                pos, rows = pos[keep], rows[torch.from_numpy(keep)]
-            t[slot, torch.from_numpy(pos)] = rows
-            filled[slot, pos] = True
+        # one scatter for the whole request (a few hundred chunks: one per step and layer)
+        pos = np.concatenate([c[1] for c in st.chunks])
+        slot = np.concatenate([np.full(len(c[1]), c[0]) for c in st.chunks])
+        rows = torch.cat([c[2] for c in st.chunks])
+        keep = pos < n_pos
+        if not keep.all():
+            pos, slot, rows = pos[keep], slot[keep], rows[torch.from_numpy(keep)]
+        t[torch.from_numpy(slot), torch.from_numpy(pos)] = rows
+        filled[slot, pos] = True
         t = t[slots]
         missing = [(l, int(np.flatnonzero(~filled[s])[0])) for l, s in zip(mine, slots) if not filled[s].all()]
         payload.update({"layers": mine, "tensor": tensor_to_bytes(t)})

@@ -1,0 +1,7 @@
+.PHONY: main test bench
+main:
+	scripts/main.sh
+test:
+	scripts/test.sh
+bench:
+	bench/run.sh

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# ON THE LENT H200 (see ../shared/gpu/README.md; vLLM 0.26.0 in /root/site via .gpu/dev/setup.sh):
+# plain vLLM eager + CUDA graphs, this project and the original vllm-lens 1.3.0, side by side on the
+# 8B-shaped random-weight model. Writes the results table to $OUT (or bench/results).
+set -euo pipefail
+source .gpu/dev/env.sh
+# this project, installed (entry points) without network or build isolation
+[ -d /root/lens ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/lens . >/dev/null
+export PYTHONPATH=/root/lens:$PYTHONPATH
+export VLLM_LENS_MAX_STORED_GB=${VLLM_LENS_MAX_STORED_GB:-48} BENCH_LOAD_FORMAT=dummy BENCH_MP=${BENCH_MP:-1} BENCH_W2_CHUNK=64 BENCH_VLLM_LENS_PATH=$PWD/bench/.deps/vllm_lens
+python3 bench/run.py --device cuda --dtype bfloat16 --models gpu=$PWD/.gpu/model --n 256 --prompt-len 30 --new 128 \
+  --repeats ${REPEATS:-3} --machine h200 --no-bulk --out "${OUT:-bench/results}" "$@"

@@ -1,0 +1,270 @@
+"""Side-by-side benchmark: every system in its own process, same prompts/model/sampling, interleaved
+repeats, ratios pair by pair; writes bench/results/<date>-<machine>.{md,json,png}.
+
+    python bench/run.py [--repeats 3] [--quick] [--device cpu|cuda] [--only small|large]
+
+Env: BENCH_SYSTEMS (comma list) restricts systems; BENCH_* knobs in bench/worker.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPS = ROOT / "bench" / ".deps"
+ALL = ("W0", "W1", "W2", "W3", "W4", "W5")
+NAMES = {"W0": "plain generation", "W1": "capture 1 middle layer", "W2": "capture all layers",
+         "W3": "steer 1 layer", "W4": "Python hook 1 layer", "W5": "mixed batch (¼ capture, ¼ steer)"}
+
+
+def system_env(system: str) -> dict[str, str]:
+    inherited = os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{inherited}" if inherited else str(ROOT))
+    if os.environ.get("BENCH_MP") != "1":  # in-process engine: RSS is the engine's; BENCH_MP=1: vLLM's default
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.pop("VLLM_LENS_DISABLE", None)
+    if system in ("vllm-eager", "vllm-compiled"):
+        env["VLLM_PLUGINS"] = "none-allowed"  # allow-list naming no plugin: plain vLLM
+    elif system == "lens":
+        env["VLLM_PLUGINS"] = "inspect_lens_worker"
+        env["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"
+    elif system == "vllm-lens":
+        env["VLLM_PLUGINS"] = "activations"  # the original's plugin only
+        env["PYTHONPATH"] = f"{os.environ.get('BENCH_VLLM_LENS_PATH', DEPS / 'vllm_lens')}:{env['PYTHONPATH']}"
+    elif system == "nnsight":
+        env["PYTHONPATH"] = f"{DEPS / 'nnsight'}:{env['PYTHONPATH']}"
+    elif system == "transformer-lens":
+        env["PYTHONPATH"] = f"{DEPS / 'transformer_lens'}:{DEPS / 'tl_extra'}:{env['PYTHONPATH']}"
+    return env
+
+
+class Proc:
+    def __init__(self, system: str, model: str, device: str, dtype: str, log_dir: Path) -> None:
+        self.system = system
+        self.err = open(log_dir / f"{system}-{Path(model).name}.log", "w")
+        self.p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "worker.py"), system, model, "--device", device,
+                                   "--dtype", dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                  text=True, env=system_env(system), cwd=ROOT)
+        self.start = self.read()
+
+    def read(self) -> dict:
+        for line in self.p.stdout:
+            if line.startswith("BENCH "):
+                return json.loads(line[6:])
+        return {"error": f"process exited ({self.p.wait()}); see {self.err.name}"}
+
+    def ask(self, **cmd) -> dict:
+        if self.p.poll() is not None:
+            return {"error": f"process exited ({self.p.returncode}); see {self.err.name}"}
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            try:
+                self.p.stdin.write('{"quit": true}\n')
+                self.p.stdin.flush()
+                self.p.wait(60)
+            except Exception:
+                self.p.kill()
+        self.err.close()
+
+
+def bench_model(label: str, model: str, plan: dict[str, tuple[str, ...]], args, log_dir: Path,
+                progress=lambda result: None) -> dict:
+    """Start each system (alone, timed), warm up, then repeats × workloads × systems interleaved."""
+    size = dict(n=args.n, new=args.new, prompt_len=args.prompt_len)
+    procs: dict[str, Proc] = {}
+    out: dict = {"model": model, "label": label, "size": size, "systems": {}}
+    for system in plan:
+        t = time.time()
+        print(f"[{label}] starting {system} ...", flush=True)
+        p = Proc(system, model, args.device, args.dtype, log_dir)
+        entry = out["systems"].setdefault(system, {"startup_s": p.start.get("startup_s"), "error": p.start.get("error"),
+                                                   "runs": {}})
+        if "error" in p.start:
+            print(f"[{label}] {system}: {p.start['error']}", flush=True)
+            p.close()
+            continue
+        warm = p.ask(workload="W0", **size)  # warm-up (not recorded)
+        if "W1" in plan[system] and "error" not in warm:
+            warm = p.ask(workload="W1", **size)  # also checks the capture once
+        if "error" in warm:
+            entry["error"] = warm["error"]
+        procs[system] = p
+        print(f"[{label}] {system} ready in {time.time() - t:.0f}s", flush=True)
+    for rep in range(args.repeats):
+        for w in ALL:
+            order = [s for s in procs if w in plan[s]]
+            order = order[rep % max(len(order), 1):] + order[:rep % max(len(order), 1)]  # rotate: drift cancels
+            for s in order:
+                r = procs[s].ask(workload=w, **size)
+                out["systems"][s]["runs"].setdefault(w, []).append(r)
+                tag = r.get("error") or f"{r['out_tokens'] / r['wall']:.0f} tok/s"
+                print(f"[{label}] rep {rep} {w} {s}: {tag}", flush=True)
+        progress(out)
+    if args.bulk and label == "small" and "lens" in procs:
+        out["bulk"] = procs["lens"].ask(workload="BULK", n=1000, new=4, prompt_len=16)
+    for p in procs.values():
+        p.close()
+    return out
+
+
+def summarize(result: dict) -> list[dict]:
+    """Rows: median tok/s and wall; ratios per repeat vs plain eager W0 and vs vllm-lens (same workload)."""
+    rows = []
+    systems = result["systems"]
+
+    def tput(s: str, w: str) -> list[float | None]:
+        return [r["out_tokens"] / r["wall"] if "wall" in r else None for r in systems.get(s, {}).get("runs", {}).get(w, [])]
+
+    base = tput("vllm-eager", "W0")
+    for s, entry in systems.items():
+        if entry.get("error") and not entry["runs"]:
+            rows.append({"system": s, "workload": "-", "error": entry["error"]})
+            continue
+        for w, runs in entry["runs"].items():
+            errs = [r["error"] for r in runs if "error" in r]
+            if errs:
+                rows.append({"system": s, "workload": w, "error": errs[0]})
+                continue
+            tp = tput(s, w)
+            ref = tput("vllm-lens", w)
+            pair = lambda other: [a / b for a, b in zip(tp, other) if a and b]  # noqa: E731
+            rows.append({"system": s, "workload": w, "tok_s": statistics.median(tp),
+                         "wall_s": statistics.median(r["wall"] for r in runs),
+                         "rss_mb": max(r["rss_mb"] for r in runs), "gpu_peak_mb": runs[-1].get("gpu_peak_mb"),
+                         "vs_eager": statistics.median(pair(base)) if pair(base) else None,
+                         "vs_vllm_lens": statistics.median(pair(ref)) if s != "vllm-lens" and pair(ref) else None,
+                         "n": len(tp)})
+    return rows
+
+
+def fmt(v, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def write_results(results: list[dict], args, started: float) -> Path:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = args.machine or f"{platform.node() or 'cpu'}-{os.cpu_count()}cpu"
+    stem = out_dir / f"{dt.date.today().isoformat()}-{machine}"
+    Path(f"{stem}.json").write_text(json.dumps(results, indent=1))
+    lines = [f"# Benchmark {dt.date.today().isoformat()} on {machine}", "",
+             f"Command: `python bench/run.py {' '.join(sys.argv[1:])}` — {time.time() - started:.0f} s end to end. "
+             f"Greedy, `ignore_eos`, {args.n} prompts × {args.prompt_len} tokens → {args.new} new tokens each, "
+             f"{args.dtype}, medians over {args.repeats} interleaved repeats after one warm-up; ratios are "
+             "computed repeat by repeat (same round), then the median is taken.", ""]
+    for res in results:
+        lines += [f"## {res['label']}: `{Path(res['model']).name}`", "",
+                  "| system | workload | out tok/s | wall s | RSS MB | vs plain eager | vs vllm-lens 1.3.0 |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in summarize(res):
+            w = r["workload"]
+            label = f"{w} {NAMES.get(w, '')}".strip()
+            if "error" in r:
+                lines.append(f"| {r['system']} | {label} | {r['error']} | | | | |")
+                continue
+            lines.append(f"| {r['system']} | {label} | {r['tok_s']:.0f} | {r['wall_s']:.2f} | {r['rss_mb']:.0f} | "
+                         f"{fmt(r['vs_eager'], '.2f')} | {fmt(r['vs_vllm_lens'], '.2f')} |")
+        starts = ", ".join(f"{s} {e['startup_s']:.0f} s" for s, e in res["systems"].items() if e.get("startup_s"))
+        lines += ["", f"Start-up (process start to engine ready): {starts}.", ""]
+        if res.get("bulk"):
+            b = res["bulk"]
+            lines += [f"Bulk capture (this project): {b.get('error') or b.get('detail')}", ""]
+    Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
+    try:
+        plot(results, Path(f"{stem}.png"))
+    except Exception as e:  # the table is the result; the chart is a convenience
+        print(f"plot failed: {e}", file=sys.stderr)
+    return Path(f"{stem}.md")
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
+    for ax, res in zip(axes[0], results):
+        rows = [r for r in summarize(res) if "error" not in r and r["vs_eager"] is not None]
+        systems = list(dict.fromkeys(r["system"] for r in rows))
+        workloads = [w for w in ALL if any(r["workload"] == w for r in rows)]
+        width = 0.8 / max(len(systems), 1)
+        for i, s in enumerate(systems):
+            vals = [next((r["vs_eager"] for r in rows if r["system"] == s and r["workload"] == w), 0) for w in workloads]
+            ax.bar([x + i * width for x in range(len(workloads))], vals, width, label=s)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads)
+        ax.set_ylabel("throughput vs plain vLLM eager (W0)")
+        ax.set_title(f"{res['label']}: {Path(res['model']).name}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--only", choices=["small", "large"], default=None)
+    ap.add_argument("--models", default=None, help="label=path,... instead of the default two")
+    ap.add_argument("--machine", default=None)
+    ap.add_argument("--no-bulk", dest="bulk", action="store_false")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    started = time.time()
+    log_dir = ROOT / "bench" / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if args.models:
+        models = [tuple(x.split("=", 1)) for x in args.models.split(",")]
+    else:
+        from bench.make_model import bench_model_path
+        from vllm_worker.shipped_model import shipped_model_path
+
+        models = [("small", str(shipped_model_path())), ("large", str(bench_model_path()))]
+        if args.only:
+            models = [m for m in models if m[0] == args.only]
+    plans = {
+        "small": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ALL, "vllm-lens": ALL,
+                  "hf": ("W0", "W1", "W2", "W3", "W4"), "nnsight": ("W0", "W1", "W3"), "transformer-lens": ("W0", "W1", "W2", "W3", "W4")},
+        "gpu": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2", "W3", "W5"),
+                "vllm-lens": ("W0", "W1", "W2", "W3", "W5")},
+        "large": {"vllm-eager": ("W0",), "lens": ("W0", "W1", "W2", "W3"), "vllm-lens": ("W0", "W1", "W2", "W3"),
+                  "hf": ("W0", "W1")},
+    }
+    only = set(filter(None, os.environ.get("BENCH_SYSTEMS", "").split(",")))
+    only_w = set(filter(None, os.environ.get("BENCH_WORKLOADS", "").split(",")))
+    results = []
+    for label, path in models:
+        plan = plans.get(label, plans["large"])
+        if only:
+            plan = {s: w for s, w in plan.items() if s in only}
+        if only_w:
+            plan = {s: tuple(x for x in w if x in only_w) or ("W0",) for s, w in plan.items()}
+        results.append(bench_model(label, path, plan, args, log_dir,
+                                   progress=lambda r: write_results(results + [r], args, started)))
+        write_results(results, args, started)  # keep partial results if a later model fails
+    md = write_results(results, args, started)
+    print(md.read_text())
+    print(f"results: {md}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
