@@ -97,7 +97,7 @@ def bench_model(label: str, model: str, plan: dict[str, tuple[str, ...]], args, 
             p.close()
             continue
         warm = p.ask(workload="W0", **size)  # warm-up (not recorded)
-        if "W1" in plan[system] and "error" not in warm:
+        if system == "lens" and "W1" in plan[system] and "error" not in warm:
             warm = p.ask(workload="W1", **size)  # also checks the capture once
         if "error" in warm:
             entry["error"] = warm["error"]
@@ -242,11 +242,11 @@ def main() -> None:
             models = [m for m in models if m[0] == args.only]
     plans = {
         "small": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ALL, "vllm-lens": ALL,
-                  "hf": ("W0", "W1", "W2", "W3", "W4"), "nnsight": ("W0", "W1", "W3"), "transformer-lens": ("W0", "W1", "W2", "W3", "W4")},
+                  "hf": ("W0", "W1", "W2", "W3"), "nnsight": ("W0", "W1", "W3"), "transformer-lens": ("W0", "W1", "W3")},
         "gpu": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2", "W3", "W5"),
                 "vllm-lens": ("W0", "W1", "W2", "W3", "W5")},
         "large": {"vllm-eager": ("W0",), "lens": ("W0", "W1", "W2", "W3"), "vllm-lens": ("W0", "W1", "W2", "W3"),
-                  "hf": ("W0", "W1")},
+                  "hf": ("W1",)},
     }
     only = set(filter(None, os.environ.get("BENCH_SYSTEMS", "").split(",")))
     only_w = set(filter(None, os.environ.get("BENCH_WORKLOADS", "").split(",")))
