@@ -190,6 +190,10 @@ def write_results(results: list[dict], args, started: float) -> Path:
     return Path(f"{stem}.md")
 
 
+COLORS = {"vllm-eager": "#4c72b0", "vllm-compiled": "#8fb0e0", "lens": "#2ca02c", "vllm-lens": "#d62728",
+          "hf": "#9467bd", "nnsight": "#8c564b", "transformer-lens": "#e377c2"}
+
+
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -204,7 +208,7 @@ def plot(results: list[dict], path: Path) -> None:
         width = 0.8 / max(len(systems), 1)
         for i, s in enumerate(systems):
             vals = [next((r["vs_eager"] for r in rows if r["system"] == s and r["workload"] == w), 0) for w in workloads]
-            ax.bar([x + i * width for x in range(len(workloads))], vals, width, label=s)
+            ax.bar([x + i * width for x in range(len(workloads))], vals, width, label=s, color=COLORS.get(s))
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads)
         ax.set_ylabel("throughput vs plain vLLM eager (W0)")
