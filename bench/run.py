@@ -246,7 +246,7 @@ def main() -> None:
             models = [m for m in models if m[0] == args.only]
     plans = {
         "small": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ALL, "vllm-lens": ALL,
-                  "hf": ("W0", "W1", "W2", "W3"), "nnsight": ("W0", "W1", "W3"), "transformer-lens": ("W0", "W1", "W3")},
+                  "hf": ("W0", "W1", "W3"), "nnsight": ("W0", "W1"), "transformer-lens": ("W0", "W1")},
         "gpu": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2", "W3", "W5"),
                 "vllm-lens": ("W0", "W1", "W2", "W3", "W5")},
         "large": {"vllm-eager": ("W0",), "lens": ("W0", "W1", "W2", "W3"), "vllm-lens": ("W0", "W1", "W2", "W3"),
