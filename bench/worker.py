@@ -122,6 +122,7 @@ class VLLMSystem:
                 f"{mid}: RSS MB before and after each quarter = {rss}"}
 
     def run(self, workload: str, n: int, new: int, prompt_len: int) -> int | dict:
+        import torch
         from vllm import SamplingParams
 
         if workload == "BULK":
@@ -146,9 +147,6 @@ class VLLMSystem:
                 assert torch.allclose(a, b, rtol=0.05, atol=0.05 * float(a.abs().max())), "capture misaligned"
                 self._checked = True
         return sum(len(o.outputs[0].token_ids) for o in outs)
-
-
-import torch  # noqa: E402  (after the vLLM import so its env settings apply first)
 
 
 def _norm_hook(ctx, h):

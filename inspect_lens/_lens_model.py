@@ -17,18 +17,15 @@ def lens_api(model: Model) -> VLLMLensAPI:
 
 
 async def resolve_layers(model: Model, layers: Any) -> list[int]:
-    """None / "middle" -> [n_layers // 2]; an int or a list of ints (negative counts from the end)."""
+    """None / "middle" -> [n_layers // 2]; an int or a list of ints (negative counts from the end),
+    validated exactly as the server validates `output_residual_stream`."""
+    from vllm_worker.spec import layer_list
+
     n = (await lens_api(model).lens_info())["n_layers"]
     if layers is None or layers == "middle":
         return [n // 2]
-    items = [layers] if isinstance(layers, int) else list(layers)
-    out = []
-    for v in items:
-        if isinstance(v, bool) or not isinstance(v, int) or not -n <= v < n:
-            raise ValueError(f"layers: {v!r} is not a layer of this model (valid: {-n}..{n - 1}, or 'middle')")
-        out.append(v % n)
-    return out
+    return layer_list(layers, "layers", n)
 
 
-async def count_tokens(model: Model, text: str) -> list[int]:
+async def tokenize(model: Model, text: str) -> list[int]:
     return await lens_api(model).tokenize(text)

@@ -13,7 +13,7 @@ import torch
 from inspect_ai.model import GenerateConfig, get_model
 from inspect_ai.solver import Generate, Solver, TaskState, solver
 
-from ._lens_model import count_tokens, resolve_layers
+from ._lens_model import resolve_layers, tokenize
 
 _CAPTURES: dict[str, "Captured"] = {}
 
@@ -55,9 +55,9 @@ def answer_window(prompt_ids: list[int], candidates: list[list[int]]) -> tuple[t
 async def detect_candidates(model: Any, detect: str) -> list[list[int]]:
     """The detect text tokenized alone and with a leading space: byte-level BPE folds the space that
     precedes it in context (template or speaker prefix) into its first token."""
-    out = [await count_tokens(model, detect)]
+    out = [await tokenize(model, detect)]
     if not detect.startswith(" "):
-        out.append(await count_tokens(model, " " + detect))
+        out.append(await tokenize(model, " " + detect))
     return out
 
 

@@ -42,3 +42,21 @@ def test_bad_apollo_file_names_the_item_and_field(tmp_path):
     f.write_text("scenario: x\n")
     with pytest.raises(ValueError, match="YAML list"):
         datasets.roleplay(f)
+
+
+def test_steering_vector_names_resolve_and_bad_names_are_clear_errors():
+    import torch
+
+    from inspect_lens import register_steering_vector, steer
+    from inspect_lens.steering import resolve_vectors
+    from vllm_worker import SteeringVector
+
+    v = SteeringVector(torch.ones(1, 8), [0])
+    register_steering_vector("unit-test-ones", v)
+    assert resolve_vectors("unit-test-ones") == [v] and resolve_vectors(["unit-test-ones", v]) == [v, v]
+    with pytest.raises(ValueError, match="apply_steering_vectors: unknown steering vector name 'nope'"):
+        resolve_vectors(["nope"])
+    with pytest.raises(ValueError, match="apply_steering_vectors: wrap tensors in SteeringVector"):
+        resolve_vectors([torch.ones(1, 8)])
+    with pytest.raises(ValueError, match="unknown steering vector name"):
+        steer("nope")  # refused when the task is built, not mid-eval

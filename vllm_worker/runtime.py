@@ -27,9 +27,10 @@ logger = logging.getLogger("vllm_worker")
 # Captures kept in the worker until fetched. Past the cap the oldest are dropped and a later fetch of
 # them reports it (an error, never a silent empty result).
 MAX_STORED_BYTES = int(float(os.environ.get("VLLM_LENS_MAX_STORED_GB", "8")) * (1 << 30))
+# Capture chunks kept on the GPU before one batched spill to host memory (see LensRuntime._spill).
+GPU_STAGING_BYTES = int(float(os.environ.get("VLLM_LENS_GPU_STAGING_MB", "1024")) * (1 << 20))
 # Requests whose persistent-hook results are kept until `clear_hook_results`. Past it, new requests
 # fail with an error that says so (never a silent drop).
-GPU_STAGING_BYTES = int(float(os.environ.get("VLLM_LENS_GPU_STAGING_MB", "1024")) * (1 << 20))
 MAX_PERSISTENT_RESULTS = int(os.environ.get("VLLM_LENS_MAX_PERSISTENT_RESULTS", "10000"))
 
 
@@ -72,7 +73,7 @@ class _Req:
     hooks: list[_HookRun]
     store: _Store | None
     # layer -> (1, d) sum of this request's position-independent, non-norm-matched vectors there;
-    # such layers are steered for the whole batch with one index_add_ (see LensRuntime._steer_batched)
+    # such layers are steered for the whole batch with one index_add_ (`_Plan.steer_batched`)
     simple_add: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -252,19 +253,20 @@ class LensRuntime:
             if self.capturing_rank and r.spec is not None:
                 for layer in r.spec.capture:
                     cap_rows.setdefault(layer, []).append((r, s, e))
-        capture = {}
-        for layer, items in cap_rows.items():
-            idx = np.concatenate([np.arange(s, e) for _, s, e in items])
-            capture[layer] = (torch.from_numpy(idx).to(positions.device, non_blocking=True), items)
+        def on_device(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(positions.device, non_blocking=True)
+
+        def rows_of(items: list) -> np.ndarray:
+            return np.concatenate([np.arange(s, e) for _, s, e in items])
+
+        capture = {layer: (on_device(rows_of(items)), items) for layer, items in cap_rows.items()}
         batched = {}
         for layer, items in simple.items():
-            lens = np.array([e - s for _, s, e in items])
-            rows = np.concatenate([np.arange(s, e) for _, s, e in items])
+            rows = rows_of(items)
             adds = torch.cat([r.simple_add[layer] for r, _, _ in items])  # (n_req, d) on device
             if len(rows) != len(items):  # prefill chunks: one add per row
-                adds = adds.index_select(0, torch.from_numpy(np.repeat(np.arange(len(items)), lens)).to(
-                    positions.device, non_blocking=True))
-            batched[layer] = (torch.from_numpy(rows).to(positions.device, non_blocking=True), adds)
+                adds = adds.index_select(0, on_device(np.repeat(np.arange(len(items)), [e - s for _, s, e in items])))
+            batched[layer] = (on_device(rows), adds)
         # a request is listed once per layer even if several of its vectors/hooks act there
         steer = {l: list(dict.fromkeys(v)) for l, v in steer.items()}
         hooks = {k: list(dict.fromkeys(v)) for k, v in hooks.items()}

@@ -92,7 +92,7 @@ def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
     )
 
 
-def _layer_list(value: Any, field_name: str, n_layers: int, unique: bool = False) -> list[int]:
+def layer_list(value: Any, field_name: str, n_layers: int, unique: bool = False) -> list[int]:
     if isinstance(value, (int,)) and not isinstance(value, bool):
         value = [value]
     if isinstance(value, torch.Tensor):
@@ -140,7 +140,7 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
         raise ValueError(f"{f}.activations: expected a torch.Tensor, got {type(acts).__name__}")
     if not acts.is_floating_point():
         raise ValueError(f"{f}.activations: expected a floating-point tensor, got {acts.dtype}")
-    layers = _layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
+    layers = layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
     if acts.ndim not in (2, 3):
         raise ValueError(
             f"{f}.activations: expected 2-D (n_layers, d_model) or 3-D (n_layers, n_pos, d_model), "
@@ -194,7 +194,7 @@ def _hook_item(item: Any, i: int, shape: ModelShape) -> HookSpec:
         raise ValueError(f"{f}: expected a vllm_worker.Hook, got {type(item).__name__}")
     if not callable(item.fn):
         raise ValueError(f"{f}.fn: not callable")
-    layers = _layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
+    layers = layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
     if not isinstance(item.pre, bool):
         raise ValueError(f"{f}.pre: expected a bool")
     return HookSpec(pickle_hook(item.fn, f), layers, item.pre)
@@ -216,7 +216,7 @@ def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> Hoo
         raw = base64.b64decode(fn, validate=True)
     except Exception:
         raise ValueError(f"{f}.fn: not valid base64") from None
-    layers = _layer_list(item.get("layer_indices"), f"{f}.layer_indices", shape.n_layers, unique=True)
+    layers = layer_list(item.get("layer_indices"), f"{f}.layer_indices", shape.n_layers, unique=True)
     pre = item.get("pre", False)
     if not isinstance(pre, bool):
         raise ValueError(f"{f}.pre: expected a bool")
@@ -255,7 +255,7 @@ def parse_request(
             raise ValueError(f"extra_args.{k}: unknown inspect-lens key (known: {', '.join(KNOWN_KEYS)})")
     spec = RequestSpec(key=uuid.uuid4().hex)
     if CAPTURE_KEY in ours:
-        spec.capture = sorted(set(_layer_list(ours[CAPTURE_KEY], CAPTURE_KEY, shape.n_layers)))
+        spec.capture = sorted(set(layer_list(ours[CAPTURE_KEY], CAPTURE_KEY, shape.n_layers)))
     if STEER_KEY in ours:
         items = _from_json_string(ours[STEER_KEY], STEER_KEY)
         if isinstance(items, (SteeringVector, Mapping)):
