@@ -34,7 +34,7 @@ def system_env(system: str) -> dict[str, str]:
     env.pop("VLLM_LENS_DISABLE", None)
     if system in ("vllm-eager", "vllm-compiled"):
         env["VLLM_PLUGINS"] = "none-allowed"  # allow-list naming no plugin: plain vLLM
-    elif system == "lens":
+    elif system in ("lens", "lens-eager"):
         env["VLLM_PLUGINS"] = "inspect_lens_worker"
         env["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"
     elif system == "vllm-lens":
@@ -48,13 +48,13 @@ def system_env(system: str) -> dict[str, str]:
 
 
 class Proc:
-    def __init__(self, system: str, model: str, device: str, dtype: str, log_dir: Path) -> None:
+    def __init__(self, system: str, model: str, device: str, dtype: str, log_dir: Path, wait: bool = True) -> None:
         self.system = system
         self.err = open(log_dir / f"{system}-{Path(model).name}.log", "w")
         self.p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "worker.py"), system, model, "--device", device,
                                    "--dtype", dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                   text=True, env=system_env(system), cwd=ROOT)
-        self.start = self.read()
+        self.start = self.read() if wait else {}
 
     def read(self) -> dict:
         for line in self.p.stdout:
@@ -86,10 +86,16 @@ def bench_model(label: str, model: str, plan: dict[str, tuple[str, ...]], args, 
     size = dict(n=args.n, new=args.new, prompt_len=args.prompt_len)
     procs: dict[str, Proc] = {}
     out: dict = {"model": model, "label": label, "size": size, "systems": {}}
+    started: dict[str, tuple[Proc, float]] = {}
+    parallel = os.environ.get("BENCH_PARALLEL_START") == "1"  # start every engine at once (device time is scarce)
     for system in plan:
-        t = time.time()
         print(f"[{label}] starting {system} ...", flush=True)
-        p = Proc(system, model, args.device, args.dtype, log_dir)
+        t = time.time()
+        p = Proc(system, model, args.device, args.dtype, log_dir, wait=not parallel)
+        started[system] = (p, t)
+    for system, (p, t) in started.items():
+        if parallel:
+            p.start = p.read()
         entry = out["systems"].setdefault(system, {"startup_s": p.start.get("startup_s"), "error": p.start.get("error"),
                                                    "runs": {}})
         if "error" in p.start:
@@ -97,7 +103,7 @@ def bench_model(label: str, model: str, plan: dict[str, tuple[str, ...]], args, 
             p.close()
             continue
         warm = p.ask(workload="W0", **size)  # warm-up (not recorded)
-        if system == "lens" and "W1" in plan[system] and "error" not in warm:
+        if system.startswith("lens") and "W1" in plan[system] and "error" not in warm:
             warm = p.ask(workload="W1", **size)  # also checks the capture once
         if "error" in warm:
             entry["error"] = warm["error"]
@@ -129,6 +135,7 @@ def summarize(result: dict) -> list[dict]:
         return [r["out_tokens"] / r["wall"] if "wall" in r else None for r in systems.get(s, {}).get("runs", {}).get(w, [])]
 
     base = tput("vllm-eager", "W0")
+    graphs = tput("vllm-compiled", "W0")
     for s, entry in systems.items():
         if entry.get("error") and not entry["runs"]:
             rows.append({"system": s, "workload": "-", "error": entry["error"]})
@@ -145,6 +152,7 @@ def summarize(result: dict) -> list[dict]:
                          "wall_s": statistics.median(r["wall"] for r in runs),
                          "rss_mb": max(r["rss_mb"] for r in runs), "gpu_peak_mb": runs[-1].get("gpu_peak_mb"),
                          "vs_eager": statistics.median(pair(base)) if pair(base) else None,
+                         "vs_graphs": statistics.median(pair(graphs)) if pair(graphs) else None,
                          "vs_vllm_lens": statistics.median(pair(ref)) if s != "vllm-lens" and pair(ref) else None,
                          "n": len(tp)})
     return rows
@@ -167,16 +175,16 @@ def write_results(results: list[dict], args, started: float) -> Path:
              "computed repeat by repeat (same round), then the median is taken.", ""]
     for res in results:
         lines += [f"## {res['label']}: `{Path(res['model']).name}`", "",
-                  "| system | workload | out tok/s | wall s | RSS MB | vs plain eager | vs vllm-lens 1.3.0 |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| system | workload | out tok/s | wall s | RSS MB | vs plain eager | vs plain compiled/graphs "
+                  "| vs vllm-lens 1.3.0 |", "|---|---|---|---|---|---|---|---|"]
         for r in summarize(res):
             w = r["workload"]
             label = f"{w} {NAMES.get(w, '')}".strip()
             if "error" in r:
-                lines.append(f"| {r['system']} | {label} | {r['error']} | | | | |")
+                lines.append(f"| {r['system']} | {label} | {r['error']} | | | | | |")
                 continue
             lines.append(f"| {r['system']} | {label} | {r['tok_s']:.0f} | {r['wall_s']:.2f} | {r['rss_mb']:.0f} | "
-                         f"{fmt(r['vs_eager'], '.2f')} | {fmt(r['vs_vllm_lens'], '.2f')} |")
+                         f"{fmt(r['vs_eager'], '.2f')} | {fmt(r['vs_graphs'], '.2f')} | {fmt(r['vs_vllm_lens'], '.2f')} |")
         starts = ", ".join(f"{s} {e['startup_s']:.0f} s" for s, e in res["systems"].items() if e.get("startup_s"))
         lines += ["", f"Start-up (process start to engine ready): {starts}.", ""]
         if res.get("bulk"):
@@ -190,7 +198,7 @@ def write_results(results: list[dict], args, started: float) -> Path:
     return Path(f"{stem}.md")
 
 
-COLORS = {"vllm-eager": "#4c72b0", "vllm-compiled": "#8fb0e0", "lens": "#2ca02c", "vllm-lens": "#d62728",
+COLORS = {"vllm-eager": "#4c72b0", "vllm-compiled": "#8fb0e0", "lens": "#2ca02c", "lens-eager": "#98df8a", "vllm-lens": "#d62728",
           "hf": "#9467bd", "nnsight": "#8c564b", "transformer-lens": "#e377c2"}
 
 
@@ -247,8 +255,11 @@ def main() -> None:
     plans = {
         "small": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ALL, "vllm-lens": ALL,
                   "hf": ("W0", "W1", "W3"), "nnsight": ("W0", "W1"), "transformer-lens": ("W0", "W1")},
-        "gpu": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2", "W3", "W5"),
-                "vllm-lens": ("W0", "W1", "W2", "W3", "W5")},
+        # H200: this project in vLLM's default mode against plain vLLM with and without CUDA graphs, and
+        # forced eager ("before"); peers on W1 in a second call ("gpu-peers") — all of them at once would
+        # not fit in the GPU's memory next to each other
+        "gpu": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ALL, "lens-eager": ("W0", "W1", "W3", "W5")},
+        "gpu-peers": {"vllm-compiled": ("W0",), "lens": ("W0", "W1"), "vllm-lens": ("W0", "W1"), "hf": ("W1",)},
         "large": {"vllm-eager": ("W0",), "lens": ("W0", "W1", "W2", "W3"), "vllm-lens": ("W0", "W1", "W2", "W3"),
                   "hf": ("W1",)},
     }

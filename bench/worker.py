@@ -60,7 +60,9 @@ class VLLMSystem:
         from vllm import LLM
 
         self.kind = kind
-        eager = kind != "vllm-compiled"
+        # plain vLLM and this project in vLLM's default mode (compiled, CUDA graphs on GPU); "-eager" variants
+        # force eager mode ("lens-eager" = how this project ran before its taps worked in graphs)
+        eager = kind in ("vllm-eager", "lens-eager")
         kw: dict = dict(model=model, dtype=dtype, seed=0, max_model_len=1024, enforce_eager=eager,
                         enable_prefix_caching=False)
         if device == "cpu":
@@ -141,7 +143,7 @@ class VLLMSystem:
             acts = outs[0].activations["residual_stream"]
             assert acts.shape[1] == prompt_len + new - 1, acts.shape
             assert bool(acts.float().isfinite().all()) and float(acts.float().abs().sum()) > 0
-            if self.kind == "lens" and not getattr(self, "_checked", False):  # once (warm-up): the batch's captures line up with a request run alone (first position)
+            if self.kind.startswith("lens") and not getattr(self, "_checked", False):  # once (warm-up): the batch's captures line up with a request run alone (first position)
                 alone = self.llm.generate([{"prompt_token_ids": ps[0]}], [sps[0]], use_tqdm=False)[0]
                 a, b = alone.activations["residual_stream"][:, 0].float(), acts[:, 0].float()
                 assert torch.allclose(a, b, rtol=0.05, atol=0.05 * float(a.abs().max())), "capture misaligned"
@@ -165,7 +167,14 @@ class HFSystem:
         from transformers import AutoModelForCausalLM
 
         self.kind, self.device = kind, device
-        self.model = AutoModelForCausalLM.from_pretrained(model, torch_dtype=getattr(torch, dtype)).to(device).eval()
+        if os.environ.get("BENCH_LOAD_FORMAT") == "dummy":  # real shapes, random weights (no weights on disk)
+            from transformers import AutoConfig
+
+            torch.set_default_dtype(getattr(torch, dtype))
+            with torch.device(device):
+                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model, torch_dtype=getattr(torch, dtype)).to(device).eval()
         cfg = self.model.config
         self.n_layers, self.d = cfg.num_hidden_layers, cfg.hidden_size
         self.vec = (torch.randn(1, self.d, generator=torch.Generator().manual_seed(0)) * 2.0).to(device, self.model.dtype)

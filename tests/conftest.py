@@ -16,7 +16,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # override the per-engine size, so it is dropped; every test engine passes KV_BYTES instead).
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 KV_BYTES = 128 << 20
-ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=KV_BYTES)
+# LENS_TEST_COMPILED=1 (a pytest process of its own in scripts/test.sh): every engine of the session runs
+# in vLLM's default compiled mode instead of eager, so the capture/steering/hook tests run on both.
+COMPILED = os.environ.get("LENS_TEST_COMPILED", "") == "1"
+ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=KV_BYTES,
+                       enforce_eager=not COMPILED)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

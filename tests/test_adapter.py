@@ -21,8 +21,14 @@ def test_installed_vllm_has_everything_we_need(llama):
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm.config import CompilationConfig
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    assert adapter.graph_taps_unsupported() is None
     for fn in (EngineArgs.create_engine_config, InputProcessor.process_inputs,
-               OfflineInferenceMixin._run_engine, OfflineInferenceMixin._add_request, GPUModelRunner._model_forward, CPUModelRunner.load_model):
+               OfflineInferenceMixin._run_engine, OfflineInferenceMixin._add_request, GPUModelRunner._model_forward,
+               CPUModelRunner.load_model, CompilationConfig.set_splitting_ops_for_v1, CudagraphDispatcher.dispatch,
+               GPUModelRunner._determine_batch_execution_and_padding):
         assert getattr(fn, "__lens_wrapped__", False), fn
 
 
@@ -34,7 +40,10 @@ def test_every_engine_hooks_every_layer_and_the_hooks_fire(llama):
     llama.generate(["the water"], SamplingParams(max_tokens=2, extra_args={"output_residual_stream": [0]}),
                    use_tqdm=False)
     assert rt.steps_with_features >= before + 2
-    assert llama.llm_engine.vllm_config.model_config.enforce_eager is True
+    # the plugin leaves compilation alone: eager only where the test session asked for it
+    from conftest import COMPILED
+
+    assert llama.llm_engine.vllm_config.model_config.enforce_eager is (not COMPILED)
     assert llama.llm_engine.vllm_config.parallel_config.worker_extension_cls == \
         "vllm_worker.worker_ext.LensWorkerExtension"
 
@@ -91,3 +100,35 @@ def test_v2_model_runner_is_refused_not_silently_ignored(monkeypatch):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     adapter.force_v1_model_runner()
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+def test_tap_op_is_a_piecewise_splitting_op_next_to_attention(llama):
+    """Piecewise compilation (the GPU default) splits the graph at our tap, so it runs between CUDA-graph
+    pieces; a flat graph (empty splitting_ops) keeps it inside and stays flat."""
+    from vllm.config import CompilationConfig, CompilationMode
+
+    from vllm_worker.taps import OP
+
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    cc.set_splitting_ops_for_v1(all2all_backend="naive")
+    assert OP in cc.splitting_ops and any("attention" in op for op in cc.splitting_ops)
+    flat = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, splitting_ops=[])
+    flat.set_splitting_ops_for_v1(all2all_backend="naive")
+    assert flat.splitting_ops == []
+
+
+def test_feature_steps_never_dispatch_to_a_full_cuda_graph(llama):
+    """A full graph is captured with no feature active: replaying it would skip our taps. While vLLM picks
+    the graph mode of a step whose batch uses a feature, FULL is excluded (piecewise graphs remain)."""
+    from vllm.config import CompilationConfig, CUDAGraphMode, VllmConfig
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    cfg = VllmConfig()
+    cfg.compilation_config = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                                               cudagraph_capture_sizes=[1, 2, 4, 8], max_cudagraph_capture_size=8)
+    d = CudagraphDispatcher(cfg)
+    d.initialize_cudagraph_keys(CUDAGraphMode.FULL_AND_PIECEWISE, uniform_decode_query_len=1)
+    assert d.dispatch(num_tokens=8, uniform_decode=True)[0] == CUDAGraphMode.FULL  # vLLM's own choice
+    d._lens_no_full = True
+    mode, desc = d.dispatch(num_tokens=8, uniform_decode=True)
+    assert mode == CUDAGraphMode.PIECEWISE and desc.num_tokens == 8

@@ -105,6 +105,24 @@ def patch_engine_args(adjust: Callable[[Any], Any]) -> None:
     _wrap(engine_args_cls(), "create_engine_config", make)
 
 
+def patch_splitting_ops(op: str) -> None:
+    """Add our tap op to vLLM's piecewise-compilation `splitting_ops` (after vLLM filled in its defaults),
+    so it runs eagerly between CUDA-graph pieces. Empty lists (one flat graph) stay empty: there the op
+    is traced into the graph and steps with features are dispatched to no graph at all."""
+    from vllm.config import CompilationConfig
+
+    def make(orig: Callable) -> Callable:
+        def set_splitting_ops_for_v1(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            if self.splitting_ops and op not in self.splitting_ops:
+                self.splitting_ops.append(op)
+            return out
+
+        return set_splitting_ops_for_v1
+
+    _wrap(CompilationConfig, "set_splitting_ops_for_v1", make)
+
+
 # ---------------------------------------------------------------- frontend (per request)
 
 
@@ -326,6 +344,51 @@ def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[...,
     _wrap(classes[0], "_model_forward", make_forward)
 
 
+def patch_cudagraph_dispatch(uses_features: Callable[[Any], bool]) -> None:
+    """A step whose batch uses a feature must not replay a *full* CUDA graph (it was captured with no
+    feature active, so our taps are not in it): while vLLM picks the step's graph mode, FULL is excluded
+    for such steps. vLLM then uses piecewise graphs (our tap op is a splitting op, so it runs between
+    pieces) or no graph. Steps without features keep whatever vLLM picks."""
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import inspect
+
+    dispatch = _require(CudagraphDispatcher, "dispatch", "CudagraphDispatcher")
+    if "invalid_modes" not in inspect.signature(dispatch).parameters:
+        raise LensIncompatibleVLLM("vLLM internal moved: CudagraphDispatcher.dispatch has no invalid_modes")
+
+    def make_dispatch(orig: Callable) -> Callable:
+        def dispatch(self, *args, **kwargs):
+            if getattr(self, "_lens_no_full", False):
+                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | {CUDAGraphMode.FULL}
+            return orig(self, *args, **kwargs)
+
+        return dispatch
+
+    def make_determine(orig: Callable) -> Callable:
+        def determine(self, *args, **kwargs):
+            d = getattr(self, "cudagraph_dispatcher", None)
+            if d is None or not uses_features(self):
+                return orig(self, *args, **kwargs)
+            d._lens_no_full = True
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                d._lens_no_full = False
+
+        return determine
+
+    _wrap(CudagraphDispatcher, "dispatch", make_dispatch)
+    _wrap(GPUModelRunner, "_determine_batch_execution_and_padding", make_determine)
+
+
+def scheduled_request_ids(runner: Any) -> list:
+    """Request ids of the step being prepared (vLLM has updated the persistent batch already)."""
+    return _require(runner, "input_batch", type(runner).__name__).req_ids
+
+
 def runner_model(runner: Any) -> torch.nn.Module:
     model = _require(runner, "model", type(runner).__name__)
     return model
@@ -509,6 +572,27 @@ def pp_share(local: torch.Tensor | None, name: str) -> torch.Tensor:
 
 def iter_stage_layers(runner: Any) -> Iterator[tuple[int, torch.nn.Module]]:
     yield from decoder_layers(runner_model(runner))
+
+
+def graph_taps_unsupported() -> str | None:
+    """Why this vLLM/torch cannot run our taps inside compiled graphs (None: it can)."""
+    import inspect
+
+    if not hasattr(torch.library, "custom_op"):
+        return f"torch {torch.__version__} lacks torch.library.custom_op"
+    try:
+        from vllm.config import CompilationConfig, CUDAGraphMode  # noqa: F401
+        from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError as e:
+        return f"vLLM internal moved: {e}"
+    for cls, name in ((CompilationConfig, "set_splitting_ops_for_v1"), (CudagraphDispatcher, "dispatch"),
+                      (GPUModelRunner, "_determine_batch_execution_and_padding")):
+        if not hasattr(cls, name):
+            return f"vLLM internal moved: {cls.__qualname__}.{name} not found"
+    if "invalid_modes" not in inspect.signature(CudagraphDispatcher.dispatch).parameters:
+        return "vLLM internal moved: CudagraphDispatcher.dispatch has no invalid_modes parameter"
+    return None
 
 
 def check() -> None:

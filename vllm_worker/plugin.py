@@ -17,7 +17,8 @@ def disabled() -> bool:
 
 
 def _adjust_engine_args(args):
-    """Copy of the engine args with our worker extension and eager mode (never edits the caller's)."""
+    """Copy of the engine args with our worker extension (never edits the caller's). Compilation and CUDA
+    graphs stay as the user set them; only a vLLM that cannot run our taps in graphs gets eager mode."""
     import copy
 
     from .composed import name_for
@@ -33,13 +34,14 @@ def _adjust_engine_args(args):
     elif user_ext != EXTENSION and not user_ext.startswith("vllm_worker.composed."):
         new.worker_extension_cls = name_for(user_ext)
     if not args.enforce_eager:
-        if not _warned_eager:
-            logger.warning(
-                "inspect-lens: forcing enforce_eager=True (compiled mode would silently skip the "
-                "plugin's hooks). Set VLLM_LENS_DISABLE=1 to run vLLM without the plugin."
-            )
-            _warned_eager = True
-        new.enforce_eager = True
+        why = adapter.graph_taps_unsupported()
+        if why is not None:
+            if not _warned_eager:
+                logger.warning("inspect-lens: forcing enforce_eager=True because the taps cannot run inside "
+                               "compiled graphs here (%s). Set VLLM_LENS_DISABLE=1 to run vLLM without the "
+                               "plugin.", why)
+                _warned_eager = True
+            new.enforce_eager = True
     return new
 
 
@@ -53,6 +55,10 @@ def register() -> None:
     adapter.add_output_defaults()
     adapter.add_llm_methods(persistent.METHODS)
     adapter.patch_engine_args(_adjust_engine_args)
+    if adapter.graph_taps_unsupported() is None:
+        from .taps import OP
+
+        adapter.patch_splitting_ops(OP)
     adapter.patch_process_inputs(frontend.on_new_request)
     adapter.patch_run_engine(frontend.attach_outputs)
     adapter.patch_offline_add_request(lambda llm: frontend.mark_consumer(adapter.processor_of_llm(llm), "offline"))
