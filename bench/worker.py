@@ -139,6 +139,10 @@ class VLLMSystem:
         for s in range(0, n, chunk or n):
             outs += self.llm.generate([{"prompt_token_ids": p} for p in ps[s:s + (chunk or n)]], sps[s:s + (chunk or n)],
                                       use_tqdm=False)
+        if self.kind.startswith("lens"):
+            from vllm_worker import frontend
+
+            self.timings = dict(frontend.TIMINGS)
         if workload in ("W1", "W2"):  # results must really be there (no silent no-op)
             acts = outs[0].activations["residual_stream"]
             assert acts.shape[1] == prompt_len + new - 1, acts.shape
@@ -330,6 +334,9 @@ def main() -> None:
             wall = time.perf_counter() - t
             rss, hwm = mem_mb()
             extra = got if isinstance(got, dict) else {"out_tokens": got}
+            timings = getattr(system, "timings", None)
+            if timings is not None:  # cumulative fetch/decode seconds after generation (this project)
+                extra["lens_timings"] = timings
             send({"wall": wall, "rss_mb": rss, "hwm_mb": hwm, "gpu_peak_mb": gpu_mem_mb(), **extra})
         except NotImplementedError as e:
             send({"error": f"n/a: {e}"})

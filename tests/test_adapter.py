@@ -120,12 +120,14 @@ def test_tap_op_is_a_piecewise_splitting_op_next_to_attention(llama):
 def test_feature_steps_never_dispatch_to_a_full_cuda_graph(llama):
     """A full graph is captured with no feature active: replaying it would skip our taps. While vLLM picks
     the graph mode of a step whose batch uses a feature, FULL is excluded (piecewise graphs remain)."""
-    from vllm.config import CompilationConfig, CUDAGraphMode, VllmConfig
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, VllmConfig
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
     cfg = VllmConfig()
-    cfg.compilation_config = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+    cfg.compilation_config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                                               cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
                                                cudagraph_capture_sizes=[1, 2, 4, 8], max_cudagraph_capture_size=8)
+    cfg.compilation_config.set_splitting_ops_for_v1(all2all_backend="naive")
     d = CudagraphDispatcher(cfg)
     d.initialize_cudagraph_keys(CUDAGraphMode.FULL_AND_PIECEWISE, uniform_decode_query_len=1)
     assert d.dispatch(num_tokens=8, uniform_decode=True)[0] == CUDAGraphMode.FULL  # vLLM's own choice

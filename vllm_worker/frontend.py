@@ -7,6 +7,7 @@ engine-to-frontend message limit.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,10 +109,17 @@ def merge_fetched(merged: dict[str, dict], rank_results: list) -> None:
                 dst.setdefault(int(child), []).append(payload)
 
 
+# Where time goes after generation (offline): seconds in worker RPCs and in decoding, cumulative.
+# Diagnostics for benchmarks (bench/worker.py reports them); nothing depends on them.
+TIMINGS = {"fetch_rpc_s": 0.0, "decode_s": 0.0}
+
+
 def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
+    t = time.perf_counter()
     merged: dict[str, dict] = {}
     for group in fetch_groups(todo):
         merge_fetched(merged, adapter.rpc(engine, "lens_fetch", group))
+    TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
     return merged
 
 
@@ -166,6 +174,7 @@ def attach_outputs(llm: Any, outputs: list) -> list:
         children = {c.index if p.n > 1 else 0: n_prompt + len(c.token_ids) - 1 for c in out.outputs}
         todo.append((out, p, children))
     fetched = _fetch(llm, [(p, ch) for _, p, ch in todo]) if todo else {}
+    t = time.perf_counter()
     for out, p, children in todo:
         got = fetched.get(p.key, {})
         for c in out.outputs:
@@ -176,6 +185,7 @@ def attach_outputs(llm: Any, outputs: list) -> list:
         out.activations = out.outputs[0].activations
         out.hook_results = out.outputs[0].hook_results
         out.hook_error = out.outputs[0].hook_error
+    TIMINGS["decode_s"] += time.perf_counter() - t
     if failures:
         raise HookError(failures, outputs)
     return outputs

@@ -58,6 +58,9 @@ Rows = list[tuple[RequestState, int, int]]  # (request, start row, end row)
 
 @dataclass
 class StepPlan:
+    """Built once per batch composition (decode steps with the same requests reuse it); `begin_step`
+    resets the per-step part."""
+
     positions: torch.Tensor
     steer: dict[int, Rows]  # layer -> requests with per-request steering there
     steer_batched: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (rows, (rows, d) adds)
@@ -65,6 +68,12 @@ class StepPlan:
     hooks: dict[tuple[int, bool], Rows]  # (layer, pre) -> requests with hooks there
     captured: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     fired: int = 0  # tap calls seen during the forward (0 with work planned = taps were skipped)
+    logs: dict = field(default_factory=dict)  # layer -> store.CaptureLog (store.CaptureStore.open_plan)
+
+    def begin_step(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+        self.captured = []
+        self.fired = 0
 
 
 def split_steers(steers: list[DeviceSteer]) -> tuple[list[DeviceSteer], dict[int, torch.Tensor]]:

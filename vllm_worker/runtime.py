@@ -46,7 +46,11 @@ class LensRuntime:
         self._reqs: dict[str, RequestState | None] = {}
         self.store = CaptureStore(self.device)
         self.params = Params(self.model)
-        self._plan: StepPlan | None = None
+        self._plan: StepPlan | None = None  # the plan of the forward pass running now
+        self._cached_plan: StepPlan | None = None  # plan of the last batch composition seen ...
+        self._plan_key: tuple | None = None  # ... and that composition (request ids, row offsets)
+        self._uses_key: tuple | None = None
+        self._uses = False
         self.steps_with_features = 0
         # persistent hooks (all requests) and their results by caller request id
         self._persistent: list[tuple[Callable, frozenset, bool]] = []
@@ -127,9 +131,8 @@ class LensRuntime:
             for rid in [r for r in self._reqs if r not in live]:
                 del self._reqs[rid]
 
-    def _active(self) -> Rows:
+    def _active(self, req_ids: list, qsl) -> Rows:
         """(request, start row, end row) of this batch's requests that use a feature."""
-        req_ids, qsl = adapter.batch_layout(self.runner)
         active = []
         for j, rid in enumerate(req_ids):
             if rid is None:
@@ -142,21 +145,37 @@ class LensRuntime:
         return active
 
     def step_uses_features(self) -> bool:
-        """Asked before vLLM picks the step's CUDA-graph mode (`adapter.patch_cudagraph_dispatch`)."""
-        ids = adapter.scheduled_request_ids(self.runner)
-        return any(rid is not None and self._request(rid) is not None for rid in ids)
+        """Asked before vLLM picks the step's CUDA-graph mode (`adapter.patch_cudagraph_dispatch`).
+        Cached per batch composition: a decode phase asks the same question every step."""
+        ids = tuple(adapter.scheduled_request_ids(self.runner))
+        if ids != self._uses_key:
+            self._uses = any(rid is not None and self._request(rid) is not None for rid in ids)
+            self._uses_key = ids
+        return self._uses
+
+    def _invalidate(self) -> None:
+        """Request states changed outside a step (hooks registered / cleared): re-plan next step."""
+        self._plan_key = self._uses_key = None
 
     # ---------------------------------------------------------------- forward pass
 
     def around_forward(self, orig: Any, *args: Any, **kwargs: Any) -> Any:
-        self._prune()
-        active = self._active()
-        if not active:
+        req_ids, qsl = adapter.batch_layout(self.runner)
+        key = (tuple(req_ids), qsl.tobytes())
+        if key != self._plan_key:  # batch composition changed: plan again (decode steps reuse the plan)
+            self._prune()
+            active = self._active(req_ids, qsl)
+            positions = kwargs.get("positions")
+            if active and positions is None:
+                raise adapter.LensIncompatibleVLLM("forward pass without `positions`")
+            self._cached_plan = make_plan(active, positions, self.capturing_rank) if active else None
+            if self._cached_plan is not None and self._cached_plan.capture:
+                self.store.open_plan(self._cached_plan)
+            self._plan_key = key
+        plan = self._cached_plan
+        if plan is None:
             return orig(self.runner, *args, **kwargs)
-        positions = kwargs.get("positions")
-        if positions is None:
-            raise adapter.LensIncompatibleVLLM("forward pass without `positions`")
-        plan = make_plan(active, positions, self.capturing_rank)
+        plan.begin_step(kwargs["positions"])
         self._plan = plan
         prev = taps.set_handler(self.on_tap)
         try:
@@ -166,7 +185,7 @@ class LensRuntime:
             self._plan = None
         if plan.fired == 0:
             # The forward ran without reaching our taps (e.g. a full CUDA graph replayed): the requests
-            # in `active` would silently get nothing. Never let that pass.
+            # in the plan would silently get nothing. Never let that pass.
             raise adapter.LensIncompatibleVLLM(
                 "inspect-lens taps did not run during a forward pass that needed them (was a full CUDA "
                 "graph replayed for a step with capture/steering/hooks?)")
@@ -217,6 +236,7 @@ class LensRuntime:
             self._persistent.append((cloudpickle.loads(fn), frozenset(layers), bool(pre)))
         # plain requests cached as "nothing to do" must be re-planned
         self._reqs = {k: v for k, v in self._reqs.items() if v is not None}
+        self._invalidate()
         return len(self._persistent)
 
     def collect_hook_results(self) -> bytes | None:
@@ -249,6 +269,7 @@ class LensRuntime:
             if v.capture or v.steers or v.simple_add or v.hooks:
                 kept[k] = v
         self._reqs = kept
+        self._invalidate()
 
     # ---------------------------------------------------------------- parameters and status
 

@@ -27,14 +27,51 @@ logger = logging.getLogger("vllm_worker")
 MAX_STORED_BYTES = int(float(os.environ.get("VLLM_LENS_MAX_STORED_GB", "8")) * (1 << 30))
 
 
+class CaptureLog:
+    """The captured rows of one layer for every step run with one plan (one batch composition): a
+    block per step, shared by the plan's requests; each request reads its own row range (`Segment`).
+    Filing a step is O(layers), not O(requests)."""
+
+    __slots__ = ("blocks", "pos", "refs", "nbytes", "_stacked")
+
+    def __init__(self) -> None:
+        self.blocks: list[torch.Tensor] = []  # host (rows, d), pinned while a copy may be in flight
+        self.pos: list[torch.Tensor] = []  # host (rows,) absolute positions
+        self.refs = 0  # segments still to be fetched or dropped
+        self.nbytes = 0
+        self._stacked: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self, offset: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, rows) of one request's range across every step. Blocks of equal shape (decode
+        steps) are stacked once, so each request is one slice instead of one per step; the blocks then
+        become views of the stack (no second copy is kept)."""
+        bs = self.blocks
+        if self._stacked is None or self._stacked[0] != len(bs):
+            if len(bs) > 1 and all(b.shape == bs[0].shape for b in bs):
+                sb, sp = torch.stack(bs), torch.stack(self.pos)
+                self.blocks, self.pos = list(sb.unbind(0)), list(sp.unbind(0))
+                self._stacked = (len(bs), sp, sb)
+        if self._stacked is not None and self._stacked[0] == len(self.blocks):
+            _, sp, sb = self._stacked
+            return sp[:, offset:offset + n].reshape(-1), sb[:, offset:offset + n].reshape(-1, sb.shape[-1])
+        return (torch.cat([p[offset:offset + n] for p in self.pos]),
+                torch.cat([b[offset:offset + n] for b in self.blocks]))
+
+
+@dataclass
+class Segment:
+    log: CaptureLog
+    slot: int  # index of the layer in the request's capture list
+    offset: int  # first row of the request inside each of the log's blocks
+    n: int
+
+
 @dataclass
 class Store:
     """Everything a request hands back: captures, hook state, and the first failure."""
 
     layers: list[int]
-    # (slot in `layers`, absolute positions (host int64), rows (host; pinned while a copy may be in flight))
-    chunks: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    nbytes: int = 0
+    segments: list[Segment] = field(default_factory=list)
     saved: list[dict] = field(default_factory=list)
     error: str | None = None
 
@@ -54,7 +91,19 @@ class CaptureStore:
         with self.lock:
             self._stores[(key, child)] = store
 
-    # ------------------------------------------------------------ per step
+    # ------------------------------------------------------------ per plan / per step
+
+    def open_plan(self, plan: StepPlan) -> None:
+        """A new batch composition: one log per captured layer, one segment per (request, layer)."""
+        plan.logs = {}
+        with self.lock:
+            for layer, (_, items) in plan.capture.items():
+                log = plan.logs[layer] = CaptureLog()
+                off = 0
+                for r, s, e in items:
+                    r.store.segments.append(Segment(log, r.capture_slot[layer], off, e - s))
+                    log.refs += 1
+                    off += e - s
 
     def _to_host(self, dev: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._side is None:
@@ -71,35 +120,35 @@ class CaptureStore:
         return host, hpos
 
     def finish_step(self, plan: StepPlan) -> None:
-        """File this step's captured rows under their requests (one device->host copy per step)."""
-        layers = [l for l, _ in plan.captured]
-        sizes = [t.shape[0] for _, t in plan.captured]
+        """File this step's captured rows (one device->host copy per step, O(layers) Python)."""
         dev = torch.cat([t for _, t in plan.captured])
-        all_idx = torch.cat([plan.capture[l][0] for l in layers])
+        all_idx = torch.cat([plan.capture[l][0] for l, _ in plan.captured])
         host, pos_host = self._to_host(dev, plan.positions.index_select(0, all_idx))
         off = 0
         with self.lock:
-            for layer, size in zip(layers, sizes):
-                block = host[off:off + size]
-                pblock = pos_host[off:off + size]
-                o = 0
-                for r, s, e in plan.capture[layer][1]:
-                    n = e - s
-                    st = r.store
-                    view = block[o:o + n]
-                    st.chunks.append((r.capture_slot[layer], pblock[o:o + n], view))
-                    nb = view.numel() * view.element_size()
-                    st.nbytes += nb
-                    self.stored_bytes += nb
-                    o += n
+            for layer, t in plan.captured:
+                size = t.shape[0]
+                log = plan.logs[layer]
+                log.blocks.append(host[off:off + size])
+                log.pos.append(pos_host[off:off + size])
+                nb = size * t.shape[-1] * t.element_size()
+                log.nbytes += nb
+                self.stored_bytes += nb
                 off += size
             self._evict_if_needed()
+
+    def _release(self, st: Store) -> None:
+        for seg in st.segments:
+            seg.log.refs -= 1
+            if seg.log.refs == 0:
+                self.stored_bytes -= seg.log.nbytes
+                seg.log.blocks, seg.log.pos, seg.log.nbytes, seg.log._stacked = [], [], 0, None
+        st.segments = []
 
     def _evict_if_needed(self) -> None:
         while self.stored_bytes > MAX_STORED_BYTES and self._stores:
             key = next(iter(self._stores))
-            st = self._stores.pop(key)
-            self.stored_bytes -= st.nbytes
+            self._release(self._stores.pop(key))
             self._evicted.add(key[0])
             logger.error("inspect-lens: capture store over VLLM_LENS_MAX_STORED_GB; dropped request %s", key[0])
 
@@ -113,15 +162,8 @@ class CaptureStore:
         if self._side is not None:
             self._side.synchronize()
         with self.lock:
-            if not reporting:
-                for key, children in wanted:
-                    for child in children:
-                        st = self._stores.pop((key, int(child)), None)
-                        if st is not None:
-                            self.stored_bytes -= st.nbytes
-                return out
             for key, children in wanted:
-                if key in self._evicted:
+                if reporting and key in self._evicted:
                     self._evicted.discard(key)
                     out[key] = {"error": "captures were dropped: the worker's store exceeded "
                                          "VLLM_LENS_MAX_STORED_GB before they were fetched"}
@@ -131,8 +173,9 @@ class CaptureStore:
                     st = self._stores.pop((key, int(child)), None)
                     if st is None:
                         continue
-                    self.stored_bytes -= st.nbytes
-                    per_child[int(child)] = _assemble(st, int(n_pos), layer_ids, assemble_saved)
+                    if reporting:
+                        per_child[int(child)] = _assemble(st, int(n_pos), layer_ids, assemble_saved)
+                    self._release(st)
                 if per_child:
                     out[key] = per_child
         return out
@@ -142,7 +185,7 @@ class CaptureStore:
             keys_set = set(keys)
             gone = [k for k in self._stores if k[0] in keys_set]
             for k in gone:
-                self.stored_bytes -= self._stores.pop(k).nbytes
+                self._release(self._stores.pop(k))
             return len(gone)
 
 
@@ -156,16 +199,17 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any) 
         return payload
     mine = [l for l in st.layers if l in layer_ids]
     slots = [st.layers.index(l) for l in mine]
-    if not st.chunks:
+    parts = [(seg.slot, *seg.log.rows(seg.offset, seg.n)) for seg in st.segments if seg.log.blocks]
+    if not parts:
         payload.setdefault("error", "no positions were captured")
         return payload
-    d = st.chunks[0][2].shape[-1]
-    t = torch.zeros((len(st.layers), n_pos, d), dtype=st.chunks[0][2].dtype)
+    d = parts[0][2].shape[-1]
+    t = torch.zeros((len(st.layers), n_pos, d), dtype=parts[0][2].dtype)
     filled = np.zeros((len(st.layers), n_pos), dtype=bool)
-    # one scatter for the whole request (a few hundred chunks: one per step and layer)
-    pos = torch.cat([c[1] for c in st.chunks]).numpy()
-    slot = np.concatenate([np.full(len(c[1]), c[0]) for c in st.chunks])
-    rows = torch.cat([c[2] for c in st.chunks])
+    # one scatter for the whole request
+    pos = torch.cat([p for _, p, _ in parts]).numpy()
+    slot = np.concatenate([np.full(len(p), s) for s, p, _ in parts])
+    rows = torch.cat([r for _, _, r in parts])
     keep = pos < n_pos
     if not keep.all():
         pos, slot, rows = pos[keep], slot[keep], rows[torch.from_numpy(keep)]
