@@ -102,7 +102,7 @@ def bench_model(label: str, model: str, plan: dict[str, tuple[str, ...]], args, 
             print(f"[{label}] {system}: {p.start['error']}", flush=True)
             p.close()
             continue
-        warm = p.ask(workload="W0", **size)  # warm-up (not recorded)
+        warm = p.ask(workload=plan[system][0], **size)  # warm-up (not recorded)
         if system.startswith("lens") and "W1" in plan[system] and "error" not in warm:
             warm = p.ask(workload="W1", **size)  # also checks the capture once
         if "error" in warm:
@@ -258,8 +258,9 @@ def main() -> None:
         # H200: this project in vLLM's default mode against plain vLLM with and without CUDA graphs, and
         # forced eager ("before"); peers on W1 in a second call ("gpu-peers") — all of them at once would
         # not fit in the GPU's memory next to each other
-        "gpu": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ALL, "lens-eager": ("W0", "W1", "W3", "W5")},
-        "gpu-peers": {"vllm-compiled": ("W0",), "lens": ("W0", "W1"), "vllm-lens": ("W0", "W1"), "hf": ("W1",)},
+        "gpu": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ALL, "vllm-lens": ("W1",), "hf": ("W1",)},
+        "gpu-before": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ALL,
+                       "lens-eager": ("W0", "W1", "W3", "W5")},
         "large": {"vllm-eager": ("W0",), "lens": ("W0", "W1", "W2", "W3"), "vllm-lens": ("W0", "W1", "W2", "W3"),
                   "hf": ("W1",)},
     }

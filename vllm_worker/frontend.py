@@ -16,7 +16,8 @@ import torch
 from . import adapter
 from .hooks import HookError
 from .spec import PAYLOAD_KEY, ModelShape, cache_salt, encode, has_lens_keys, parse_request
-from .wire import tensor_from_bytes
+from . import shm
+from .wire import dtype_from_name, tensor_from_bytes
 
 FETCH_GROUP_BYTES = 512 << 20  # per RPC round trip
 
@@ -118,17 +119,33 @@ def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str,
     t = time.perf_counter()
     merged: dict[str, dict] = {}
     for group in fetch_groups(todo):
-        merge_fetched(merged, adapter.rpc(engine, "lens_fetch", group))
+        merge_fetched(merged, adapter.rpc(engine, "lens_fetch", group, shm.host_id()))
     TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
     return merged
+
+
+def _part_tensor(part: dict) -> torch.Tensor:
+    if "shm" in part:  # written by our own worker on this machine (see shm.py)
+        m = part["shm"]
+        return shm.load(m["path"], list(m["shape"]), dtype_from_name(m["dtype"]))
+    return tensor_from_bytes(part["tensor"], "residual_stream")
+
+
+def discard_parts(parts: list[dict]) -> None:
+    """Results that will not be decoded: remove their shared-memory files."""
+    for part in parts:
+        if "shm" in part:
+            shm.discard(part["shm"]["path"])
 
 
 def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
     by_layer: dict[int, torch.Tensor] = {}
     for part in parts:
-        if "tensor" not in part:
+        if "tensor" not in part and "shm" not in part:
             continue
-        t = tensor_from_bytes(part["tensor"], "residual_stream")
+        t = _part_tensor(part)
+        if list(part["layers"]) == list(p.layers):  # one stage holds every layer: no re-stacking copy
+            return t
         for i, layer in enumerate(part["layers"]):
             by_layer.setdefault(layer, t[i])
     missing = [l for l in p.layers if l not in by_layer]
@@ -146,6 +163,7 @@ def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict 
         return None, None, "no results came back from the workers"
     errors = [part["error"] for part in parts if "error" in part]
     if errors:
+        discard_parts(parts)
         return None, None, errors[0]
     acts = {"residual_stream": _assemble(p, parts), "layers": list(p.layers)} if p.layers else None
     hook_parts = [part["hooks"] for part in parts if "hooks" in part]

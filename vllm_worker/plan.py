@@ -90,7 +90,8 @@ def split_steers(steers: list[DeviceSteer]) -> tuple[list[DeviceSteer], dict[int
             {l: v.contiguous() for l, v in simple.items()})
 
 
-def make_plan(active: Rows, positions: torch.Tensor, capturing_rank: bool) -> StepPlan:
+def make_plan(active: Rows, positions: torch.Tensor, capturing_rank: bool, local: frozenset) -> StepPlan:
+    """`local`: the layers this pipeline stage holds (captures of other stages' layers are theirs)."""
     steer: dict[int, Rows] = {}
     simple: dict[int, Rows] = {}
     cap_rows: dict[int, Rows] = {}
@@ -107,7 +108,8 @@ def make_plan(active: Rows, positions: torch.Tensor, capturing_rank: bool) -> St
                 hooks.setdefault((layer, h.pre), []).append(item)
         if capturing_rank:
             for layer in r.capture:
-                cap_rows.setdefault(layer, []).append(item)
+                if layer in local:
+                    cap_rows.setdefault(layer, []).append(item)
 
     def on_device(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(positions.device, non_blocking=True)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import adapter, edits, taps
+from . import adapter, edits, shm, taps
 from .hooks import HookContext
 from .params import Params
 from .plan import DeviceSteer, HookRun, RequestState, Rows, StepPlan, make_plan, split_steers
@@ -168,7 +168,7 @@ class LensRuntime:
             positions = kwargs.get("positions")
             if active and positions is None:
                 raise adapter.LensIncompatibleVLLM("forward pass without `positions`")
-            self._cached_plan = make_plan(active, positions, self.capturing_rank) if active else None
+            self._cached_plan = make_plan(active, positions, self.capturing_rank, self._local) if active else None
             if self._cached_plan is not None and self._cached_plan.capture:
                 self.store.open_plan(self._cached_plan)
             self._plan_key = key
@@ -221,8 +221,10 @@ class LensRuntime:
 
     # ---------------------------------------------------------------- fetch (RPC)
 
-    def fetch(self, wanted: list[tuple[str, dict[int, int]]]) -> dict[str, Any]:
-        return self.store.fetch(wanted, self.capturing_rank, self.layer_ids, _pickle_saved)
+    def fetch(self, wanted: list[tuple[str, dict[int, int]]], shm_host: str | None = None) -> dict[str, Any]:
+        """`shm_host`: the frontend's machine id; on the same machine, captures travel as shm files."""
+        use_shm = shm_host is not None and shm_host == shm.host_id()
+        return self.store.fetch(wanted, self.capturing_rank, self.layer_ids, _pickle_saved, use_shm)
 
     def drop(self, keys: list[str]) -> int:
         return self.store.drop(keys)

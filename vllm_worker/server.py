@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from . import adapter
+from . import adapter, shm
 from .frontend import Pending, _pending, decode_sample, fetch_groups, mark_consumer, merge_collected, merge_fetched
 from .spec import CAPTURE_KEY, HOOK_KEY, MAX_PAYLOAD_BYTES, ModelShape, has_lens_keys, parse_hooks, remote_hooks_allowed
 from .wire import to_jsonable
@@ -82,7 +82,7 @@ async def _results(state: LensState, kind: str, response_id: str, n: int, choice
                              f"{response_id!r} (did vLLM change its request-id format?)")
     merged: dict[str, dict] = {}
     for group in fetch_groups([(p, ch) for _, p, ch in todo]):
-        merge_fetched(merged, await adapter.rpc_async(state.engine, "lens_fetch", group))
+        merge_fetched(merged, await adapter.rpc_async(state.engine, "lens_fetch", group, shm.host_id()))
     out: dict[int, dict] = {}
     errors: dict[str, str] = {}
     for rid, p, _ in todo:

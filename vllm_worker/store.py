@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from .plan import StepPlan
-from .wire import tensor_to_bytes
+from . import shm
+from .wire import dtype_name, tensor_to_bytes
 
 logger = logging.getLogger("vllm_worker")
 
@@ -155,9 +156,10 @@ class CaptureStore:
     # ------------------------------------------------------------ fetch
 
     def fetch(self, wanted: list[tuple[str, dict[int, int]]], reporting: bool,
-              layer_ids: list[int], assemble_saved: Any) -> dict[str, Any]:
+              layer_ids: list[int], assemble_saved: Any, use_shm: bool = False) -> dict[str, Any]:
         """{key: {child: payload}} for this rank's layers; pops what it returns. A rank that does not
-        report (TP rank > 0: hooks ran there too, on the same replicated stream) only drops."""
+        report (TP rank > 0: hooks ran there too, on the same replicated stream) only drops. `use_shm`:
+        capture tensors go through shared-memory files (see `shm`)."""
         out: dict[str, Any] = {}
         if self._side is not None:
             self._side.synchronize()
@@ -174,7 +176,7 @@ class CaptureStore:
                     if st is None:
                         continue
                     if reporting:
-                        per_child[int(child)] = _assemble(st, int(n_pos), layer_ids, assemble_saved)
+                        per_child[int(child)] = _assemble(st, int(n_pos), layer_ids, assemble_saved, use_shm)
                     self._release(st)
                 if per_child:
                     out[key] = per_child
@@ -189,7 +191,8 @@ class CaptureStore:
             return len(gone)
 
 
-def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any) -> dict[str, Any]:
+def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
+              use_shm: bool = False) -> dict[str, Any]:
     payload: dict[str, Any] = {}
     if st.error is not None:
         payload["error"] = st.error
@@ -198,14 +201,17 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any) 
     if not st.layers:
         return payload
     mine = [l for l in st.layers if l in layer_ids]
-    slots = [st.layers.index(l) for l in mine]
-    parts = [(seg.slot, *seg.log.rows(seg.offset, seg.n)) for seg in st.segments if seg.log.blocks]
+    out_of_slot = {st.layers.index(l): i for i, l in enumerate(mine)}
+    parts = [(out_of_slot[seg.slot], *seg.log.rows(seg.offset, seg.n)) for seg in st.segments
+             if seg.log.blocks and seg.slot in out_of_slot]
     if not parts:
         payload.setdefault("error", "no positions were captured")
         return payload
-    d = parts[0][2].shape[-1]
-    t = torch.zeros((len(st.layers), n_pos, d), dtype=parts[0][2].dtype)
-    filled = np.zeros((len(st.layers), n_pos), dtype=bool)
+    d, dtype = parts[0][2].shape[-1], parts[0][2].dtype
+    shape = (len(mine), n_pos, d)
+    mapped = shm.alloc(shape, dtype) if use_shm else None
+    t = mapped[0] if mapped is not None else torch.zeros(shape, dtype=dtype)
+    filled = np.zeros((len(mine), n_pos), dtype=bool)
     # one scatter for the whole request
     pos = torch.cat([p for _, p, _ in parts]).numpy()
     slot = np.concatenate([np.full(len(p), s) for s, p, _ in parts])
@@ -215,9 +221,11 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any) 
         pos, slot, rows = pos[keep], slot[keep], rows[torch.from_numpy(keep)]
     t[torch.from_numpy(slot), torch.from_numpy(pos)] = rows
     filled[slot, pos] = True
-    t = t[slots]
-    missing = [(l, int(np.flatnonzero(~filled[s])[0])) for l, s in zip(mine, slots) if not filled[s].all()]
-    payload.update({"layers": mine, "tensor": tensor_to_bytes(t)})
+    missing = [(l, int(np.flatnonzero(~filled[i])[0])) for i, l in enumerate(mine) if not filled[i].all()]
+    if mapped is not None:
+        payload.update({"layers": mine, "shm": {"path": mapped[1], "dtype": dtype_name(dtype), "shape": list(shape)}})
+    else:
+        payload.update({"layers": mine, "tensor": tensor_to_bytes(t)})
     if missing:
         payload.setdefault("error", f"positions never ran a forward pass (layer, first missing position): {missing}")
     return payload

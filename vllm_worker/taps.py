@@ -56,9 +56,13 @@ def _tap_fake(hidden: torch.Tensor, residual: torch.Tensor | None, site: int) ->
     return None
 
 
-tap = torch.library.custom_op(OP, _tap_impl, mutates_args=("hidden",),
-                              schema="(Tensor(a!) hidden, Tensor? residual, int site) -> ()")
-tap.register_fake(_tap_fake)
+# Registered through torch.library.Library (as vLLM registers its own ops): a call costs ~3 us here,
+# against ~25 us through torch.library.custom_op's Python wrappers (measured), and the op is called once
+# per layer per step.
+_lib = torch.library.Library("vllm_lens", "FRAGMENT")
+_lib.define("tap(Tensor(a!) hidden, Tensor? residual, int site) -> ()")
+_lib.impl("tap", _tap_impl, "CompositeExplicitAutograd")
+torch.library.register_fake(OP, _tap_fake, lib=_lib)
 
 
 def _out_hook(layer: int) -> Callable:

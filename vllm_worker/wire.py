@@ -34,6 +34,13 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"unsupported tensor dtype {dtype}") from None
 
 
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported tensor dtype {name!r}") from None
+
+
 def tensor_to_bytes(t: torch.Tensor) -> dict[str, Any]:
     """Raw-bytes form (for in-engine IPC): dtype, shape, little-endian bytes."""
     t = t.detach().to("cpu").contiguous()

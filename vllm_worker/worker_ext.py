@@ -46,8 +46,9 @@ class LensWorkerExtension:
             raise RuntimeError("inspect-lens is not installed on this worker's model runner")
         return rt
 
-    def lens_fetch(self, wanted: list) -> dict:
-        return self._lens_rt().fetch([(k, {int(c): int(n) for c, n in ch.items()}) for k, ch in wanted])
+    def lens_fetch(self, wanted: list, shm_host: str | None = None) -> dict:
+        return self._lens_rt().fetch([(k, {int(c): int(n) for c, n in ch.items()}) for k, ch in wanted],
+                                     None if shm_host is None else str(shm_host))
 
     def lens_drop(self, keys: list) -> int:
         return self._lens_rt().drop(list(keys))
