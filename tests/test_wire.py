@@ -44,3 +44,32 @@ def test_size_limit_applies_after_decompression():
     obj = tensor_to_json(torch.zeros(1 << 16), compress=True)  # 256 KiB of zeros compresses to ~1 KiB
     with pytest.raises(ValueError, match="exceeds the limit"):
         tensor_from_json(obj, "t", max_bytes=1 << 12)
+
+
+def test_shared_memory_hand_off_round_trip_and_fallback(monkeypatch, tmp_path):
+    """Captures cross from worker to frontend as /dev/shm files: exact bytes, file gone after loading;
+    when the space cannot be reserved the caller gets None (and uses the RPC bytes path)."""
+    import os
+
+    from vllm_worker import shm
+
+    assert shm.host_id() is not None
+    got = shm.alloc((2, 3, 4), torch.bfloat16)
+    assert got is not None
+    t, path = got
+    assert float(t.float().abs().sum()) == 0.0  # zero-filled
+    src = torch.randn(2, 3, 4).to(torch.bfloat16)
+    t.copy_(src)
+    back = shm.load(path, [2, 3, 4], torch.bfloat16)
+    assert torch.equal(back, src) and not os.path.exists(path)
+    with pytest.raises(ValueError, match="not a capture file"):
+        shm.load(str(tmp_path / "x"), [1], torch.float32)
+
+    def full(fd, off, n):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert shm.alloc((1024,), torch.float32) is None
+    assert not [f for f in os.listdir(shm.SHM_DIR) if f.startswith(shm.PREFIX + str(os.getpid()))]
+    monkeypatch.setenv("VLLM_LENS_SHM", "0")
+    assert shm.host_id() is None

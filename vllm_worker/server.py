@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,16 @@ async def _results(state: LensState, kind: str, response_id: str, n: int, choice
     merged: dict[str, dict] = {}
     for group in fetch_groups([(p, ch) for _, p, ch in todo]):
         merge_fetched(merged, await adapter.rpc_async(state.engine, "lens_fetch", group, shm.host_id()))
+    # decoding and JSON conversion of large captures run in a worker thread: the event loop (health
+    # checks, other requests' streams) keeps answering meanwhile
+    out, errors = await asyncio.to_thread(_decode_results, todo, by_request, merged)
+    if state.persistent_hooks:
+        for rank_errors in await adapter.rpc_async(state.engine, "lens_pop_persistent_errors", list(by_request)):
+            errors.update(rank_errors or {})
+    return out, errors
+
+
+def _decode_results(todo: list, by_request: dict, merged: dict) -> tuple[dict[int, dict], dict[str, str]]:
     out: dict[int, dict] = {}
     errors: dict[str, str] = {}
     for rid, p, _ in todo:
@@ -98,9 +109,6 @@ async def _results(state: LensState, kind: str, response_id: str, n: int, choice
             if hooks is not None:
                 entry["hook_results"] = to_jsonable(hooks)
             out[c.index] = entry
-    if state.persistent_hooks:
-        for rank_errors in await adapter.rpc_async(state.engine, "lens_pop_persistent_errors", list(by_request)):
-            errors.update(rank_errors or {})
     return out, errors
 
 
@@ -139,8 +147,13 @@ def _replay(body: bytes, receive: Any):
     return replay
 
 
+async def _dumps(obj: Any) -> bytes:
+    """JSON of a response; large ones (captures) are encoded off the event loop."""
+    return (await asyncio.to_thread(json.dumps, obj)).encode()
+
+
 async def _send_json(send: Any, status: int, obj: Any, headers: list | None = None) -> None:
-    body = json.dumps(obj).encode()
+    body = await _dumps(obj)
     hdrs = [(k, v) for k, v in (headers or []) if k.lower() not in (b"content-length", b"content-type")]
     hdrs += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": hdrs})
@@ -273,7 +286,7 @@ class _StreamInjector:
             return b"data: " + json.dumps(_hook_failure(errors)).encode() + b"\n\n"
         chunk = {"id": self.response_id, "object": self.obj,
                  "choices": [dict(index=i, **extra[i]) for i in sorted(extra)]}
-        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        return b"data: " + await _dumps(chunk) + b"\n\n"
 
 
 # ---------------------------------------------------------------- /v1/hooks/*
