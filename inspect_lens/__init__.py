@@ -1,14 +1,15 @@
 """inspect-lens, Inspect side: the `vllm-lens/<model>` provider (registered by entry point), solvers that
-capture and steer, linear probes, the deception-probe scorer and its metrics, and our datasets.
+capture and steer, linear probes, the deception- and coup-probe scorers and their metrics, and our datasets.
 
 `inspect_lens` never touches vLLM internals; it talks to a `vllm-lens serve` server over HTTP."""
 
-from .metrics import probe_auroc, recall_at_fpr
+from .metrics import auroc_by, probe_auroc, recall_at_fpr
 from .probes import LinearProbe, auroc, recall_at_threshold, threshold_at_fpr
-from .scorers import deception_probe
+from .scorers import coup_probe, deception_probe
 from .solvers import Captured, capture_activations, captured, steer
 from .steering import register_steering_vector
 
-__all__ = ["Captured", "LinearProbe", "auroc", "capture_activations", "captured", "deception_probe",
+__all__ = ["Captured", "LinearProbe", "auroc", "auroc_by", "capture_activations", "captured", "coup_probe",
+           "deception_probe",
            "probe_auroc", "recall_at_fpr", "recall_at_threshold", "register_steering_vector", "steer",
            "threshold_at_fpr"]

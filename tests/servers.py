@@ -26,10 +26,14 @@ def _free_port() -> int:
 
 
 def _serve(*flags: str, **env: str) -> str:
+    """Servers run in the same mode as the session's offline engines (eager, or compiled with
+    LENS_TEST_COMPILED=1) so HTTP results can be compared bit for bit with offline ones."""
+    from conftest import COMPILED
+
     port = _free_port()
     cmd = [str(Path(sys.executable).parent / "vllm-lens"), "serve", str(model_path("llama")), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
-           "--kv-cache-memory-bytes", str(KV_BYTES), *flags]
+           "--kv-cache-memory-bytes", str(KV_BYTES), *([] if COMPILED else ["--enforce-eager"]), *flags]
     full_env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), VLLM_ENABLE_V1_MULTIPROCESSING="1", **env)
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"lens-serve-{port}.log", "w")
     proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT)

@@ -1,0 +1,50 @@
+"""Coup probe: does a linear probe on the agent model's own residual stream flag harmful actions in
+template families it was not trained on?
+
+    inspect eval evals/coup_probe.py --model vllm-lens/<model> [-T layer=15] [-T probe=probe.json] \
+        [-T test_families=code,backups] [-T train_limit=4] [-T eval_limit=4] [-T control_limit=50]
+
+1. Probe (off-policy, after F. Roger's coup probes): loaded from `probe` if that file exists; otherwise
+   trained per token (standardize + logistic regression) on the other families of
+   `inspect_lens.coup_data` — benign vs harmful tool calls in shared agent contexts, with hard negatives
+   and bland-sounding harmful actions — and saved (to `probe`, or beside the eval log).
+2. Evaluation: the held-out families (`test_families`), read teacher-forced (the action is given, not
+   generated), plus benign control chats for the threshold.
+3. Metrics: AUROC (harmful vs benign), recall at 1% FPR (threshold = the control chats' 99th
+   percentile) and AUROC per held-out family. Per-sample and per-token scores are in the log.
+`train_limit` / `eval_limit` count agent contexts per family (12 each by default: all).
+"""
+
+from inspect_ai import Task, task
+from inspect_ai.dataset import MemoryDataset
+from inspect_ai.model import GenerateConfig
+
+from inspect_lens import capture_activations, coup_probe as coup_probe_scorer
+from inspect_lens.coup_data import coup_pairs, families
+from inspect_lens.datasets import control
+
+DEFAULT_TEST = ("code", "backups")
+
+
+@task
+def coup_probe(layer: int | None = None, probe: str | None = None, test_families: str | list[str] | None = None,
+               train_limit: int | None = None, eval_limit: int | None = None, control_limit: int | None = None,
+               C: float = 1.0) -> Task:
+    """`test_families`: held-out families (comma list; default code,backups); the rest train the probe."""
+    if isinstance(test_families, str):
+        test_families = [f.strip() for f in test_families.split(",") if f.strip()]
+    test = list(test_families or DEFAULT_TEST)
+    unknown = [f for f in test if f not in families()]
+    if unknown:
+        raise ValueError(f"test_families: unknown {unknown} (known: {', '.join(families())})")
+    train = [f for f in families() if f not in test]
+    if not train:
+        raise ValueError("test_families: at least one family must remain for training")
+    samples = coup_pairs(test, eval_limit) + control(control_limit)
+    return Task(
+        dataset=MemoryDataset(samples, name="inspect-lens-coup-probe"),
+        solver=capture_activations(layer),
+        scorer=coup_probe_scorer(probe=probe, layer=layer, train_families=train, train_limit=train_limit, C=C),
+        config=GenerateConfig(temperature=0),
+        metadata={"train_families": train, "test_families": test},
+    )
