@@ -48,7 +48,8 @@ def recall_at_fpr(fpr: float = 0.01) -> Metric:
 
 @metric
 def auroc_by(key: str = "family") -> Metric:
-    """AUROC per value of `Score.metadata[key]` (e.g. per held-out family of a coup-probe eval)."""
+    """AUROC per value of `Score.metadata[key]` (e.g. per held-out family of a coup-probe eval), reported
+    as `auroc_<value>` (Inspect lists each entry of a dict metric under its own name)."""
 
     def compute(scores: list[SampleScore]) -> dict[str, float]:
         groups: dict[str, list[SampleScore]] = {}
@@ -60,7 +61,7 @@ def auroc_by(key: str = "family") -> Metric:
         for value, members in sorted(groups.items()):
             g = _split(members)
             if g[POSITIVE] and g[NEGATIVE]:
-                out[value] = auroc(g[POSITIVE] + g[NEGATIVE], [1] * len(g[POSITIVE]) + [0] * len(g[NEGATIVE]))
+                out[f"auroc_{value}"] = auroc(g[POSITIVE] + g[NEGATIVE], [1] * len(g[POSITIVE]) + [0] * len(g[NEGATIVE]))
         return out
 
     return compute

@@ -54,7 +54,7 @@ def test_auroc_by_family_metric():
 
     scores = [sc(2.0, "harmful", "a"), sc(0.0, "benign", "a"), sc(0.0, "harmful", "b"), sc(1.0, "benign", "b"),
               sc(5.0, "control", None)]
-    assert auroc_by("family")(scores) == {"a": 1.0, "b": 0.0}
+    assert auroc_by("family")(scores) == {"auroc_a": 1.0, "auroc_b": 0.0}
     assert probe_auroc()(scores) == 0.625  # pooled: 2.5 of 4 (positive, negative) pairs ordered right
 
 
@@ -90,7 +90,7 @@ def test_coup_probe_eval_end_to_end(server, tmp_path):
                          model_args={"api_key": KEY}, log_dir=str(tmp_path), display="none")
     assert log.status == "success", log.error
     metrics = {name: m.value for s in log.results.scores for name, m in s.metrics.items()}
-    assert set(metrics) == {"probe_auroc", "recall_at_fpr", "auroc_by"}
+    assert set(metrics) == {"probe_auroc", "recall_at_fpr", "auroc_code"}  # + one AUROC per held-out family
     assert 0.0 <= metrics["probe_auroc"] <= 1.0
     samples = read_eval_log(log.location).samples
     labels = Counter(next(iter(s.scores.values())).metadata["label"] for s in samples)
