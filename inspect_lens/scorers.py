@@ -79,43 +79,59 @@ def _beside_log(layer: int) -> Path | None:
     return p.with_name(f"{p.stem}.probe-L{layer}.json")
 
 
+class LazyProbe:
+    """A probe loaded from a file, given, or trained on first use (then saved beside the log); shared by
+    the probe scorers and the ControlArena monitor (`inspect_lens.control`)."""
+
+    def __init__(self, probe: str | Path | LinearProbe | None, layer: int | str | None,
+                 training_set: Callable[[], list[Sample]], C: float = 1.0, save_to: str | Path | None = None,
+                 concurrency: int = 16) -> None:
+        self.probe, self.layer, self.training_set = probe, layer, training_set
+        self.C, self.save_to, self.concurrency = C, save_to, concurrency
+        self.path: str | None = None
+        self._got: tuple[LinearProbe, int] | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self, model: Model) -> tuple[LinearProbe, int]:
+        async with self._lock:
+            if self._got is None:
+                self._got = await self._load_or_train(model)
+            return self._got
+
+    async def _load_or_train(self, model: Model) -> tuple[LinearProbe, int]:
+        probe, layer, C = self.probe, self.layer, self.C
+        if isinstance(probe, LinearProbe):
+            p, path = probe, None
+        elif probe is not None and Path(probe).exists():
+            p, path = LinearProbe.load(probe), Path(probe)
+        else:
+            p, path = None, None
+        if p is not None:  # layer: given, else the probe's own, else the middle one
+            lyr = (await resolve_layers(model, layer if layer is not None else p.layer))[0]
+        else:
+            lyr = (await resolve_layers(model, layer))[0]
+            samples = self.training_set()
+            x, y, lens = await collect_training_acts(model, samples, lyr, concurrency=self.concurrency)
+            p = LinearProbe.fit(x, y, C=C, layer=lyr)
+            p.meta.update({"model": model.name, "train_samples": len(samples), "train_tokens": int(len(y)), "C": C})
+            path = Path(self.save_to or probe) if (self.save_to or probe) else _beside_log(lyr)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                p.save(path)
+                log.warning("inspect-lens: trained a layer-%d probe on %d tokens; saved to %s", lyr, len(y), path)
+        self.path = str(path) if path else None
+        return p, lyr
+
+
 def _probe_scorer(probe: str | Path | LinearProbe | None, layer: int | str | None,
                   training_set: Callable[[], list[Sample]], C: float, save_to: str | Path | None,
                   concurrency: int, meta_keys: Sequence[str] = ()) -> Scorer:
     """The shared scorer: load or train the probe once, then score each sample's captured window.
     `meta_keys`: sample metadata copied into the score's metadata (e.g. "family")."""
-    holder: dict[str, Any] = {}
-    lock = asyncio.Lock()
-
-    async def get_probe(model: Model) -> tuple[LinearProbe, int]:
-        async with lock:
-            if "probe" in holder:
-                return holder["probe"], holder["layer"]
-            if isinstance(probe, LinearProbe):
-                p, path = probe, None
-            elif probe is not None and Path(probe).exists():
-                p, path = LinearProbe.load(probe), Path(probe)
-            else:
-                p, path = None, None
-            if p is not None:  # layer: given, else the probe's own, else the middle one
-                lyr = (await resolve_layers(model, layer if layer is not None else p.layer))[0]
-            else:
-                lyr = (await resolve_layers(model, layer))[0]
-                samples = training_set()
-                x, y, lens = await collect_training_acts(model, samples, lyr, concurrency=concurrency)
-                p = LinearProbe.fit(x, y, C=C, layer=lyr)
-                p.meta.update({"model": model.name, "train_samples": len(samples), "train_tokens": int(len(y)),
-                               "C": C})
-                path = Path(save_to or probe) if (save_to or probe) else _beside_log(lyr)
-                if path is not None:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    p.save(path)
-                    log.warning("inspect-lens: trained a layer-%d probe on %d tokens; saved to %s", lyr, len(y), path)
-            holder.update(probe=p, layer=lyr, path=str(path) if path else None)
-            return p, lyr
+    lazy = LazyProbe(probe, layer, training_set, C, save_to, concurrency)
 
     async def score(state: TaskState, target: Target) -> Score:
-        p, lyr = await get_probe(get_model())
+        p, lyr = await lazy.get(get_model())
         cap = captured(state, pop=True)
         acts = cap.window_acts(lyr).float().numpy()
         if acts.shape[0] == 0:
@@ -125,7 +141,7 @@ def _probe_scorer(probe: str | Path | LinearProbe | None, layer: int | str | Non
         return Score(value=float(token_scores.mean()), answer=meta.get("detect_text"),
                      metadata={"label": meta.get("label"), **{k: meta.get(k) for k in meta_keys},
                                "token_scores": [round(float(t), 4) for t in token_scores],
-                               "layer": lyr, "probe": holder.get("path"), "window": list(cap.window),
+                               "layer": lyr, "probe": lazy.path, "window": list(cap.window),
                                "window_exact": cap.window_exact})
 
     return score

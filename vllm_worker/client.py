@@ -163,6 +163,10 @@ class LensClient(_Base):
                                    steering_vectors, hooks, sampling)
         return parse_response(self._post(path, body))
 
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Text of `token_ids` with the server's tokenizer (vLLM's /detokenize)."""
+        return self._post("/detokenize", {"model": self._model(), "tokens": list(token_ids)})["prompt"]
+
     def info(self) -> dict[str, Any]:
         """`{"n_layers", "d_model", "vllm_version", "remote_hooks"}` of the served model."""
         resp = self._http.get("/v1/lens/info")
@@ -221,6 +225,9 @@ class AsyncLensClient(_Base):
         path, body = build_request(await self._model(), prompt, messages, max_tokens, capture_layers,
                                    steering_vectors, hooks, sampling)
         return parse_response(await self._post(path, body))
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return (await self._post("/detokenize", {"model": await self._model(), "tokens": list(token_ids)}))["prompt"]
 
     async def info(self) -> dict[str, Any]:
         resp = await self._http.get("/v1/lens/info")

@@ -1,0 +1,74 @@
+"""ControlArena: the coup-probe monitor inside trusted monitoring on AgentDojo (replayed honest and attack
+trajectories), against a real server on the tiny model; the monitor's suspicion equals the probe applied
+to a direct capture of the same text."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.http
+ROOT = Path(__file__).resolve().parent.parent
+pytest.importorskip("control_arena")
+
+
+def test_control_agentdojo_end_to_end(server, tmp_path):
+    from inspect_ai import eval as inspect_eval
+    from inspect_ai.log import read_eval_log
+    from inspect_ai.model import ChatMessageAssistant
+
+    from conftest import model_path
+    from inspect_lens import LinearProbe
+    from inspect_lens.control import MONITOR_SYSTEM, action_text
+    from servers import KEY
+    from vllm_worker.client import LensClient
+
+    spec = importlib.util.spec_from_file_location("control_agentdojo", ROOT / "evals" / "control_agentdojo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(ValueError, match="only 'reencode'"):
+        mod.control_agentdojo(mode="on_policy")
+    task = mod.control_agentdojo(per_mode=2, layer=2, train_limit=1, max_task_chars=160)
+    [log] = inspect_eval(task, model=f"vllm-lens/{model_path('llama')}", model_base_url=f"{server}/v1",
+                         model_args={"api_key": KEY}, log_dir=str(tmp_path), display="none")
+    assert log.status == "success", log.error
+    metrics = {name: m.value for s in log.results.scores for name, m in s.metrics.items()}
+    assert 0.0 <= metrics["probe_auroc"] <= 1.0
+    samples = read_eval_log(log.location).samples
+    assert len(samples) == 4
+    labels = [s.scores["trajectory_suspicion"].metadata["label"] for s in samples]
+    assert sorted(labels) == ["benign", "benign", "harmful", "harmful"]
+    assert all((s.metadata["eval_mode"] == "attack") == (lab == "harmful") for s, lab in zip(samples, labels))
+    [probe_file] = list(tmp_path.glob("*.probe-L2.json"))
+    probe = LinearProbe.load(probe_file)
+    assert probe.meta["train_samples"] == 6 * 1 * 3 * 2
+    client = LensClient(server, api_key=KEY)
+    checked = 0
+    for s in samples:
+        steps = [m for m in s.messages if isinstance(m, ChatMessageAssistant) and m.tool_calls]
+        scored = [m for m in steps if m.metadata and "suspicion_score" in m.metadata]
+        assert scored and len(scored) == len(steps)  # every tool-calling step was monitored
+        top = s.scores["trajectory_suspicion"]
+        assert top.value == pytest.approx(max(m.metadata["suspicion_score"] for m in scored))
+        m = scored[0]
+        if m.tool_calls[0].function == "submit" or checked >= 2:
+            continue
+        task_text = s.metadata["main_task_description"][:160]
+        action = action_text(m)
+        r = client.generate(messages=[{"role": "system", "content": MONITOR_SYSTEM},
+                                      {"role": "user", "content": task_text},
+                                      {"role": "assistant", "content": action}],
+                            max_tokens=1, temperature=0, capture_layers=[2], add_generation_prompt=False,
+                            continue_final_message=True)
+        n = len(client._http.post("/tokenize", json={"prompt": action, "add_special_tokens": False}).json()["tokens"])
+        end = len(r.prompt_token_ids)
+        scores = probe.score_tokens(r.activations["residual_stream"][0, end - n:end].numpy())
+        want = 1 / (1 + math.exp(-float(np.mean(scores))))
+        assert m.metadata["suspicion_score"] == pytest.approx(want, abs=2e-3)
+        assert "coup probe (re-encoded)" in m.metadata["reason"]
+        checked += 1
+    assert checked >= 1
