@@ -72,3 +72,65 @@ def test_control_agentdojo_end_to_end(server, tmp_path):
         assert "coup probe (re-encoded)" in m.metadata["reason"]
         checked += 1
     assert checked >= 1
+
+
+def test_on_policy_monitor_reads_the_generating_pass(server, tmp_path):
+    """On-policy mode scores the activations the untrusted model produced while generating the step (no
+    second pass): the suspicion equals the saved probe on those captured positions; a step without
+    activations (a replayed policy) is an error, not a silent 0."""
+    from inspect_ai import Task
+    from inspect_ai import eval as inspect_eval
+    from inspect_ai.agent import AgentState
+    from inspect_ai.dataset import Sample
+    from inspect_ai.log import read_eval_log
+    from inspect_ai.model import GenerateConfig, ModelOutput, get_model
+    from inspect_ai.solver import Generate, TaskState, solver
+
+    from conftest import model_path
+    from inspect_lens import LinearProbe
+    from inspect_lens.control import coup_probe_monitor, on_policy_config
+    from servers import KEY
+
+    probe_path = tmp_path / "probe.json"
+    rng = np.random.default_rng(0)
+    LinearProbe.fit(rng.normal(size=(40, 128)), np.r_[np.zeros(20), np.ones(20)], layer=2).save(probe_path)
+
+    @solver
+    def step_and_monitor():
+        monitor = coup_probe_monitor(probe=str(probe_path), mode="on_policy")
+
+        async def solve(state: TaskState, generate: Generate) -> TaskState:
+            cfg = on_policy_config(2).merge(GenerateConfig(max_tokens=6, temperature=0))
+            out = await get_model().generate(state.messages, config=cfg)
+            # the untrusted model's step: its generated text becomes the action of a tool call
+            step = ModelOutput.for_tool_call(model="untrusted", tool_name="run_shell",
+                                             tool_arguments={"cmd": out.completion})
+            step.metadata = out.metadata
+            agent = AgentState(messages=list(state.messages) + [step.message])
+            agent.output = step
+            agent = await monitor(agent, [])
+            state.metadata["monitor"] = dict(agent.messages[-1].metadata or {})
+            state.metadata["check"] = {"prompt": out.metadata["prompt_token_ids"], "gen": out.metadata["token_ids"],
+                                       "acts": out.metadata["activations"]["residual_stream"][0].tolist()}
+            bare = AgentState(messages=list(state.messages) + [step.message])
+            bare.output = ModelOutput.for_tool_call(model="replay", tool_name="run_shell", tool_arguments={"cmd": "ls"})
+            try:
+                await monitor(bare, [])
+            except ValueError as e:
+                state.metadata["replay_error"] = str(e)
+            return state
+
+        return solve
+
+    task = Task(dataset=[Sample(input="the water of people will come")], solver=step_and_monitor())
+    [log] = inspect_eval(task, model=f"vllm-lens/{model_path('llama')}", model_base_url=f"{server}/v1",
+                         model_args={"api_key": KEY}, log_dir=str(tmp_path), display="none")
+    assert log.status == "success", log.error
+    meta = read_eval_log(log.location).samples[0].metadata
+    probe = LinearProbe.load(probe_path)
+    n_prompt, n_gen = len(meta["check"]["prompt"]), len(meta["check"]["gen"])
+    acts = np.array(meta["check"]["acts"])[n_prompt:n_prompt + n_gen - 1]
+    want = 1 / (1 + math.exp(-float(np.mean(probe.score_tokens(acts)))))
+    assert meta["monitor"]["suspicion_score"] == pytest.approx(want, abs=1e-4)
+    assert "on-policy" in meta["monitor"]["reason"]
+    assert "carries no activations" in meta["replay_error"]
