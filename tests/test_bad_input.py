@@ -37,6 +37,11 @@ BAD = [
      "apply_steering_vectors[0].scale"),
     ({"apply_steering_vectors": ["not a vector"]}, "apply_steering_vectors[0]: expected a SteeringVector"),
     ({"output_residual_streams": [0]}, "extra_args.output_residual_streams: unknown inspect-lens key"),
+    ({"output_residual_stream": [True]}, "output_residual_stream: layer indices must be ints"),
+    ({"output_residual_stream": False}, "output_residual_stream"),
+    ({"output_residual_stream": "[1, 99]"}, "output_residual_stream: layer 99 is out of range"),
+    ({"apply_steering_vectors": [SteeringVector(torch.ones(1, D), [0], scale=10 ** 400)]},
+     "apply_steering_vectors[0].scale: expected a finite number"),
     ({"apply_steering_vector": []}, "extra_args.apply_steering_vector: unknown inspect-lens key"),
 ]
 

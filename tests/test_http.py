@@ -16,7 +16,7 @@ from conftest import model_path
 from servers import KEY
 from vllm_worker import Hook, SteeringVector
 from vllm_worker.client import LensBadRequest, LensClient, LensForbidden, LensUnauthorized
-from vllm_worker.wire import tensor_to_json
+from vllm_worker.wire import from_jsonable, tensor_to_json
 
 pytestmark = pytest.mark.http  # own pytest process (scripts/test.sh): two servers
 PROMPT = "the water of people will come down to the side"
@@ -144,6 +144,17 @@ def _bad_cases():
         ("body too big", {"apply_steering_vectors": json.dumps([{"activations": huge, "layer_indices": [0]}])},
          413, "request body exceeds the limit"),
         ("hook base64", {"apply_hooks": json.dumps([{"fn": "%%%", "layer_indices": [0]}])}, 400, "not valid base64"),
+        # a payload the server cannot unpickle is refused before the engine sees it (it used to kill it)
+        ("hook garbage pickle", {"apply_hooks": json.dumps([{"fn": base64.b64encode(b"\x80\x05garbage").decode(),
+                                                            "layer_indices": [0]}])}, 400, "cannot be loaded"),
+        # JSON booleans are not layers (vLLM would turn them into 0 / 1)
+        ("capture bools", {"output_residual_stream": [True, False]}, 400, "layer indices must be ints"),
+        ("capture false", {"output_residual_stream": False}, 400, "output_residual_stream"),
+        ("capture huge layer", {"output_residual_stream": [2 ** 70]}, 400, "output_residual_stream: layer"),
+        ("steer scale overflow", {"apply_steering_vectors": '[{"activations": ' + json.dumps(good_vec)
+                                  + ', "layer_indices": [0], "scale": 1' + "0" * 400 + "}]"}, 400, "scale"),
+        ("steer bool shape", {"apply_steering_vectors": json.dumps([{"activations": dict(good_vec, shape=[1, True, 128]),
+                                                                     "layer_indices": [0]}])}, 400, "shape"),
     ]
 
 
@@ -155,6 +166,30 @@ def test_bad_input_is_4xx_json_and_server_keeps_serving(server, case):
     assert text in r.json()["error"]["message"]
     ok = _client(server).generate(PROMPT, max_tokens=3, temperature=0, capture_layers=[0])
     assert len(ok.token_ids) == 3 and ok.activations["residual_stream"].shape[1] == len(ok.prompt_token_ids) + 2
+
+
+def test_request_level_bad_input_names_the_field(server):
+    body = {"model": _model(), "prompt": PROMPT, "max_tokens": 2, "vllm_xargs": {"output_residual_stream": [0]}}
+    r = _post(server, "/v1/completions", dict(body, n="abc"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    r = _post(server, "/v1/completions", dict(body, use_beam_search=True, n=2))
+    assert r.status_code == 400 and "beam search" in r.json()["error"]["message"], r.text
+    r = _post(server, "/v1/hooks/prefetch", {"names": ["no.such.weight"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "names", r.text
+
+
+def test_capture_true_means_every_layer_over_http_and_offline(server, llama):
+    """The original tool's form: `output_residual_stream: true` = all layers (vLLM would make it layer 1)."""
+    r = _post(server, "/v1/completions", {"model": _model(), "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                          "vllm_xargs": {"output_residual_stream": True}})
+    assert r.status_code == 200, r.text
+    got = from_jsonable(r.json()["choices"][0]["activations"]["residual_stream"])
+    assert r.json()["choices"][0]["activations"]["layers"] == [0, 1, 2, 3]
+    sp = lambda v: SamplingParams(max_tokens=3, temperature=0, extra_args={"output_residual_stream": v})  # noqa: E731
+    for form in (True, "all", "[0, 1, 2, 3]", [0, 1, 2, 3]):
+        off = llama.generate([PROMPT], sp(form), use_tqdm=False)[0]
+        assert off.activations["layers"] == [0, 1, 2, 3]
+        assert torch.equal(off.activations["residual_stream"], got), form
 
 
 def test_hooks_without_opt_in_is_403_and_server_keeps_serving(locked_server):

@@ -101,8 +101,12 @@ class LensRuntime:
             for i, h in enumerate(spec.hooks):
                 saved: dict = {}
                 store.saved.append(saved)
-                hooks.append(HookRun(cloudpickle.loads(h.fn), frozenset(h.layers), h.pre,
-                                     self._ctx(saved, external), i, False))
+                try:
+                    fn = cloudpickle.loads(h.fn)
+                except Exception as e:  # fail this request, never the engine (the frontend checks first)
+                    store.error = f"hook {i}: cannot be loaded in the worker ({type(e).__name__}: {e})"
+                    continue
+                hooks.append(HookRun(fn, frozenset(h.layers), h.pre, self._ctx(saved, external), i, False))
         if self._persistent:
             if store is None:
                 store = Store([])

@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse
 
 from . import adapter, shm
 from .frontend import Pending, _pending, decode_sample, fetch_groups, mark_consumer, merge_collected, merge_fetched
-from .spec import CAPTURE_KEY, HOOK_KEY, MAX_PAYLOAD_BYTES, ModelShape, has_lens_keys, parse_hooks, remote_hooks_allowed
+from .spec import (ALL_LAYERS, CAPTURE_KEY, HOOK_KEY, MAX_PAYLOAD_BYTES, ModelShape, capture_layers, has_lens_keys,
+                   parse_hooks, remote_hooks_allowed)
 from .wire import to_jsonable
 
 COMPLETIONS = "/v1/completions"
@@ -160,6 +161,26 @@ async def _send_json(send: Any, status: int, obj: Any, headers: list | None = No
     await send({"type": "http.response.body", "body": body})
 
 
+def _precheck(req: dict, xargs: dict, shape: ModelShape) -> None:
+    """Checks that must see the raw JSON: vLLM turns JSON booleans in `vllm_xargs` into ints (`true` would
+    become layer 1) and some malformed fields would otherwise surface as empty 500s."""
+    n = req.get("n", 1)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise _BadRequest(400, f"n: expected a positive integer, got {str(n)[:40]!r}", "n")
+    if req.get("use_beam_search"):
+        raise _BadRequest(400, "use_beam_search: capture, steering and hooks are not supported with beam search",
+                          "use_beam_search")
+    if CAPTURE_KEY in xargs:
+        value = xargs[CAPTURE_KEY]
+        if value is True:
+            xargs[CAPTURE_KEY] = ALL_LAYERS  # the original tool's "every layer", kept a string for vLLM
+            return
+        try:
+            capture_layers(value, shape.n_layers)
+        except ValueError as e:
+            raise _BadRequest(400, str(e), f"vllm_xargs.{CAPTURE_KEY}") from None
+
+
 class LensMiddleware:
     """Pure ASGI (streaming-safe) middleware on the two generation routes."""
 
@@ -188,6 +209,11 @@ class LensMiddleware:
             return await _send_json(send, 403, error_body(
                 403, "hooks execute arbitrary code on the server and are disabled; the operator must start "
                      "the server with --allow-remote-hooks", f"vllm_xargs.{HOOK_KEY}", "Forbidden"))
+        if ours:
+            try:
+                _precheck(req, xargs, _shape(state))
+            except _BadRequest as e:
+                return await _send_json(send, e.status, error_body(e.status, e.message, e.param, "BadRequestError"))
         req["return_token_ids"] = True  # positions of activations align with these tokens
         body = json.dumps(req).encode()
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
@@ -362,7 +388,7 @@ async def register(request: Request):
     specs = parse_hooks(hooks, _shape(state))
     names = _names(body, "prefetch_params")
     if names:
-        await adapter.rpc_async(state.engine, "lens_prefetch", names)
+        await _prefetch(state, names, "prefetch_params")
     counts = await adapter.rpc_async(state.engine, "lens_register_hooks", [(h.fn, h.layers, h.pre) for h in specs])
     state.persistent_hooks = True
     return {"registered": counts[0]}
@@ -396,7 +422,18 @@ async def clear_results(request: Request):
 @_guard
 async def prefetch(request: Request):
     names = _names(await _json(request), "names")
-    return {"prefetched": (await adapter.rpc_async(_state(request.app).engine, "lens_prefetch", names))[0]}
+    return {"prefetched": await _prefetch(_state(request.app), names, "names")}
+
+
+async def _prefetch(state: LensState, names: list[str], param: str) -> list[str]:
+    """Worker-side KeyError for an unknown parameter (it travels back as an RPC failure) -> 400."""
+    try:
+        return (await adapter.rpc_async(state.engine, "lens_prefetch", names))[0]
+    except Exception as e:
+        if "no pipeline stage has a parameter" in str(e):
+            msg = str(e)[str(e).index("no pipeline stage"):].split("\n")[0].strip("'\"")
+            raise _BadRequest(400, f"{param}: {msg}", param) from None
+        raise
 
 
 @router.post("/clear_prefetched")

@@ -116,6 +116,22 @@ def layer_list(value: Any, field_name: str, n_layers: int, unique: bool = False)
     return out
 
 
+ALL_LAYERS = "all"
+
+
+def capture_layers(value: Any, n_layers: int) -> list[int]:
+    """`output_residual_stream`: a list of layer indices, `True` or `"all"` (every layer), or a JSON string
+    of a list (`"[15, 20]"`, the form flat `vllm_xargs` force over HTTP). Sorted, without duplicates."""
+    if value is True or value == ALL_LAYERS:
+        return list(range(n_layers))
+    if isinstance(value, str):
+        parsed = _from_json_string(value, CAPTURE_KEY)
+        if not isinstance(parsed, list):
+            raise ValueError(f"{CAPTURE_KEY}: expected a list of layer indices, true or \"all\", got {value!r}")
+        value = parsed
+    return sorted(set(layer_list(value, CAPTURE_KEY, n_layers)))
+
+
 def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Steer:
     f = f"{STEER_KEY}[{i}]"
     if isinstance(item, Mapping):
@@ -156,8 +172,12 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
     if not torch.isfinite(acts).all():
         raise ValueError(f"{f}.activations: contains NaN or inf")
     scale = item.scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"{f}.scale: expected a finite number, got {scale!r}")
+    try:
+        finite = not isinstance(scale, bool) and isinstance(scale, (int, float)) and math.isfinite(scale)
+    except OverflowError:  # an int too large for a float (e.g. 10**400 from JSON)
+        finite = False
+    if not finite:
+        raise ValueError(f"{f}.scale: expected a finite number, got {str(scale)[:40]!r}")
     if not isinstance(item.norm_match, bool):
         raise ValueError(f"{f}.norm_match: expected a bool, got {item.norm_match!r}")
     positions = None
@@ -220,7 +240,21 @@ def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> Hoo
     pre = item.get("pre", False)
     if not isinstance(pre, bool):
         raise ValueError(f"{f}.pre: expected a bool")
+    _check_loads(raw, f"{f}.fn")
     return HookSpec(raw, layers, pre)
+
+
+def _check_loads(raw: bytes, field_name: str) -> None:
+    """A hook the worker could not unpickle would fail inside the forward pass (and take the engine with
+    it): load it here first. Only reached when the operator enabled remote hooks (it runs their code)."""
+    import cloudpickle
+
+    try:
+        fn = cloudpickle.loads(raw)
+    except Exception as e:
+        raise ValueError(f"{field_name}: cannot be loaded on the server ({type(e).__name__}: {str(e)[:200]})") from None
+    if not callable(fn):
+        raise ValueError(f"{field_name}: not callable after loading ({type(fn).__name__})")
 
 
 def pickle_hook(fn: Any, field_name: str) -> bytes:
@@ -255,7 +289,7 @@ def parse_request(
             raise ValueError(f"extra_args.{k}: unknown inspect-lens key (known: {', '.join(KNOWN_KEYS)})")
     spec = RequestSpec(key=uuid.uuid4().hex)
     if CAPTURE_KEY in ours:
-        spec.capture = sorted(set(layer_list(ours[CAPTURE_KEY], CAPTURE_KEY, shape.n_layers)))
+        spec.capture = capture_layers(ours[CAPTURE_KEY], shape.n_layers)
     if STEER_KEY in ours:
         items = _from_json_string(ours[STEER_KEY], STEER_KEY)
         if isinstance(items, (SteeringVector, Mapping)):

@@ -56,7 +56,8 @@ def tensor_from_bytes(obj: dict[str, Any], field: str = "tensor") -> torch.Tenso
     if name not in _DTYPES:
         raise ValueError(f"{field}.dtype: unsupported dtype {name!r} (one of {sorted(_DTYPES)})")
     shape = obj.get("shape")
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in shape):
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                       for s in shape):
         raise ValueError(f"{field}.shape: expected a list of non-negative ints, got {shape!r}")
     raw = obj.get("data")
     if isinstance(raw, memoryview):
