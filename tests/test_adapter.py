@@ -23,12 +23,14 @@ def test_installed_vllm_has_everything_we_need(llama):
 
     from vllm.config import CompilationConfig
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.llm_engine import LLMEngine
 
     assert adapter.graph_taps_unsupported() is None
     for fn in (EngineArgs.create_engine_config, InputProcessor.process_inputs,
                OfflineInferenceMixin._run_engine, OfflineInferenceMixin._add_request, GPUModelRunner._model_forward,
                CPUModelRunner.load_model, CompilationConfig.set_splitting_ops_for_v1, CudagraphDispatcher.dispatch,
-               GPUModelRunner._determine_batch_execution_and_padding):
+               GPUModelRunner._determine_batch_execution_and_padding, AsyncLLM.abort, LLMEngine.abort_request):
         assert getattr(fn, "__lens_wrapped__", False), fn
 
 

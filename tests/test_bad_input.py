@@ -70,3 +70,18 @@ def test_bad_request_in_a_list_aborts_only_that_call(llama, baseline):
     outs = llama.generate([PROMPT, PROMPT], [_sp(output_residual_stream=[0]), _sp()], use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == [baseline, baseline]
     assert outs[0].activations is not None and outs[1].activations is None
+
+
+def test_requests_aborted_by_a_later_bad_one_leave_nothing_behind(llama):
+    """A bad request later in the same offline list aborts the ones already added: their pending entries
+    and worker stores are released (nothing waits for a fetch that never comes)."""
+    from vllm_worker import adapter, frontend
+
+    proc = adapter.processor_of_llm(llama)
+    with pytest.raises(ValueError, match="out of range"):
+        llama.generate([PROMPT, PROMPT, PROMPT], [_sp(output_residual_stream=[0]), _sp(output_residual_stream=[1]),
+                                                  _sp(output_residual_stream=[99])], use_tqdm=False)
+    assert frontend.pending_count(proc) == 0
+    assert llama.collective_rpc("lens_status")[0]["stored_requests"] == 0
+    out = llama.generate([PROMPT], _sp(output_residual_stream=[0]), use_tqdm=False)[0]
+    assert out.activations["residual_stream"].shape[0] == 1

@@ -294,3 +294,28 @@ def test_lens_info_reports_the_served_model_shape(server):
     info = _client(server).info()
     assert (info["n_layers"], info["d_model"]) == (4, 128) and info["remote_hooks"] is True
     assert httpx.get(server + "/v1/lens/info").status_code == 401  # --api-key guards it like the rest
+
+
+def test_disconnected_streams_leave_nothing_behind(server):
+    """Clients that hang up mid-generation: their pending entries and worker stores are released at once
+    (counts in /v1/lens/info return to 0) and the server keeps serving."""
+    import time
+
+    body = {"model": _model(), "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True,
+            "vllm_xargs": {"output_residual_stream": [0, 1, 2, 3]}}
+    for _ in range(5):
+        with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status_code == 200
+            for i, _line in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break  # hang up after a few tokens
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        info = _client(server).info()
+        if info["pending_results"] == 0 and info["stored_requests"] == 0:
+            break
+        time.sleep(0.5)
+    assert (info["pending_results"], info["stored_requests"]) == (0, 0), info
+    ok = _client(server).generate(PROMPT, max_tokens=3, temperature=0, capture_layers=[0])
+    assert ok.activations["residual_stream"].shape[1] == len(ok.prompt_token_ids) + 2

@@ -236,6 +236,38 @@ def patch_offline_add_request(pre: Callable[[Any], None]) -> None:
     _wrap(cls, "_add_request", make)
 
 
+def patch_aborts(forget: Callable[[Any, list[str]], list[str]]) -> None:
+    """Aborted requests (client disconnects, a later bad request in an offline list, cancellations) never
+    reach a consumer: `forget(input_processor, request_ids) -> keys` drops their pending entries and the
+    workers drop the keys' stores (`lens_drop`). Ids may be internal (`<id>-<8 hex>`) or external."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    def as_ids(request_id: Any) -> list[str]:
+        return [request_id] if isinstance(request_id, str) else [str(r) for r in request_id]
+
+    def make_async(orig: Callable) -> Callable:
+        async def abort(self, request_id, *args, **kwargs):
+            await orig(self, request_id, *args, **kwargs)
+            keys = forget(self.input_processor, as_ids(request_id))
+            if keys:
+                await self.collective_rpc("lens_drop", args=(keys,))
+
+        return abort
+
+    def make_sync(orig: Callable) -> Callable:
+        def abort_request(self, request_ids, *args, **kwargs):
+            orig(self, request_ids, *args, **kwargs)
+            keys = forget(self.input_processor, as_ids(request_ids))
+            if keys:
+                self.collective_rpc("lens_drop", args=(keys,))
+
+        return abort_request
+
+    _wrap(AsyncLLM, "abort", make_async)
+    _wrap(LLMEngine, "abort_request", make_sync)
+
+
 def processor_of_llm(llm: Any) -> Any:
     engine = _require(llm, "llm_engine", "LLM")
     return _require(engine, "input_processor", "LLMEngine")

@@ -84,6 +84,23 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     return req
 
 
+def forget(processor: Any, request_ids: list[str]) -> list[str]:
+    """Aborted requests: drop their pending entries; returns the keys whose worker stores to drop."""
+    pending = _pending(processor)
+    keys = []
+    for rid in request_ids:
+        p = pending.pop(rid, None)
+        if p is None:  # an internal id: `<external id>-<8 hex>`
+            p = pending.pop(adapter.external_request_id(rid, 1), None)
+        if p is not None:
+            keys.append(p.key)
+    return keys
+
+
+def pending_count(processor: Any) -> int:
+    return len(_pending(processor))
+
+
 def fetch_groups(todo: list[tuple[Pending, dict[int, int]]]) -> list[list[tuple[str, dict[int, int]]]]:
     """Split `lens_fetch` arguments into RPC round trips of bounded estimated size."""
     groups: list[list] = []

@@ -61,5 +61,6 @@ def register() -> None:
         adapter.patch_splitting_ops(OP)
     adapter.patch_process_inputs(frontend.on_new_request)
     adapter.patch_run_engine(frontend.attach_outputs)
+    adapter.patch_aborts(frontend.forget)
     adapter.patch_offline_add_request(lambda llm: frontend.mark_consumer(adapter.processor_of_llm(llm), "offline"))
     _registered = True

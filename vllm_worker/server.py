@@ -21,7 +21,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from . import adapter, shm
-from .frontend import Pending, _pending, decode_sample, fetch_groups, mark_consumer, merge_collected, merge_fetched
+from .frontend import (Pending, _pending, decode_sample, fetch_groups, mark_consumer, merge_collected, merge_fetched,
+                       pending_count)
 from .spec import (ALL_LAYERS, CAPTURE_KEY, HOOK_KEY, MAX_PAYLOAD_BYTES, ModelShape, capture_layers, has_lens_keys,
                    parse_hooks, remote_hooks_allowed)
 from .wire import to_jsonable
@@ -451,9 +452,14 @@ info_router = APIRouter(prefix="/v1/lens")
 async def info(request: Request):
     import vllm
 
-    shape = _shape(_state(request.app))
+    state = _state(request.app)
+    shape = _shape(state)
+    status = await adapter.rpc_async(state.engine, "lens_status")
     return {"n_layers": shape.n_layers, "d_model": shape.d_model, "vllm_version": vllm.__version__,
-            "remote_hooks": remote_hooks_allowed()}
+            "remote_hooks": remote_hooks_allowed(),
+            # results waiting for a consumer: both return to 0 once requests finish or are aborted
+            "pending_results": pending_count(adapter.processor_of_engine_client(state.engine)),
+            "stored_requests": sum(st["stored_requests"] for st in status)}
 
 
 class LensEndpoints:
