@@ -22,7 +22,7 @@ from inspect_ai.solver import TaskState
 from ._lens_model import lens_api, resolve_layers
 from .metrics import auroc_by, probe_auroc, recall_at_fpr
 from .probes import LinearProbe
-from .solvers import answer_window, captured, detect_candidates
+from .solvers import captured, read_window
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +50,10 @@ async def collect_training_acts(model: Model, samples: Sequence[Sample], layer: 
         if label not in POSITIVE_LABELS + NEGATIVE_LABELS:
             raise ValueError(f"training sample {sample.id!r}: metadata label must be one of "
                              f"{POSITIVE_LABELS + NEGATIVE_LABELS}, got {label!r}")
-        async with sem:
-            r = await client.generate(messages=_chat_dicts(sample), max_tokens=1, temperature=0,
-                                      capture_layers=[layer], add_generation_prompt=False,
-                                      continue_final_message=True)
         detect = meta.get("detect_text") or sample.input[-1].text  # type: ignore[union-attr]
-        (start, end), _ = answer_window(r.prompt_token_ids, await detect_candidates(model, detect))
-        acts = r.activations["residual_stream"][0, start:end].float().numpy()
-        return acts, int(label in POSITIVE_LABELS)
+        async with sem:
+            acts, _, _ = await read_window(client, model, _chat_dicts(sample), detect, layer)
+        return acts.float().numpy(), int(label in POSITIVE_LABELS)
 
     try:
         got = await asyncio.gather(*[one(s) for s in samples])

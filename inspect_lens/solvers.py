@@ -61,6 +61,16 @@ async def detect_candidates(model: Any, detect: str) -> list[list[int]]:
     return out
 
 
+async def read_window(client: Any, model: Any, messages: list[dict[str, str]], detect: str,
+                      layer: int) -> tuple[torch.Tensor, list[int], bool]:
+    """Read `messages` (ending with the assistant text) teacher-forced through the lens client with
+    capture at `layer`: (activations over the `detect` window (n, d), the window's token ids, exact)."""
+    r = await client.generate(messages=messages, max_tokens=1, temperature=0, capture_layers=[layer],
+                              add_generation_prompt=False, continue_final_message=True)
+    (start, end), exact = answer_window(r.prompt_token_ids, await detect_candidates(model, detect))
+    return r.activations["residual_stream"][0, start:end], list(r.prompt_token_ids[start:end]), exact
+
+
 @solver
 def capture_activations(layers: int | Sequence[int] | str | None = None, *, detect_key: str = "detect_text",
                         generate_answer: bool = False) -> Solver:

@@ -385,11 +385,9 @@ def patch_cudagraph_dispatch(uses_features: Callable[[Any], bool]) -> None:
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    import inspect
-
-    dispatch = _require(CudagraphDispatcher, "dispatch", "CudagraphDispatcher")
-    if "invalid_modes" not in inspect.signature(dispatch).parameters:
-        raise LensIncompatibleVLLM("vLLM internal moved: CudagraphDispatcher.dispatch has no invalid_modes")
+    why = graph_taps_unsupported()
+    if why is not None:
+        raise LensIncompatibleVLLM(why)
 
     def make_dispatch(orig: Callable) -> Callable:
         def dispatch(self, *args, **kwargs):
@@ -610,8 +608,8 @@ def graph_taps_unsupported() -> str | None:
     """Why this vLLM/torch cannot run our taps inside compiled graphs (None: it can)."""
     import inspect
 
-    if not hasattr(torch.library, "custom_op"):
-        return f"torch {torch.__version__} lacks torch.library.custom_op"
+    if not hasattr(torch.library, "register_fake"):  # taps.py registers the op's fake implementation with it
+        return f"torch {torch.__version__} lacks torch.library.register_fake"
     try:
         from vllm.config import CompilationConfig, CUDAGraphMode  # noqa: F401
         from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher

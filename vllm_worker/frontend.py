@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 
-from . import adapter
+from . import adapter, shm
 from .hooks import HookError
 from .spec import PAYLOAD_KEY, ModelShape, cache_salt, encode, has_lens_keys, parse_request
-from . import shm
 from .wire import dtype_from_name, tensor_from_bytes
 
 FETCH_GROUP_BYTES = 512 << 20  # per RPC round trip
