@@ -12,6 +12,7 @@ import logging
 import re
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 logger = logging.getLogger("vllm_worker")
@@ -105,22 +106,20 @@ def patch_engine_args(adjust: Callable[[Any], Any]) -> None:
     _wrap(engine_args_cls(), "create_engine_config", make)
 
 
-def patch_splitting_ops(op: str) -> None:
-    """Add our tap op to vLLM's piecewise-compilation `splitting_ops` (after vLLM filled in its defaults),
-    so it runs eagerly between CUDA-graph pieces. Empty lists (one flat graph) stay empty: there the op
-    is traced into the graph and steps with features are dispatched to no graph at all."""
+def patch_compile_hash(marker: str) -> None:
+    """Mix `marker` into the compilation config's hash, which keys vLLM's compile cache: a graph compiled
+    without our taps (a plugin-disabled run on the same machine) is then never reused by our engines."""
     from vllm.config import CompilationConfig
 
     def make(orig: Callable) -> Callable:
-        def set_splitting_ops_for_v1(self, *args, **kwargs):
-            out = orig(self, *args, **kwargs)
-            if self.splitting_ops and op not in self.splitting_ops:
-                self.splitting_ops.append(op)
-            return out
+        def compute_hash(self, *args, **kwargs):
+            import hashlib
 
-        return set_splitting_ops_for_v1
+            return hashlib.sha256(f"{orig(self, *args, **kwargs)}|{marker}".encode()).hexdigest()
 
-    _wrap(CompilationConfig, "set_splitting_ops_for_v1", make)
+        return compute_hash
+
+    _wrap(CompilationConfig, "compute_hash", make)
 
 
 # ---------------------------------------------------------------- frontend (per request)
@@ -376,11 +375,11 @@ def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[...,
     _wrap(classes[0], "_model_forward", make_forward)
 
 
-def patch_cudagraph_dispatch(uses_features: Callable[[Any], bool]) -> None:
-    """A step whose batch uses a feature must not replay a *full* CUDA graph (it was captured with no
-    feature active, so our taps are not in it): while vLLM picks the step's graph mode, FULL is excluded
-    for such steps. vLLM then uses piecewise graphs (our tap op is a splitting op, so it runs between
-    pieces) or no graph. Steps without features keep whatever vLLM picks."""
+def patch_cudagraph_dispatch(needs_eager: Callable[[Any], bool]) -> None:
+    """`needs_eager(runner)` is asked once per step, after vLLM laid out the batch and before it picks the
+    step's CUDA-graph mode; True (the step runs Python hooks, or more than the graph-safe buffers hold)
+    restricts that choice to no graph, so the tap op is called from Python. Other steps keep vLLM's
+    choice: full or piecewise graphs, with the graph-safe kernel recorded in them."""
     from vllm.config import CUDAGraphMode
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -388,11 +387,12 @@ def patch_cudagraph_dispatch(uses_features: Callable[[Any], bool]) -> None:
     why = graph_taps_unsupported()
     if why is not None:
         raise LensIncompatibleVLLM(why)
+    graphs = {CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE}
 
     def make_dispatch(orig: Callable) -> Callable:
         def dispatch(self, *args, **kwargs):
-            if getattr(self, "_lens_no_full", False):
-                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | {CUDAGraphMode.FULL}
+            if getattr(self, "_lens_no_graph", False):
+                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | graphs
             return orig(self, *args, **kwargs)
 
         return dispatch
@@ -400,18 +400,48 @@ def patch_cudagraph_dispatch(uses_features: Callable[[Any], bool]) -> None:
     def make_determine(orig: Callable) -> Callable:
         def determine(self, *args, **kwargs):
             d = getattr(self, "cudagraph_dispatcher", None)
-            if d is None or not uses_features(self):
+            if d is None or not needs_eager(self):
                 return orig(self, *args, **kwargs)
-            d._lens_no_full = True
+            d._lens_no_graph = True
             try:
                 return orig(self, *args, **kwargs)
             finally:
-                d._lens_no_full = False
+                d._lens_no_graph = False
 
         return determine
 
     _wrap(CudagraphDispatcher, "dispatch", make_dispatch)
     _wrap(GPUModelRunner, "_determine_batch_execution_and_padding", make_determine)
+
+
+def forward_replays_graph() -> bool:
+    """Whether the running forward pass replays a CUDA graph (full or piecewise): Python in the model is
+    not called then."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context
+
+    mode = getattr(get_forward_context(), "cudagraph_runtime_mode", None)
+    return mode is not None and mode != CUDAGraphMode.NONE
+
+
+def host_positions(runner: Any, qsl: Any) -> np.ndarray:
+    """Positions of the step's rows, computed on the host the way vLLM computes them (computed tokens
+    of the request + offset in its chunk), without reading the device."""
+    ib = _require(runner, "input_batch", type(runner).__name__)
+    start = _require(ib, "num_computed_tokens_cpu", "InputBatch")[: len(qsl) - 1]
+    counts = np.diff(qsl)
+    return np.repeat(start - qsl[:-1], counts) + np.arange(int(qsl[-1]))
+
+
+def max_tokens(runner: Any) -> int:
+    """Most rows a forward pass of this runner can have (graph padding included)."""
+    n = int(_require(runner, "max_num_tokens", type(runner).__name__))
+    cc = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
+    return max(n, int(getattr(cc, "max_cudagraph_capture_size", None) or 0))
+
+
+def hidden_size(runner: Any) -> int:
+    return int(_require(runner, "model_config", type(runner).__name__).get_hidden_size())
 
 
 def scheduled_request_ids(runner: Any) -> list:
@@ -612,16 +642,19 @@ def graph_taps_unsupported() -> str | None:
         return f"torch {torch.__version__} lacks torch.library.register_fake"
     try:
         from vllm.config import CompilationConfig, CUDAGraphMode  # noqa: F401
+        from vllm.forward_context import ForwardContext
         from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError as e:
         return f"vLLM internal moved: {e}"
-    for cls, name in ((CompilationConfig, "set_splitting_ops_for_v1"), (CudagraphDispatcher, "dispatch"),
+    for cls, name in ((CompilationConfig, "compute_hash"), (CudagraphDispatcher, "dispatch"),
                       (GPUModelRunner, "_determine_batch_execution_and_padding")):
         if not hasattr(cls, name):
             return f"vLLM internal moved: {cls.__qualname__}.{name} not found"
     if "invalid_modes" not in inspect.signature(CudagraphDispatcher.dispatch).parameters:
         return "vLLM internal moved: CudagraphDispatcher.dispatch has no invalid_modes parameter"
+    if "cudagraph_runtime_mode" not in getattr(ForwardContext, "__dataclass_fields__", {}):
+        return "vLLM internal moved: ForwardContext has no cudagraph_runtime_mode"
     return None
 
 

@@ -24,6 +24,7 @@ class DeviceSteer:
     lut: torch.Tensor | None  # position -> row in vectors[:, row] (or -1); None for 2-D
     scale: float
     norm_match: bool
+    positions: list[int] | None = None  # host copy of the positions `lut` maps (3-D vectors)
 
 
 @dataclass
@@ -47,13 +48,80 @@ class RequestState:
     # layer -> (1, d) sum of this request's position-independent, non-norm-matched vectors there;
     # such layers are steered for the whole batch with one index_add_ (`StepPlan.steer_batched`)
     simple_add: dict[int, torch.Tensor] = field(default_factory=dict)
+    # graph-safe path (`graph`): layer -> (default entry or -1, sorted positions, their entries);
+    # None when the request steers and its entries did not fit the table
+    entries: "dict[int, tuple[int, np.ndarray, np.ndarray]] | None" = field(default_factory=dict)
+    entry_ids: list[int] = field(default_factory=list)  # to give back when the request leaves
 
     @property
     def failed(self) -> bool:
         return self.store is not None and self.store.error is not None
 
+    @property
+    def graph_ok(self) -> bool:
+        """Everything this request asks for runs in the graph-safe kernel (no Python hooks)."""
+        return not self.hooks and self.entries is not None
+
 
 Rows = list[tuple[RequestState, int, int]]  # (request, start row, end row)
+
+
+@dataclass
+class GraphPlan:
+    """What the graph-safe path writes into `graph.GraphTaps.ctl` each step, as flat host arrays."""
+
+    n: int  # rows (tokens) of the step
+    cap_rows: np.ndarray  # captured rows, in filing order (layer by layer, as `StepPlan.capture`)
+    cap_cols: np.ndarray  # their layer columns
+    cap_sizes: list[tuple[int, int]]  # (layer, rows) in filing order
+    st_rows: np.ndarray  # rows with a position-independent steering entry ...
+    st_cols: np.ndarray
+    st_ents: np.ndarray  # ... and that entry
+    st_pos: list[tuple[int, int, int, np.ndarray, np.ndarray, int]]  # (start, end, col, positions, entries, default)
+
+    @property
+    def total(self) -> int:
+        return len(self.cap_rows)
+
+    def fill(self, ctl: np.ndarray, base: int, positions: np.ndarray) -> None:
+        """Write this step into the host table (`ctl` rows already -1); `positions`: host positions."""
+        if len(self.cap_rows):
+            ctl[self.cap_rows, self.cap_cols, 0] = base + np.arange(len(self.cap_rows), dtype=np.int32)
+        if len(self.st_rows):
+            ctl[self.st_rows, self.st_cols, 1] = self.st_ents
+        for s, e, col, pos, ents, default in self.st_pos:
+            ps = positions[s:e]
+            i = np.minimum(np.searchsorted(pos, ps), len(pos) - 1)
+            ctl[s:e, col, 1] = np.where(pos[i] == ps, ents[i], default)
+
+
+def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, int]) -> GraphPlan:
+    def rows_of(items: Rows) -> np.ndarray:
+        return np.concatenate([np.arange(s, e) for _, s, e in items])
+
+    cr, cc, sizes = [], [], []
+    for layer, items in cap_rows.items():
+        rows = rows_of(items)
+        cr.append(rows)
+        cc.append(np.full(len(rows), col[layer]))
+        sizes.append((layer, len(rows)))
+    sr, sc, se, pos = [], [], [], []
+    for r, s, e in active:
+        for layer, (default, ps, ents) in r.entries.items():
+            c = col.get(layer)
+            if c is None:
+                continue
+            if len(ps):
+                pos.append((s, e, c, ps, ents, default))
+            elif default >= 0:
+                sr.append(np.arange(s, e))
+                sc.append(np.full(e - s, c))
+                se.append(np.full(e - s, default))
+
+    def cat(a: list) -> np.ndarray:
+        return np.concatenate(a).astype(np.int64) if a else np.zeros(0, dtype=np.int64)
+
+    return GraphPlan(n, cat(cr), cat(cc), sizes, cat(sr), cat(sc), cat(se).astype(np.int32), pos)
 
 
 @dataclass
@@ -61,7 +129,7 @@ class StepPlan:
     """Built once per batch composition (decode steps with the same requests reuse it); `begin_step`
     resets the per-step part."""
 
-    positions: torch.Tensor
+    positions: torch.Tensor | None  # device positions of the step (Python path; set by begin_step)
     steer: dict[int, Rows]  # layer -> requests with per-request steering there
     steer_batched: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (rows, (rows, d) adds)
     capture: dict[int, tuple[torch.Tensor, Rows]]  # layer -> (row index on device, requests)
@@ -69,6 +137,7 @@ class StepPlan:
     captured: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     fired: int = 0  # tap calls seen during the forward (0 with work planned = taps were skipped)
     logs: dict = field(default_factory=dict)  # layer -> store.CaptureLog (store.CaptureStore.open_plan)
+    graph: "GraphPlan | None" = None  # set: this composition runs on the graph-safe path
 
     def begin_step(self, positions: torch.Tensor) -> None:
         self.positions = positions
@@ -90,8 +159,10 @@ def split_steers(steers: list[DeviceSteer]) -> tuple[list[DeviceSteer], dict[int
             {l: v.contiguous() for l, v in simple.items()})
 
 
-def make_plan(active: Rows, positions: torch.Tensor, capturing_rank: bool, local: frozenset) -> StepPlan:
-    """`local`: the layers this pipeline stage holds (captures of other stages' layers are theirs)."""
+def make_plan(active: Rows, device: torch.device, capturing_rank: bool, local: frozenset,
+              graph: "object | None" = None, n_rows: int = 0) -> StepPlan:
+    """`local`: the layers this pipeline stage holds (captures of other stages' layers are theirs).
+    `graph` (a `graph.GraphTaps`): when every request fits the graph-safe path, the plan is for it."""
     steer: dict[int, Rows] = {}
     simple: dict[int, Rows] = {}
     cap_rows: dict[int, Rows] = {}
@@ -111,8 +182,14 @@ def make_plan(active: Rows, positions: torch.Tensor, capturing_rank: bool, local
                 if layer in local:
                     cap_rows.setdefault(layer, []).append(item)
 
+    if graph is not None and n_rows <= graph.max_rows and all(r.graph_ok for r, _, _ in active):
+        gp = graph_plan(active, cap_rows, n_rows, graph.col)
+        if gp.total <= graph.stage_rows:
+            capture = {layer: (None, items) for layer, items in cap_rows.items()}
+            return StepPlan(None, {}, {}, capture, {}, graph=gp)
+
     def on_device(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(positions.device, non_blocking=True)
+        return torch.from_numpy(a).to(device, non_blocking=True)
 
     def rows_of(items: Rows) -> np.ndarray:
         return np.concatenate([np.arange(s, e) for _, s, e in items])
@@ -128,4 +205,4 @@ def make_plan(active: Rows, positions: torch.Tensor, capturing_rank: bool, local
     # a request is listed once per layer even if several of its vectors/hooks act there
     steer = {l: list(dict.fromkeys(v)) for l, v in steer.items()}
     hooks = {k: list(dict.fromkeys(v)) for k, v in hooks.items()}
-    return StepPlan(positions, steer, batched, capture, hooks)
+    return StepPlan(None, steer, batched, capture, hooks)

@@ -1,9 +1,11 @@
 """Worker side: the per-engine runtime that ties requests, plan, taps, store and parameters together.
 
-Per forward pass: find the rows of requests that asked for something (`plan`), let the taps act on
-them (`taps` -> `on_tap`: steering and hooks from `edits`, capture rows kept for the step), then file
-the step's captures (`store`). Steps with no feature active install no handler: the taps return at once
-(and inside a replayed full CUDA graph they do not exist at all).
+Per step: find the rows of requests that asked for something (`plan`). When every such request fits
+the graph-safe path (capture and steering, no Python hooks), the plan only fills device buffers that
+the kernel inside the taps reads (`graph`), vLLM keeps its CUDA graphs, and the step's captures are
+copied out after it. Otherwise the step runs without graphs and the taps call `on_tap` from Python
+(steering and hooks from `edits`, capture rows kept for the step). Either way the captures are filed in
+`store`. Steps with no feature active leave every buffer empty: the kernel returns at once.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import os
 import threading
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
-from . import adapter, edits, shm, taps
+from . import adapter, edits, graph, shm, taps
 from .hooks import HookContext
 from .params import Params
 from .plan import DeviceSteer, HookRun, RequestState, Rows, StepPlan, make_plan, split_steers
@@ -46,11 +49,19 @@ class LensRuntime:
         self._reqs: dict[str, RequestState | None] = {}
         self.store = CaptureStore(self.device)
         self.params = Params(self.model)
+        self.graph: graph.GraphTaps | None = None
+        if graph.enabled():
+            try:
+                self.graph = graph.GraphTaps(self.layer_ids, adapter.hidden_size(runner), self.dtype, self.device,
+                                             adapter.max_tokens(runner), self.store.side)
+            except Exception as e:  # noqa: BLE001 - the Python path still serves every request
+                logger.warning("inspect-lens: graph-safe taps unavailable (%s: %s); steps with capture or "
+                               "steering run without CUDA graphs", type(e).__name__, e)
+        taps.set_graph(self.graph)
+        self._layout: tuple | None = None  # (req_ids, qsl) the cached plan was made for
         self._plan: StepPlan | None = None  # the plan of the forward pass running now
         self._cached_plan: StepPlan | None = None  # plan of the last batch composition seen ...
         self._plan_key: tuple | None = None  # ... and that composition (request ids, row offsets)
-        self._uses_key: tuple | None = None
-        self._uses = False
         self.steps_with_features = 0
         # persistent hooks (all requests) and their results by caller request id
         self._persistent: list[tuple[Callable, frozenset, bool]] = []
@@ -94,7 +105,8 @@ class LensRuntime:
                     lut[torch.tensor(s.positions)] = torch.arange(len(s.positions))
                     lut = lut.to(self.device)
                 steers.append(DeviceSteer({l: i for i, l in enumerate(s.layers)},
-                                          s.vectors.to(self.device, self.dtype), lut, s.scale, s.norm_match))
+                                          s.vectors.to(self.device, self.dtype), lut, s.scale, s.norm_match,
+                                          None if s.positions is None else list(s.positions)))
             if spec.wants_results:
                 store = Store(spec.capture)
                 self.store.add(spec.key, child, store)
@@ -122,8 +134,13 @@ class LensRuntime:
                     hooks.append(HookRun(fn, layers, pre, self._ctx(persistent_saved[i], external), i, True))
         per_request, simple = split_steers(steers)
         capture = [] if spec is None else spec.capture
+        entries, entry_ids = None, []
+        if self.graph is not None and not hooks:
+            got = graph.request_entries(self.graph, steers) if steers else ({}, [])
+            if got is not None:
+                entries, entry_ids = got
         return RequestState(capture, {l: i for i, l in enumerate(capture)}, child, per_request, hooks, store,
-                            simple)
+                            simple, entries, entry_ids)
 
     def _ctx(self, saved: dict, external: str) -> HookContext:
         return HookContext(saved=saved, request_id=external, tp_rank=self.tp_rank, model=self.model,
@@ -133,7 +150,10 @@ class LensRuntime:
         live = adapter.live_request_ids(self.runner)
         if len(self._reqs) > len(live):
             for rid in [r for r in self._reqs if r not in live]:
-                del self._reqs[rid]
+                st = self._reqs.pop(rid)
+                if st is not None and st.entry_ids and self.graph is not None:
+                    self.graph.free_entries(st.entry_ids)
+                    st.entry_ids = []
 
     def _active(self, req_ids: list, qsl) -> Rows:
         """(request, start row, end row) of this batch's requests that use a feature."""
@@ -148,38 +168,56 @@ class LensRuntime:
                     active.append((r, s, e))
         return active
 
-    def step_uses_features(self) -> bool:
-        """Asked before vLLM picks the step's CUDA-graph mode (`adapter.patch_cudagraph_dispatch`).
-        Cached per batch composition: a decode phase asks the same question every step."""
-        ids = tuple(adapter.scheduled_request_ids(self.runner))
-        if ids != self._uses_key:
-            self._uses = any(rid is not None and self._request(rid) is not None for rid in ids)
-            self._uses_key = ids
-        return self._uses
+    def _current_plan(self) -> StepPlan | None:
+        """The plan of the step vLLM is preparing: made once per batch composition (decode steps with
+        the same requests and row offsets reuse it)."""
+        req_ids, qsl = adapter.batch_layout(self.runner)
+        key = (tuple(req_ids), qsl.tobytes())
+        if key != self._plan_key:  # batch composition changed: plan again
+            self._prune()
+            active = self._active(req_ids, qsl)
+            self._cached_plan = (make_plan(active, self.device, self.capturing_rank, self._local, self.graph,
+                                           int(qsl[-1])) if active else None)
+            if self._cached_plan is not None and self._cached_plan.capture:
+                self.store.open_plan(self._cached_plan)
+            self._plan_key = key
+        self._layout = (req_ids, qsl)
+        return self._cached_plan
+
+    def prepare_step(self) -> bool:
+        """Asked before vLLM picks the step's CUDA-graph mode (`adapter.patch_cudagraph_dispatch`):
+        True when the step needs Python in the forward (hooks, or more than the graph buffers hold)."""
+        plan = self._current_plan()
+        return plan is not None and plan.graph is None
 
     def _invalidate(self) -> None:
         """Request states changed outside a step (hooks registered / cleared): re-plan next step."""
-        self._plan_key = self._uses_key = None
+        self._plan_key = None
 
     # ---------------------------------------------------------------- forward pass
 
     def around_forward(self, orig: Any, *args: Any, **kwargs: Any) -> Any:
-        req_ids, qsl = adapter.batch_layout(self.runner)
-        key = (tuple(req_ids), qsl.tobytes())
-        if key != self._plan_key:  # batch composition changed: plan again (decode steps reuse the plan)
-            self._prune()
-            active = self._active(req_ids, qsl)
-            positions = kwargs.get("positions")
-            if active and positions is None:
-                raise adapter.LensIncompatibleVLLM("forward pass without `positions`")
-            self._cached_plan = make_plan(active, positions, self.capturing_rank, self._local) if active else None
-            if self._cached_plan is not None and self._cached_plan.capture:
-                self.store.open_plan(self._cached_plan)
-            self._plan_key = key
-        plan = self._cached_plan
+        # several engines may share a process (tests, notebooks): the taps act for the one running now;
+        # outside forwards (vLLM capturing graphs right after load) they act for the latest loaded
+        prev_graph = taps.set_graph(self.graph)
+        try:
+            return self._forward(orig, args, kwargs)
+        finally:
+            taps.set_graph(prev_graph)
+
+    def _forward(self, orig: Any, args: tuple, kwargs: dict) -> Any:
+        plan = self._current_plan()
+        g = self.graph
+        if plan is not None and plan.graph is not None:
+            return self._graph_step(plan, orig, args, kwargs)
+        if g is not None:
+            g.clear()
         if plan is None:
             return orig(self.runner, *args, **kwargs)
-        plan.begin_step(kwargs["positions"])
+        positions = kwargs.get("positions")
+        if positions is None:
+            raise adapter.LensIncompatibleVLLM("forward pass without `positions`")
+        plan.begin_step(positions)
         self._plan = plan
         prev = taps.set_handler(self.on_tap)
         try:
@@ -188,14 +226,40 @@ class LensRuntime:
             taps.set_handler(prev)
             self._plan = None
         if plan.fired == 0:
-            # The forward ran without reaching our taps (e.g. a full CUDA graph replayed): the requests
-            # in the plan would silently get nothing. Never let that pass.
+            # The forward ran without reaching our taps (e.g. a CUDA graph replayed): the requests in the
+            # plan would silently get nothing. Never let that pass.
             raise adapter.LensIncompatibleVLLM(
-                "inspect-lens taps did not run during a forward pass that needed them (was a full CUDA "
-                "graph replayed for a step with capture/steering/hooks?)")
+                "inspect-lens taps did not run during a forward pass that needed them (was a CUDA graph "
+                "replayed for a step with Python hooks?)")
         self.steps_with_features += 1
         if plan.captured:
             self.store.finish_step(plan)
+        return out
+
+    def _graph_step(self, plan: StepPlan, orig: Any, args: tuple, kwargs: dict) -> Any:
+        g, gp = self.graph, plan.graph
+        _, qsl = self._layout
+        pos = adapter.host_positions(self.runner, qsl)
+        if self.device.type == "cpu":  # cheap here: check the host positions against vLLM's own
+            dev = kwargs.get("positions")
+            if dev is not None and not np.array_equal(dev[: len(pos)].numpy(), pos):
+                raise adapter.LensIncompatibleVLLM("host positions differ from the forward pass's positions")
+        ctl = g.host_ctl(gp.n)
+        base = g.ring_alloc(gp.total) if gp.total else 0
+        gp.fill(ctl, base, pos)
+        g.upload(gp.n)
+        try:
+            out = orig(self.runner, *args, **kwargs)
+        finally:
+            g.active = False
+        if g.fired == 0 and not (adapter.forward_replays_graph() and g.launches_in_capture > 0):
+            raise adapter.LensIncompatibleVLLM(
+                "inspect-lens taps did not run during a forward pass that needed them (no tap kernel was "
+                "called, nor recorded into the CUDA graph that was replayed)")
+        self.steps_with_features += 1
+        if gp.total:
+            host = g.copy_out(base, gp.total)
+            self.store.file_step(plan, host, torch.from_numpy(pos[gp.cap_rows]), gp.cap_sizes)
         return out
 
     def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:

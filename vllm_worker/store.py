@@ -83,7 +83,7 @@ class CaptureStore:
         self._evicted: set[str] = set()
         self.stored_bytes = 0
         self.lock = threading.Lock()
-        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __len__(self) -> int:
         return len(self._stores)
@@ -107,9 +107,9 @@ class CaptureStore:
                     off += e - s
 
     def _to_host(self, dev: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._side is None:
+        if self.side is None:
             return dev.to("cpu"), pos.to("cpu")
-        side = self._side
+        side = self.side
         side.wait_stream(torch.cuda.current_stream(dev.device))
         with torch.cuda.stream(side):
             host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
@@ -121,18 +121,23 @@ class CaptureStore:
         return host, hpos
 
     def finish_step(self, plan: StepPlan) -> None:
-        """File this step's captured rows (one device->host copy per step, O(layers) Python)."""
+        """File this step's captured rows (Python path: one device->host copy per step)."""
         dev = torch.cat([t for _, t in plan.captured])
         all_idx = torch.cat([plan.capture[l][0] for l, _ in plan.captured])
         host, pos_host = self._to_host(dev, plan.positions.index_select(0, all_idx))
+        self.file_step(plan, host, pos_host, [(layer, t.shape[0]) for layer, t in plan.captured])
+
+    def file_step(self, plan: StepPlan, host: torch.Tensor, pos_host: torch.Tensor,
+                  sizes: list[tuple[int, int]]) -> None:
+        """File a step's captured rows, `host` (possibly still being copied; `fetch` waits), layer by
+        layer in `sizes` order: O(layers) Python, whatever the number of requests."""
         off = 0
         with self.lock:
-            for layer, t in plan.captured:
-                size = t.shape[0]
+            for layer, size in sizes:
                 log = plan.logs[layer]
                 log.blocks.append(host[off:off + size])
                 log.pos.append(pos_host[off:off + size])
-                nb = size * t.shape[-1] * t.element_size()
+                nb = size * host.shape[-1] * host.element_size()
                 log.nbytes += nb
                 self.stored_bytes += nb
                 off += size
@@ -161,8 +166,8 @@ class CaptureStore:
         report (TP rank > 0: hooks ran there too, on the same replicated stream) only drops. `use_shm`:
         capture tensors go through shared-memory files (see `shm`)."""
         out: dict[str, Any] = {}
-        if self._side is not None:
-            self._side.synchronize()
+        if self.side is not None:
+            self.side.synchronize()
         with self.lock:
             for key, children in wanted:
                 if reporting and key in self._evicted:

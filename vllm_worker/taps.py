@@ -3,11 +3,14 @@
 One registered op, `vllm_lens::tap(hidden, residual, site)`, placed by forward hooks at the output of
 every decoder layer this rank holds and at the input of its first one. The hooks are installed when the
 model is loaded, before vLLM compiles it, so torch.compile traces the op into the graph (hooks added
-after compilation never fire: the silent failure this design replaces). In vLLM's piecewise CUDA-graph
-mode the op is one of the `splitting_ops`, so it runs eagerly between graph pieces and may do dynamic,
-per-step work; a full-graph replay would skip it, which is why steps that use a feature are dispatched
-away from full graphs (`adapter.patch_cudagraph_dispatch`). With no feature active the op returns at once
-and, inside a captured full graph, costs nothing.
+after compilation never fire: the silent failure this design replaces), and vLLM's CUDA graphs record
+what it launches.
+
+The op does two things. (1) At a layer's output it runs the graph-safe kernel (`graph.GraphTaps`), which
+reads per-step device buffers: this is how capture and steering run inside full and piecewise CUDA
+graphs, with no Python in the step. (2) When called from Python (no graph is being replayed: eager mode,
+or a step `adapter.patch_cudagraph_dispatch` kept off graphs because it runs Python hooks) it also calls
+the per-forward handler (`runtime.LensRuntime.on_tap`), which may do anything, per request.
 
 Sites: `site = layer * SITES_PER_LAYER + point`. Points today: IN (the stream entering a layer; placed
 only on the first layer of a stage: for the others it is the previous layer's OUT) and OUT (the stream
@@ -29,6 +32,7 @@ SITES_PER_LAYER = 8
 
 Handler = Callable[[torch.Tensor, "torch.Tensor | None", int], None]
 _handler: Handler | None = None
+_graph: Any = None  # graph.GraphTaps of this process, if any
 
 
 def site(layer: int, point: int) -> int:
@@ -46,7 +50,17 @@ def set_handler(fn: Handler | None) -> Handler | None:
     return prev
 
 
+def set_graph(g: Any) -> Any:
+    """Install the graph-safe buffers the taps act on; returns the previous ones."""
+    global _graph
+    prev, _graph = _graph, g
+    return prev
+
+
 def _tap_impl(hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+    g = _graph
+    if g is not None and site % SITES_PER_LAYER == OUT:
+        g.apply(hidden, residual, site // SITES_PER_LAYER)
     h = _handler
     if h is not None:
         h(hidden, residual, site)

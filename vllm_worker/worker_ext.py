@@ -26,15 +26,15 @@ def _around_forward(runner: Any, orig: Any, *args: Any, **kwargs: Any) -> Any:
     return rt.around_forward(orig, *args, **kwargs)
 
 
-def _uses_features(runner: Any) -> bool:
+def _needs_eager(runner: Any) -> bool:
     rt = getattr(runner, "_lens_runtime", None)
-    return rt is not None and rt.step_uses_features()
+    return rt is not None and rt.prepare_step()
 
 
 adapter.check_version()
 adapter.patch_runner(_on_loaded, _around_forward)
 if adapter.graph_taps_unsupported() is None:  # else the frontend forced eager mode (with a warning)
-    adapter.patch_cudagraph_dispatch(_uses_features)
+    adapter.patch_cudagraph_dispatch(_needs_eager)
 
 
 class LensWorkerExtension:
