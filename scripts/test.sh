@@ -12,6 +12,6 @@ if [ $# -gt 0 ]; then exec "${PYTEST[@]}" "$@"; fi
 "${PYTEST[@]}" -m "not parallel and not http"
 # test_compiled.py first: its plugin-free run must compile into the cache before our engines start
 LENS_TEST_COMPILED=1 "${PYTEST[@]}" -m "not parallel and not http" tests/test_compiled.py tests/test_adapter.py \
-  tests/test_capture.py tests/test_steering.py tests/test_cache_and_chunking.py tests/test_hooks.py
+  tests/test_capture.py tests/test_steering.py tests/test_cache_and_chunking.py tests/test_hooks.py tests/test_graph_path.py
 "${PYTEST[@]}" -m parallel
 "${PYTEST[@]}" -m http

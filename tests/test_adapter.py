@@ -29,7 +29,8 @@ def test_installed_vllm_has_everything_we_need(llama):
     assert adapter.graph_taps_unsupported() is None
     for fn in (EngineArgs.create_engine_config, InputProcessor.process_inputs,
                OfflineInferenceMixin._run_engine, OfflineInferenceMixin._add_request, GPUModelRunner._model_forward,
-               CPUModelRunner.load_model, CompilationConfig.compute_hash, CudagraphDispatcher.dispatch,
+               CPUModelRunner.load_model, CompilationConfig.compute_hash, CompilationConfig.set_splitting_ops_for_v1,
+               CudagraphDispatcher.dispatch,
                GPUModelRunner._determine_batch_execution_and_padding, AsyncLLM.abort, LLMEngine.abort_request):
         assert getattr(fn, "__lens_wrapped__", False), fn
 
@@ -115,10 +116,25 @@ def test_compile_cache_key_carries_the_taps(llama):
     assert cc.compute_hash() == CompilationConfig(mode=CompilationMode.VLLM_COMPILE).compute_hash()
 
 
-def test_python_hook_steps_dispatch_to_no_cuda_graph(llama):
-    """A step that runs Python hooks must not replay any CUDA graph (Python is not called in a replay):
-    while vLLM picks its mode, FULL and PIECEWISE are excluded. Other steps keep vLLM's choice (the
-    graph-safe kernel is recorded in both kinds of graph)."""
+def test_tap_op_is_a_piecewise_splitting_op_next_to_attention(llama):
+    """Piecewise compilation (the GPU default) splits the graph at our tap, so Python hooks can run
+    between CUDA-graph pieces; a flat graph (empty splitting_ops) keeps it inside and stays flat."""
+    from vllm.config import CompilationConfig, CompilationMode
+
+    from vllm_worker.taps import OP
+
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    cc.set_splitting_ops_for_v1(all2all_backend="naive")
+    assert OP in cc.splitting_ops and any("attention" in op for op in cc.splitting_ops)
+    flat = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, splitting_ops=[])
+    flat.set_splitting_ops_for_v1(all2all_backend="naive")
+    assert flat.splitting_ops == []
+
+
+def test_python_hook_steps_never_dispatch_to_a_full_cuda_graph(llama):
+    """A full graph replays recorded kernels only: a step that runs Python hooks must not use one. While
+    vLLM picks that step's mode, FULL is excluded (piecewise graphs remain: the tap op splits them).
+    Other steps keep vLLM's choice (the graph-safe kernel is recorded in full graphs)."""
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, VllmConfig
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
@@ -130,8 +146,6 @@ def test_python_hook_steps_dispatch_to_no_cuda_graph(llama):
     d = CudagraphDispatcher(cfg)
     d.initialize_cudagraph_keys(CUDAGraphMode.FULL_AND_PIECEWISE, uniform_decode_query_len=1)
     assert d.dispatch(num_tokens=8, uniform_decode=True)[0] == CUDAGraphMode.FULL  # vLLM's own choice
-    assert d.dispatch(num_tokens=8, uniform_decode=False)[0] == CUDAGraphMode.PIECEWISE
-    d._lens_no_graph = True
-    for uniform in (True, False):
-        mode, desc = d.dispatch(num_tokens=8, uniform_decode=uniform)
-        assert mode == CUDAGraphMode.NONE and desc.num_tokens == 8
+    d._lens_no_full = True
+    mode, desc = d.dispatch(num_tokens=8, uniform_decode=True)
+    assert mode == CUDAGraphMode.PIECEWISE and desc.num_tokens == 8

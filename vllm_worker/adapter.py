@@ -106,6 +106,25 @@ def patch_engine_args(adjust: Callable[[Any], Any]) -> None:
     _wrap(engine_args_cls(), "create_engine_config", make)
 
 
+def patch_splitting_ops(op: str) -> None:
+    """Add our tap op to vLLM's piecewise-compilation `splitting_ops` (after vLLM filled in its defaults),
+    so it runs eagerly between CUDA-graph pieces: a step with Python hooks can then still use piecewise
+    graphs. Full graphs record the op's graph-safe kernel like any other. Empty lists (one flat graph)
+    stay empty: there the op is inside the graph and steps with hooks run without graphs."""
+    from vllm.config import CompilationConfig
+
+    def make(orig: Callable) -> Callable:
+        def set_splitting_ops_for_v1(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            if self.splitting_ops and op not in self.splitting_ops:
+                self.splitting_ops.append(op)
+            return out
+
+        return set_splitting_ops_for_v1
+
+    _wrap(CompilationConfig, "set_splitting_ops_for_v1", make)
+
+
 def patch_compile_hash(marker: str) -> None:
     """Mix `marker` into the compilation config's hash, which keys vLLM's compile cache: a graph compiled
     without our taps (a plugin-disabled run on the same machine) is then never reused by our engines."""
@@ -375,11 +394,12 @@ def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[...,
     _wrap(classes[0], "_model_forward", make_forward)
 
 
-def patch_cudagraph_dispatch(needs_eager: Callable[[Any], bool]) -> None:
-    """`needs_eager(runner)` is asked once per step, after vLLM laid out the batch and before it picks the
-    step's CUDA-graph mode; True (the step runs Python hooks, or more than the graph-safe buffers hold)
-    restricts that choice to no graph, so the tap op is called from Python. Other steps keep vLLM's
-    choice: full or piecewise graphs, with the graph-safe kernel recorded in them."""
+def patch_cudagraph_dispatch(needs_python: Callable[[Any], bool]) -> None:
+    """`needs_python(runner)` is asked once per step, after vLLM laid out the batch and before it picks
+    the step's CUDA-graph mode; True (the step runs Python hooks, or more than the graph-safe buffers
+    hold) excludes FULL graphs from that choice: vLLM then replays piecewise graphs, between which our
+    tap op (a splitting op) is called from Python, or no graph. Other steps keep vLLM's choice, full
+    graphs included (the graph-safe kernel is recorded in them)."""
     from vllm.config import CUDAGraphMode
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -387,12 +407,11 @@ def patch_cudagraph_dispatch(needs_eager: Callable[[Any], bool]) -> None:
     why = graph_taps_unsupported()
     if why is not None:
         raise LensIncompatibleVLLM(why)
-    graphs = {CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE}
 
     def make_dispatch(orig: Callable) -> Callable:
         def dispatch(self, *args, **kwargs):
-            if getattr(self, "_lens_no_graph", False):
-                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | graphs
+            if getattr(self, "_lens_no_full", False):
+                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | {CUDAGraphMode.FULL}
             return orig(self, *args, **kwargs)
 
         return dispatch
@@ -400,13 +419,13 @@ def patch_cudagraph_dispatch(needs_eager: Callable[[Any], bool]) -> None:
     def make_determine(orig: Callable) -> Callable:
         def determine(self, *args, **kwargs):
             d = getattr(self, "cudagraph_dispatcher", None)
-            if d is None or not needs_eager(self):
+            if d is None or not needs_python(self):
                 return orig(self, *args, **kwargs)
-            d._lens_no_graph = True
+            d._lens_no_full = True
             try:
                 return orig(self, *args, **kwargs)
             finally:
-                d._lens_no_graph = False
+                d._lens_no_full = False
 
         return determine
 
@@ -414,14 +433,13 @@ def patch_cudagraph_dispatch(needs_eager: Callable[[Any], bool]) -> None:
     _wrap(GPUModelRunner, "_determine_batch_execution_and_padding", make_determine)
 
 
-def forward_replays_graph() -> bool:
-    """Whether the running forward pass replays a CUDA graph (full or piecewise): Python in the model is
-    not called then."""
+def forward_replays_full_graph() -> bool:
+    """Whether the running forward pass replays a full CUDA graph: no Python in the model is called
+    then (between piecewise graphs, splitting ops such as our taps are)."""
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import get_forward_context
 
-    mode = getattr(get_forward_context(), "cudagraph_runtime_mode", None)
-    return mode is not None and mode != CUDAGraphMode.NONE
+    return getattr(get_forward_context(), "cudagraph_runtime_mode", None) == CUDAGraphMode.FULL
 
 
 def host_positions(runner: Any, qsl: Any) -> np.ndarray:
@@ -647,7 +665,8 @@ def graph_taps_unsupported() -> str | None:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError as e:
         return f"vLLM internal moved: {e}"
-    for cls, name in ((CompilationConfig, "compute_hash"), (CudagraphDispatcher, "dispatch"),
+    for cls, name in ((CompilationConfig, "compute_hash"), (CompilationConfig, "set_splitting_ops_for_v1"),
+                      (CudagraphDispatcher, "dispatch"),
                       (GPUModelRunner, "_determine_batch_execution_and_padding")):
         if not hasattr(cls, name):
             return f"vLLM internal moved: {cls.__qualname__}.{name} not found"

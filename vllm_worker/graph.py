@@ -235,20 +235,20 @@ class GraphTaps:
             self.dirty = 0
         self.active = False
 
-    def copy_out(self, base: int, n: int) -> torch.Tensor:
-        """The step's captured rows, on their way to (pinned) host memory."""
+    def copy_out(self, base: int, n: int, dst: torch.Tensor) -> None:
+        """The step's captured rows into `dst` (pinned host memory on CUDA: asynchronously, on the side
+        stream after the step's kernels; their staging rows are reused once the copy is done)."""
         src = self.stage[base:base + n]
         if self._side is None:
-            return src.to("cpu", copy=True)
+            dst.copy_(src)
+            return
         side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-            host.copy_(src, non_blocking=True)
+            dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(side)
         self._pending.append((base, base + n, ev))
-        return host
 
 
 def request_entries(g: GraphTaps, steers: list) -> tuple[dict, list[int]] | None:

@@ -73,7 +73,6 @@ class GraphPlan:
     n: int  # rows (tokens) of the step
     cap_rows: np.ndarray  # captured rows, in filing order (layer by layer, as `StepPlan.capture`)
     cap_cols: np.ndarray  # their layer columns
-    cap_sizes: list[tuple[int, int]]  # (layer, rows) in filing order
     st_rows: np.ndarray  # rows with a position-independent steering entry ...
     st_cols: np.ndarray
     st_ents: np.ndarray  # ... and that entry
@@ -99,12 +98,11 @@ def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, i
     def rows_of(items: Rows) -> np.ndarray:
         return np.concatenate([np.arange(s, e) for _, s, e in items])
 
-    cr, cc, sizes = [], [], []
+    cr, cc = [], []
     for layer, items in cap_rows.items():
         rows = rows_of(items)
         cr.append(rows)
         cc.append(np.full(len(rows), col[layer]))
-        sizes.append((layer, len(rows)))
     sr, sc, se, pos = [], [], [], []
     for r, s, e in active:
         for layer, (default, ps, ents) in r.entries.items():
@@ -121,7 +119,7 @@ def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, i
     def cat(a: list) -> np.ndarray:
         return np.concatenate(a).astype(np.int64) if a else np.zeros(0, dtype=np.int64)
 
-    return GraphPlan(n, cat(cr), cat(cc), sizes, cat(sr), cat(sc), cat(se).astype(np.int32), pos)
+    return GraphPlan(n, cat(cr), cat(cc), cat(sr), cat(sc), cat(se).astype(np.int32), pos)
 
 
 @dataclass
@@ -137,6 +135,7 @@ class StepPlan:
     captured: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     fired: int = 0  # tap calls seen during the forward (0 with work planned = taps were skipped)
     logs: dict = field(default_factory=dict)  # layer -> store.CaptureLog (store.CaptureStore.open_plan)
+    arena: object = None  # store.StepArena: host rows of this plan's steps
     graph: "GraphPlan | None" = None  # set: this composition runs on the graph-safe path
 
     def begin_step(self, positions: torch.Tensor) -> None:

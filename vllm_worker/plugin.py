@@ -56,6 +56,9 @@ def register() -> None:
     adapter.add_llm_methods(persistent.METHODS)
     adapter.patch_engine_args(_adjust_engine_args)
     if adapter.graph_taps_unsupported() is None:
+        from .taps import OP
+
+        adapter.patch_splitting_ops(OP)
         adapter.patch_compile_hash("inspect-lens: graph-safe taps v2")
     adapter.patch_process_inputs(frontend.on_new_request)
     adapter.patch_run_engine(frontend.attach_outputs)

@@ -2,9 +2,10 @@
 
 Per step: find the rows of requests that asked for something (`plan`). When every such request fits
 the graph-safe path (capture and steering, no Python hooks), the plan only fills device buffers that
-the kernel inside the taps reads (`graph`), vLLM keeps its CUDA graphs, and the step's captures are
-copied out after it. Otherwise the step runs without graphs and the taps call `on_tap` from Python
-(steering and hooks from `edits`, capture rows kept for the step). Either way the captures are filed in
+the kernel inside the taps reads (`graph`), vLLM keeps its CUDA graphs (full ones included), and the
+step's captures are copied out after it. Otherwise the step is kept off full graphs and the taps call
+`on_tap` from Python between piecewise graphs (steering and hooks from `edits`, capture rows kept for
+the step). Either way the captures are filed in
 `store`. Steps with no feature active leave every buffer empty: the kernel returns at once.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -23,6 +25,7 @@ from .hooks import HookContext
 from .params import Params
 from .plan import DeviceSteer, HookRun, RequestState, Rows, StepPlan, make_plan, split_steers
 from .spec import PAYLOAD_KEY, decode
+from . import store as store_mod
 from .store import CaptureStore, Store
 
 logger = logging.getLogger("vllm_worker")
@@ -30,6 +33,10 @@ logger = logging.getLogger("vllm_worker")
 # Requests whose persistent-hook results are kept until `clear_hook_results`. Past it, new requests
 # fail with an error that says so (never a silent drop).
 MAX_PERSISTENT_RESULTS = int(os.environ.get("VLLM_LENS_MAX_PERSISTENT_RESULTS", "10000"))
+
+
+# Diagnostics (in `status`, read by benchmarks): host seconds around graph-path steps, cumulative.
+STEP_TIMINGS = {"graph_steps": 0, "plan_s": 0.0, "forward_s": 0.0, "after_s": 0.0}
 
 
 class LensRuntime:
@@ -186,7 +193,8 @@ class LensRuntime:
 
     def prepare_step(self) -> bool:
         """Asked before vLLM picks the step's CUDA-graph mode (`adapter.patch_cudagraph_dispatch`):
-        True when the step needs Python in the forward (hooks, or more than the graph buffers hold)."""
+        True when the step needs Python in the forward (hooks, or more than the graph buffers hold), so
+        it must not replay a full graph."""
         plan = self._current_plan()
         return plan is not None and plan.graph is None
 
@@ -244,22 +252,31 @@ class LensRuntime:
             dev = kwargs.get("positions")
             if dev is not None and not np.array_equal(dev[: len(pos)].numpy(), pos):
                 raise adapter.LensIncompatibleVLLM("host positions differ from the forward pass's positions")
+        t0 = time.perf_counter()
         ctl = g.host_ctl(gp.n)
         base = g.ring_alloc(gp.total) if gp.total else 0
         gp.fill(ctl, base, pos)
         g.upload(gp.n)
+        t1 = time.perf_counter()
         try:
             out = orig(self.runner, *args, **kwargs)
         finally:
             g.active = False
-        if g.fired == 0 and not (adapter.forward_replays_graph() and g.launches_in_capture > 0):
+        t2 = time.perf_counter()
+        if g.fired == 0 and not (adapter.forward_replays_full_graph() and g.launches_in_capture > 0):
             raise adapter.LensIncompatibleVLLM(
                 "inspect-lens taps did not run during a forward pass that needed them (no tap kernel was "
                 "called, nor recorded into the CUDA graph that was replayed)")
         self.steps_with_features += 1
         if gp.total:
-            host = g.copy_out(base, gp.total)
-            self.store.file_step(plan, host, torch.from_numpy(pos[gp.cap_rows]), gp.cap_sizes)
+            host, hpos = self.store.step_slot(plan, g.d, g.dtype)
+            hpos.numpy()[:] = pos[gp.cap_rows]
+            g.copy_out(base, gp.total, host)
+            self.store.file_step(plan, host)
+        STEP_TIMINGS["graph_steps"] += 1
+        STEP_TIMINGS["plan_s"] += t1 - t0
+        STEP_TIMINGS["forward_s"] += t2 - t1
+        STEP_TIMINGS["after_s"] += time.perf_counter() - t2
         return out
 
     def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
@@ -362,6 +379,8 @@ class LensRuntime:
             "persistent_hooks": len(self._persistent),
             "persistent_results": len(self._persistent_results),
             "prefetched": sorted(self.params.prefetched),
+            "fetch_timings": dict(store_mod.FETCH_TIMINGS),
+            "step_timings": dict(STEP_TIMINGS),
         }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,36 +28,62 @@ logger = logging.getLogger("vllm_worker")
 # them reports it (an error, never a silent empty result).
 MAX_STORED_BYTES = int(float(os.environ.get("VLLM_LENS_MAX_STORED_GB", "8")) * (1 << 30))
 
+# Threads assembling fetched requests (0/1: none).
+ASSEMBLY_THREADS = int(os.environ.get("VLLM_LENS_ASSEMBLY_THREADS", str(min(8, os.cpu_count() or 1))))
+
+
+def _pool() -> Any:
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=ASSEMBLY_THREADS, thread_name_prefix="lens-assemble")
+
+
+# Diagnostics (reported by `status`, read by benchmarks): cumulative seconds in fetches.
+FETCH_TIMINGS = {"wait_copies_s": 0.0, "assemble_s": 0.0}
+
+
+class StepArena:
+    """Host memory for the captured rows of every step run with one plan (one batch composition): step
+    after step in chunks of shape (steps, rows, d), so a request's rows at one layer across all decode
+    steps are one strided slice — nothing to stack at fetch. Chunks double (1, 2, 4 … 64 steps); on CUDA
+    they are pinned (device copies land in them asynchronously) and come from torch's caching host
+    allocator, so a steady workload stops allocating."""
+
+    __slots__ = ("rows", "pinned", "chunks")
+    MAX_CHUNK_STEPS = 64
+
+    def __init__(self, rows: int, pinned: bool) -> None:
+        self.rows = rows
+        self.pinned = pinned
+        self.chunks: list[list] = []  # [data (steps, rows, d), positions (steps, rows), steps filled]
+
+    def next(self, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, d) and (rows,) host views for the next step."""
+        if not self.chunks or self.chunks[-1][2] == self.chunks[-1][0].shape[0]:
+            c = min(self.MAX_CHUNK_STEPS, 1 << len(self.chunks))
+            self.chunks.append([torch.empty((c, self.rows, d), dtype=dtype, pin_memory=self.pinned),
+                                torch.empty((c, self.rows), dtype=torch.int64, pin_memory=self.pinned), 0])
+        ch = self.chunks[-1]
+        k = ch[2]
+        ch[2] += 1
+        return ch[0][k], ch[1][k]
+
+    def parts(self, col: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(positions (steps, n), rows (steps, n, d)) per chunk, for columns col:col+n."""
+        return [(pos[:f, col:col + n], data[:f, col:col + n]) for data, pos, f in self.chunks if f]
+
 
 class CaptureLog:
-    """The captured rows of one layer for every step run with one plan (one batch composition): a
-    block per step, shared by the plan's requests; each request reads its own row range (`Segment`).
-    Filing a step is O(layers), not O(requests)."""
+    """One layer's columns of a plan's arena: shared by the plan's requests, each reading its own row
+    range (`Segment`). Filing a step is O(layers), not O(requests)."""
 
-    __slots__ = ("blocks", "pos", "refs", "nbytes", "_stacked")
+    __slots__ = ("arena", "col", "refs", "nbytes")
 
-    def __init__(self) -> None:
-        self.blocks: list[torch.Tensor] = []  # host (rows, d), pinned while a copy may be in flight
-        self.pos: list[torch.Tensor] = []  # host (rows,) absolute positions
+    def __init__(self, arena: StepArena, col: int) -> None:
+        self.arena: StepArena | None = arena
+        self.col = col  # first column of this layer in the arena's rows
         self.refs = 0  # segments still to be fetched or dropped
         self.nbytes = 0
-        self._stacked: tuple[int, torch.Tensor, torch.Tensor] | None = None
-
-    def rows(self, offset: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions, rows) of one request's range across every step. Blocks of equal shape (decode
-        steps) are stacked once, so each request is one slice instead of one per step; the blocks then
-        become views of the stack (no second copy is kept)."""
-        bs = self.blocks
-        if self._stacked is None or self._stacked[0] != len(bs):
-            if len(bs) > 1 and all(b.shape == bs[0].shape for b in bs):
-                sb, sp = torch.stack(bs), torch.stack(self.pos)
-                self.blocks, self.pos = list(sb.unbind(0)), list(sp.unbind(0))
-                self._stacked = (len(bs), sp, sb)
-        if self._stacked is not None and self._stacked[0] == len(self.blocks):
-            _, sp, sb = self._stacked
-            return sp[:, offset:offset + n].reshape(-1), sb[:, offset:offset + n].reshape(-1, sb.shape[-1])
-        return (torch.cat([p[offset:offset + n] for p in self.pos]),
-                torch.cat([b[offset:offset + n] for b in self.blocks]))
 
 
 @dataclass
@@ -95,52 +122,54 @@ class CaptureStore:
     # ------------------------------------------------------------ per plan / per step
 
     def open_plan(self, plan: StepPlan) -> None:
-        """A new batch composition: one log per captured layer, one segment per (request, layer)."""
+        """A new batch composition: one arena, a log per captured layer (columns in `plan.capture` order),
+        one segment per (request, layer)."""
         plan.logs = {}
+        total = sum(e - s for _, items in plan.capture.values() for _, s, e in items)
+        plan.arena = StepArena(total, self.side is not None)
+        col = 0
         with self.lock:
             for layer, (_, items) in plan.capture.items():
-                log = plan.logs[layer] = CaptureLog()
+                log = plan.logs[layer] = CaptureLog(plan.arena, col)
                 off = 0
                 for r, s, e in items:
                     r.store.segments.append(Segment(log, r.capture_slot[layer], off, e - s))
                     log.refs += 1
                     off += e - s
+                col += off
 
-    def _to_host(self, dev: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.side is None:
-            return dev.to("cpu"), pos.to("cpu")
-        side = self.side
-        side.wait_stream(torch.cuda.current_stream(dev.device))
-        with torch.cuda.stream(side):
-            host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
-            host.copy_(dev, non_blocking=True)
-            hpos = torch.empty(pos.shape, dtype=pos.dtype, pin_memory=True)
-            hpos.copy_(pos, non_blocking=True)
-        dev.record_stream(side)
-        pos.record_stream(side)
-        return host, hpos
+    def step_slot(self, plan: StepPlan, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host (rows, d) / (rows,) views where this step's captures go (`file_step` once written)."""
+        return plan.arena.next(d, dtype)
 
     def finish_step(self, plan: StepPlan) -> None:
-        """File this step's captured rows (Python path: one device->host copy per step)."""
-        dev = torch.cat([t for _, t in plan.captured])
-        all_idx = torch.cat([plan.capture[l][0] for l, _ in plan.captured])
-        host, pos_host = self._to_host(dev, plan.positions.index_select(0, all_idx))
-        self.file_step(plan, host, pos_host, [(layer, t.shape[0]) for layer, t in plan.captured])
+        """Python path: the step's captured rows (kept per layer by the taps) to the host, then filed."""
+        by_layer = dict(plan.captured)
+        dev = torch.cat([by_layer[layer] for layer in plan.capture])
+        all_idx = torch.cat([plan.capture[layer][0] for layer in plan.capture])
+        pos = plan.positions.index_select(0, all_idx)
+        host, hpos = self.step_slot(plan, dev.shape[-1], dev.dtype)
+        if self.side is None:
+            host.copy_(dev)
+            hpos.copy_(pos)
+        else:
+            side = self.side
+            side.wait_stream(torch.cuda.current_stream(dev.device))
+            with torch.cuda.stream(side):
+                host.copy_(dev, non_blocking=True)
+                hpos.copy_(pos, non_blocking=True)
+            dev.record_stream(side)
+            pos.record_stream(side)
+        self.file_step(plan, host)
 
-    def file_step(self, plan: StepPlan, host: torch.Tensor, pos_host: torch.Tensor,
-                  sizes: list[tuple[int, int]]) -> None:
-        """File a step's captured rows, `host` (possibly still being copied; `fetch` waits), layer by
-        layer in `sizes` order: O(layers) Python, whatever the number of requests."""
-        off = 0
+    def file_step(self, plan: StepPlan, host: torch.Tensor) -> None:
+        """Account a step whose rows are (or are being copied) in `host` (`fetch` waits for copies)."""
+        row = host.shape[-1] * host.element_size()
         with self.lock:
-            for layer, size in sizes:
-                log = plan.logs[layer]
-                log.blocks.append(host[off:off + size])
-                log.pos.append(pos_host[off:off + size])
-                nb = size * host.shape[-1] * host.element_size()
-                log.nbytes += nb
+            for layer, (_, items) in plan.capture.items():
+                nb = sum(e - s for _, s, e in items) * row
+                plan.logs[layer].nbytes += nb
                 self.stored_bytes += nb
-                off += size
             self._evict_if_needed()
 
     def _release(self, st: Store) -> None:
@@ -148,7 +177,7 @@ class CaptureStore:
             seg.log.refs -= 1
             if seg.log.refs == 0:
                 self.stored_bytes -= seg.log.nbytes
-                seg.log.blocks, seg.log.pos, seg.log.nbytes, seg.log._stacked = [], [], 0, None
+                seg.log.nbytes, seg.log.arena = 0, None  # the arena goes with its last log
         st.segments = []
 
     def _evict_if_needed(self) -> None:
@@ -166,26 +195,47 @@ class CaptureStore:
         report (TP rank > 0: hooks ran there too, on the same replicated stream) only drops. `use_shm`:
         capture tensors go through shared-memory files (see `shm`)."""
         out: dict[str, Any] = {}
+        t0 = time.perf_counter()
         if self.side is not None:
             self.side.synchronize()
+        t1 = time.perf_counter()
+        FETCH_TIMINGS["wait_copies_s"] += t1 - t0
+        try:
+            return self._fetch(wanted, reporting, layer_ids, assemble_saved, use_shm, out)
+        finally:
+            FETCH_TIMINGS["assemble_s"] += time.perf_counter() - t1
+
+    def _fetch(self, wanted: list, reporting: bool, layer_ids: list[int], assemble_saved: Any, use_shm: bool,
+               out: dict) -> dict[str, Any]:
         with self.lock:
+            todo: list[tuple[str, int, Store, int]] = []
             for key, children in wanted:
                 if reporting and key in self._evicted:
                     self._evicted.discard(key)
                     out[key] = {"error": "captures were dropped: the worker's store exceeded "
                                          "VLLM_LENS_MAX_STORED_GB before they were fetched"}
                     continue
-                per_child = {}
                 for child, n_pos in children.items():
                     st = self._stores.pop((key, int(child)), None)
-                    if st is None:
-                        continue
-                    if reporting:
-                        per_child[int(child)] = _assemble(st, int(n_pos), layer_ids, assemble_saved, use_shm)
-                    self._release(st)
-                if per_child:
-                    out[key] = per_child
+                    if st is not None:
+                        todo.append((key, int(child), st, int(n_pos)))
+            if reporting:
+                payloads = self._assemble_all(todo, layer_ids, assemble_saved, use_shm)
+                for (key, child, _, _), payload in zip(todo, payloads):
+                    out.setdefault(key, {})[child] = payload
+            for _, _, st, _ in todo:
+                self._release(st)
         return out
+
+    @staticmethod
+    def _assemble_all(todo: list, layer_ids: list[int], assemble_saved: Any, use_shm: bool) -> list:
+        """Requests are assembled in parallel threads (the copies release the GIL): after a large batch
+        this is most of the time between the last step and the results."""
+        jobs = [lambda st=st, n=n: _assemble(st, n, layer_ids, assemble_saved, use_shm) for _, _, st, n in todo]
+        if len(todo) < 8 or ASSEMBLY_THREADS <= 1:
+            return [job() for job in jobs]
+        with _pool() as pool:
+            return list(pool.map(lambda job: job(), jobs))
 
     def drop(self, keys: list[str]) -> int:
         with self.lock:
@@ -207,8 +257,9 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
         return payload
     mine = [l for l in st.layers if l in layer_ids]
     out_of_slot = {st.layers.index(l): i for i, l in enumerate(mine)}
-    parts = [(out_of_slot[seg.slot], *seg.log.rows(seg.offset, seg.n)) for seg in st.segments
-             if seg.log.blocks and seg.slot in out_of_slot]
+    parts = [(out_of_slot[seg.slot], pos, rows) for seg in st.segments
+             if seg.log.arena is not None and seg.slot in out_of_slot
+             for pos, rows in seg.log.arena.parts(seg.log.col + seg.offset, seg.n)]
     if not parts:
         payload.setdefault("error", "no positions were captured")
         return payload
@@ -217,15 +268,19 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
     mapped = shm.alloc(shape, dtype) if use_shm else None
     t = mapped[0] if mapped is not None else torch.zeros(shape, dtype=dtype)
     filled = np.zeros((len(mine), n_pos), dtype=bool)
-    # one scatter for the whole request
-    pos = torch.cat([p for _, p, _ in parts]).numpy()
-    slot = np.concatenate([np.full(len(p), s) for s, p, _ in parts])
-    rows = torch.cat([r for _, _, r in parts])
-    keep = pos < n_pos
-    if not keep.all():
-        pos, slot, rows = pos[keep], slot[keep], rows[torch.from_numpy(keep)]
-    t[torch.from_numpy(slot), torch.from_numpy(pos)] = rows
-    filled[slot, pos] = True
+    for slot, pos, rows in parts:  # pos (steps, n), rows (steps, n, d)
+        p = pos.reshape(-1).numpy()
+        r = rows.reshape(-1, d)
+        if len(p) and p[0] >= 0 and p[-1] - p[0] == len(p) - 1 and p[-1] < n_pos and \
+                (len(p) < 3 or np.array_equal(np.diff(p), np.ones(len(p) - 1, dtype=p.dtype))):
+            t[slot, p[0]:p[-1] + 1] = r  # one request's decode steps / prefill chunk: one block copy
+            filled[slot, p[0]:p[-1] + 1] = True
+            continue
+        keep = p < n_pos
+        if not keep.all():
+            p, r = p[keep], r[torch.from_numpy(keep)]
+        t[slot, torch.from_numpy(p)] = r
+        filled[slot, p] = True
     missing = [(l, int(np.flatnonzero(~filled[i])[0])) for i, l in enumerate(mine) if not filled[i].all()]
     if mapped is not None:
         payload.update({"layers": mine, "shm": {"path": mapped[1], "dtype": dtype_name(dtype), "shape": list(shape)}})

@@ -7,10 +7,11 @@ after compilation never fire: the silent failure this design replaces), and vLLM
 what it launches.
 
 The op does two things. (1) At a layer's output it runs the graph-safe kernel (`graph.GraphTaps`), which
-reads per-step device buffers: this is how capture and steering run inside full and piecewise CUDA
-graphs, with no Python in the step. (2) When called from Python (no graph is being replayed: eager mode,
-or a step `adapter.patch_cudagraph_dispatch` kept off graphs because it runs Python hooks) it also calls
-the per-forward handler (`runtime.LensRuntime.on_tap`), which may do anything, per request.
+reads per-step device buffers: this is how capture and steering run inside full CUDA graphs (decode
+steps), with no Python in the step. (2) When called from Python it also calls the per-forward handler
+(`runtime.LensRuntime.on_tap`), which may do anything, per request (Python hooks). The op is one of
+vLLM's piecewise `splitting_ops`, so it is called from Python between piecewise graphs, and steps with
+Python hooks are kept off full graphs (`adapter.patch_cudagraph_dispatch`); eager mode calls it always.
 
 Sites: `site = layer * SITES_PER_LAYER + point`. Points today: IN (the stream entering a layer; placed
 only on the first layer of a stage: for the others it is the previous layer's OUT) and OUT (the stream

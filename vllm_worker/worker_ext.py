@@ -26,7 +26,7 @@ def _around_forward(runner: Any, orig: Any, *args: Any, **kwargs: Any) -> Any:
     return rt.around_forward(orig, *args, **kwargs)
 
 
-def _needs_eager(runner: Any) -> bool:
+def _needs_python(runner: Any) -> bool:
     rt = getattr(runner, "_lens_runtime", None)
     return rt is not None and rt.prepare_step()
 
@@ -34,7 +34,7 @@ def _needs_eager(runner: Any) -> bool:
 adapter.check_version()
 adapter.patch_runner(_on_loaded, _around_forward)
 if adapter.graph_taps_unsupported() is None:  # else the frontend forced eager mode (with a warning)
-    adapter.patch_cudagraph_dispatch(_needs_eager)
+    adapter.patch_cudagraph_dispatch(_needs_python)
 
 
 class LensWorkerExtension:
