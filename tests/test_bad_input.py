@@ -82,6 +82,8 @@ def test_requests_aborted_by_a_later_bad_one_leave_nothing_behind(llama):
         llama.generate([PROMPT, PROMPT, PROMPT], [_sp(output_residual_stream=[0]), _sp(output_residual_stream=[1]),
                                                   _sp(output_residual_stream=[99])], use_tqdm=False)
     assert frontend.pending_count(proc) == 0
-    assert llama.collective_rpc("lens_status")[0]["stored_requests"] == 0
+    status = llama.collective_rpc("lens_status")[0]
+    assert status["stored_requests"] == 0 and status["shm_files"] == 0  # prepared result files removed too
     out = llama.generate([PROMPT], _sp(output_residual_stream=[0]), use_tqdm=False)[0]
     assert out.activations["residual_stream"].shape[0] == 1
+    assert llama.collective_rpc("lens_status")[0]["shm_files"] == 0

@@ -105,3 +105,27 @@ def test_n_samples_each_get_their_own_activations(llama):
         assert (acts[1] - ref[L - 1]).abs().max() <= 1e-4
     assert len(seqs) > 1, "samples should differ at temperature 1"
     assert out.activations is out.outputs[0].activations
+
+
+def test_result_memory_is_made_while_requests_run_and_never_left_behind(llama):
+    """The worker makes each capturing request's shared-memory result file while the request runs (sized
+    for prompt + max_tokens), writes the result as its prefix at fetch and truncates it; a request that
+    stops early (a stop token) gets exactly its positions. Every file is read and removed."""
+    first = llama.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                           use_tqdm=False)[0]
+    stop_tok = first.outputs[0].token_ids[2]
+    before = llama.collective_rpc("lens_status")[0]["prepared"]
+    sps = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [0, 2]}),
+           SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_tok],
+                          extra_args={"output_residual_stream": [0, 2]})]
+    outs = llama.generate([PROMPT, PROMPT], sps, use_tqdm=False)
+    status = llama.collective_rpc("lens_status")[0]
+    assert status["prepared"]["used"] - before["used"] == 2 and status["shm_files"] == 0
+    assert len(outs[1].outputs[0].token_ids) == 3  # stopped early: 40 positions were prepared
+    hf = hf_model("llama")
+    for out in outs:
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        ref, _ = residuals(hf, ids[:-1])
+        acts = out.activations["residual_stream"]
+        assert acts.shape == (2, len(ids) - 1, 128)
+        assert (acts[0] - ref[0]).abs().max() <= 1e-4 and (acts[1] - ref[2]).abs().max() <= 1e-4

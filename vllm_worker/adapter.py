@@ -498,6 +498,16 @@ def request_extra_args(runner: Any, req_id: str) -> dict | None:
     return None if sp is None else sp.extra_args
 
 
+def request_max_positions(runner: Any, req_id: str) -> int | None:
+    """Most positions a request can reach (prompt + max_tokens - 1), or None if not known."""
+    st = _require(runner, "requests", type(runner).__name__).get(req_id)
+    n_prompt = getattr(st, "num_prompt_tokens", None)
+    max_tokens = getattr(getattr(st, "sampling_params", None), "max_tokens", None)
+    if not isinstance(n_prompt, int) or not isinstance(max_tokens, int):
+        return None
+    return n_prompt + max_tokens - 1
+
+
 def live_request_ids(runner: Any) -> Any:
     return _require(runner, "requests", type(runner).__name__).keys()
 

@@ -61,6 +61,8 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
         return req
     payload = encode(spec)
     payload["n"] = int(sp.n)
+    if spec.capture:  # a worker on this machine may prepare the result's shared memory while it runs
+        payload["shm"] = shm.host_id()
     args = {k: v for k, v in sp.extra_args.items() if not has_lens_keys({k: v})}
     args[PAYLOAD_KEY] = payload
     sp.extra_args = args

@@ -56,10 +56,14 @@ class LensRuntime:
         self._reqs: dict[str, RequestState | None] = {}
         self.store = CaptureStore(self.device)
         self.params = Params(self.model)
+        self._shm_host = shm.host_id()
+        if self._shm_host is not None and shm.sweep_stale():
+            logger.info("inspect-lens: removed capture files left in %s by engines that died", shm.SHM_DIR)
+        self._d_model = adapter.hidden_size(runner)
         self.graph: graph.GraphTaps | None = None
         if graph.enabled():
             try:
-                self.graph = graph.GraphTaps(self.layer_ids, adapter.hidden_size(runner), self.dtype, self.device,
+                self.graph = graph.GraphTaps(self.layer_ids, self._d_model, self.dtype, self.device,
                                              adapter.max_tokens(runner), self.store.side)
             except Exception as e:  # noqa: BLE001 - the Python path still serves every request
                 logger.warning("inspect-lens: graph-safe taps unavailable (%s: %s); steps with capture or "
@@ -116,6 +120,7 @@ class LensRuntime:
                                           None if s.positions is None else list(s.positions)))
             if spec.wants_results:
                 store = Store(spec.capture)
+                self._prepare_result(req_id, payload, spec.capture, store)
                 self.store.add(spec.key, child, store)
             for i, h in enumerate(spec.hooks):
                 saved: dict = {}
@@ -148,6 +153,17 @@ class LensRuntime:
                 entries, entry_ids = got
         return RequestState(capture, {l: i for i, l in enumerate(capture)}, child, per_request, hooks, store,
                             simple, entries, entry_ids)
+
+    def _prepare_result(self, req_id: str, payload: dict, capture: list[int], store: Store) -> None:
+        """A frontend on this machine gets captures through shared memory: make the file now, while the
+        request runs, instead of after its last step (`store.Preparer`)."""
+        if not capture or not self.capturing_rank or self._shm_host is None or payload.get("shm") != self._shm_host:
+            return
+        local = [l for l in capture if l in self._local]
+        n_pos = adapter.request_max_positions(self.runner, req_id)
+        if local and n_pos:
+            store.prepared, store.prepared_bytes = self.store.preparer.prepare(
+                (len(local), n_pos, self._d_model), self.dtype)
 
     def _ctx(self, saved: dict, external: str) -> HookContext:
         return HookContext(saved=saved, request_id=external, tp_rank=self.tp_rank, model=self.model,
@@ -381,6 +397,8 @@ class LensRuntime:
             "prefetched": sorted(self.params.prefetched),
             "fetch_timings": dict(store_mod.FETCH_TIMINGS),
             "step_timings": dict(STEP_TIMINGS),
+            "shm_files": shm.own_files(),
+            "prepared": dict(store_mod.PREPARE_STATS),
         }
 
 

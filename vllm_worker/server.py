@@ -459,7 +459,9 @@ async def info(request: Request):
             "remote_hooks": remote_hooks_allowed(),
             # results waiting for a consumer: both return to 0 once requests finish or are aborted
             "pending_results": pending_count(adapter.processor_of_engine_client(state.engine)),
-            "stored_requests": sum(st["stored_requests"] for st in status)}
+            "stored_requests": sum(st["stored_requests"] for st in status),
+            # shared-memory result files the workers hold (made ahead, or written and not yet read)
+            "shm_files": sum(st.get("shm_files", 0) for st in status)}
 
 
 class LensEndpoints:

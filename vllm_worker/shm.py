@@ -59,6 +59,38 @@ def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str
     return t, path
 
 
+def own_files() -> int:
+    """Capture files this process created that still exist (none is left once results are read)."""
+    mine = f"{PREFIX}{os.getpid()}-"
+    try:
+        return sum(1 for f in os.listdir(SHM_DIR) if f.startswith(mine))
+    except OSError:
+        return 0
+
+
+def sweep_stale() -> int:
+    """Remove capture files of processes that no longer exist (an engine that died before its results
+    were read); returns how many."""
+    gone = 0
+    try:
+        names = [f for f in os.listdir(SHM_DIR) if f.startswith(PREFIX)]
+    except OSError:
+        return 0
+    for f in names:
+        try:
+            pid = int(f[len(PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            discard(os.path.join(SHM_DIR, f))
+            gone += 1
+        except PermissionError:
+            pass
+    return gone
+
+
 def load(path: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """Map a file written by `alloc` (our own worker's) and unlink it: the mapping keeps the data."""
     if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(PREFIX):

@@ -28,6 +28,11 @@ logger = logging.getLogger("vllm_worker")
 # them reports it (an error, never a silent empty result).
 MAX_STORED_BYTES = int(float(os.environ.get("VLLM_LENS_MAX_STORED_GB", "8")) * (1 << 30))
 
+# Shared-memory result files made ahead of fetches (`Preparer`), at most this many bytes at a time.
+PREPARE_BYTES = int(float(os.environ.get("VLLM_LENS_SHM_PREPARE_GB", "4")) * (1 << 30))
+
+PREPARE_STATS = {"made": 0, "used": 0, "discarded": 0}  # diagnostics (in `status`)
+
 # Threads assembling fetched requests (0/1: none).
 ASSEMBLY_THREADS = int(os.environ.get("VLLM_LENS_ASSEMBLY_THREADS", str(min(8, os.cpu_count() or 1))))
 
@@ -102,6 +107,59 @@ class Store:
     segments: list[Segment] = field(default_factory=list)
     saved: list[dict] = field(default_factory=list)
     error: str | None = None
+    prepared: Any = None  # Future of a (tensor, path) shared-memory result file made ahead (`Preparer`)
+    prepared_bytes: int = 0
+
+
+class Preparer:
+    """Shared-memory result files made and faulted in while the GPU generates. Materialising fresh
+    memory for hundreds of MB of captures was most of the time between the last step and the results
+    (page population, measured 3x the copy itself); done ahead, on a background thread (the syscalls and
+    page touching release the GIL), the fetch only copies. Sized for the request's longest possible
+    output (prompt + max_tokens); the result is written as a prefix and the file truncated to it.
+    Bounded by `VLLM_LENS_SHM_PREPARE_GB` of files not yet fetched."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._lock = threading.Lock()
+        self._pool: Any = None
+
+    def prepare(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, int]:
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            if nbytes == 0 or self.bytes + nbytes > PREPARE_BYTES:
+                return None, 0
+            self.bytes += nbytes
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lens-shm-prepare")
+            PREPARE_STATS["made"] += 1
+        return self._pool.submit(_make_prepared, shape, dtype), nbytes
+
+    def take(self, st: "Store") -> tuple[torch.Tensor, str] | None:
+        """The request's prepared file (waits if it is still being made); the caller owns it."""
+        fut, st.prepared = st.prepared, None
+        if fut is None:
+            return None
+        with self._lock:
+            self.bytes -= st.prepared_bytes
+        return fut.result()
+
+    def release(self, st: "Store") -> None:
+        """The request will not use its prepared file: remove it (once made)."""
+        got = self.take(st)
+        if got is not None:
+            shm.discard(got[1])
+            PREPARE_STATS["discarded"] += 1
+
+
+def _make_prepared(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str] | None:
+    got = shm.alloc(shape, dtype)
+    if got is not None:
+        flat = got[0].view(-1)
+        flat[:: max(1, 4096 // flat.element_size())].zero_()  # fault every page in now
+    return got
 
 
 class CaptureStore:
@@ -111,6 +169,7 @@ class CaptureStore:
         self.stored_bytes = 0
         self.lock = threading.Lock()
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.preparer = Preparer()
 
     def __len__(self) -> int:
         return len(self._stores)
@@ -173,6 +232,8 @@ class CaptureStore:
             self._evict_if_needed()
 
     def _release(self, st: Store) -> None:
+        if st.prepared is not None:
+            self.preparer.release(st)
         for seg in st.segments:
             seg.log.refs -= 1
             if seg.log.refs == 0:
@@ -220,7 +281,7 @@ class CaptureStore:
                     if st is not None:
                         todo.append((key, int(child), st, int(n_pos)))
             if reporting:
-                payloads = self._assemble_all(todo, layer_ids, assemble_saved, use_shm)
+                payloads = self._assemble_all(todo, layer_ids, assemble_saved, use_shm, self.preparer)
                 for (key, child, _, _), payload in zip(todo, payloads):
                     out.setdefault(key, {})[child] = payload
             for _, _, st, _ in todo:
@@ -228,10 +289,12 @@ class CaptureStore:
         return out
 
     @staticmethod
-    def _assemble_all(todo: list, layer_ids: list[int], assemble_saved: Any, use_shm: bool) -> list:
+    def _assemble_all(todo: list, layer_ids: list[int], assemble_saved: Any, use_shm: bool,
+                      preparer: Preparer) -> list:
         """Requests are assembled in parallel threads (the copies release the GIL): after a large batch
         this is most of the time between the last step and the results."""
-        jobs = [lambda st=st, n=n: _assemble(st, n, layer_ids, assemble_saved, use_shm) for _, _, st, n in todo]
+        jobs = [lambda st=st, n=n: _assemble(st, n, layer_ids, assemble_saved, use_shm, preparer)
+                for _, _, st, n in todo]
         if len(todo) < 8 or ASSEMBLY_THREADS <= 1:
             return [job() for job in jobs]
         with _pool() as pool:
@@ -246,8 +309,21 @@ class CaptureStore:
             return len(gone)
 
 
+def _prepared_view(got: tuple[torch.Tensor, str] | None, shape: tuple[int, ...],
+                   dtype: torch.dtype) -> tuple[torch.Tensor, str] | None:
+    """The prefix of a prepared file as a `shape` tensor, or None (and the file removed) if it does not fit."""
+    if got is None:
+        return None
+    t, path = got
+    numel = int(np.prod(shape))
+    if t.dtype != dtype or t.dim() != 3 or t.shape[0] != shape[0] or t.shape[2] != shape[2] or t.shape[1] < shape[1]:
+        shm.discard(path)
+        return None
+    return t.view(-1)[:numel].view(shape), path
+
+
 def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
-              use_shm: bool = False) -> dict[str, Any]:
+              use_shm: bool = False, preparer: Preparer | None = None) -> dict[str, Any]:
     payload: dict[str, Any] = {}
     if st.error is not None:
         payload["error"] = st.error
@@ -265,7 +341,17 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
         return payload
     d, dtype = parts[0][2].shape[-1], parts[0][2].dtype
     shape = (len(mine), n_pos, d)
-    mapped = shm.alloc(shape, dtype) if use_shm else None
+    got = preparer.take(st) if preparer is not None and st.prepared is not None else None
+    mapped = None
+    if use_shm:
+        mapped = _prepared_view(got, shape, dtype)
+        if mapped is not None:
+            os.truncate(mapped[1], int(np.prod(shape)) * mapped[0].element_size())  # the unused tail goes
+            PREPARE_STATS["used"] += 1
+        else:
+            mapped = shm.alloc(shape, dtype)
+    elif got is not None:
+        shm.discard(got[1])
     t = mapped[0] if mapped is not None else torch.zeros(shape, dtype=dtype)
     filled = np.zeros((len(mine), n_pos), dtype=bool)
     for slot, pos, rows in parts:  # pos (steps, n), rows (steps, n, d)
