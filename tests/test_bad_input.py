@@ -33,14 +33,14 @@ BAD = [
     ({"apply_steering_vectors": [SteeringVector(torch.ones(1, D), [7])]}, "apply_steering_vectors[0].layer_indices"),
     ({"apply_steering_vectors": [SteeringVector(torch.ones(1, 1, D), [0], position_indices=[50])]},
      "apply_steering_vectors[0].position_indices: position 50 is past the prompt"),
-    ({"apply_steering_vectors": [SteeringVector(torch.ones(1, D), [0], scale=float("nan"))]},
+    ({"apply_steering_vectors": [{"activations": torch.ones(1, D), "layer_indices": [0], "scale": float("nan")}]},
      "apply_steering_vectors[0].scale"),
     ({"apply_steering_vectors": ["not a vector"]}, "apply_steering_vectors[0]: expected a SteeringVector"),
     ({"output_residual_streams": [0]}, "extra_args.output_residual_streams: unknown inspect-lens key"),
     ({"output_residual_stream": [True]}, "output_residual_stream: layer indices must be ints"),
     ({"output_residual_stream": False}, "output_residual_stream"),
     ({"output_residual_stream": "[1, 99]"}, "output_residual_stream: layer 99 is out of range"),
-    ({"apply_steering_vectors": [SteeringVector(torch.ones(1, D), [0], scale=10 ** 400)]},
+    ({"apply_steering_vectors": [{"activations": torch.ones(1, D), "layer_indices": [0], "scale": float("inf")}]},
      "apply_steering_vectors[0].scale: expected a finite number"),
     ({"apply_steering_vector": []}, "extra_args.apply_steering_vector: unknown inspect-lens key"),
 ]
@@ -87,3 +87,30 @@ def test_requests_aborted_by_a_later_bad_one_leave_nothing_behind(llama):
     out = llama.generate([PROMPT], _sp(output_residual_stream=[0]), use_tqdm=False)[0]
     assert out.activations["residual_stream"].shape[0] == 1
     assert llama.collective_rpc("lens_status")[0]["shm_files"] == 0
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(activations=torch.ones(1, D), layer_indices=[0], scale=float("nan")), "scale"),
+    (dict(activations=torch.ones(1, D), layer_indices=[0], scale=10 ** 400), "scale"),
+    (dict(activations=torch.ones(1, D), layer_indices=[True]), "layer_indices"),
+    (dict(activations=torch.ones(1, D), layer_indices=[]), "layer_indices"),
+    (dict(activations=[[1.0] * D], layer_indices=[0]), "activations"),
+    (dict(activations=torch.ones(1, D, dtype=torch.long), layer_indices=[0]), "activations"),
+    (dict(activations=torch.ones(1, D), layer_indices=[0], norm_match=1), "norm_match"),
+    (dict(activations=torch.ones(1, 2, D), layer_indices=[0], position_indices=["a", "b"]), "position_indices"),
+])
+def test_steering_vector_type_errors_name_the_field_where_it_is_made(kwargs, field):
+    """Type errors surface when the object is made (a pydantic ValidationError is a ValueError)."""
+    with pytest.raises(ValueError, match=field):
+        SteeringVector(**kwargs)
+
+
+def test_hook_type_errors_name_the_field_where_they_are_made():
+    from vllm_worker import Hook
+
+    with pytest.raises(ValueError, match="fn"):
+        Hook(42, [0])
+    with pytest.raises(ValueError, match="layer_indices"):
+        Hook(lambda ctx, h: None, [1.5])
+    with pytest.raises(ValueError, match="pre"):
+        Hook(lambda ctx, h: None, [0], pre="yes")

@@ -104,7 +104,7 @@ def test_triton_kernel_matches_the_torch_semantics():
         torch.manual_seed(0)
         g.A[:5] = torch.randn(5, 96); g.B[:5] = torch.randn(5, 96); g.bflag[:5] = torch.tensor([0, 1, 0, 1, 0])
         g.ctl[1, 1] = torch.tensor([3, 1]); g.ctl[2, 1] = torch.tensor([-1, 2]); g.ctl[4, 1] = torch.tensor([7, -1])
-        g.ctl[5, 0] = torch.tensor([9, 3]); g.active = True
+        g.ctl[5, 0] = torch.tensor([9, 3]); g.active = True; g.live_cols = frozenset({0, 1})
         kernel = graph._triton_kernel()
         worst = 0.0
         for has_r in (True, False):

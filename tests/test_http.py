@@ -319,3 +319,44 @@ def test_disconnected_streams_leave_nothing_behind(server):
     assert (info["pending_results"], info["stored_requests"], info["shm_files"]) == (0, 0, 0), info
     ok = _client(server).generate(PROMPT, max_tokens=3, temperature=0, capture_layers=[0])
     assert ok.activations["residual_stream"].shape[1] == len(ok.prompt_token_ids) + 2
+
+
+def test_client_shapes_of_the_original(server, llama):
+    """`VLLMLensClient` (the original's name) with `.chat()`, the model found through /v1/models, logprobs
+    when asked, and `decode_activations` on a raw JSON response: same numbers as offline."""
+    from vllm_worker import VLLMLensClient, decode_activations
+
+    c = VLLMLensClient(server, api_key=KEY)  # no model given: read from /v1/models
+    messages = [{"role": "user", "content": "the people will come"}]
+    r = c.chat(messages, max_tokens=5, temperature=0, ignore_eos=True, capture_layers=[1], logprobs=True,
+               top_logprobs=2)
+    assert c.model == _model()
+    ref = _offline(llama, messages, output_residual_stream=[1])
+    assert r.token_ids == list(ref.outputs[0].token_ids)
+    assert torch.equal(r.activations["residual_stream"], ref.activations["residual_stream"])
+    assert len(r.logprobs["content"]) == 5 and len(r.logprobs["content"][0]["top_logprobs"]) == 2
+    raw = httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                     json={"model": _model(), "prompt": PROMPT, "max_tokens": 5, "temperature": 0,
+                           "ignore_eos": True, "logprobs": 1, "vllm_xargs": {"output_residual_stream": [0, 3]}}).json()
+    acts = decode_activations(raw)
+    want = _offline(llama, PROMPT, output_residual_stream=[0, 3])
+    assert acts[0]["layers"] == [0, 3] and torch.equal(acts[0]["residual_stream"], want.activations["residual_stream"])
+    assert c.generate(PROMPT, max_tokens=3, logprobs=1).logprobs["token_logprobs"][0] <= 0
+
+
+def test_model_dump_of_a_steering_vector_is_an_accepted_wire_form(server, llama):
+    """`SteeringVector.model_dump()` is JSON: sent as is in `vllm_xargs` it steers exactly like the
+    object offline."""
+    from vllm_worker import SteeringVector
+
+    sv = SteeringVector(torch.randn(1, 128, generator=torch.Generator().manual_seed(4)) * 5, [1], scale=1.5)
+    body = {"model": _model(), "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True,
+            "vllm_xargs": {"apply_steering_vectors": json.dumps([sv.model_dump()]), "output_residual_stream": [2]}}
+    raw = httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body,
+                     timeout=60).json()
+    from vllm_worker import decode_activations
+
+    want = _offline(llama, PROMPT, apply_steering_vectors=[sv], output_residual_stream=[2])
+    assert raw["choices"][0]["token_ids"] == list(want.outputs[0].token_ids)
+    assert torch.equal(decode_activations(raw)[0]["residual_stream"], want.activations["residual_stream"])

@@ -127,3 +127,43 @@ def test_caller_objects_are_never_mutated(llama):
     plain = llama.generate([PROMPTS[1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
                                                           extra_args={"output_residual_stream": [1]}), use_tqdm=False)[0]
     assert not torch.equal(a.activations["residual_stream"], plain.activations["residual_stream"])
+
+
+def test_pydantic_shapes_round_trip_and_steer_the_same(llama):
+    """`model_dump()` (JSON-able) -> `model_validate` gives an equal vector; the dump itself is an accepted
+    request form; `model_copy(update=...)` makes a variant; the object is frozen."""
+    import json
+
+    import pydantic
+
+    sv = SteeringVector(_vec(41, shape=(1, 2, D), norm=9.0), [1], scale=0.5, norm_match=True, position_indices=[1, 3])
+    dumped = json.loads(json.dumps(sv.model_dump()))
+    assert SteeringVector.model_validate(dumped) == sv
+    with pytest.raises(pydantic.ValidationError):
+        sv.scale = 2.0
+    assert sv.model_copy(update={"scale": 2.0}).scale == 2.0 and sv.scale == 0.5
+
+    def run(vec):
+        sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                            extra_args={"apply_steering_vectors": [vec], "output_residual_stream": [1, 3]})
+        return llama.generate([PROMPTS[0]], sp, use_tqdm=False)[0]
+
+    a, b = run(sv), run(dumped)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert torch.equal(a.activations["residual_stream"], b.activations["residual_stream"])
+    _check_against_hf(a, {1: sv.activations[0]}, [1, 3], scale=0.5, norm_match=True, positions=[1, 3])
+
+
+def test_hook_round_trips_through_model_dump(llama):
+    from vllm_worker import Hook
+
+    def double(ctx, h):
+        ctx.saved["n"] = ctx.saved.get("n", 0) + 1
+        return h * 2
+
+    hook = Hook(double, [1])
+    again = Hook.model_validate(json.loads(json.dumps(hook.model_dump())))
+    sps = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, extra_args={"apply_hooks": [h]})
+           for h in (hook, again)]
+    a, b = llama.generate([PROMPTS[1], PROMPTS[1]], sps, use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.hook_results == b.hook_results

@@ -3,4 +3,14 @@
 from .hooks import Hook, HookContext, HookError
 from .steering import SteeringVector
 
-__all__ = ["Hook", "HookContext", "HookError", "SteeringVector"]
+__all__ = ["AsyncLensClient", "Hook", "HookContext", "HookError", "LensClient", "SteeringVector",
+           "VLLMLensClient", "decode_activations"]
+
+
+def __getattr__(name: str):
+    # the HTTP client needs httpx: imported on first use, not by the worker processes
+    if name in ("LensClient", "AsyncLensClient", "VLLMLensClient", "decode_activations"):
+        from . import client
+
+        return getattr(client, name)
+    raise AttributeError(name)

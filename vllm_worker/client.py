@@ -53,6 +53,7 @@ class LensResult:
     activations: dict[str, Any] | None = None
     hook_results: dict[str, Any] | None = None
     finish_reason: str | None = None
+    logprobs: Any = None  # the choice's `logprobs` object as the server sent it (when requested)
     choices: list["LensResult"] = field(default_factory=list)  # every sample (n > 1)
     raw: dict | None = field(default=None, repr=False)
 
@@ -111,18 +112,29 @@ def build_request(model: str, prompt: Any, messages: Any, max_tokens: int, captu
     return "/v1/completions", body
 
 
+def decode_activations(response: dict) -> list[dict[str, Any] | None]:
+    """Per choice of a raw `/v1/completions` or `/v1/chat/completions` JSON response (e.g. from `requests`
+    or the `openai` client's `.model_dump()`): `{"residual_stream": Tensor (n_layers, n_pos, d), "layers":
+    [...]}`, or None where the choice captured nothing."""
+    out = []
+    for c in sorted(response.get("choices", []), key=lambda c: c.get("index", 0)):
+        acts = c.get("activations")
+        out.append(None if acts is None else {"residual_stream": from_jsonable(acts["residual_stream"]),
+                                              "layers": list(acts["layers"])})
+    return out
+
+
 def parse_response(resp: dict) -> LensResult:
     results = []
-    for c in sorted(resp.get("choices", []), key=lambda c: c["index"]):
+    choices = sorted(resp.get("choices", []), key=lambda c: c["index"])
+    for c, acts in zip(choices, decode_activations(resp)):
         text = c["message"].get("content") or "" if "message" in c else c.get("text", "")
-        acts = c.get("activations")
         results.append(LensResult(
             text=text, token_ids=list(c.get("token_ids") or []),
             prompt_token_ids=list(c.get("prompt_token_ids") or resp.get("prompt_token_ids") or []),
-            activations=None if acts is None else {"residual_stream": from_jsonable(acts["residual_stream"]),
-                                                   "layers": acts["layers"]},
+            activations=acts,
             hook_results=from_jsonable(c["hook_results"]) if "hook_results" in c else None,
-            finish_reason=c.get("finish_reason"), raw=c))
+            finish_reason=c.get("finish_reason"), logprobs=c.get("logprobs"), raw=c))
     first = results[0]
     first.choices = results
     first.raw = resp
@@ -162,6 +174,10 @@ class LensClient(_Base):
         path, body = build_request(self._model(), prompt, messages, max_tokens, capture_layers,
                                    steering_vectors, hooks, sampling)
         return parse_response(self._post(path, body))
+
+    def chat(self, messages: Any, **kwargs: Any) -> LensResult:
+        """`generate(messages=messages, ...)`: the served model's chat template applies."""
+        return self.generate(messages=messages, **kwargs)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Text of `token_ids` with the server's tokenizer (vLLM's /detokenize)."""
@@ -226,6 +242,9 @@ class AsyncLensClient(_Base):
                                    steering_vectors, hooks, sampling)
         return parse_response(await self._post(path, body))
 
+    async def chat(self, messages: Any, **kwargs: Any) -> LensResult:
+        return await self.generate(messages=messages, **kwargs)
+
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         return (await self._post("/detokenize", {"model": await self._model(), "tokens": list(token_ids)}))["prompt"]
 
@@ -257,3 +276,7 @@ class AsyncLensClient(_Base):
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+# The original vllm-lens client's name, for code written against it.
+VLLMLensClient = LensClient

@@ -61,7 +61,7 @@ def run_hooks(layer: int, pre: bool, plan: StepPlan, hidden: torch.Tensor, resid
                 continue
             stream = hidden[s:e] + residual[s:e] if residual is not None else hidden[s:e].clone()
             ctx = h.ctx
-            ctx.layer_idx, ctx.seq_len, ctx.positions = layer, e - s, plan.positions[s:e].clone()
+            ctx.layer_idx, ctx.seq_len, ctx._rows = layer, e - s, (plan.positions, s, e)
             try:
                 new = h.fn(ctx, stream)
                 if new is None:

@@ -106,6 +106,7 @@ class GraphTaps:
         self.active = False  # a step planned for this path is running (the op acts outside graphs)
         self.fired = 0  # kernel calls outside graph capture during the running step
         self.launches_in_capture = 0  # kernel calls recorded into CUDA graphs
+        self.live_cols: frozenset = frozenset()  # layer columns the running step uses
         self._side = side
         self._ring_pos = 0
         self._pending: collections.deque = collections.deque()  # (start, end, event) copies in flight
@@ -134,6 +135,8 @@ class GraphTaps:
             return
         else:
             self.fired += 1
+            if col not in self.live_cols:  # called from Python: layers nobody uses this step cost nothing
+                return
         if self._kernel is not None:
             self._launch(hidden, residual, col)
         else:
@@ -215,7 +218,7 @@ class GraphTaps:
         self._fill_rows = m
         return h
 
-    def upload(self, n: int) -> None:
+    def upload(self, n: int, live_cols: frozenset = frozenset()) -> None:
         k = self._turn
         m = self._fill_rows
         self.ctl[:m].copy_(self._host[k][:m], non_blocking=True)
@@ -227,6 +230,7 @@ class GraphTaps:
         self.dirty = n
         self.active = True
         self.fired = 0
+        self.live_cols = live_cols
 
     def clear(self) -> None:
         """Before a step that does not use this path: no row may still point anywhere."""

@@ -8,17 +8,52 @@ replaces the stream for those rows; `None` leaves it.
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
+from pydantic import BaseModel, ConfigDict, StrictBool, field_serializer, field_validator
+
+from .steering import layer_indices
 
 
-@dataclass(frozen=True)
-class Hook:
-    fn: Callable[["HookContext", torch.Tensor], torch.Tensor | None]
-    layer_indices: Sequence[int]
-    pre: bool = False
+class Hook(BaseModel):
+    """`Hook(fn, layer_indices, pre=False)`: `fn(ctx, h)` runs on this request's rows after (or, with
+    `pre=True`, entering) each listed layer. A frozen pydantic model: `model_dump()` gives a JSON-able
+    dict with `fn` as base64 cloudpickle (our HTTP form), which `Hook.model_validate` loads back — that
+    unpickles, so only validate dumps you made (the server never builds a Hook from what it receives:
+    remote hooks go through their own opt-in path)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    fn: Callable[..., Any]
+    layer_indices: list[int]
+    pre: StrictBool = False
+
+    def __init__(self, fn: Any = None, layer_indices: Any = None, pre: Any = False, **kwargs: Any) -> None:
+        super().__init__(fn=fn, layer_indices=layer_indices, pre=pre, **kwargs)
+
+    @field_validator("fn", mode="before")
+    @classmethod
+    def _fn(cls, v: Any) -> Callable:
+        if isinstance(v, (str, bytes)):  # a model_dump() of a Hook
+            import cloudpickle
+
+            v = cloudpickle.loads(base64.b64decode(v))
+        if not callable(v):
+            raise ValueError(f"expected a callable fn(ctx, h), got {type(v).__name__}")
+        return v
+
+    _layers = field_validator("layer_indices", mode="before")(staticmethod(layer_indices))
+
+    @field_serializer("fn")
+    def _dump_fn(self, fn: Callable) -> str:
+        import cloudpickle
+
+        return base64.b64encode(cloudpickle.dumps(fn)).decode()
+
+    __hash__ = object.__hash__
 
 
 @dataclass
@@ -29,11 +64,20 @@ class HookContext:
     saved: dict
     layer_idx: int = -1
     seq_len: int = 0
-    positions: torch.Tensor | None = None
     request_id: str = ""
     tp_rank: int = 0
     model: Any = None
     _params: Any = field(default=None, repr=False)
+    _rows: Any = field(default=None, repr=False)  # (step positions, start, end): `positions` on demand
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """Absolute token positions of the rows `h` holds, shape `(rows,)` (made only when read: most
+        hooks never look, and it is one device copy per request per layer per step)."""
+        if self._rows is None:
+            return None
+        pos, s, e = self._rows
+        return pos[s:e].clone()
 
     def get_parameter(self, name: str) -> torch.Tensor:
         """The full (unsharded) parameter `name`, e.g. "lm_head.weight" or "model.norm.weight"."""

@@ -8,6 +8,7 @@ are `qsl[j]:qsl[j+1]`; built with numpy, no per-request Python work on the devic
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -81,6 +82,12 @@ class GraphPlan:
     @property
     def total(self) -> int:
         return len(self.cap_rows)
+
+    @functools.cached_property
+    def live_cols(self) -> frozenset:
+        """Layer columns this step uses (calls from Python skip the others)."""
+        return frozenset(self.cap_cols.tolist()) | frozenset(self.st_cols.tolist()) | \
+            frozenset(c for _, _, c, _, _, _ in self.st_pos)
 
     def fill(self, ctl: np.ndarray, base: int, positions: np.ndarray) -> None:
         """Write this step into the host table (`ctl` rows already -1); `positions`: host positions."""

@@ -272,7 +272,7 @@ class LensRuntime:
         ctl = g.host_ctl(gp.n)
         base = g.ring_alloc(gp.total) if gp.total else 0
         gp.fill(ctl, base, pos)
-        g.upload(gp.n)
+        g.upload(gp.n, gp.live_cols)
         t1 = time.perf_counter()
         try:
             out = orig(self.runner, *args, **kwargs)

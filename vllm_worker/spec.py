@@ -10,6 +10,7 @@ import math
 import os
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 import torch
@@ -140,14 +141,15 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
             raise ValueError(f"{f}: unknown fields {sorted(unknown)}")
         if "activations" not in item or "layer_indices" not in item:
             raise ValueError(f"{f}: needs 'activations' and 'layer_indices'")
-        item = SteeringVector(
+        # checked field by field below, with messages naming the request's field (not as a model)
+        item = SimpleNamespace(
             activations=item["activations"],
             layer_indices=item["layer_indices"],
             scale=item.get("scale", 1.0),
             norm_match=item.get("norm_match", False),
             position_indices=item.get("position_indices"),
         )
-    if not isinstance(item, SteeringVector):
+    elif not isinstance(item, SteeringVector):
         raise ValueError(f"{f}: expected a SteeringVector, got {type(item).__name__}")
     acts = item.activations
     if isinstance(acts, Mapping):
