@@ -31,7 +31,8 @@ def test_installed_vllm_has_everything_we_need(llama):
                OfflineInferenceMixin._run_engine, OfflineInferenceMixin._add_request, GPUModelRunner._model_forward,
                CPUModelRunner.load_model, CompilationConfig.compute_hash, CompilationConfig.set_splitting_ops_for_v1,
                CudagraphDispatcher.dispatch,
-               GPUModelRunner._determine_batch_execution_and_padding, AsyncLLM.abort, LLMEngine.abort_request):
+               GPUModelRunner._determine_batch_execution_and_padding, AsyncLLM.abort, LLMEngine.abort_request,
+               LLMEngine.add_request, LLMEngine.step, AsyncLLM.generate):
         assert getattr(fn, "__lens_wrapped__", False), fn
 
 
@@ -72,25 +73,6 @@ def test_unknown_layer_layout_and_output_are_errors():
     assert adapter.child_index("2_abc-123", 3) == 2 and adapter.child_index("abc", 1) == 0
     with pytest.raises(adapter.LensIncompatibleVLLM):
         adapter.child_index("abc-123", 3)
-
-
-def test_engine_without_a_result_consumer_refuses_capture_instead_of_dropping_it():
-    """A bare LLMEngine (or `vllm serve` without our endpoint plugin) would never hand results back."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    from conftest import ENGINE_DEFAULTS, keep_alive, model_path
-
-    engine = keep_alive(LLMEngine.from_engine_args(EngineArgs(model=str(model_path("llama")), **ENGINE_DEFAULTS)))
-    with pytest.raises(ValueError, match="no inspect-lens consumer"):
-        engine.add_request("x", "the water", SamplingParams(max_tokens=2, extra_args={"output_residual_stream": [0]}))
-    # steering needs no consumer (nothing comes back) and keeps working
-    engine.add_request("y", "the water", SamplingParams(max_tokens=2, extra_args={
-        "apply_steering_vectors": [__import__("vllm_worker").SteeringVector(torch.ones(1, 128), [0])]}))
-    outs = []
-    while engine.has_unfinished_requests():
-        outs += [o for o in engine.step() if o.finished]
-    assert [o.request_id for o in outs] == ["y"] and len(outs[0].outputs[0].token_ids) == 2
 
 
 def test_v2_model_runner_is_refused_not_silently_ignored(monkeypatch):

@@ -219,6 +219,16 @@ def test_persistent_hooks_over_http(server):
     c.clear_hook_results()
     assert c.collect_hook_results() == {}
     c.clear_hooks()
+    # the replies also carry the original's {"status": "ok", "count": ...}
+    fn = base64.b64encode(__import__("cloudpickle").dumps(_count)).decode()
+    reg = _post(server, "/v1/hooks/register", {"hooks": [{"fn": {"cloudpickle": fn}, "layer_indices": [1]}]}).json()
+    assert reg["status"] == "ok" and reg["count"] == reg["registered"] == 1
+    c.generate(PROMPT, max_tokens=2)
+    got = _post(server, "/v1/hooks/collect", {}).json()
+    assert got["status"] == "ok" and got["count"] == 1
+    assert _post(server, "/v1/hooks/prefetch", {"names": ["lm_head.weight"]}).json()["count"] == 1
+    for path in ("clear_results", "clear_prefetched", "clear"):
+        assert _post(server, f"/v1/hooks/{path}", {}).json()["status"] == "ok"
 
 
 def test_async_client_equals_sync_client(server):
@@ -360,3 +370,28 @@ def test_model_dump_of_a_steering_vector_is_an_accepted_wire_form(server, llama)
     want = _offline(llama, PROMPT, apply_steering_vectors=[sv], output_residual_stream=[2])
     assert raw["choices"][0]["token_ids"] == list(want.outputs[0].token_ids)
     assert torch.equal(decode_activations(raw)[0]["residual_stream"], want.activations["residual_stream"])
+
+
+def test_the_original_request_forms_give_our_numbers(server, llama):
+    """The original vllm-lens's wire forms — a zstd tensor object for a steering vector, a hook as
+    `{"fn": {"cloudpickle": ...}}` — decode to exactly what our own forms do."""
+    import cloudpickle
+    import zstandard
+
+    from vllm_worker import decode_activations
+
+    v = torch.randn(1, 128, generator=torch.Generator().manual_seed(8)) * 5
+    original_vec = {"data": base64.b64encode(zstandard.ZstdCompressor(level=1).compress(v.numpy().tobytes())).decode(),
+                    "dtype": "float32", "original_dtype": "torch.float32", "shape": [1, 128], "compression": "zstd"}
+    fn = base64.b64encode(cloudpickle.dumps(_ablate)).decode()
+    xargs = {"apply_steering_vectors": json.dumps([{"activations": original_vec, "layer_indices": [1], "scale": 1.5}]),
+             "apply_hooks": json.dumps([{"fn": {"cloudpickle": fn}, "layer_indices": [2]}]),
+             "output_residual_stream": [3]}
+    body = {"model": _model(), "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "vllm_xargs": xargs}
+    raw = _post(server, "/v1/completions", body).json()
+    ours = _client(server).generate(PROMPT, max_tokens=4, temperature=0, ignore_eos=True, capture_layers=[3],
+                                    steering_vectors=[SteeringVector(v, [1], scale=1.5)], hooks=[Hook(_ablate, [2])])
+    assert raw["choices"][0]["token_ids"] == ours.token_ids
+    assert torch.equal(decode_activations(raw)[0]["residual_stream"], ours.activations["residual_stream"])
+    assert from_jsonable(raw["choices"][0]["hook_results"]) == ours.hook_results == {"0": {"calls": 4}}

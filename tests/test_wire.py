@@ -73,3 +73,45 @@ def test_shared_memory_hand_off_round_trip_and_fallback(monkeypatch, tmp_path):
     assert not [f for f in os.listdir(shm.SHM_DIR) if f.startswith(shm.PREFIX + str(os.getpid()))]
     monkeypatch.setenv("VLLM_LENS_SHM", "0")
     assert shm.host_id() is None
+
+
+def _original_form(t: torch.Tensor, zstd: bool = True) -> dict:
+    """A tensor object as the original vllm-lens sends it: numpy storage dtype (bfloat16 as int16),
+    `original_dtype`, base64 `data`, zstd or no compression."""
+    import base64
+
+    import zstandard
+
+    arr = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    raw = arr.tobytes()
+    return {"data": base64.b64encode(zstandard.ZstdCompressor(level=1).compress(raw) if zstd else raw).decode(),
+            "dtype": str(arr.dtype), "original_dtype": str(t.dtype), "shape": list(arr.shape),
+            "compression": "zstd" if zstd else None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zstd", [True, False])
+def test_the_original_tensor_objects_are_read_exactly(dtype, zstd):
+    t = (torch.randn(2, 3, 64) * 10).to(dtype)
+    back = tensor_from_json(json.loads(json.dumps(_original_form(t, zstd))), "v", max_bytes=1 << 20)
+    assert back.dtype == dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_original_tensor_objects_are_bounded_and_checked():
+    import base64
+
+    import zstandard
+
+    bomb = {"data": base64.b64encode(zstandard.ZstdCompressor().compress(bytes(64 << 20))).decode(),
+            "dtype": "float32", "original_dtype": "torch.float32", "shape": [16 << 20], "compression": "zstd"}
+    assert len(bomb["data"]) < 10_000  # 64 MB of zeros in a few kB
+    with pytest.raises(ValueError, match=r"v: decompressed payload exceeds the limit"):
+        tensor_from_json(bomb, "v", max_bytes=1 << 20)
+    good = _original_form(torch.ones(2, 4))
+    for key, value, match in [("compression", "lz4", r"v.compression"), ("data", "@@", r"v.data: not valid"),
+                              ("original_dtype", "torch.int64", r"v.original_dtype"),
+                              ("dtype", "int16", r"v.dtype"), ("shape", [3, 4], r"v.data: .* do not match")]:
+        with pytest.raises(ValueError, match=match):
+            tensor_from_json({**good, key: value}, "v", max_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"v.data: not valid zstd"):
+        tensor_from_json({**good, "data": base64.b64encode(b"not zstd at all").decode()}, "v")

@@ -291,6 +291,89 @@ def processor_of_llm(llm: Any) -> Any:
     return _require(engine, "input_processor", "LLMEngine")
 
 
+def processor_of_llm_engine(engine: Any) -> Any:
+    return _require(engine, "input_processor", "LLMEngine")
+
+
+def llm_engine_cls() -> type:
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    _require(LLMEngine, "step", "LLMEngine")
+    _require(LLMEngine, "add_request", "LLMEngine")
+    return LLMEngine
+
+
+def async_llm_cls() -> type:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    _require(AsyncLLM, "generate", "AsyncLLM")
+    return AsyncLLM
+
+
+def patch_engine_loop(pre_add: Callable[[Any], None], post_step: Callable[[Any, list], list]) -> None:
+    """`LLMEngine` driven directly: `pre_add(engine)` before each `add_request`, `post_step(engine,
+    outputs)` on what each `step()` returns."""
+    cls = llm_engine_cls()
+
+    def make_add(orig: Callable) -> Callable:
+        def add_request(self, *args, **kwargs):
+            pre_add(self)
+            return orig(self, *args, **kwargs)
+
+        return add_request
+
+    def make_step(orig: Callable) -> Callable:
+        def step(self, *args, **kwargs):
+            return post_step(self, orig(self, *args, **kwargs))
+
+        return step
+
+    _wrap(cls, "add_request", make_add)
+    _wrap(cls, "step", make_step)
+
+
+def _is_delta(sp: Any) -> bool:
+    kind = getattr(sp, "output_kind", None)
+    return kind is not None and getattr(kind, "name", "") == "DELTA"
+
+
+def patch_async_generate(pre: Callable[[Any], bool], on_final: Callable[..., Any]) -> None:
+    """`AsyncLLM.generate` (= AsyncLLMEngine): `pre(engine)` says whether this caller consumes results;
+    then `await on_final(engine, output, request_id, generated, last)` runs on the request's finished
+    output before it is yielded (`generated`: tokens per sample when outputs are deltas, else None;
+    `last`: each sample's latest CompletionOutput)."""
+    import inspect
+
+    cls = async_llm_cls()
+    if not inspect.isasyncgenfunction(cls.generate):
+        raise LensIncompatibleVLLM("vLLM internal moved: AsyncLLM.generate is not an async generator")
+    params = list(inspect.signature(cls.generate).parameters)
+    if params[:4] != ["self", "prompt", "sampling_params", "request_id"]:
+        raise LensIncompatibleVLLM(f"vLLM internal moved: AsyncLLM.generate{params}")
+
+    def make(orig: Callable) -> Callable:
+        async def generate(self, *args, **kwargs):
+            mine = pre(self)
+            request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
+            sp = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
+            delta = _is_delta(sp)
+            generated: dict[int, int] = {}  # DELTA outputs carry only new tokens: count them
+            last: dict[int, Any] = {}  # each sample's latest CompletionOutput
+            async for out in orig(self, *args, **kwargs):
+                if mine:
+                    for c in getattr(out, "outputs", ()):
+                        last[c.index] = c
+                        if delta:
+                            generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
+                    if getattr(out, "finished", False):
+                        await on_final(self, out, request_id, generated if delta else None, last)
+                yield out
+
+        return generate
+
+    _wrap(cls, "generate", make)
+
+
 def processor_of_engine_client(engine_client: Any) -> Any:
     """The API server's `InputProcessor` (AsyncLLM keeps it in-process)."""
     return _require(engine_client, "input_processor", type(engine_client).__name__)

@@ -74,8 +74,8 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
             # Nobody would ever fetch the results: refuse instead of silently returning nothing.
             raise adapter.validation_error_cls()(
                 "output_residual_stream/apply_hooks: this engine has no inspect-lens consumer for results; "
-                "use vllm.LLM offline, or serve with `vllm-lens serve` (or set "
-                "VLLM_PLUGINS=inspect_lens_worker,inspect_lens_http for `vllm serve`)",
+                "use vllm.LLM, LLMEngine.add_request/step or AsyncLLM(Engine).generate, or serve with "
+                "`vllm-lens serve` (or set VLLM_PLUGINS=inspect_lens_worker,inspect_lens_http for `vllm serve`)",
                 parameter="vllm_xargs")
         _pending(processor)[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model)
     salt = cache_salt(spec)
@@ -201,30 +201,96 @@ def attach_outputs(llm: Any, outputs: list) -> list:
             msg = failures.get(getattr(o, "request_id", None))
             if msg is not None:
                 o.hook_error = msg
+    todo = _todo(pending, outputs)
+    fetched = _fetch(llm, [(p, ch) for _, p, _, ch in todo]) if todo else {}
+    failures.update(_apply(todo, fetched))
+    if failures:
+        raise HookError(failures, outputs)
+    return outputs
+
+
+def _todo(pending: dict[str, Pending], outputs: list) -> list:
+    """(output, pending entry, {sample index: CompletionOutput}, {child: positions}) of the finished
+    outputs that wait for results."""
     todo = []
     for out in outputs:
         p = pending.pop(getattr(out, "request_id", None), None)
         if p is None or not hasattr(out, "outputs"):
             continue
-        n_prompt = len(out.prompt_token_ids or [])
-        children = {c.index if p.n > 1 else 0: n_prompt + len(c.token_ids) - 1 for c in out.outputs}
-        todo.append((out, p, children))
-    fetched = _fetch(llm, [(p, ch) for _, p, ch in todo]) if todo else {}
+        samples = {c.index: c for c in out.outputs}
+        todo.append((out, p, samples, _positions(out, p, samples, None)))
+    return todo
+
+
+def _positions(out: Any, p: Pending, samples: dict, generated: dict[int, int] | None) -> dict[int, int]:
+    """{child: positions run} — `generated` counts tokens when outputs are deltas."""
+    n_prompt = len(out.prompt_token_ids or [])
+    return {(i if p.n > 1 else 0): n_prompt + (len(c.token_ids) if generated is None else generated.get(i, 0)) - 1
+            for i, c in samples.items()}
+
+
+def _apply(todo: list, fetched: dict) -> dict[str, str]:
+    """Decode fetched results onto their samples; returns {request id: hook failure}."""
+    failures: dict[str, str] = {}
     t = time.perf_counter()
-    for out, p, children in todo:
+    for out, p, samples, _ in todo:
         got = fetched.get(p.key, {})
-        for c in out.outputs:
-            child = c.index if p.n > 1 else 0
+        for i, c in samples.items():
+            child = i if p.n > 1 else 0
             c.activations, c.hook_results, c.hook_error = decode_sample(p, got, child)
             if c.hook_error is not None:
                 failures[out.request_id if p.n == 1 else f"{out.request_id}#{child}"] = c.hook_error
-        out.activations = out.outputs[0].activations
-        out.hook_results = out.outputs[0].hook_results
-        out.hook_error = out.outputs[0].hook_error
+        first = samples[min(samples)]
+        out.activations, out.hook_results, out.hook_error = first.activations, first.hook_results, first.hook_error
     TIMINGS["decode_s"] += time.perf_counter() - t
+    return failures
+
+
+def attach_engine_outputs(engine: Any, outputs: list) -> list:
+    """`LLMEngine.step()` driven by the caller: results land on the finished outputs it returns, with
+    the same shapes as `LLM.generate` (a hook failure raises `HookError` carrying the outputs)."""
+    processor = adapter.processor_of_llm_engine(engine)
+    if getattr(processor, CONSUMER_ATTR, None) != "engine":
+        return outputs  # an `LLM` (or the HTTP server) hands results back itself
+    finished = [o for o in outputs if getattr(o, "finished", False)]
+    todo = _todo(_pending(processor), finished)
+    if not todo:
+        return outputs
+    failures = _apply(todo, _fetch(engine, [(p, ch) for _, p, _, ch in todo]))
     if failures:
         raise HookError(failures, outputs)
     return outputs
+
+
+async def attach_async_output(engine_client: Any, out: Any, request_id: str | None,
+                              generated: dict[int, int] | None, last: dict[int, Any]) -> None:
+    """`AsyncLLM.generate` (AsyncLLMEngine) driven by the caller: results land on each sample's last
+    `CompletionOutput` — all in the final `RequestOutput`, except with DELTA outputs and n > 1, where a
+    sample that finished earlier keeps them on its own last delta — and `out.activations` is sample 0's.
+    Decoded off the event loop."""
+    import asyncio
+
+    pending = _pending(adapter.processor_of_engine_client(engine_client))
+    p = pending.pop(getattr(out, "request_id", None), None) or pending.pop(request_id, None)
+    if p is None:
+        return
+    samples = dict(last) or {c.index: c for c in out.outputs}
+    todo = [(out, p, samples, _positions(out, p, samples, generated))]
+    merged: dict[str, dict] = {}
+    t = time.perf_counter()
+    for group in fetch_groups([(p, todo[0][3])]):
+        merge_fetched(merged, await adapter.rpc_async(engine_client, "lens_fetch", group, shm.host_id()))
+    TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
+    failures = await asyncio.to_thread(_apply, todo, merged)
+    if failures:
+        raise HookError(failures, [out])
+
+
+def mark_engine_consumer(processor: Any, who: str) -> None:
+    """A caller driving the engine directly (`LLMEngine.add_request`, `AsyncLLM.generate`) becomes the
+    consumer of results unless an `LLM` or the HTTP server already is."""
+    if getattr(processor, CONSUMER_ATTR, None) is None:
+        mark_consumer(processor, who)
 
 
 def _unpickle(data: bytes) -> Any:

@@ -45,6 +45,19 @@ def _adjust_engine_args(args):
     return new
 
 
+def _async_consumer(engine_client) -> bool:
+    """A caller of `AsyncLLM.generate` gets results on its outputs — except vLLM's own OpenAI server,
+    which would drop them: there only our HTTP plugin is a consumer (without it, capture is refused)."""
+    import sys
+
+    from . import adapter, frontend
+
+    processor = adapter.processor_of_engine_client(engine_client)
+    if "vllm.entrypoints.openai.api_server" not in sys.modules:
+        frontend.mark_engine_consumer(processor, "async")
+    return getattr(processor, frontend.CONSUMER_ATTR, None) == "async"
+
+
 def register() -> None:
     global _registered
     if _registered or disabled():
@@ -64,4 +77,8 @@ def register() -> None:
     adapter.patch_run_engine(frontend.attach_outputs)
     adapter.patch_aborts(frontend.forget)
     adapter.patch_offline_add_request(lambda llm: frontend.mark_consumer(adapter.processor_of_llm(llm), "offline"))
+    adapter.patch_engine_loop(
+        lambda engine: frontend.mark_engine_consumer(adapter.processor_of_llm_engine(engine), "engine"),
+        frontend.attach_engine_outputs)
+    adapter.patch_async_generate(_async_consumer, frontend.attach_async_output)
     _registered = True

@@ -392,7 +392,7 @@ async def register(request: Request):
         await _prefetch(state, names, "prefetch_params")
     counts = await adapter.rpc_async(state.engine, "lens_register_hooks", [(h.fn, h.layers, h.pre) for h in specs])
     state.persistent_hooks = True
-    return {"registered": counts[0]}
+    return {"status": "ok", "registered": counts[0], "count": counts[0]}
 
 
 @router.post("/collect")
@@ -400,7 +400,7 @@ async def register(request: Request):
 async def collect(request: Request):
     state = _state(request.app)
     results = merge_collected(await adapter.rpc_async(state.engine, "lens_collect_hook_results"))
-    return {"results": to_jsonable(results)}
+    return {"status": "ok", "results": to_jsonable(results), "count": len(results)}
 
 
 @router.post("/clear")
@@ -409,21 +409,22 @@ async def clear(request: Request):
     state = _state(request.app)
     await adapter.rpc_async(state.engine, "lens_clear_hooks")
     state.persistent_hooks = False
-    return {"cleared": True}
+    return {"status": "ok", "cleared": True}
 
 
 @router.post("/clear_results")
 @_guard
 async def clear_results(request: Request):
     await adapter.rpc_async(_state(request.app).engine, "lens_clear_hook_results")
-    return {"cleared": True}
+    return {"status": "ok", "cleared": True}
 
 
 @router.post("/prefetch")
 @_guard
 async def prefetch(request: Request):
     names = _names(await _json(request), "names")
-    return {"prefetched": await _prefetch(_state(request.app), names, "names")}
+    done = await _prefetch(_state(request.app), names, "names")
+    return {"status": "ok", "prefetched": done, "count": len(done)}
 
 
 async def _prefetch(state: LensState, names: list[str], param: str) -> list[str]:
@@ -441,7 +442,7 @@ async def _prefetch(state: LensState, names: list[str], param: str) -> list[str]
 @_guard
 async def clear_prefetched(request: Request):
     await adapter.rpc_async(_state(request.app).engine, "lens_clear_prefetched")
-    return {"cleared": True}
+    return {"status": "ok", "cleared": True}
 
 
 info_router = APIRouter(prefix="/v1/lens")

@@ -223,7 +223,8 @@ def _hook_item(item: Any, i: int, shape: ModelShape) -> HookSpec:
 
 
 def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> HookSpec:
-    """`{"fn": base64(cloudpickle), "layer_indices": [...], "pre": false}` — refused without opt-in."""
+    """`{"fn": base64(cloudpickle), "layer_indices": [...], "pre": false}` — refused without opt-in. The
+    original vllm-lens's `{"fn": {"cloudpickle": base64}}` is the same thing."""
     if not remote_hooks_allowed():
         raise PermissionError(
             f"{HOOK_KEY}: hooks sent as bytes execute arbitrary code on the server and are disabled; "
@@ -232,8 +233,10 @@ def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> Hoo
     if unknown:
         raise ValueError(f"{f}: unknown fields {sorted(unknown)}")
     fn = item.get("fn")
+    if isinstance(fn, Mapping) and set(fn) == {"cloudpickle"}:
+        fn = fn["cloudpickle"]
     if not isinstance(fn, str):
-        raise ValueError(f"{f}.fn: expected base64 of a cloudpickled function")
+        raise ValueError(f"{f}.fn: expected base64 of a cloudpickled function (or {{\"cloudpickle\": base64}})")
     try:
         raw = base64.b64decode(fn, validate=True)
     except Exception:

@@ -87,10 +87,57 @@ def tensor_to_json(t: torch.Tensor, compress: bool = False) -> dict[str, Any]:
     return obj
 
 
+# The original vllm-lens's tensor object: {"data": b64, "dtype": numpy storage dtype, "original_dtype":
+# "torch.<dtype>", "shape", "compression": "zstd" | null}; bfloat16 travels as int16 storage.
+_ORIGINAL_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.float64": "float64",
+                    "torch.bfloat16": "bfloat16"}
+_STORAGE = {"float32": "float32", "float16": "float16", "float64": "float64", "int16": "bfloat16"}
+_MAX_DECOMPRESSED = 1 << 30  # when the caller gives no limit
+
+
+def _original_tensor(obj: dict, field: str, max_bytes: int | None) -> torch.Tensor:
+    data = obj["data"]
+    if max_bytes is not None and len(data) * 3 // 4 > max_bytes:
+        raise ValueError(f"{field}: payload exceeds the limit of {max_bytes} bytes")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except Exception:
+        raise ValueError(f"{field}.data: not valid base64") from None
+    comp = obj.get("compression")
+    if comp == "zstd":
+        import io
+
+        import zstandard
+
+        cap = max_bytes or _MAX_DECOMPRESSED
+        try:  # streamed with a cap: a small frame cannot make us allocate more than the limit
+            raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)).read(cap + 1)
+        except zstandard.ZstdError:
+            raise ValueError(f"{field}.data: not valid zstd data") from None
+        if len(raw) > cap:
+            raise ValueError(f"{field}: decompressed payload exceeds the limit of {cap} bytes")
+    elif comp is not None:
+        raise ValueError(f"{field}.compression: unsupported {comp!r} (only 'zstd' or null)")
+    storage, original = obj.get("dtype"), obj.get("original_dtype")
+    name = _STORAGE.get(storage) if isinstance(storage, str) else None
+    if original is not None:
+        want = _ORIGINAL_DTYPES.get(original) if isinstance(original, str) else None
+        if want is None:
+            raise ValueError(f"{field}.original_dtype: unsupported {original!r} (one of {sorted(_ORIGINAL_DTYPES)})")
+        if name != want:
+            raise ValueError(f"{field}.dtype: {storage!r} does not carry {original}")
+    elif name is None or storage == "int16":
+        raise ValueError(f"{field}.dtype: unsupported {storage!r} (float32, float16 or float64)")
+    return tensor_from_bytes({"dtype": name, "shape": obj.get("shape"), "data": raw}, field)
+
+
 def tensor_from_json(obj: Any, field: str = "tensor", max_bytes: int | None = None) -> torch.Tensor:
-    """Inverse of `tensor_to_json`; every malformed piece is a `ValueError` naming `field`."""
+    """Inverse of `tensor_to_json`; every malformed piece is a `ValueError` naming `field`. Also reads
+    the original vllm-lens's tensor objects (`"data"` base64, optional zstd)."""
     if not isinstance(obj, dict):
         raise ValueError(f"{field}: expected a tensor object with dtype, shape, b64")
+    if "b64" not in obj and isinstance(obj.get("data"), str):
+        return _original_tensor(obj, field, max_bytes)
     b64 = obj.get("b64")
     if not isinstance(b64, str):
         raise ValueError(f"{field}.b64: expected a base64 string")
