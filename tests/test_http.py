@@ -395,3 +395,43 @@ def test_the_original_request_forms_give_our_numbers(server, llama):
     assert raw["choices"][0]["token_ids"] == ours.token_ids
     assert torch.equal(decode_activations(raw)[0]["residual_stream"], ours.activations["residual_stream"])
     assert from_jsonable(raw["choices"][0]["hook_results"]) == ours.hook_results == {"0": {"calls": 4}}
+
+
+def test_plain_vllm_serve_exposes_everything(locked_server, llama):
+    """`locked_server` is plain `vllm serve MODEL` (nothing allow-listed): our routes and results are
+    there, the same numbers as offline."""
+    info = httpx.get(locked_server + "/v1/lens/info").json()
+    assert (info["n_layers"], info["d_model"], info["remote_hooks"]) == (4, 128, False)
+    r = LensClient(locked_server).generate(PROMPT, max_tokens=5, temperature=0, ignore_eos=True, capture_layers=[0, 3])
+    want = _offline(llama, PROMPT, output_residual_stream=[0, 3])
+    assert r.token_ids == list(want.outputs[0].token_ids)
+    assert torch.equal(r.activations["residual_stream"], want.activations["residual_stream"])
+
+
+def test_huge_bodies_are_refused_while_they_arrive(server):
+    """A 200 MB body (no Content-Length: chunked) to a generation route and to /v1/hooks/register gets a
+    413 JSON error, and the server never holds it: its memory grows by far less than the body."""
+    from servers import server_pid
+
+    def rss_mb() -> float:
+        with open(f"/proc/{server_pid(server)}/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+
+    def chunks():
+        block = b" " * (1 << 20)
+        for _ in range(200):
+            yield block
+
+    before = rss_mb()
+    for path in ("/v1/completions", "/v1/hooks/register"):
+        try:
+            r = httpx.post(server + path, content=chunks(), timeout=120,
+                           headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+            assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+        except (httpx.RemoteProtocolError, httpx.WriteError):
+            pass  # the server answered and closed before the client finished sending: also refused
+    assert rss_mb() - before < 60
+    declared = httpx.post(server + "/v1/completions", content=b"x" * (3 << 20), timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert declared.status_code == 413
+    assert _client(server).generate(PROMPT, max_tokens=2, capture_layers=[0]).activations is not None

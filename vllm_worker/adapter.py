@@ -125,6 +125,32 @@ def patch_splitting_ops(op: str) -> None:
     _wrap(CompilationConfig, "set_splitting_ops_for_v1", make)
 
 
+def patch_endpoint_plugins(name: str, factory: Callable[[], Any]) -> None:
+    """Plain `vllm serve`: vLLM loads endpoint plugins only when `VLLM_PLUGINS` names them. When
+    `VLLM_PLUGINS` is unset (vLLM's default: every installed general plugin loads, ours included), add
+    our HTTP routes too, so installing the package is enough. An explicit `VLLM_PLUGINS` list is the
+    operator's choice and is respected."""
+    import os
+
+    import vllm.plugins as vp
+
+    orig = _require(vp, "load_endpoint_plugins", "vllm.plugins")
+    if getattr(orig, "__lens_wrapped__", False):
+        return
+
+    def load_endpoint_plugins(supported_tasks=None, *args, **kwargs):
+        plugins = orig(supported_tasks, *args, **kwargs)
+        if os.environ.get("VLLM_PLUGINS") is None and not any(getattr(p, "name", None) == name for p in plugins):
+            ours = factory()
+            if ours.required_tasks is None or set(ours.required_tasks) & set(supported_tasks or ()):
+                plugins.append(ours)
+        return plugins
+
+    functools.update_wrapper(load_endpoint_plugins, orig)
+    load_endpoint_plugins.__lens_wrapped__ = True  # type: ignore[attr-defined]
+    vp.load_endpoint_plugins = load_endpoint_plugins
+
+
 def patch_compile_hash(marker: str) -> None:
     """Mix `marker` into the compilation config's hash, which keys vLLM's compile cache: a graph compiled
     without our taps (a plugin-disabled run on the same machine) is then never reused by our engines."""

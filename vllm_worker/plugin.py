@@ -45,6 +45,12 @@ def _adjust_engine_args(args):
     return new
 
 
+def _endpoints():
+    from .server import LensEndpoints
+
+    return LensEndpoints()
+
+
 def _async_consumer(engine_client) -> bool:
     """A caller of `AsyncLLM.generate` gets results on its outputs — except vLLM's own OpenAI server,
     which would drop them: there only our HTTP plugin is a consumer (without it, capture is refused)."""
@@ -81,4 +87,5 @@ def register() -> None:
         lambda engine: frontend.mark_engine_consumer(adapter.processor_of_llm_engine(engine), "engine"),
         frontend.attach_engine_outputs)
     adapter.patch_async_generate(_async_consumer, frontend.attach_async_output)
+    adapter.patch_endpoint_plugins("inspect_lens_http", _endpoints)
     _registered = True

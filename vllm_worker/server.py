@@ -122,16 +122,35 @@ def _hook_failure(errors: dict[str, str]) -> dict:
 # ---------------------------------------------------------------- middleware
 
 
-async def _read_body(receive: Any) -> bytes:
-    chunks = []
+async def _read_body(receive: Any, scope: dict, limit: int) -> bytes | None:
+    """The request body, or None as soon as it is known to exceed `limit` (a declared Content-Length,
+    or the bytes received so far): a huge body is refused while it arrives, never held whole."""
+    for k, v in scope.get("headers", ()):
+        if k.lower() == b"content-length":
+            try:
+                if int(v) > limit:
+                    return None
+            except ValueError:
+                pass
+    chunks, size = [], 0
     while True:
         msg = await receive()
         if msg["type"] != "http.request":
             break
-        chunks.append(msg.get("body", b""))
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
         if not msg.get("more_body"):
             break
     return b"".join(chunks)
+
+
+async def _too_large(send: Any) -> None:
+    await _send_json(send, 413, error_body(
+        413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)",
+        "vllm_xargs", "PayloadTooLargeError"))
 
 
 def _replay(body: bytes, receive: Any):
@@ -190,14 +209,19 @@ class LensMiddleware:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or scope.get("method") != "POST" or path not in (COMPLETIONS, CHAT):
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        if path.startswith(HOOKS_PREFIX + "/"):  # our routes: bounded while reading, like generation
+            body = await _read_body(receive, scope, MAX_BODY_BYTES)
+            if body is None:
+                return await _too_large(send)
+            return await self.app(scope, _replay(body, receive), send)
+        if path not in (COMPLETIONS, CHAT):
             return await self.app(scope, receive, send)
         state = _state(scope["app"])
-        body = await _read_body(receive)
-        if len(body) > MAX_BODY_BYTES:
-            return await _send_json(send, 413, error_body(
-                413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)",
-                "vllm_xargs", "PayloadTooLargeError"))
+        body = await _read_body(receive, scope, MAX_BODY_BYTES)
+        if body is None:
+            return await _too_large(send)
         try:
             req = json.loads(body)
         except ValueError:
@@ -318,7 +342,8 @@ class _StreamInjector:
 
 # ---------------------------------------------------------------- /v1/hooks/*
 
-router = APIRouter(prefix="/v1/hooks")
+HOOKS_PREFIX = "/v1/hooks"
+router = APIRouter(prefix=HOOKS_PREFIX)
 
 
 async def _json(request: Request) -> dict:
