@@ -69,8 +69,12 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     if spec.capture or spec.hooks:
         # Every captured / hooked position must run a forward pass: don't read cached KV.
         sp.skip_reading_prefix_cache = True
-    if spec.wants_results:
-        if getattr(processor, CONSUMER_ATTR, None) is None:
+    consumer = getattr(processor, CONSUMER_ATTR, None)
+    if spec.wants_results or consumer is not None:
+        # with a consumer every request is fetched at the end, steering-only ones too: a failure of our
+        # own code is then reported to the request it hit instead of passing unnoticed
+        payload["fetch"] = True
+        if consumer is None:
             # Nobody would ever fetch the results: refuse instead of silently returning nothing.
             raise adapter.validation_error_cls()(
                 "output_residual_stream/apply_hooks: this engine has no inspect-lens consumer for results; "

@@ -85,7 +85,8 @@ class HookContext:
 
 
 class HookError(RuntimeError):
-    """One or more requests failed because their hook raised or returned something invalid.
+    """One or more requests failed: their hook raised or returned something invalid, or (rarely) our
+    own code failed for them (the message says "inspect-lens internal error" and the stage).
 
     `failures` maps request id -> message with the hook's traceback; `outputs` holds every output of
     the call (failed ones included, with `.hook_error` set) so batch-mates' results are not lost."""
@@ -94,4 +95,6 @@ class HookError(RuntimeError):
         self.failures = failures
         self.outputs = outputs
         lines = [f"request {rid}: {msg}" for rid, msg in failures.items()]
-        super().__init__("inspect-lens hook failed\n" + "\n".join(lines))
+        internal = all("inspect-lens internal error" in m for m in failures.values())
+        super().__init__(("inspect-lens request failed\n" if internal else "inspect-lens hook failed\n")
+                         + "\n".join(lines))

@@ -144,11 +144,14 @@ class StepPlan:
     logs: dict = field(default_factory=dict)  # layer -> store.CaptureLog (store.CaptureStore.open_plan)
     arena: object = None  # store.StepArena: host rows of this plan's steps
     graph: "GraphPlan | None" = None  # set: this composition runs on the graph-safe path
+    requests: list = field(default_factory=list)  # the RequestStates it serves (failed together)
+    broken: bool = False  # our code failed during this step: the taps do nothing more
 
     def begin_step(self, positions: torch.Tensor) -> None:
         self.positions = positions
         self.captured = []
         self.fired = 0
+        self.broken = False
 
 
 def split_steers(steers: list[DeviceSteer]) -> tuple[list[DeviceSteer], dict[int, torch.Tensor]]:
@@ -192,7 +195,7 @@ def make_plan(active: Rows, device: torch.device, capturing_rank: bool, local: f
         gp = graph_plan(active, cap_rows, n_rows, graph.col)
         if gp.total <= graph.stage_rows:
             capture = {layer: (None, items) for layer, items in cap_rows.items()}
-            return StepPlan(None, {}, {}, capture, {}, graph=gp)
+            return StepPlan(None, {}, {}, capture, {}, graph=gp, requests=[r for r, _, _ in active])
 
     def on_device(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device, non_blocking=True)
@@ -211,4 +214,4 @@ def make_plan(active: Rows, device: torch.device, capturing_rank: bool, local: f
     # a request is listed once per layer even if several of its vectors/hooks act there
     steer = {l: list(dict.fromkeys(v)) for l, v in steer.items()}
     hooks = {k: list(dict.fromkeys(v)) for k, v in hooks.items()}
-    return StepPlan(None, steer, batched, capture, hooks)
+    return StepPlan(None, steer, batched, capture, hooks, requests=[r for r, _, _ in active])

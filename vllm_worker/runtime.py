@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import adapter, edits, graph, shm, taps
+from . import adapter, edits, faults, graph, shm, taps
 from .hooks import HookContext
 from .params import Params
 from .plan import DeviceSteer, HookRun, RequestState, Rows, StepPlan, make_plan, split_steers
@@ -94,9 +94,40 @@ class LensRuntime:
         payload = None if not args else args.get(PAYLOAD_KEY)
         req = None
         if payload is not None or self._persistent:
-            req = self._new_request(req_id, payload)
+            try:
+                faults.check("admission")
+                req = self._new_request(req_id, payload)
+            except Exception as e:  # noqa: BLE001 - our bug fails this request, never the engine
+                req = self._failed_request(req_id, payload, e)
         self._reqs[req_id] = req
         return req
+
+    def _failed_request(self, req_id: str, payload: Any, e: Exception) -> RequestState:
+        """A request whose admission failed in our code: it runs plain, and its results say why."""
+        store = Store([])
+        store.error = _internal_error("admission", e)
+        n = int(payload.get("n", 1)) if isinstance(payload, dict) else 1
+        child = adapter.child_index(req_id, n) if n > 1 else 0
+        key = payload.get("key") if isinstance(payload, dict) else None
+        if key is not None:
+            self.store.add(key, child, store)
+        return RequestState([], {}, child, [], [], store)
+
+    def _fail(self, requests: list[RequestState], stage: str, e: Exception) -> None:
+        """Our own code failed at `stage` for these requests: each gets the error (reported when its
+        results are fetched) and runs without features from now on; everyone else is untouched."""
+        msg = _internal_error(stage, e)
+        logger.error("inspect-lens: %s", msg)
+        for r in requests:
+            if r.store is None:
+                r.store = Store([])
+            if r.store.error is None:
+                r.store.error = msg
+            r.capture, r.capture_slot, r.steers, r.simple_add, r.hooks = [], {}, [], {}, []
+            if r.entry_ids and self.graph is not None:
+                self.graph.free_entries(r.entry_ids)
+            r.entries, r.entry_ids = {}, []
+        self._plan_key = None  # re-plan without them
 
     def _new_request(self, req_id: str, payload: Any) -> RequestState:
         import cloudpickle
@@ -118,7 +149,7 @@ class LensRuntime:
                 steers.append(DeviceSteer({l: i for i, l in enumerate(s.layers)},
                                           s.vectors.to(self.device, self.dtype), lut, s.scale, s.norm_match,
                                           None if s.positions is None else list(s.positions)))
-            if spec.wants_results:
+            if spec.wants_results or payload.get("fetch"):
                 store = Store(spec.capture)
                 self._prepare_result(req_id, payload, spec.capture, store)
                 self.store.add(spec.key, child, store)
@@ -185,7 +216,7 @@ class LensRuntime:
             if rid is None:
                 continue
             r = self._request(rid)
-            if r is not None:
+            if r is not None and not r.failed:
                 s, e = int(qsl[j]), int(qsl[j + 1])
                 if e > s:
                     active.append((r, s, e))
@@ -199,11 +230,17 @@ class LensRuntime:
         if key != self._plan_key:  # batch composition changed: plan again
             self._prune()
             active = self._active(req_ids, qsl)
-            self._cached_plan = (make_plan(active, self.device, self.capturing_rank, self._local, self.graph,
-                                           int(qsl[-1])) if active else None)
-            if self._cached_plan is not None and self._cached_plan.capture:
-                self.store.open_plan(self._cached_plan)
-            self._plan_key = key
+            try:
+                plan = None
+                if active:
+                    faults.check("plan")
+                    plan = make_plan(active, self.device, self.capturing_rank, self._local, self.graph, int(qsl[-1]))
+                    if plan.capture:
+                        self.store.open_plan(plan)
+                self._cached_plan, self._plan_key = plan, key
+            except Exception as e:  # noqa: BLE001 - fail these requests; the step runs plain
+                self._fail([r for r, _, _ in active], "planning", e)
+                self._cached_plan = None
         self._layout = (req_ids, qsl)
         return self._cached_plan
 
@@ -256,8 +293,12 @@ class LensRuntime:
                 "inspect-lens taps did not run during a forward pass that needed them (was a CUDA graph "
                 "replayed for a step with Python hooks?)")
         self.steps_with_features += 1
-        if plan.captured:
-            self.store.finish_step(plan)
+        if plan.captured and not plan.broken:
+            try:
+                faults.check("file")
+                self.store.finish_step(plan)
+            except Exception as e:  # noqa: BLE001
+                self._fail([r for r in plan.requests if r.capture], "filing captures", e)
         return out
 
     def _graph_step(self, plan: StepPlan, orig: Any, args: tuple, kwargs: dict) -> Any:
@@ -269,10 +310,16 @@ class LensRuntime:
             if dev is not None and not np.array_equal(dev[: len(pos)].numpy(), pos):
                 raise adapter.LensIncompatibleVLLM("host positions differ from the forward pass's positions")
         t0 = time.perf_counter()
-        ctl = g.host_ctl(gp.n)
-        base = g.ring_alloc(gp.total) if gp.total else 0
-        gp.fill(ctl, base, pos)
-        g.upload(gp.n, gp.live_cols)
+        try:
+            faults.check("fill")
+            ctl = g.host_ctl(gp.n)
+            base = g.ring_alloc(gp.total) if gp.total else 0
+            gp.fill(ctl, base, pos)
+            g.upload(gp.n, gp.live_cols)
+        except Exception as e:  # noqa: BLE001 - fail these requests; the step runs plain
+            g.clear()
+            self._fail(plan.requests, "preparing the step", e)
+            return orig(self.runner, *args, **kwargs)
         t1 = time.perf_counter()
         try:
             out = orig(self.runner, *args, **kwargs)
@@ -285,10 +332,14 @@ class LensRuntime:
                 "called, nor recorded into the CUDA graph that was replayed)")
         self.steps_with_features += 1
         if gp.total:
-            host, hpos = self.store.step_slot(plan, g.d, g.dtype)
-            hpos.numpy()[:] = pos[gp.cap_rows]
-            g.copy_out(base, gp.total, host)
-            self.store.file_step(plan, host)
+            try:
+                faults.check("file")
+                host, hpos = self.store.step_slot(plan, g.d, g.dtype)
+                hpos.numpy()[:] = pos[gp.cap_rows]
+                g.copy_out(base, gp.total, host)
+                self.store.file_step(plan, host)
+            except Exception as e:  # noqa: BLE001
+                self._fail([r for r in plan.requests if r.capture], "filing captures", e)
         STEP_TIMINGS["graph_steps"] += 1
         STEP_TIMINGS["plan_s"] += t1 - t0
         STEP_TIMINGS["forward_s"] += t2 - t1
@@ -300,6 +351,16 @@ class LensRuntime:
         if plan is None:
             return
         plan.fired += 1
+        if plan.broken:
+            return
+        try:
+            faults.check("tap")
+            self._tap(plan, hidden, residual, site)
+        except Exception as e:  # noqa: BLE001 - the plan's requests fail; their batch-mates go on
+            plan.broken = True
+            self._fail(plan.requests, f"tap {taps.split_site(site)}", e)
+
+    def _tap(self, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
         layer, point = taps.split_site(site)
         if point == taps.OUT:
             edits.steer(layer, plan, hidden, residual)
@@ -400,6 +461,11 @@ class LensRuntime:
             "shm_files": shm.own_files(),
             "prepared": dict(store_mod.PREPARE_STATS),
         }
+
+
+def _internal_error(stage: str, e: Exception) -> str:
+    return (f"inspect-lens internal error while {stage}: {type(e).__name__}: {e} (this request ran without "
+            "its capture/steering/hooks from then on; other requests were not affected)")
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -114,7 +114,15 @@ def _decode_results(todo: list, by_request: dict, merged: dict) -> tuple[dict[in
     return out, errors
 
 
+def _internal(errors: dict[str, str]) -> bool:
+    """Failures of our own code (not of the user's hook): a 500, not a 400."""
+    return all("inspect-lens internal error" in m for m in errors.values())
+
+
 def _hook_failure(errors: dict[str, str]) -> dict:
+    if _internal(errors):
+        msg = "inspect-lens request failed\n" + "\n".join(f"request {r}: {m}" for r, m in errors.items())
+        return error_body(500, msg, None, "InternalServerError")
     msg = "inspect-lens hook failed\n" + "\n".join(f"request {r}: {m}" for r, m in errors.items())
     return error_body(400, msg, f"vllm_xargs.{HOOK_KEY}", "HookError")
 
@@ -277,7 +285,8 @@ class LensMiddleware:
         except _Unmatched as e:
             return await _send_json(send, 500, error_body(500, str(e), None, "InternalServerError"))
         if errors:
-            return await _send_json(send, 400, _hook_failure(errors), start.get("headers"))
+            return await _send_json(send, 500 if _internal(errors) else 400, _hook_failure(errors),
+                                    start.get("headers"))
         for c in resp["choices"]:
             c.update(extra.get(c["index"], {}))
         await _send_json(send, 200, resp, start.get("headers"))
@@ -335,6 +344,9 @@ class _StreamInjector:
             return b"data: " + json.dumps(error_body(500, str(e), None, "InternalServerError")).encode() + b"\n\n"
         if errors:
             return b"data: " + json.dumps(_hook_failure(errors)).encode() + b"\n\n"
+        extra = {i: e for i, e in extra.items() if e}  # steering-only choices have nothing to add
+        if not extra:
+            return b""
         chunk = {"id": self.response_id, "object": self.obj,
                  "choices": [dict(index=i, **extra[i]) for i in sorted(extra)]}
         return b"data: " + await _dumps(chunk) + b"\n\n"

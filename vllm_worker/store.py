@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .plan import StepPlan
-from . import shm
+from . import faults, shm
 from .wire import dtype_name, tensor_to_bytes
 
 logger = logging.getLogger("vllm_worker")
@@ -293,7 +293,7 @@ class CaptureStore:
                       preparer: Preparer) -> list:
         """Requests are assembled in parallel threads (the copies release the GIL): after a large batch
         this is most of the time between the last step and the results."""
-        jobs = [lambda st=st, n=n: _assemble(st, n, layer_ids, assemble_saved, use_shm, preparer)
+        jobs = [lambda st=st, n=n: _assemble_or_error(st, n, layer_ids, assemble_saved, use_shm, preparer)
                 for _, _, st, n in todo]
         if len(todo) < 8 or ASSEMBLY_THREADS <= 1:
             return [job() for job in jobs]
@@ -307,6 +307,18 @@ class CaptureStore:
             for k in gone:
                 self._release(self._stores.pop(k))
             return len(gone)
+
+
+def _assemble_or_error(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any, use_shm: bool,
+                       preparer: Preparer) -> dict[str, Any]:
+    """One request's payload; a failure of our own code here is that request's error, not the fetch's."""
+    try:
+        if st.layers:
+            faults.check("assemble")
+        return _assemble(st, n_pos, layer_ids, assemble_saved, use_shm, preparer)
+    except Exception as e:  # noqa: BLE001
+        logger.error("inspect-lens: assembling a request's results failed: %s: %s", type(e).__name__, e)
+        return {"error": f"inspect-lens internal error while assembling results: {type(e).__name__}: {e}"}
 
 
 def _prepared_view(got: tuple[torch.Tensor, str] | None, shape: tuple[int, ...],
