@@ -176,3 +176,42 @@ def test_persistent_results_cap_is_an_error_not_a_silent_drop(llama, monkeypatch
         assert len(llama.collect_hook_results()) == 1
     finally:
         llama.clear_hooks()
+
+
+def test_misbehaving_hooks_stay_inside_their_request(llama):
+    """Hooks that return NaN, a wrong dtype, a non-tensor, or that sleep: the request that carries the
+    hook gets a HookError naming the problem (or, for the slow one, its results); its batch-mate keeps
+    its solo tokens and numbers. NaN values are never written into the stream: on vLLM's CPU attention
+    they reached the batch-mate (its tokens all became 0) before this was guarded."""
+    import time
+
+
+    solo = llama.generate([OTHER], _sp(output_residual_stream=[2]), use_tqdm=False)[0]
+
+    def nan(ctx, h):
+        return h * float("nan")
+
+    def wrong_dtype(ctx, h):
+        return h.double()
+
+    def not_a_tensor(ctx, h):
+        return [1, 2, 3]
+
+    def slow(ctx, h):
+        time.sleep(0.05)
+
+    for bad, error in ((nan, "returned NaN or inf values"), (wrong_dtype, "hook returned shape"),
+                       (not_a_tensor, "expected a Tensor or None"), (slow, None)):
+        sps = [_sp(apply_hooks=[Hook(bad, [1])], output_residual_stream=[2]), _sp(output_residual_stream=[2])]
+        if error is None:
+            mine, mate = llama.generate([PROMPT, OTHER], sps, use_tqdm=False)
+        else:
+            with pytest.raises(HookError, match=error) as exc:
+                llama.generate([PROMPT, OTHER], sps, use_tqdm=False)
+            mine, mate = exc.value.outputs
+            assert mine.hook_error is not None
+        assert mate.hook_error is None and list(mate.outputs[0].token_ids) == list(solo.outputs[0].token_ids)
+        assert torch.equal(mate.activations["residual_stream"], solo.activations["residual_stream"])
+    ids = list(solo.prompt_token_ids) + list(solo.outputs[0].token_ids)
+    ref, _ = residuals(hf_model("llama"), ids[:-1])
+    assert (solo.activations["residual_stream"][0] - ref[2]).abs().max() <= 1e-4

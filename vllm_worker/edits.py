@@ -82,7 +82,13 @@ def run_hooks(layer: int, pre: bool, plan: StepPlan, hidden: torch.Tensor, resid
                 on_error(h, msg)
                 logger.warning("inspect-lens: %s", msg)
                 break
-            if residual is not None:
-                hidden[s:e] = new - residual[s:e]
-            else:
-                hidden[s:e] = new
+            # NaN / inf never enter the stream: on some backends (vLLM's CPU attention) they would reach
+            # batch-mates. Checked on the device (no sync here); the request fails at fetch if it happened.
+            finite = torch.isfinite(new).all()
+            target = new - residual[s:e] if residual is not None else new
+            hidden[s:e] = torch.where(finite, target, hidden[s:e])
+            if r.store is not None:
+                kind = "persistent hook" if h.persistent else "hook"
+                where = f"{kind} {h.index} ({'pre' if pre else 'post'}-hook at layer {layer})"
+                seen = r.store.nonfinite.get(where)
+                r.store.nonfinite[where] = ~finite if seen is None else seen | ~finite

@@ -107,6 +107,7 @@ class Store:
     segments: list[Segment] = field(default_factory=list)
     saved: list[dict] = field(default_factory=list)
     error: str | None = None
+    nonfinite: dict = field(default_factory=dict)  # hook -> device flag: it returned NaN/inf (not applied)
     prepared: Any = None  # Future of a (tensor, path) shared-memory result file made ahead (`Preparer`)
     prepared_bytes: int = 0
 
@@ -337,6 +338,11 @@ def _prepared_view(got: tuple[torch.Tensor, str] | None, shape: tuple[int, ...],
 def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
               use_shm: bool = False, preparer: Preparer | None = None) -> dict[str, Any]:
     payload: dict[str, Any] = {}
+    if st.error is None and st.nonfinite:
+        bad = [where for where, flag in st.nonfinite.items() if bool(flag)]
+        if bad:
+            st.error = (f"{bad[0]} returned NaN or inf values; they were not written into the stream "
+                        f"(hooks that did: {bad})")
     if st.error is not None:
         payload["error"] = st.error
     if st.saved:
