@@ -179,6 +179,11 @@ class LensClient(_Base):
         """`generate(messages=messages, ...)`: the served model's chat template applies."""
         return self.generate(messages=messages, **kwargs)
 
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` with the server's tokenizer (vLLM's /tokenize)."""
+        body = {"model": self._model(), "prompt": text, "add_special_tokens": add_special_tokens}
+        return list(self._post("/tokenize", body)["tokens"])
+
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Text of `token_ids` with the server's tokenizer (vLLM's /detokenize)."""
         return self._post("/detokenize", {"model": self._model(), "tokens": list(token_ids)})["prompt"]
@@ -244,6 +249,10 @@ class AsyncLensClient(_Base):
 
     async def chat(self, messages: Any, **kwargs: Any) -> LensResult:
         return await self.generate(messages=messages, **kwargs)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        body = {"model": await self._model(), "prompt": text, "add_special_tokens": add_special_tokens}
+        return list((await self._post("/tokenize", body))["tokens"])
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         return (await self._post("/detokenize", {"model": await self._model(), "tokens": list(token_ids)}))["prompt"]
