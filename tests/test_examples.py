@@ -80,3 +80,31 @@ def test_causal_tracing_script_writes_its_heatmap(server, tmp_path):
     help_ = subprocess.run([sys.executable, str(EXAMPLES / "causal_tracing.py"), "--help"], capture_output=True,
                            text=True, timeout=120)
     assert help_.returncode == 0 and "--subject" in help_.stdout
+
+
+@pytest.fixture(scope="module")
+def logit_lens():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import logit_lens
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return logit_lens
+
+
+def test_logit_lens_grid_equals_hf(server, logit_lens, tmp_path):
+    """Top token and probability at every (layer, position), read by the hook on the server, equal HF's
+    final norm + unembedding of the same residual stream; the script writes its PNG."""
+    res = logit_lens.run_server(server, KEY, "the water of people will come down to the side")
+    hf = hf_model("llama")
+    streams, _ = residuals(hf, res["ids"])
+    with torch.no_grad():
+        p, i = (hf.model.norm(streams) @ hf.lm_head.weight.T).softmax(-1).max(-1)
+    assert res["top"].shape == p.shape == (4, len(res["ids"]))
+    assert torch.equal(res["top"], i) and (res["probs"] - p).abs().max() <= 1e-4
+    out = tmp_path / "lens.png"
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "logit_lens.py"), "--base-url", server, "--api-key", KEY,
+                           "--prompt", "the water of people", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layer  3:" in proc.stdout and out.stat().st_size > 5000
