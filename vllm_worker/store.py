@@ -30,6 +30,9 @@ MAX_STORED_BYTES = int(float(os.environ.get("VLLM_LENS_MAX_STORED_GB", "8")) * (
 
 # Shared-memory result files made ahead of fetches (`Preparer`), at most this many bytes at a time.
 PREPARE_BYTES = int(float(os.environ.get("VLLM_LENS_SHM_PREPARE_GB", "4")) * (1 << 30))
+# ... and only for requests whose longest possible result is at most this (a request without max_tokens
+# may allow thousands of positions it will never reach: not worth reserving)
+PREPARE_MAX_REQUEST_BYTES = int(float(os.environ.get("VLLM_LENS_SHM_PREPARE_MAX_MB", "512")) * (1 << 20))
 
 PREPARE_STATS = {"made": 0, "used": 0, "discarded": 0}  # diagnostics (in `status`)
 
@@ -128,7 +131,7 @@ class Preparer:
     def prepare(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, int]:
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
         with self._lock:
-            if nbytes == 0 or self.bytes + nbytes > PREPARE_BYTES:
+            if nbytes == 0 or nbytes > PREPARE_MAX_REQUEST_BYTES or self.bytes + nbytes > PREPARE_BYTES:
                 return None, 0
             self.bytes += nbytes
             if self._pool is None:
