@@ -16,14 +16,20 @@ pytestmark = pytest.mark.http  # uses the HTTP session's server (remote hooks al
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.fixture(scope="module")
-def causal_tracing():
+def _example(name: str):
+    """An example script imported as a module (they are standalone files, not a package)."""
+    import importlib
+
     sys.path.insert(0, str(EXAMPLES))
     try:
-        import causal_tracing
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(EXAMPLES))
-    return causal_tracing
+
+
+@pytest.fixture(scope="module")
+def causal_tracing():
+    return _example("causal_tracing")
 
 
 def test_causal_tracing_cells_equal_hf(server, causal_tracing):
@@ -84,12 +90,7 @@ def test_causal_tracing_script_writes_its_heatmap(server, tmp_path):
 
 @pytest.fixture(scope="module")
 def logit_lens():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import logit_lens
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return logit_lens
+    return _example("logit_lens")
 
 
 def test_logit_lens_grid_equals_hf(server, logit_lens, tmp_path):

@@ -95,14 +95,18 @@ _STORAGE = {"float32": "float32", "float16": "float16", "float64": "float64", "i
 _MAX_DECOMPRESSED = 1 << 30  # when the caller gives no limit
 
 
-def _original_tensor(obj: dict, field: str, max_bytes: int | None) -> torch.Tensor:
-    data = obj["data"]
-    if max_bytes is not None and len(data) * 3 // 4 > max_bytes:
+def _b64_bytes(text: str, field: str, key: str, max_bytes: int | None) -> bytes:
+    """Decoded base64 of a tensor object's `key`, refused before decoding when it is over the limit."""
+    if max_bytes is not None and len(text) * 3 // 4 > max_bytes:
         raise ValueError(f"{field}: payload exceeds the limit of {max_bytes} bytes")
     try:
-        raw = base64.b64decode(data, validate=True)
+        return base64.b64decode(text, validate=True)
     except Exception:
-        raise ValueError(f"{field}.data: not valid base64") from None
+        raise ValueError(f"{field}.{key}: not valid base64") from None
+
+
+def _original_tensor(obj: dict, field: str, max_bytes: int | None) -> torch.Tensor:
+    raw = _b64_bytes(obj["data"], field, "data", max_bytes)
     comp = obj.get("compression")
     if comp == "zstd":
         import io
@@ -141,12 +145,7 @@ def tensor_from_json(obj: Any, field: str = "tensor", max_bytes: int | None = No
     b64 = obj.get("b64")
     if not isinstance(b64, str):
         raise ValueError(f"{field}.b64: expected a base64 string")
-    if max_bytes is not None and len(b64) * 3 // 4 > max_bytes:
-        raise ValueError(f"{field}: payload exceeds the limit of {max_bytes} bytes")
-    try:
-        raw = base64.b64decode(b64, validate=True)
-    except Exception:
-        raise ValueError(f"{field}.b64: not valid base64") from None
+    raw = _b64_bytes(b64, field, "b64", max_bytes)
     comp = obj.get("compression")
     if comp == "zlib":
         try:
