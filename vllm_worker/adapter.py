@@ -571,11 +571,6 @@ def hidden_size(runner: Any) -> int:
     return int(_require(runner, "model_config", type(runner).__name__).get_hidden_size())
 
 
-def scheduled_request_ids(runner: Any) -> list:
-    """Request ids of the step being prepared (vLLM has updated the persistent batch already)."""
-    return _require(runner, "input_batch", type(runner).__name__).req_ids
-
-
 def runner_model(runner: Any) -> torch.nn.Module:
     model = _require(runner, "model", type(runner).__name__)
     return model

@@ -146,6 +146,16 @@ def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str,
     return merged
 
 
+async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
+    """`_fetch` for an async engine client (the HTTP server, `AsyncLLM` callers)."""
+    t = time.perf_counter()
+    merged: dict[str, dict] = {}
+    for group in fetch_groups(todo):
+        merge_fetched(merged, await adapter.rpc_async(engine_client, "lens_fetch", group, shm.host_id()))
+    TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
+    return merged
+
+
 def _part_tensor(part: dict) -> torch.Tensor:
     if "shm" in part:  # written by our own worker on this machine (see shm.py)
         m = part["shm"]
@@ -280,11 +290,7 @@ async def attach_async_output(engine_client: Any, out: Any, request_id: str | No
         return
     samples = dict(last) or {c.index: c for c in out.outputs}
     todo = [(out, p, samples, _positions(out, p, samples, generated))]
-    merged: dict[str, dict] = {}
-    t = time.perf_counter()
-    for group in fetch_groups([(p, todo[0][3])]):
-        merge_fetched(merged, await adapter.rpc_async(engine_client, "lens_fetch", group, shm.host_id()))
-    TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
+    merged = await fetch_async(engine_client, [(p, todo[0][3])])
     failures = await asyncio.to_thread(_apply, todo, merged)
     if failures:
         raise HookError(failures, [out])

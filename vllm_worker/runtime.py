@@ -5,8 +5,8 @@ the graph-safe path (capture and steering, no Python hooks), the plan only fills
 the kernel inside the taps reads (`graph`), vLLM keeps its CUDA graphs (full ones included), and the
 step's captures are copied out after it. Otherwise the step is kept off full graphs and the taps call
 `on_tap` from Python between piecewise graphs (steering and hooks from `edits`, capture rows kept for
-the step). Either way the captures are filed in
-`store`. Steps with no feature active leave every buffer empty: the kernel returns at once.
+the step). Either way the captures are filed in `store`. Steps with no feature active leave every
+buffer empty: the kernel returns at once.
 """
 
 from __future__ import annotations
@@ -124,10 +124,15 @@ class LensRuntime:
             if r.store.error is None:
                 r.store.error = msg
             r.capture, r.capture_slot, r.steers, r.simple_add, r.hooks = [], {}, [], {}, []
-            if r.entry_ids and self.graph is not None:
-                self.graph.free_entries(r.entry_ids)
-            r.entries, r.entry_ids = {}, []
+            self._free_entries(r)
+            r.entries = {}
         self._plan_key = None  # re-plan without them
+
+    def _free_entries(self, r: RequestState) -> None:
+        """Give the request's steering entries back to the graph-safe table."""
+        if r.entry_ids and self.graph is not None:
+            self.graph.free_entries(r.entry_ids)
+        r.entry_ids = []
 
     def _new_request(self, req_id: str, payload: Any) -> RequestState:
         import cloudpickle
@@ -205,9 +210,8 @@ class LensRuntime:
         if len(self._reqs) > len(live):
             for rid in [r for r in self._reqs if r not in live]:
                 st = self._reqs.pop(rid)
-                if st is not None and st.entry_ids and self.graph is not None:
-                    self.graph.free_entries(st.entry_ids)
-                    st.entry_ids = []
+                if st is not None:
+                    self._free_entries(st)
 
     def _active(self, req_ids: list, qsl) -> Rows:
         """(request, start row, end row) of this batch's requests that use a feature."""

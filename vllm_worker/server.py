@@ -20,9 +20,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from . import adapter, shm
-from .frontend import (Pending, _pending, decode_sample, fetch_groups, mark_consumer, merge_collected, merge_fetched,
-                       pending_count)
+from . import adapter
+from .frontend import Pending, _pending, decode_sample, fetch_async, mark_consumer, merge_collected, pending_count
 from .spec import (ALL_LAYERS, CAPTURE_KEY, HOOK_KEY, MAX_PAYLOAD_BYTES, ModelShape, capture_layers, has_lens_keys,
                    parse_hooks, remote_hooks_allowed)
 from .wire import to_jsonable
@@ -83,9 +82,7 @@ async def _results(state: LensState, kind: str, response_id: str, n: int, choice
         elif expect:
             raise _Unmatched(f"inspect-lens: no pending results for engine request {rid!r} of response "
                              f"{response_id!r} (did vLLM change its request-id format?)")
-    merged: dict[str, dict] = {}
-    for group in fetch_groups([(p, ch) for _, p, ch in todo]):
-        merge_fetched(merged, await adapter.rpc_async(state.engine, "lens_fetch", group, shm.host_id()))
+    merged = await fetch_async(state.engine, [(p, ch) for _, p, ch in todo])
     # decoding and JSON conversion of large captures run in a worker thread: the event loop (health
     # checks, other requests' streams) keeps answering meanwhile
     out, errors = await asyncio.to_thread(_decode_results, todo, by_request, merged)
