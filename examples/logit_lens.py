@@ -94,8 +94,11 @@ def plot(res: dict[str, Any], path: str) -> None:
             ax.text(t, l, decode(top[l, t])[:8], ha="center", va="center", fontsize=6,
                     color="white" if probs[l, t] > 0.45 else "black")
     ax.set_xticks(range(n_pos), [decode(i) for i in res["ids"]], rotation=45, ha="right", fontsize=7)
+    layers = res.get("layers", list(range(n_layers)))
+    ax.set_yticks(range(n_layers), [str(l) for l in layers], fontsize=7)
     ax.set_ylabel("layer")
-    ax.set_title("logit lens: top next-token per (layer, position); colour = its probability", fontsize=9)
+    ax.set_title(res.get("title", "logit lens") + ": top next-token per (layer, position); colour = its probability",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

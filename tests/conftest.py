@@ -86,3 +86,4 @@ def hf_factory():
 
 
 from servers import _stop_servers, locked_server, server  # noqa: E402,F401  (HTTP fixtures, session-wide)
+from browser import browser  # noqa: E402,F401  (headless Chromium, session-wide)

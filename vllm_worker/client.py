@@ -184,6 +184,11 @@ class LensClient(_Base):
         body = {"model": self._model(), "prompt": text, "add_special_tokens": add_special_tokens}
         return list(self._post("/tokenize", body)["tokens"])
 
+    def tokenize_chat(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` through the served model's chat template (what `chat` would send)."""
+        body = {"model": self._model(), "messages": messages, "add_generation_prompt": add_generation_prompt}
+        return list(self._post("/tokenize", body)["tokens"])
+
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Text of `token_ids` with the server's tokenizer (vLLM's /detokenize)."""
         return self._post("/detokenize", {"model": self._model(), "tokens": list(token_ids)})["prompt"]
@@ -252,6 +257,10 @@ class AsyncLensClient(_Base):
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         body = {"model": await self._model(), "prompt": text, "add_special_tokens": add_special_tokens}
+        return list((await self._post("/tokenize", body))["tokens"])
+
+    async def tokenize_chat(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+        body = {"model": await self._model(), "messages": messages, "add_generation_prompt": add_generation_prompt}
         return list((await self._post("/tokenize", body))["tokens"])
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
