@@ -6,6 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# the example pages are tested in a real headless browser: Debian's chromium (Playwright drives it)
+if ! command -v chromium >/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
+fi
 source scripts/env.sh
 PYTEST=(.venv/bin/python -m pytest -q)
 if [ $# -gt 0 ]; then exec "${PYTEST[@]}" "$@"; fi

@@ -1,0 +1,53 @@
+"""The example notebooks, executed top to bottom in a real kernel (nbclient), their outputs checked."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from conftest import model_path
+from servers import KEY
+
+pytestmark = pytest.mark.http  # the HTTP half talks to the session's server
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def execute(name: str, cwd: Path, monkeypatch, **env: str) -> list[dict]:
+    """Run the notebook; returns its executed code cells' outputs, one list per cell."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    nb = nbformat.read(EXAMPLES / name, as_version=4)
+    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    nbformat.write(nb, cwd / name)  # kept for a look when a check fails
+    return [c.outputs for c in nb.cells if c.cell_type == "code"]
+
+
+def text_of(outputs: list[dict]) -> str:
+    return "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+
+
+def test_extract_residual_stream_notebook(server, tmp_path, monkeypatch):
+    cells = execute("extract_residual_stream.ipynb", tmp_path, monkeypatch, LENS_MODEL=str(model_path("llama")),
+                    LENS_BASE_URL=server, LENS_API_KEY=KEY)
+    out = "\n".join(text_of(c) for c in cells)
+    assert re.search(r"shape: \(3, \d+, 128\) layers: \[0, 2, 3\]", out), out
+    assert "offline == http (same weights, float32): True" in out, out
+    assert out.count("steps: 3") == 2, out  # persistent hook offline: prefill + 2 decode steps per request
+    assert "-0': 3}" in out, out          # and over HTTP, keyed by the engine's request id
+
+
+def test_benchmark_notebook(tmp_path, monkeypatch):
+    root = EXAMPLES.parent
+    cells = execute("benchmark.ipynb", tmp_path, monkeypatch, LENS_MODEL=str(model_path("llama")), LENS_LIVE_N="4",
+                    LENS_BENCH_JSON=str(root / "bench/results/2026-12-01-h200-s4b.json"))
+    out = "\n".join(text_of(c) for c in cells)
+    assert "plain vLLM (CUDA graphs):" in out and "capture all layers" in out, out
+    for arm in ("plain", "capture 1 layer", "steer 1 layer"):
+        assert arm in out.split("Part 2")[-1] or arm in out, out
+    images = [o for c in cells for o in c if "image/png" in o.get("data", {})]
+    assert len(images) == 2
+    assert (tmp_path / "bench_gpu.png").stat().st_size > 5000 and (tmp_path / "bench_live.png").stat().st_size > 3000
