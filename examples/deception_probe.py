@@ -8,8 +8,9 @@ The data are inspect-lens's own (`inspect_lens.datasets`): training = true facts
 and under a lying instruction (the same answer text, so only the model's "intent" differs); evaluation
 = role-play scenarios with an honest and a deceptive answer. Each conversation, answer included, is
 sent once, teacher-forced (max_tokens=1), while one persistent hook saves the layer's stream at every
-prompt position; the features are that stream averaged over the answer's detection window. The probe
-is a standardised, L2-regularised logistic regression fitted with LBFGS. The Inspect version of the
+prompt position. The probe is a standardised, L2-regularised logistic regression in plain torch (LBFGS),
+trained per token of each answer's detection window; a conversation's score is the mean of its
+tokens' scores. The Inspect version of the
 same experiment is `evals/deception_probe.py`.
 """
 
@@ -49,9 +50,9 @@ def teacher_forced(client: LensClient, sample) -> tuple[list[int], int]:
     return ids + answer_ids, max(window, 1)
 
 
-def features(client: LensClient, samples: list, layer: int, workers: int = 8) -> torch.Tensor:
-    """(n, d): each sample's stream at `layer`, averaged over its detection window. One persistent hook
-    on the server; requests sent concurrently; results matched to samples by request id."""
+def features(client: LensClient, samples: list, layer: int, workers: int = 8) -> list[torch.Tensor]:
+    """Per sample, its stream at `layer` over its detection window, (window, d). One persistent hook on
+    the server; requests sent concurrently; results matched to samples by request id."""
     client.clear_hooks()
     client.register_hooks([Hook(save_stream, [layer])])
     try:
@@ -72,8 +73,8 @@ def features(client: LensClient, samples: list, layer: int, workers: int = 8) ->
                 stream = torch.zeros(n, rows.shape[1])
             keep = pos < n
             stream[pos[keep]] = rows[keep]
-        feats.append(stream[n - window:].mean(0))
-    return torch.stack(feats)
+        feats.append(stream[n - window:])
+    return feats
 
 
 def fit_probe(x: torch.Tensor, y: torch.Tensor, l2: float = 1e-2, steps: int = 200) -> dict:
@@ -95,6 +96,19 @@ def fit_probe(x: torch.Tensor, y: torch.Tensor, l2: float = 1e-2, steps: int = 2
 
 def score(probe: dict, x: torch.Tensor) -> torch.Tensor:
     return ((x - probe["mean"]) / probe["std"]) @ probe["w"] + probe["b"]
+
+
+def fit_tokens(feats: list[torch.Tensor], labels: torch.Tensor, C: float = 1.0) -> dict:
+    """The probe trained per token (every token of a window carries its sample's label); `C` as in
+    scikit-learn (inverse L2 strength on the summed loss)."""
+    x = torch.cat(feats)
+    y = torch.cat([torch.full((len(f),), int(l)) for f, l in zip(feats, labels)])
+    return fit_probe(x, y, l2=1 / (2 * C * len(x)))
+
+
+def score_samples(probe: dict, feats: list[torch.Tensor]) -> torch.Tensor:
+    """A sample's score: the mean of its tokens' scores over the detection window."""
+    return torch.stack([score(probe, f).mean() for f in feats])
 
 
 def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -119,10 +133,10 @@ def main() -> None:
     train, test = instructed_pairs(args.train_limit), roleplay(limit=args.eval_limit)
     label = lambda samples: torch.tensor([int(s.metadata["label"] == "deceptive") for s in samples])  # noqa: E731
     x_train, x_test = features(client, train, layer), features(client, test, layer)
-    probe = fit_probe(x_train, label(train))
+    probe = fit_tokens(x_train, label(train))
     print(f"layer {layer}: {len(train)} training samples, {len(test)} role-play samples")
-    print(f"train AUROC {auroc(score(probe, x_train), label(train)):.3f}")
-    print(f"role-play AUROC {auroc(score(probe, x_test), label(test)):.3f}")
+    print(f"train AUROC {auroc(score_samples(probe, x_train), label(train)):.3f}")
+    print(f"role-play AUROC {auroc(score_samples(probe, x_test), label(test)):.3f}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ points along them — an interactive HTML page.
    means).
 2. The conversation (built-in, or `--conversation FILE` with a JSON list of chat messages) is sent through
    the chat template; the model writes a reply, and the capture covers every prompt and generated
-   position. Each token's projection on each direction is `h . u_e`.
+   position. Each token's projection on each direction is `(h - m) . u_e`, m = the mean of the
+   emotions' means.
 3. The page (one standalone file, no network): tokens coloured by the chosen emotion (or by the
    strongest), hover a token for all its projections, and a line plot per emotion over the tokens.
 """
@@ -55,8 +56,9 @@ CONVERSATION = [
 COLOURS = ["#f4a300", "#d62828", "#7b2cbf", "#1d70b8", "#2a9d8f", "#6c757d"]
 
 
-def directions(client: LensClient, layer: int, emotions: dict[str, list[str]]) -> torch.Tensor:
-    """(n_emotions, d) unit difference-of-means directions at `layer`."""
+def directions(client: LensClient, layer: int, emotions: dict[str, list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """((n_emotions, d) unit difference-of-means directions at `layer`, (d,) the mean of the emotions'
+    means — the origin projections are measured from)."""
     def mean_stream(text: str) -> torch.Tensor:
         r = client.generate(text, max_tokens=1, temperature=0, capture_layers=[layer])
         return r.activations["residual_stream"][0, 1: len(r.prompt_token_ids)].float().mean(0)
@@ -69,16 +71,18 @@ def directions(client: LensClient, layer: int, emotions: dict[str, list[str]]) -
         others = torch.cat([means_t[:e], means_t[e + 1:]]).mean(0)
         dirs.append(means_t[e] - others)
     d = torch.stack(dirs)
-    return d / d.norm(dim=-1, keepdim=True)
+    return d / d.norm(dim=-1, keepdim=True), means_t.mean(0)
 
 
-def track(client: LensClient, layer: int, messages: list[dict], dirs: torch.Tensor, max_tokens: int = 48) -> dict:
-    """The conversation plus the model's reply: token ids, texts, and projections (n_tokens, n_emotions)
-    of every captured position (the last generated token is never fed back, so it has none)."""
+def track(client: LensClient, layer: int, messages: list[dict], dirs: torch.Tensor, origin: torch.Tensor,
+          max_tokens: int = 48) -> dict:
+    """The conversation plus the model's reply: token ids, texts, and projections `(h - origin) . u_e`
+    (n_tokens, n_emotions) of every captured position (the last generated token is never fed back, so
+    it has none)."""
     r = client.chat(messages, max_tokens=max_tokens, temperature=0, capture_layers=[layer])
     ids = list(r.prompt_token_ids) + list(r.token_ids)
     stream = r.activations["residual_stream"][0].float()  # (n_prompt + n_gen - 1, d)
-    proj = stream @ dirs.T
+    proj = (stream - origin) @ dirs.T
     return {"ids": ids[: stream.shape[0]], "texts": [client.detokenize([i]) for i in ids[: stream.shape[0]]],
             "n_prompt": len(r.prompt_token_ids), "projections": proj, "reply": r.text}
 
@@ -95,6 +99,7 @@ svg{border:1px solid #ddd;border-radius:6px;background:#fff}
 </style></head><body>
 <h2>Emotion tracker <small style="font-weight:normal;color:#888">__TITLE__</small></h2>
 <label>colour by <select id="by"></select></label>
+<label style="margin-left:16px">plot smoothing <select id="smooth"><option>1</option><option>3</option><option selected>5</option><option>9</option></select> tokens</label>
 <div id="info">hover a token</div>
 <div id="text"></div>
 <h3>projection per token</h3>
@@ -104,15 +109,16 @@ svg{border:1px solid #ddd;border-radius:6px;background:#fff}
 const D = __DATA__;
 const $ = (id) => document.getElementById(id);
 const E = D.emotions, P = D.projections, n = P.length;
-const lo = Math.min(...P.flat()), hi = Math.max(...P.flat());
+const lo = Math.min(...P.slice(1).flat()), hi = Math.max(...P.slice(1).flat());
+const Z = P.map(p => p.map((v, k) => (v - D.mean[k]) / (D.std[k] || 1)));
 let marker = null;
 E.concat(["strongest"]).forEach(e => { const o = document.createElement("option"); o.value = o.textContent = e; $("by").appendChild(o); });
 function rgba(hex, a){ const v = parseInt(hex.slice(1), 16); return `rgba(${v >> 16},${(v >> 8) & 255},${v & 255},${a.toFixed(3)})`; }
 function colour(i){
   const by = $("by").value;
   let e = E.indexOf(by);
-  if (by === "strongest") e = P[i].indexOf(Math.max(...P[i]));
-  const z = (P[i][e] - D.mean[e]) / (D.std[e] || 1);
+  if (by === "strongest") e = Z[i].indexOf(Math.max(...Z[i]));
+  const z = Z[i][e];
   return rgba(D.colours[e], Math.max(0, Math.min(1, z / 2.5)));
 }
 function paint(){ document.querySelectorAll(".tok").forEach(s => s.style.background = colour(+s.dataset.i)); }
@@ -133,10 +139,22 @@ const svg = $("plot"), NS = "http://www.w3.org/2000/svg";
 function el(tag, attrs){ const e = document.createElementNS(NS, tag); for (const k in attrs) e.setAttribute(k, attrs[k]); svg.appendChild(e); return e; }
 el("line", {x1: x(D.n_prompt), x2: x(D.n_prompt), y1: pad, y2: H - pad, stroke: "#bbb", "stroke-dasharray": "4"});
 el("text", {x: x(D.n_prompt) + 4, y: pad + 10, "font-size": 11, fill: "#888"}).textContent = "reply starts";
-E.forEach((e, k) => {
-  el("polyline", {points: P.map((p, i) => x(i) + "," + y(p[k])).join(" "), fill: "none", stroke: D.colours[k], "stroke-width": 1.5});
+const lines = E.map((e, k) => {
   const l = document.createElement("span"); l.style.color = D.colours[k]; l.textContent = "\u25A0 " + e; $("legend").appendChild(l);
+  return el("polyline", {fill: "none", stroke: D.colours[k], "stroke-width": 1.5});
 });
+function draw(){  // moving average over `w` tokens (the first position left out, as for the colours)
+  const w = parseInt($("smooth").value), h = (w - 1) / 2;
+  lines.forEach((line, k) => {
+    const pts = [];
+    for (let i = 1; i < n; i++){
+      const win = P.slice(Math.max(1, i - h), Math.min(n, i + h + 1)).map(p => p[k]);
+      pts.push(x(i) + "," + y(win.reduce((a, b) => a + b, 0) / win.length));
+    }
+    line.setAttribute("points", pts.join(" "));
+  });
+}
+$("smooth").onchange = draw; draw();
 marker = el("line", {y1: pad, y2: H - pad, stroke: "#000", "stroke-width": 1});
 marker.style.display = "none";
 $("by").onchange = paint; paint();
@@ -148,7 +166,9 @@ def page(result: dict[str, Any], emotions: list[str], title: str) -> str:
     proj = result["projections"]
     data = {"emotions": emotions, "texts": result["texts"], "n_prompt": result["n_prompt"],
             "projections": [[round(float(v), 5) for v in row] for row in proj],
-            "mean": proj.mean(0).tolist(), "std": proj.std(0).tolist(),
+            # colour and plot scales leave out the first position: its stream (the attention sink) has a
+            # norm many times the others' and would flatten every other token's colour
+            "mean": proj[1:].mean(0).tolist(), "std": proj[1:].std(0).tolist(),
             "colours": COLOURS[: len(emotions)]}
     # `</` inside the JSON would end the script element
     return (PAGE.replace("__DATA__", json.dumps(data).replace("</", "<\\/"))
@@ -168,14 +188,14 @@ def main() -> None:
     info = client.info()
     layer = info["n_layers"] // 2 if args.layer is None else args.layer
     messages = CONVERSATION if args.conversation is None else json.loads(Path(args.conversation).read_text())
-    dirs = directions(client, layer, EMOTIONS)
-    result = track(client, layer, messages, dirs, args.max_tokens)
+    dirs, origin = directions(client, layer, EMOTIONS)
+    result = track(client, layer, messages, dirs, origin, args.max_tokens)
     Path(args.out).write_text(page(result, list(EMOTIONS), f"{client._model()}, layer {layer}"))
     proj = result["projections"]
     print(f"layer {layer}; reply: {result['reply']!r}")
     for k, e in enumerate(EMOTIONS):
-        i = int(proj[:, k].argmax())
-        print(f"{e:>8}: mean {float(proj[:, k].mean()):+.3f}, strongest at token {i} {result['texts'][i]!r}")
+        i = 1 + int(proj[1:, k].argmax())
+        print(f"{e:>8}: mean {float(proj[1:, k].mean()):+.3f}, strongest at token {i} {result['texts'][i]!r}")
     print(f"wrote {args.out}")
 
 

@@ -106,7 +106,7 @@ PAGE = r"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Jacobian lens chat</title><link rel="icon" href="data:,">
 <style>
 body{font-family:system-ui,sans-serif;margin:0;display:flex;height:100vh;color:#222}
-#left{flex:3;display:flex;flex-direction:column;border-right:1px solid #ddd}
+#left{flex:2;display:flex;flex-direction:column;border-right:1px solid #ddd}
 #log{flex:1;overflow:auto;padding:12px}
 .msg{margin:8px 0;padding:8px 10px;border-radius:8px;white-space:pre-wrap}
 .msg .role{font-size:11px;color:#888;display:block;margin-bottom:3px}
@@ -116,8 +116,8 @@ body{font-family:system-ui,sans-serif;margin:0;display:flex;height:100vh;color:#
 .tok:hover{background:#ffe08a}.tok.pinned{background:#ffb703}
 #bar{display:flex;gap:8px;padding:10px;border-top:1px solid #ddd;align-items:center}
 #input{flex:1;padding:6px}
-#right{flex:2;overflow:auto;padding:12px;font-size:13px}
-table{border-collapse:collapse}td{padding:2px 6px;border-bottom:1px solid #eee;font-family:monospace}
+#right{flex:3;overflow:auto;padding:12px;font-size:12px}
+table{border-collapse:collapse}td{padding:2px 5px;border-bottom:1px solid #eee;font-family:monospace;white-space:nowrap}
 .bar{display:inline-block;height:8px;background:#5b8def;margin-right:4px;vertical-align:middle}
 #status{font-size:12px;color:#888}
 </style></head><body>

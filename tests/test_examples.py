@@ -321,7 +321,7 @@ def test_emotion_tracker_projections_equal_a_direct_capture_and_its_page_works(s
     et = _example("emotion_tracker")
     client = LensClient(server, api_key=KEY)
     emotions = {e: texts[:3] for e, texts in et.EMOTIONS.items()}
-    dirs = et.directions(client, 2, emotions)
+    dirs, origin = et.directions(client, 2, emotions)
     means = []
     for texts in emotions.values():
         per = [client.generate(t, max_tokens=1, capture_layers=[2]) for t in texts]
@@ -330,11 +330,12 @@ def test_emotion_tracker_projections_equal_a_direct_capture_and_its_page_works(s
     for e in range(len(means)):
         ref = means[e] - torch.cat([means[:e], means[e + 1:]]).mean(0)
         assert (dirs[e] - ref / ref.norm()).abs().max() <= 1e-5
-    res = et.track(client, 2, et.CONVERSATION, dirs, max_tokens=6)
+    assert (origin - means.mean(0)).abs().max() <= 1e-5
+    res = et.track(client, 2, et.CONVERSATION, dirs, origin, max_tokens=6)
     direct = client.chat(et.CONVERSATION, max_tokens=6, temperature=0, capture_layers=[2])
     stream = direct.activations["residual_stream"][0]
     assert res["projections"].shape == (len(direct.prompt_token_ids) + 5, 4)
-    assert (res["projections"] - stream @ dirs.T).abs().max() <= 1e-4
+    assert (res["projections"] - (stream - origin) @ dirs.T).abs().max() <= 1e-4
     out = tmp_path / "emotions.html"
     proc = subprocess.run([sys.executable, str(EXAMPLES / "emotion_tracker.py"), "--base-url", server, "--api-key", KEY,
                            "--layer", "2", "--max-tokens", "6", "--out", str(out)], capture_output=True, text=True,
@@ -358,8 +359,8 @@ def test_emotion_tracker_projections_equal_a_direct_capture_and_its_page_works(s
 
 
 def test_deception_probe_features_and_auroc(server):
-    """Features from the persistent hook equal a per-request capture averaged over the same window; the
-    torch probe separates separable data; AUROC equals scikit-learn's; the script prints AUROCs."""
+    """Features from the persistent hook equal a per-request capture over the same window; the torch
+    probe separates separable data; AUROC equals scikit-learn's; the script prints AUROCs."""
     from sklearn.metrics import roc_auc_score
 
     from inspect_lens.datasets import instructed_pairs, roleplay
@@ -374,10 +375,12 @@ def test_deception_probe_features_and_auroc(server):
         ids, window = dp.teacher_forced(client, s)
         assert 1 <= window < len(ids)
         r = client.generate(ids, max_tokens=1, capture_layers=[1])
-        assert (f - r.activations["residual_stream"][0, len(ids) - window:len(ids)].mean(0)).abs().max() <= 1e-5
+        assert (f - r.activations["residual_stream"][0, len(ids) - window:len(ids)]).abs().max() <= 1e-5
     g = torch.Generator().manual_seed(0)
     x = torch.randn(60, 16, generator=g)
     y = (x[:, 3] > 0).long()
+    probe = dp.fit_tokens([x[i:i + 3] for i in range(0, 60, 3)], torch.tensor([int(x[i, 3] > 0) for i in range(0, 60, 3)]))
+    assert dp.auroc(dp.score(probe, x), y) >= 0.9  # trained on windows labelled by their first row
     probe = dp.fit_probe(x, y)
     assert dp.auroc(dp.score(probe, x), y) == 1.0
     s = torch.randn(50, generator=g)
