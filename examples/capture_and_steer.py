@@ -23,6 +23,9 @@ LAYER = 15
 
 
 def main() -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     llm = LLM(str(shipped_model_path()), dtype="float32", max_model_len=1024, seed=0)
     tok = llm.get_tokenizer()
 

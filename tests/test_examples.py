@@ -197,7 +197,7 @@ def test_jacobian_lens_script_prints_and_writes_its_grid(server, lens_file, tmp_
                            "--grid-out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Jacobian lens, last position" in proc.stdout and "layer  3:" in proc.stdout and out.stat().st_size > 5000
-    for script in ("jacobian_lens_fit.py", "jacobian_lens.py", "jacobian_lens_chat.py", "emotion_tracker.py",
+    for script in ("logit_lens.py", "capture_and_steer.py", "jacobian_lens_fit.py", "jacobian_lens.py", "jacobian_lens_chat.py", "emotion_tracker.py",
                    "deception_probe.py"):
         h = subprocess.run([sys.executable, str(EXAMPLES / script), "--help"], capture_output=True, text=True, timeout=120)
         assert h.returncode == 0 and "usage:" in h.stdout, (script, h.stderr[-2000:])
@@ -379,8 +379,10 @@ def test_deception_probe_features_and_auroc(server):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(60, 16, generator=g)
     y = (x[:, 3] > 0).long()
-    probe = dp.fit_tokens([x[i:i + 3] for i in range(0, 60, 3)], torch.tensor([int(x[i, 3] > 0) for i in range(0, 60, 3)]))
-    assert dp.auroc(dp.score(probe, x), y) >= 0.9  # trained on windows labelled by their first row
+    wl = torch.arange(20) % 2  # windows of 3 tokens; a window's tokens are shifted along feature 3 by its label
+    windows = [torch.randn(3, 16, generator=g) + 3.0 * int(l) * torch.eye(16)[3] for l in wl]
+    probe = dp.fit_tokens(windows, wl)
+    assert dp.auroc(dp.score_samples(probe, windows), wl) == 1.0 and probe["w"][3].abs() == probe["w"].abs().max()
     probe = dp.fit_probe(x, y)
     assert dp.auroc(dp.score(probe, x), y) == 1.0
     s = torch.randn(50, generator=g)
