@@ -10,10 +10,11 @@ CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """One browser for the session; each test opens its own page. Fails (never skips) without Chromium:
-    scripts/test.sh installs it."""
+    """One browser per test module; each test opens its own page. Module scope, not session: Playwright's
+    sync API runs an event loop on this thread while it is open, and later tests call asyncio.run.
+    Fails (never skips) without Chromium: scripts/test.sh installs it."""
     from playwright.sync_api import sync_playwright
 
     exe = shutil.which("chromium") or "/usr/bin/chromium"
