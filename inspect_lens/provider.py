@@ -11,6 +11,10 @@ offline (`output_residual_stream`, `apply_steering_vectors` with `SteeringVector
   d_model), "layers": [...]}` (first choice)
 - `metadata["hook_results"]`, `metadata["prompt_token_ids"]`, `metadata["token_ids"]`
 
+LoRA: Inspect's `vllm-lens/<base>:<adapter path>` form, or per request the original tool's
+`extra_body={"lora_request": {"lora_name": ..., "lora_path": ...}}` (the adapter is loaded on the server
+when it is not there yet; start the server with `-M enable_lora=true -M max_lora_rank=R`).
+
 The logged request/response keep a compact summary (dtype, shape, layers) instead of the tensors, so
 eval logs stay small and valid. Requests asking for results are never streamed.
 """
@@ -97,7 +101,13 @@ class VLLMLensAPI(VLLMAPI):
 
     def __init__(self, model_name: str, *args: Any, allow_remote_hooks: bool = False, **kwargs: Any) -> None:
         self._allow_remote_hooks = allow_remote_hooks
+        self._lora_loaded: set[str] = set()
         super().__init__(model_name, *args, **kwargs)
+
+    async def count_text_tokens(self, text: str) -> int:
+        """With the served model's tokenizer (`/tokenize`): Inspect's default estimate downloads a
+        tiktoken encoding, which fails offline."""
+        return len(await self.tokenize(text))
 
     def _start_server(self, model_path: str, port: int | None = None):
         import os
@@ -134,7 +144,26 @@ class VLLMLensAPI(VLLMAPI):
         # streaming accumulators drop unknown fields: never stream when results are requested
         return False if self._lens_args(config) else super().resolve_stream(config)
 
+    async def _route_lora(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The original tool's form `extra_body={"lora_request": {"lora_name", "lora_int_id", "lora_path"}}`:
+        load the adapter on the server if it is not there yet (honouring `lora_path`), then send the
+        request to it (vLLM routes LoRA requests by `model`)."""
+        req = body.pop("lora_request")
+        if not isinstance(req, dict) or not isinstance(req.get("lora_name"), str) or not req["lora_name"]:
+            raise ValueError("extra_body.lora_request: expected {'lora_name': str, 'lora_path': str, "
+                             "'lora_int_id': int (ignored: the server numbers adapters itself)}")
+        name, path = req["lora_name"], req.get("lora_path")
+        if path is not None and not isinstance(path, str):
+            raise ValueError("extra_body.lora_request.lora_path: expected a string")
+        await self._ensure_server_started()
+        if name not in self._lora_loaded:
+            await _ensure_lora(self._server_root(), self.api_key, name, path)
+            self._lora_loaded.add(name)
+        return {**body, "model": name}
+
     async def generate(self, input, tools, tool_choice, config: GenerateConfig):
+        if "lora_request" in (config.extra_body or {}):
+            config = config.model_copy(update={"extra_body": await self._route_lora(dict(config.extra_body))})
         lens = self._lens_args(config)
         if lens is not None:
             body = {k: v for k, v in (config.extra_body or {}).items() if k not in ("extra_args", "vllm_xargs")}
@@ -151,6 +180,29 @@ class VLLMLensAPI(VLLMAPI):
         if call is not None:
             call.request = summarize_tensor(call.request)
         return output, call
+
+
+async def _ensure_lora(root: str, api_key: str | None, name: str, path: str | None) -> None:
+    """Adapter `name` on the server at `root`, loading it from `path` if it is not listed yet."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=root, headers=headers, timeout=300) as http:
+        models = await http.get("/v1/models")
+        models.raise_for_status()
+        if name in [m.get("id") for m in models.json().get("data", [])]:
+            return
+        if path is None:
+            raise ValueError(f"extra_body.lora_request: adapter {name!r} is not loaded on the server and no "
+                             "lora_path was given to load it from")
+        resp = await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+        if resp.status_code == 404 and resp.text.strip() == '{"detail":"Not Found"}':  # no such route
+            raise ValueError("extra_body.lora_request: the server cannot load adapters — start it with LoRA "
+                             "enabled (-M enable_lora=true -M max_lora_rank=R; for a server you started: "
+                             "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
+        if resp.status_code >= 400:
+            raise ValueError(f"extra_body.lora_request.lora_path: the server could not load {path!r}: "
+                             f"{resp.text[:500]}")
 
 
 def decode_choice(response: dict) -> dict[str, Any]:

@@ -85,5 +85,5 @@ def hf_factory():
     return reference.hf_model
 
 
-from servers import _stop_servers, locked_server, server  # noqa: E402,F401  (HTTP fixtures, session-wide)
+from servers import _stop_servers, locked_server, lora_server, server  # noqa: E402,F401  (HTTP fixtures, session-wide)
 from browser import browser  # noqa: E402,F401  (headless Chromium, session-wide)

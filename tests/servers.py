@@ -72,6 +72,12 @@ def server():
 
 
 @pytest.fixture(scope="session")
+def lora_server():
+    """LoRA enabled (rank <= 8) with adapters loadable at runtime; API key set; no remote hooks."""
+    return _serve("--api-key", KEY, "--enable-lora", "--max-lora-rank", "8", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+
+
+@pytest.fixture(scope="session")
 def locked_server():
     """Default posture: no remote hooks — started as plain `vllm serve MODEL` (no allow-list, no
     `vllm-lens` command): installing the package is all it takes."""

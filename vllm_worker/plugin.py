@@ -88,4 +88,5 @@ def register() -> None:
         frontend.attach_engine_outputs)
     adapter.patch_async_generate(_async_consumer, frontend.attach_async_output)
     adapter.patch_endpoint_plugins("inspect_lens_http", _endpoints)
+    adapter.patch_cpu_lora_no_adapter_rows()
     _registered = True
