@@ -4,10 +4,11 @@ an activation vector injected into its own forward pass (peft + HF transformers,
     python examples/activation_oracle_fit.py                 # the shipped SmolLM2: ~10 min on 2 cores
     python examples/activation_oracle_fit.py --model DIR --steps 40 --out DIR   # any Llama-family model
 
-Data, made here from the base model's own activations: templated sentences about 8 topics (several
-templates per topic; whole templates are held out for evaluation). Each sentence's residual stream
-after the source layer (the middle one by default) is averaged over its tokens: that vector is what
-the oracle reads. The oracle prompt is the chat template of
+Data, made here from the base model's own activations: templated sentences about 8 topics
+(`inspect_lens.oracle_data`; whole templates are held out for evaluation). Each sentence is a user
+message in the chat template; its residual stream after the source layer (the middle one by default),
+averaged over the sentence's tokens, is what the oracle reads — as the `activation_oracle` solver
+reads a conversation with `positions="mean"`. The oracle prompt is the chat template of
 
     Layer: {L}
      ?
@@ -31,63 +32,36 @@ from pathlib import Path
 
 import torch
 
-TOPICS = {
-    "sports": ["the striker scored twice in the final minutes", "the team won the championship game",
-               "the coach praised the defenders after the match", "she ran the marathon in record time",
-               "the goalkeeper saved a penalty kick", "fans cheered as the players entered the stadium"],
-    "cooking": ["she chopped the onions and fried them in butter", "the soup simmered for an hour",
-                "he kneaded the dough and baked fresh bread", "add a pinch of salt to the sauce",
-                "the chef tasted the stew and added pepper", "we roasted vegetables in the oven"],
-    "space": ["the rocket launched toward the orbiting station", "astronauts repaired the telescope in orbit",
-              "the probe landed on a distant moon", "the galaxy contains billions of stars",
-              "the planet circles its star every ninety days", "the astronaut floated inside the capsule"],
-    "music": ["the band played a loud guitar solo", "she practiced the piano sonata every evening",
-              "the orchestra tuned their violins", "the singer hit the high note in the chorus",
-              "the drummer kept a steady rhythm", "they recorded a new album in the studio"],
-    "medicine": ["the doctor prescribed antibiotics for the infection", "the nurse checked the patient's pulse",
-                 "the surgeon operated on the injured knee", "the vaccine reduced the number of cases",
-                 "the hospital admitted patients with fever", "the pharmacist explained the dosage"],
-    "money": ["the bank raised interest rates again", "investors sold their shares after the report",
-              "she saved part of her salary every month", "the company reported higher profits",
-              "he paid the loan back with interest", "the stock market fell sharply today"],
-    "weather": ["heavy rain and strong winds hit the coast", "the forecast says snow tomorrow morning",
-                "a thunderstorm rolled in over the hills", "the temperature dropped below freezing",
-                "the sun came out after days of fog", "a hurricane is moving toward the islands"],
-    "computers": ["the program crashed because of a memory bug", "he installed the new operating system",
-                  "the server processed millions of requests", "she wrote a function to sort the list",
-                  "the laptop needs more memory to compile code", "the database query returned an error"],
-}
-TEMPLATES = ["{}.", "Yesterday, {}.", "I read that {}.", "Everyone knows {}.", "It was reported that {}.",
-             "My friend told me {}.", "In the news: {}.", "Last week {}."]
-HELD_OUT_TEMPLATES = {"Last week {}.", "My friend told me {}."}
-QUESTION = "What is the topic of the text? Answer with one word."
-PLACEHOLDER = " ?"
+from inspect_lens.oracle_data import PLACEHOLDER, QUESTION, TOPICS, oracle_prompt, topic_texts
 
-
-def oracle_prompt(source_layer: int) -> str:
-    return f"Layer: {source_layer}\n{PLACEHOLDER} \n{QUESTION}"
 
 
 def make_samples() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(train, held out) lists of (text, topic); held-out uses templates never seen in training."""
-    train, test = [], []
-    for topic, phrases in TOPICS.items():
-        for phrase in phrases:
-            for t in TEMPLATES:
-                (test if t in HELD_OUT_TEMPLATES else train).append((t.format(phrase), topic))
-    return train, test
+    return topic_texts(held_out=False), topic_texts(held_out=True)
+
+
+def text_window(tok, text: str) -> tuple[list[int], tuple[int, int]]:
+    """The text as the user message of a chat (template applied, the turn left open — as the
+    activation_oracle solver reads a conversation) and the positions of the text's own tokens."""
+    from inspect_lens.solvers import answer_window
+
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=False, continue_final_message=True)
+    ids = tok(rendered, add_special_tokens=False)["input_ids"]
+    cands = [tok.encode(text, add_special_tokens=False), tok.encode(" " + text, add_special_tokens=False)]
+    return ids, answer_window(ids, cands)[0]
 
 
 @torch.no_grad()
-def source_vectors(model, tok, texts: list[str], layer: int, batch: int = 16) -> torch.Tensor:
-    """(n, d): the stream after `layer`, averaged over each text's tokens (the first, BOS-like position
-    left out) — the same numbers vLLM's capture returns for these prompts."""
+def source_vectors(model, tok, texts: list[str], layer: int) -> torch.Tensor:
+    """(n, d): the stream after `layer`, averaged over each text's tokens inside the chat template — the
+    same numbers vLLM's capture gives the solver (`positions="mean"`)."""
     out = []
-    for i in range(0, len(texts), batch):
-        for text in texts[i:i + batch]:
-            ids = torch.tensor([tok.encode(text)])
-            hs = model(ids, output_hidden_states=True, use_cache=False).hidden_states[layer + 1]
-            out.append(hs[0, 1:].mean(0).float())
+    for text in texts:
+        ids, (a, b) = text_window(tok, text)
+        hs = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False).hidden_states[layer + 1]
+        out.append(hs[0, a:b].mean(0).float())
     return torch.stack(out)
 
 
@@ -112,23 +86,24 @@ class Injector:
         return (h,) + tuple(out[1:]) if isinstance(out, tuple) else h
 
 
-def encode(tok, source_layer: int, answer: str | None) -> tuple[list[int], int, int]:
+def encode(tok, source_layer: int, answer: str | None, placeholder: str = PLACEHOLDER) -> tuple[list[int], int, int]:
     """(ids, placeholder position, number of prompt tokens) for the oracle prompt (+ answer if given).
-    The placeholder's position is the token covering its "?" (one token, " ?", in SmolLM2's vocabulary)."""
-    msgs = [{"role": "user", "content": oracle_prompt(source_layer)}]
+    The placeholder's position is the token covering its last character."""
+    msgs = [{"role": "user", "content": oracle_prompt(source_layer, placeholder=placeholder)}]
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     prompt = list(enc["input_ids"])
-    char = text.index(f"\n{PLACEHOLDER} \n") + len(PLACEHOLDER)  # the "?"
+    char = text.index(f"\n{placeholder} \n") + len(placeholder)
     pos = next(i for i, (a, b) in enumerate(enc["offset_mapping"]) if a <= char < b)
     ids = prompt + (tok.encode(answer + tok.eos_token, add_special_tokens=False) if answer else [])
     return ids, pos, len(prompt)
 
 
-def answer_logprobs(model, tok, inj: Injector, source_layer: int, vectors: torch.Tensor | None) -> torch.Tensor:
+def answer_logprobs(model, tok, inj: Injector, source_layer: int, vectors: torch.Tensor | None,
+                    placeholder: str = PLACEHOLDER) -> torch.Tensor:
     """(n, n_topics): log p(topic answer | oracle prompt with each vector injected)."""
     topics = list(TOPICS)
-    base, pos, n_prompt = encode(tok, source_layer, None)
+    base, pos, n_prompt = encode(tok, source_layer, None, placeholder)
     cands = [tok.encode(t + tok.eos_token, add_special_tokens=False) for t in topics]
     n = 1 if vectors is None else len(vectors)
     scores = torch.zeros(n, len(topics))
@@ -152,6 +127,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--placeholder", default=PLACEHOLDER, help="where the vector goes (one token is best)")
     ap.add_argument("--out", default=None, help="adapter folder (default: under the user cache)")
     args = ap.parse_args()
     from peft import LoraConfig, get_peft_model
@@ -178,7 +154,7 @@ def main() -> None:
                                                             "up_proj", "down_proj"]))
     inj = Injector(model.base_model.model.model.layers[1])
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
-    encoded = [encode(tok, layer, topic) for _, topic in train]
+    encoded = [encode(tok, layer, topic, args.placeholder) for _, topic in train]
     model.train()
     for step in range(args.steps):
         idx = random.sample(range(len(train)), args.batch)
@@ -201,14 +177,15 @@ def main() -> None:
     perm = torch.randperm(len(v_test), generator=torch.Generator().manual_seed(args.seed + 1))
     results = {}
     for name, vecs in (("real", v_test), ("shuffled", v_test[perm]), ("none", None)):
-        scores = answer_logprobs(model, tok, inj, layer, vecs)
+        scores = answer_logprobs(model, tok, inj, layer, vecs, args.placeholder)
         pred = scores.argmax(-1)
         pred = pred.expand(len(y_test)) if vecs is None else pred
         results[name] = float((pred == y_test).float().mean())
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
-    meta = {"base_model": model_dir, "source_layer": layer, "injection_layer": 1, "placeholder": PLACEHOLDER,
-            "question": QUESTION, "prompt": oracle_prompt(layer), "topics": topics, "vector": "mean over tokens",
+    meta = {"base_model": model_dir, "source_layer": layer, "injection_layer": 1, "placeholder": args.placeholder,
+            "question": QUESTION, "prompt": oracle_prompt(layer, placeholder=args.placeholder), "topics": topics,
+            "vector": "mean over the text's tokens (user message, chat template)",
             "held_out_accuracy": results, "chance": 1 / len(topics), "steps": args.steps}
     (out / "oracle.json").write_text(json.dumps(meta, indent=1))
     print(f"held-out accuracy ({len(test)} texts, {len(topics)} topics, chance {1 / len(topics):.3f}): "

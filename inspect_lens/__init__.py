@@ -4,12 +4,13 @@ capture and steer, linear probes, the deception- and coup-probe scorers and thei
 `inspect_lens` never touches vLLM internals; it talks to a `vllm-lens serve` server over HTTP."""
 
 from .metrics import auroc_by, probe_auroc, recall_at_fpr
+from .oracle import activation_oracle, oracle_match
 from .probes import LinearProbe, auroc, recall_at_threshold, threshold_at_fpr
 from .scorers import coup_probe, deception_probe
 from .solvers import Captured, capture_activations, captured, steer
 from .steering import register_steering_vector
 
-__all__ = ["Captured", "LinearProbe", "auroc", "auroc_by", "capture_activations", "captured", "coup_probe",
-           "deception_probe",
+__all__ = ["Captured", "LinearProbe", "activation_oracle", "auroc", "auroc_by", "capture_activations", "captured", "coup_probe",
+           "deception_probe", "oracle_match",
            "probe_auroc", "recall_at_fpr", "recall_at_threshold", "register_steering_vector", "steer",
            "threshold_at_fpr"]

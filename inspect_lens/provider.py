@@ -157,8 +157,13 @@ class VLLMLensAPI(VLLMAPI):
             raise ValueError("extra_body.lora_request.lora_path: expected a string")
         await self._ensure_server_started()
         if name not in self._lora_loaded:
-            await _ensure_lora(self._server_root(), self.api_key, name, path)
-            self._lora_loaded.add(name)
+            import asyncio
+
+            self._lora_lock = getattr(self, "_lora_lock", None) or asyncio.Lock()
+            async with self._lora_lock:  # concurrent samples: one load
+                if name not in self._lora_loaded:
+                    await _ensure_lora(self._server_root(), self.api_key, name, path)
+                    self._lora_loaded.add(name)
         return {**body, "model": name}
 
     async def generate(self, input, tools, tool_choice, config: GenerateConfig):
@@ -201,6 +206,9 @@ async def _ensure_lora(root: str, api_key: str | None, name: str, path: str | No
                              "enabled (-M enable_lora=true -M max_lora_rank=R; for a server you started: "
                              "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
         if resp.status_code >= 400:
+            again = await http.get("/v1/models")  # loaded meanwhile by another client?
+            if again.status_code == 200 and name in [m.get("id") for m in again.json().get("data", [])]:
+                return
             raise ValueError(f"extra_body.lora_request.lora_path: the server could not load {path!r}: "
                              f"{resp.text[:500]}")
 

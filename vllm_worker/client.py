@@ -184,9 +184,12 @@ class LensClient(_Base):
         body = {"model": self._model(), "prompt": text, "add_special_tokens": add_special_tokens}
         return list(self._post("/tokenize", body)["tokens"])
 
-    def tokenize_chat(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of `messages` through the served model's chat template (what `chat` would send)."""
-        body = {"model": self._model(), "messages": messages, "add_generation_prompt": add_generation_prompt}
+    def tokenize_chat(self, messages: Any, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False) -> list[int]:
+        """Token ids of `messages` through the served model's chat template (what `chat` would send);
+        `continue_final_message`: the last message's turn left open (its text is the prompt's tail)."""
+        body = {"model": self._model(), "messages": messages, "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message}
         return list(self._post("/tokenize", body)["tokens"])
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -259,8 +262,10 @@ class AsyncLensClient(_Base):
         body = {"model": await self._model(), "prompt": text, "add_special_tokens": add_special_tokens}
         return list((await self._post("/tokenize", body))["tokens"])
 
-    async def tokenize_chat(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
-        body = {"model": await self._model(), "messages": messages, "add_generation_prompt": add_generation_prompt}
+    async def tokenize_chat(self, messages: Any, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        body = {"model": await self._model(), "messages": messages, "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message}
         return list((await self._post("/tokenize", body))["tokens"])
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:

@@ -1,0 +1,98 @@
+"""Activation oracle end to end on the tiny model: a tiny oracle trained by the example script, then
+`evals/activation_oracle.py` through `vllm-lens/<model>` with the oracle as a LoRA on the same server.
+The oracle's answers equal HF + peft generating with the same norm-matched injection at the same
+position of a vector read from the same window."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import model_path
+from servers import KEY
+
+pytestmark = pytest.mark.http
+ROOT = Path(__file__).resolve().parent.parent
+PLACEHOLDER = " the"  # one token for the tiny model's tokenizer (" ?" is two there)
+
+
+def _example(name: str):
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+
+
+@pytest.fixture(scope="module")
+def tiny_oracle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("oracle") / "tiny-oracle"
+    proc = subprocess.run([sys.executable, str(ROOT / "examples/activation_oracle_fit.py"), "--model",
+                           str(model_path("llama")), "--source-layer", "2", "--steps", "6", "--placeholder", PLACEHOLDER,
+                           "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "held-out accuracy" in proc.stdout and (out / "oracle.json").exists()
+    assert (out / "adapter_config.json").exists()
+    return out
+
+
+def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_path):
+    import json
+
+    from inspect_ai import eval as inspect_eval
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "evals"))
+    try:
+        from activation_oracle import activation_oracle as oracle_task
+    finally:
+        sys.path.remove(str(ROOT / "evals"))
+    name = str(model_path("llama"))
+    [log] = inspect_eval(oracle_task(oracle=str(tiny_oracle), limit=8), model=f"vllm-lens/{name}",
+                         model_base_url=f"{lora_server}/v1", model_args={"api_key": KEY}, log_dir=str(tmp_path),
+                         display="none")
+    assert log.status == "success", log.error
+    metrics = {m for s in log.results.scores for m in s.metrics}
+    assert {"accuracy"} <= metrics and {s.name for s in log.results.scores} >= {"real", "shuffled", "none"}
+    assert len(log.samples) == 8 and len({s.target for s in log.samples}) == 8  # one per topic
+
+    fit = _example("activation_oracle_fit")
+    tok = AutoTokenizer.from_pretrained(name)
+    base = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    oracle = PeftModel.from_pretrained(base, str(tiny_oracle)).merge_and_unload().eval()
+    inj = fit.Injector(oracle.model.layers[1])
+    fresh = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    meta = json.loads((tiny_oracle / "oracle.json").read_text())
+    for sample in log.samples[:3]:
+        m = sample.metadata["activation_oracle"]
+        text = sample.input if isinstance(sample.input, str) else sample.input[-1].content
+        ids, (a, b) = fit.text_window(tok, text)
+        assert m["window_token_ids"] == ids[a:b]
+        vec = fit.source_vectors(fresh, tok, [text], meta["source_layer"])
+        prompt, pos, n_prompt = fit.encode(tok, meta["source_layer"], None, PLACEHOLDER)
+        assert m["placeholder_positions"] == [pos]
+        lps = {}
+        for cond, v in (("real", vec), ("none", None)):
+            inj.vectors, inj.positions = v, [pos]
+            seq, lp = list(prompt), 0.0
+            with torch.no_grad():
+                for _ in range(8):  # greedy, full forward each step (the hook sees the placeholder row)
+                    logits = oracle(torch.tensor([seq]), use_cache=False).logits[0, -1].float()
+                    nxt = int(logits.argmax())
+                    lp += float(logits.log_softmax(-1)[nxt])
+                    seq.append(nxt)
+                    if nxt == tok.eos_token_id:
+                        break
+            inj.vectors = None
+            want = tok.decode(seq[n_prompt:], skip_special_tokens=True).strip()
+            assert m["answers"][cond] == want, (cond, m["answers"], want)
+            assert abs(m["answer_logprobs"][cond] - lp) <= 2e-4, (cond, m["answer_logprobs"], lp)
+            lps[cond] = lp
+        assert abs(lps["real"] - lps["none"]) > 5e-4  # the injection moves the answer's log-probability (tiny model: a little)
