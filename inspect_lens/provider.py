@@ -114,6 +114,9 @@ class VLLMLensAPI(VLLMAPI):
 
         if self._allow_remote_hooks:
             os.environ["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"  # read by the server we start
+        if str(self.server_args.get("enable_lora", "")).lower() in ("1", "true"):
+            # -M enable_lora=true: adapters named per request (lora_request) are loaded at runtime
+            os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         with _use_vllm_lens_serve():
             return super()._start_server(model_path, port)
 
