@@ -16,6 +16,7 @@ import pytest
 from conftest import KV_BYTES, model_path
 
 KEY = "test-key"
+LORA_MODEL = "tiny-llama-lora"  # the lora_server's served name
 _SERVERS: list = []
 _PIDS: dict[str, int] = {}
 
@@ -73,8 +74,11 @@ def server():
 
 @pytest.fixture(scope="session")
 def lora_server():
-    """LoRA enabled (rank <= 8) with adapters loadable at runtime; API key set; no remote hooks."""
-    return _serve("--api-key", KEY, "--enable-lora", "--max-lora-rank", "8", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+    """LoRA enabled (rank <= 8) with adapters loadable at runtime; API key set; no remote hooks. Served
+    under its own name (LORA_MODEL): Inspect shares one server per model name within a process, so the
+    tiny model's path would send these requests to whichever server a test used first."""
+    return _serve("--api-key", KEY, "--enable-lora", "--max-lora-rank", "8", "--served-model-name", LORA_MODEL,
+                  VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
 
 
 @pytest.fixture(scope="session")

@@ -198,7 +198,7 @@ def test_jacobian_lens_script_prints_and_writes_its_grid(server, lens_file, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Jacobian lens, last position" in proc.stdout and "layer  3:" in proc.stdout and out.stat().st_size > 5000
     for script in ("logit_lens.py", "capture_and_steer.py", "jacobian_lens_fit.py", "jacobian_lens.py", "jacobian_lens_chat.py", "emotion_tracker.py",
-                   "deception_probe.py"):
+                   "deception_probe.py", "activation_oracle_fit.py", "activation_oracle.py"):
         h = subprocess.run([sys.executable, str(EXAMPLES / script), "--help"], capture_output=True, text=True, timeout=120)
         assert h.returncode == 0 and "usage:" in h.stdout, (script, h.stderr[-2000:])
 

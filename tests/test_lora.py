@@ -140,10 +140,9 @@ def test_provider_lora_request_loads_the_adapter_and_routes_to_it(lora_server, s
 
     from inspect_ai.model import ChatMessageUser, GenerateConfig, get_model
 
-    from servers import KEY
+    from servers import KEY, LORA_MODEL
 
-    name = str(model_path("llama"))
-    model = get_model(f"vllm-lens/{name}", base_url=f"{lora_server}/v1", api_key=KEY)
+    model = get_model(f"vllm-lens/{LORA_MODEL}", base_url=f"{lora_server}/v1", api_key=KEY)
 
     def run(body, m=model):  # noqa: ANN001
         cfg = GenerateConfig(max_tokens=4, temperature=0, extra_body=body)

@@ -21,13 +21,13 @@ PLACEHOLDER = " the"  # one token for the tiny model's tokenizer (" ?" is two th
 
 
 def _example(name: str):
-    import importlib
+    """examples/<name>.py as a module of its own name (evals/ has an activation_oracle.py too)."""
+    import importlib.util
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,10 @@ def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_pat
         from activation_oracle import activation_oracle as oracle_task
     finally:
         sys.path.remove(str(ROOT / "evals"))
+    from servers import LORA_MODEL
+
     name = str(model_path("llama"))
-    [log] = inspect_eval(oracle_task(oracle=str(tiny_oracle), limit=8), model=f"vllm-lens/{name}",
+    [log] = inspect_eval(oracle_task(oracle=str(tiny_oracle), limit=8), model=f"vllm-lens/{LORA_MODEL}",
                          model_base_url=f"{lora_server}/v1", model_args={"api_key": KEY}, log_dir=str(tmp_path),
                          display="none")
     assert log.status == "success", log.error
@@ -96,3 +98,13 @@ def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_pat
             assert abs(m["answer_logprobs"][cond] - lp) <= 2e-4, (cond, m["answer_logprobs"], lp)
             lps[cond] = lp
         assert abs(lps["real"] - lps["none"]) > 5e-4  # the injection moves the answer's log-probability (tiny model: a little)
+    # the in-process example (one engine: capture on the base model, injection on the LoRA) gives the
+    # answers the eval got through the server
+    from conftest import make_engine
+
+    example = _example("activation_oracle")
+    texts = [s.input if isinstance(s.input, str) else s.input[-1].content for s in log.samples[:3]]
+    got = example.ask(make_engine("llama", enable_lora=True, max_lora_rank=8, max_loras=1), str(tiny_oracle), texts)
+    for r, sample in zip(got, log.samples[:3]):
+        answers = sample.metadata["activation_oracle"]["answers"]
+        assert (r["answer"], r["without_vector"]) == (answers["real"], answers["none"])
