@@ -16,9 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import zlib
 from pathlib import Path
-
-import torch
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: starts in seconds
 
@@ -28,32 +27,28 @@ def ask(llm, oracle_dir: str, texts: list[str]) -> list[dict]:
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from inspect_lens.oracle_data import oracle_prompt
+    from inspect_lens.oracle_data import oracle_ids, text_window
     from vllm_worker import SteeringVector
 
     meta = json.loads((Path(oracle_dir) / "oracle.json").read_text())
     layer, inject, ph = meta["source_layer"], meta.get("injection_layer", 1), meta["placeholder"]
     tok = llm.get_tokenizer()
-    lora = LoRARequest("oracle", 1, str(oracle_dir))
+    # vLLM caches adapters by integer id: derive it from the folder so another adapter already loaded
+    # in this engine under some id is never mistaken for the oracle
+    path = str(Path(oracle_dir).resolve())
+    lora = LoRARequest(f"oracle-{Path(path).name}", 1 + zlib.crc32(path.encode()) % (1 << 30), path)
     # 1. the vectors: capture on the base model, the text as an open user turn
     prompts, windows = [], []
     for text in texts:
-        rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                           add_generation_prompt=False, continue_final_message=True)
-        ids = tok(rendered, add_special_tokens=False)["input_ids"]
-        n = len(tok.encode(text, add_special_tokens=False))
+        ids, window = text_window(tok, text)
         prompts.append({"prompt_token_ids": ids})
-        windows.append((len(ids) - n, len(ids)))
+        windows.append(window)
     cap = SamplingParams(max_tokens=1, temperature=0, extra_args={"output_residual_stream": [layer]})
     outs = llm.generate(prompts, cap, use_tqdm=False)
     vecs = [o.activations["residual_stream"][0, a:b].float().mean(0) for o, (a, b) in zip(outs, windows)]
-    # 2. the oracle: one prompt, the vector at the placeholder (the token covering its last character)
-    text = tok.apply_chat_template([{"role": "user", "content": oracle_prompt(layer, 1, meta["question"], ph)}],
-                                   tokenize=False, add_generation_prompt=True)
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    char = text.index(f"\n{ph} \n") + len(ph)
-    pos = next(i for i, (a, b) in enumerate(enc["offset_mapping"]) if a <= char < b)
-    q = {"prompt_token_ids": list(enc["input_ids"])}
+    # 2. the oracle: one prompt, the vector at the placeholder
+    ids, pos = oracle_ids(tok, layer, meta["question"], ph)
+    q = {"prompt_token_ids": ids}
     sps = [SamplingParams(max_tokens=8, temperature=0, extra_args={"apply_steering_vectors": [
         SteeringVector(v[None, None], [inject], scale=1.0, norm_match=True, position_indices=[pos])]}) for v in vecs]
     real = llm.generate([q] * len(vecs), sps, lora_request=lora, use_tqdm=False)

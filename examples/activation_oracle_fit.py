@@ -32,25 +32,13 @@ from pathlib import Path
 
 import torch
 
-from inspect_lens.oracle_data import PLACEHOLDER, QUESTION, TOPICS, oracle_prompt, topic_texts
+from inspect_lens.oracle_data import PLACEHOLDER, QUESTION, TOPICS, oracle_ids, oracle_prompt, text_window, topic_texts
 
 
 
 def make_samples() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(train, held out) lists of (text, topic); held-out uses templates never seen in training."""
     return topic_texts(held_out=False), topic_texts(held_out=True)
-
-
-def text_window(tok, text: str) -> tuple[list[int], tuple[int, int]]:
-    """The text as the user message of a chat (template applied, the turn left open — as the
-    activation_oracle solver reads a conversation) and the positions of the text's own tokens."""
-    from inspect_lens.solvers import answer_window
-
-    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                       add_generation_prompt=False, continue_final_message=True)
-    ids = tok(rendered, add_special_tokens=False)["input_ids"]
-    cands = [tok.encode(text, add_special_tokens=False), tok.encode(" " + text, add_special_tokens=False)]
-    return ids, answer_window(ids, cands)[0]
 
 
 @torch.no_grad()
@@ -87,14 +75,8 @@ class Injector:
 
 
 def encode(tok, source_layer: int, answer: str | None, placeholder: str = PLACEHOLDER) -> tuple[list[int], int, int]:
-    """(ids, placeholder position, number of prompt tokens) for the oracle prompt (+ answer if given).
-    The placeholder's position is the token covering its last character."""
-    msgs = [{"role": "user", "content": oracle_prompt(source_layer, placeholder=placeholder)}]
-    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    prompt = list(enc["input_ids"])
-    char = text.index(f"\n{placeholder} \n") + len(placeholder)
-    pos = next(i for i, (a, b) in enumerate(enc["offset_mapping"]) if a <= char < b)
+    """(ids, placeholder position, number of prompt tokens) for the oracle prompt (+ answer if given)."""
+    prompt, pos = oracle_ids(tok, source_layer, QUESTION, placeholder)
     ids = prompt + (tok.encode(answer + tok.eos_token, add_special_tokens=False) if answer else [])
     return ids, pos, len(prompt)
 

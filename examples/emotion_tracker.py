@@ -65,9 +65,8 @@ def directions(client: LensClient, layer: int, emotions: dict[str, list[str]]) -
 
     with ThreadPoolExecutor(8) as pool:  # concurrent requests: vLLM batches them
         means_t = torch.stack([torch.stack(list(pool.map(mean_stream, texts))).mean(0) for texts in emotions.values()])
-    means = list(means_t)
     dirs = []
-    for e in range(len(means)):
+    for e in range(len(means_t)):
         others = torch.cat([means_t[:e], means_t[e + 1:]]).mean(0)
         dirs.append(means_t[e] - others)
     d = torch.stack(dirs)

@@ -256,9 +256,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.lens is None and not args.baseline:
         ap.error("needs --lens (or --baseline for the plain logit lens)")
-    relay_client = LensClient(args.base_url, api_key=args.api_key)
-    J, layers = load_lens(args.lens, relay_client.info()["n_layers"], args.baseline)
-    relay = Relay(args.base_url, args.api_key, layers)
+    relay = Relay(args.base_url, args.api_key, [])
+    J, relay.layers = load_lens(args.lens, relay.client.info()["n_layers"], args.baseline)
+    layers = relay.layers
     html = page(args.max_tokens)
     Path(args.out).write_text(html)
     relay.client.register_hooks([Hook(readout_hook(J, MAX_K, last_row_only=True), layers)])

@@ -41,15 +41,33 @@ QUESTION = "What is the topic of the text? Answer with one word."
 PLACEHOLDER = " ?"  # one token in SmolLM2's vocabulary
 
 
-def oracle_prompt(source_layer: int) -> str:
-    return f"Layer: {source_layer}\n{PLACEHOLDER} \n{QUESTION}"
-
-
-
-
 def oracle_prompt(source_layer: int, n_vectors: int = 1, question: str = QUESTION, placeholder: str = PLACEHOLDER) -> str:
     """The user message the oracle answers: one placeholder per injected vector."""
     return f"Layer: {source_layer}\n{placeholder * n_vectors} \n{question}"
+
+
+def text_window(tok, text: str) -> tuple[list[int], tuple[int, int]]:
+    """With an HF tokenizer: the text as an open user turn of the chat template (as the
+    `activation_oracle` solver reads a conversation) and the positions of the text's own tokens."""
+    from .solvers import answer_window
+
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=False, continue_final_message=True)
+    ids = tok(rendered, add_special_tokens=False)["input_ids"]
+    cands = [tok.encode(text, add_special_tokens=False), tok.encode(" " + text, add_special_tokens=False)]
+    return ids, answer_window(ids, cands)[0]
+
+
+def oracle_ids(tok, source_layer: int, question: str = QUESTION, placeholder: str = PLACEHOLDER
+               ) -> tuple[list[int], int]:
+    """With an HF tokenizer: (the oracle prompt's ids with the generation prompt, the placeholder's
+    position = the token covering its last character)."""
+    msgs = [{"role": "user", "content": oracle_prompt(source_layer, 1, question, placeholder)}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    char = text.index(f"\n{placeholder} \n") + len(placeholder)
+    pos = next(i for i, (a, b) in enumerate(enc["offset_mapping"]) if a <= char < b)
+    return list(enc["input_ids"]), pos
 
 
 def topic_texts(held_out: bool) -> list[tuple[str, str]]:

@@ -225,7 +225,6 @@ def test_jacobian_lens_chat_page_streams_replies_with_readouts(server, jl, lens_
     a token shows its readout across layers, top-k adjustable, pinning by click; messages editable and
     regenerated. The relayed readout (persistent hook, one row per step) equals a one-shot readout of
     the same tokens; the hook is removed when the script stops."""
-    import os
     import signal
     import socket
     import time

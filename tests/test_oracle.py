@@ -47,6 +47,8 @@ def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_pat
 
     from inspect_ai import eval as inspect_eval
     from peft import PeftModel
+
+    from inspect_lens.oracle_data import text_window
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(ROOT / "evals"))
@@ -75,7 +77,7 @@ def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_pat
     for sample in log.samples[:3]:
         m = sample.metadata["activation_oracle"]
         text = sample.input if isinstance(sample.input, str) else sample.input[-1].content
-        ids, (a, b) = fit.text_window(tok, text)
+        ids, (a, b) = text_window(tok, text)
         assert m["window_token_ids"] == ids[a:b]
         vec = fit.source_vectors(fresh, tok, [text], meta["source_layer"])
         prompt, pos, n_prompt = fit.encode(tok, meta["source_layer"], None, PLACEHOLDER)

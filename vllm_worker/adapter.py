@@ -844,8 +844,8 @@ def patch_cpu_lora_no_adapter_rows() -> None:
         new = masked(orig, ii, oi, cols)
         functools.update_wrapper(new, orig)
         new.__lens_wrapped__ = True  # type: ignore[attr-defined]
+        if _require(pcpu, name, "vllm.lora.punica_wrapper.punica_cpu") is not orig:
+            raise LensIncompatibleVLLM(f"vLLM internal moved: punica_cpu.{name} is no longer torch_ops.{name}; "
+                                       "rows without a LoRA adapter could get one (see adapter.py)")
         setattr(ops, name, new)
-        if getattr(pcpu, name, None) is orig:  # imported by name into the CPU wrapper's module
-            setattr(pcpu, name, new)
-        else:
-            _require(pcpu, name, "vllm.lora.punica_wrapper.punica_cpu")
+        setattr(pcpu, name, new)  # imported by name into the CPU wrapper's module
