@@ -36,7 +36,8 @@ MAX_PERSISTENT_RESULTS = int(os.environ.get("VLLM_LENS_MAX_PERSISTENT_RESULTS", 
 
 
 # Diagnostics (in `status`, read by benchmarks): host seconds around graph-path steps, cumulative.
-STEP_TIMINGS = {"graph_steps": 0, "plan_s": 0.0, "forward_s": 0.0, "after_s": 0.0}
+STEP_TIMINGS = {"graph_steps": 0, "plan_s": 0.0, "forward_s": 0.0, "after_s": 0.0,
+                "python_steps": 0, "python_file_s": 0.0}
 
 
 class LensRuntime:
@@ -297,12 +298,15 @@ class LensRuntime:
                 "inspect-lens taps did not run during a forward pass that needed them (was a CUDA graph "
                 "replayed for a step with Python hooks?)")
         self.steps_with_features += 1
+        STEP_TIMINGS["python_steps"] += 1
         if plan.captured and not plan.broken:
+            t = time.perf_counter()
             try:
                 faults.check("file")
                 self.store.finish_step(plan)
             except Exception as e:  # noqa: BLE001
                 self._fail([r for r in plan.requests if r.capture], "filing captures", e)
+            STEP_TIMINGS["python_file_s"] += time.perf_counter() - t
         return out
 
     def _graph_step(self, plan: StepPlan, orig: Any, args: tuple, kwargs: dict) -> Any:

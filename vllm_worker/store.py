@@ -36,18 +36,29 @@ PREPARE_MAX_REQUEST_BYTES = int(float(os.environ.get("VLLM_LENS_SHM_PREPARE_MAX_
 
 PREPARE_STATS = {"made": 0, "used": 0, "discarded": 0}  # diagnostics (in `status`)
 
-# Threads assembling fetched requests (0/1: none).
-ASSEMBLY_THREADS = int(os.environ.get("VLLM_LENS_ASSEMBLY_THREADS", str(min(8, os.cpu_count() or 1))))
+# At most this many threads assemble a fetch's requests; one per ASSEMBLY_BYTES_PER_THREAD of results.
+# Measured on the H200 host (bench/results/2026-12-01-h200-s6.md): per-request assembly is mostly Python,
+# so threads fight over the GIL — 331 MB (256 requests, one layer) took 0.17 s on one thread and 0.38 s
+# on eight; 10.5 GB (all layers, page population bound) was fastest on four (5.9 s; 8.1 s on eight).
+ASSEMBLY_THREADS = int(os.environ.get("VLLM_LENS_ASSEMBLY_THREADS", str(min(4, os.cpu_count() or 1))))
+ASSEMBLY_BYTES_PER_THREAD = 2 << 30
 
 
-def _pool() -> Any:
+def assembly_threads(nbytes: int) -> int:
+    return max(1, min(ASSEMBLY_THREADS, nbytes // ASSEMBLY_BYTES_PER_THREAD))
+
+
+def _pool(threads: int) -> Any:
     from concurrent.futures import ThreadPoolExecutor
 
-    return ThreadPoolExecutor(max_workers=ASSEMBLY_THREADS, thread_name_prefix="lens-assemble")
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lens-assemble")
 
 
 # Diagnostics (reported by `status`, read by benchmarks): cumulative seconds in fetches.
-FETCH_TIMINGS = {"wait_copies_s": 0.0, "assemble_s": 0.0}
+FETCH_TIMINGS = {"wait_copies_s": 0.0, "assemble_s": 0.0,
+                 # summed over assembly threads: waiting for prepared files, allocating unprepared ones, copying
+                 "take_wait_s": 0.0, "alloc_s": 0.0, "copy_s": 0.0, "late_prepared": 0,
+                 "arena_alloc_s": 0.0}  # host memory for steps' captures, allocated in the step
 
 
 class StepArena:
@@ -68,9 +79,11 @@ class StepArena:
     def next(self, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, d) and (rows,) host views for the next step."""
         if not self.chunks or self.chunks[-1][2] == self.chunks[-1][0].shape[0]:
+            t = time.perf_counter()
             c = min(self.MAX_CHUNK_STEPS, 1 << len(self.chunks))
             self.chunks.append([torch.empty((c, self.rows, d), dtype=dtype, pin_memory=self.pinned),
                                 torch.empty((c, self.rows), dtype=torch.int64, pin_memory=self.pinned), 0])
+            FETCH_TIMINGS["arena_alloc_s"] += time.perf_counter() - t
         ch = self.chunks[-1]
         k = ch[2]
         ch[2] += 1
@@ -148,6 +161,8 @@ class Preparer:
             return None
         with self._lock:
             self.bytes -= st.prepared_bytes
+        if not fut.done():
+            FETCH_TIMINGS["late_prepared"] += 1
         return fut.result()
 
     def release(self, st: "Store") -> None:
@@ -295,13 +310,14 @@ class CaptureStore:
     @staticmethod
     def _assemble_all(todo: list, layer_ids: list[int], assemble_saved: Any, use_shm: bool,
                       preparer: Preparer) -> list:
-        """Requests are assembled in parallel threads (the copies release the GIL): after a large batch
+        """Large fetches are assembled in a few parallel threads (`assembly_threads`): after a large batch
         this is most of the time between the last step and the results."""
         jobs = [lambda st=st, n=n: _assemble_or_error(st, n, layer_ids, assemble_saved, use_shm, preparer)
                 for _, _, st, n in todo]
-        if len(todo) < 8 or ASSEMBLY_THREADS <= 1:
+        threads = assembly_threads(sum(_result_bytes(st, n) for _, _, st, n in todo))
+        if len(todo) < 2 or threads <= 1:
             return [job() for job in jobs]
-        with _pool() as pool:
+        with _pool(threads) as pool:
             return list(pool.map(lambda job: job(), jobs))
 
     def drop(self, keys: list[str]) -> int:
@@ -323,6 +339,26 @@ def _assemble_or_error(st: Store, n_pos: int, layer_ids: list[int], assemble_sav
     except Exception as e:  # noqa: BLE001
         logger.error("inspect-lens: assembling a request's results failed: %s: %s", type(e).__name__, e)
         return {"error": f"inspect-lens internal error while assembling results: {type(e).__name__}: {e}"}
+
+
+def _result_bytes(st: Store, n_pos: int) -> int:
+    """Size of a request's assembled captures (0 without any)."""
+    for seg in st.segments:
+        arena = seg.log.arena
+        if arena is not None and arena.chunks:
+            data = arena.chunks[0][0]
+            return len(st.layers) * n_pos * data.shape[-1] * data.element_size()
+    return 0
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (16-bit floats as int16). Assembly copies go through numpy: its
+    copies are single-threaded and release the GIL, so the assembly threads run side by side, whereas
+    torch's copy splits each block over the intra-op pool — with several assembly threads that
+    oversubscribed the cores (measured on the H200 host: ~1 ms per 0.5 MB block, 150 MB/s per thread)."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.int16)
+    return t.numpy()
 
 
 def _prepared_view(got: tuple[torch.Tensor, str] | None, shape: tuple[int, ...],
@@ -362,7 +398,9 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
         return payload
     d, dtype = parts[0][2].shape[-1], parts[0][2].dtype
     shape = (len(mine), n_pos, d)
+    t0 = time.perf_counter()
     got = preparer.take(st) if preparer is not None and st.prepared is not None else None
+    t1 = time.perf_counter()
     mapped = None
     if use_shm:
         mapped = _prepared_view(got, shape, dtype)
@@ -374,20 +412,27 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
     elif got is not None:
         shm.discard(got[1])
     t = mapped[0] if mapped is not None else torch.zeros(shape, dtype=dtype)
+    t2 = time.perf_counter()
+    FETCH_TIMINGS["take_wait_s"] += t1 - t0
+    FETCH_TIMINGS["alloc_s"] += t2 - t1
     filled = np.zeros((len(mine), n_pos), dtype=bool)
+    dst = _np(t)
     for slot, pos, rows in parts:  # pos (steps, n), rows (steps, n, d)
-        p = pos.reshape(-1).numpy()
-        r = rows.reshape(-1, d)
+        p = _np(pos).ravel()
+        src = _np(rows)
         if len(p) and p[0] >= 0 and p[-1] - p[0] == len(p) - 1 and p[-1] < n_pos and \
                 (len(p) < 3 or np.array_equal(np.diff(p), np.ones(len(p) - 1, dtype=p.dtype))):
-            t[slot, p[0]:p[-1] + 1] = r  # one request's decode steps / prefill chunk: one block copy
+            # one request's decode steps / prefill chunk: one block copy
+            np.copyto(dst[slot, p[0]:p[-1] + 1].reshape(src.shape), src)
             filled[slot, p[0]:p[-1] + 1] = True
             continue
+        src = src.reshape(-1, d)
         keep = p < n_pos
         if not keep.all():
-            p, r = p[keep], r[torch.from_numpy(keep)]
-        t[slot, torch.from_numpy(p)] = r
+            p, src = p[keep], src[keep]
+        dst[slot, p] = src
         filled[slot, p] = True
+    FETCH_TIMINGS["copy_s"] += time.perf_counter() - t2
     missing = [(l, int(np.flatnonzero(~filled[i])[0])) for i, l in enumerate(mine) if not filled[i].all()]
     if mapped is not None:
         payload.update({"layers": mine, "shm": {"path": mapped[1], "dtype": dtype_name(dtype), "shape": list(shape)}})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import adapter
+from . import adapter, shm
 from .runtime import LensRuntime
 
 
@@ -49,6 +49,9 @@ class LensWorkerExtension:
     def lens_fetch(self, wanted: list, shm_host: str | None = None) -> dict:
         return self._lens_rt().fetch([(k, {int(c): int(n) for c, n in ch.items()}) for k, ch in wanted],
                                      None if shm_host is None else str(shm_host))
+
+    def lens_host_id(self) -> str | None:
+        return shm.host_id()
 
     def lens_drop(self, keys: list) -> int:
         return self._lens_rt().drop(list(keys))
