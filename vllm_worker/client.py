@@ -115,20 +115,25 @@ def build_request(model: str, prompt: Any, messages: Any, max_tokens: int, captu
 def decode_activations(response: dict) -> list[dict[str, Any] | None]:
     """Per choice of a raw `/v1/completions` or `/v1/chat/completions` JSON response (e.g. from `requests`
     or the `openai` client's `.model_dump()`): `{"residual_stream": Tensor (n_layers, n_pos, d), "layers":
-    [...]}`, or None where the choice captured nothing."""
+    [...]}`, or None where the choice captured nothing. A response in the original vllm-lens's form (to
+    a request in its forms) carries the first choice's results at the top level: read from there."""
     out = []
-    for c in sorted(response.get("choices", []), key=lambda c: c.get("index", 0)):
+    for i, c in enumerate(sorted(response.get("choices", []), key=lambda c: c.get("index", 0))):
         acts = c.get("activations")
+        if acts is None and i == 0:
+            acts = response.get("activations")
         out.append(None if acts is None else {"residual_stream": from_jsonable(acts["residual_stream"]),
-                                              "layers": list(acts["layers"])})
+                                              "layers": list(from_jsonable(acts["layers"]))})
     return out
 
 
 def parse_response(resp: dict) -> LensResult:
     results = []
     choices = sorted(resp.get("choices", []), key=lambda c: c["index"])
-    for c, acts in zip(choices, decode_activations(resp)):
+    for i, (c, acts) in enumerate(zip(choices, decode_activations(resp))):
         text = c["message"].get("content") or "" if "message" in c else c.get("text", "")
+        if i == 0 and "hook_results" not in c and "hook_results" in resp:  # the original's form
+            c = dict(c, hook_results=resp["hook_results"])
         results.append(LensResult(
             text=text, token_ids=list(c.get("token_ids") or []),
             prompt_token_ids=list(c.get("prompt_token_ids") or resp.get("prompt_token_ids") or []),

@@ -8,6 +8,9 @@
 - Hooks are code: they are refused (403) unless the server was started with `--allow-remote-hooks`.
   Captures and steering never need it, and nothing received from a client is unpickled otherwise.
 - Bad input is a 4xx JSON error naming the field; vLLM's `--api-key` guards these routes too.
+- A request written for the original vllm-lens (`original_dialect`) is answered in its form: results of
+  the first choice at the top level of the response (`activations`, `hook_results`), tensors as its
+  zstd tensor objects — so its own client reads them; nothing is sent twice.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from fastapi.responses import JSONResponse
 
 from . import adapter
 from .frontend import Pending, _pending, decode_sample, fetch_async, mark_consumer, merge_collected, pending_count
-from .spec import (ALL_LAYERS, CAPTURE_KEY, HOOK_KEY, MAX_PAYLOAD_BYTES, ModelShape, capture_layers, has_lens_keys,
-                   parse_hooks, remote_hooks_allowed)
-from .wire import to_jsonable
+from .spec import (ALL_LAYERS, CAPTURE_KEY, HOOK_KEY, MAX_PAYLOAD_BYTES, STEER_KEY, ModelShape, capture_layers,
+                   has_lens_keys, parse_hooks, remote_hooks_allowed)
+from .wire import tensor_to_original_json, to_jsonable, to_original_jsonable
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -44,6 +47,21 @@ class LensState:
     engine: Any
     persistent_hooks: bool = False
     shape: ModelShape | None = field(default=None)
+    original_collect: bool = False  # the persistent hooks came in the original's form: collect answers in it
+
+
+def _mentions(value: Any, marker: str) -> bool:
+    return marker in (value if isinstance(value, str) else json.dumps(value, default=str))
+
+
+def original_dialect(xargs: dict) -> bool:
+    """The request was written for the original vllm-lens: its client sends the layer list as a JSON
+    string and its own tensor objects (`original_dtype`) and hook objects (`{"fn": {"cloudpickle": ...}}`).
+    Our client and docs send a list, `b64` tensor objects and `{"fn": base64}` hooks."""
+    if isinstance(xargs.get(CAPTURE_KEY), str):
+        return True
+    return (STEER_KEY in xargs and _mentions(xargs[STEER_KEY], '"original_dtype"')) or \
+        (HOOK_KEY in xargs and _mentions(xargs[HOOK_KEY], '"cloudpickle"'))
 
 
 def _state(app: Any) -> LensState:
@@ -65,7 +83,7 @@ class _Unmatched(RuntimeError):
 
 
 async def _results(state: LensState, kind: str, response_id: str, n: int, choices: list[_Choice],
-                   expect: bool) -> tuple[dict[int, dict], dict[str, str]]:
+                   expect: bool, dialect: bool = False) -> tuple[dict[int, dict], dict[str, str]]:
     """({choice index: {"activations": ..., "hook_results": ...}}, {request id: error})."""
     pending = _pending(adapter.processor_of_engine_client(state.engine))
     by_request: dict[str, list[tuple[_Choice, int]]] = {}
@@ -85,14 +103,16 @@ async def _results(state: LensState, kind: str, response_id: str, n: int, choice
     merged = await fetch_async(state.engine, [(p, ch) for _, p, ch in todo])
     # decoding and JSON conversion of large captures run in a worker thread: the event loop (health
     # checks, other requests' streams) keeps answering meanwhile
-    out, errors = await asyncio.to_thread(_decode_results, todo, by_request, merged)
+    out, errors = await asyncio.to_thread(_decode_results, todo, by_request, merged, dialect)
     if state.persistent_hooks:
         for rank_errors in await adapter.rpc_async(state.engine, "lens_pop_persistent_errors", list(by_request)):
             errors.update(rank_errors or {})
     return out, errors
 
 
-def _decode_results(todo: list, by_request: dict, merged: dict) -> tuple[dict[int, dict], dict[str, str]]:
+def _decode_results(todo: list, by_request: dict, merged: dict,
+                    dialect: bool = False) -> tuple[dict[int, dict], dict[str, str]]:
+    """`dialect`: the original vllm-lens's forms (see `original_dialect`)."""
     out: dict[int, dict] = {}
     errors: dict[str, str] = {}
     for rid, p, _ in todo:
@@ -103,10 +123,14 @@ def _decode_results(todo: list, by_request: dict, merged: dict) -> tuple[dict[in
                 continue
             entry: dict[str, Any] = {}
             if acts is not None:
-                entry["activations"] = {"residual_stream": to_jsonable(acts["residual_stream"]),
-                                        "layers": acts["layers"]}
+                if dialect:  # its decode_activations passes {"__json__": ...} entries through
+                    entry["activations"] = {"residual_stream": tensor_to_original_json(acts["residual_stream"]),
+                                            "layers": {"__json__": acts["layers"]}}
+                else:
+                    entry["activations"] = {"residual_stream": to_jsonable(acts["residual_stream"]),
+                                            "layers": acts["layers"]}
             if hooks is not None:
-                entry["hook_results"] = to_jsonable(hooks)
+                entry["hook_results"] = to_original_jsonable(hooks) if dialect else to_jsonable(hooks)
             out[c.index] = entry
     return out, errors
 
@@ -239,6 +263,7 @@ class LensMiddleware:
             return await _send_json(send, 403, error_body(
                 403, "hooks execute arbitrary code on the server and are disabled; the operator must start "
                      "the server with --allow-remote-hooks", f"vllm_xargs.{HOOK_KEY}", "Forbidden"))
+        dialect = ours and original_dialect(xargs)  # before _precheck rewrites raw `true`
         if ours:
             try:
                 _precheck(req, xargs, _shape(state))
@@ -254,10 +279,10 @@ class LensMiddleware:
         expect = ours and any(k in xargs for k in (CAPTURE_KEY, HOOK_KEY))
         if req.get("stream"):
             return await self.app(scope, _replay(body, receive), _StreamInjector(send, state, kind, n, expect).send)
-        await self._buffered(scope, _replay(body, receive), send, state, kind, n, expect)
+        await self._buffered(scope, _replay(body, receive), send, state, kind, n, expect, dialect)
 
     async def _buffered(self, scope: dict, receive: Any, send: Any, state: LensState, kind: str, n: int,
-                        expect: bool) -> None:
+                        expect: bool, dialect: bool = False) -> None:
         start: dict | None = None
         chunks: list[bytes] = []
 
@@ -278,12 +303,14 @@ class LensMiddleware:
         choices = [_Choice(c["index"], c.get("prompt_token_ids") or resp.get("prompt_token_ids") or [],
                            c.get("token_ids") or []) for c in resp.get("choices", [])]
         try:
-            extra, errors = await _results(state, kind, resp["id"], n, choices, expect)
+            extra, errors = await _results(state, kind, resp["id"], n, choices, expect, dialect)
         except _Unmatched as e:
             return await _send_json(send, 500, error_body(500, str(e), None, "InternalServerError"))
         if errors:
             return await _send_json(send, 500 if _internal(errors) else 400, _hook_failure(errors),
                                     start.get("headers"))
+        if dialect and resp["choices"]:  # the original's client reads the first choice's results up here
+            resp.update(extra.pop(resp["choices"][0]["index"], {}))
         for c in resp["choices"]:
             c.update(extra.get(c["index"], {}))
         await _send_json(send, 200, resp, start.get("headers"))
@@ -426,6 +453,7 @@ async def register(request: Request):
         await _prefetch(state, names, "prefetch_params")
     counts = await adapter.rpc_async(state.engine, "lens_register_hooks", [(h.fn, h.layers, h.pre) for h in specs])
     state.persistent_hooks = True
+    state.original_collect = _mentions(hooks, '"cloudpickle"')
     return {"status": "ok", "registered": counts[0], "count": counts[0]}
 
 
@@ -434,7 +462,8 @@ async def register(request: Request):
 async def collect(request: Request):
     state = _state(request.app)
     results = merge_collected(await adapter.rpc_async(state.engine, "lens_collect_hook_results"))
-    return {"status": "ok", "results": to_jsonable(results), "count": len(results)}
+    encode = to_original_jsonable if state.original_collect else to_jsonable
+    return {"status": "ok", "results": await asyncio.to_thread(encode, results), "count": len(results)}
 
 
 @router.post("/clear")
@@ -442,7 +471,7 @@ async def collect(request: Request):
 async def clear(request: Request):
     state = _state(request.app)
     await adapter.rpc_async(state.engine, "lens_clear_hooks")
-    state.persistent_hooks = False
+    state.persistent_hooks = state.original_collect = False
     return {"status": "ok", "cleared": True}
 
 

@@ -92,6 +92,8 @@ def tensor_to_json(t: torch.Tensor, compress: bool = False) -> dict[str, Any]:
 _ORIGINAL_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.float64": "float64",
                     "torch.bfloat16": "bfloat16"}
 _STORAGE = {"float32": "float32", "float16": "float16", "float64": "float64", "int16": "bfloat16"}
+# ... and what its hook results may also hold (read by our client, never accepted as steering)
+_ORIGINAL_OTHER = {f"torch.{n}": n for n in ("int64", "int32", "int8", "uint8", "bool")}
 _MAX_DECOMPRESSED = 1 << 30  # when the caller gives no limit
 
 
@@ -105,7 +107,7 @@ def _b64_bytes(text: str, field: str, key: str, max_bytes: int | None) -> bytes:
         raise ValueError(f"{field}.{key}: not valid base64") from None
 
 
-def _original_tensor(obj: dict, field: str, max_bytes: int | None) -> torch.Tensor:
+def _original_tensor(obj: dict, field: str, max_bytes: int | None, any_dtype: bool = False) -> torch.Tensor:
     raw = _b64_bytes(obj["data"], field, "data", max_bytes)
     comp = obj.get("compression")
     if comp == "zstd":
@@ -124,7 +126,9 @@ def _original_tensor(obj: dict, field: str, max_bytes: int | None) -> torch.Tens
         raise ValueError(f"{field}.compression: unsupported {comp!r} (only 'zstd' or null)")
     storage, original = obj.get("dtype"), obj.get("original_dtype")
     name = _STORAGE.get(storage) if isinstance(storage, str) else None
-    if original is not None:
+    if any_dtype and original in _ORIGINAL_OTHER and storage == _ORIGINAL_OTHER[original]:
+        name = storage
+    elif original is not None:
         want = _ORIGINAL_DTYPES.get(original) if isinstance(original, str) else None
         if want is None:
             raise ValueError(f"{field}.original_dtype: unsupported {original!r} (one of {sorted(_ORIGINAL_DTYPES)})")
@@ -135,13 +139,44 @@ def _original_tensor(obj: dict, field: str, max_bytes: int | None) -> torch.Tens
     return tensor_from_bytes({"dtype": name, "shape": obj.get("shape"), "data": raw}, field)
 
 
-def tensor_from_json(obj: Any, field: str = "tensor", max_bytes: int | None = None) -> torch.Tensor:
+_NUMPY_STORAGE = {"bfloat16": "int16"}
+
+
+def tensor_to_original_json(t: torch.Tensor) -> dict[str, Any]:
+    """The original vllm-lens's tensor object (what its client decodes): zstd-compressed bytes, numpy
+    storage dtype (bfloat16 as int16) and the torch dtype it stands for."""
+    import zstandard
+
+    obj = tensor_to_bytes(t)
+    name = obj["dtype"]
+    return {"data": base64.b64encode(zstandard.ZstdCompressor(level=1).compress(obj["data"])).decode("ascii"),
+            "dtype": _NUMPY_STORAGE.get(name, name), "original_dtype": f"torch.{name}",
+            "shape": obj["shape"], "compression": "zstd"}
+
+
+def to_original_jsonable(obj: Any) -> Any:
+    """Hook state in the original vllm-lens's form: tensors as `{"__type__": "tensor", ...}` objects,
+    JSON values as they are; anything else becomes its `repr` (the original pickles it; we never do)."""
+    if isinstance(obj, torch.Tensor):
+        return {"__type__": "tensor", **tensor_to_original_json(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_original_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_original_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return repr(obj)
+
+
+def tensor_from_json(obj: Any, field: str = "tensor", max_bytes: int | None = None,
+                     any_dtype: bool = False) -> torch.Tensor:
     """Inverse of `tensor_to_json`; every malformed piece is a `ValueError` naming `field`. Also reads
-    the original vllm-lens's tensor objects (`"data"` base64, optional zstd)."""
+    the original vllm-lens's tensor objects (`"data"` base64, optional zstd; floats only unless
+    `any_dtype`)."""
     if not isinstance(obj, dict):
         raise ValueError(f"{field}: expected a tensor object with dtype, shape, b64")
     if "b64" not in obj and isinstance(obj.get("data"), str):
-        return _original_tensor(obj, field, max_bytes)
+        return _original_tensor(obj, field, max_bytes, any_dtype)
     b64 = obj.get("b64")
     if not isinstance(b64, str):
         raise ValueError(f"{field}.b64: expected a base64 string")
@@ -175,10 +210,14 @@ def to_jsonable(obj: Any, compress: bool = False) -> Any:
 
 
 def from_jsonable(obj: Any) -> Any:
-    """Inverse of `to_jsonable` for tensors (client side)."""
+    """Inverse of `to_jsonable` (and of `to_original_jsonable`) for tensors (client side)."""
     if isinstance(obj, dict):
         if "b64" in obj and "dtype" in obj and "shape" in obj:
             return tensor_from_json(obj)
+        if isinstance(obj.get("data"), str) and "original_dtype" in obj and "shape" in obj:
+            return tensor_from_json({k: v for k, v in obj.items() if k != "__type__"}, any_dtype=True)
+        if set(obj) == {"__json__"}:
+            return obj["__json__"]
         return {k: from_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [from_jsonable(v) for v in obj]
