@@ -113,8 +113,8 @@ def pending_count(processor: Any) -> int:
 
 def fetch_groups(todo: list[tuple[Pending, dict[int, int]]],
                  shm_ok: bool = False) -> list[list[tuple[str, dict[int, int]]]]:
-    """Split `lens_fetch` arguments into RPC round trips of bounded estimated size (`shm_ok`: results
-    come back as shared-memory files; the worker still caps what it sends inline, see store.py)."""
+    """Split `lens_fetch` arguments into RPC round trips of bounded estimated size (`shm_ok`: every worker
+    shares this machine, so results come back as shared-memory files and the reply holds only names)."""
     limit = FETCH_GROUP_SHM_BYTES if shm_ok else FETCH_GROUP_BYTES
     groups: list[list] = []
     size = 0

@@ -352,10 +352,9 @@ def _result_bytes(st: Store, n_pos: int) -> int:
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor (16-bit floats as int16). Assembly copies go through numpy: its
-    copies are single-threaded and release the GIL, so the assembly threads run side by side, whereas
-    torch's copy splits each block over the intra-op pool — with several assembly threads that
-    oversubscribed the cores (measured on the H200 host: ~1 ms per 0.5 MB block, 150 MB/s per thread)."""
+    """A numpy view of a CPU tensor (16-bit floats as int16), for the assembly copies: numpy copies
+    are single-threaded and release the GIL. (On the H200 host this did not by itself change the
+    assembly time — the thread count did, see `assembly_threads`.)"""
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.int16)
     return t.numpy()

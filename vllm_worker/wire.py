@@ -92,6 +92,7 @@ def tensor_to_json(t: torch.Tensor, compress: bool = False) -> dict[str, Any]:
 _ORIGINAL_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.float64": "float64",
                     "torch.bfloat16": "bfloat16"}
 _STORAGE = {"float32": "float32", "float16": "float16", "float64": "float64", "int16": "bfloat16"}
+_STORAGE_OF = {name: storage for storage, name in _STORAGE.items()}  # what we send
 # ... and what its hook results may also hold (read by our client, never accepted as steering)
 _ORIGINAL_OTHER = {f"torch.{n}": n for n in ("int64", "int32", "int8", "uint8", "bool")}
 _MAX_DECOMPRESSED = 1 << 30  # when the caller gives no limit
@@ -139,9 +140,6 @@ def _original_tensor(obj: dict, field: str, max_bytes: int | None, any_dtype: bo
     return tensor_from_bytes({"dtype": name, "shape": obj.get("shape"), "data": raw}, field)
 
 
-_NUMPY_STORAGE = {"bfloat16": "int16"}
-
-
 def tensor_to_original_json(t: torch.Tensor) -> dict[str, Any]:
     """The original vllm-lens's tensor object (what its client decodes): zstd-compressed bytes, numpy
     storage dtype (bfloat16 as int16) and the torch dtype it stands for."""
@@ -150,22 +148,14 @@ def tensor_to_original_json(t: torch.Tensor) -> dict[str, Any]:
     obj = tensor_to_bytes(t)
     name = obj["dtype"]
     return {"data": base64.b64encode(zstandard.ZstdCompressor(level=1).compress(obj["data"])).decode("ascii"),
-            "dtype": _NUMPY_STORAGE.get(name, name), "original_dtype": f"torch.{name}",
+            "dtype": _STORAGE_OF.get(name, name), "original_dtype": f"torch.{name}",
             "shape": obj["shape"], "compression": "zstd"}
 
 
 def to_original_jsonable(obj: Any) -> Any:
-    """Hook state in the original vllm-lens's form: tensors as `{"__type__": "tensor", ...}` objects,
-    JSON values as they are; anything else becomes its `repr` (the original pickles it; we never do)."""
-    if isinstance(obj, torch.Tensor):
-        return {"__type__": "tensor", **tensor_to_original_json(obj)}
-    if isinstance(obj, dict):
-        return {str(k): to_original_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_original_jsonable(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    return repr(obj)
+    """Hook state in the original vllm-lens's form: like `to_jsonable`, with tensors as its
+    `{"__type__": "tensor", ...}` objects (what the original pickles we send as `repr`; we never pickle)."""
+    return _jsonable(obj, lambda t: {"__type__": "tensor", **tensor_to_original_json(t)})
 
 
 def tensor_from_json(obj: Any, field: str = "tensor", max_bytes: int | None = None,
@@ -198,12 +188,16 @@ def tensor_from_json(obj: Any, field: str = "tensor", max_bytes: int | None = No
 def to_jsonable(obj: Any, compress: bool = False) -> Any:
     """Hook state as JSON: tensors become tensor objects (see `tensor_to_json`), tuples lists, dict keys
     strings; anything else JSON cannot hold becomes its `repr` (never pickle)."""
+    return _jsonable(obj, lambda t: tensor_to_json(t, compress))
+
+
+def _jsonable(obj: Any, tensor: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return tensor_to_json(obj, compress)
+        return tensor(obj)
     if isinstance(obj, dict):
-        return {str(k): to_jsonable(v, compress) for k, v in obj.items()}
+        return {str(k): _jsonable(v, tensor) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v, compress) for v in obj]
+        return [_jsonable(v, tensor) for v in obj]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     return repr(obj)
