@@ -115,3 +115,44 @@ def test_original_tensor_objects_are_bounded_and_checked():
             tensor_from_json({**good, key: value}, "v", max_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"v.data: not valid zstd"):
         tensor_from_json({**good, "data": base64.b64encode(b"not zstd at all").decode()}, "v")
+
+
+def test_json_chunks_equal_json_dumps():
+    from vllm_worker import wire
+
+    obj = {"a": [1, 2.5, None, True, 'x"y\\z\n\u00e9\U0001F600' * 3, {"k": []}], "b": {}, "c": [], "d": (1, 2),
+           "big": "q\"\\" * 3_000_000, "t": tensor_to_json(torch.randn(700_000))}
+    assert b"".join(wire.json_chunks(obj)).decode() == json.dumps(obj)
+    assert from_jsonable(json.loads(b"".join(wire.json_chunks(obj))))["t"].shape == (700_000,)
+    # tensors written lazily (straight from their memory) give exactly tensor_to_json's text
+    ts = {"x": torch.randn(3, 1_500_001), "e": torch.empty(0, 4), "h": torch.randn(5, dtype=torch.bfloat16)}
+    assert b"".join(wire.json_chunks(wire.to_jsonable(ts, lazy=True))).decode() == json.dumps(wire.to_jsonable(ts))
+
+
+def test_encoding_a_huge_capture_lets_other_threads_run():
+    """The HTTP server encodes captures in a thread; the event loop must get the GIL between pieces. With
+    one 600 MB tensor (a single long capture), copying it to bytes, base64 and joining held it for over a second."""
+    import threading
+    import time
+
+    from vllm_worker import wire
+
+    t = torch.empty(150_000_000)  # 600 MB of float32
+    done = threading.Event()
+    gaps = []
+
+    def encode() -> None:
+        pieces = wire.json_chunks({"residual_stream": wire.to_jsonable(t, lazy=True)})
+        assert sum(map(len, pieces)) > 800_000_000
+        done.set()
+
+    th = threading.Thread(target=encode)
+    th.start()
+    last = time.perf_counter()
+    while not done.is_set():
+        time.sleep(0.001)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    th.join()
+    assert max(gaps) < 0.3, f"another thread waited {max(gaps):.2f} s for the GIL"

@@ -223,6 +223,23 @@ def forbidden_error_cls() -> type[PermissionError]:
     return LensForbidden
 
 
+@functools.cache
+def capacity_error_cls() -> type[ValueError]:
+    """A `ValueError` (offline) that vLLM's API server maps to HTTP 503: admission refused for now."""
+    try:
+        from http import HTTPStatus
+
+        from vllm.exceptions import GracefulHTTPError
+    except ImportError:
+        return ValueError
+
+    class LensCapacity(GracefulHTTPError, ValueError):
+        def __init__(self, message: str) -> None:
+            super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)
+
+    return LensCapacity
+
+
 def request_prompt_len(req: Any) -> int:
     ids = getattr(req, "prompt_token_ids", None)
     if ids is not None:
@@ -242,6 +259,13 @@ def model_shape(processor: Any) -> tuple[int, int]:
     """(n_layers, d_model) of the served model, from the processor's model config."""
     mc = _require(processor, "model_config", "InputProcessor")
     return int(mc.get_total_num_hidden_layers()), int(mc.get_hidden_size())
+
+
+def model_capture_limits(processor: Any) -> tuple[int, int]:
+    """(max_model_len, bytes per captured value) of the served model: bounds a request's capture."""
+    mc = _require(processor, "model_config", "InputProcessor")
+    dtype = _require(mc, "dtype", "ModelConfig")
+    return int(_require(mc, "max_model_len", "ModelConfig")), torch.empty((), dtype=dtype).element_size()
 
 
 def offline_mixin_cls() -> type:

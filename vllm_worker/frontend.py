@@ -16,7 +16,8 @@ import torch
 
 from . import adapter, shm
 from .hooks import HookError
-from .spec import PAYLOAD_KEY, ModelShape, cache_salt, encode, has_lens_keys, parse_request
+from .limits import limit
+from .spec import CAPTURE_KEY, PAYLOAD_KEY, ModelShape, cache_salt, encode, has_lens_keys, parse_request
 from .wire import dtype_from_name, tensor_from_bytes
 
 FETCH_GROUP_BYTES = 512 << 20  # per RPC round trip when results travel inside the RPC reply
@@ -32,6 +33,7 @@ class Pending:
     n: int
     layers: list[int]
     d_model: int
+    reserved: int = 0  # bytes of capture at its largest, counted against VLLM_LENS_MAX_STORED_GB
 
 
 CONSUMER_ATTR = "_lens_consumer"
@@ -86,12 +88,42 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
                 "use vllm.LLM, LLMEngine.add_request/step or AsyncLLM(Engine).generate, or serve with "
                 "`vllm-lens serve` (or set VLLM_PLUGINS=inspect_lens_worker,inspect_lens_http for `vllm serve`)",
                 parameter="vllm_xargs")
-        _pending(processor)[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model)
+        reserved = _admit_capture(processor, spec.capture, adapter.request_prompt_len(req), sp, d_model)
+        _pending(processor)[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model, reserved)
     salt = cache_salt(spec)
     if salt is not None:
         # Steered / hooked KV is stored under its own hash: no other request can ever read it.
         adapter.set_request_cache_salt(req, salt)
     return req
+
+
+def _admit_capture(processor: Any, layers: list[int], prompt_len: int, sp: Any, d_model: int) -> int:
+    """Refuse a capture up front, before any compute, when at its largest it would pass the per-request
+    limit or the in-flight total (instead of being dropped half-way by the workers' store cap)."""
+    if not layers:
+        return 0
+    max_len, itemsize = adapter.model_capture_limits(processor)
+    positions = prompt_len + (sp.max_tokens if sp.max_tokens is not None else max_len - prompt_len) - 1
+    need = len(layers) * max(positions, 1) * d_model * itemsize * int(sp.n)
+    per_request = limit("VLLM_LENS_MAX_CAPTURE_GB")
+    if need > per_request:
+        raise adapter.validation_error_cls()(
+            f"{CAPTURE_KEY}: this capture needs up to {need / 2**30:.2f} GiB ({len(layers)} layers x {positions} "
+            f"positions x d_model {d_model} x n {sp.n}), above the server's per-request limit of "
+            f"{per_request / 2**30:.2f} GiB (VLLM_LENS_MAX_CAPTURE_GB); capture fewer layers, lower max_tokens "
+            "or split the request", parameter=f"vllm_xargs.{CAPTURE_KEY}")
+    total = limit("VLLM_LENS_MAX_STORED_GB")
+    in_flight = sum(p.reserved for p in _pending(processor).values())
+    if in_flight + need > total:
+        raise adapter.capacity_error_cls()(
+            f"{CAPTURE_KEY}: captures in flight would reach {(in_flight + need) / 2**30:.2f} GiB, above the "
+            f"server's limit of {total / 2**30:.2f} GiB (VLLM_LENS_MAX_STORED_GB); retry when earlier "
+            "requests have returned")
+    return need
+
+
+def in_flight_bytes(processor: Any) -> int:
+    return sum(p.reserved for p in _pending(processor).values())
 
 
 def forget(processor: Any, request_ids: list[str]) -> list[str]:

@@ -12,7 +12,6 @@ buffer empty: the kernel returns at once.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable
@@ -23,6 +22,7 @@ import torch
 from . import adapter, edits, faults, graph, shm, taps
 from .hooks import HookContext
 from .params import Params
+from .limits import limit
 from .plan import DeviceSteer, HookRun, RequestState, Rows, StepPlan, make_plan, split_steers
 from .spec import PAYLOAD_KEY, decode
 from . import store as store_mod
@@ -32,7 +32,7 @@ logger = logging.getLogger("vllm_worker")
 
 # Requests whose persistent-hook results are kept until `clear_hook_results`. Past it, new requests
 # fail with an error that says so (never a silent drop).
-MAX_PERSISTENT_RESULTS = int(os.environ.get("VLLM_LENS_MAX_PERSISTENT_RESULTS", "10000"))
+MAX_PERSISTENT_RESULTS = limit("VLLM_LENS_MAX_PERSISTENT_RESULTS")
 
 
 # Diagnostics (in `status`, read by benchmarks): host seconds around graph-path steps, cumulative.

@@ -24,10 +24,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from . import adapter
-from .frontend import Pending, _pending, decode_sample, fetch_async, mark_consumer, merge_collected, pending_count
+from .frontend import (Pending, _pending, decode_sample, fetch_async, in_flight_bytes, mark_consumer, merge_collected,
+                       pending_count)
+from .limits import LIMITS, limit
 from .spec import (ALL_LAYERS, CAPTURE_KEY, HOOK_KEY, MAX_PAYLOAD_BYTES, STEER_KEY, ModelShape, capture_layers,
                    has_lens_keys, parse_hooks, remote_hooks_allowed)
-from .wire import tensor_to_original_json, to_jsonable, to_original_jsonable
+from .wire import json_chunks, tensor_to_original_json, to_jsonable, to_original_jsonable
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -127,10 +129,10 @@ def _decode_results(todo: list, by_request: dict, merged: dict,
                     entry["activations"] = {"residual_stream": tensor_to_original_json(acts["residual_stream"]),
                                             "layers": {"__json__": acts["layers"]}}
                 else:
-                    entry["activations"] = {"residual_stream": to_jsonable(acts["residual_stream"]),
+                    entry["activations"] = {"residual_stream": to_jsonable(acts["residual_stream"], lazy=True),
                                             "layers": acts["layers"]}
             if hooks is not None:
-                entry["hook_results"] = to_original_jsonable(hooks) if dialect else to_jsonable(hooks)
+                entry["hook_results"] = to_original_jsonable(hooks) if dialect else to_jsonable(hooks, lazy=True)
             out[c.index] = entry
     return out, errors
 
@@ -179,7 +181,7 @@ async def _read_body(receive: Any, scope: dict, limit: int) -> bytes | None:
 async def _too_large(send: Any) -> None:
     await _send_json(send, 413, error_body(
         413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)",
-        "vllm_xargs", "PayloadTooLargeError"))
+        "body", "PayloadTooLargeError"))
 
 
 def _replay(body: bytes, receive: Any):
@@ -197,17 +199,42 @@ def _replay(body: bytes, receive: Any):
     return replay
 
 
-async def _dumps(obj: Any) -> bytes:
-    """JSON of a response; large ones (captures) are encoded off the event loop."""
-    return (await asyncio.to_thread(json.dumps, obj)).encode()
+_SEND_CHUNK = 16 << 20  # bytes per ASGI body message: the transport's flow control paces large answers
+
+
+async def _dumps(obj: Any) -> list[bytes]:
+    """JSON of a response as pieces; encoded in a thread, piece by piece (`json_chunks`), so a GiB-sized
+    capture never holds the event loop (health checks, other requests' streams) for long."""
+    return await asyncio.to_thread(json_chunks, obj)
 
 
 async def _send_json(send: Any, status: int, obj: Any, headers: list | None = None) -> None:
-    body = await _dumps(obj)
+    pieces = await _dumps(obj)
     hdrs = [(k, v) for k, v in (headers or []) if k.lower() not in (b"content-length", b"content-type")]
-    hdrs += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    hdrs += [(b"content-type", b"application/json"),
+             (b"content-length", str(sum(len(p) for p in pieces)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": hdrs})
-    await send({"type": "http.response.body", "body": body})
+    batch: list[bytes] = []
+    size = 0
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece)
+        if size >= _SEND_CHUNK:
+            await send({"type": "http.response.body", "body": b"".join(batch), "more_body": True})
+            batch, size = [], 0
+    await send({"type": "http.response.body", "body": b"".join(batch)})
+    batch = []
+    await _release(pieces)
+
+
+async def _release(*objs: Any) -> None:
+    """Drop a large answer's last references in a thread: freeing a GiB (unmapping shared-memory captures,
+    a million small objects) would otherwise hold the event loop for a third of a second."""
+    def clear() -> None:
+        for o in objs:
+            o.clear()
+
+    await asyncio.to_thread(clear)
 
 
 def _precheck(req: dict, xargs: dict, shape: ModelShape) -> None:
@@ -314,6 +341,7 @@ class LensMiddleware:
         for c in resp["choices"]:
             c.update(extra.get(c["index"], {}))
         await _send_json(send, 200, resp, start.get("headers"))
+        await _release(resp, extra)
 
 
 class _StreamInjector:
@@ -373,7 +401,7 @@ class _StreamInjector:
             return b""
         chunk = {"id": self.response_id, "object": self.obj,
                  "choices": [dict(index=i, **extra[i]) for i in sorted(extra)]}
-        return b"data: " + await _dumps(chunk) + b"\n\n"
+        return b"data: " + b"".join(await _dumps(chunk)) + b"\n\n"
 
 
 # ---------------------------------------------------------------- /v1/hooks/*
@@ -385,15 +413,16 @@ router = APIRouter(prefix=HOOKS_PREFIX)
 async def _json(request: Request) -> dict:
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
-        raise _BadRequest(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", None)
+        raise _BadRequest(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)",
+                          "body")
     if not raw:
         return {}
     try:
         obj = json.loads(raw)
     except ValueError:
-        raise _BadRequest(400, "request body is not valid JSON", None) from None
+        raise _BadRequest(400, "request body is not valid JSON", "body") from None
     if not isinstance(obj, dict):
-        raise _BadRequest(400, "request body must be a JSON object", None)
+        raise _BadRequest(400, "request body must be a JSON object", "body")
     return obj
 
 
@@ -447,7 +476,12 @@ async def register(request: Request):
     hooks = body.get("hooks")
     if not isinstance(hooks, list) or not hooks:
         raise _BadRequest(400, "hooks: expected a non-empty list", "hooks")
-    specs = parse_hooks(hooks, _shape(state))
+    try:
+        specs = parse_hooks(hooks, _shape(state))
+    except ValueError as e:  # name the field of this body (`hooks[0].fn`), not the generation key's
+        msg = str(e)
+        msg = "hooks" + msg[len(HOOK_KEY):] if msg.startswith(HOOK_KEY) else msg
+        raise _BadRequest(400, msg, msg.split(":", 1)[0]) from None
     names = _names(body, "prefetch_params")
     if names:
         await _prefetch(state, names, "prefetch_params")
@@ -525,7 +559,10 @@ async def info(request: Request):
             "pending_results": pending_count(adapter.processor_of_engine_client(state.engine)),
             "stored_requests": sum(st["stored_requests"] for st in status),
             # shared-memory result files the workers hold (made ahead, or written and not yet read)
-            "shm_files": sum(st.get("shm_files", 0) for st in status)}
+            "shm_files": sum(st.get("shm_files", 0) for st in status),
+            # captures admitted and not yet returned, at their largest (counted against VLLM_LENS_MAX_STORED_GB)
+            "capture_bytes_in_flight": in_flight_bytes(adapter.processor_of_engine_client(state.engine)),
+            "limits": {lim.env: limit(lim.env) for lim in LIMITS.values()}}
 
 
 class LensEndpoints:

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from .hooks import Hook
+from .limits import limit
 from .steering import SteeringVector
 from .wire import tensor_from_bytes, tensor_from_json, tensor_to_bytes
 
@@ -29,7 +30,7 @@ NAMESPACE_PREFIXES = ("output_residual", "apply_steering", "apply_hook", "lens_"
 
 
 # Largest structured payload accepted in one request (steering vectors, hooks), in bytes.
-MAX_PAYLOAD_BYTES = int(float(os.environ.get("VLLM_LENS_MAX_PAYLOAD_MB", "64")) * (1 << 20))
+MAX_PAYLOAD_BYTES = limit("VLLM_LENS_MAX_PAYLOAD_MB")
 REMOTE_HOOKS_ENV = "VLLM_LENS_ALLOW_REMOTE_HOOKS"
 
 

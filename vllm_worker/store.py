@@ -20,13 +20,14 @@ import torch
 
 from .plan import StepPlan
 from . import faults, shm
+from .limits import limit
 from .wire import dtype_name, tensor_to_bytes
 
 logger = logging.getLogger("vllm_worker")
 
 # Captures kept in the worker until fetched. Past the cap the oldest are dropped and a later fetch of
 # them reports it (an error, never a silent empty result).
-MAX_STORED_BYTES = int(float(os.environ.get("VLLM_LENS_MAX_STORED_GB", "8")) * (1 << 30))
+MAX_STORED_BYTES = limit("VLLM_LENS_MAX_STORED_GB")
 
 # Shared-memory result files made ahead of fetches (`Preparer`), at most this many bytes at a time.
 PREPARE_BYTES = int(float(os.environ.get("VLLM_LENS_SHM_PREPARE_GB", "4")) * (1 << 30))
