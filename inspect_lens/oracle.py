@@ -81,8 +81,6 @@ def activation_oracle(oracle: str, question: str | None = None, source_layer: in
     Results in `state.metadata[key]`: answers per condition and their log-probabilities, question,
     layers, positions, window tokens.
     Composable after any solver: it adds no messages."""
-    from vllm_worker import SteeringVector
-
     meta = load_oracle(oracle)
     q = question or meta.get("question", QUESTION)
     layer = meta["source_layer"] if source_layer is None else source_layer
@@ -99,33 +97,49 @@ def activation_oracle(oracle: str, question: str | None = None, source_layer: in
             msgs = [{"role": m.role, "content": m.text} for m in state.messages]
             window, window_ids, exact = await read_window(client, model, msgs, msgs[-1]["content"], layer)
             vecs = _vectors(window, positions)
-            messages, pos = await placeholder_positions(client, layer, len(vecs), q, ph)
+            asked = await ask_oracle(model, client, meta, vecs, question=q, source_layer=layer, placeholder=ph,
+                                     injection_layer=inject,
+                                     controls=controls, max_tokens=max_tokens,
+                                     seed=seed + hash(state.sample_id) % 10_000)
         finally:
             await client.aclose()
-        g = torch.Generator().manual_seed(seed + hash(state.sample_id) % 10_000)
-        shuffled = vecs[:, torch.randperm(vecs.shape[1], generator=g)]
-        answers: dict[str, str] = {}
-        logprobs: dict[str, float] = {}
-        for cond in ("real", *controls):
-            body: dict[str, Any] = {"lora_request": {"lora_name": meta["name"], "lora_path": meta["path"]}}
-            if cond != "none":
-                v = vecs if cond == "real" else shuffled
-                body["extra_args"] = {"apply_steering_vectors": [
-                    SteeringVector(v[None], [inject], scale=1.0, norm_match=True, position_indices=pos)]}
-            out = await model.generate([ChatMessageUser(content=messages[0]["content"])],
-                                       config=GenerateConfig(max_tokens=max_tokens, temperature=0, logprobs=True,
-                                                             extra_body=body))
-            answers[cond] = out.completion.strip()
-            lp = out.choices[0].logprobs if out.choices else None
-            if lp is not None:  # the oracle's confidence in its own answer
-                logprobs[cond] = float(sum(t.logprob for t in lp.content))
-        state.metadata[key] = {"answers": answers, "answer_logprobs": logprobs, "question": q, "oracle": meta["path"], "source_layer": layer,
+        state.metadata[key] = {**asked, "question": q, "oracle": meta["path"], "source_layer": layer,
                                "injection_layer": inject, "positions": positions if isinstance(positions, str)
-                               else list(positions), "placeholder_positions": pos, "n_vectors": len(vecs),
+                               else list(positions), "n_vectors": len(vecs),
                                "window_token_ids": window_ids, "window_exact": exact}
         return state
 
     return solve
+
+
+async def ask_oracle(model: Any, client: Any, meta: dict[str, Any], vecs: torch.Tensor, *, question: str,
+                     source_layer: int, placeholder: str, injection_layer: int,
+                     controls: Sequence[str] = ("shuffled", "none"), max_tokens: int = 8, seed: int = 0) -> dict[str, Any]:
+    """Ask the oracle LoRA (`load_oracle`'s `meta`) `question` about `vecs` (k, d) read at `source_layer`,
+    injected norm-matched at its k placeholders after `injection_layer`; `controls` ask again with the
+    vectors' dimensions shuffled (seeded) and with none. Returns answers and their log-probabilities per condition and the
+    placeholder positions. Shared by the `activation_oracle` solver and the Petri target."""
+    from vllm_worker import SteeringVector
+
+    messages, pos = await placeholder_positions(client, source_layer, len(vecs), question, placeholder)
+    g = torch.Generator().manual_seed(seed)
+    shuffled = vecs[:, torch.randperm(vecs.shape[1], generator=g)]
+    answers: dict[str, str] = {}
+    logprobs: dict[str, float] = {}
+    for cond in ("real", *controls):
+        body: dict[str, Any] = {"lora_request": {"lora_name": meta["name"], "lora_path": meta["path"]}}
+        if cond != "none":
+            v = vecs if cond == "real" else shuffled
+            body["extra_args"] = {"apply_steering_vectors": [
+                SteeringVector(v[None], [injection_layer], scale=1.0, norm_match=True, position_indices=pos)]}
+        out = await model.generate([ChatMessageUser(content=messages[0]["content"])],
+                                   config=GenerateConfig(max_tokens=max_tokens, temperature=0, logprobs=True,
+                                                         extra_body=body))
+        answers[cond] = out.completion.strip()
+        lp = out.choices[0].logprobs if out.choices else None
+        if lp is not None:  # the oracle's confidence in its own answer
+            logprobs[cond] = float(sum(t.logprob for t in lp.content))
+    return {"answers": answers, "answer_logprobs": logprobs, "placeholder_positions": pos}
 
 
 def _match(answer: str, target: str) -> bool:

@@ -131,3 +131,18 @@ def test_python_hook_steps_never_dispatch_to_a_full_cuda_graph(llama):
     d._lens_no_full = True
     mode, desc = d.dispatch(num_tokens=8, uniform_decode=True)
     assert mode == CUDAGraphMode.PIECEWISE and desc.num_tokens == 8
+
+
+def test_capture_admission_reads_the_model_config_and_vllm_maps_refusals_to_status_codes(llama):
+    """Admission (frontend._admit_capture) needs max_model_len and the dtype from the processor's model
+    config, and vLLM's GracefulHTTPError to answer 503; a moved attribute is a loud error."""
+    from types import SimpleNamespace
+
+    proc = adapter.processor_of_llm(llama)
+    assert adapter.model_capture_limits(proc) == (512, 4)  # the tiny engine: max_model_len 512, float32
+    from http import HTTPStatus
+
+    err = adapter.capacity_error_cls()("full")
+    assert isinstance(err, ValueError) and err.http_status == HTTPStatus.SERVICE_UNAVAILABLE
+    with pytest.raises(adapter.LensIncompatibleVLLM, match="max_model_len"):
+        adapter.model_capture_limits(SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
