@@ -36,10 +36,11 @@ def main() -> None:
         from vllm_worker.shipped_model import shipped_model_path
 
         model = str(shipped_model_path())
+    extra = json.loads(args.engine_args)
     opts = dict(dtype="float32", max_model_len=1024, seed=0)
-    if os.environ.get("VLLM_CPU_KVCACHE_SPACE") is None:
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE") is None and not extra:  # CPU default; on a GPU pass engine args
         opts["kv_cache_memory_bytes"] = 1 << 30
-    opts.update(json.loads(args.engine_args))
+    opts.update(extra)
     llm = LLM(model, **opts)
     n_layers = llm.llm_engine.model_config.get_total_num_hidden_layers()
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 400 + 5 for j in range(32)]} for i in range(args.prompts)]
