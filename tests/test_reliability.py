@@ -266,7 +266,7 @@ def test_50_mid_generation_disconnects_leave_nothing_and_memory_flat(server):
                     break
 
     with ThreadPoolExecutor(10) as ex:  # warm-up round: allocators and caches reach their working size
-        list(ex.map(hang_up, range(10)))
+        list(ex.map(hang_up, range(50)))
     assert _wait_zero(server) == (0, 0, 0, 0)
     before = _rss_mb(server)
     with ThreadPoolExecutor(10) as ex:
