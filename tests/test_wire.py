@@ -156,3 +156,16 @@ def test_encoding_a_huge_capture_lets_other_threads_run():
         last = now
     th.join()
     assert max(gaps) < 0.3, f"another thread waited {max(gaps):.2f} s for the GIL"
+
+
+def test_pending_map_keeps_the_sum_of_reservations():
+    from vllm_worker.frontend import Pending, PendingMap
+
+    m = PendingMap()
+    m["a"], m["b"] = Pending("k", 1, [0], 4, 10), Pending("k2", 1, [0], 4, 5)
+    m["a"] = Pending("k", 1, [0], 4, 7)  # replaced: counted once
+    assert m.reserved == 12
+    assert m.pop("a").reserved == 7 and m.reserved == 5
+    assert m.pop("missing", None) is None and m.reserved == 5
+    del m["b"]
+    assert m.reserved == 0 and not m

@@ -44,10 +44,35 @@ def mark_consumer(processor: Any, who: str) -> None:
     setattr(processor, CONSUMER_ATTR, who)
 
 
-def _pending(processor: Any) -> dict[str, Pending]:
+class PendingMap(dict):
+    """Request id -> Pending, keeping the sum of their capture reservations (admission checks it for every
+    new request: summing a 100k-request offline batch each time would be quadratic). Only item setting,
+    `pop` and `del` are used on it (they keep the sum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reserved = 0
+
+    def __setitem__(self, key: str, value: Pending) -> None:
+        old = dict.get(self, key)
+        self.reserved += value.reserved - (old.reserved if old is not None else 0)
+        super().__setitem__(key, value)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        had = key in self
+        p = super().pop(key, *default)
+        if had:
+            self.reserved -= p.reserved
+        return p
+
+    def __delitem__(self, key: str) -> None:
+        self.pop(key)
+
+
+def _pending(processor: Any) -> PendingMap:
     p = getattr(processor, "_lens_pending", None)
     if p is None:
-        p = processor._lens_pending = {}
+        p = processor._lens_pending = PendingMap()
     return p
 
 
@@ -113,7 +138,7 @@ def _admit_capture(processor: Any, layers: list[int], prompt_len: int, sp: Any, 
             f"{per_request / 2**30:.2f} GiB (VLLM_LENS_MAX_CAPTURE_GB); capture fewer layers, lower max_tokens "
             "or split the request", parameter=f"vllm_xargs.{CAPTURE_KEY}")
     total = limit("VLLM_LENS_MAX_STORED_GB")
-    in_flight = sum(p.reserved for p in _pending(processor).values())
+    in_flight = in_flight_bytes(processor)
     if in_flight + need > total:
         raise adapter.capacity_error_cls()(
             f"{CAPTURE_KEY}: captures in flight would reach {(in_flight + need) / 2**30:.2f} GiB, above the "
@@ -123,7 +148,7 @@ def _admit_capture(processor: Any, layers: list[int], prompt_len: int, sp: Any, 
 
 
 def in_flight_bytes(processor: Any) -> int:
-    return sum(p.reserved for p in _pending(processor).values())
+    return _pending(processor).reserved
 
 
 def forget(processor: Any, request_ids: list[str]) -> list[str]:
