@@ -297,10 +297,14 @@ def test_jacobian_lens_chat_page_streams_replies_with_readouts(server, jl, lens_
         text = page.inner_text(".assistant .body")
         first = "".join(t["text"] for t in tokens)
         assert text.startswith(first), (text, first)  # greedy: the same reply as the relayed one above
+        # its readouts arrive too (the relay collects them after the stream): nothing is in flight when the
+        # script is stopped below (a CI run once stopped it mid-collect and it did not exit within 60 s)
+        page.wait_for_function("msgs.length == 2 && msgs[1].tokens && msgs[1].tokens.length > 0 && "
+                               "msgs[1].tokens[0].readout !== undefined", timeout=120_000)
         assert errors == [], errors
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        proc.wait(timeout=120)
     client.generate("the water", max_tokens=2)
     assert client.collect_hook_results() == {}  # the persistent hook went away with the script
 
