@@ -264,6 +264,9 @@ def main() -> None:
     relay.client.register_hooks([Hook(readout_hook(J, MAX_K, last_row_only=True), layers)])
     server = make_server(relay, args.port, html)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Ctrl-C stops it even when started from a non-interactive shell's background job (which starts
+    # children with SIGINT ignored: the hook would then never be removed)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"wrote {args.out}; serving http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C stops and removes "
           f"the hook)", flush=True)
     try:
