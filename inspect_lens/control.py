@@ -133,7 +133,7 @@ def coup_probe_monitor(
         if not last.tool_calls:
             return state
         meta = state.output.metadata or {}
-        forced = meta.pop(PREFILLED_KEY, None) if state.output.metadata else None
+        forced = meta.pop(PREFILLED_KEY, None)  # popped from the output itself: no tensors reach the log
         if forced is not None:  # a replayed action read by the untrusted model under its policy's prompt
             lp, lyr = await lazy.get(the_model())
             if forced["layer"] != lyr:

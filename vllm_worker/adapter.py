@@ -206,38 +206,33 @@ def validation_error_cls() -> type[ValueError]:
     return LensValidationError
 
 
-@functools.cache
-def forbidden_error_cls() -> type[PermissionError]:
-    """A `PermissionError` that vLLM's API server maps to HTTP 403."""
+def _graceful_error_cls(base: type[Exception], status: str, name: str) -> type[Exception]:
+    """A subclass of `base` that vLLM's API server answers with HTTP `status` (its GracefulHTTPError);
+    plain `base` where vLLM has none."""
     try:
         from http import HTTPStatus
 
         from vllm.exceptions import GracefulHTTPError
     except ImportError:
-        return PermissionError
+        return base
+    code = HTTPStatus[status]
 
-    class LensForbidden(GracefulHTTPError, PermissionError):
-        def __init__(self, message: str) -> None:
-            super().__init__(message, HTTPStatus.FORBIDDEN)
+    def __init__(self, message: str) -> None:
+        GracefulHTTPError.__init__(self, message, code)
 
-    return LensForbidden
+    return type(name, (GracefulHTTPError, base), {"__init__": __init__})
+
+
+@functools.cache
+def forbidden_error_cls() -> type[PermissionError]:
+    """A `PermissionError` that vLLM's API server maps to HTTP 403."""
+    return _graceful_error_cls(PermissionError, "FORBIDDEN", "LensForbidden")
 
 
 @functools.cache
 def capacity_error_cls() -> type[ValueError]:
     """A `ValueError` (offline) that vLLM's API server maps to HTTP 503: admission refused for now."""
-    try:
-        from http import HTTPStatus
-
-        from vllm.exceptions import GracefulHTTPError
-    except ImportError:
-        return ValueError
-
-    class LensCapacity(GracefulHTTPError, ValueError):
-        def __init__(self, message: str) -> None:
-            super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)
-
-    return LensCapacity
+    return _graceful_error_cls(ValueError, "SERVICE_UNAVAILABLE", "LensCapacity")
 
 
 def request_prompt_len(req: Any) -> int:

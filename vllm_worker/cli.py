@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         elif name in LIMIT_FLAGS:  # `--lens-max-capture-gb 2` or `--lens-max-capture-gb=2`
             value = value if eq else next(args, "")
             try:
-                if not float(value) > 0:
+                if not value:  # (an empty setting would mean "the default" to limits.parse)
                     raise ValueError
+                limits.parse(LIMIT_FLAGS[name], value)
             except ValueError:
                 print(f"vllm-lens: {name} expects a positive number, got {value!r}", file=sys.stderr)
                 return 2

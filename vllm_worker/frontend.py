@@ -172,12 +172,12 @@ def fetch_groups(todo: list[tuple[Pending, dict[int, int]]],
                  shm_ok: bool = False) -> list[list[tuple[str, dict[int, int]]]]:
     """Split `lens_fetch` arguments into RPC round trips of bounded estimated size (`shm_ok`: every worker
     shares this machine, so results come back as shared-memory files and the reply holds only names)."""
-    limit = FETCH_GROUP_SHM_BYTES if shm_ok else FETCH_GROUP_BYTES
+    cap = FETCH_GROUP_SHM_BYTES if shm_ok else FETCH_GROUP_BYTES
     groups: list[list] = []
     size = 0
     for p, children in todo:
         est = sum(children.values()) * len(p.layers) * p.d_model * 4
-        if not groups or (groups[-1] and size + est > limit):
+        if not groups or (groups[-1] and size + est > cap):
             groups.append([])
             size = 0
         groups[-1].append((p.key, children))

@@ -34,24 +34,27 @@ LIMITS: dict[str, Limit] = {lim.env: lim for lim in (
           "model's dtype): 400 naming output_residual_stream, before any compute"),
     Limit("VLLM_LENS_MAX_STORED_GB", "--lens-max-stored-gb", 8, "GB",
           "captures in flight (admitted, not yet returned) at their largest, summed over requests: 503 "
-          "with Retry-After (offline: ValueError) for the request that would pass it, before any compute"),
+          "(offline: ValueError) for the request that would pass it, before any compute"),
     Limit("VLLM_LENS_MAX_PERSISTENT_RESULTS", "--lens-max-persistent-results", 10000, "",
           "requests whose persistent-hook results are kept until clear_hook_results: later requests fail "
           "with an error naming it"),
 )}
 
 
-def limit(env: str) -> int:
-    """The limit's value in bytes (or as a count), from the environment or its default."""
-    lim = LIMITS[env]
-    raw = os.environ.get(env)
+def parse(env: str, raw: str | None) -> float:
+    """A limit's setting as written (env var or flag; None/"" = its default); ValueError unless positive."""
     try:
-        value = float(raw) if raw not in (None, "") else lim.default
+        value = float(raw) if raw not in (None, "") else LIMITS[env].default
     except ValueError:
         raise ValueError(f"{env}: expected a number, got {raw!r}") from None
     if not value > 0:
         raise ValueError(f"{env}: must be positive, got {raw!r}")
-    return int(value * lim.scale)
+    return value
+
+
+def limit(env: str) -> int:
+    """The limit's value in bytes (or as a count), from the environment or its default."""
+    return int(parse(env, os.environ.get(env)) * LIMITS[env].scale)
 
 
 def flags() -> dict[str, str]:

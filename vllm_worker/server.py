@@ -223,7 +223,7 @@ async def _send_json(send: Any, status: int, obj: Any, headers: list | None = No
             await send({"type": "http.response.body", "body": b"".join(batch), "more_body": True})
             batch, size = [], 0
     await send({"type": "http.response.body", "body": b"".join(batch)})
-    batch = []
+    batch = []  # no reference left here: the pieces are freed in _release's thread, not on return
     await _release(pieces)
 
 

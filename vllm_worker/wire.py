@@ -126,9 +126,6 @@ class LazyTensorJSON:
         if self.raw is not None:
             yield from _b64_pieces(self.raw)
 
-    def materialize(self) -> dict[str, Any]:
-        return tensor_to_json(self.t)
-
 
 _JSON_CHUNK = 4 << 20  # characters of one string encoded per json.dumps call
 
