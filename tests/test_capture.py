@@ -107,21 +107,41 @@ def test_n_samples_each_get_their_own_activations(llama):
     assert out.activations is out.outputs[0].activations
 
 
-def test_result_memory_is_made_while_requests_run_and_never_left_behind(llama):
-    """The worker makes each capturing request's shared-memory result file while the request runs (sized
-    for prompt + max_tokens), writes the result as its prefix at fetch and truncates it; a request that
-    stops early (a stop token) gets exactly its positions. Every file is read and removed."""
+def test_result_memory_is_pooled_reused_and_never_overwritten_while_held(llama):
+    """Captures come back as tensors over the worker's shared-memory result pool (no copy): a request's
+    largest result is announced when it arrives, a request that stops early (a stop token) gets exactly
+    its positions, a region goes back to the pool only once the caller's tensor is gone (with the next
+    fetch), and is then reused — while a result the caller still holds is never written again."""
+    import gc
+
+    def pool():
+        return llama.collective_rpc("lens_status")[0]["result_pool"]
+
     first = llama.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                            use_tqdm=False)[0]
     stop_tok = first.outputs[0].token_ids[2]
-    before = llama.collective_rpc("lens_status")[0]["prepared"]
     sps = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [0, 2]}),
            SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_tok],
                           extra_args={"output_residual_stream": [0, 2]})]
     outs = llama.generate([PROMPT, PROMPT], sps, use_tqdm=False)
-    status = llama.collective_rpc("lens_status")[0]
-    assert status["prepared"]["used"] - before["used"] == 2 and status["shm_files"] == 0
-    assert len(outs[1].outputs[0].token_ids) == 3  # stopped early: 40 positions were prepared
+    gc.collect()
+    held = pool()
+    assert held["expected_bytes"] == 0 and held["regions_in_use"] >= 2 and held["segments"] >= 1
+    assert llama.collective_rpc("lens_status")[0]["shm_files"] == 0
+    assert len(outs[1].outputs[0].token_ids) == 3  # stopped early: 40 positions were announced
+    keep = outs[0].activations["residual_stream"]
+    assert keep.untyped_storage().nbytes() == keep.numel() * keep.element_size()  # its own region, no copy
+    snapshot = keep.clone()
+    made = held["segments_made"]
+    for _ in range(3):  # later results reuse freed regions, never the held one
+        again = llama.generate([PROMPT + " again"] * 2, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [0, 1, 2]}), use_tqdm=False)
+        assert all(o.activations["residual_stream"].shape[0] == 3 for o in again)
+        del again
+        gc.collect()
+    assert torch.equal(keep, snapshot)
+    now = pool()
+    assert now["segments_made"] == made and now["frees"] > held["frees"]
+    assert now["regions_in_use"] <= held["regions_in_use"] + 2
     hf = hf_model("llama")
     for out in outs:
         ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import adapter, shm
+from . import adapter, result_pool, shm
 from .hooks import HookError
 from .limits import limit
 from .spec import CAPTURE_KEY, PAYLOAD_KEY, ModelShape, cache_salt, encode, has_lens_keys, parse_request
@@ -218,12 +218,25 @@ def _shm_everywhere(engine: Any, hosts: list | None = None) -> bool:
     return got
 
 
+def _pools(engine: Any) -> set[str]:
+    got = getattr(engine, "_lens_pools", None)
+    if got is None:
+        got = set()
+        try:
+            engine._lens_pools = got
+        except AttributeError:
+            pass
+    return got
+
+
 def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
     t = time.perf_counter()
     merged: dict[str, dict] = {}
     host = shm.host_id()
+    pools = _pools(engine)
     for group in fetch_groups(todo, host is not None and _shm_everywhere(engine)):
-        merge_fetched(merged, adapter.rpc(engine, "lens_fetch", group, host))
+        merge_fetched(merged, adapter.rpc(engine, "lens_fetch", group, host, result_pool.take_released(pools)))
+    pools |= result_pool.pools_of(merged)
     TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
     return merged
 
@@ -236,30 +249,37 @@ async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, in
     everywhere = getattr(engine_client, "_lens_shm_everywhere", None)
     if host is not None and everywhere is None:
         everywhere = _shm_everywhere(engine_client, await adapter.rpc_async(engine_client, "lens_host_id"))
+    pools = _pools(engine_client)
     for group in fetch_groups(todo, host is not None and bool(everywhere)):
-        merge_fetched(merged, await adapter.rpc_async(engine_client, "lens_fetch", group, host))
+        merge_fetched(merged, await adapter.rpc_async(engine_client, "lens_fetch", group, host,
+                                                      result_pool.take_released(pools)))
+    pools |= result_pool.pools_of(merged)
     TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
     return merged
 
 
 def _part_tensor(part: dict) -> torch.Tensor:
-    if "shm" in part:  # written by our own worker on this machine (see shm.py)
+    if "pool" in part:  # written by our own worker on this machine (see result_pool.py)
+        return result_pool.view(part["pool"], dtype_from_name(part["pool"]["dtype"]))
+    if "shm" in part:
         m = part["shm"]
         return shm.load(m["path"], list(m["shape"]), dtype_from_name(m["dtype"]))
     return tensor_from_bytes(part["tensor"], "residual_stream")
 
 
 def discard_parts(parts: list[dict]) -> None:
-    """Results that will not be decoded: remove their shared-memory files."""
+    """Results that will not be decoded: give their shared memory back."""
     for part in parts:
-        if "shm" in part:
+        if "pool" in part:
+            result_pool.discard(part["pool"])
+        elif "shm" in part:
             shm.discard(part["shm"]["path"])
 
 
 def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
     by_layer: dict[int, torch.Tensor] = {}
     for part in parts:
-        if "tensor" not in part and "shm" not in part:
+        if "tensor" not in part and "shm" not in part and "pool" not in part:
             continue
         t = _part_tensor(part)
         if list(part["layers"]) == list(p.layers):  # one stage holds every layer: no re-stacking copy

@@ -192,15 +192,16 @@ class LensRuntime:
                             simple, entries, entry_ids)
 
     def _prepare_result(self, req_id: str, payload: dict, capture: list[int], store: Store) -> None:
-        """A frontend on this machine gets captures through shared memory: make the file now, while the
-        request runs, instead of after its last step (`store.Preparer`)."""
+        """A frontend on this machine gets captures through the shared-memory result pool: announce the
+        request's largest result now, so the pool can grow while it runs (`ResultPool.expect`)."""
         if not capture or not self.capturing_rank or self._shm_host is None or payload.get("shm") != self._shm_host:
             return
+        pool = self.store.pool
         local = [l for l in capture if l in self._local]
         n_pos = adapter.request_max_positions(self.runner, req_id)
-        if local and n_pos:
-            store.prepared, store.prepared_bytes = self.store.preparer.prepare(
-                (len(local), n_pos, self._d_model), self.dtype)
+        if pool is not None and local and n_pos:
+            esize = torch.empty((), dtype=self.dtype).element_size()
+            store.expected = pool.expect(len(local) * n_pos * self._d_model * esize)
 
     def _ctx(self, saved: dict, external: str) -> HookContext:
         return HookContext(saved=saved, request_id=external, tp_rank=self.tp_rank, model=self.model,
@@ -391,10 +392,12 @@ class LensRuntime:
 
     # ---------------------------------------------------------------- fetch (RPC)
 
-    def fetch(self, wanted: list[tuple[str, dict[int, int]]], shm_host: str | None = None) -> dict[str, Any]:
-        """`shm_host`: the frontend's machine id; on the same machine, captures travel as shm files."""
+    def fetch(self, wanted: list[tuple[str, dict[int, int]]], shm_host: str | None = None,
+              released: list | None = None) -> dict[str, Any]:
+        """`shm_host`: the frontend's machine id; on the same machine, captures travel through the shared
+        memory result pool. `released`: pool regions the frontend no longer uses."""
         use_shm = shm_host is not None and shm_host == shm.host_id()
-        return self.store.fetch(wanted, self.capturing_rank, self.layer_ids, _pickle_saved, use_shm)
+        return self.store.fetch(wanted, self.capturing_rank, self.layer_ids, _pickle_saved, use_shm, released)
 
     def drop(self, keys: list[str]) -> int:
         return self.store.drop(keys)
@@ -467,7 +470,7 @@ class LensRuntime:
             "fetch_timings": dict(store_mod.FETCH_TIMINGS),
             "step_timings": dict(STEP_TIMINGS),
             "shm_files": shm.own_files(),
-            "prepared": dict(store_mod.PREPARE_STATS),
+            "result_pool": self.store.pool_status(),
         }
 
 

@@ -60,10 +60,11 @@ def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str
 
 
 def own_files() -> int:
-    """Capture files this process created that still exist (none is left once results are read)."""
+    """Per-request capture files this process created that still exist (none is left once results are
+    read); the result pool's segments (`result_pool`) are not counted."""
     mine = f"{PREFIX}{os.getpid()}-"
     try:
-        return sum(1 for f in os.listdir(SHM_DIR) if f.startswith(mine))
+        return sum(1 for f in os.listdir(SHM_DIR) if f.startswith(mine) and "-pool" not in f)
     except OSError:
         return 0
 
@@ -78,7 +79,7 @@ def sweep_stale() -> int:
         return 0
     for f in names:
         try:
-            pid = int(f[len(PREFIX):].split("-", 1)[0])
+            pid = int(f[len(PREFIX):].split("-", 1)[0])  # `<pid>-<uuid>` or `<pid>-pool<id>-<n>`
         except ValueError:
             continue
         try:

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from .plan import StepPlan
-from . import faults, shm
+from . import faults, result_pool
+from .result_pool import ResultPool, np_dtype
 from .limits import limit
 from .wire import dtype_name, tensor_to_bytes
 
@@ -28,14 +29,6 @@ logger = logging.getLogger("vllm_worker")
 # Captures kept in the worker until fetched. Past the cap the oldest are dropped and a later fetch of
 # them reports it (an error, never a silent empty result).
 MAX_STORED_BYTES = limit("VLLM_LENS_MAX_STORED_GB")
-
-# Shared-memory result files made ahead of fetches (`Preparer`), at most this many bytes at a time.
-PREPARE_BYTES = int(float(os.environ.get("VLLM_LENS_SHM_PREPARE_GB", "4")) * (1 << 30))
-# ... and only for requests whose longest possible result is at most this (a request without max_tokens
-# may allow thousands of positions it will never reach: not worth reserving)
-PREPARE_MAX_REQUEST_BYTES = int(float(os.environ.get("VLLM_LENS_SHM_PREPARE_MAX_MB", "512")) * (1 << 20))
-
-PREPARE_STATS = {"made": 0, "used": 0, "discarded": 0}  # diagnostics (in `status`)
 
 # At most this many threads assemble a fetch's requests; one per ASSEMBLY_BYTES_PER_THREAD of results.
 # Measured on the H200 host (bench/results/2026-12-01-h200-s6.md): per-request assembly is mostly Python,
@@ -57,8 +50,8 @@ def _pool(threads: int) -> Any:
 
 # Diagnostics (reported by `status`, read by benchmarks): cumulative seconds in fetches.
 FETCH_TIMINGS = {"wait_copies_s": 0.0, "assemble_s": 0.0,
-                 # summed over assembly threads: waiting for prepared files, allocating unprepared ones, copying
-                 "take_wait_s": 0.0, "alloc_s": 0.0, "copy_s": 0.0, "late_prepared": 0,
+                 # summed over assembly threads: taking result memory (pool regions), copying into it
+                 "alloc_s": 0.0, "copy_s": 0.0,
                  "arena_alloc_s": 0.0}  # host memory for steps' captures, allocated in the step
 
 
@@ -125,61 +118,7 @@ class Store:
     saved: list[dict] = field(default_factory=list)
     error: str | None = None
     nonfinite: dict = field(default_factory=dict)  # hook -> device flag: it returned NaN/inf (not applied)
-    prepared: Any = None  # Future of a (tensor, path) shared-memory result file made ahead (`Preparer`)
-    prepared_bytes: int = 0
-
-
-class Preparer:
-    """Shared-memory result files made and faulted in while the GPU generates. Materialising fresh
-    memory for hundreds of MB of captures was most of the time between the last step and the results
-    (page population, measured 3x the copy itself); done ahead, on a background thread (the syscalls and
-    page touching release the GIL), the fetch only copies. Sized for the request's longest possible
-    output (prompt + max_tokens); the result is written as a prefix and the file truncated to it.
-    Bounded by `VLLM_LENS_SHM_PREPARE_GB` of files not yet fetched."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self._lock = threading.Lock()
-        self._pool: Any = None
-
-    def prepare(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, int]:
-        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        with self._lock:
-            if nbytes == 0 or nbytes > PREPARE_MAX_REQUEST_BYTES or self.bytes + nbytes > PREPARE_BYTES:
-                return None, 0
-            self.bytes += nbytes
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lens-shm-prepare")
-            PREPARE_STATS["made"] += 1
-        return self._pool.submit(_make_prepared, shape, dtype), nbytes
-
-    def take(self, st: "Store") -> tuple[torch.Tensor, str] | None:
-        """The request's prepared file (waits if it is still being made); the caller owns it."""
-        fut, st.prepared = st.prepared, None
-        if fut is None:
-            return None
-        with self._lock:
-            self.bytes -= st.prepared_bytes
-        if not fut.done():
-            FETCH_TIMINGS["late_prepared"] += 1
-        return fut.result()
-
-    def release(self, st: "Store") -> None:
-        """The request will not use its prepared file: remove it (once made)."""
-        got = self.take(st)
-        if got is not None:
-            shm.discard(got[1])
-            PREPARE_STATS["discarded"] += 1
-
-
-def _make_prepared(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str] | None:
-    got = shm.alloc(shape, dtype)
-    if got is not None:
-        flat = got[0].view(-1)
-        flat[:: max(1, 4096 // flat.element_size())].zero_()  # fault every page in now
-    return got
+    expected: int = 0  # bytes announced to the result pool when the request arrived (`ResultPool.expect`)
 
 
 class CaptureStore:
@@ -189,7 +128,17 @@ class CaptureStore:
         self.stored_bytes = 0
         self.lock = threading.Lock()
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.preparer = Preparer()
+        self._pool: ResultPool | None = None
+
+    @property
+    def pool(self) -> ResultPool | None:
+        """This worker's shared-memory result pool (made on first use; None when turned off)."""
+        if self._pool is None and result_pool.enabled():
+            self._pool = ResultPool()
+        return self._pool
+
+    def pool_status(self) -> dict[str, Any] | None:
+        return self._pool.status() if self._pool is not None else None
 
     def __len__(self) -> int:
         return len(self._stores)
@@ -252,8 +201,9 @@ class CaptureStore:
             self._evict_if_needed()
 
     def _release(self, st: Store) -> None:
-        if st.prepared is not None:
-            self.preparer.release(st)
+        if st.expected and self._pool is not None:
+            self._pool.unexpect(st.expected)
+            st.expected = 0
         for seg in st.segments:
             seg.log.refs -= 1
             if seg.log.refs == 0:
@@ -271,11 +221,15 @@ class CaptureStore:
     # ------------------------------------------------------------ fetch
 
     def fetch(self, wanted: list[tuple[str, dict[int, int]]], reporting: bool,
-              layer_ids: list[int], assemble_saved: Any, use_shm: bool = False) -> dict[str, Any]:
+              layer_ids: list[int], assemble_saved: Any, use_shm: bool = False,
+              released: list | None = None) -> dict[str, Any]:
         """{key: {child: payload}} for this rank's layers; pops what it returns. A rank that does not
         report (TP rank > 0: hooks ran there too, on the same replicated stream) only drops. `use_shm`:
-        capture tensors go through shared-memory files (see `shm`)."""
+        capture tensors go into the shared-memory result pool (`result_pool`); `released`: pool regions
+        the frontend is done with."""
         out: dict[str, Any] = {}
+        if released and self._pool is not None:
+            self._pool.free(released)
         t0 = time.perf_counter()
         if self.side is not None:
             self.side.synchronize()
@@ -301,7 +255,7 @@ class CaptureStore:
                     if st is not None:
                         todo.append((key, int(child), st, int(n_pos)))
             if reporting:
-                payloads = self._assemble_all(todo, layer_ids, assemble_saved, use_shm, self.preparer)
+                payloads = self._assemble_all(todo, layer_ids, assemble_saved, self.pool if use_shm else None)
                 for (key, child, _, _), payload in zip(todo, payloads):
                     out.setdefault(key, {})[child] = payload
             for _, _, st, _ in todo:
@@ -309,11 +263,10 @@ class CaptureStore:
         return out
 
     @staticmethod
-    def _assemble_all(todo: list, layer_ids: list[int], assemble_saved: Any, use_shm: bool,
-                      preparer: Preparer) -> list:
+    def _assemble_all(todo: list, layer_ids: list[int], assemble_saved: Any, pool: ResultPool | None) -> list:
         """Large fetches are assembled in a few parallel threads (`assembly_threads`): after a large batch
         this is most of the time between the last step and the results."""
-        jobs = [lambda st=st, n=n: _assemble_or_error(st, n, layer_ids, assemble_saved, use_shm, preparer)
+        jobs = [lambda st=st, n=n: _assemble_or_error(st, n, layer_ids, assemble_saved, pool)
                 for _, _, st, n in todo]
         threads = assembly_threads(sum(_result_bytes(st, n) for _, _, st, n in todo))
         if len(todo) < 2 or threads <= 1:
@@ -330,13 +283,13 @@ class CaptureStore:
             return len(gone)
 
 
-def _assemble_or_error(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any, use_shm: bool,
-                       preparer: Preparer) -> dict[str, Any]:
+def _assemble_or_error(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
+                       pool: ResultPool | None) -> dict[str, Any]:
     """One request's payload; a failure of our own code here is that request's error, not the fetch's."""
     try:
         if st.layers:
             faults.check("assemble")
-        return _assemble(st, n_pos, layer_ids, assemble_saved, use_shm, preparer)
+        return _assemble(st, n_pos, layer_ids, assemble_saved, pool)
     except Exception as e:  # noqa: BLE001
         logger.error("inspect-lens: assembling a request's results failed: %s: %s", type(e).__name__, e)
         return {"error": f"inspect-lens internal error while assembling results: {type(e).__name__}: {e}"}
@@ -361,21 +314,8 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def _prepared_view(got: tuple[torch.Tensor, str] | None, shape: tuple[int, ...],
-                   dtype: torch.dtype) -> tuple[torch.Tensor, str] | None:
-    """The prefix of a prepared file as a `shape` tensor, or None (and the file removed) if it does not fit."""
-    if got is None:
-        return None
-    t, path = got
-    numel = int(np.prod(shape))
-    if t.dtype != dtype or t.dim() != 3 or t.shape[0] != shape[0] or t.shape[2] != shape[2] or t.shape[1] < shape[1]:
-        shm.discard(path)
-        return None
-    return t.view(-1)[:numel].view(shape), path
-
-
 def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
-              use_shm: bool = False, preparer: Preparer | None = None) -> dict[str, Any]:
+              pool: ResultPool | None = None) -> dict[str, Any]:
     payload: dict[str, Any] = {}
     if st.error is None and st.nonfinite:
         bad = [where for where, flag in st.nonfinite.items() if bool(flag)]
@@ -398,25 +338,18 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
         return payload
     d, dtype = parts[0][2].shape[-1], parts[0][2].dtype
     shape = (len(mine), n_pos, d)
-    t0 = time.perf_counter()
-    got = preparer.take(st) if preparer is not None and st.prepared is not None else None
+    nbytes = int(np.prod(shape)) * parts[0][2].element_size()
     t1 = time.perf_counter()
-    mapped = None
-    if use_shm:
-        mapped = _prepared_view(got, shape, dtype)
-        if mapped is not None:
-            os.truncate(mapped[1], int(np.prod(shape)) * mapped[0].element_size())  # the unused tail goes
-            PREPARE_STATS["used"] += 1
-        else:
-            mapped = shm.alloc(shape, dtype)
-    elif got is not None:
-        shm.discard(got[1])
-    t = mapped[0] if mapped is not None else torch.zeros(shape, dtype=dtype)
+    region = pool.alloc(nbytes, st.expected) if pool is not None else None
+    st.expected = 0
+    if region is not None:
+        dst = region[3].view(np_dtype(dtype)).reshape(shape)
+    else:
+        t = torch.zeros(shape, dtype=dtype)
+        dst = _np(t)
     t2 = time.perf_counter()
-    FETCH_TIMINGS["take_wait_s"] += t1 - t0
     FETCH_TIMINGS["alloc_s"] += t2 - t1
     filled = np.zeros((len(mine), n_pos), dtype=bool)
-    dst = _np(t)
     for slot, pos, rows in parts:  # pos (steps, n), rows (steps, n, d)
         p = _np(pos).ravel()
         src = _np(rows)
@@ -434,10 +367,13 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
         filled[slot, p] = True
     FETCH_TIMINGS["copy_s"] += time.perf_counter() - t2
     missing = [(l, int(np.flatnonzero(~filled[i])[0])) for i, l in enumerate(mine) if not filled[i].all()]
-    if mapped is not None:
-        payload.update({"layers": mine, "shm": {"path": mapped[1], "dtype": dtype_name(dtype), "shape": list(shape)}})
+    if missing:
+        dst[~filled] = 0  # reused memory: never hand out another request's old rows
+        payload.setdefault("error", f"positions never ran a forward pass (layer, first missing position): {missing}")
+    if region is not None:
+        path, off, size, _ = region
+        payload.update({"layers": mine, "pool": {"path": path, "offset": off, "size": size, "nbytes": nbytes,
+                                                 "dtype": dtype_name(dtype), "shape": list(shape)}})
     else:
         payload.update({"layers": mine, "tensor": tensor_to_bytes(t)})
-    if missing:
-        payload.setdefault("error", f"positions never ran a forward pass (layer, first missing position): {missing}")
     return payload

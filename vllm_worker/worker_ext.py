@@ -46,9 +46,10 @@ class LensWorkerExtension:
             raise RuntimeError("inspect-lens is not installed on this worker's model runner")
         return rt
 
-    def lens_fetch(self, wanted: list, shm_host: str | None = None) -> dict:
+    def lens_fetch(self, wanted: list, shm_host: str | None = None, released: list | None = None) -> dict:
         return self._lens_rt().fetch([(k, {int(c): int(n) for c, n in ch.items()}) for k, ch in wanted],
-                                     None if shm_host is None else str(shm_host))
+                                     None if shm_host is None else str(shm_host),
+                                     [(str(p), int(o)) for p, o in released or ()])
 
     def lens_host_id(self) -> str | None:
         return shm.host_id()
