@@ -110,3 +110,16 @@ def zero_dim_edit(dim: int, layers: set[int] | tuple[int, ...], steer: Edit | No
             h[..., dim] = 0
         return h
     return edit
+
+
+def held_results(llm) -> tuple[int, int]:
+    """(result-pool regions handed out and not given back, bytes still announced by running requests) of
+    an offline engine, after collecting garbage and giving back what nothing references any more."""
+    import gc
+
+    from vllm_worker import frontend
+
+    gc.collect()
+    frontend.release_results(llm)
+    status = llm.collective_rpc("lens_status")[0]
+    return status["result_regions"], (status["result_pool"] or {}).get("expected_bytes", 0)

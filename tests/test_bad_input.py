@@ -6,6 +6,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
+from reference import held_results
 from vllm_worker import SteeringVector
 
 PROMPT = "the water of people will come"
@@ -78,15 +79,19 @@ def test_requests_aborted_by_a_later_bad_one_leave_nothing_behind(llama):
     from vllm_worker import adapter, frontend
 
     proc = adapter.processor_of_llm(llama)
+    held, _ = held_results(llama)
     with pytest.raises(ValueError, match="out of range"):
         llama.generate([PROMPT, PROMPT, PROMPT], [_sp(output_residual_stream=[0]), _sp(output_residual_stream=[1]),
                                                   _sp(output_residual_stream=[99])], use_tqdm=False)
     assert frontend.pending_count(proc) == 0
     status = llama.collective_rpc("lens_status")[0]
-    assert status["stored_requests"] == 0 and status["shm_files"] == 0  # prepared result files removed too
+    assert status["stored_requests"] == 0
+    assert held_results(llama) == (held, 0)  # nothing announced to the result pool is left either
     out = llama.generate([PROMPT], _sp(output_residual_stream=[0]), use_tqdm=False)[0]
     assert out.activations["residual_stream"].shape[0] == 1
-    assert llama.collective_rpc("lens_status")[0]["shm_files"] == 0
+    assert held_results(llama) == (held + 1, 0)
+    del out
+    assert held_results(llama) == (held, 0)
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -127,7 +127,6 @@ def test_result_memory_is_pooled_reused_and_never_overwritten_while_held(llama):
     gc.collect()
     held = pool()
     assert held["expected_bytes"] == 0 and held["regions_in_use"] >= 2 and held["segments"] >= 1
-    assert llama.collective_rpc("lens_status")[0]["shm_files"] == 0
     assert len(outs[1].outputs[0].token_ids) == 3  # stopped early: 40 positions were announced
     keep = outs[0].activations["residual_stream"]
     assert keep.untyped_storage().nbytes() == keep.numel() * keep.element_size()  # its own region, no copy

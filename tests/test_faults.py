@@ -7,7 +7,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from reference import hf_model, residuals
+from reference import held_results, hf_model, residuals
 from vllm_worker import Hook, HookError, SteeringVector, faults
 
 PROMPTS = ["the water of people will come down to the side", "a long thing to see him",
@@ -40,6 +40,7 @@ def test_a_fault_in_our_code_fails_only_the_requests_it_hits(llama, stage, monke
     baseline = llama.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                               use_tqdm=False)[0]
     with_hook, hit = HIT[stage]
+    held, _ = held_results(llama)
     batch = _batch(with_hook)
     monkeypatch.setattr(faults, "STAGE", stage)
     with pytest.raises(HookError) as info:
@@ -52,7 +53,9 @@ def test_a_fault_in_our_code_fails_only_the_requests_it_hits(llama, stage, monke
     # the plain batch-mate got exactly its solo tokens
     assert outs[1].outputs[0].token_ids == baseline.outputs[0].token_ids and outs[1].hook_error is None
     status = llama.collective_rpc("lens_status")[0]
-    assert status["stored_requests"] == 0 and status["shm_files"] == 0
+    assert status["stored_requests"] == 0
+    del outs, info
+    assert held_results(llama) == (held, 0)  # failed requests' result memory went back too
     # and the engine serves the next capture exactly
     ok = llama.generate([PROMPTS[0]], _batch()[0], use_tqdm=False)[0]
     ids = list(ok.prompt_token_ids) + list(ok.outputs[0].token_ids)

@@ -323,10 +323,10 @@ def test_disconnected_streams_leave_nothing_behind(server):
     deadline = time.time() + 30
     while time.time() < deadline:
         info = _client(server).info()
-        if info["pending_results"] == 0 and info["stored_requests"] == 0 and info["shm_files"] == 0:
+        if info["pending_results"] == 0 and info["stored_requests"] == 0 and info["result_regions"] == 0:
             break
         time.sleep(0.5)
-    assert (info["pending_results"], info["stored_requests"], info["shm_files"]) == (0, 0, 0), info
+    assert (info["pending_results"], info["stored_requests"], info["result_regions"]) == (0, 0, 0), info
     ok = _client(server).generate(PROMPT, max_tokens=3, temperature=0, capture_layers=[0])
     assert ok.activations["residual_stream"].shape[1] == len(ok.prompt_token_ids) + 2
 

@@ -50,7 +50,7 @@ def _rss_mb(url: str, each: bool = False):
 
 def _counts(url: str) -> tuple[int, int, int, int]:
     info = LensClient(url, api_key=KEY).info()
-    return info["pending_results"], info["stored_requests"], info["shm_files"], info["capture_bytes_in_flight"]
+    return info["pending_results"], info["stored_requests"], info["result_regions"], info["capture_bytes_in_flight"]
 
 
 def _wait_zero(url: str, timeout: float = 30) -> tuple:

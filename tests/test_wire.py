@@ -46,35 +46,6 @@ def test_size_limit_applies_after_decompression():
         tensor_from_json(obj, "t", max_bytes=1 << 12)
 
 
-def test_shared_memory_hand_off_round_trip_and_fallback(monkeypatch, tmp_path):
-    """Captures cross from worker to frontend as /dev/shm files: exact bytes, file gone after loading;
-    when the space cannot be reserved the caller gets None (and uses the RPC bytes path)."""
-    import os
-
-    from vllm_worker import shm
-
-    assert shm.host_id() is not None
-    got = shm.alloc((2, 3, 4), torch.bfloat16)
-    assert got is not None
-    t, path = got
-    assert float(t.float().abs().sum()) == 0.0  # zero-filled
-    src = torch.randn(2, 3, 4).to(torch.bfloat16)
-    t.copy_(src)
-    back = shm.load(path, [2, 3, 4], torch.bfloat16)
-    assert torch.equal(back, src) and not os.path.exists(path)
-    with pytest.raises(ValueError, match="not a capture file"):
-        shm.load(str(tmp_path / "x"), [1], torch.float32)
-
-    def full(fd, off, n):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "posix_fallocate", full)
-    assert shm.alloc((1024,), torch.float32) is None
-    assert not [f for f in os.listdir(shm.SHM_DIR) if f.startswith(shm.PREFIX + str(os.getpid()))]
-    monkeypatch.setenv("VLLM_LENS_SHM", "0")
-    assert shm.host_id() is None
-
-
 def _original_form(t: torch.Tensor, zstd: bool = True) -> dict:
     """A tensor object as the original vllm-lens sends it: numpy storage dtype (bfloat16 as int16),
     `original_dtype`, base64 `data`, zstd or no compression."""

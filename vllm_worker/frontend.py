@@ -258,12 +258,21 @@ async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, in
     return merged
 
 
+def release_results(engine: Any) -> int:
+    """Give the workers back the result memory of every capture tensor already garbage-collected (this
+    otherwise happens with the engine's next fetch); returns how many regions."""
+    released = result_pool.take_released(_pools(engine))
+    return sum(adapter.rpc(engine, "lens_release", released)) if released else 0
+
+
+async def release_results_async(engine_client: Any) -> int:
+    released = result_pool.take_released(_pools(engine_client))
+    return sum(await adapter.rpc_async(engine_client, "lens_release", released)) if released else 0
+
+
 def _part_tensor(part: dict) -> torch.Tensor:
     if "pool" in part:  # written by our own worker on this machine (see result_pool.py)
         return result_pool.view(part["pool"], dtype_from_name(part["pool"]["dtype"]))
-    if "shm" in part:
-        m = part["shm"]
-        return shm.load(m["path"], list(m["shape"]), dtype_from_name(m["dtype"]))
     return tensor_from_bytes(part["tensor"], "residual_stream")
 
 
@@ -272,14 +281,12 @@ def discard_parts(parts: list[dict]) -> None:
     for part in parts:
         if "pool" in part:
             result_pool.discard(part["pool"])
-        elif "shm" in part:
-            shm.discard(part["shm"]["path"])
 
 
 def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
     by_layer: dict[int, torch.Tensor] = {}
     for part in parts:
-        if "tensor" not in part and "shm" not in part and "pool" not in part:
+        if "tensor" not in part and "pool" not in part:
             continue
         t = _part_tensor(part)
         if list(part["layers"]) == list(p.layers):  # one stage holds every layer: no re-stacking copy

@@ -402,6 +402,11 @@ class LensRuntime:
     def drop(self, keys: list[str]) -> int:
         return self.store.drop(keys)
 
+    def release(self, released: list) -> int:
+        """Result-pool regions the frontend is done with (outside a fetch)."""
+        pool = self.store._pool
+        return pool.free(released) if pool is not None and released else 0
+
     # ---------------------------------------------------------------- persistent hooks (RPC)
 
     def register_hooks(self, hooks: list[tuple[bytes, list[int], bool]]) -> int:
@@ -469,7 +474,8 @@ class LensRuntime:
             "prefetched": sorted(self.params.prefetched),
             "fetch_timings": dict(store_mod.FETCH_TIMINGS),
             "step_timings": dict(STEP_TIMINGS),
-            "shm_files": shm.own_files(),
+            # shared-memory result regions handed to the frontend and not yet given back
+            "result_regions": (self.store.pool_status() or {}).get("regions_in_use", 0),
             "result_pool": self.store.pool_status(),
         }
 

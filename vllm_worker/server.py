@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 
 from . import adapter
 from .frontend import (Pending, _pending, decode_sample, fetch_async, in_flight_bytes, mark_consumer, merge_collected,
-                       pending_count)
+                       pending_count, release_results_async)
 from .limits import LIMITS, limit
 from .spec import (ALL_LAYERS, CAPTURE_KEY, HOOK_KEY, MAX_PAYLOAD_BYTES, STEER_KEY, ModelShape, capture_layers,
                    has_lens_keys, parse_hooks, remote_hooks_allowed)
@@ -552,14 +552,15 @@ async def info(request: Request):
 
     state = _state(request.app)
     shape = _shape(state)
+    await release_results_async(state.engine)  # what responses already sent no longer hold
     status = await adapter.rpc_async(state.engine, "lens_status")
     return {"n_layers": shape.n_layers, "d_model": shape.d_model, "vllm_version": vllm.__version__,
             "remote_hooks": remote_hooks_allowed(),
             # results waiting for a consumer: both return to 0 once requests finish or are aborted
             "pending_results": pending_count(adapter.processor_of_engine_client(state.engine)),
             "stored_requests": sum(st["stored_requests"] for st in status),
-            # shared-memory result files the workers hold (made ahead, or written and not yet read)
-            "shm_files": sum(st.get("shm_files", 0) for st in status),
+            # shared-memory result regions handed out and not yet given back (0 once responses are sent)
+            "result_regions": sum(st.get("result_regions", 0) for st in status),
             # captures admitted and not yet returned, at their largest (counted against VLLM_LENS_MAX_STORED_GB)
             "capture_bytes_in_flight": in_flight_bytes(adapter.processor_of_engine_client(state.engine)),
             "limits": {lim.env: limit(lim.env) for lim in LIMITS.values()}}

@@ -51,6 +51,9 @@ class LensWorkerExtension:
                                      None if shm_host is None else str(shm_host),
                                      [(str(p), int(o)) for p, o in released or ()])
 
+    def lens_release(self, released: list) -> int:
+        return self._lens_rt().release([(str(p), int(o)) for p, o in released or ()])
+
     def lens_host_id(self) -> str | None:
         return shm.host_id()
 
