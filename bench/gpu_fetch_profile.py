@@ -66,11 +66,13 @@ def main() -> None:
                  for k in after_s["fetch_timings"]}
         steps = {k: round(after_s["step_timings"][k] - before_s["step_timings"].get(k, 0), 4)
                  for k in after_s["step_timings"]}
-        prep = {k: after_s["prepared"][k] - before_s["prepared"].get(k, 0) for k in after_s["prepared"]}
+        pool_a, pool_b = after_s.get("result_pool") or {}, before_s.get("result_pool") or {}
+        prep = {k: round(pool_a[k] - pool_b.get(k, 0), 4) if isinstance(pool_a[k], (int, float)) else pool_a[k]
+                for k in pool_a}
         front = {k: round(frontend.TIMINGS[k] - before_f[k], 4) for k in frontend.TIMINGS}
         del outs
         print("PROFILE " + json.dumps({"run": w, "threads": threads, "wall_s": round(wall, 3), "tok_s": round(toks / wall),
-                                       "frontend": front, "worker_fetch": fetch, "steps": steps, "prepared": prep,
+                                       "frontend": front, "worker_fetch": fetch, "steps": steps, "result_pool": prep,
                                        "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_LENS")}}),
               flush=True)
 

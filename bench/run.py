@@ -21,9 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPS = ROOT / "bench" / ".deps"
-ALL = ("W0", "W1", "W2", "W3", "W4", "W5")
+ALL = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5")
 NAMES = {"W0": "plain generation", "W1": "capture 1 middle layer", "W2": "capture all layers",
-         "W3": "steer 1 layer", "W4": "Python hook 1 layer", "W5": "mixed batch (¼ capture, ¼ steer)"}
+         "W3": "steer 1 layer", "W4": "Python hook 1 layer", "W4n": "Python hook 1 layer, result kept on the GPU", "W5": "mixed batch (¼ capture, ¼ steer)"}
 
 
 def system_env(system: str) -> dict[str, str]:

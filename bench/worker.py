@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 
-WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W5")
+WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5")
 
 
 def mem_mb() -> tuple[float, float]:
@@ -106,6 +106,8 @@ class VLLMSystem:
             return {"apply_steering_vectors": [SteeringVector(activations=self.vec, layer_indices=[mid], scale=1.0)]}
         if workload == "W4":
             return {"apply_hooks": [Hook(fn=_norm_hook, layer_indices=[mid])]}
+        if workload == "W4n":
+            return {"apply_hooks": [Hook(fn=_norm_hook_on_device, layer_indices=[mid])]}
         raise ValueError(workload)
 
     def bulk(self, n: int, new: int, prompt_len: int) -> dict:
@@ -157,6 +159,13 @@ class VLLMSystem:
 
 def _norm_hook(ctx, h):
     ctx.saved["norm"] = h.float().norm(dim=-1).mean().item() if h.numel() else 0.0
+    return None
+
+
+def _norm_hook_on_device(ctx, h):
+    """W4n: the same reading kept on the GPU (no device sync per request per step; it reaches the host
+    with the results)."""
+    ctx.saved["norm"] = h.float().norm(dim=-1).mean()
     return None
 
 
@@ -232,6 +241,10 @@ class HFSystem:
             h = out[0] if isinstance(out, tuple) else out
             saved.append(h.float().norm(dim=-1).mean().item())
 
+        def hook_on_device(_m, _i, out):
+            h = out[0] if isinstance(out, tuple) else out
+            saved.append(h.float().norm(dim=-1).mean())
+
         if workload == "W1":
             handles.append(layers[mid].register_forward_hook(capture))
         elif workload == "W2":
@@ -240,6 +253,8 @@ class HFSystem:
             handles.append(layers[mid].register_forward_hook(steer))
         elif workload == "W4":
             handles.append(layers[mid].register_forward_hook(hook))
+        elif workload == "W4n":
+            handles.append(layers[mid].register_forward_hook(hook_on_device))
         try:
             with torch.inference_mode():
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,

@@ -148,3 +148,23 @@ def test_result_memory_is_pooled_reused_and_never_overwritten_while_held(llama):
         acts = out.activations["residual_stream"]
         assert acts.shape == (2, len(ids) - 1, 128)
         assert (acts[0] - ref[0]).abs().max() <= 1e-4 and (acts[1] - ref[2]).abs().max() <= 1e-4
+
+
+def test_captures_travel_as_bytes_when_shared_memory_is_not_shared(llama, monkeypatch):
+    """A frontend on another machine (no common /dev/shm) gets the same captures as bytes in the RPC reply:
+    exactly what the shared-memory pool hands out, for a batch of different lengths and layers."""
+    from vllm_worker import shm
+
+    prompts = [PROMPT, PROMPT + " and then some more words", "short"]
+    sps = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": layers})
+           for k, layers in ((5, [0, 2]), (2, [1]), (7, [3, 0]))]
+    pooled = llama.generate(prompts, sps, use_tqdm=False)
+    monkeypatch.setattr(shm, "host_id", lambda: None)
+    allocs = llama.collective_rpc("lens_status")[0]["result_pool"]["allocs"]
+    sent = llama.generate(prompts, sps, use_tqdm=False)
+    assert llama.collective_rpc("lens_status")[0]["result_pool"]["allocs"] == allocs  # not through the pool
+    for a, b in zip(pooled, sent):
+        ta, tb = a.activations["residual_stream"], b.activations["residual_stream"]
+        assert ta.shape == tb.shape == (len(a.activations["layers"]), len(a.prompt_token_ids) + len(a.outputs[0].token_ids) - 1, 128)
+        assert torch.equal(ta, tb)
+        assert ta.untyped_storage().nbytes() == ta.numel() * ta.element_size()

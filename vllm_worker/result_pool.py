@@ -83,15 +83,15 @@ class _Segment:
         self.free: list[list[int]] = [[0, size]]  # sorted [offset, length]
         self.used: dict[int, int] = {}  # offset -> length
 
-    def take(self, n: int) -> int | None:
+    def take(self, n: int, align: int = PAGE) -> int | None:
+        """First fit of `n` bytes starting at a multiple of `align` (what is skipped stays free)."""
         for i, (off, length) in enumerate(self.free):
-            if length >= n:
-                if length == n:
-                    del self.free[i]
-                else:
-                    self.free[i] = [off + n, length - n]
-                self.used[off] = n
-                return off
+            start = -(-off // align) * align
+            if start + n <= off + length:
+                rest = [[start + n, off + length - start - n]] if off + length > start + n else []
+                self.free[i:i + 1] = ([[off, start - off]] if start > off else []) + rest
+                self.used[start] = n
+                return start
         return None
 
     def give(self, off: int) -> int:
@@ -208,9 +208,11 @@ class ResultPool:
 
     # -------------------------------------------------------------- regions
 
-    def alloc(self, nbytes: int, expected: int = 0) -> tuple[str, int, int, np.ndarray] | None:
-        """A region of at least `nbytes`: (file, offset, file size, writable uint8 array), or None when
-        shared memory has no room (the caller falls back to bytes over RPC)."""
+    def alloc(self, nbytes: int, expected: int = 0, align: int = PAGE) -> tuple[str, int, int, np.ndarray] | None:
+        """A region of at least `nbytes` starting at a multiple of `align` (and of the page size): (file,
+        offset, file size, writable uint8 array), or None when shared memory has no room (the caller
+        falls back to bytes over RPC)."""
+        align = int(np.lcm(PAGE, align))
         need = _round(nbytes)
         for attempt in range(3):
             with self._lock:
@@ -218,7 +220,7 @@ class ResultPool:
                     self.expected = max(0, self.expected - expected)
                     expected = 0
                 for seg in self._segments.values():
-                    off = seg.take(need)
+                    off = seg.take(need, align)
                     if off is not None:
                         self.free_bytes -= need
                         self.stats["allocs"] += 1
@@ -233,9 +235,16 @@ class ResultPool:
                             break
                 continue
             self.stats["sync_grows"] += 1
-            if self._new_segment(need) is None:
+            if self._new_segment(need + align) is None:
                 return None
         return None
+
+    def rows(self, path: str, dtype: torch.dtype, d: int) -> np.ndarray:
+        """Segment `path` as a (rows, d) array of `np_dtype(dtype)`: regions aligned to a row are row ranges."""
+        seg = self._segments[path]
+        nd = np_dtype(dtype)
+        n = seg.size // (d * nd.itemsize)
+        return seg.buf[:n * d * nd.itemsize].view(nd).reshape(n, d)
 
     def free(self, released: list) -> int:
         """Regions the frontend is done with (`(path, offset)`; other pools' entries are ignored)."""

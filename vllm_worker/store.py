@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from .plan import StepPlan
-from . import faults, result_pool
-from .result_pool import ResultPool, np_dtype
+from . import assembly, faults, result_pool
+from .result_pool import ResultPool
 from .limits import limit
 from .wire import dtype_name, tensor_to_bytes
 
@@ -51,7 +51,7 @@ def _pool(threads: int) -> Any:
 # Diagnostics (reported by `status`, read by benchmarks): cumulative seconds in fetches.
 FETCH_TIMINGS = {"wait_copies_s": 0.0, "assemble_s": 0.0,
                  # summed over assembly threads: taking result memory (pool regions), copying into it
-                 "alloc_s": 0.0, "copy_s": 0.0,
+                 "alloc_s": 0.0, "index_s": 0.0, "copy_s": 0.0,
                  "arena_alloc_s": 0.0}  # host memory for steps' captures, allocated in the step
 
 
@@ -264,15 +264,35 @@ class CaptureStore:
 
     @staticmethod
     def _assemble_all(todo: list, layer_ids: list[int], assemble_saved: Any, pool: ResultPool | None) -> list:
-        """Large fetches are assembled in a few parallel threads (`assembly_threads`): after a large batch
-        this is most of the time between the last step and the results."""
-        jobs = [lambda st=st, n=n: _assemble_or_error(st, n, layer_ids, assemble_saved, pool)
-                for _, _, st, n in todo]
+        """Into the result pool: all requests at once (`assembly`), in a few threads for large fetches.
+        As bytes (no pool: another machine, or no room): one request at a time."""
         threads = assembly_threads(sum(_result_bytes(st, n) for _, _, st, n in todo))
-        if len(todo) < 2 or threads <= 1:
-            return [job() for job in jobs]
-        with _pool(threads) as pool:
-            return list(pool.map(lambda job: job(), jobs))
+        out: list[dict | None] = [None] * len(todo)
+        items, where = [], []
+        for i, (_, _, st, n) in enumerate(todo):
+            if pool is None:
+                continue
+            try:
+                payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved)
+            except Exception as e:  # noqa: BLE001
+                out[i] = _internal(e)
+                continue
+            if mine is None:
+                out[i] = payload
+            else:
+                items.append((payload, st, n, mine, out_of_slot))
+                where.append(i)
+        if items:
+            try:
+                for i, payload in zip(where, assembly.assemble(items, pool, threads, _pool, FETCH_TIMINGS)):
+                    out[i] = payload
+            except Exception as e:  # noqa: BLE001 - our own failure: these requests' error, not the fetch's
+                for i in where:
+                    out[i] = _internal(e)
+        for i, (_, _, st, n) in enumerate(todo):
+            if out[i] is None:
+                out[i] = _assemble_or_error(st, n, layer_ids, assemble_saved)
+        return out
 
     def drop(self, keys: list[str]) -> int:
         with self.lock:
@@ -283,16 +303,39 @@ class CaptureStore:
             return len(gone)
 
 
-def _assemble_or_error(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
-                       pool: ResultPool | None) -> dict[str, Any]:
-    """One request's payload; a failure of our own code here is that request's error, not the fetch's."""
+def _internal(e: Exception) -> dict[str, Any]:
+    logger.error("inspect-lens: assembling a request's results failed: %s: %s", type(e).__name__, e)
+    return {"error": f"inspect-lens internal error while assembling results: {type(e).__name__}: {e}"}
+
+
+def _assemble_or_error(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any) -> dict[str, Any]:
+    """One request's payload as bytes; a failure of our own code here is that request's error, not the
+    fetch's."""
     try:
-        if st.layers:
-            faults.check("assemble")
-        return _assemble(st, n_pos, layer_ids, assemble_saved, pool)
+        return _assemble(st, n_pos, layer_ids, assemble_saved)
     except Exception as e:  # noqa: BLE001
-        logger.error("inspect-lens: assembling a request's results failed: %s: %s", type(e).__name__, e)
-        return {"error": f"inspect-lens internal error while assembling results: {type(e).__name__}: {e}"}
+        return _internal(e)
+
+
+def _prelude(st: Store, layer_ids: list[int], assemble_saved: Any) -> tuple[dict, list[int] | None, dict]:
+    """The payload without captures (error, hook state), the captured layers this rank holds (None: no
+    captures to assemble) and capture slot -> output index."""
+    if st.layers:
+        faults.check("assemble")
+    payload: dict[str, Any] = {}
+    if st.error is None and st.nonfinite:
+        bad = [where for where, flag in st.nonfinite.items() if bool(flag)]
+        if bad:
+            st.error = (f"{bad[0]} returned NaN or inf values; they were not written into the stream "
+                        f"(hooks that did: {bad})")
+    if st.error is not None:
+        payload["error"] = st.error
+    if st.saved:
+        payload["hooks"] = assemble_saved(st.saved)
+    if not st.layers:
+        return payload, None, {}
+    mine = [l for l in st.layers if l in layer_ids]
+    return payload, mine, {st.layers.index(l): i for i, l in enumerate(mine)}
 
 
 def _result_bytes(st: Store, n_pos: int) -> int:
@@ -314,22 +357,11 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
-              pool: ResultPool | None = None) -> dict[str, Any]:
-    payload: dict[str, Any] = {}
-    if st.error is None and st.nonfinite:
-        bad = [where for where, flag in st.nonfinite.items() if bool(flag)]
-        if bad:
-            st.error = (f"{bad[0]} returned NaN or inf values; they were not written into the stream "
-                        f"(hooks that did: {bad})")
-    if st.error is not None:
-        payload["error"] = st.error
-    if st.saved:
-        payload["hooks"] = assemble_saved(st.saved)
-    if not st.layers:
+def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any) -> dict[str, Any]:
+    """One request, as bytes (no result pool: a frontend on another machine, or no room in /dev/shm)."""
+    payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved)
+    if mine is None:
         return payload
-    mine = [l for l in st.layers if l in layer_ids]
-    out_of_slot = {st.layers.index(l): i for i, l in enumerate(mine)}
     parts = [(out_of_slot[seg.slot], pos, rows) for seg in st.segments
              if seg.log.arena is not None and seg.slot in out_of_slot
              for pos, rows in seg.log.arena.parts(seg.log.col + seg.offset, seg.n)]
@@ -338,15 +370,9 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
         return payload
     d, dtype = parts[0][2].shape[-1], parts[0][2].dtype
     shape = (len(mine), n_pos, d)
-    nbytes = int(np.prod(shape)) * parts[0][2].element_size()
     t1 = time.perf_counter()
-    region = pool.alloc(nbytes, st.expected) if pool is not None else None
-    st.expected = 0
-    if region is not None:
-        dst = region[3].view(np_dtype(dtype)).reshape(shape)
-    else:
-        t = torch.zeros(shape, dtype=dtype)
-        dst = _np(t)
+    t = torch.zeros(shape, dtype=dtype)
+    dst = _np(t)
     t2 = time.perf_counter()
     FETCH_TIMINGS["alloc_s"] += t2 - t1
     filled = np.zeros((len(mine), n_pos), dtype=bool)
@@ -368,12 +394,6 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any,
     FETCH_TIMINGS["copy_s"] += time.perf_counter() - t2
     missing = [(l, int(np.flatnonzero(~filled[i])[0])) for i, l in enumerate(mine) if not filled[i].all()]
     if missing:
-        dst[~filled] = 0  # reused memory: never hand out another request's old rows
         payload.setdefault("error", f"positions never ran a forward pass (layer, first missing position): {missing}")
-    if region is not None:
-        path, off, size, _ = region
-        payload.update({"layers": mine, "pool": {"path": path, "offset": off, "size": size, "nbytes": nbytes,
-                                                 "dtype": dtype_name(dtype), "shape": list(shape)}})
-    else:
-        payload.update({"layers": mine, "tensor": tensor_to_bytes(t)})
+    payload.update({"layers": mine, "tensor": tensor_to_bytes(t)})
     return payload
