@@ -88,12 +88,19 @@ def assemble(items: list[tuple[dict, Any, int, list[int], dict[int, int]]], pool
     jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     filled: dict[str, np.ndarray] = {}
     for data, pos, f, uses in chunks.values():
-        uses.sort(key=lambda u: u[0])
-        cols = np.concatenate([np.arange(c, c + n) for c, n, _, _ in uses])
-        base = np.concatenate([np.full(n, dest.base + slot * dest.n_pos) for _, n, dest, slot in uses])
-        npos = np.concatenate([np.full(n, dest.n_pos) for _, n, dest, _ in uses])
+        u = np.array([(c, n, dest.base + slot * dest.n_pos, dest.n_pos) for c, n, dest, slot in uses],
+                     dtype=np.int64).reshape(-1, 4)
         paths = sorted({dest.path for _, _, dest, _ in uses})
-        seg_code = np.concatenate([np.full(n, paths.index(dest.path)) for _, n, dest, _ in uses])
+        code_of = {p: i for i, p in enumerate(paths)}
+        u_code = np.array([code_of[dest.path] for _, _, dest, _ in uses], dtype=np.int64)
+        order = np.argsort(u[:, 0], kind="stable")
+        u, u_code = u[order], u_code[order]
+        lens = u[:, 1]
+        starts = np.cumsum(lens) - lens
+        cols = np.arange(int(lens.sum())) + np.repeat(u[:, 0] - starts, lens)  # arena columns, sorted
+        base = np.repeat(u[:, 2], lens)  # destination row of position 0, per column
+        npos = np.repeat(u[:, 3], lens)
+        seg_code = np.repeat(u_code, lens)
         src = data.view(torch.int16) if data.element_size() == 2 and data.is_floating_point() else data
         src_np = src.numpy()  # (steps, rows, d)
         pos_np = pos.numpy()[:f]

@@ -95,6 +95,11 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     payload["n"] = int(sp.n)
     if spec.capture:  # a worker on this machine may prepare the result's shared memory while it runs
         payload["shm"] = shm.host_id()
+        # result memory the caller has let go of rides along: the worker reuses it for this request
+        # instead of growing its pool (otherwise it goes back only with the next fetch)
+        released = result_pool.take_released(_pools(processor))
+        if released:
+            payload["release"] = released
     args = {k: v for k, v in sp.extra_args.items() if not has_lens_keys({k: v})}
     args[PAYLOAD_KEY] = payload
     sp.extra_args = args
@@ -219,11 +224,16 @@ def _shm_everywhere(engine: Any, hosts: list | None = None) -> bool:
 
 
 def _pools(engine: Any) -> set[str]:
-    got = getattr(engine, "_lens_pools", None)
+    """Ids of the result pools of this engine's workers (learnt from fetched results), kept on its input
+    processor — the object both the fetch and each new request see."""
+    proc = getattr(engine, "input_processor", None)
+    if proc is None:
+        proc = getattr(getattr(engine, "llm_engine", None), "input_processor", None) or engine
+    got = getattr(proc, "_lens_pools", None)
     if got is None:
         got = set()
         try:
-            engine._lens_pools = got
+            proc._lens_pools = got
         except AttributeError:
             pass
     return got

@@ -155,6 +155,8 @@ class LensRuntime:
                 steers.append(DeviceSteer({l: i for i, l in enumerate(s.layers)},
                                           s.vectors.to(self.device, self.dtype), lut, s.scale, s.norm_match,
                                           None if s.positions is None else list(s.positions)))
+            if payload.get("release") and self.store.pool is not None:
+                self.store.pool.free([(str(p), int(o)) for p, o in payload["release"]])
             if spec.wants_results or payload.get("fetch"):
                 store = Store(spec.capture)
                 self._prepare_result(req_id, payload, spec.capture, store)

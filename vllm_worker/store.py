@@ -30,12 +30,11 @@ logger = logging.getLogger("vllm_worker")
 # them reports it (an error, never a silent empty result).
 MAX_STORED_BYTES = limit("VLLM_LENS_MAX_STORED_GB")
 
-# At most this many threads assemble a fetch's requests; one per ASSEMBLY_BYTES_PER_THREAD of results.
-# Measured on the H200 host (bench/results/2026-12-01-h200-s6.md): per-request assembly is mostly Python,
-# so threads fight over the GIL — 331 MB (256 requests, one layer) took 0.17 s on one thread and 0.38 s
-# on eight; 10.5 GB (all layers, page population bound) was fastest on four (5.9 s; 8.1 s on eight).
+# At most this many threads copy a fetch's captures into the result pool; one per
+# ASSEMBLY_BYTES_PER_THREAD of results. The copies release the GIL (`assembly`); measured on the H200 host
+# (bench/results/2026-12-01-h200-s8.md): 10.5 GB in 2.0 s on one thread, 0.65 s on four.
 ASSEMBLY_THREADS = int(os.environ.get("VLLM_LENS_ASSEMBLY_THREADS", str(min(4, os.cpu_count() or 1))))
-ASSEMBLY_BYTES_PER_THREAD = 2 << 30
+ASSEMBLY_BYTES_PER_THREAD = 128 << 20
 
 
 def assembly_threads(nbytes: int) -> int:
