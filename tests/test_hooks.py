@@ -161,9 +161,9 @@ def test_persistent_hooks_over_20_requests(engine_factory):
 
 
 def test_persistent_results_cap_is_an_error_not_a_silent_drop(llama, monkeypatch):
-    import vllm_worker.runtime as rt
+    import vllm_worker.registry as registry
 
-    monkeypatch.setattr(rt, "MAX_PERSISTENT_RESULTS", 2)
+    monkeypatch.setattr(registry, "MAX_PERSISTENT_RESULTS", 2)
     llama.clear_hooks()
     llama.register_hooks([Hook(lambda ctx, h: None, range(2))])
     try:

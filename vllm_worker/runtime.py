@@ -12,28 +12,23 @@ buffer empty: the kernel returns at once.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from . import adapter, edits, faults, graph, shm, taps
+from .admission import Admission, internal_error
 from .hooks import HookContext
 from .params import Params
-from .limits import limit
-from .plan import DeviceSteer, HookRun, RequestState, Rows, StepPlan, make_plan, split_steers
-from .spec import PAYLOAD_KEY, decode
+from .plan import HookRun, RequestState, Rows, StepPlan, make_plan
+from .registry import PersistentHooks
+from .spec import PAYLOAD_KEY
 from . import store as store_mod
 from .store import CaptureStore, Store
 
 logger = logging.getLogger("vllm_worker")
-
-# Requests whose persistent-hook results are kept until `clear_hook_results`. Past it, new requests
-# fail with an error that says so (never a silent drop).
-MAX_PERSISTENT_RESULTS = limit("VLLM_LENS_MAX_PERSISTENT_RESULTS")
-
 
 # Diagnostics (in `status`, read by benchmarks): host seconds around graph-path steps, cumulative.
 STEP_TIMINGS = {"graph_steps": 0, "plan_s": 0.0, "forward_s": 0.0, "after_s": 0.0,
@@ -75,11 +70,10 @@ class LensRuntime:
         self._cached_plan: StepPlan | None = None  # plan of the last batch composition seen ...
         self._plan_key: tuple | None = None  # ... and that composition (request ids, row offsets)
         self.steps_with_features = 0
-        # persistent hooks (all requests) and their results by caller request id
-        self._persistent: list[tuple[Callable, frozenset, bool]] = []
-        self._persistent_results: dict[str, list[dict]] = {}
-        self._persistent_errors: dict[str, str] = {}
-        self._lock = threading.Lock()
+        self.persistent = PersistentHooks()  # hooks on every request, and their results
+        self.admission = Admission(runner, self.device, self.dtype, self._d_model, self._local,
+                                   self.capturing_rank, self._shm_host, self.store, self.graph,
+                                   self.persistent, self._ctx)
         taps.install(layers)
         logger.info("inspect-lens: taps on %d decoder layers (%s..%s) on TP rank %d",
                     len(layers), self.layer_ids[0], self.layer_ids[-1], self.tp_rank)
@@ -93,31 +87,18 @@ class LensRuntime:
             pass
         args = adapter.request_extra_args(self.runner, req_id)
         payload = None if not args else args.get(PAYLOAD_KEY)
-        req = None
-        if payload is not None or self._persistent:
-            try:
-                faults.check("admission")
-                req = self._new_request(req_id, payload)
-            except Exception as e:  # noqa: BLE001 - our bug fails this request, never the engine
-                req = self._failed_request(req_id, payload, e)
+        req = self.admission.admit(req_id, payload) if payload is not None or self.persistent else None
         self._reqs[req_id] = req
         return req
 
-    def _failed_request(self, req_id: str, payload: Any, e: Exception) -> RequestState:
-        """A request whose admission failed in our code: it runs plain, and its results say why."""
-        store = Store([])
-        store.error = _internal_error("admission", e)
-        n = int(payload.get("n", 1)) if isinstance(payload, dict) else 1
-        child = adapter.child_index(req_id, n) if n > 1 else 0
-        key = payload.get("key") if isinstance(payload, dict) else None
-        if key is not None:
-            self.store.add(key, child, store)
-        return RequestState([], {}, child, [], [], store)
+    def _ctx(self, saved: dict, external: str) -> HookContext:
+        return HookContext(saved=saved, request_id=external, tp_rank=self.tp_rank, model=self.model,
+                           _params=self.params.get)
 
     def _fail(self, requests: list[RequestState], stage: str, e: Exception) -> None:
         """Our own code failed at `stage` for these requests: each gets the error (reported when its
         results are fetched) and runs without features from now on; everyone else is untouched."""
-        msg = _internal_error(stage, e)
+        msg = internal_error(stage, e)
         logger.error("inspect-lens: %s", msg)
         for r in requests:
             if r.store is None:
@@ -134,80 +115,6 @@ class LensRuntime:
         if r.entry_ids and self.graph is not None:
             self.graph.free_entries(r.entry_ids)
         r.entry_ids = []
-
-    def _new_request(self, req_id: str, payload: Any) -> RequestState:
-        import cloudpickle
-
-        spec = None if payload is None else decode(payload)
-        n = 1 if payload is None else int(payload.get("n", 1))
-        child = adapter.child_index(req_id, n)
-        external = adapter.external_request_id(req_id, n)
-        steers = []
-        hooks: list[HookRun] = []
-        store = None
-        if spec is not None:
-            for s in spec.steers:
-                lut = None
-                if s.positions is not None:
-                    lut = torch.full((max(s.positions) + 1,), -1, dtype=torch.long)
-                    lut[torch.tensor(s.positions)] = torch.arange(len(s.positions))
-                    lut = lut.to(self.device)
-                steers.append(DeviceSteer({l: i for i, l in enumerate(s.layers)},
-                                          s.vectors.to(self.device, self.dtype), lut, s.scale, s.norm_match,
-                                          None if s.positions is None else list(s.positions)))
-            if payload.get("release") and self.store.pool is not None:
-                self.store.pool.free([(str(p), int(o)) for p, o in payload["release"]])
-            if spec.wants_results or payload.get("fetch"):
-                store = Store(spec.capture)
-                self._prepare_result(req_id, payload, spec.capture, store)
-                self.store.add(spec.key, child, store)
-            for i, h in enumerate(spec.hooks):
-                saved: dict = {}
-                store.saved.append(saved)
-                try:
-                    fn = cloudpickle.loads(h.fn)
-                except Exception as e:  # fail this request, never the engine (the frontend checks first)
-                    store.error = f"hook {i}: cannot be loaded in the worker ({type(e).__name__}: {e})"
-                    continue
-                hooks.append(HookRun(fn, frozenset(h.layers), h.pre, self._ctx(saved, external), i, False))
-        if self._persistent:
-            if store is None:
-                store = Store([])
-            if len(self._persistent_results) >= MAX_PERSISTENT_RESULTS:
-                store.error = (f"persistent hook results are full ({MAX_PERSISTENT_RESULTS} requests, "
-                               "VLLM_LENS_MAX_PERSISTENT_RESULTS): call collect_hook_results() then "
-                               "clear_hook_results()")
-                self._persistent_errors[external] = store.error
-            else:
-                persistent_saved = [{} for _ in self._persistent]
-                self._persistent_results[external] = persistent_saved
-                for i, (fn, layers, pre) in enumerate(self._persistent):
-                    hooks.append(HookRun(fn, layers, pre, self._ctx(persistent_saved[i], external), i, True))
-        per_request, simple = split_steers(steers)
-        capture = [] if spec is None else spec.capture
-        entries, entry_ids = None, []
-        if self.graph is not None and not hooks:
-            got = graph.request_entries(self.graph, steers) if steers else ({}, [])
-            if got is not None:
-                entries, entry_ids = got
-        return RequestState(capture, {l: i for i, l in enumerate(capture)}, child, per_request, hooks, store,
-                            simple, entries, entry_ids)
-
-    def _prepare_result(self, req_id: str, payload: dict, capture: list[int], store: Store) -> None:
-        """A frontend on this machine gets captures through the shared-memory result pool: announce the
-        request's largest result now, so the pool can grow while it runs (`ResultPool.expect`)."""
-        if not capture or not self.capturing_rank or self._shm_host is None or payload.get("shm") != self._shm_host:
-            return
-        pool = self.store.pool
-        local = [l for l in capture if l in self._local]
-        n_pos = adapter.request_max_positions(self.runner, req_id)
-        if pool is not None and local and n_pos:
-            esize = torch.empty((), dtype=self.dtype).element_size()
-            store.expected = pool.expect(len(local) * n_pos * self._d_model * esize)
-
-    def _ctx(self, saved: dict, external: str) -> HookContext:
-        return HookContext(saved=saved, request_id=external, tp_rank=self.tp_rank, model=self.model,
-                           _params=self.params.get)
 
     def _prune(self) -> None:
         live = adapter.live_request_ids(self.runner)
@@ -390,7 +297,7 @@ class LensRuntime:
 
     def _hook_failed(self, h: HookRun, msg: str) -> None:
         if h.persistent:
-            self._persistent_errors[h.ctx.request_id] = msg
+            self.persistent.failed(h.ctx.request_id, msg)
 
     # ---------------------------------------------------------------- fetch (RPC)
 
@@ -412,37 +319,23 @@ class LensRuntime:
     # ---------------------------------------------------------------- persistent hooks (RPC)
 
     def register_hooks(self, hooks: list[tuple[bytes, list[int], bool]]) -> int:
-        import cloudpickle
-
-        for fn, layers, pre in hooks:
-            self._persistent.append((cloudpickle.loads(fn), frozenset(layers), bool(pre)))
+        n = self.persistent.register(hooks)
         # plain requests cached as "nothing to do" must be re-planned
         self._reqs = {k: v for k, v in self._reqs.items() if v is not None}
         self._invalidate()
-        return len(self._persistent)
+        return n
 
     def collect_hook_results(self) -> bytes | None:
-        if not self.capturing_rank:
-            return None
-        return _pickle_saved(self._persistent_results)
+        return _pickle_saved(self.persistent.results) if self.capturing_rank else None
 
     def pop_persistent_errors(self, request_ids: list[str]) -> dict[str, str]:
-        if not self.capturing_rank:
-            return {}
-        out = {}
-        for rid in request_ids:
-            for k in [k for k in self._persistent_errors if k == rid or k.startswith(rid + "#")]:
-                out[k] = self._persistent_errors.pop(k)
-        return out
+        return self.persistent.pop_errors(request_ids) if self.capturing_rank else {}
 
     def clear_hook_results(self) -> None:
-        self._persistent_results.clear()
-        self._persistent_errors.clear()
+        self.persistent.clear_results()
 
     def clear_hooks(self) -> None:
-        self._persistent.clear()
-        self._persistent_results.clear()
-        self._persistent_errors.clear()
+        self.persistent.clear()
         kept: dict[str, RequestState | None] = {}
         for k, v in self._reqs.items():
             if v is None:
@@ -471,8 +364,7 @@ class LensRuntime:
             "stored_requests": len(self.store),
             "stored_bytes": self.store.stored_bytes,
             "steps_with_features": self.steps_with_features,
-            "persistent_hooks": len(self._persistent),
-            "persistent_results": len(self._persistent_results),
+            **self.persistent.status(),
             "prefetched": sorted(self.params.prefetched),
             "fetch_timings": dict(store_mod.FETCH_TIMINGS),
             "step_timings": dict(STEP_TIMINGS),
@@ -480,11 +372,6 @@ class LensRuntime:
             "result_regions": (self.store.pool_status() or {}).get("regions_in_use", 0),
             "result_pool": self.store.pool_status(),
         }
-
-
-def _internal_error(stage: str, e: Exception) -> str:
-    return (f"inspect-lens internal error while {stage}: {type(e).__name__}: {e} (this request ran without "
-            "its capture/steering/hooks from then on; other requests were not affected)")
 
 
 def _to_cpu(obj: Any) -> Any:
