@@ -42,7 +42,7 @@ from .limits import limit
 logger = logging.getLogger("vllm_worker")
 
 PAGE = mmap.PAGESIZE
-MIN_SEGMENT = 64 << 20
+MIN_SEGMENT = 16 << 20
 MAX_SEGMENT = 4 << 30
 POOL_TAG = "-pool"  # in segment file names: `inspect-lens-<pid>-pool<id>-<n>` (shm.sweep_stale parses the pid)
 
@@ -141,7 +141,9 @@ class ResultPool:
     # -------------------------------------------------------------- growth
 
     def _new_segment(self, size: int) -> _Segment | None:
-        size = _round(max(size, MIN_SEGMENT), 2 << 20)
+        """A segment of at least `size`; growing geometrically (at least half the pool) keeps the count
+        of segments logarithmic in the pool's size."""
+        size = _round(max(size, MIN_SEGMENT, min(MAX_SEGMENT, self.size // 2)), 2 << 20)
         with self._lock:
             self._n += 1
             n = self._n
