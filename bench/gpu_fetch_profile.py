@@ -23,6 +23,18 @@ def prompts(n: int, length: int) -> list[dict]:
     return [{"prompt_token_ids": [(1000 + 37 * i + 101 * j) % 30000 + 100 for j in range(length)]} for i in range(n)]
 
 
+def _norm_item(ctx, h):  # W4: bench/worker.py's hook
+    ctx.saved["norm"] = h.float().norm(dim=-1).mean().item() if h.numel() else 0.0
+
+
+def _norm_on_device(ctx, h):  # W4n: the same, kept on the GPU
+    ctx.saved["norm"] = h.float().norm(dim=-1).mean()
+
+
+def _nothing(ctx, h):  # W4x: a hook that does nothing (our own cost per call)
+    return None
+
+
 def main() -> None:
     from vllm_worker import frontend
 
@@ -38,8 +50,13 @@ def main() -> None:
         return llm.collective_rpc("lens_status")[0]
 
     def extra(w: str):
+        from vllm_worker import Hook
+
         return {"W0": None, "W1": {"output_residual_stream": [n_layers // 2]},
-                "W2": {"output_residual_stream": list(range(n_layers))}}[w]
+                "W2": {"output_residual_stream": list(range(n_layers))},
+                "W4": {"apply_hooks": [Hook(fn=_norm_item, layer_indices=[n_layers // 2])]},
+                "W4n": {"apply_hooks": [Hook(fn=_norm_on_device, layer_indices=[n_layers // 2])]},
+                "W4x": {"apply_hooks": [Hook(fn=_nothing, layer_indices=[n_layers // 2])]}}[w]
 
     # warm-up (the first capture allocates pinned memory)
     llm.generate(ps[:64], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, extra_args=extra("W1")),
@@ -66,6 +83,8 @@ def main() -> None:
                  for k in after_s["fetch_timings"]}
         steps = {k: round(after_s["step_timings"][k] - before_s["step_timings"].get(k, 0), 4)
                  for k in after_s["step_timings"]}
+        steps.update({k: round(after_s["hook_timings"][k] - before_s["hook_timings"].get(k, 0), 4)
+                      for k in after_s.get("hook_timings", {})})
         pool_a, pool_b = after_s.get("result_pool") or {}, before_s.get("result_pool") or {}
         prep = {k: round(pool_a[k] - pool_b.get(k, 0), 4) if isinstance(pool_a[k], (int, float)) else pool_a[k]
                 for k in pool_a}

@@ -7,6 +7,7 @@ an edit of `hidden`). A hook failure fails its request only (`store.error`), nev
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from typing import Callable
 
@@ -16,6 +17,10 @@ from .plan import Rows, StepPlan
 from .store import Store
 
 logger = logging.getLogger("vllm_worker")
+
+# Diagnostics (in `status`, read by benchmarks): where the time of Python hooks goes, cumulative host
+# seconds — inside the users' functions, and around them (slicing, the stream sum, checks).
+HOOK_TIMINGS = {"calls": 0, "in_hooks_s": 0.0, "around_hooks_s": 0.0}
 
 
 def steer(layer: int, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -55,6 +60,11 @@ def run_hooks(layer: int, pre: bool, plan: StepPlan, hidden: torch.Tensor, resid
               on_error: Callable[[object, str], None]) -> None:
     """Run each request's hooks on its own rows. `on_error(hook_run, message)` records a failure."""
     items: Rows = plan.hooks.get((layer, pre), [])
+    if not items:
+        return
+    t_start = time.perf_counter()
+    in_hooks = 0.0
+    calls = 0
     for r, s, e in items:
         for h in r.hooks:
             if h.pre != pre or layer not in h.layers or r.failed:
@@ -63,7 +73,12 @@ def run_hooks(layer: int, pre: bool, plan: StepPlan, hidden: torch.Tensor, resid
             ctx = h.ctx
             ctx.layer_idx, ctx.seq_len, ctx._rows = layer, e - s, (plan.positions, s, e)
             try:
-                new = h.fn(ctx, stream)
+                calls += 1
+                t = time.perf_counter()
+                try:
+                    new = h.fn(ctx, stream)
+                finally:
+                    in_hooks += time.perf_counter() - t
                 if new is None:
                     continue
                 if not isinstance(new, torch.Tensor):
@@ -92,3 +107,6 @@ def run_hooks(layer: int, pre: bool, plan: StepPlan, hidden: torch.Tensor, resid
                 where = f"{kind} {h.index} ({'pre' if pre else 'post'}-hook at layer {layer})"
                 seen = r.store.nonfinite.get(where)
                 r.store.nonfinite[where] = ~finite if seen is None else seen | ~finite
+    HOOK_TIMINGS["calls"] += calls
+    HOOK_TIMINGS["in_hooks_s"] += in_hooks
+    HOOK_TIMINGS["around_hooks_s"] += time.perf_counter() - t_start - in_hooks

@@ -368,6 +368,7 @@ class LensRuntime:
             "prefetched": sorted(self.params.prefetched),
             "fetch_timings": dict(store_mod.FETCH_TIMINGS),
             "step_timings": dict(STEP_TIMINGS),
+            "hook_timings": dict(edits.HOOK_TIMINGS),
             # shared-memory result regions handed to the frontend and not yet given back
             "result_regions": (self.store.pool_status() or {}).get("regions_in_use", 0),
             "result_pool": self.store.pool_status(),
