@@ -93,3 +93,39 @@ def test_a_full_tmpfs_is_an_ordinary_fallback_and_foreign_files_are_refused(monk
                           "shape": [1]}, torch.float32)
     monkeypatch.setenv("VLLM_LENS_SHM", "0")
     assert shm.host_id() is None
+
+
+def test_batch_assembly_in_threads_puts_every_row_in_its_place(monkeypatch):
+    """`assembly.assemble` on synthetic step arenas, with several threads and small copy jobs (the path a
+    large GPU fetch takes, which no CPU engine test reaches): every (request, layer, position) row lands in
+    its request's region, for requests fetched out of column order, a subset of the arena's requests, and a
+    request whose last step ran past its result (that row is dropped)."""
+    from vllm_worker import assembly, store
+    from vllm_worker.store import CaptureLog, Segment, StepArena, Store
+
+    monkeypatch.setattr(assembly, "BLOCK_BYTES", 3 * 64 * 2)  # three rows per copy job
+    n_req, L, S, d = 7, 2, 9, 64
+    arena = StepArena(n_req * L, pinned=False)
+    data = torch.randn(S, n_req * L, d).to(torch.bfloat16)
+    for k in range(S):
+        rows, pos = arena.next(d, torch.bfloat16)
+        rows.copy_(data[k])
+        pos.fill_(k)
+    logs = [CaptureLog(arena, l * n_req) for l in range(L)]
+    pool = ResultPool()
+    try:
+        items, want = [], {}
+        for r in (5, 0, 3, 6, 1):  # out of order, and requests 2 and 4 not in this fetch
+            st = Store([10, 20])
+            st.segments = [Segment(logs[l], l, r, 1) for l in range(L)]
+            n_pos = S - 1 if r == 3 else S
+            items.append(({}, st, n_pos, [10, 20], {0: 0, 1: 1}))
+            want[r] = torch.stack([data[:n_pos, l * n_req + r] for l in range(L)])
+        timings = dict(store.FETCH_TIMINGS)
+        out = assembly.assemble(items, pool, 4, store._pool, timings)
+        for r, payload in zip((5, 0, 3, 6, 1), out):
+            assert "error" not in payload and payload["layers"] == [10, 20]
+            got = result_pool.view(payload["pool"], torch.bfloat16)
+            assert got.shape == want[r].shape and torch.equal(got, want[r]), r
+    finally:
+        pool.close()
