@@ -323,7 +323,9 @@ class _Mapping:
 
 _maps: dict[str, _Mapping] = {}
 _released: dict[str, list[tuple[str, int]]] = {}  # pool id -> regions to give back
-_front_lock = threading.Lock()
+# re-entrant: a finalizer (`_release`) can run inside any allocation, including one made while this
+# thread holds the lock (garbage collection of a cycle that holds a result tensor)
+_front_lock = threading.RLock()
 
 
 def pool_id(path: str) -> str:
