@@ -182,3 +182,18 @@ def test_captures_assembled_in_threads_equal_one_thread(llama, monkeypatch):
     many = llama.generate(prompts, sp, use_tqdm=False)
     for a, b in zip(one, many):
         assert torch.equal(a.activations["residual_stream"], b.activations["residual_stream"])
+
+
+def test_captures_travel_as_bytes_when_the_pool_has_no_room(llama, monkeypatch):
+    """A full /dev/shm (the pool cannot grow) is an ordinary fallback: the same captures, as bytes."""
+    from vllm_worker.result_pool import ResultPool
+
+    prompts = [PROMPT, "short"]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [0, 2]})
+    pooled = llama.generate(prompts, sp, use_tqdm=False)
+    monkeypatch.setattr(ResultPool, "alloc", lambda self, *a, **k: None)
+    sent = llama.generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(pooled, sent):
+        assert b.activations["residual_stream"].untyped_storage().nbytes() == \
+            b.activations["residual_stream"].numel() * b.activations["residual_stream"].element_size()
+        assert torch.equal(a.activations["residual_stream"], b.activations["residual_stream"])

@@ -69,9 +69,8 @@ class Admission:
                 steers.append(DeviceSteer({l: i for i, l in enumerate(s.layers)},
                                           s.vectors.to(self.device, self.dtype), lut, s.scale, s.norm_match,
                                           None if s.positions is None else list(s.positions)))
-            if payload.get("release") and self.store.pool is not None:
-                # result memory the frontend let go of: free before this request's result is announced
-                self.store.pool.free([(str(p), int(o)) for p, o in payload["release"]])
+            # result memory the frontend let go of: free before this request's result is announced
+            self.store.release(payload.get("release"))
             if spec.wants_results or payload.get("fetch"):
                 store = Store(spec.capture)
                 self._announce_result(req_id, payload, spec.capture, store)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .result_pool import ResultPool, np_dtype
+from .wire import dtype_name
 
 BLOCK_BYTES = 64 << 20  # one copy job at most (threads take jobs)
 
@@ -35,6 +36,9 @@ class Dest:
     path: str
     base: int
     region: tuple
+    d: int
+    dtype: torch.dtype
+    nbytes: int
 
 
 def _runs(cols: np.ndarray, code: np.ndarray) -> list[tuple[int, int]]:
@@ -74,7 +78,7 @@ def assemble(items: list[tuple[dict, Any, int, list[int], dict[int, int]]], pool
             dests.append(None)
             continue
         path, off = region[0], region[1]
-        dest = Dest(payload, mine, n_pos, path, off // row, region)
+        dest = Dest(payload, mine, n_pos, path, off // row, region, d, dtype, nbytes)
         dests.append(dest)
         rows_of.setdefault((path, dtype, d), pool.rows(path, dtype, d))
         for seg in segs:
@@ -138,16 +142,13 @@ def assemble(items: list[tuple[dict, Any, int, list[int], dict[int, int]]], pool
     timings["index_s"] += t2 - t1
     timings["copy_s"] += t3 - t2
 
-    from .wire import dtype_name
-
     out: list[dict | None] = []
     for dest, (payload, st, n_pos, mine, _) in zip(dests, items):
         if not isinstance(dest, Dest):
             out.append(dest)  # a finished payload, or None: no room in the pool
             continue
         path, off, size, arr = dest.region
-        first = next(ch for seg in st.segments if seg.log.arena is not None for ch in seg.log.arena.chunks if ch[2])
-        d, dtype = first[0].shape[-1], first[0].dtype
+        d, dtype = dest.d, dest.dtype
         fill = filled.get(path)
         got = fill[dest.base:dest.base + len(mine) * n_pos].reshape(len(mine), n_pos) if fill is not None else \
             np.zeros((len(mine), n_pos), dtype=bool)
@@ -156,7 +157,7 @@ def assemble(items: list[tuple[dict, Any, int, list[int], dict[int, int]]], pool
             arr.view(np_dtype(dtype)).reshape(len(mine), n_pos, d)[~got] = 0  # never another request's old rows
             payload.setdefault("error", f"positions never ran a forward pass (layer, first missing position): {missing}")
         payload.update({"layers": mine, "pool": {"path": path, "offset": off, "size": size,
-                                                 "nbytes": len(mine) * n_pos * d * first[0].element_size(),
+                                                 "nbytes": dest.nbytes,
                                                  "dtype": dtype_name(dtype), "shape": [len(mine), n_pos, d]}})
         out.append(payload)
     return out

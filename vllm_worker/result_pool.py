@@ -249,11 +249,12 @@ class ResultPool:
         return seg.buf[:n * d * nd.itemsize].view(nd).reshape(n, d)
 
     def free(self, released: list) -> int:
-        """Regions the frontend is done with (`(path, offset)`; other pools' entries are ignored)."""
+        """Regions the frontend is done with (`(path, offset)`, as they came over RPC; other pools' entries
+        are ignored)."""
         n = 0
         with self._lock:
             for path, off in released:
-                seg = self._segments.get(path)
+                seg = self._segments.get(str(path))
                 if seg is not None and int(off) in seg.used:
                     self.free_bytes += seg.give(int(off))
                     n += 1

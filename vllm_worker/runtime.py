@@ -313,8 +313,7 @@ class LensRuntime:
 
     def release(self, released: list) -> int:
         """Result-pool regions the frontend is done with (outside a fetch)."""
-        pool = self.store._pool
-        return pool.free(released) if pool is not None and released else 0
+        return self.store.release(released)
 
     # ---------------------------------------------------------------- persistent hooks (RPC)
 
@@ -358,6 +357,7 @@ class LensRuntime:
         self.params.clear()
 
     def status(self) -> dict[str, Any]:
+        pool = self.store.pool_status()
         return {
             "layers": self.layer_ids,
             "tp_rank": self.tp_rank,
@@ -370,8 +370,8 @@ class LensRuntime:
             "step_timings": dict(STEP_TIMINGS),
             "hook_timings": dict(edits.HOOK_TIMINGS),
             # shared-memory result regions handed to the frontend and not yet given back
-            "result_regions": (self.store.pool_status() or {}).get("regions_in_use", 0),
-            "result_pool": self.store.pool_status(),
+            "result_regions": (pool or {}).get("regions_in_use", 0),
+            "result_pool": pool,
         }
 
 

@@ -136,6 +136,10 @@ class CaptureStore:
             self._pool = ResultPool()
         return self._pool
 
+    def release(self, released: list | None) -> int:
+        """Pool regions the frontend is done with (with a fetch, a new request, or on their own)."""
+        return self._pool.free(released) if released and self._pool is not None else 0
+
     def pool_status(self) -> dict[str, Any] | None:
         return self._pool.status() if self._pool is not None else None
 
@@ -227,8 +231,7 @@ class CaptureStore:
         capture tensors go into the shared-memory result pool (`result_pool`); `released`: pool regions
         the frontend is done with."""
         out: dict[str, Any] = {}
-        if released and self._pool is not None:
-            self._pool.free(released)
+        self.release(released)
         t0 = time.perf_counter()
         if self.side is not None:
             self.side.synchronize()
@@ -268,9 +271,7 @@ class CaptureStore:
         threads = assembly_threads(sum(_result_bytes(st, n) for _, _, st, n in todo))
         out: list[dict | None] = [None] * len(todo)
         items, where = [], []
-        for i, (_, _, st, n) in enumerate(todo):
-            if pool is None:
-                continue
+        for i, (_, _, st, n) in enumerate(todo if pool is not None else ()):
             try:
                 payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved)
             except Exception as e:  # noqa: BLE001
@@ -283,14 +284,16 @@ class CaptureStore:
                 where.append(i)
         if items:
             try:
-                for i, payload in zip(where, assembly.assemble(items, pool, threads, _pool, FETCH_TIMINGS)):
-                    out[i] = payload
+                for i, item, payload in zip(where, items, assembly.assemble(items, pool, threads, _pool,
+                                                                           FETCH_TIMINGS)):
+                    # None: no room in the pool, so as bytes (its prelude is done)
+                    out[i] = payload if payload is not None else _guarded(_as_bytes, *item)
             except Exception as e:  # noqa: BLE001 - our own failure: these requests' error, not the fetch's
                 for i in where:
                     out[i] = _internal(e)
         for i, (_, _, st, n) in enumerate(todo):
             if out[i] is None:
-                out[i] = _assemble_or_error(st, n, layer_ids, assemble_saved)
+                out[i] = _guarded(_assemble, st, n, layer_ids, assemble_saved)
         return out
 
     def drop(self, keys: list[str]) -> int:
@@ -307,11 +310,10 @@ def _internal(e: Exception) -> dict[str, Any]:
     return {"error": f"inspect-lens internal error while assembling results: {type(e).__name__}: {e}"}
 
 
-def _assemble_or_error(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any) -> dict[str, Any]:
-    """One request's payload as bytes; a failure of our own code here is that request's error, not the
-    fetch's."""
+def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
+    """One request's payload; a failure of our own code here is that request's error, not the fetch's."""
     try:
-        return _assemble(st, n_pos, layer_ids, assemble_saved)
+        return fn(*args)
     except Exception as e:  # noqa: BLE001
         return _internal(e)
 
@@ -357,10 +359,13 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any) -> dict[str, Any]:
-    """One request, as bytes (no result pool: a frontend on another machine, or no room in /dev/shm)."""
+    """One request, as bytes (no result pool: a frontend on another machine)."""
     payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved)
-    if mine is None:
-        return payload
+    return payload if mine is None else _as_bytes(payload, st, n_pos, mine, out_of_slot)
+
+
+def _as_bytes(payload: dict, st: Store, n_pos: int, mine: list[int], out_of_slot: dict) -> dict[str, Any]:
+    """A request's captures copied into a tensor of its own, sent as bytes in the RPC reply."""
     parts = [(out_of_slot[seg.slot], pos, rows) for seg in st.segments
              if seg.log.arena is not None and seg.slot in out_of_slot
              for pos, rows in seg.log.arena.parts(seg.log.col + seg.offset, seg.n)]
