@@ -63,7 +63,7 @@ def main() -> None:
                  use_tqdm=False)
     def set_threads(k: int) -> None:
         def f(_worker, k=k):
-            from vllm_worker import store
+            from vllm_worker.worker import store
             store.ASSEMBLY_THREADS, store.ASSEMBLY_BYTES_PER_THREAD = k, 1
         llm.collective_rpc(f)
 

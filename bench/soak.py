@@ -1,6 +1,6 @@
 """Server memory over a long run, per kind of request, against the plugin disabled: rounds of 1,000
 requests at 32 concurrent to a real `vllm-lens serve` on the tiny test model; RSS of every server process
-after each round. Tells our growth from vLLM's own (tests/test_reliability.py holds the pass/fail soak).
+after each round. Tells our growth from vLLM's own (tests/http/test_reliability.py holds the pass/fail soak).
 
     .venv/bin/python bench/soak.py [--rounds 8] [--kinds disabled,plain,capture,steer] [--out F.json]
 """
@@ -30,7 +30,7 @@ def main() -> None:
 
     import conftest  # noqa: F401  (test model paths, KV size)
     import servers
-    from vllm_worker.wire import tensor_to_json
+    from vllm_worker.protocol.wire import tensor_to_json
 
     model = str(conftest.model_path("llama"))
     steer = json.dumps([{"activations": tensor_to_json(torch.randn(1, 128, generator=torch.Generator().manual_seed(0)) * 2),

@@ -19,7 +19,7 @@ def lens_api(model: Model) -> VLLMLensAPI:
 async def resolve_layers(model: Model, layers: Any) -> list[int]:
     """None / "middle" -> [n_layers // 2]; an int or a list of ints (negative counts from the end),
     validated exactly as the server validates `output_residual_stream`."""
-    from vllm_worker.spec import layer_list
+    from vllm_worker.protocol.spec import layer_list
 
     n = (await lens_api(model).lens_info())["n_layers"]
     if layers is None or layers == "middle":

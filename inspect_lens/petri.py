@@ -18,7 +18,7 @@ one-token turn), `max`, `token_scores`, `layer`, `probe`, `n_prompt` and the gen
 (enough to re-read the turn), and `oracle` (answers per condition) when an oracle is given.
 
 Needs `inspect-petri` (Python >= 3.12 declared; scripts/setup.sh installs 3.1.1 on 3.11 with
-`--ignore-requires-python`, on which its audits run — tests/test_petri.py) and a target served by
+`--ignore-requires-python`, on which its audits run — tests/inspect/test_petri.py) and a target served by
 `vllm-lens/<model>`.
 """
 

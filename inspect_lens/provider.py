@@ -61,7 +61,7 @@ def _use_vllm_lens_serve():
 
 def encode_extra_args(extra_args: dict[str, Any]) -> dict[str, Any]:
     """Our keys into the flat `vllm_xargs` form the server accepts (tensors in the wire format)."""
-    from vllm_worker.client import encode_hooks, encode_steering
+    from vllm_worker.api.client import encode_hooks, encode_steering
 
     from .steering import resolve_vectors
 
@@ -133,7 +133,7 @@ class VLLMLensAPI(VLLMAPI):
     async def lens_client(self):
         """An `AsyncLensClient` on this provider's server (started if needed); the caller closes it.
         Its calls are not logged by Inspect: use it for bulk work such as probe training."""
-        from vllm_worker.client import AsyncLensClient
+        from vllm_worker.api.client import AsyncLensClient
 
         await self._ensure_server_started()
         return AsyncLensClient(self._server_root(), api_key=self.api_key, model=self.service_model_name())
@@ -217,7 +217,7 @@ async def _ensure_lora(root: str, api_key: str | None, name: str, path: str | No
 
 
 def decode_choice(response: dict) -> dict[str, Any]:
-    from vllm_worker.wire import from_jsonable
+    from vllm_worker.protocol.wire import from_jsonable
 
     choices = response.get("choices") or []
     if not choices:

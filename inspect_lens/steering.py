@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from vllm_worker.steering import SteeringVector
+from vllm_worker.api.steering import SteeringVector
 
 _REGISTRY: dict[str, SteeringVector] = {}
 

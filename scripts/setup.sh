@@ -26,7 +26,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$VERSION" ]; then
   # the `control` extra: ControlArena (and AgentDojo) for the coup-probe monitor and its tests
   $PIP install "control-arena==20.1.1"
   # the `petri` extra: inspect-petri declares Python >= 3.12 but runs its audits here on 3.11
-  # (tests/test_petri.py); its inspect-scout is resolved against the pinned inspect-ai
+  # (tests/inspect/test_petri.py); its inspect-scout is resolved against the pinned inspect-ai
   $PIP install --ignore-requires-python "inspect-petri==3.1.1" "inspect-ai==0.3.285"
   $VENV/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   $PIP install --no-deps --no-build-isolation -e .

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The test command: set-up (idempotent), then the whole suite on real vLLM engines on CPU. Four pytest
-# processes (in-process engines; the capture/steering/hook tests again on engines in vLLM's default
-# compiled mode; TP/PP engines; HTTP servers) so each group's engines are freed before the next starts —
-# together they would not fit in memory. Arguments, if any, go to one pytest run.
+# The test command: set-up (idempotent), the gate (lint, format, types), then the whole suite on real vLLM
+# engines on CPU. Each folder of tests/ is a group; groups run in pytest processes of their own so each
+# group's engines are freed before the next starts (together they would not fit in memory):
+#   unit + core + engine (in-process engines, eager) | core again on engines in vLLM's default compiled
+#   mode | parallel (TP/PP engines) | http + inspect (real servers, real `inspect eval`).
+# Arguments, if any, go to one pytest run (no gate).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -14,9 +16,7 @@ fi
 source scripts/env.sh
 PYTEST=(.venv/bin/python -m pytest -q)
 if [ $# -gt 0 ]; then exec "${PYTEST[@]}" "$@"; fi
-"${PYTEST[@]}" -m "not parallel and not http"
-# test_compiled.py first: its plugin-free run must compile into the cache before our engines start
-LENS_TEST_COMPILED=1 "${PYTEST[@]}" -m "not parallel and not http" tests/test_compiled.py tests/test_adapter.py \
-  tests/test_capture.py tests/test_steering.py tests/test_cache_and_chunking.py tests/test_hooks.py tests/test_graph_path.py
-"${PYTEST[@]}" -m parallel
-"${PYTEST[@]}" -m http
+"${PYTEST[@]}" tests/unit tests/core tests/engine
+LENS_TEST_COMPILED=1 "${PYTEST[@]}" tests/core
+"${PYTEST[@]}" tests/parallel
+"${PYTEST[@]}" tests/http tests/inspect

@@ -1,71 +1,38 @@
-"""Shared, session-scoped engines and references.
+"""Session-wide fixtures for every test folder. The folder a test lives in is its group: scripts/test.sh
+runs unit + core + engine, core again in compiled mode, parallel, and http + inspect, each group in a
+pytest process of its own (their engines would not fit in memory together); `-m <folder>` selects one.
 
-Engines are real in-process vLLM engines on CPU (VLLM_ENABLE_V1_MULTIPROCESSING=0 starts in seconds);
-one test module also starts a default multiprocess engine. The numeric reference is HF transformers
-on the same weights in float32.
+Engines are real in-process vLLM engines on CPU (`support.engines`); the numeric reference is HF
+transformers on the same weights in float32 (`support.reference`).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# Test models are tiny: 128 MiB of KV cache per engine (the GiB-granular VLLM_CPU_KVCACHE_SPACE would
-# override the per-engine size, so it is dropped; every test engine passes KV_BYTES instead).
-os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-KV_BYTES = 128 << 20
-# LENS_TEST_COMPILED=1 (a pytest process of its own in scripts/test.sh): every engine of the session runs
-# in vLLM's default compiled mode instead of eager, so the capture/steering/hook tests run on both.
-COMPILED = os.environ.get("LENS_TEST_COMPILED", "") == "1"
-ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=KV_BYTES,
-                       enforce_eager=not COMPILED)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import pytest
 
-import pytest  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-import tiny_models  # noqa: E402
+from support import GROUPS
+from support.engines import make_engine  # sets the environment the engines need (before vLLM is imported)
+from support.browser import browser  # noqa: F401  (headless Chromium, one per module)
+from support.oracle import tiny_oracle  # noqa: F401  (a tiny activation oracle, session-wide)
+from support.servers import _stop_servers, locked_server, lora_server, server  # noqa: F401  (HTTP, session-wide)
 
 
-
-def models_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "inspect-lens" / "test-models-v1"
-
-
-def model_path(name: str) -> Path:
-    if name == "smollm2":
-        from vllm_worker.shipped_model import shipped_model_path
-
-        return shipped_model_path()
-    return tiny_models.build(name, models_root())
+def pytest_configure(config):
+    for g in GROUPS:
+        config.addinivalue_line("markers", f"{g}: tests under tests/{g}/ (marked from the folder)")
+    config.addinivalue_line("markers", "run_first: runs before every other test of its pytest process")
 
 
-_ENGINES: dict = {}
-_KEEP: list = []
-
-
-def keep_alive(engine):
-    """Hold an engine until the session ends: shutting one down (explicitly or by garbage collection)
-    tears down the process-wide distributed state that every in-process engine shares."""
-    _KEEP.append(engine)
-    return engine
-
-
-def make_engine(name: str, **kwargs):
-    """One cached in-process engine per (model, settings)."""
-    key = (name, tuple(sorted(kwargs.items())))
-    if key not in _ENGINES:
-        from vllm import LLM
-
-        opts = dict(ENGINE_DEFAULTS)
-        opts.update(kwargs)
-        _ENGINES[key] = LLM(str(model_path(name)), **opts)
-    return _ENGINES[key]
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = Path(str(item.path)).parent.name
+        if group in GROUPS:
+            item.add_marker(getattr(pytest.mark, group))
+    # `run_first` modules (tests/core/test_compiled.py: a plugin-free engine must compile into the cache
+    # before the session's engines start) go ahead of the rest of their process
+    items.sort(key=lambda item: item.get_closest_marker("run_first") is None)
 
 
 @pytest.fixture(scope="session")
@@ -80,10 +47,6 @@ def llama():
 
 @pytest.fixture(scope="session")
 def hf_factory():
-    import reference
+    from support import reference
 
     return reference.hf_model
-
-
-from servers import _stop_servers, locked_server, lora_server, server  # noqa: E402,F401  (HTTP fixtures, session-wide)
-from browser import browser  # noqa: E402,F401  (headless Chromium, session-wide)

@@ -1,0 +1,125 @@
+"""The graph-safe path (device buffers + one kernel per layer, what runs inside CUDA graphs) against the
+Python path (per-request work in the taps), on the same engine: same numbers, whichever path a step
+takes. A no-op Python hook moves a request's steps to the Python path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from vllm_worker import Hook, SteeringVector
+from vllm_worker.worker import graph
+from vllm_worker.worker.runtime import STEP_TIMINGS
+
+D = 128
+PROMPTS = ["the water of people will come down to the side of the first", "a long thing to see him",
+           "they said the first people could"]
+
+
+def _noop(ctx, h):
+    return None
+
+
+def _vec(seed: int, shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_graph_and_python_paths_give_the_same_numbers(llama):
+    """Several vectors at one layer (2-D plain + 3-D norm-matched at positions), norm-matched 2-D at
+    another, captures at steered and unsteered layers, a capture-only and a plain batch-mate."""
+    steer = [SteeringVector(_vec(1, (1, D)), [1], scale=1.5),
+             SteeringVector(_vec(2, (1, 2, D)), [1], scale=0.5, norm_match=True, position_indices=[1, 3]),
+             SteeringVector(_vec(3, (2, D)), [2, 0], scale=0.3, norm_match=True)]
+    extras = [{"apply_steering_vectors": steer, "output_residual_stream": [0, 1, 2, 3]},
+              {"output_residual_stream": [3]}, None]
+
+    def run(hook: bool):
+        sps = []
+        for e in extras:
+            e = dict(e or {})
+            if hook:
+                e["apply_hooks"] = [Hook(_noop, [3])]
+            sps.append(SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, extra_args=e or None))
+        before = STEP_TIMINGS["graph_steps"]
+        outs = llama.generate(PROMPTS, sps, use_tqdm=False)
+        return outs, STEP_TIMINGS["graph_steps"] - before
+
+    fast, fast_steps = run(False)
+    slow, slow_steps = run(True)
+    assert fast_steps >= 6 and slow_steps == 0  # each run took the path it was meant to
+    for a, b in zip(fast, slow):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert max(abs(la[k].logprob - lb[k].logprob) for k in la) <= 1e-4
+        if a.activations is not None:
+            x, y = a.activations["residual_stream"], b.activations["residual_stream"]
+            assert x.shape == y.shape and (x - y).abs().max() <= 1e-4 * max(1.0, y.abs().max().item())
+    # the steering did something (position 1 and 3 at layer 1 differ from a plain run)
+    plain = llama.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                        extra_args={"output_residual_stream": [1]}), use_tqdm=False)[0]
+    assert (fast[0].activations["residual_stream"][1] - plain.activations["residual_stream"][0]).abs().max() > 0.5
+
+
+def _graph_taps(monkeypatch, steer_mb: float = 1.0) -> graph.GraphTaps:
+    monkeypatch.setattr(graph, "STEER_MB", steer_mb)
+    return graph.GraphTaps([0, 1, 2], 8, torch.float32, torch.device("cpu"), 16, None)
+
+
+def test_full_entry_table_sends_the_request_to_the_python_path(monkeypatch):
+    from vllm_worker.worker.plan import DeviceSteer
+
+    g = _graph_taps(monkeypatch, steer_mb=3 * 2 * 8 * 4 / (1 << 20))  # room for 3 entries
+    two_d = DeviceSteer({0: 0, 1: 1}, torch.ones(2, 8), None, 1.0, False)
+    got = graph.request_entries(g, [two_d])
+    assert got is not None and len(got[1]) == 2 and set(got[0]) == {0, 1}
+    three_d = DeviceSteer({2: 0}, torch.ones(1, 2, 8), None, 1.0, True, positions=[4, 5])
+    assert graph.request_entries(g, [three_d]) is None  # 2 more entries do not fit: refused, nothing taken
+    g.free_entries(got[1])
+    again = graph.request_entries(g, [three_d])
+    assert again is not None and again[0][2][0] == -1 and list(again[0][2][1]) == [4, 5]
+
+
+def test_ring_never_hands_out_rows_still_in_use(monkeypatch):
+    g = _graph_taps(monkeypatch)
+    assert g.ring_alloc(g.stage_rows + 1) is None
+    a = g.ring_alloc(g.stage_rows - 4)
+    b = g.ring_alloc(8)  # does not fit after a: starts over at 0
+    assert a == 0 and b == 0
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton not installed")
+def test_triton_kernel_matches_the_torch_semantics():
+    """The CUDA kernel, run by Triton's interpreter on CPU tensors, against the torch implementation
+    used on CPU: capture slots, plain and norm-matched entries, rows with nothing to do, no residual."""
+    code = textwrap.dedent("""
+        import torch
+        from vllm_worker.worker import graph
+        g = graph.GraphTaps([0, 1], 96, torch.float32, torch.device("cpu"), 16, None)
+        torch.manual_seed(0)
+        g.A[:5] = torch.randn(5, 96); g.B[:5] = torch.randn(5, 96); g.bflag[:5] = torch.tensor([0, 1, 0, 1, 0])
+        g.ctl[1, 1] = torch.tensor([3, 1]); g.ctl[2, 1] = torch.tensor([-1, 2]); g.ctl[4, 1] = torch.tensor([7, -1])
+        g.ctl[5, 0] = torch.tensor([9, 3]); g.active = True; g.live_cols = frozenset({0, 1})
+        kernel = graph._triton_kernel()
+        worst = 0.0
+        for has_r in (True, False):
+            h = torch.randn(7, 96); r = torch.randn(7, 96) if has_r else None
+            h1 = h.clone(); g.stage.zero_(); g._kernel = None
+            g.apply(h1, r, 1); g.apply(h1, r, 0); s1 = g.stage[:10].clone()
+            h2 = h.clone(); g.stage.zero_(); g._kernel = kernel
+            g.apply(h2, r, 1); g.apply(h2, r, 0); s2 = g.stage[:10].clone()
+            assert (h1 - h).abs().max() > 1 and s1.abs().sum() > 1
+            worst = max(worst, (h1 - h2).abs().max().item(), (s1 - s2).abs().max().item())
+        print("WORST", worst)
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    line = [l for l in proc.stdout.splitlines() if l.startswith("WORST")]
+    assert line, proc.stderr[-3000:]
+    assert float(line[0].split()[1]) <= 1e-4

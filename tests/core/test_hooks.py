@@ -1,0 +1,217 @@
+"""Per-request hooks and persistent hooks, against HF transformers doing the same edit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from support.reference import greedy, hf_model, residuals, zero_dim_edit
+from vllm_worker import Hook, HookError
+
+PROMPT = "the water of people will come down to the side"
+OTHER = "a long thing to see him"
+
+
+def _sp(max_tokens=6, **extra):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=extra or None)
+
+
+def _zero_dim(dim):
+    def fn(ctx, h):
+        h = h.clone()
+        h[:, dim] = 0
+        ctx.saved.setdefault("layers", []).append(ctx.layer_idx)
+        return h
+    return fn
+
+
+def test_zero_ablation_at_two_layers_equals_hf(llama):
+    dim = 7
+    out = llama.generate([PROMPT], _sp(apply_hooks=[Hook(_zero_dim(dim), [1, 2])],
+                                       output_residual_stream=[0, 1, 2, 3]), use_tqdm=False)[0]
+
+    edit = zero_dim_edit(dim, (1, 2))
+    hf = hf_model("llama")
+    assert list(out.outputs[0].token_ids) == greedy(hf, list(out.prompt_token_ids), 6, edit)
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref, _ = residuals(hf, ids[:-1], edit)
+    acts = out.activations["residual_stream"]
+    assert (acts - ref).abs().max() <= 1e-4
+    assert acts[1, :, dim].abs().max() == 0 and acts[3, :, dim].abs().max() > 0
+    # one call per hooked layer per forward step: prefill + 5 decode steps, two layers each
+    assert out.hook_results["0"]["layers"] == [1, 2] * 6
+
+
+def test_layer0_prehook_seeded_noise_equals_hf(llama):
+    """The corruption step of causal tracing: noise on the embeddings, keyed by absolute position."""
+    noise = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.5
+
+    def corrupt(ctx, h):
+        return h + noise.to(h.device)[ctx.positions]
+
+    out = llama.generate([PROMPT], _sp(apply_hooks=[Hook(corrupt, [0], pre=True)], output_residual_stream=[0, 3]),
+                         use_tqdm=False)[0]
+    hf = hf_model("llama")
+    embed_edit = lambda e: e + noise[: e.shape[1]].unsqueeze(0)  # noqa: E731
+    assert list(out.outputs[0].token_ids) == greedy(hf, list(out.prompt_token_ids), 6, embed_edit=embed_edit)
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref, _ = residuals(hf, ids[:-1], embed_edit=embed_edit)
+    assert (out.activations["residual_stream"] - ref[[0, 3]]).abs().max() <= 1e-4
+
+
+def _logit_lens(ctx, h):
+    w = ctx.get_parameter("lm_head.weight")
+    g = ctx.get_parameter("model.norm.weight")
+    x = h.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * g.float()
+    top = (x @ w.float().T).topk(5, dim=-1).indices
+    ctx.saved.setdefault(ctx.layer_idx, []).append((ctx.positions.cpu(), top.cpu()))
+
+
+def test_logit_lens_with_get_parameter_matches_hf(engine_factory):
+    llm = engine_factory("smollm2")
+    L = llm.llm_engine.model_config.get_total_num_hidden_layers()
+    tok = llm.get_tokenizer()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name a color."}], tokenize=False,
+                                     add_generation_prompt=True)
+    out = llm.generate([prompt], _sp(4, apply_hooks=[Hook(_logit_lens, list(range(L)))]), use_tqdm=False)[0]
+    hf = hf_model("smollm2")
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref, _ = residuals(hf, ids[:-1])
+    saved = out.hook_results["0"]
+    assert sorted(saved) == list(range(L))
+    agree = total = 0
+    for layer in range(L):
+        pos = torch.cat([p for p, _ in saved[layer]])
+        top = torch.cat([t for _, t in saved[layer]])
+        assert pos.tolist() == list(range(len(ids) - 1))
+        hf_top = (hf.model.norm(ref[layer]) @ hf.lm_head.weight.T).topk(5, dim=-1).indices
+        agree += (top == hf_top).all(-1).sum().item()
+        total += len(pos)
+    assert agree == total, f"{agree}/{total} positions with equal top-5"
+    assert (top[-1:, 0] == hf_top[-1:, 0]).all()
+
+
+def test_pre_and_post_hooks_keep_separate_state_and_requests_stay_apart(llama):
+    def count(tag):
+        def fn(ctx, h):
+            ctx.saved["calls"] = ctx.saved.get("calls", 0) + 1
+            ctx.saved["tag"] = tag
+            ctx.saved.setdefault("rows", []).append(ctx.seq_len)
+            ctx.saved["request_id"] = ctx.request_id
+            return None
+        return fn
+
+    hooks = [Hook(count("pre"), [2], pre=True), Hook(count("post"), [2])]
+    outs = llama.generate([PROMPT, OTHER], [_sp(3, apply_hooks=hooks), _sp(5, apply_hooks=hooks)], use_tqdm=False)
+    a, b = outs
+    n_a, n_b = len(a.prompt_token_ids), len(b.prompt_token_ids)
+    assert a.hook_results["0"]["tag"] == "pre" and a.hook_results["1"]["tag"] == "post"
+    assert a.hook_results["0"]["rows"] == [n_a, 1, 1] and b.hook_results["1"]["rows"] == [n_b, 1, 1, 1, 1]
+    assert a.hook_results["0"]["request_id"] == a.request_id and b.hook_results["0"]["request_id"] == b.request_id
+    assert hooks[0].fn is not None and len(hooks) == 2  # the caller's list is untouched
+
+
+def test_failing_hook_fails_only_its_request(llama):
+    baseline = [list(o.outputs[0].token_ids) for o in llama.generate([PROMPT, OTHER], _sp(), use_tqdm=False)]
+
+    def boom(ctx, h):
+        raise ZeroDivisionError("deliberate failure in user hook")
+
+    def wrong_shape(ctx, h):
+        return h[:, :5]
+
+    for bad, text in ((boom, "ZeroDivisionError: deliberate failure in user hook"),
+                      (wrong_shape, "hook returned shape")):
+        with pytest.raises(HookError) as exc:
+            llama.generate([PROMPT, OTHER], [_sp(apply_hooks=[Hook(bad, [1])]), _sp(output_residual_stream=[0])],
+                           use_tqdm=False)
+        assert text in str(exc.value) and "Traceback" in str(exc.value)
+        failed, ok = exc.value.outputs
+        assert failed.hook_error is not None
+        assert list(ok.outputs[0].token_ids) == baseline[1] and ok.activations["residual_stream"].shape[0] == 1
+    # the engine keeps serving
+    assert [list(o.outputs[0].token_ids) for o in llama.generate([PROMPT, OTHER], _sp(), use_tqdm=False)] == baseline
+
+
+def test_persistent_hooks_over_20_requests(engine_factory):
+    llm = engine_factory("llama", enable_prefix_caching=False)
+    llm.clear_hooks()
+
+    def norm_at_last(ctx, h):
+        ctx.saved.setdefault("norms", []).append(h[-1].norm().item())
+
+    assert llm.register_hooks([Hook(norm_at_last, [3])]) == 1
+    prompts = [f"{PROMPT} {w}" for w in "the a of to and in is it that was".split()]
+    llm.generate(prompts, _sp(3), use_tqdm=False)  # 10 concurrent
+    for p in prompts[:10]:
+        llm.generate([p + " people"], _sp(2), use_tqdm=False)  # 10 one by one
+    results = llm.collect_hook_results()
+    assert len(results) == 20
+    assert all(len(r["0"]["norms"]) in (2, 3) for r in results.values())
+    assert len(llm.collect_hook_results()) == 20  # non-destructive
+    llm.clear_hook_results()
+    assert llm.collect_hook_results() == {}
+    llm.generate([PROMPT], _sp(2), use_tqdm=False)
+    assert len(llm.collect_hook_results()) == 1  # hooks kept
+    llm.clear_hooks()
+    llm.generate([PROMPT], _sp(2), use_tqdm=False)
+    assert llm.collect_hook_results() == {}
+
+
+def test_persistent_results_cap_is_an_error_not_a_silent_drop(llama, monkeypatch):
+    import vllm_worker.worker.persistent_hooks as registry
+
+    monkeypatch.setattr(registry, "MAX_PERSISTENT_RESULTS", 2)
+    llama.clear_hooks()
+    llama.register_hooks([Hook(lambda ctx, h: None, range(2))])
+    try:
+        llama.generate([PROMPT, OTHER], _sp(2), use_tqdm=False)
+        with pytest.raises(HookError, match="persistent hook results are full"):
+            llama.generate([PROMPT], _sp(2), use_tqdm=False)
+        assert len(llama.collect_hook_results()) == 2
+        llama.clear_hook_results()
+        llama.generate([PROMPT], _sp(2), use_tqdm=False)
+        assert len(llama.collect_hook_results()) == 1
+    finally:
+        llama.clear_hooks()
+
+
+def test_misbehaving_hooks_stay_inside_their_request(llama):
+    """Hooks that return NaN, a wrong dtype, a non-tensor, or that sleep: the request that carries the
+    hook gets a HookError naming the problem (or, for the slow one, its results); its batch-mate keeps
+    its solo tokens and numbers. NaN values are never written into the stream: on vLLM's CPU attention
+    they reached the batch-mate (its tokens all became 0) before this was guarded."""
+    import time
+
+
+    solo = llama.generate([OTHER], _sp(output_residual_stream=[2]), use_tqdm=False)[0]
+
+    def nan(ctx, h):
+        return h * float("nan")
+
+    def wrong_dtype(ctx, h):
+        return h.double()
+
+    def not_a_tensor(ctx, h):
+        return [1, 2, 3]
+
+    def slow(ctx, h):
+        time.sleep(0.05)
+
+    for bad, error in ((nan, "returned NaN or inf values"), (wrong_dtype, "hook returned shape"),
+                       (not_a_tensor, "expected a Tensor or None"), (slow, None)):
+        sps = [_sp(apply_hooks=[Hook(bad, [1])], output_residual_stream=[2]), _sp(output_residual_stream=[2])]
+        if error is None:
+            mine, mate = llama.generate([PROMPT, OTHER], sps, use_tqdm=False)
+        else:
+            with pytest.raises(HookError, match=error) as exc:
+                llama.generate([PROMPT, OTHER], sps, use_tqdm=False)
+            mine, mate = exc.value.outputs
+            assert mine.hook_error is not None
+        assert mate.hook_error is None and list(mate.outputs[0].token_ids) == list(solo.outputs[0].token_ids)
+        assert torch.equal(mate.activations["residual_stream"], solo.activations["residual_stream"])
+    ids = list(solo.prompt_token_ids) + list(solo.outputs[0].token_ids)
+    ref, _ = residuals(hf_model("llama"), ids[:-1])
+    assert (solo.activations["residual_stream"][0] - ref[2]).abs().max() <= 1e-4

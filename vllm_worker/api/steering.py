@@ -1,0 +1,115 @@
+"""`SteeringVector`: what a caller asks to add to the residual stream of their own request.
+
+A pydantic model (vLLM already depends on pydantic): type errors surface where the object is made, with
+the field named; `model_dump()` gives a JSON-able dict (activations as our tensor object) that
+`SteeringVector.model_validate` reads back; `model_copy(update=...)` makes variants. Checks that need the
+served model (d_model, layer range, prompt length, finite values) happen when a request is submitted.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, StrictBool, field_serializer, field_validator
+
+from vllm_worker.protocol.wire import tensor_from_json, tensor_to_json
+
+# A tensor object inside a model_validate() input is bounded like one arriving over HTTP.
+MAX_TENSOR_BYTES = 256 << 20
+
+
+def layer_indices(value: Any) -> list[int]:
+    """The `layer_indices` field of SteeringVector and Hook: a non-empty list of ints (no bools)."""
+    out = int_list(value, "layer_indices")
+    if not out:
+        raise ValueError("layer_indices: empty")
+    return out
+
+
+def int_list(value: Any, field: str) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{field}: expected a list of ints, got {type(value).__name__}")
+    out = list(value)
+    for x in out:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ValueError(f"{field}: expected ints, got {x!r}")
+    return out
+
+
+class SteeringVector(BaseModel):
+    """Vectors added to the residual stream after the listed decoder layers.
+
+    activations: `(n_layers, d_model)` — added at every position (prompt and generated), or
+        `(n_layers, n_pos, d_model)` — row `p` added only at absolute token position
+        `position_indices[p]` (default `0..n_pos-1`), once per forward pass of that position, never at
+        other positions. Row `i` of the first axis belongs to `layer_indices[i]`.
+    layer_indices: decoder layers after which the vector is added (negative counts from the end).
+    scale: multiplier. With `norm_match=False` the added vector is `scale * v`.
+    norm_match: when True the added vector is `scale * ||r|| * v / ||v||`, where `r` is the residual
+        stream at that position after the layer (before any addition) — i.e. the vector is rescaled to
+        the norm of the activation it is added to, per position.
+    position_indices: absolute token positions for 3-D activations; must lie inside the prompt.
+
+    Positional or keyword construction: `SteeringVector(v, [15], scale=4.0)`. Immutable (frozen); the
+    plugin never modifies it and copies it when the request is submitted.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    activations: torch.Tensor
+    layer_indices: list[int]
+    scale: float = 1.0
+    norm_match: StrictBool = False
+    position_indices: Optional[list[int]] = None
+
+    def __init__(self, activations: Any = None, layer_indices: Any = None, scale: Any = 1.0,
+                 norm_match: Any = False, position_indices: Any = None, **kwargs: Any) -> None:
+        super().__init__(activations=activations, layer_indices=layer_indices, scale=scale,
+                         norm_match=norm_match, position_indices=position_indices, **kwargs)
+
+    @field_validator("activations", mode="before")
+    @classmethod
+    def _tensor(cls, v: Any) -> torch.Tensor:
+        if isinstance(v, dict):  # our tensor object (model_dump / HTTP form)
+            return tensor_from_json(v, "activations", max_bytes=MAX_TENSOR_BYTES)
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"expected a torch.Tensor (or a tensor object), got {type(v).__name__}")
+        if not v.is_floating_point():
+            raise ValueError(f"expected a floating-point tensor, got {v.dtype}")
+        return v
+
+    _layers = field_validator("layer_indices", mode="before")(staticmethod(layer_indices))
+
+    @field_validator("position_indices", mode="before")
+    @classmethod
+    def _positions(cls, v: Any) -> list[int] | None:
+        return None if v is None else int_list(v, "position_indices")
+
+    @field_validator("scale", mode="before")
+    @classmethod
+    def _scale(cls, v: Any) -> float:
+        try:
+            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+        except OverflowError:  # an int too large for a float
+            ok = False
+        if not ok:
+            raise ValueError(f"expected a finite number, got {str(v)[:40]!r}")
+        return float(v)
+
+    @field_serializer("activations")
+    def _dump_tensor(self, v: torch.Tensor) -> dict:
+        return tensor_to_json(v)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SteeringVector):
+            return NotImplemented
+        return (self.layer_indices == other.layer_indices and self.scale == other.scale
+                and self.norm_match == other.norm_match and self.position_indices == other.position_indices
+                and self.activations.shape == other.activations.shape
+                and torch.equal(self.activations.cpu(), other.activations.cpu()))
+
+    __hash__ = object.__hash__

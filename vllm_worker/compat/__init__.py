@@ -1,0 +1,89 @@
+"""Every touch of a vLLM internal, behind a version check: import from here, never from vLLM directly.
+
+If vLLM moves something we rely on, `check()` (plugin load) and the worker's own checks raise
+`LensIncompatibleVLLM` naming it: the plugin never silently does nothing. One module per side of vLLM:
+`engine` (engine construction, plugins), `requests` (per-request frontend hooks, outputs, RPC), `errors`
+(exception classes vLLM maps to HTTP codes), `request_ids` (how vLLM names requests), `runner` (the
+worker's model runner and CUDA-graph dispatch), `model` (decoder-layer layout, parameters across ranks),
+`cpu_lora` (a vLLM-CPU LoRA fix). `tests/engine/test_adapter.py` exercises each against the installed vLLM.
+"""
+
+
+from vllm_worker.compat.version import (  # noqa: F401
+    LensIncompatibleVLLM,
+    SUPPORTED,
+    check_version,
+    require,
+    vllm_version,
+    wrap,
+)
+from vllm_worker.compat.errors import (  # noqa: F401
+    capacity_error_cls,
+    forbidden_error_cls,
+    validation_error_cls,
+)
+from vllm_worker.compat.engine import (  # noqa: F401
+    add_llm_methods,
+    add_output_defaults,
+    check,
+    engine_args_cls,
+    force_v1_model_runner,
+    patch_compile_hash,
+    patch_endpoint_plugins,
+    patch_engine_args,
+    patch_splitting_ops,
+)
+from vllm_worker.compat.requests import (  # noqa: F401
+    async_llm_cls,
+    input_processor_cls,
+    llm_engine_cls,
+    model_capture_limits,
+    model_shape,
+    offline_mixin_cls,
+    patch_aborts,
+    patch_async_generate,
+    patch_engine_loop,
+    patch_offline_add_request,
+    patch_process_inputs,
+    patch_run_engine,
+    processor_of_engine_client,
+    processor_of_llm,
+    processor_of_llm_engine,
+    request_prompt_len,
+    rpc,
+    rpc_async,
+    set_request_cache_salt,
+)
+from vllm_worker.compat.request_ids import (  # noqa: F401
+    child_index,
+    external_request_id,
+    server_request_id,
+)
+from vllm_worker.compat.runner import (  # noqa: F401
+    batch_layout,
+    ensure_pp_buffers,
+    forward_replays_full_graph,
+    graph_taps_unsupported,
+    hidden_size,
+    host_positions,
+    iter_stage_layers,
+    live_request_ids,
+    max_tokens,
+    patch_cudagraph_dispatch,
+    patch_runner,
+    request_extra_args,
+    request_max_positions,
+    runner_classes,
+    runner_model,
+    tp_rank,
+)
+from vllm_worker.compat.model import (  # noqa: F401
+    decoder_layers,
+    full_parameter,
+    layer_inputs,
+    pp_share,
+    residual_parts,
+)
+from vllm_worker.compat.cpu_lora import (  # noqa: F401
+    patch_cpu_lora_no_adapter_rows,
+)

@@ -1,0 +1,219 @@
+"""The worker's model runner: patches around model loading and every forward pass, the per-step CUDA-graph
+mode choice, and what a step's batch looks like (request ids, row offsets, positions) read from vLLM's
+own host-side state."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from vllm_worker.compat.model import decoder_layers
+from vllm_worker.compat.version import LensIncompatibleVLLM, require, wrap
+
+
+def runner_classes() -> list[type]:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    classes = [GPUModelRunner]
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+            classes.append(CPUModelRunner)
+    except ImportError:
+        pass
+    for c in classes:
+        require(c, "load_model", c.__qualname__)
+    require(GPUModelRunner, "_model_forward", "GPUModelRunner")
+    return classes
+
+
+def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[..., Any]) -> None:
+    """`on_loaded(runner)` after the model is loaded; `around_forward(runner, orig, **kw)` wraps each
+    forward pass (the forward context is set; `kw` holds input_ids / positions / ...)."""
+    classes = runner_classes()
+
+    def make_load(orig: Callable) -> Callable:
+        def load_model(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            on_loaded(self)
+            return out
+
+        return load_model
+
+    def make_forward(orig: Callable) -> Callable:
+        def _model_forward(self, *args, **kwargs):
+            return around_forward(self, orig, *args, **kwargs)
+
+        return _model_forward
+
+    for c in classes:
+        if "load_model" in c.__dict__:
+            wrap(c, "load_model", make_load)
+    wrap(classes[0], "_model_forward", make_forward)
+
+
+def patch_cudagraph_dispatch(needs_python: Callable[[Any], bool]) -> None:
+    """`needs_python(runner)` is asked once per step, after vLLM laid out the batch and before it picks
+    the step's CUDA-graph mode; True (the step runs Python hooks, or more than the graph-safe buffers
+    hold) excludes FULL graphs from that choice: vLLM then replays piecewise graphs, between which our
+    tap op (a splitting op) is called from Python, or no graph. Other steps keep vLLM's choice, full
+    graphs included (the graph-safe kernel is recorded in them)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    why = graph_taps_unsupported()
+    if why is not None:
+        raise LensIncompatibleVLLM(why)
+
+    def make_dispatch(orig: Callable) -> Callable:
+        def dispatch(self, *args, **kwargs):
+            if getattr(self, "_lens_no_full", False):
+                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | {CUDAGraphMode.FULL}
+            return orig(self, *args, **kwargs)
+
+        return dispatch
+
+    def make_determine(orig: Callable) -> Callable:
+        def determine(self, *args, **kwargs):
+            d = getattr(self, "cudagraph_dispatcher", None)
+            if d is None or not needs_python(self):
+                return orig(self, *args, **kwargs)
+            d._lens_no_full = True
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                d._lens_no_full = False
+
+        return determine
+
+    wrap(CudagraphDispatcher, "dispatch", make_dispatch)
+    wrap(GPUModelRunner, "_determine_batch_execution_and_padding", make_determine)
+
+
+def forward_replays_full_graph() -> bool:
+    """Whether the running forward pass replays a full CUDA graph: no Python in the model is called
+    then (between piecewise graphs, splitting ops such as our taps are)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context
+
+    return getattr(get_forward_context(), "cudagraph_runtime_mode", None) == CUDAGraphMode.FULL
+
+
+def host_positions(runner: Any, qsl: Any) -> np.ndarray:
+    """Positions of the step's rows, computed on the host the way vLLM computes them (computed tokens
+    of the request + offset in its chunk), without reading the device."""
+    ib = require(runner, "input_batch", type(runner).__name__)
+    start = require(ib, "num_computed_tokens_cpu", "InputBatch")[: len(qsl) - 1]
+    counts = np.diff(qsl)
+    return np.repeat(start - qsl[:-1], counts) + np.arange(int(qsl[-1]))
+
+
+def max_tokens(runner: Any) -> int:
+    """Most rows a forward pass of this runner can have (graph padding included)."""
+    n = int(require(runner, "max_num_tokens", type(runner).__name__))
+    cc = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
+    return max(n, int(getattr(cc, "max_cudagraph_capture_size", None) or 0))
+
+
+def hidden_size(runner: Any) -> int:
+    return int(require(runner, "model_config", type(runner).__name__).get_hidden_size())
+
+
+def runner_model(runner: Any) -> torch.nn.Module:
+    model = require(runner, "model", type(runner).__name__)
+    return model
+
+
+def batch_layout(runner: Any) -> tuple[list[str], Any]:
+    """(request ids in batch order, host query_start_loc) for the forward pass being run.
+
+    Rows of request j are `qsl[j]:qsl[j+1]`. Read fresh every step: vLLM reorders the batch."""
+    ib = require(runner, "input_batch", type(runner).__name__)
+    req_ids = ib.req_ids
+    n = len(req_ids)
+    qsl = getattr(runner, "query_start_loc", None)
+    if qsl is not None and hasattr(qsl, "np"):
+        return req_ids, qsl.np[: n + 1]
+    from vllm.forward_context import get_forward_context
+
+    md = get_forward_context().attn_metadata
+    if isinstance(md, dict) and md:
+        loc = next(iter(md.values())).query_start_loc
+        return req_ids, loc[: n + 1].cpu().numpy()
+    raise LensIncompatibleVLLM("cannot find query_start_loc for the running batch")
+
+
+def request_extra_args(runner: Any, req_id: str) -> dict | None:
+    reqs = require(runner, "requests", type(runner).__name__)
+    st = reqs.get(req_id)
+    sp = getattr(st, "sampling_params", None)
+    return None if sp is None else sp.extra_args
+
+
+def request_max_positions(runner: Any, req_id: str) -> int | None:
+    """Most positions a request can reach (prompt + max_tokens - 1), or None if not known."""
+    st = require(runner, "requests", type(runner).__name__).get(req_id)
+    n_prompt = getattr(st, "num_prompt_tokens", None)
+    max_tokens = getattr(getattr(st, "sampling_params", None), "max_tokens", None)
+    if not isinstance(n_prompt, int) or not isinstance(max_tokens, int):
+        return None
+    return n_prompt + max_tokens - 1
+
+
+def live_request_ids(runner: Any) -> Any:
+    return require(runner, "requests", type(runner).__name__).keys()
+
+
+def tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def ensure_pp_buffers(runner: Any) -> None:
+    """vLLM's CPU worker skips the warm-up run that allocates the pipeline-parallel receive buffer on
+    later stages (rank 1 then dies on `assert self.intermediate_tensors is not None`). Allocate it the
+    way the warm-up would."""
+    from vllm.distributed import get_pp_group
+
+    if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
+        return
+    model = runner_model(runner)
+    make = require(model, "make_empty_intermediate_tensors", type(model).__name__)
+    runner.intermediate_tensors = make(batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype,
+                                       device=runner.device)
+
+
+def iter_stage_layers(runner: Any) -> Iterator[tuple[int, torch.nn.Module]]:
+    yield from decoder_layers(runner_model(runner))
+
+
+def graph_taps_unsupported() -> str | None:
+    """Why this vLLM/torch cannot run our taps inside compiled graphs (None: it can)."""
+    import inspect
+
+    if not hasattr(torch.library, "register_fake"):  # taps.py registers the op's fake implementation with it
+        return f"torch {torch.__version__} lacks torch.library.register_fake"
+    try:
+        from vllm.config import CompilationConfig, CUDAGraphMode  # noqa: F401
+        from vllm.forward_context import ForwardContext
+        from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError as e:
+        return f"vLLM internal moved: {e}"
+    for cls, name in ((CompilationConfig, "compute_hash"), (CompilationConfig, "set_splitting_ops_for_v1"),
+                      (CudagraphDispatcher, "dispatch"),
+                      (GPUModelRunner, "_determine_batch_execution_and_padding")):
+        if not hasattr(cls, name):
+            return f"vLLM internal moved: {cls.__qualname__}.{name} not found"
+    if "invalid_modes" not in inspect.signature(CudagraphDispatcher.dispatch).parameters:
+        return "vLLM internal moved: CudagraphDispatcher.dispatch has no invalid_modes parameter"
+    if "cudagraph_runtime_mode" not in getattr(ForwardContext, "__dataclass_fields__", {}):
+        return "vLLM internal moved: ForwardContext has no cudagraph_runtime_mode"
+    return None

@@ -1,0 +1,167 @@
+"""Every `VLLM_LENS_*` setting in one table: name, type, default, what it does and its `vllm-lens serve` flag.
+
+The code reads settings only through `get()` / `limit()`, so an error message can always name the knob
+that produced it, and docs/settings.md is generated from this table (`python -m vllm_worker.envs`; a test
+fails when they differ). Values are read from the environment when asked for: every vLLM process
+inherits them from the one that started it, so `vllm-lens serve --lens-max-payload-mb 8` reaches the
+workers too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+UNITS = {"MB": 1 << 20, "GB": 1 << 30}  # binary: MiB, GiB
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: type  # bool, int, float or str
+    default: Any  # a value, or a callable giving it (a default that depends on the machine or another setting)
+    what: str
+    flag: str | None = None  # `vllm-lens serve` flag (a bool flag takes no value)
+    unit: str = ""  # "MB" / "GB" (limit() returns bytes), "s", or "" for a count / plain value
+    limit: bool = False  # an operator limit: reported by /v1/lens/info, must be positive
+
+    def default_value(self) -> Any:
+        return self.default() if callable(self.default) else self.default
+
+    def default_text(self) -> str:
+        if callable(self.default):
+            return self.default.__doc__ or "computed"
+        if self.kind is bool:
+            return "1" if self.default else "0"
+        if self.default is None:
+            return "unset"
+        return f"{self.default:g}" if isinstance(self.default, float) else str(self.default)
+
+
+def _stored_gb() -> float:
+    """= VLLM_LENS_MAX_STORED_GB"""
+    return float(get("VLLM_LENS_MAX_STORED_GB"))
+
+
+def _assembly_threads() -> int:
+    """min(4, CPUs)"""
+    return min(4, os.cpu_count() or 1)
+
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting("VLLM_LENS_DISABLE", bool, False,
+            "the plugin is a complete no-op: nothing is patched, no worker extension, no `activations` attribute"),
+    Setting("VLLM_LENS_ALLOW_REMOTE_HOOKS", bool, False,
+            "accept hooks sent over HTTP (`vllm_xargs.apply_hooks`, `/v1/hooks/register`): they are cloudpickled "
+            "code run in the server; without it they get 403 and nothing received is unpickled",
+            flag="--allow-remote-hooks"),
+    Setting("VLLM_LENS_MAX_PAYLOAD_MB", float, 64.0,
+            "one structured payload (steering vectors, hooks): 400 naming the field; a request body above it "
+            "+ 1 MiB: 413 while it arrives", flag="--lens-max-payload-mb", unit="MB", limit=True),
+    Setting("VLLM_LENS_MAX_CAPTURE_GB", float, 4.0,
+            "one request's capture at its largest (layers x (prompt + max_tokens - 1) x d_model x n, in the "
+            "model's dtype): 400 naming output_residual_stream, before any compute",
+            flag="--lens-max-capture-gb", unit="GB", limit=True),
+    Setting("VLLM_LENS_MAX_STORED_GB", float, 8.0,
+            "captures in flight (admitted, not yet returned) at their largest, summed over requests: 503 "
+            "(offline: ValueError) for the request that would pass it, before any compute",
+            flag="--lens-max-stored-gb", unit="GB", limit=True),
+    Setting("VLLM_LENS_MAX_PERSISTENT_RESULTS", int, 10000,
+            "requests whose persistent-hook results are kept until clear_hook_results: later requests fail "
+            "with an error naming it", flag="--lens-max-persistent-results", limit=True),
+    Setting("VLLM_LENS_GRAPH_PATH", bool, True,
+            "capture and steering run in the graph-safe kernel (inside CUDA graphs); 0: every step with a "
+            "feature takes the Python path, without graphs"),
+    Setting("VLLM_LENS_STAGE_MB", float, 256.0,
+            "device staging ring of the graph-safe path (captured rows of one step); a step capturing more "
+            "takes the Python path", unit="MB"),
+    Setting("VLLM_LENS_STEER_MB", float, 64.0,
+            "device table of steering entries of the graph-safe path; a request whose entries do not fit "
+            "takes the Python path", unit="MB"),
+    Setting("VLLM_LENS_SHM", bool, True,
+            "results travel to a frontend on the same machine through shared memory; 0: as bytes in the RPC "
+            "reply"),
+    Setting("VLLM_LENS_SHM_DIR", str, "/dev/shm", "where the shared-memory result pool keeps its files"),
+    Setting("VLLM_LENS_SHM_POOL", bool, True,
+            "keep a pool of populated shared memory for results (0: no pool; results travel as bytes)"),
+    Setting("VLLM_LENS_SHM_POOL_GB", float, _stored_gb,
+            "free result-pool memory kept for reuse; beyond it free segments are given back", unit="GB"),
+    Setting("VLLM_LENS_SHM_POOL_IDLE_S", float, 60.0,
+            "seconds without a fetch after which all free result-pool memory is given back", unit="s"),
+    Setting("VLLM_LENS_FETCH_GROUP_SHM_GB", float, 64.0,
+            "estimated results per fetch round trip when they travel through shared memory (one round trip "
+            "lets the worker assemble a whole batch in parallel)", unit="GB"),
+    Setting("VLLM_LENS_ASSEMBLY_THREADS", int, _assembly_threads,
+            "most threads copying one fetch's captures into the result pool"),
+    Setting("VLLM_LENS_INJECT_FAULT", str, None,
+            "tests only: make the plugin's own code raise at one stage (admission, plan, fill, tap, file, "
+            "assemble), to prove such a failure fails only the requests it hits"),
+)}
+
+
+def parse(name: str, raw: str | None) -> Any:
+    """A setting's value as written (environment or flag; None or "" = its default); `ValueError` naming
+    the setting when it cannot be read."""
+    s = SETTINGS[name]
+    if raw is None or raw.strip() == "":
+        return s.default_value()
+    text = raw.strip()
+    if s.kind is bool:
+        if text.lower() in TRUE:
+            return True
+        if text.lower() in FALSE:
+            return False
+        raise ValueError(f"{name}: expected 1/0 (or true/false, yes/no, on/off), got {raw!r}")
+    if s.kind is str:
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}: expected a number, got {raw!r}") from None
+    if s.kind is int:
+        if not value.is_integer():
+            raise ValueError(f"{name}: expected a whole number, got {raw!r}")
+        value = int(value)
+    if s.limit and not value > 0:
+        raise ValueError(f"{name}: must be positive, got {raw!r}")
+    if not s.limit and value < 0:
+        raise ValueError(f"{name}: must not be negative, got {raw!r}")
+    return value
+
+
+def get(name: str) -> Any:
+    """The setting's value now (from the environment, else its default)."""
+    return parse(name, os.environ.get(name))
+
+
+def limit(name: str) -> int:
+    """A size setting in bytes (MB / GB settings), or a count, as an int."""
+    return int(get(name) * UNITS.get(SETTINGS[name].unit, 1))
+
+
+def limits() -> dict[str, int]:
+    """Every operator limit in force (what /v1/lens/info reports)."""
+    return {s.name: limit(s.name) for s in SETTINGS.values() if s.limit}
+
+
+def flags() -> dict[str, str]:
+    """`vllm-lens serve` flag -> setting name."""
+    return {s.flag: s.name for s in SETTINGS.values() if s.flag}
+
+
+def markdown_table() -> str:
+    """The table of docs/settings.md."""
+    rows = ["| variable | type | default | `vllm-lens serve` flag | what it does |", "|---|---|---|---|---|"]
+    for s in SETTINGS.values():
+        kind = s.kind.__name__ + (f" ({s.unit})" if s.unit else "")
+        flag = f"`{s.flag}{'' if s.kind is bool else ' N'}`" if s.flag else ""
+        rows.append(f"| `{s.name}` | {kind} | {s.default_text()} | {flag} | {s.what} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table())

@@ -1,0 +1,26 @@
+"""The engine frontend: the process that owns `LLM` / `LLMEngine` / `AsyncLLM` (or vLLM's API server).
+
+`requests`: every new request's features validated, admitted against the capture limits and encoded for
+the workers. `results`: captures and hook state fetched from the workers when a request finishes and
+attached to its outputs. `llm_methods`: persistent hooks as methods of `vllm.LLM`.
+"""
+
+from vllm_worker.frontend.requests import (  # noqa: F401
+    CONSUMER_ATTR,
+    Pending,
+    PendingMap,
+    forget,
+    in_flight_bytes,
+    mark_consumer,
+    mark_engine_consumer,
+    on_new_request,
+    pending_count,
+)
+from vllm_worker.frontend.results import (  # noqa: F401
+    TIMINGS,
+    attach_async_output,
+    attach_engine_outputs,
+    attach_outputs,
+    release_results,
+    release_results_async,
+)

@@ -1,0 +1,60 @@
+"""Persistent (Garçon-style) hooks on an offline `vllm.LLM`: registered once, fired on every request.
+
+    llm.register_hooks([Hook(fn, [3])])           # appends
+    llm.generate(...)                              # every request runs them
+    llm.collect_hook_results()                     # {request_id: {"0": saved, ...}}, non-destructive
+    llm.clear_hook_results()                       # keeps the hooks
+    llm.clear_hooks()                              # removes hooks and results
+    llm.prefetch_params(["lm_head.weight"]) / llm.clear_prefetched()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from vllm_worker import compat
+from vllm_worker.api.hooks import Hook
+from vllm_worker.protocol.spec import ModelShape, parse_hooks
+
+
+def _shape(llm: Any) -> ModelShape:
+    return ModelShape(*compat.model_shape(compat.processor_of_llm(llm)))
+
+
+def register_hooks(self: Any, hooks: Sequence[Hook], prefetch_params: Sequence[str] | None = None) -> int:
+    """Append persistent hooks; returns how many are registered now."""
+    specs = parse_hooks(list(hooks), _shape(self))
+    if prefetch_params:
+        self.prefetch_params(prefetch_params)
+    counts = compat.rpc(self, "lens_register_hooks", [(h.fn, h.layers, h.pre) for h in specs])
+    self._lens_persistent_hooks = True
+    return counts[0]
+
+
+def collect_hook_results(self: Any) -> dict[str, dict[str, Any]]:
+    from vllm_worker.frontend.results import merge_collected
+
+    return merge_collected(compat.rpc(self, "lens_collect_hook_results"))
+
+
+def clear_hook_results(self: Any) -> None:
+    compat.rpc(self, "lens_clear_hook_results")
+
+
+def clear_hooks(self: Any) -> None:
+    compat.rpc(self, "lens_clear_hooks")
+    self._lens_persistent_hooks = False
+
+
+def prefetch_params(self: Any, names: Sequence[str]) -> list[str]:
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError("prefetch_params: expected a list of parameter names")
+    return compat.rpc(self, "lens_prefetch", list(names))[0]
+
+
+def clear_prefetched(self: Any) -> None:
+    compat.rpc(self, "lens_clear_prefetched")
+
+
+METHODS = {f.__name__: f for f in (register_hooks, collect_hook_results, clear_hook_results, clear_hooks,
+                                   prefetch_params, clear_prefetched)}

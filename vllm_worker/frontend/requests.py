@@ -1,0 +1,190 @@
+"""Each new request in the frontend: its inspect-lens keys validated and encoded for the workers (a bad
+field is a `ValueError` / HTTP 400 naming it), its capture admitted against the limits before any compute,
+and an entry in the pending map until its results are fetched (`results`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_worker import compat
+from vllm_worker.envs import limit
+from vllm_worker.protocol.spec import (
+    CAPTURE_KEY,
+    PAYLOAD_KEY,
+    ModelShape,
+    cache_salt,
+    encode,
+    has_lens_keys,
+    parse_request,
+)
+from vllm_worker.transport import result_pool, shm
+
+
+@dataclass
+class Pending:
+    key: str
+    n: int
+    layers: list[int]
+    d_model: int
+    reserved: int = 0  # bytes of capture at its largest, counted against VLLM_LENS_MAX_STORED_GB
+
+
+CONSUMER_ATTR = "_lens_consumer"
+
+
+def mark_consumer(processor: Any, who: str) -> None:
+    """Record who hands results back to callers for this engine (`offline` LLM or the `http` plugin)."""
+    setattr(processor, CONSUMER_ATTR, who)
+
+
+class PendingMap(dict):
+    """Request id -> Pending, keeping the sum of their capture reservations (admission checks it for every
+    new request: summing a 100k-request offline batch each time would be quadratic). Only item setting,
+    `pop` and `del` are used on it (they keep the sum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reserved = 0
+
+    def __setitem__(self, key: str, value: Pending) -> None:
+        old = dict.get(self, key)
+        self.reserved += value.reserved - (old.reserved if old is not None else 0)
+        super().__setitem__(key, value)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        had = key in self
+        p = super().pop(key, *default)
+        if had:
+            self.reserved -= p.reserved
+        return p
+
+    def __delitem__(self, key: str) -> None:
+        self.pop(key)
+
+
+def pending_of(processor: Any) -> PendingMap:
+    p = getattr(processor, "_lens_pending", None)
+    if p is None:
+        p = processor._lens_pending = PendingMap()
+    return p
+
+
+def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
+    """Called with vLLM's private `EngineCoreRequest` (its SamplingParams are already a clone)."""
+    sp = getattr(req, "sampling_params", None)
+    if sp is None or not has_lens_keys(sp.extra_args):
+        return req
+    n_layers, d_model = compat.model_shape(processor)
+    try:
+        spec = parse_request(sp.extra_args, ModelShape(n_layers, d_model), compat.request_prompt_len(req))
+    except PermissionError as e:
+        raise compat.forbidden_error_cls()(str(e)) from None
+    except ValueError as e:
+        field = str(e).split(":", 1)[0]
+        raise compat.validation_error_cls()(str(e), parameter=f"vllm_xargs.{field}") from None
+    if spec is None:
+        return req
+    payload = encode(spec)
+    payload["n"] = int(sp.n)
+    if spec.capture:  # a worker on this machine may prepare the result's shared memory while it runs
+        payload["shm"] = shm.host_id()
+        # result memory the caller has let go of rides along: the worker reuses it for this request
+        # instead of growing its pool (otherwise it goes back only with the next fetch)
+        released = result_pool.take_released(result_pools(processor))
+        if released:
+            payload["release"] = released
+    args = {k: v for k, v in sp.extra_args.items() if not has_lens_keys({k: v})}
+    args[PAYLOAD_KEY] = payload
+    sp.extra_args = args
+    if spec.capture or spec.hooks:
+        # Every captured / hooked position must run a forward pass: don't read cached KV.
+        sp.skip_reading_prefix_cache = True
+    consumer = getattr(processor, CONSUMER_ATTR, None)
+    if spec.wants_results or consumer is not None:
+        # with a consumer every request is fetched at the end, steering-only ones too: a failure of our
+        # own code is then reported to the request it hit instead of passing unnoticed
+        payload["fetch"] = True
+        if consumer is None:
+            # Nobody would ever fetch the results: refuse instead of silently returning nothing.
+            raise compat.validation_error_cls()(
+                "output_residual_stream/apply_hooks: this engine has no inspect-lens consumer for results; "
+                "use vllm.LLM, LLMEngine.add_request/step or AsyncLLM(Engine).generate, or serve with "
+                "`vllm-lens serve` (or set VLLM_PLUGINS=inspect_lens_worker,inspect_lens_http for `vllm serve`)",
+                parameter="vllm_xargs")
+        reserved = _admit_capture(processor, spec.capture, compat.request_prompt_len(req), sp, d_model)
+        pending_of(processor)[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model, reserved)
+    salt = cache_salt(spec)
+    if salt is not None:
+        # Steered / hooked KV is stored under its own hash: no other request can ever read it.
+        compat.set_request_cache_salt(req, salt)
+    return req
+
+
+def _admit_capture(processor: Any, layers: list[int], prompt_len: int, sp: Any, d_model: int) -> int:
+    """Refuse a capture up front, before any compute, when at its largest it would pass the per-request
+    limit or the in-flight total (instead of being dropped half-way by the workers' store cap)."""
+    if not layers:
+        return 0
+    max_len, itemsize = compat.model_capture_limits(processor)
+    positions = prompt_len + (sp.max_tokens if sp.max_tokens is not None else max_len - prompt_len) - 1
+    need = len(layers) * max(positions, 1) * d_model * itemsize * int(sp.n)
+    per_request = limit("VLLM_LENS_MAX_CAPTURE_GB")
+    if need > per_request:
+        raise compat.validation_error_cls()(
+            f"{CAPTURE_KEY}: this capture needs up to {need / 2**30:.2f} GiB ({len(layers)} layers x {positions} "
+            f"positions x d_model {d_model} x n {sp.n}), above the server's per-request limit of "
+            f"{per_request / 2**30:.2f} GiB (VLLM_LENS_MAX_CAPTURE_GB); capture fewer layers, lower max_tokens "
+            "or split the request", parameter=f"vllm_xargs.{CAPTURE_KEY}")
+    total = limit("VLLM_LENS_MAX_STORED_GB")
+    in_flight = in_flight_bytes(processor)
+    if in_flight + need > total:
+        raise compat.capacity_error_cls()(
+            f"{CAPTURE_KEY}: captures in flight would reach {(in_flight + need) / 2**30:.2f} GiB, above the "
+            f"server's limit of {total / 2**30:.2f} GiB (VLLM_LENS_MAX_STORED_GB); retry when earlier "
+            "requests have returned")
+    return need
+
+
+def in_flight_bytes(processor: Any) -> int:
+    return pending_of(processor).reserved
+
+
+def forget(processor: Any, request_ids: list[str]) -> list[str]:
+    """Aborted requests: drop their pending entries; returns the keys whose worker stores to drop."""
+    pending = pending_of(processor)
+    keys = []
+    for rid in request_ids:
+        p = pending.pop(rid, None)
+        if p is None:  # an internal id: `<external id>-<8 hex>`
+            p = pending.pop(compat.external_request_id(rid, 1), None)
+        if p is not None:
+            keys.append(p.key)
+    return keys
+
+
+def pending_count(processor: Any) -> int:
+    return len(pending_of(processor))
+
+
+def result_pools(engine: Any) -> set[str]:
+    """Ids of the result pools of this engine's workers (learnt from fetched results), kept on its input
+    processor — the object both the fetch and each new request see."""
+    proc = getattr(engine, "input_processor", None)
+    if proc is None:
+        proc = getattr(getattr(engine, "llm_engine", None), "input_processor", None) or engine
+    got = getattr(proc, "_lens_pools", None)
+    if got is None:
+        got = set()
+        try:
+            proc._lens_pools = got
+        except AttributeError:
+            pass
+    return got
+
+
+def mark_engine_consumer(processor: Any, who: str) -> None:
+    """A caller driving the engine directly (`LLMEngine.add_request`, `AsyncLLM.generate`) becomes the
+    consumer of results unless an `LLM` or the HTTP server already is."""
+    if getattr(processor, CONSUMER_ATTR, None) is None:
+        mark_consumer(processor, who)

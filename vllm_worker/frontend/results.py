@@ -1,0 +1,296 @@
+"""Results of finished requests: fetched from the workers by RPC in bounded round trips (through the
+shared-memory result pool on one machine), decoded and merged across pipeline stages, and attached to
+the outputs of `LLM.generate`, `LLMEngine.step` and `AsyncLLM.generate`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from vllm_worker import compat
+from vllm_worker.envs import limit
+from vllm_worker.api.hooks import HookError
+from vllm_worker.frontend.requests import CONSUMER_ATTR, Pending, pending_of, result_pools
+from vllm_worker.protocol.wire import dtype_from_name, tensor_from_bytes
+from vllm_worker.transport import result_pool, shm
+
+FETCH_GROUP_BYTES = 512 << 20  # per RPC round trip when results travel inside the RPC reply
+
+
+# ... and when they travel as shared-memory files (the reply holds only their names): one round trip lets
+# the worker assemble a whole batch in parallel threads (at 512 MiB an all-layer batch of 256 requests
+# took 41 round trips of ~6 requests each, assembled one after another: 7 s of 15 on the H200)
+FETCH_GROUP_SHM_BYTES = limit("VLLM_LENS_FETCH_GROUP_SHM_GB")
+
+
+def fetch_groups(todo: list[tuple[Pending, dict[int, int]]],
+                 shm_ok: bool = False) -> list[list[tuple[str, dict[int, int]]]]:
+    """Split `lens_fetch` arguments into RPC round trips of bounded estimated size (`shm_ok`: every worker
+    shares this machine, so results come back as shared-memory files and the reply holds only names)."""
+    cap = FETCH_GROUP_SHM_BYTES if shm_ok else FETCH_GROUP_BYTES
+    groups: list[list] = []
+    size = 0
+    for p, children in todo:
+        est = sum(children.values()) * len(p.layers) * p.d_model * 4
+        if not groups or (groups[-1] and size + est > cap):
+            groups.append([])
+            size = 0
+        groups[-1].append((p.key, children))
+        size += est
+    return groups
+
+
+def merge_fetched(merged: dict[str, dict], rank_results: list) -> None:
+    """Fold one round trip's per-rank answers into `merged`: {key: {child: [part per stage]}}."""
+    for rank_result in rank_results:
+        for key, per_child in (rank_result or {}).items():
+            dst = merged.setdefault(key, {})
+            if "error" in per_child:
+                dst["error"] = per_child["error"]
+                continue
+            for child, payload in per_child.items():
+                dst.setdefault(int(child), []).append(payload)
+
+
+# Where time goes after generation (offline): seconds in worker RPCs and in decoding, cumulative.
+# Diagnostics for benchmarks (bench/worker.py reports them); nothing depends on them.
+TIMINGS = {"fetch_rpc_s": 0.0, "decode_s": 0.0}
+
+
+def _shm_everywhere(engine: Any, hosts: list | None = None) -> bool:
+    """Every worker of `engine` shares this machine (results then travel as shared-memory files): asked
+    once per engine. A worker on another node returns results inside the RPC reply, which must stay small."""
+    got = getattr(engine, "_lens_shm_everywhere", None)
+    if got is None:
+        if hosts is None:
+            hosts = compat.rpc(engine, "lens_host_id")
+        mine = shm.host_id()
+        got = mine is not None and all(h == mine for h in hosts)
+        try:
+            engine._lens_shm_everywhere = got
+        except AttributeError:
+            return got
+    return got
+
+
+def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
+    t = time.perf_counter()
+    merged: dict[str, dict] = {}
+    host = shm.host_id()
+    pools = result_pools(engine)
+    for group in fetch_groups(todo, host is not None and _shm_everywhere(engine)):
+        merge_fetched(merged, compat.rpc(engine, "lens_fetch", group, host, result_pool.take_released(pools)))
+    pools |= result_pool.pools_of(merged)
+    TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
+    return merged
+
+
+async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
+    """`_fetch` for an async engine client (the HTTP server, `AsyncLLM` callers)."""
+    t = time.perf_counter()
+    merged: dict[str, dict] = {}
+    host = shm.host_id()
+    everywhere = getattr(engine_client, "_lens_shm_everywhere", None)
+    if host is not None and everywhere is None:
+        everywhere = _shm_everywhere(engine_client, await compat.rpc_async(engine_client, "lens_host_id"))
+    pools = result_pools(engine_client)
+    for group in fetch_groups(todo, host is not None and bool(everywhere)):
+        merge_fetched(merged, await compat.rpc_async(engine_client, "lens_fetch", group, host,
+                                                      result_pool.take_released(pools)))
+    pools |= result_pool.pools_of(merged)
+    TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
+    return merged
+
+
+def release_results(engine: Any) -> int:
+    """Give the workers back the result memory of every capture tensor already garbage-collected (this
+    otherwise happens with the engine's next fetch); returns how many regions."""
+    released = result_pool.take_released(result_pools(engine))
+    return sum(compat.rpc(engine, "lens_release", released)) if released else 0
+
+
+async def release_results_async(engine_client: Any) -> int:
+    released = result_pool.take_released(result_pools(engine_client))
+    return sum(await compat.rpc_async(engine_client, "lens_release", released)) if released else 0
+
+
+def _part_tensor(part: dict) -> torch.Tensor:
+    if "pool" in part:  # written by our own worker on this machine (see result_pool.py)
+        return result_pool.view(part["pool"], dtype_from_name(part["pool"]["dtype"]))
+    return tensor_from_bytes(part["tensor"], "residual_stream")
+
+
+def discard_parts(parts: list[dict]) -> None:
+    """Results that will not be decoded: give their shared memory back."""
+    for part in parts:
+        if "pool" in part:
+            result_pool.discard(part["pool"])
+
+
+def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
+    by_layer: dict[int, torch.Tensor] = {}
+    for part in parts:
+        if "tensor" not in part and "pool" not in part:
+            continue
+        t = _part_tensor(part)
+        if list(part["layers"]) == list(p.layers):  # one stage holds every layer: no re-stacking copy
+            return t
+        for i, layer in enumerate(part["layers"]):
+            by_layer.setdefault(layer, t[i])
+    missing = [l for l in p.layers if l not in by_layer]
+    if missing:
+        raise RuntimeError(f"inspect-lens: no worker returned captures for layers {missing}")
+    return torch.stack([by_layer[l] for l in p.layers])
+
+
+def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict | None, str | None]:
+    """(activations, hook_results, error) of one sample from merged fetch results."""
+    if "error" in got:
+        return None, None, got["error"]
+    parts = got.get(child)
+    if not parts:
+        return None, None, "no results came back from the workers"
+    errors = [part["error"] for part in parts if "error" in part]
+    if errors:
+        discard_parts(parts)
+        return None, None, errors[0]
+    acts = {"residual_stream": _assemble(p, parts), "layers": list(p.layers)} if p.layers else None
+    hook_parts = [part["hooks"] for part in parts if "hooks" in part]
+    hooks = merge_stage_results([_unpickle(h) for h in hook_parts]) if hook_parts else None
+    return acts, hooks, None
+
+
+def attach_outputs(llm: Any, outputs: list) -> list:
+    """Set `.activations` on finished `RequestOutput`s (and each sample's `CompletionOutput`)."""
+    pending = pending_of(compat.processor_of_llm(llm))
+    failures: dict[str, str] = {}
+    if getattr(llm, "_lens_persistent_hooks", False):
+        ids = [o.request_id for o in outputs if hasattr(o, "request_id")]
+        for rank_errors in compat.rpc(llm, "lens_pop_persistent_errors", ids):
+            failures.update(rank_errors or {})
+        for o in outputs:
+            msg = failures.get(getattr(o, "request_id", None))
+            if msg is not None:
+                o.hook_error = msg
+    todo = _todo(pending, outputs)
+    fetched = _fetch(llm, [(p, ch) for _, p, _, ch in todo]) if todo else {}
+    failures.update(_apply(todo, fetched))
+    if failures:
+        raise HookError(failures, outputs)
+    return outputs
+
+
+def _todo(pending: dict[str, Pending], outputs: list) -> list:
+    """(output, pending entry, {sample index: CompletionOutput}, {child: positions}) of the finished
+    outputs that wait for results."""
+    todo = []
+    for out in outputs:
+        p = pending.pop(getattr(out, "request_id", None), None)
+        if p is None or not hasattr(out, "outputs"):
+            continue
+        samples = {c.index: c for c in out.outputs}
+        todo.append((out, p, samples, _positions(out, p, samples, None)))
+    return todo
+
+
+def _positions(out: Any, p: Pending, samples: dict, generated: dict[int, int] | None) -> dict[int, int]:
+    """{child: positions run} — `generated` counts tokens when outputs are deltas."""
+    n_prompt = len(out.prompt_token_ids or [])
+    return {(i if p.n > 1 else 0): n_prompt + (len(c.token_ids) if generated is None else generated.get(i, 0)) - 1
+            for i, c in samples.items()}
+
+
+def _apply(todo: list, fetched: dict) -> dict[str, str]:
+    """Decode fetched results onto their samples; returns {request id: hook failure}."""
+    failures: dict[str, str] = {}
+    t = time.perf_counter()
+    for out, p, samples, _ in todo:
+        got = fetched.get(p.key, {})
+        for i, c in samples.items():
+            child = i if p.n > 1 else 0
+            c.activations, c.hook_results, c.hook_error = decode_sample(p, got, child)
+            if c.hook_error is not None:
+                failures[out.request_id if p.n == 1 else f"{out.request_id}#{child}"] = c.hook_error
+        first = samples[min(samples)]
+        out.activations, out.hook_results, out.hook_error = first.activations, first.hook_results, first.hook_error
+    TIMINGS["decode_s"] += time.perf_counter() - t
+    return failures
+
+
+def attach_engine_outputs(engine: Any, outputs: list) -> list:
+    """`LLMEngine.step()` driven by the caller: results land on the finished outputs it returns, with
+    the same shapes as `LLM.generate` (a hook failure raises `HookError` carrying the outputs)."""
+    processor = compat.processor_of_llm_engine(engine)
+    if getattr(processor, CONSUMER_ATTR, None) != "engine":
+        return outputs  # an `LLM` (or the HTTP server) hands results back itself
+    finished = [o for o in outputs if getattr(o, "finished", False)]
+    todo = _todo(pending_of(processor), finished)
+    if not todo:
+        return outputs
+    failures = _apply(todo, _fetch(engine, [(p, ch) for _, p, _, ch in todo]))
+    if failures:
+        raise HookError(failures, outputs)
+    return outputs
+
+
+async def attach_async_output(engine_client: Any, out: Any, request_id: str | None,
+                              generated: dict[int, int] | None, last: dict[int, Any]) -> None:
+    """`AsyncLLM.generate` (AsyncLLMEngine) driven by the caller: results land on each sample's last
+    `CompletionOutput` — all in the final `RequestOutput`, except with DELTA outputs and n > 1, where a
+    sample that finished earlier keeps them on its own last delta — and `out.activations` is sample 0's.
+    Decoded off the event loop."""
+    import asyncio
+
+    pending = pending_of(compat.processor_of_engine_client(engine_client))
+    p = pending.pop(getattr(out, "request_id", None), None) or pending.pop(request_id, None)
+    if p is None:
+        return
+    samples = dict(last) or {c.index: c for c in out.outputs}
+    todo = [(out, p, samples, _positions(out, p, samples, generated))]
+    merged = await fetch_async(engine_client, [(p, todo[0][3])])
+    failures = await asyncio.to_thread(_apply, todo, merged)
+    if failures:
+        raise HookError(failures, [out])
+
+
+def _unpickle(data: bytes) -> Any:
+    """Results produced by this engine's own workers (never bytes received from a network client)."""
+    import cloudpickle
+
+    return cloudpickle.loads(data)
+
+
+def merge_collected(rank_blobs: list[bytes | None]) -> dict[str, dict[str, Any]]:
+    """`lens_collect_hook_results` answers (one per rank) -> {request_id: {"0": saved, ...}}."""
+    per_rank = [_unpickle(b) for b in rank_blobs if b is not None]
+    ids: list[str] = []
+    for r in per_rank:
+        ids.extend(k for k in r if k not in ids)
+    return {rid: merge_stage_results([r[rid] for r in per_rank if rid in r]) for rid in ids}
+
+
+def merge_stage_results(stages: list[Any]) -> Any:
+    """Merge hook state from pipeline stages (TP duplicates never reach here: only TP rank 0 reports).
+
+    `[saved_of_hook_0, saved_of_hook_1, ...]` per stage -> `{"0": merged_0, ...}`. Keys written on one
+    stage are taken as they are; lists under the same key are concatenated in stage (= layer) order;
+    dicts merge recursively; for any other value the later stage wins."""
+    merged = [_merge_values([st[i] for st in stages]) for i in range(len(stages[0]))]
+    return {str(i): m for i, m in enumerate(merged)}
+
+
+def _merge_values(values: list[Any]) -> Any:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    if all(isinstance(v, dict) for v in values):
+        out: dict = {}
+        for v in values:
+            for k, x in v.items():
+                out[k] = _merge_values([out[k], x]) if k in out else x
+        return out
+    if all(isinstance(v, list) for v in values):
+        return [x for v in values for x in v]
+    return values[-1]

@@ -1,0 +1,144 @@
+"""ASGI middleware on `/v1/completions` and `/v1/chat/completions`: checks our `vllm_xargs` keys on the
+raw JSON (vLLM would turn `true` into layer 1), asks vLLM for token ids, and adds `activations` /
+`hook_results` to every choice of the response (streaming: `streaming`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from vllm_worker.protocol.spec import (
+    ALL_LAYERS,
+    CAPTURE_KEY,
+    HOOK_KEY,
+    ModelShape,
+    capture_layers,
+    has_lens_keys,
+    remote_hooks_allowed,
+)
+from vllm_worker.server.responses import (
+    MAX_BODY_BYTES,
+    BadRequest,
+    error_body,
+    read_body,
+    release,
+    replay,
+    send_json,
+    too_large,
+)
+from vllm_worker.server.results import Choice, Unmatched, fetch_results, hook_failure, internal_only, original_dialect
+from vllm_worker.server.routes import HOOKS_PREFIX
+from vllm_worker.server.state import LensState, shape_of, state_of
+from vllm_worker.server.streaming import StreamInjector
+
+COMPLETIONS = "/v1/completions"
+
+
+CHAT = "/v1/chat/completions"
+
+
+def _precheck(req: dict, xargs: dict, shape: ModelShape) -> None:
+    """Checks that must see the raw JSON: vLLM turns JSON booleans in `vllm_xargs` into ints (`true` would
+    become layer 1) and some malformed fields would otherwise surface as empty 500s."""
+    n = req.get("n", 1)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise BadRequest(400, f"n: expected a positive integer, got {str(n)[:40]!r}", "n")
+    if req.get("use_beam_search"):
+        raise BadRequest(400, "use_beam_search: capture, steering and hooks are not supported with beam search",
+                          "use_beam_search")
+    if CAPTURE_KEY in xargs:
+        value = xargs[CAPTURE_KEY]
+        if value is True:
+            xargs[CAPTURE_KEY] = ALL_LAYERS  # the original tool's "every layer", kept a string for vLLM
+            return
+        try:
+            capture_layers(value, shape.n_layers)
+        except ValueError as e:
+            raise BadRequest(400, str(e), f"vllm_xargs.{CAPTURE_KEY}") from None
+
+
+class LensMiddleware:
+    """Pure ASGI (streaming-safe) middleware on the two generation routes."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        if path.startswith(HOOKS_PREFIX + "/"):  # our routes: bounded while reading, like generation
+            body = await read_body(receive, scope, MAX_BODY_BYTES)
+            if body is None:
+                return await too_large(send)
+            return await self.app(scope, replay(body, receive), send)
+        if path not in (COMPLETIONS, CHAT):
+            return await self.app(scope, receive, send)
+        state = state_of(scope["app"])
+        body = await read_body(receive, scope, MAX_BODY_BYTES)
+        if body is None:
+            return await too_large(send)
+        try:
+            req = json.loads(body)
+        except ValueError:
+            req = None
+        xargs = req.get("vllm_xargs") if isinstance(req, dict) else None
+        ours = isinstance(xargs, dict) and has_lens_keys(xargs)
+        if not ours and not state.persistent_hooks:
+            return await self.app(scope, replay(body, receive), send)
+        if ours and HOOK_KEY in xargs and not remote_hooks_allowed():
+            return await send_json(send, 403, error_body(
+                403, "hooks execute arbitrary code on the server and are disabled; the operator must start "
+                     "the server with --allow-remote-hooks", f"vllm_xargs.{HOOK_KEY}", "Forbidden"))
+        dialect = ours and original_dialect(xargs)  # before _precheck rewrites raw `true`
+        if ours:
+            try:
+                _precheck(req, xargs, shape_of(state))
+            except BadRequest as e:
+                return await send_json(send, e.status, error_body(e.status, e.message, e.param, "BadRequestError"))
+        req["return_token_ids"] = True  # positions of activations align with these tokens
+        body = json.dumps(req).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        scope = dict(scope, headers=headers + [(b"content-length", str(len(body)).encode())])
+        kind = "chat" if path == CHAT else "cmpl"
+        n = int(req.get("n") or 1)
+        # requests that asked for results must get them (steering-only ones have nothing to fetch)
+        expect = ours and any(k in xargs for k in (CAPTURE_KEY, HOOK_KEY))
+        if req.get("stream"):
+            return await self.app(scope, replay(body, receive), StreamInjector(send, state, kind, n, expect).send)
+        await self._buffered(scope, replay(body, receive), send, state, kind, n, expect, dialect)
+
+    async def _buffered(self, scope: dict, receive: Any, send: Any, state: LensState, kind: str, n: int,
+                        expect: bool, dialect: bool = False) -> None:
+        start: dict | None = None
+        chunks: list[bytes] = []
+
+        async def capture(msg: dict) -> None:
+            nonlocal start
+            if msg["type"] == "http.response.start":
+                start = msg
+            elif msg["type"] == "http.response.body":
+                chunks.append(msg.get("body", b""))
+
+        await self.app(scope, receive, capture)
+        raw = b"".join(chunks)
+        assert start is not None
+        if start["status"] != 200:
+            await send(start)
+            return await send({"type": "http.response.body", "body": raw})
+        resp = json.loads(raw)
+        choices = [Choice(c["index"], c.get("prompt_token_ids") or resp.get("prompt_token_ids") or [],
+                           c.get("token_ids") or []) for c in resp.get("choices", [])]
+        try:
+            extra, errors = await fetch_results(state, kind, resp["id"], n, choices, expect, dialect)
+        except Unmatched as e:
+            return await send_json(send, 500, error_body(500, str(e), None, "InternalServerError"))
+        if errors:
+            return await send_json(send, 500 if internal_only(errors) else 400, hook_failure(errors),
+                                    start.get("headers"))
+        if dialect and resp["choices"]:  # the original's client reads the first choice's results up here
+            resp.update(extra.pop(resp["choices"][0]["index"], {}))
+        for c in resp["choices"]:
+            c.update(extra.get(c["index"], {}))
+        await send_json(send, 200, resp, start.get("headers"))
+        await release(resp, extra)

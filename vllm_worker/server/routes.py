@@ -1,0 +1,174 @@
+"""Our routes: `/v1/hooks/*` (persistent hooks: register, collect, clear; parameter prefetch) and
+`GET /v1/lens/info` (model shape, limits in force, what is in flight). Hooks are code: refused (403)
+unless the server was started with `--allow-remote-hooks`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import APIRouter, Request
+
+from vllm_worker import compat
+from vllm_worker import envs
+from vllm_worker.frontend.requests import in_flight_bytes, pending_count
+from vllm_worker.frontend.results import merge_collected, release_results_async
+from vllm_worker.protocol.spec import (
+    HOOK_KEY,
+    parse_hooks,
+    remote_hooks_allowed,
+)
+from vllm_worker.protocol.wire import to_jsonable, to_original_jsonable
+from vllm_worker.server.responses import MAX_BODY_BYTES, BadRequest, error_response
+from vllm_worker.server.results import mentions
+from vllm_worker.server.state import LensState, shape_of, state_of
+
+HOOKS_PREFIX = "/v1/hooks"
+
+
+router = APIRouter(prefix=HOOKS_PREFIX)
+
+
+async def json_body(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise BadRequest(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)",
+                          "body")
+    if not raw:
+        return {}
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        raise BadRequest(400, "request body is not valid JSON", "body") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(400, "request body must be a JSON object", "body")
+    return obj
+
+
+def guard(fn):
+    import functools
+
+    @functools.wraps(fn)
+    async def wrapper(request: Request):
+        try:
+            return await fn(request)
+        except BadRequest as e:
+            return error_response(e.status, e.message, e.param)
+        except PermissionError as e:
+            return error_response(403, str(e), "hooks", "Forbidden")
+        except (ValueError, KeyError) as e:
+            msg = str(e).strip("'\"")
+            return error_response(400, msg, msg.split(":", 1)[0] if ":" in msg else None)
+
+    return wrapper
+
+
+def param_names(obj: dict, key: str) -> list[str]:
+    names = obj.get(key) or []
+    if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
+        raise BadRequest(400, f"{key}: expected a list of parameter names", key)
+    return names
+
+
+@router.post("/register")
+@guard
+async def register(request: Request):
+    state = state_of(request.app)
+    if not remote_hooks_allowed():
+        raise PermissionError("hooks execute arbitrary code on the server and are disabled; the operator must "
+                              "start the server with --allow-remote-hooks")
+    body = await json_body(request)
+    unknown = set(body) - {"hooks", "prefetch_params"}
+    if unknown:
+        raise BadRequest(400, f"unknown fields {sorted(unknown)}", sorted(unknown)[0])
+    hooks = body.get("hooks")
+    if not isinstance(hooks, list) or not hooks:
+        raise BadRequest(400, "hooks: expected a non-empty list", "hooks")
+    try:
+        specs = parse_hooks(hooks, shape_of(state))
+    except ValueError as e:  # name the field of this body (`hooks[0].fn`), not the generation key's
+        msg = str(e)
+        msg = "hooks" + msg[len(HOOK_KEY):] if msg.startswith(HOOK_KEY) else msg
+        raise BadRequest(400, msg, msg.split(":", 1)[0]) from None
+    names = param_names(body, "prefetch_params")
+    if names:
+        await prefetch_names(state, names, "prefetch_params")
+    counts = await compat.rpc_async(state.engine, "lens_register_hooks", [(h.fn, h.layers, h.pre) for h in specs])
+    state.persistent_hooks = True
+    state.original_collect = mentions(hooks, '"cloudpickle"')
+    return {"status": "ok", "registered": counts[0], "count": counts[0]}
+
+
+@router.post("/collect")
+@guard
+async def collect(request: Request):
+    state = state_of(request.app)
+    results = merge_collected(await compat.rpc_async(state.engine, "lens_collect_hook_results"))
+    encode = to_original_jsonable if state.original_collect else to_jsonable
+    return {"status": "ok", "results": await asyncio.to_thread(encode, results), "count": len(results)}
+
+
+@router.post("/clear")
+@guard
+async def clear(request: Request):
+    state = state_of(request.app)
+    await compat.rpc_async(state.engine, "lens_clear_hooks")
+    state.persistent_hooks = state.original_collect = False
+    return {"status": "ok", "cleared": True}
+
+
+@router.post("/clear_results")
+@guard
+async def clear_results(request: Request):
+    await compat.rpc_async(state_of(request.app).engine, "lens_clear_hook_results")
+    return {"status": "ok", "cleared": True}
+
+
+@router.post("/prefetch")
+@guard
+async def prefetch(request: Request):
+    names = param_names(await json_body(request), "names")
+    done = await prefetch_names(state_of(request.app), names, "names")
+    return {"status": "ok", "prefetched": done, "count": len(done)}
+
+
+async def prefetch_names(state: LensState, names: list[str], param: str) -> list[str]:
+    """Worker-side KeyError for an unknown parameter (it travels back as an RPC failure) -> 400."""
+    try:
+        return (await compat.rpc_async(state.engine, "lens_prefetch", names))[0]
+    except Exception as e:
+        if "no pipeline stage has a parameter" in str(e):
+            msg = str(e)[str(e).index("no pipeline stage"):].split("\n")[0].strip("'\"")
+            raise BadRequest(400, f"{param}: {msg}", param) from None
+        raise
+
+
+@router.post("/clear_prefetched")
+@guard
+async def clear_prefetched(request: Request):
+    await compat.rpc_async(state_of(request.app).engine, "lens_clear_prefetched")
+    return {"status": "ok", "cleared": True}
+
+
+info_router = APIRouter(prefix="/v1/lens")
+
+
+@info_router.get("/info")
+@guard
+async def info(request: Request):
+    import vllm
+
+    state = state_of(request.app)
+    shape = shape_of(state)
+    await release_results_async(state.engine)  # what responses already sent no longer hold
+    status = await compat.rpc_async(state.engine, "lens_status")
+    return {"n_layers": shape.n_layers, "d_model": shape.d_model, "vllm_version": vllm.__version__,
+            "remote_hooks": remote_hooks_allowed(),
+            # results waiting for a consumer: both return to 0 once requests finish or are aborted
+            "pending_results": pending_count(compat.processor_of_engine_client(state.engine)),
+            "stored_requests": sum(st["stored_requests"] for st in status),
+            # shared-memory result regions handed out and not yet given back (0 once responses are sent)
+            "result_regions": sum(st.get("result_regions", 0) for st in status),
+            # captures admitted and not yet returned, at their largest (counted against VLLM_LENS_MAX_STORED_GB)
+            "capture_bytes_in_flight": in_flight_bytes(compat.processor_of_engine_client(state.engine)),
+            "limits": envs.limits()}

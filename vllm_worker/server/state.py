@@ -1,0 +1,30 @@
+"""What the server keeps per app: its engine client, whether persistent hooks are registered, the
+model's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_worker import compat
+from vllm_worker.protocol.spec import (
+    ModelShape,
+)
+
+
+@dataclass
+class LensState:
+    engine: Any
+    persistent_hooks: bool = False
+    shape: ModelShape | None = field(default=None)
+    original_collect: bool = False  # the persistent hooks came in the original's form: collect answers in it
+
+
+def state_of(app: Any) -> LensState:
+    return app.state.lens
+
+
+def shape_of(state: LensState) -> ModelShape:
+    if state.shape is None:
+        state.shape = ModelShape(*compat.model_shape(compat.processor_of_engine_client(state.engine)))
+    return state.shape

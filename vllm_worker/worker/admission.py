@@ -1,0 +1,112 @@
+"""Admission: what a request asked for (its payload from the frontend) turned into the worker's per-request
+state — steering on the device, hooks loaded, a result store, persistent hooks attached, steering
+entries in the graph-safe table — once, when the request first shows up in a batch.
+
+A failure of our own code here fails that request only (it then runs plain and its results say why).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from vllm_worker import compat
+from vllm_worker.api.hooks import HookContext
+from vllm_worker.protocol.spec import decode
+from vllm_worker.worker import faults, graph
+from vllm_worker.worker.persistent_hooks import PersistentHooks
+from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, split_steers
+from vllm_worker.worker.store import CaptureStore, Store
+
+
+def internal_error(stage: str, e: Exception) -> str:
+    return (f"inspect-lens internal error while {stage}: {type(e).__name__}: {e} (this request ran without "
+            "its capture/steering/hooks from then on; other requests were not affected)")
+
+
+class Admission:
+    def __init__(self, runner: Any, device: torch.device, dtype: torch.dtype, d_model: int, local: frozenset,
+                 capturing_rank: bool, shm_host: str | None, store: CaptureStore, graph_taps: Any,
+                 persistent: PersistentHooks, ctx: Callable[[dict, str], HookContext]) -> None:
+        self.runner, self.device, self.dtype, self.d_model = runner, device, dtype, d_model
+        self.local, self.capturing_rank, self.shm_host = local, capturing_rank, shm_host
+        self.store, self.graph, self.persistent, self.ctx = store, graph_taps, persistent, ctx
+
+    def admit(self, req_id: str, payload: Any) -> RequestState:
+        try:
+            faults.check("admission")
+            return self._new(req_id, payload)
+        except Exception as e:  # noqa: BLE001 - our bug fails this request, never the engine
+            return self._failed(req_id, payload, e)
+
+    def _failed(self, req_id: str, payload: Any, e: Exception) -> RequestState:
+        store = Store([])
+        store.error = internal_error("admission", e)
+        n = int(payload.get("n", 1)) if isinstance(payload, dict) else 1
+        child = compat.child_index(req_id, n) if n > 1 else 0
+        key = payload.get("key") if isinstance(payload, dict) else None
+        if key is not None:
+            self.store.add(key, child, store)
+        return RequestState([], {}, child, [], [], store)
+
+    def _new(self, req_id: str, payload: Any) -> RequestState:
+        import cloudpickle
+
+        spec = None if payload is None else decode(payload)
+        n = 1 if payload is None else int(payload.get("n", 1))
+        child = compat.child_index(req_id, n)
+        external = compat.external_request_id(req_id, n)
+        steers = []
+        hooks: list[HookRun] = []
+        store = None
+        if spec is not None:
+            for s in spec.steers:
+                lut = None
+                if s.positions is not None:
+                    lut = torch.full((max(s.positions) + 1,), -1, dtype=torch.long)
+                    lut[torch.tensor(s.positions)] = torch.arange(len(s.positions))
+                    lut = lut.to(self.device)
+                steers.append(DeviceSteer({l: i for i, l in enumerate(s.layers)},
+                                          s.vectors.to(self.device, self.dtype), lut, s.scale, s.norm_match,
+                                          None if s.positions is None else list(s.positions)))
+            # result memory the frontend let go of: free before this request's result is announced
+            self.store.release(payload.get("release"))
+            if spec.wants_results or payload.get("fetch"):
+                store = Store(spec.capture)
+                self._announce_result(req_id, payload, spec.capture, store)
+                self.store.add(spec.key, child, store)
+            for i, h in enumerate(spec.hooks):
+                saved: dict = {}
+                store.saved.append(saved)
+                try:
+                    fn = cloudpickle.loads(h.fn)
+                except Exception as e:  # fail this request, never the engine (the frontend checks first)
+                    store.error = f"hook {i}: cannot be loaded in the worker ({type(e).__name__}: {e})"
+                    continue
+                hooks.append(HookRun(fn, frozenset(h.layers), h.pre, self.ctx(saved, external), i, False))
+        if self.persistent:
+            if store is None:
+                store = Store([])
+            self.persistent.attach(hooks, store, external, self.ctx)
+        per_request, simple = split_steers(steers)
+        capture = [] if spec is None else spec.capture
+        entries, entry_ids = None, []
+        if self.graph is not None and not hooks:
+            got = graph.request_entries(self.graph, steers) if steers else ({}, [])
+            if got is not None:
+                entries, entry_ids = got
+        return RequestState(capture, {l: i for i, l in enumerate(capture)}, child, per_request, hooks, store,
+                            simple, entries, entry_ids)
+
+    def _announce_result(self, req_id: str, payload: dict, capture: list[int], store: Store) -> None:
+        """A frontend on this machine gets captures through the shared-memory result pool: announce the
+        request's largest result now, so the pool can grow while it runs (`ResultPool.expect`)."""
+        if not capture or not self.capturing_rank or self.shm_host is None or payload.get("shm") != self.shm_host:
+            return
+        pool = self.store.pool
+        local = [l for l in capture if l in self.local]
+        n_pos = compat.request_max_positions(self.runner, req_id)
+        if pool is not None and local and n_pos:
+            esize = torch.empty((), dtype=self.dtype).element_size()
+            store.expected = pool.expect(len(local) * n_pos * self.d_model * esize)

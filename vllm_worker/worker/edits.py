@@ -1,0 +1,112 @@
+"""What changes the stream at a tap: steering vectors and user hooks, on the rows of their own request.
+
+`hidden` is edited in place (fused layers: the stream is `hidden + residual`, so an edit of the stream is
+an edit of `hidden`). A hook failure fails its request only (`store.error`), never its batch-mates.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Callable
+
+import torch
+
+from vllm_worker.worker.plan import Rows, StepPlan
+from vllm_worker.worker.store import Store
+
+logger = logging.getLogger("vllm_worker")
+
+# Diagnostics (in `status`, read by benchmarks): where the time of Python hooks goes, cumulative host
+# seconds — inside the users' functions, and around them (slicing, the stream sum, checks).
+HOOK_TIMINGS = {"calls": 0, "in_hooks_s": 0.0, "around_hooks_s": 0.0}
+
+
+def steer(layer: int, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+    batched = plan.steer_batched.get(layer)
+    if batched is not None:
+        hidden.index_add_(0, batched[0], batched[1].to(hidden.dtype))
+    for r, s, e in plan.steer.get(layer, ()):
+        stream_norm = None
+        delta = None
+        for st in r.steers:
+            row = st.layers.get(layer)
+            if row is None:
+                continue
+            if st.lut is None:
+                v = st.vectors[row].unsqueeze(0)  # (1, d)
+                mask = None
+            else:
+                pos = plan.positions[s:e]
+                n = st.lut.shape[0]
+                vi = st.lut[pos.clamp(max=n - 1)]
+                mask = ((pos < n) & (vi >= 0)).unsqueeze(1)
+                v = st.vectors[row].index_select(0, vi.clamp(min=0))  # (rows, d)
+            if st.norm_match:
+                if stream_norm is None:
+                    stream = hidden[s:e] if residual is None else hidden[s:e] + residual[s:e]
+                    stream_norm = stream.norm(dim=-1, keepdim=True)
+                v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-12) * stream_norm
+            add = v * st.scale
+            if mask is not None:
+                add = add * mask
+            delta = add if delta is None else delta + add
+        if delta is not None:
+            hidden[s:e] += delta.to(hidden.dtype)
+
+
+def run_hooks(layer: int, pre: bool, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None,
+              on_error: Callable[[object, str], None]) -> None:
+    """Run each request's hooks on its own rows. `on_error(hook_run, message)` records a failure."""
+    items: Rows = plan.hooks.get((layer, pre), [])
+    if not items:
+        return
+    t_start = time.perf_counter()
+    in_hooks = 0.0
+    calls = 0
+    for r, s, e in items:
+        for h in r.hooks:
+            if h.pre != pre or layer not in h.layers or r.failed:
+                continue
+            stream = hidden[s:e] + residual[s:e] if residual is not None else hidden[s:e].clone()
+            ctx = h.ctx
+            ctx.layer_idx, ctx.seq_len, ctx._rows = layer, e - s, (plan.positions, s, e)
+            try:
+                calls += 1
+                t = time.perf_counter()
+                try:
+                    new = h.fn(ctx, stream)
+                finally:
+                    in_hooks += time.perf_counter() - t
+                if new is None:
+                    continue
+                if not isinstance(new, torch.Tensor):
+                    raise TypeError(f"hook returned {type(new).__name__}, expected a Tensor or None")
+                if new.shape != stream.shape or new.dtype != stream.dtype or new.device != stream.device:
+                    raise TypeError(
+                        f"hook returned shape {tuple(new.shape)} {new.dtype} on {new.device}; expected "
+                        f"{tuple(stream.shape)} {stream.dtype} on {stream.device} (the rows it was given)")
+            except Exception:
+                kind = "persistent hook" if h.persistent else "hook"
+                msg = (f"{kind} {h.index} ({'pre' if pre else 'post'}-hook at layer {layer}) failed:\n"
+                       + traceback.format_exc())
+                if r.store is None:
+                    r.store = Store([])
+                r.store.error = msg
+                on_error(h, msg)
+                logger.warning("inspect-lens: %s", msg)
+                break
+            # NaN / inf never enter the stream: on some backends (vLLM's CPU attention) they would reach
+            # batch-mates. Checked on the device (no sync here); the request fails at fetch if it happened.
+            finite = torch.isfinite(new).all()
+            target = new - residual[s:e] if residual is not None else new
+            hidden[s:e] = torch.where(finite, target, hidden[s:e])
+            if r.store is not None:
+                kind = "persistent hook" if h.persistent else "hook"
+                where = f"{kind} {h.index} ({'pre' if pre else 'post'}-hook at layer {layer})"
+                seen = r.store.nonfinite.get(where)
+                r.store.nonfinite[where] = ~finite if seen is None else seen | ~finite
+    HOOK_TIMINGS["calls"] += calls
+    HOOK_TIMINGS["in_hooks_s"] += in_hooks
+    HOOK_TIMINGS["around_hooks_s"] += time.perf_counter() - t_start - in_hooks

@@ -1,0 +1,85 @@
+"""The worker extension vLLM mixes into every worker (`worker_extension_cls`).
+
+Importing this module happens only in worker processes (vLLM resolves the extension there), so it
+is where the model-runner patches are installed. Methods are prefixed `lens_` (vLLM refuses name
+clashes with the worker) and are called through `collective_rpc`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_worker import compat
+from vllm_worker.transport import shm
+from vllm_worker.worker.runtime import LensRuntime
+
+
+def _on_loaded(runner: Any) -> None:
+    compat.ensure_pp_buffers(runner)
+    if getattr(runner, "_lens_runtime", None) is None:
+        runner._lens_runtime = LensRuntime(runner)
+
+
+def _around_forward(runner: Any, orig: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = getattr(runner, "_lens_runtime", None)
+    if rt is None:  # e.g. a drafter's runner or a model loaded before the patch
+        return orig(runner, *args, **kwargs)
+    return rt.around_forward(orig, *args, **kwargs)
+
+
+def _needs_python(runner: Any) -> bool:
+    rt = getattr(runner, "_lens_runtime", None)
+    return rt is not None and rt.prepare_step()
+
+
+compat.check_version()
+compat.patch_runner(_on_loaded, _around_forward)
+if compat.graph_taps_unsupported() is None:  # else the frontend forced eager mode (with a warning)
+    compat.patch_cudagraph_dispatch(_needs_python)
+
+
+class LensWorkerExtension:
+    """RPC surface of the plugin inside each worker."""
+
+    def _lens_rt(self) -> LensRuntime:
+        rt = getattr(getattr(self, "model_runner", None), "_lens_runtime", None)
+        if rt is None:
+            raise RuntimeError("inspect-lens is not installed on this worker's model runner")
+        return rt
+
+    def lens_fetch(self, wanted: list, shm_host: str | None = None, released: list | None = None) -> dict:
+        return self._lens_rt().fetch([(k, {int(c): int(n) for c, n in ch.items()}) for k, ch in wanted],
+                                     None if shm_host is None else str(shm_host), released)
+
+    def lens_release(self, released: list) -> int:
+        return self._lens_rt().release(released)
+
+    def lens_host_id(self) -> str | None:
+        return shm.host_id()
+
+    def lens_drop(self, keys: list) -> int:
+        return self._lens_rt().drop(list(keys))
+
+    def lens_status(self) -> dict:
+        return self._lens_rt().status()
+
+    def lens_register_hooks(self, hooks: list) -> int:
+        return self._lens_rt().register_hooks([(bytes(f), list(l), bool(p)) for f, l, p in hooks])
+
+    def lens_collect_hook_results(self) -> bytes | None:
+        return self._lens_rt().collect_hook_results()
+
+    def lens_pop_persistent_errors(self, request_ids: list) -> dict:
+        return self._lens_rt().pop_persistent_errors([str(r) for r in request_ids])
+
+    def lens_clear_hook_results(self) -> None:
+        self._lens_rt().clear_hook_results()
+
+    def lens_clear_hooks(self) -> None:
+        self._lens_rt().clear_hooks()
+
+    def lens_prefetch(self, names: list) -> list:
+        return self._lens_rt().prefetch(list(names))
+
+    def lens_clear_prefetched(self) -> None:
+        self._lens_rt().clear_prefetched()

@@ -1,0 +1,22 @@
+"""Fault injection for tests: makes the plugin's own per-step code raise at one named stage, to prove
+that such a failure fails the requests involved (with a clear error) and never the engine.
+
+Inactive unless a test sets `STAGE` (in-process engines) or the process starts with
+`VLLM_LENS_INJECT_FAULT=<stage>`. Stages: admission, plan, fill, tap, file, assemble.
+"""
+
+from __future__ import annotations
+
+from vllm_worker import envs
+
+STAGES = ("admission", "plan", "fill", "tap", "file", "assemble")
+STAGE: str | None = envs.get("VLLM_LENS_INJECT_FAULT")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def check(stage: str) -> None:
+    if STAGE == stage:
+        raise InjectedFault(f"fault injected at stage {stage!r} (VLLM_LENS_INJECT_FAULT)")

@@ -1,0 +1,312 @@
+"""The graph-safe path: capture and steering as one kernel per layer that reads device buffers.
+
+Why: a CUDA graph replays recorded kernels and never calls Python. So the tap op, when recorded into a
+graph, must do its work from buffers whose addresses never change and whose *contents* the per-step plan
+fills before the forward runs:
+
+- `ctl[row, col] = (slot, entry)` for every row of the batch and every layer this stage holds: `slot` is
+  where the row's stream goes in the staging ring (capture), `entry` which steering entry is added to it;
+  -1 = nothing. Rows beyond the step's tokens (a graph's padding) are always -1.
+- `stage`: the staging ring the captured rows are written to; after the step they are copied to pinned
+  host memory on a side stream (no synchronisation in the step).
+- `A[entry]`, `B[entry]`: a steering entry adds `A + B * |stream|` (B: the norm-matched vectors, already
+  scaled and unit-normed; `bflag` says whether B is used). One entry per (request, layer) and, for
+  position-indexed vectors, per (request, layer, position); written once when the request arrives.
+
+On CUDA the kernel is Triton (one program per row; a row with nothing to do returns at once, so a layer
+nobody uses costs one small launch inside the graph). Elsewhere (CPU) the same semantics run as torch ops.
+Steps this path cannot serve (Python hooks, a ring or entry table too small) run the Python path of
+`runtime.LensRuntime.on_tap` in a step without CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_worker import envs
+
+logger = logging.getLogger("vllm_worker")
+
+STAGE_MB = envs.get("VLLM_LENS_STAGE_MB")
+STEER_MB = envs.get("VLLM_LENS_STEER_MB")
+
+
+def enabled() -> bool:
+    return bool(envs.get("VLLM_LENS_GRAPH_PATH"))
+
+
+def _triton_kernel() -> Any:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def tap_kernel(h_ptr, r_ptr, ctl_ptr, stage_ptr, a_ptr, b_ptr, bflag_ptr, col, n_cols, d,
+                   stride_h, stride_r, HAS_R: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        c = (i * n_cols + col) * 2
+        slot = tl.load(ctl_ptr + c)
+        ent = tl.load(ctl_ptr + c + 1)
+        if (slot >= 0) | (ent >= 0):
+            offs = tl.arange(0, BLOCK)
+            m = offs < d
+            hp = h_ptr + i.to(tl.int64) * stride_h + offs
+            h = tl.load(hp, mask=m, other=0.0)
+            if HAS_R:
+                r = tl.load(r_ptr + i.to(tl.int64) * stride_r + offs, mask=m, other=0.0).to(tl.float32)
+            else:
+                r = tl.zeros([BLOCK], dtype=tl.float32)
+            if ent >= 0:
+                e = ent.to(tl.int64) * d
+                add = tl.load(a_ptr + e + offs, mask=m, other=0.0).to(tl.float32)
+                if tl.load(bflag_ptr + ent) != 0:
+                    s = h.to(tl.float32) + r
+                    nrm = tl.sqrt(tl.sum(s * s, axis=0))
+                    add += tl.load(b_ptr + e + offs, mask=m, other=0.0).to(tl.float32) * nrm
+                h = (h.to(tl.float32) + add).to(h.dtype)
+                tl.store(hp, h, mask=m)
+            if slot >= 0:
+                out = (h.to(tl.float32) + r).to(stage_ptr.dtype.element_ty)
+                tl.store(stage_ptr + slot.to(tl.int64) * d + offs, out, mask=m)
+
+    return tap_kernel
+
+
+class GraphTaps:
+    """Device buffers + kernel of one model runner (one per process)."""
+
+    def __init__(self, layer_ids: list[int], d: int, dtype: torch.dtype, device: torch.device,
+                 max_rows: int, side: "torch.cuda.Stream | None") -> None:
+        self.col = {l: i for i, l in enumerate(layer_ids)}
+        self.n_cols = len(layer_ids)
+        self.d, self.dtype, self.device = d, dtype, device
+        self.max_rows = max_rows
+        esize = torch.empty((), dtype=dtype).element_size()
+        self.stage_rows = max(1, min(int(STAGE_MB * (1 << 20)) // (d * esize), max_rows * self.n_cols))
+        n_entries = max(1, int(STEER_MB * (1 << 20)) // (2 * d * esize))
+        cuda = device.type == "cuda"
+        self.ctl = torch.full((max_rows, self.n_cols, 2), -1, dtype=torch.int32, device=device)
+        self.stage = torch.empty((self.stage_rows, d), dtype=dtype, device=device)
+        self.A = torch.zeros((n_entries, d), dtype=dtype, device=device)
+        self.B = torch.zeros((n_entries, d), dtype=dtype, device=device)
+        self.bflag = torch.zeros((n_entries,), dtype=torch.int32, device=device)
+        self._free = list(range(n_entries - 1, -1, -1))
+        # double-buffered host copies of ctl (pinned on CUDA: the upload is asynchronous)
+        self._host = [torch.full((max_rows, self.n_cols, 2), -1, dtype=torch.int32, pin_memory=cuda)
+                      for _ in range(2)]
+        self._host_ev: list[Any] = [None, None]
+        self._turn = 0
+        self.dirty = 0  # rows of ctl that may hold something other than -1
+        self.active = False  # a step planned for this path is running (the op acts outside graphs)
+        self.fired = 0  # kernel calls outside graph capture during the running step
+        self.launches_in_capture = 0  # kernel calls recorded into CUDA graphs
+        self.live_cols: frozenset = frozenset()  # layer columns the running step uses
+        self._side = side
+        self._ring_pos = 0
+        self._pending: collections.deque = collections.deque()  # (start, end, event) copies in flight
+        self._kernel = _triton_kernel() if cuda else None
+        if cuda and self._kernel is None:
+            raise RuntimeError("triton is not importable")
+        self._block = 1 << (d - 1).bit_length()
+        if cuda:  # compile now: never for the first time while vLLM captures a graph
+            for has_r in (True, False):
+                z = torch.zeros((1, d), dtype=dtype, device=device)
+                self._launch(z, z if has_r else None, 0)
+            torch.cuda.synchronize(device)
+        logger.info("inspect-lens: graph-safe taps: %d rows x %d layers, staging ring %d rows (%.0f MB), "
+                    "%d steering entries", max_rows, self.n_cols, self.stage_rows,
+                    self.stage_rows * d * esize / (1 << 20), n_entries)
+
+    # ------------------------------------------------------------ inside the forward (the tap op)
+
+    def apply(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
+        col = self.col.get(layer)
+        if col is None:
+            return
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.launches_in_capture += 1
+        elif not self.active:
+            return
+        else:
+            self.fired += 1
+            if col not in self.live_cols:  # called from Python: layers nobody uses this step cost nothing
+                return
+        if self._kernel is not None:
+            self._launch(hidden, residual, col)
+        else:
+            self._apply_torch(hidden, residual, col)
+
+    def _launch(self, hidden: torch.Tensor, residual: torch.Tensor | None, col: int) -> None:
+        n = hidden.shape[0]
+        if n == 0:
+            return
+        r = residual if residual is not None else hidden
+        self._kernel[(n,)](hidden, r, self.ctl, self.stage, self.A, self.B, self.bflag, col, self.n_cols,
+                           self.d, hidden.stride(0), r.stride(0), HAS_R=residual is not None,
+                           BLOCK=self._block)
+
+    def _apply_torch(self, hidden: torch.Tensor, residual: torch.Tensor | None, col: int) -> None:
+        n = hidden.shape[0]
+        c = self.ctl[:n, col]
+        ent = c[:, 1]
+        rows = torch.nonzero(ent >= 0).squeeze(1)
+        if rows.numel():
+            e = ent[rows].long()
+            h = hidden[rows].float()
+            add = self.A[e].float()
+            bf = self.bflag[e] != 0
+            if bool(bf.any()):
+                s = h if residual is None else h + residual[rows].float()
+                add = add + self.B[e].float() * (s.norm(dim=-1, keepdim=True) * bf.unsqueeze(1))
+            hidden[rows] = (h + add).to(hidden.dtype)
+        slot = c[:, 0]
+        rows = torch.nonzero(slot >= 0).squeeze(1)
+        if rows.numel():
+            v = hidden[rows] if residual is None else hidden[rows] + residual[rows]
+            self.stage[slot[rows].long()] = v.to(self.dtype)
+
+    # ------------------------------------------------------------ steering entries (per request)
+
+    def add_entries(self, a: torch.Tensor, b: torch.Tensor) -> list[int] | None:
+        """Store k entries (`a`, `b`: (k, d) float32); None when the table is full."""
+        k = a.shape[0]
+        if k > len(self._free):
+            return None
+        idx = [self._free.pop() for _ in range(k)]
+        t = torch.tensor(idx, dtype=torch.long, device=self.device)
+        self.A.index_copy_(0, t, a.to(self.device, self.dtype))
+        self.B.index_copy_(0, t, b.to(self.device, self.dtype))
+        self.bflag.index_copy_(0, t, (b.abs().amax(dim=1) > 0).to(self.device, torch.int32))
+        return idx
+
+    def free_entries(self, idx: list[int]) -> None:
+        self._free.extend(idx)
+
+    # ------------------------------------------------------------ per step
+
+    def ring_alloc(self, n: int) -> int | None:
+        """First slot of `n` consecutive staging rows for this step (waits for old copies of them)."""
+        if n > self.stage_rows:
+            return None
+        base = self._ring_pos if self._ring_pos + n <= self.stage_rows else 0
+        end = base + n
+        for item in list(self._pending):
+            s, e, ev = item
+            if ev is None or ev.query():
+                self._pending.remove(item)
+            elif s < end and base < e:
+                ev.synchronize()
+                self._pending.remove(item)
+        self._ring_pos = end
+        return base
+
+    def host_ctl(self, n: int) -> np.ndarray:
+        """The host table for this step, rows [0, max(n, dirty)) reset to -1; `upload` sends it."""
+        k = self._turn
+        ev = self._host_ev[k]
+        if ev is not None:
+            ev.synchronize()
+        m = max(n, self.dirty)
+        h = self._host[k].numpy()[:m]
+        h.fill(-1)
+        self._fill_rows = m
+        return h
+
+    def upload(self, n: int, live_cols: frozenset = frozenset()) -> None:
+        k = self._turn
+        m = self._fill_rows
+        self.ctl[:m].copy_(self._host[k][:m], non_blocking=True)
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self._host_ev[k] = ev
+        self._turn = 1 - k
+        self.dirty = n
+        self.active = True
+        self.fired = 0
+        self.live_cols = live_cols
+
+    def clear(self) -> None:
+        """Before a step that does not use this path: no row may still point anywhere."""
+        if self.dirty:
+            self.ctl[:self.dirty].fill_(-1)
+            self.dirty = 0
+        self.active = False
+
+    def copy_out(self, base: int, n: int, dst: torch.Tensor) -> None:
+        """The step's captured rows into `dst` (pinned host memory on CUDA: asynchronously, on the side
+        stream after the step's kernels; their staging rows are reused once the copy is done)."""
+        src = self.stage[base:base + n]
+        if self._side is None:
+            dst.copy_(src)
+            return
+        side = self._side
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        self._pending.append((base, base + n, ev))
+
+
+def request_entries(g: GraphTaps, steers: list) -> tuple[dict, list[int]] | None:
+    """A request's steering (`plan.DeviceSteer`s) as entries of `g`: per layer this stage holds, one
+    default entry (its position-independent vectors) and one per position its 3-D vectors name (the
+    default plus those). None when the table is full (the request then takes the Python path)."""
+    rows_a: list[torch.Tensor] = []
+    rows_b: list[torch.Tensor] = []
+    layout: list[tuple[int, bool, list[int]]] = []
+    zero = torch.zeros(g.d, dtype=torch.float32, device=g.device)
+    for layer in sorted({l for st in steers for l in st.layers if l in g.col}):
+        da, db, has_default = zero.clone(), zero.clone(), False
+        pa: dict[int, torch.Tensor] = {}
+        pb: dict[int, torch.Tensor] = {}
+        for st in steers:
+            row = st.layers.get(layer)
+            if row is None:
+                continue
+            v = st.vectors[row].float()
+            if st.norm_match:
+                v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            v = v * st.scale
+            if st.positions is None:
+                if st.norm_match:
+                    db += v
+                else:
+                    da += v
+                has_default = True
+            else:
+                mine = {p: k for k, p in enumerate(st.positions)}  # a repeated position: the last row wins
+                target = pb if st.norm_match else pa
+                for p, k in mine.items():
+                    target[p] = v[k] if p not in target else target[p] + v[k]
+        positions = sorted(set(pa) | set(pb))
+        layout.append((layer, has_default, positions))
+        if has_default:
+            rows_a.append(da)
+            rows_b.append(db)
+        for p in positions:
+            rows_a.append(da + pa[p] if p in pa else da)
+            rows_b.append(db + pb[p] if p in pb else db)
+    if not rows_a:
+        return {}, []
+    ids = g.add_entries(torch.stack(rows_a), torch.stack(rows_b))
+    if ids is None:
+        return None
+    out: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
+    k = 0
+    for layer, has_default, positions in layout:
+        default = -1
+        if has_default:
+            default, k = ids[k], k + 1
+        ents = np.array(ids[k:k + len(positions)], dtype=np.int32)
+        k += len(positions)
+        out[layer] = (default, np.array(positions, dtype=np.int64), ents)
+    return out, ids

@@ -1,0 +1,67 @@
+"""Worker side of persistent hooks: registered once (`llm.register_hooks`, `/v1/hooks/register`), run on
+every request; their per-request results are kept here until cleared."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from vllm_worker.api.hooks import HookContext
+from vllm_worker.envs import limit
+from vllm_worker.worker.plan import HookRun
+from vllm_worker.worker.store import Store
+
+# Requests whose persistent-hook results are kept until `clear_hook_results`. Past it, new requests
+# fail with an error that says so (never a silent drop).
+MAX_PERSISTENT_RESULTS = limit("VLLM_LENS_MAX_PERSISTENT_RESULTS")
+
+
+class PersistentHooks:
+    def __init__(self) -> None:
+        self.hooks: list[tuple[Callable, frozenset, bool]] = []
+        self.results: dict[str, list[dict]] = {}  # caller request id -> one saved dict per hook
+        self.errors: dict[str, str] = {}  # caller request id -> failure, until popped
+
+    def __bool__(self) -> bool:
+        return bool(self.hooks)
+
+    def register(self, hooks: list[tuple[bytes, list[int], bool]]) -> int:
+        import cloudpickle
+
+        for fn, layers, pre in hooks:
+            self.hooks.append((cloudpickle.loads(fn), frozenset(layers), bool(pre)))
+        return len(self.hooks)
+
+    def attach(self, runs: list[HookRun], store: Store, external: str,
+               ctx: Callable[[dict, str], HookContext]) -> None:
+        """A new request: add the persistent hooks to its runs (or fail it if results are full)."""
+        if len(self.results) >= MAX_PERSISTENT_RESULTS:
+            store.error = (f"persistent hook results are full ({MAX_PERSISTENT_RESULTS} requests, "
+                           "VLLM_LENS_MAX_PERSISTENT_RESULTS): call collect_hook_results() then "
+                           "clear_hook_results()")
+            self.errors[external] = store.error
+            return
+        saved = [{} for _ in self.hooks]
+        self.results[external] = saved
+        for i, (fn, layers, pre) in enumerate(self.hooks):
+            runs.append(HookRun(fn, layers, pre, ctx(saved[i], external), i, True))
+
+    def failed(self, request_id: str, msg: str) -> None:
+        self.errors[request_id] = msg
+
+    def pop_errors(self, request_ids: list[str]) -> dict[str, str]:
+        out = {}
+        for rid in request_ids:
+            for k in [k for k in self.errors if k == rid or k.startswith(rid + "#")]:
+                out[k] = self.errors.pop(k)
+        return out
+
+    def clear_results(self) -> None:
+        self.results.clear()
+        self.errors.clear()
+
+    def clear(self) -> None:
+        self.hooks.clear()
+        self.clear_results()
+
+    def status(self) -> dict[str, Any]:
+        return {"persistent_hooks": len(self.hooks), "persistent_results": len(self.results)}

@@ -1,0 +1,217 @@
+"""Per-request state (decoded once) and the per-step plan (rebuilt before every forward pass).
+
+The plan turns "which requests sit in which rows of this batch" into what each tap site needs: device
+row indices for capture, one batched add per layer for simple steering, and the (request, rows) lists for
+the work that stays per request (positional / norm-matched steering, Python hooks). Rows of batch entry j
+are `qsl[j]:qsl[j+1]`; built with numpy, no per-request Python work on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from vllm_worker.api.hooks import HookContext
+
+
+@dataclass
+class DeviceSteer:
+    layers: dict[int, int]  # layer -> row of vectors
+    vectors: torch.Tensor  # on device, model dtype
+    lut: torch.Tensor | None  # position -> row in vectors[:, row] (or -1); None for 2-D
+    scale: float
+    norm_match: bool
+    positions: list[int] | None = None  # host copy of the positions `lut` maps (3-D vectors)
+
+
+@dataclass
+class HookRun:
+    fn: Callable
+    layers: frozenset
+    pre: bool
+    ctx: HookContext
+    index: int
+    persistent: bool
+
+
+@dataclass(eq=False)
+class RequestState:
+    capture: list[int]  # layers captured (sorted)
+    capture_slot: dict[int, int]  # layer -> index in `capture`
+    child: int
+    steers: list[DeviceSteer]  # steering that needs per-request work (positions, norm_match)
+    hooks: list[HookRun]
+    store: "object | None"  # store.Store: where results go (None: steering only)
+    # layer -> (1, d) sum of this request's position-independent, non-norm-matched vectors there;
+    # such layers are steered for the whole batch with one index_add_ (`StepPlan.steer_batched`)
+    simple_add: dict[int, torch.Tensor] = field(default_factory=dict)
+    # graph-safe path (`graph`): layer -> (default entry or -1, sorted positions, their entries);
+    # None when the request steers and its entries did not fit the table
+    entries: "dict[int, tuple[int, np.ndarray, np.ndarray]] | None" = field(default_factory=dict)
+    entry_ids: list[int] = field(default_factory=list)  # to give back when the request leaves
+
+    @property
+    def failed(self) -> bool:
+        return self.store is not None and self.store.error is not None
+
+    @property
+    def graph_ok(self) -> bool:
+        """Everything this request asks for runs in the graph-safe kernel (no Python hooks)."""
+        return not self.hooks and self.entries is not None
+
+
+Rows = list[tuple[RequestState, int, int]]  # (request, start row, end row)
+
+
+@dataclass
+class GraphPlan:
+    """What the graph-safe path writes into `graph.GraphTaps.ctl` each step, as flat host arrays."""
+
+    n: int  # rows (tokens) of the step
+    cap_rows: np.ndarray  # captured rows, in filing order (layer by layer, as `StepPlan.capture`)
+    cap_cols: np.ndarray  # their layer columns
+    st_rows: np.ndarray  # rows with a position-independent steering entry ...
+    st_cols: np.ndarray
+    st_ents: np.ndarray  # ... and that entry
+    st_pos: list[tuple[int, int, int, np.ndarray, np.ndarray, int]]  # (start, end, col, positions, entries, default)
+
+    @property
+    def total(self) -> int:
+        return len(self.cap_rows)
+
+    @functools.cached_property
+    def live_cols(self) -> frozenset:
+        """Layer columns this step uses (calls from Python skip the others)."""
+        return frozenset(self.cap_cols.tolist()) | frozenset(self.st_cols.tolist()) | \
+            frozenset(c for _, _, c, _, _, _ in self.st_pos)
+
+    def fill(self, ctl: np.ndarray, base: int, positions: np.ndarray) -> None:
+        """Write this step into the host table (`ctl` rows already -1); `positions`: host positions."""
+        if len(self.cap_rows):
+            ctl[self.cap_rows, self.cap_cols, 0] = base + np.arange(len(self.cap_rows), dtype=np.int32)
+        if len(self.st_rows):
+            ctl[self.st_rows, self.st_cols, 1] = self.st_ents
+        for s, e, col, pos, ents, default in self.st_pos:
+            ps = positions[s:e]
+            i = np.minimum(np.searchsorted(pos, ps), len(pos) - 1)
+            ctl[s:e, col, 1] = np.where(pos[i] == ps, ents[i], default)
+
+
+def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, int]) -> GraphPlan:
+    def rows_of(items: Rows) -> np.ndarray:
+        return np.concatenate([np.arange(s, e) for _, s, e in items])
+
+    cr, cc = [], []
+    for layer, items in cap_rows.items():
+        rows = rows_of(items)
+        cr.append(rows)
+        cc.append(np.full(len(rows), col[layer]))
+    sr, sc, se, pos = [], [], [], []
+    for r, s, e in active:
+        for layer, (default, ps, ents) in r.entries.items():
+            c = col.get(layer)
+            if c is None:
+                continue
+            if len(ps):
+                pos.append((s, e, c, ps, ents, default))
+            elif default >= 0:
+                sr.append(np.arange(s, e))
+                sc.append(np.full(e - s, c))
+                se.append(np.full(e - s, default))
+
+    def cat(a: list) -> np.ndarray:
+        return np.concatenate(a).astype(np.int64) if a else np.zeros(0, dtype=np.int64)
+
+    return GraphPlan(n, cat(cr), cat(cc), cat(sr), cat(sc), cat(se).astype(np.int32), pos)
+
+
+@dataclass
+class StepPlan:
+    """Built once per batch composition (decode steps with the same requests reuse it); `begin_step`
+    resets the per-step part."""
+
+    positions: torch.Tensor | None  # device positions of the step (Python path; set by begin_step)
+    steer: dict[int, Rows]  # layer -> requests with per-request steering there
+    steer_batched: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (rows, (rows, d) adds)
+    capture: dict[int, tuple[torch.Tensor, Rows]]  # layer -> (row index on device, requests)
+    hooks: dict[tuple[int, bool], Rows]  # (layer, pre) -> requests with hooks there
+    captured: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    fired: int = 0  # tap calls seen during the forward (0 with work planned = taps were skipped)
+    logs: dict = field(default_factory=dict)  # layer -> store.CaptureLog (store.CaptureStore.open_plan)
+    arena: object = None  # store.StepArena: host rows of this plan's steps
+    graph: "GraphPlan | None" = None  # set: this composition runs on the graph-safe path
+    requests: list = field(default_factory=list)  # the RequestStates it serves (failed together)
+    broken: bool = False  # our code failed during this step: the taps do nothing more
+
+    def begin_step(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+        self.captured = []
+        self.fired = 0
+        self.broken = False
+
+
+def split_steers(steers: list[DeviceSteer]) -> tuple[list[DeviceSteer], dict[int, torch.Tensor]]:
+    """(steers needing per-request work, {layer: summed simple add}). A layer where any vector is
+    positional or norm-matched keeps all its vectors per request (their order of application matters)."""
+    complex_layers = {l for st in steers if st.lut is not None or st.norm_match for l in st.layers}
+    simple: dict[int, torch.Tensor] = {}
+    for st in steers:
+        for layer, row in st.layers.items():
+            if layer not in complex_layers:
+                add = st.vectors[row].unsqueeze(0) * st.scale
+                simple[layer] = add if layer not in simple else simple[layer] + add
+    return ([st for st in steers if set(st.layers) & complex_layers],
+            {l: v.contiguous() for l, v in simple.items()})
+
+
+def make_plan(active: Rows, device: torch.device, capturing_rank: bool, local: frozenset,
+              graph: "object | None" = None, n_rows: int = 0) -> StepPlan:
+    """`local`: the layers this pipeline stage holds (captures of other stages' layers are theirs).
+    `graph` (a `graph.GraphTaps`): when every request fits the graph-safe path, the plan is for it."""
+    steer: dict[int, Rows] = {}
+    simple: dict[int, Rows] = {}
+    cap_rows: dict[int, Rows] = {}
+    hooks: dict[tuple[int, bool], Rows] = {}
+    for item in active:
+        r = item[0]
+        for st in r.steers:
+            for layer in st.layers:
+                steer.setdefault(layer, []).append(item)
+        for layer in r.simple_add:
+            simple.setdefault(layer, []).append(item)
+        for h in r.hooks:
+            for layer in h.layers:
+                hooks.setdefault((layer, h.pre), []).append(item)
+        if capturing_rank:
+            for layer in r.capture:
+                if layer in local:
+                    cap_rows.setdefault(layer, []).append(item)
+
+    if graph is not None and n_rows <= graph.max_rows and all(r.graph_ok for r, _, _ in active):
+        gp = graph_plan(active, cap_rows, n_rows, graph.col)
+        if gp.total <= graph.stage_rows:
+            capture = {layer: (None, items) for layer, items in cap_rows.items()}
+            return StepPlan(None, {}, {}, capture, {}, graph=gp, requests=[r for r, _, _ in active])
+
+    def on_device(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    def rows_of(items: Rows) -> np.ndarray:
+        return np.concatenate([np.arange(s, e) for _, s, e in items])
+
+    capture = {layer: (on_device(rows_of(items)), items) for layer, items in cap_rows.items()}
+    batched = {}
+    for layer, items in simple.items():
+        rows = rows_of(items)
+        adds = torch.cat([r.simple_add[layer] for r, _, _ in items])  # (n_req, d) on device
+        if len(rows) != len(items):  # prefill chunks: one add per row
+            adds = adds.index_select(0, on_device(np.repeat(np.arange(len(items)), [e - s for _, s, e in items])))
+        batched[layer] = (on_device(rows), adds)
+    # a request is listed once per layer even if several of its vectors/hooks act there
+    steer = {l: list(dict.fromkeys(v)) for l, v in steer.items()}
+    hooks = {k: list(dict.fromkeys(v)) for k, v in hooks.items()}
+    return StepPlan(None, steer, batched, capture, hooks, requests=[r for r, _, _ in active])

@@ -1,0 +1,395 @@
+"""Worker side: the per-engine runtime that ties requests, plan, taps, store and parameters together.
+
+Per step: find the rows of requests that asked for something (`plan`). When every such request fits
+the graph-safe path (capture and steering, no Python hooks), the plan only fills device buffers that
+the kernel inside the taps reads (`graph`), vLLM keeps its CUDA graphs (full ones included), and the
+step's captures are copied out after it. Otherwise the step is kept off full graphs and the taps call
+`on_tap` from Python between piecewise graphs (steering and hooks from `edits`, capture rows kept for
+the step). Either way the captures are filed in `store`. Steps with no feature active leave every
+buffer empty: the kernel returns at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_worker import compat
+from vllm_worker.api.hooks import HookContext
+from vllm_worker.protocol.spec import PAYLOAD_KEY
+from vllm_worker.transport import shm
+from vllm_worker.worker import edits, faults, graph, taps
+from vllm_worker.worker import store as store_mod
+from vllm_worker.worker.admission import Admission, internal_error
+from vllm_worker.worker.params import Params
+from vllm_worker.worker.persistent_hooks import PersistentHooks
+from vllm_worker.worker.plan import HookRun, RequestState, Rows, StepPlan, make_plan
+from vllm_worker.worker.store import CaptureStore, Store
+
+logger = logging.getLogger("vllm_worker")
+
+# Diagnostics (in `status`, read by benchmarks): host seconds around graph-path steps, cumulative.
+STEP_TIMINGS = {"graph_steps": 0, "plan_s": 0.0, "forward_s": 0.0, "after_s": 0.0,
+                "python_steps": 0, "python_file_s": 0.0}
+
+
+class LensRuntime:
+    """Installed on a model runner once its model is loaded (before vLLM compiles it)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.model = compat.runner_model(runner)
+        layers = list(compat.iter_stage_layers(runner))
+        self.layer_ids = [i for i, _ in layers]
+        self._local = frozenset(self.layer_ids)
+        self.tp_rank = compat.tp_rank()
+        self.capturing_rank = self.tp_rank == 0
+        p = next(self.model.parameters())
+        self.device = p.device
+        self.dtype = p.dtype if p.is_floating_point() else torch.float32
+        self._reqs: dict[str, RequestState | None] = {}
+        self.store = CaptureStore(self.device)
+        self.params = Params(self.model)
+        self._shm_host = shm.host_id()
+        if self._shm_host is not None and shm.sweep_stale():
+            logger.info("inspect-lens: removed capture files left in %s by engines that died", shm.SHM_DIR)
+        self._d_model = compat.hidden_size(runner)
+        self.graph: graph.GraphTaps | None = None
+        if graph.enabled():
+            try:
+                self.graph = graph.GraphTaps(self.layer_ids, self._d_model, self.dtype, self.device,
+                                             compat.max_tokens(runner), self.store.side)
+            except Exception as e:  # noqa: BLE001 - the Python path still serves every request
+                logger.warning("inspect-lens: graph-safe taps unavailable (%s: %s); steps with capture or "
+                               "steering run without CUDA graphs", type(e).__name__, e)
+        taps.set_graph(self.graph)
+        self._layout: tuple | None = None  # (req_ids, qsl) the cached plan was made for
+        self._plan: StepPlan | None = None  # the plan of the forward pass running now
+        self._cached_plan: StepPlan | None = None  # plan of the last batch composition seen ...
+        self._plan_key: tuple | None = None  # ... and that composition (request ids, row offsets)
+        self.steps_with_features = 0
+        self.persistent = PersistentHooks()  # hooks on every request, and their results
+        self.admission = Admission(runner, self.device, self.dtype, self._d_model, self._local,
+                                   self.capturing_rank, self._shm_host, self.store, self.graph,
+                                   self.persistent, self._ctx)
+        taps.install(layers)
+        logger.info("inspect-lens: taps on %d decoder layers (%s..%s) on TP rank %d",
+                    len(layers), self.layer_ids[0], self.layer_ids[-1], self.tp_rank)
+
+    # ---------------------------------------------------------------- per request state
+
+    def _request(self, req_id: str) -> RequestState | None:
+        try:
+            return self._reqs[req_id]
+        except KeyError:
+            pass
+        args = compat.request_extra_args(self.runner, req_id)
+        payload = None if not args else args.get(PAYLOAD_KEY)
+        req = self.admission.admit(req_id, payload) if payload is not None or self.persistent else None
+        self._reqs[req_id] = req
+        return req
+
+    def _ctx(self, saved: dict, external: str) -> HookContext:
+        return HookContext(saved=saved, request_id=external, tp_rank=self.tp_rank, model=self.model,
+                           _params=self.params.get)
+
+    def _fail(self, requests: list[RequestState], stage: str, e: Exception) -> None:
+        """Our own code failed at `stage` for these requests: each gets the error (reported when its
+        results are fetched) and runs without features from now on; everyone else is untouched."""
+        msg = internal_error(stage, e)
+        logger.error("inspect-lens: %s", msg)
+        for r in requests:
+            if r.store is None:
+                r.store = Store([])
+            if r.store.error is None:
+                r.store.error = msg
+            r.capture, r.capture_slot, r.steers, r.simple_add, r.hooks = [], {}, [], {}, []
+            self._free_entries(r)
+            r.entries = {}
+        self._plan_key = None  # re-plan without them
+
+    def _free_entries(self, r: RequestState) -> None:
+        """Give the request's steering entries back to the graph-safe table."""
+        if r.entry_ids and self.graph is not None:
+            self.graph.free_entries(r.entry_ids)
+        r.entry_ids = []
+
+    def _prune(self) -> None:
+        live = compat.live_request_ids(self.runner)
+        if len(self._reqs) > len(live):
+            for rid in [r for r in self._reqs if r not in live]:
+                st = self._reqs.pop(rid)
+                if st is not None:
+                    self._free_entries(st)
+
+    def _active(self, req_ids: list, qsl) -> Rows:
+        """(request, start row, end row) of this batch's requests that use a feature."""
+        active = []
+        for j, rid in enumerate(req_ids):
+            if rid is None:
+                continue
+            r = self._request(rid)
+            if r is not None and not r.failed:
+                s, e = int(qsl[j]), int(qsl[j + 1])
+                if e > s:
+                    active.append((r, s, e))
+        return active
+
+    def _current_plan(self) -> StepPlan | None:
+        """The plan of the step vLLM is preparing: made once per batch composition (decode steps with
+        the same requests and row offsets reuse it)."""
+        req_ids, qsl = compat.batch_layout(self.runner)
+        key = (tuple(req_ids), qsl.tobytes())
+        if key != self._plan_key:  # batch composition changed: plan again
+            self._prune()
+            active = self._active(req_ids, qsl)
+            try:
+                plan = None
+                if active:
+                    faults.check("plan")
+                    plan = make_plan(active, self.device, self.capturing_rank, self._local, self.graph, int(qsl[-1]))
+                    if plan.capture:
+                        self.store.open_plan(plan)
+                self._cached_plan, self._plan_key = plan, key
+            except Exception as e:  # noqa: BLE001 - fail these requests; the step runs plain
+                self._fail([r for r, _, _ in active], "planning", e)
+                self._cached_plan = None
+        self._layout = (req_ids, qsl)
+        return self._cached_plan
+
+    def prepare_step(self) -> bool:
+        """Asked before vLLM picks the step's CUDA-graph mode (`compat.patch_cudagraph_dispatch`):
+        True when the step needs Python in the forward (hooks, or more than the graph buffers hold), so
+        it must not replay a full graph."""
+        plan = self._current_plan()
+        return plan is not None and plan.graph is None
+
+    def _invalidate(self) -> None:
+        """Request states changed outside a step (hooks registered / cleared): re-plan next step."""
+        self._plan_key = None
+
+    # ---------------------------------------------------------------- forward pass
+
+    def around_forward(self, orig: Any, *args: Any, **kwargs: Any) -> Any:
+        # several engines may share a process (tests, notebooks): the taps act for the one running now;
+        # outside forwards (vLLM capturing graphs right after load) they act for the latest loaded
+        prev_graph = taps.set_graph(self.graph)
+        try:
+            return self._forward(orig, args, kwargs)
+        finally:
+            taps.set_graph(prev_graph)
+
+    def _forward(self, orig: Any, args: tuple, kwargs: dict) -> Any:
+        plan = self._current_plan()
+        g = self.graph
+        if plan is not None and plan.graph is not None:
+            return self._graph_step(plan, orig, args, kwargs)
+        if g is not None:
+            g.clear()
+        if plan is None:
+            return orig(self.runner, *args, **kwargs)
+        positions = kwargs.get("positions")
+        if positions is None:
+            raise compat.LensIncompatibleVLLM("forward pass without `positions`")
+        plan.begin_step(positions)
+        self._plan = plan
+        prev = taps.set_handler(self.on_tap)
+        try:
+            out = orig(self.runner, *args, **kwargs)
+        finally:
+            taps.set_handler(prev)
+            self._plan = None
+        if plan.fired == 0:
+            # The forward ran without reaching our taps (e.g. a CUDA graph replayed): the requests in the
+            # plan would silently get nothing. Never let that pass.
+            raise compat.LensIncompatibleVLLM(
+                "inspect-lens taps did not run during a forward pass that needed them (was a CUDA graph "
+                "replayed for a step with Python hooks?)")
+        self.steps_with_features += 1
+        STEP_TIMINGS["python_steps"] += 1
+        if plan.captured and not plan.broken:
+            t = time.perf_counter()
+            try:
+                faults.check("file")
+                self.store.finish_step(plan)
+            except Exception as e:  # noqa: BLE001
+                self._fail([r for r in plan.requests if r.capture], "filing captures", e)
+            STEP_TIMINGS["python_file_s"] += time.perf_counter() - t
+        return out
+
+    def _graph_step(self, plan: StepPlan, orig: Any, args: tuple, kwargs: dict) -> Any:
+        g, gp = self.graph, plan.graph
+        _, qsl = self._layout
+        pos = compat.host_positions(self.runner, qsl)
+        if self.device.type == "cpu":  # cheap here: check the host positions against vLLM's own
+            dev = kwargs.get("positions")
+            if dev is not None and not np.array_equal(dev[: len(pos)].numpy(), pos):
+                raise compat.LensIncompatibleVLLM("host positions differ from the forward pass's positions")
+        t0 = time.perf_counter()
+        try:
+            faults.check("fill")
+            ctl = g.host_ctl(gp.n)
+            base = g.ring_alloc(gp.total) if gp.total else 0
+            gp.fill(ctl, base, pos)
+            g.upload(gp.n, gp.live_cols)
+        except Exception as e:  # noqa: BLE001 - fail these requests; the step runs plain
+            g.clear()
+            self._fail(plan.requests, "preparing the step", e)
+            return orig(self.runner, *args, **kwargs)
+        t1 = time.perf_counter()
+        try:
+            out = orig(self.runner, *args, **kwargs)
+        finally:
+            g.active = False
+        t2 = time.perf_counter()
+        if g.fired == 0 and not (compat.forward_replays_full_graph() and g.launches_in_capture > 0):
+            raise compat.LensIncompatibleVLLM(
+                "inspect-lens taps did not run during a forward pass that needed them (no tap kernel was "
+                "called, nor recorded into the CUDA graph that was replayed)")
+        self.steps_with_features += 1
+        if gp.total:
+            try:
+                faults.check("file")
+                host, hpos = self.store.step_slot(plan, g.d, g.dtype)
+                hpos.numpy()[:] = pos[gp.cap_rows]
+                g.copy_out(base, gp.total, host)
+                self.store.file_step(plan, host)
+            except Exception as e:  # noqa: BLE001
+                self._fail([r for r in plan.requests if r.capture], "filing captures", e)
+        STEP_TIMINGS["graph_steps"] += 1
+        STEP_TIMINGS["plan_s"] += t1 - t0
+        STEP_TIMINGS["forward_s"] += t2 - t1
+        STEP_TIMINGS["after_s"] += time.perf_counter() - t2
+        return out
+
+    def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        plan = self._plan
+        if plan is None:
+            return
+        plan.fired += 1
+        if plan.broken:
+            return
+        try:
+            faults.check("tap")
+            self._tap(plan, hidden, residual, site)
+        except Exception as e:  # noqa: BLE001 - the plan's requests fail; their batch-mates go on
+            plan.broken = True
+            self._fail(plan.requests, f"tap {taps.split_site(site)}", e)
+
+    def _tap(self, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        layer, point = taps.split_site(site)
+        if point == taps.OUT:
+            edits.steer(layer, plan, hidden, residual)
+            edits.run_hooks(layer, False, plan, hidden, residual, self._hook_failed)
+            cap = plan.capture.get(layer)
+            if cap is not None:
+                idx = cap[0]
+                rows = hidden.index_select(0, idx)
+                if residual is not None:
+                    rows = rows + residual.index_select(0, idx)
+                plan.captured.append((layer, rows))
+            if layer + 1 in self._local:  # the stream leaving `layer` is the one entering `layer + 1`
+                edits.run_hooks(layer + 1, True, plan, hidden, residual, self._hook_failed)
+        elif point == taps.IN:
+            edits.run_hooks(layer, True, plan, hidden, residual, self._hook_failed)
+
+    def _hook_failed(self, h: HookRun, msg: str) -> None:
+        if h.persistent:
+            self.persistent.failed(h.ctx.request_id, msg)
+
+    # ---------------------------------------------------------------- fetch (RPC)
+
+    def fetch(self, wanted: list[tuple[str, dict[int, int]]], shm_host: str | None = None,
+              released: list | None = None) -> dict[str, Any]:
+        """`shm_host`: the frontend's machine id; on the same machine, captures travel through the shared
+        memory result pool. `released`: pool regions the frontend no longer uses."""
+        use_shm = shm_host is not None and shm_host == shm.host_id()
+        return self.store.fetch(wanted, self.capturing_rank, self.layer_ids, _pickle_saved, use_shm, released)
+
+    def drop(self, keys: list[str]) -> int:
+        return self.store.drop(keys)
+
+    def release(self, released: list) -> int:
+        """Result-pool regions the frontend is done with (outside a fetch)."""
+        return self.store.release(released)
+
+    # ---------------------------------------------------------------- persistent hooks (RPC)
+
+    def register_hooks(self, hooks: list[tuple[bytes, list[int], bool]]) -> int:
+        n = self.persistent.register(hooks)
+        # plain requests cached as "nothing to do" must be re-planned
+        self._reqs = {k: v for k, v in self._reqs.items() if v is not None}
+        self._invalidate()
+        return n
+
+    def collect_hook_results(self) -> bytes | None:
+        return _pickle_saved(self.persistent.results) if self.capturing_rank else None
+
+    def pop_persistent_errors(self, request_ids: list[str]) -> dict[str, str]:
+        return self.persistent.pop_errors(request_ids) if self.capturing_rank else {}
+
+    def clear_hook_results(self) -> None:
+        self.persistent.clear_results()
+
+    def clear_hooks(self) -> None:
+        self.persistent.clear()
+        kept: dict[str, RequestState | None] = {}
+        for k, v in self._reqs.items():
+            if v is None:
+                continue
+            v.hooks = [h for h in v.hooks if not h.persistent]
+            if v.capture or v.steers or v.simple_add or v.hooks:
+                kept[k] = v
+        self._reqs = kept
+        self._invalidate()
+
+    # ---------------------------------------------------------------- parameters and status
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        return self.params.get(name)
+
+    def prefetch(self, names: list[str]) -> list[str]:
+        return self.params.prefetch(names)
+
+    def clear_prefetched(self) -> None:
+        self.params.clear()
+
+    def status(self) -> dict[str, Any]:
+        pool = self.store.pool_status()
+        return {
+            "layers": self.layer_ids,
+            "tp_rank": self.tp_rank,
+            "stored_requests": len(self.store),
+            "stored_bytes": self.store.stored_bytes,
+            "steps_with_features": self.steps_with_features,
+            **self.persistent.status(),
+            "prefetched": sorted(self.params.prefetched),
+            "fetch_timings": dict(store_mod.FETCH_TIMINGS),
+            "step_timings": dict(STEP_TIMINGS),
+            "hook_timings": dict(edits.HOOK_TIMINGS),
+            # shared-memory result regions handed to the frontend and not yet given back
+            "result_regions": (pool or {}).get("regions_in_use", 0),
+            "result_pool": pool,
+        }
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu")
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _pickle_saved(obj: Any) -> bytes:
+    """Hook state, tensors on CPU, as cloudpickle bytes: produced by our own worker, read by the
+    frontend that owns it (the HTTP layer converts to JSON before anything leaves the server)."""
+    import cloudpickle
+
+    return cloudpickle.dumps(_to_cpu(obj))

@@ -1,0 +1,403 @@
+"""Where results wait in a worker until the frontend fetches them: captures (leaving the GPU while
+generation goes on), hook state and the first failure of each request.
+
+On CUDA a step's captures are gathered into one device tensor and copied to pinned host memory on a
+side stream that waits for the step's kernels: no synchronisation in the step, and the device copy is
+released as soon as the transfer ends (`record_stream`). Only a fetch waits for transfers in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_worker.envs import get, limit
+from vllm_worker.protocol.wire import tensor_to_bytes
+from vllm_worker.transport import assembly, result_pool
+from vllm_worker.transport.result_pool import ResultPool
+from vllm_worker.worker import faults
+from vllm_worker.worker.plan import StepPlan
+
+logger = logging.getLogger("vllm_worker")
+
+# Captures kept in the worker until fetched. Past the cap the oldest are dropped and a later fetch of
+# them reports it (an error, never a silent empty result).
+MAX_STORED_BYTES = limit("VLLM_LENS_MAX_STORED_GB")
+
+# At most this many threads copy a fetch's captures into the result pool; one per
+# ASSEMBLY_BYTES_PER_THREAD of results. The copies release the GIL (`assembly`); measured on the H200 host
+# (bench/results/2026-12-01-h200-s8.md): 10.5 GB in 2.0 s on one thread, 0.65 s on four.
+ASSEMBLY_THREADS = max(1, get("VLLM_LENS_ASSEMBLY_THREADS"))
+ASSEMBLY_BYTES_PER_THREAD = 128 << 20
+
+
+def assembly_threads(nbytes: int) -> int:
+    return max(1, min(ASSEMBLY_THREADS, nbytes // ASSEMBLY_BYTES_PER_THREAD))
+
+
+def _pool(threads: int) -> Any:
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lens-assemble")
+
+
+# Diagnostics (reported by `status`, read by benchmarks): cumulative seconds in fetches.
+FETCH_TIMINGS = {"wait_copies_s": 0.0, "assemble_s": 0.0,
+                 # summed over assembly threads: taking result memory (pool regions), copying into it
+                 "alloc_s": 0.0, "index_s": 0.0, "copy_s": 0.0,
+                 "arena_alloc_s": 0.0}  # host memory for steps' captures, allocated in the step
+
+
+class StepArena:
+    """Host memory for the captured rows of every step run with one plan (one batch composition): step
+    after step in chunks of shape (steps, rows, d), so a request's rows at one layer across all decode
+    steps are one strided slice — nothing to stack at fetch. Chunks double (1, 2, 4 … 64 steps); on CUDA
+    they are pinned (device copies land in them asynchronously) and come from torch's caching host
+    allocator, so a steady workload stops allocating."""
+
+    __slots__ = ("rows", "pinned", "chunks")
+    MAX_CHUNK_STEPS = 64
+
+    def __init__(self, rows: int, pinned: bool) -> None:
+        self.rows = rows
+        self.pinned = pinned
+        self.chunks: list[list] = []  # [data (steps, rows, d), positions (steps, rows), steps filled]
+
+    def next(self, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, d) and (rows,) host views for the next step."""
+        if not self.chunks or self.chunks[-1][2] == self.chunks[-1][0].shape[0]:
+            t = time.perf_counter()
+            c = min(self.MAX_CHUNK_STEPS, 1 << len(self.chunks))
+            self.chunks.append([torch.empty((c, self.rows, d), dtype=dtype, pin_memory=self.pinned),
+                                torch.empty((c, self.rows), dtype=torch.int64, pin_memory=self.pinned), 0])
+            FETCH_TIMINGS["arena_alloc_s"] += time.perf_counter() - t
+        ch = self.chunks[-1]
+        k = ch[2]
+        ch[2] += 1
+        return ch[0][k], ch[1][k]
+
+    def parts(self, col: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(positions (steps, n), rows (steps, n, d)) per chunk, for columns col:col+n."""
+        return [(pos[:f, col:col + n], data[:f, col:col + n]) for data, pos, f in self.chunks if f]
+
+
+class CaptureLog:
+    """One layer's columns of a plan's arena: shared by the plan's requests, each reading its own row
+    range (`Segment`). Filing a step is O(layers), not O(requests)."""
+
+    __slots__ = ("arena", "col", "refs", "nbytes")
+
+    def __init__(self, arena: StepArena, col: int) -> None:
+        self.arena: StepArena | None = arena
+        self.col = col  # first column of this layer in the arena's rows
+        self.refs = 0  # segments still to be fetched or dropped
+        self.nbytes = 0
+
+
+@dataclass
+class Segment:
+    log: CaptureLog
+    slot: int  # index of the layer in the request's capture list
+    offset: int  # first row of the request inside each of the log's blocks
+    n: int
+
+
+@dataclass
+class Store:
+    """Everything a request hands back: captures, hook state, and the first failure."""
+
+    layers: list[int]
+    segments: list[Segment] = field(default_factory=list)
+    saved: list[dict] = field(default_factory=list)
+    error: str | None = None
+    nonfinite: dict = field(default_factory=dict)  # hook -> device flag: it returned NaN/inf (not applied)
+    expected: int = 0  # bytes announced to the result pool when the request arrived (`ResultPool.expect`)
+
+
+class CaptureStore:
+    def __init__(self, device: torch.device) -> None:
+        self._stores: dict[tuple[str, int], Store] = {}
+        self._evicted: set[str] = set()
+        self.stored_bytes = 0
+        self.lock = threading.Lock()
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pool: ResultPool | None = None
+
+    @property
+    def pool(self) -> ResultPool | None:
+        """This worker's shared-memory result pool (made on first use; None when turned off)."""
+        if self._pool is None and result_pool.enabled():
+            self._pool = ResultPool()
+        return self._pool
+
+    def release(self, released: list | None) -> int:
+        """Pool regions the frontend is done with (with a fetch, a new request, or on their own)."""
+        return self._pool.free(released) if released and self._pool is not None else 0
+
+    def pool_status(self) -> dict[str, Any] | None:
+        return self._pool.status() if self._pool is not None else None
+
+    def __len__(self) -> int:
+        return len(self._stores)
+
+    def add(self, key: str, child: int, store: Store) -> None:
+        with self.lock:
+            self._stores[(key, child)] = store
+
+    # ------------------------------------------------------------ per plan / per step
+
+    def open_plan(self, plan: StepPlan) -> None:
+        """A new batch composition: one arena, a log per captured layer (columns in `plan.capture` order),
+        one segment per (request, layer)."""
+        plan.logs = {}
+        total = sum(e - s for _, items in plan.capture.values() for _, s, e in items)
+        plan.arena = StepArena(total, self.side is not None)
+        col = 0
+        with self.lock:
+            for layer, (_, items) in plan.capture.items():
+                log = plan.logs[layer] = CaptureLog(plan.arena, col)
+                off = 0
+                for r, s, e in items:
+                    r.store.segments.append(Segment(log, r.capture_slot[layer], off, e - s))
+                    log.refs += 1
+                    off += e - s
+                col += off
+
+    def step_slot(self, plan: StepPlan, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host (rows, d) / (rows,) views where this step's captures go (`file_step` once written)."""
+        return plan.arena.next(d, dtype)
+
+    def finish_step(self, plan: StepPlan) -> None:
+        """Python path: the step's captured rows (kept per layer by the taps) to the host, then filed."""
+        by_layer = dict(plan.captured)
+        dev = torch.cat([by_layer[layer] for layer in plan.capture])
+        all_idx = torch.cat([plan.capture[layer][0] for layer in plan.capture])
+        pos = plan.positions.index_select(0, all_idx)
+        host, hpos = self.step_slot(plan, dev.shape[-1], dev.dtype)
+        if self.side is None:
+            host.copy_(dev)
+            hpos.copy_(pos)
+        else:
+            side = self.side
+            side.wait_stream(torch.cuda.current_stream(dev.device))
+            with torch.cuda.stream(side):
+                host.copy_(dev, non_blocking=True)
+                hpos.copy_(pos, non_blocking=True)
+            dev.record_stream(side)
+            pos.record_stream(side)
+        self.file_step(plan, host)
+
+    def file_step(self, plan: StepPlan, host: torch.Tensor) -> None:
+        """Account a step whose rows are (or are being copied) in `host` (`fetch` waits for copies)."""
+        row = host.shape[-1] * host.element_size()
+        with self.lock:
+            for layer, (_, items) in plan.capture.items():
+                nb = sum(e - s for _, s, e in items) * row
+                plan.logs[layer].nbytes += nb
+                self.stored_bytes += nb
+            self._evict_if_needed()
+
+    def _release(self, st: Store) -> None:
+        if st.expected and self._pool is not None:
+            self._pool.unexpect(st.expected)
+            st.expected = 0
+        for seg in st.segments:
+            seg.log.refs -= 1
+            if seg.log.refs == 0:
+                self.stored_bytes -= seg.log.nbytes
+                seg.log.nbytes, seg.log.arena = 0, None  # the arena goes with its last log
+        st.segments = []
+
+    def _evict_if_needed(self) -> None:
+        while self.stored_bytes > MAX_STORED_BYTES and self._stores:
+            key = next(iter(self._stores))
+            self._release(self._stores.pop(key))
+            self._evicted.add(key[0])
+            logger.error("inspect-lens: capture store over VLLM_LENS_MAX_STORED_GB; dropped request %s", key[0])
+
+    # ------------------------------------------------------------ fetch
+
+    def fetch(self, wanted: list[tuple[str, dict[int, int]]], reporting: bool,
+              layer_ids: list[int], assemble_saved: Any, use_shm: bool = False,
+              released: list | None = None) -> dict[str, Any]:
+        """{key: {child: payload}} for this rank's layers; pops what it returns. A rank that does not
+        report (TP rank > 0: hooks ran there too, on the same replicated stream) only drops. `use_shm`:
+        capture tensors go into the shared-memory result pool (`result_pool`); `released`: pool regions
+        the frontend is done with."""
+        out: dict[str, Any] = {}
+        self.release(released)
+        t0 = time.perf_counter()
+        if self.side is not None:
+            self.side.synchronize()
+        t1 = time.perf_counter()
+        FETCH_TIMINGS["wait_copies_s"] += t1 - t0
+        try:
+            return self._fetch(wanted, reporting, layer_ids, assemble_saved, use_shm, out)
+        finally:
+            FETCH_TIMINGS["assemble_s"] += time.perf_counter() - t1
+
+    def _fetch(self, wanted: list, reporting: bool, layer_ids: list[int], assemble_saved: Any, use_shm: bool,
+               out: dict) -> dict[str, Any]:
+        with self.lock:
+            todo: list[tuple[str, int, Store, int]] = []
+            for key, children in wanted:
+                if reporting and key in self._evicted:
+                    self._evicted.discard(key)
+                    out[key] = {"error": "captures were dropped: the worker's store exceeded "
+                                         "VLLM_LENS_MAX_STORED_GB before they were fetched"}
+                    continue
+                for child, n_pos in children.items():
+                    st = self._stores.pop((key, int(child)), None)
+                    if st is not None:
+                        todo.append((key, int(child), st, int(n_pos)))
+            if reporting:
+                payloads = self._assemble_all(todo, layer_ids, assemble_saved, self.pool if use_shm else None)
+                for (key, child, _, _), payload in zip(todo, payloads):
+                    out.setdefault(key, {})[child] = payload
+            for _, _, st, _ in todo:
+                self._release(st)
+        return out
+
+    @staticmethod
+    def _assemble_all(todo: list, layer_ids: list[int], assemble_saved: Any, pool: ResultPool | None) -> list:
+        """Into the result pool: all requests at once (`assembly`), in a few threads for large fetches.
+        As bytes (no pool: another machine, or no room): one request at a time."""
+        threads = assembly_threads(sum(_result_bytes(st, n) for _, _, st, n in todo))
+        out: list[dict | None] = [None] * len(todo)
+        items, where = [], []
+        for i, (_, _, st, n) in enumerate(todo if pool is not None else ()):
+            try:
+                payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved)
+            except Exception as e:  # noqa: BLE001
+                out[i] = _internal(e)
+                continue
+            if mine is None:
+                out[i] = payload
+            else:
+                items.append((payload, st, n, mine, out_of_slot))
+                where.append(i)
+        if items:
+            try:
+                for i, item, payload in zip(where, items, assembly.assemble(items, pool, threads, _pool,
+                                                                           FETCH_TIMINGS)):
+                    # None: no room in the pool, so as bytes (its prelude is done)
+                    out[i] = payload if payload is not None else _guarded(_as_bytes, *item)
+            except Exception as e:  # noqa: BLE001 - our own failure: these requests' error, not the fetch's
+                for i in where:
+                    out[i] = _internal(e)
+        for i, (_, _, st, n) in enumerate(todo):
+            if out[i] is None:
+                out[i] = _guarded(_assemble, st, n, layer_ids, assemble_saved)
+        return out
+
+    def drop(self, keys: list[str]) -> int:
+        with self.lock:
+            keys_set = set(keys)
+            gone = [k for k in self._stores if k[0] in keys_set]
+            for k in gone:
+                self._release(self._stores.pop(k))
+            return len(gone)
+
+
+def _internal(e: Exception) -> dict[str, Any]:
+    logger.error("inspect-lens: assembling a request's results failed: %s: %s", type(e).__name__, e)
+    return {"error": f"inspect-lens internal error while assembling results: {type(e).__name__}: {e}"}
+
+
+def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
+    """One request's payload; a failure of our own code here is that request's error, not the fetch's."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return _internal(e)
+
+
+def _prelude(st: Store, layer_ids: list[int], assemble_saved: Any) -> tuple[dict, list[int] | None, dict]:
+    """The payload without captures (error, hook state), the captured layers this rank holds (None: no
+    captures to assemble) and capture slot -> output index."""
+    if st.layers:
+        faults.check("assemble")
+    payload: dict[str, Any] = {}
+    if st.error is None and st.nonfinite:
+        bad = [where for where, flag in st.nonfinite.items() if bool(flag)]
+        if bad:
+            st.error = (f"{bad[0]} returned NaN or inf values; they were not written into the stream "
+                        f"(hooks that did: {bad})")
+    if st.error is not None:
+        payload["error"] = st.error
+    if st.saved:
+        payload["hooks"] = assemble_saved(st.saved)
+    if not st.layers:
+        return payload, None, {}
+    mine = [l for l in st.layers if l in layer_ids]
+    return payload, mine, {st.layers.index(l): i for i, l in enumerate(mine)}
+
+
+def _result_bytes(st: Store, n_pos: int) -> int:
+    """Size of a request's assembled captures (0 without any)."""
+    for seg in st.segments:
+        arena = seg.log.arena
+        if arena is not None and arena.chunks:
+            data = arena.chunks[0][0]
+            return len(st.layers) * n_pos * data.shape[-1] * data.element_size()
+    return 0
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (16-bit floats as int16), for the assembly copies: numpy copies
+    are single-threaded and release the GIL. (On the H200 host this did not by itself change the
+    assembly time — the thread count did, see `assembly_threads`.)"""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.int16)
+    return t.numpy()
+
+
+def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any) -> dict[str, Any]:
+    """One request, as bytes (no result pool: a frontend on another machine)."""
+    payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved)
+    return payload if mine is None else _as_bytes(payload, st, n_pos, mine, out_of_slot)
+
+
+def _as_bytes(payload: dict, st: Store, n_pos: int, mine: list[int], out_of_slot: dict) -> dict[str, Any]:
+    """A request's captures copied into a tensor of its own, sent as bytes in the RPC reply."""
+    parts = [(out_of_slot[seg.slot], pos, rows) for seg in st.segments
+             if seg.log.arena is not None and seg.slot in out_of_slot
+             for pos, rows in seg.log.arena.parts(seg.log.col + seg.offset, seg.n)]
+    if not parts:
+        payload.setdefault("error", "no positions were captured")
+        return payload
+    d, dtype = parts[0][2].shape[-1], parts[0][2].dtype
+    shape = (len(mine), n_pos, d)
+    t1 = time.perf_counter()
+    t = torch.zeros(shape, dtype=dtype)
+    dst = _np(t)
+    t2 = time.perf_counter()
+    FETCH_TIMINGS["alloc_s"] += t2 - t1
+    filled = np.zeros((len(mine), n_pos), dtype=bool)
+    for slot, pos, rows in parts:  # pos (steps, n), rows (steps, n, d)
+        p = _np(pos).ravel()
+        src = _np(rows)
+        if len(p) and p[0] >= 0 and p[-1] - p[0] == len(p) - 1 and p[-1] < n_pos and \
+                (len(p) < 3 or np.array_equal(np.diff(p), np.ones(len(p) - 1, dtype=p.dtype))):
+            # one request's decode steps / prefill chunk: one block copy
+            np.copyto(dst[slot, p[0]:p[-1] + 1].reshape(src.shape), src)
+            filled[slot, p[0]:p[-1] + 1] = True
+            continue
+        src = src.reshape(-1, d)
+        keep = p < n_pos
+        if not keep.all():
+            p, src = p[keep], src[keep]
+        dst[slot, p] = src
+        filled[slot, p] = True
+    FETCH_TIMINGS["copy_s"] += time.perf_counter() - t2
+    missing = [(l, int(np.flatnonzero(~filled[i])[0])) for i, l in enumerate(mine) if not filled[i].all()]
+    if missing:
+        payload.setdefault("error", f"positions never ran a forward pass (layer, first missing position): {missing}")
+    payload.update({"layers": mine, "tensor": tensor_to_bytes(t)})
+    return payload
