@@ -45,8 +45,12 @@ def main() -> None:
     n_layers = llm.llm_engine.model_config.get_total_num_hidden_layers()
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 400 + 5 for j in range(32)]} for i in range(args.prompts)]
     plain = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-    capture = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True,
-                             extra_args={"output_residual_stream": list(range(n_layers))})
+    capture = SamplingParams(
+        max_tokens=args.tokens,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"output_residual_stream": list(range(n_layers))},
+    )
     proc = psutil.Process()
 
     def tok_s(sp: SamplingParams) -> float:
@@ -61,14 +65,31 @@ def main() -> None:
         before = tok_s(plain)
         cap = [tok_s(capture) for _ in range(args.captures_per_round)]
         after = tok_s(plain)
-        rows.append({"round": r, "plain_before": before, "capture": cap, "plain_after": after,
-                     "after_over_before": after / before, "rss_mb": proc.memory_info().rss / 2**20})
-        print(f"round {r}: plain {before:.0f} tok/s, all-layer capture {', '.join(f'{c:.0f}' for c in cap)}, "
-              f"plain after {after:.0f} tok/s ({after / before:.3f}x), RSS {rows[-1]['rss_mb']:.0f} MB", flush=True)
+        rows.append(
+            {
+                "round": r,
+                "plain_before": before,
+                "capture": cap,
+                "plain_after": after,
+                "after_over_before": after / before,
+                "rss_mb": proc.memory_info().rss / 2**20,
+            }
+        )
+        print(
+            f"round {r}: plain {before:.0f} tok/s, all-layer capture {', '.join(f'{c:.0f}' for c in cap)}, "
+            f"plain after {after:.0f} tok/s ({after / before:.3f}x), RSS {rows[-1]['rss_mb']:.0f} MB",
+            flush=True,
+        )
     first = rows[0]["plain_before"]
     last = rows[-1]["plain_after"]
-    summary = {"model": model, "n_layers": n_layers, "prompts": args.prompts, "tokens": args.tokens,
-               "rounds": rows, "last_after_over_first_before": last / first}
+    summary = {
+        "model": model,
+        "n_layers": n_layers,
+        "prompts": args.prompts,
+        "tokens": args.tokens,
+        "rounds": rows,
+        "last_after_over_first_before": last / first,
+    }
     print(f"plain after {args.rounds} rounds of all-layer captures / plain before any: {last / first:.3f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))

@@ -25,8 +25,9 @@ def noop(ctx, h):
 
 def main() -> None:
     model = sys.argv[1]
-    llm = LLM(model=model, load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024,
-              seed=0)
+    llm = LLM(
+        model=model, load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024, seed=0
+    )
     d = llm.llm_engine.model_config.get_hidden_size()
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 30000, size=30).tolist()} for _ in range(16)]
@@ -39,13 +40,22 @@ def main() -> None:
         if k == 0:
             extras.append({"output_residual_stream": [16]})
         elif k == 1:
-            extras.append({"output_residual_stream": [20],
-                           "apply_steering_vectors": [SteeringVector(v2, [10], scale=4.0, norm_match=True)]})
+            extras.append(
+                {
+                    "output_residual_stream": [20],
+                    "apply_steering_vectors": [SteeringVector(v2, [10], scale=4.0, norm_match=True)],
+                }
+            )
         elif k == 2:
-            extras.append({"output_residual_stream": [20],
-                           "apply_steering_vectors": [SteeringVector(v3, [10], scale=2.0, norm_match=True,
-                                                                     position_indices=list(range(6))),
-                                                      SteeringVector(v2 * 0.05, [12])]})
+            extras.append(
+                {
+                    "output_residual_stream": [20],
+                    "apply_steering_vectors": [
+                        SteeringVector(v3, [10], scale=2.0, norm_match=True, position_indices=list(range(6))),
+                        SteeringVector(v2 * 0.05, [12]),
+                    ],
+                }
+            )
         else:
             extras.append(None)
 
@@ -63,8 +73,14 @@ def main() -> None:
     run(False, 4)  # warm-up
     graph_outs, tg = run(False)
     py_outs, tp = run(True)
-    alone, _ = llm.generate([prompts[i] for i in range(3, 16, 4)],
-                            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False), 0
+    alone, _ = (
+        llm.generate(
+            [prompts[i] for i in range(3, 16, 4)],
+            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+            use_tqdm=False,
+        ),
+        0,
+    )
     res: dict = {"graph_s": round(tg, 3), "python_s": round(tp, 3), "cases": []}
     for i, (a, b) in enumerate(zip(graph_outs, py_outs)):
         case = {"i": i, "kind": i % 4, "tokens_equal": list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)}
@@ -76,16 +92,21 @@ def main() -> None:
             case["max_abs"] = float((x - y).abs().max())
             case["norm"] = float(y.norm(dim=-1).mean())
         res["cases"].append(case)
-    res["plain_mates_equal_alone"] = [list(graph_outs[i].outputs[0].token_ids) == list(o.outputs[0].token_ids)
-                                      for i, o in zip(range(3, 16, 4), alone)]
+    res["plain_mates_equal_alone"] = [
+        list(graph_outs[i].outputs[0].token_ids) == list(o.outputs[0].token_ids) for i, o in zip(range(3, 16, 4), alone)
+    ]
     res["status"] = llm.collective_rpc("lens_status")
     # steady state: 256 requests, capture one layer vs nothing (one call each, after a warm-up)
     big = [{"prompt_token_ids": rng.integers(100, 30000, size=30).tolist()} for _ in range(256)]
-    for name, ex in (("W0", None), ("W1", {"output_residual_stream": [16]}),
-                     ("W3", {"apply_steering_vectors": [SteeringVector(v2, [16], scale=4.0, norm_match=True)]})):
+    for name, ex in (
+        ("W0", None),
+        ("W1", {"output_residual_stream": [16]}),
+        ("W3", {"apply_steering_vectors": [SteeringVector(v2, [16], scale=4.0, norm_match=True)]}),
+    ):
         sp = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True, extra_args=ex)
-        llm.generate(big[:32], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=ex),
-                     use_tqdm=False)
+        llm.generate(
+            big[:32], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=ex), use_tqdm=False
+        )
         from vllm_worker import frontend
 
         before = dict(frontend.TIMINGS)

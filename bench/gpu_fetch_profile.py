@@ -40,9 +40,16 @@ def main() -> None:
 
     model = sys.argv[1]
     runs = os.environ.get("PROFILE_RUNS", "W0,W1,W1,W1,W2").split(",")
-    llm = LLM(model=model, load_format="dummy", dtype="bfloat16", seed=0, max_model_len=1024,
-              gpu_memory_utilization=float(os.environ.get("BENCH_GPU_UTIL", "0.3")), max_num_seqs=256,
-              enable_prefix_caching=False)
+    llm = LLM(
+        model=model,
+        load_format="dummy",
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=1024,
+        gpu_memory_utilization=float(os.environ.get("BENCH_GPU_UTIL", "0.3")),
+        max_num_seqs=256,
+        enable_prefix_caching=False,
+    )
     n_layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
     ps = prompts(256, 30)
 
@@ -52,19 +59,26 @@ def main() -> None:
     def extra(w: str):
         from vllm_worker import Hook
 
-        return {"W0": None, "W1": {"output_residual_stream": [n_layers // 2]},
-                "W2": {"output_residual_stream": list(range(n_layers))},
-                "W4": {"apply_hooks": [Hook(fn=_norm_item, layer_indices=[n_layers // 2])]},
-                "W4n": {"apply_hooks": [Hook(fn=_norm_on_device, layer_indices=[n_layers // 2])]},
-                "W4x": {"apply_hooks": [Hook(fn=_nothing, layer_indices=[n_layers // 2])]}}[w]
+        return {
+            "W0": None,
+            "W1": {"output_residual_stream": [n_layers // 2]},
+            "W2": {"output_residual_stream": list(range(n_layers))},
+            "W4": {"apply_hooks": [Hook(fn=_norm_item, layer_indices=[n_layers // 2])]},
+            "W4n": {"apply_hooks": [Hook(fn=_norm_on_device, layer_indices=[n_layers // 2])]},
+            "W4x": {"apply_hooks": [Hook(fn=_nothing, layer_indices=[n_layers // 2])]},
+        }[w]
 
     # warm-up (the first capture allocates pinned memory)
-    llm.generate(ps[:64], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, extra_args=extra("W1")),
-                 use_tqdm=False)
+    llm.generate(
+        ps[:64], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, extra_args=extra("W1")), use_tqdm=False
+    )
+
     def set_threads(k: int) -> None:
         def f(_worker, k=k):
             from vllm_worker.worker import store
+
             store.ASSEMBLY_THREADS, store.ASSEMBLY_BYTES_PER_THREAD = k, 1
+
         llm.collective_rpc(f)
 
     for w in runs:
@@ -79,21 +93,44 @@ def main() -> None:
         wall = time.perf_counter() - t
         after_s = status()
         toks = sum(len(o.outputs[0].token_ids) for o in outs)
-        fetch = {k: round(after_s["fetch_timings"][k] - before_s["fetch_timings"].get(k, 0), 4)
-                 for k in after_s["fetch_timings"]}
-        steps = {k: round(after_s["step_timings"][k] - before_s["step_timings"].get(k, 0), 4)
-                 for k in after_s["step_timings"]}
-        steps.update({k: round(after_s["hook_timings"][k] - before_s["hook_timings"].get(k, 0), 4)
-                      for k in after_s.get("hook_timings", {})})
+        fetch = {
+            k: round(after_s["fetch_timings"][k] - before_s["fetch_timings"].get(k, 0), 4)
+            for k in after_s["fetch_timings"]
+        }
+        steps = {
+            k: round(after_s["step_timings"][k] - before_s["step_timings"].get(k, 0), 4)
+            for k in after_s["step_timings"]
+        }
+        steps.update(
+            {
+                k: round(after_s["hook_timings"][k] - before_s["hook_timings"].get(k, 0), 4)
+                for k in after_s.get("hook_timings", {})
+            }
+        )
         pool_a, pool_b = after_s.get("result_pool") or {}, before_s.get("result_pool") or {}
-        prep = {k: round(pool_a[k] - pool_b.get(k, 0), 4) if isinstance(pool_a[k], (int, float)) else pool_a[k]
-                for k in pool_a}
+        prep = {
+            k: round(pool_a[k] - pool_b.get(k, 0), 4) if isinstance(pool_a[k], (int, float)) else pool_a[k]
+            for k in pool_a
+        }
         front = {k: round(frontend.TIMINGS[k] - before_f[k], 4) for k in frontend.TIMINGS}
         del outs
-        print("PROFILE " + json.dumps({"run": w, "threads": threads, "wall_s": round(wall, 3), "tok_s": round(toks / wall),
-                                       "frontend": front, "worker_fetch": fetch, "steps": steps, "result_pool": prep,
-                                       "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_LENS")}}),
-              flush=True)
+        print(
+            "PROFILE "
+            + json.dumps(
+                {
+                    "run": w,
+                    "threads": threads,
+                    "wall_s": round(wall, 3),
+                    "tok_s": round(toks / wall),
+                    "frontend": front,
+                    "worker_fetch": fetch,
+                    "steps": steps,
+                    "result_pool": prep,
+                    "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_LENS")},
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

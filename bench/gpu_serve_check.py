@@ -27,9 +27,25 @@ def main() -> None:
     model, port = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 8123
     env = dict(os.environ)
     env.pop("VLLM_PLUGINS", None)
-    cmd = [sys.executable, "-c", "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()",
-           "serve", model, "--load-format", "dummy", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
-           "--max-model-len", "1024", "--port", str(port), "--seed", "0"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()",
+        "serve",
+        model,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--max-model-len",
+        "1024",
+        "--port",
+        str(port),
+        "--seed",
+        "0",
+    ]
     t0 = time.time()
     log = open("/tmp/plain_serve.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -53,8 +69,9 @@ def main() -> None:
         out["capture_shape"] = list(r.activations["residual_stream"].shape)
         plain = c.generate(list(range(100, 130)), max_tokens=8, temperature=0)
         v = torch.randn(1, d, generator=torch.Generator().manual_seed(0)) * 50
-        steered = c.generate(list(range(100, 130)), max_tokens=8, temperature=0,
-                             steering_vectors=[SteeringVector(v, [16])])
+        steered = c.generate(
+            list(range(100, 130)), max_tokens=8, temperature=0, steering_vectors=[SteeringVector(v, [16])]
+        )
         out["steering_changes_tokens"] = steered.token_ids != plain.token_ids
         out["capture_tokens_equal_plain"] = r.token_ids == plain.token_ids
         try:
@@ -65,15 +82,26 @@ def main() -> None:
         t = time.time()
         n = 64
         with httpx.Client(timeout=600) as h:
-            body = {"model": c._model(), "prompt": list(range(100, 130)), "max_tokens": 64, "temperature": 0,
-                    "ignore_eos": True, "vllm_xargs": {"output_residual_stream": [16]}}
+            body = {
+                "model": c._model(),
+                "prompt": list(range(100, 130)),
+                "max_tokens": 64,
+                "temperature": 0,
+                "ignore_eos": True,
+                "vllm_xargs": {"output_residual_stream": [16]},
+            }
             import concurrent.futures as cf
+
             with cf.ThreadPoolExecutor(32) as pool:
                 codes = list(pool.map(lambda _: h.post(url + "/v1/completions", json=body).status_code, range(n)))
         out["concurrent_capture"] = {"n": n, "ok": codes.count(200), "wall_s": round(time.time() - t, 2)}
-        out["ok"] = (out["capture_shape"] == [2, 37, d] and out["steering_changes_tokens"]
-                     and out["capture_tokens_equal_plain"] and out["hooks_without_opt_in"] == "LensForbidden"
-                     and codes.count(200) == n)
+        out["ok"] = (
+            out["capture_shape"] == [2, 37, d]
+            and out["steering_changes_tokens"]
+            and out["capture_tokens_equal_plain"]
+            and out["hooks_without_opt_in"] == "LensForbidden"
+            and codes.count(200) == n
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -20,9 +20,20 @@ def bench_model_path() -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     src = shipped_model_path()
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16,
-                      num_key_value_heads=16, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, torch_dtype="float32")
+    cfg = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        rms_norm_eps=1e-5,
+        torch_dtype="float32",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     n = sum(p.numel() for p in model.parameters())

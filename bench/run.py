@@ -22,8 +22,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEPS = ROOT / "bench" / ".deps"
 ALL = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5")
-NAMES = {"W0": "plain generation", "W1": "capture 1 middle layer", "W2": "capture all layers",
-         "W3": "steer 1 layer", "W4": "Python hook 1 layer", "W4n": "Python hook 1 layer, result kept on the GPU", "W5": "mixed batch (¼ capture, ¼ steer)"}
+NAMES = {
+    "W0": "plain generation",
+    "W1": "capture 1 middle layer",
+    "W2": "capture all layers",
+    "W3": "steer 1 layer",
+    "W4": "Python hook 1 layer",
+    "W4n": "Python hook 1 layer, result kept on the GPU",
+    "W5": "mixed batch (¼ capture, ¼ steer)",
+}
 
 
 def system_env(system: str) -> dict[str, str]:
@@ -51,9 +58,15 @@ class Proc:
     def __init__(self, system: str, model: str, device: str, dtype: str, log_dir: Path, wait: bool = True) -> None:
         self.system = system
         self.err = open(log_dir / f"{system}-{Path(model).name}.log", "w")
-        self.p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "worker.py"), system, model, "--device", device,
-                                   "--dtype", dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
-                                  text=True, env=system_env(system), cwd=ROOT)
+        self.p = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "worker.py"), system, model, "--device", device, "--dtype", dtype],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            text=True,
+            env=system_env(system),
+            cwd=ROOT,
+        )
         self.start = self.read() if wait else {}
 
     def read(self) -> dict:
@@ -80,8 +93,9 @@ class Proc:
         self.err.close()
 
 
-def bench_model(label: str, model: str, plan: dict[str, tuple[str, ...]], args, log_dir: Path,
-                progress=lambda result: None) -> dict:
+def bench_model(
+    label: str, model: str, plan: dict[str, tuple[str, ...]], args, log_dir: Path, progress=lambda result: None
+) -> dict:
     """Start each system (alone, timed), warm up, then repeats × workloads × systems interleaved."""
     size = dict(n=args.n, new=args.new, prompt_len=args.prompt_len)
     procs: dict[str, Proc] = {}
@@ -96,8 +110,9 @@ def bench_model(label: str, model: str, plan: dict[str, tuple[str, ...]], args, 
     for system, (p, t) in started.items():
         if parallel:
             p.start = p.read()
-        entry = out["systems"].setdefault(system, {"startup_s": p.start.get("startup_s"), "error": p.start.get("error"),
-                                                   "runs": {}})
+        entry = out["systems"].setdefault(
+            system, {"startup_s": p.start.get("startup_s"), "error": p.start.get("error"), "runs": {}}
+        )
         if "error" in p.start:
             print(f"[{label}] {system}: {p.start['error']}", flush=True)
             p.close()
@@ -105,8 +120,12 @@ def bench_model(label: str, model: str, plan: dict[str, tuple[str, ...]], args, 
         warm = p.ask(workload=plan[system][0], **size)  # warm-up (not recorded)
         if system.startswith("lens") and "W1" in plan[system] and "error" not in warm:
             warm = p.ask(workload="W1", **size)  # also checks the capture once
-        if system.startswith("lens") and "W2" in plan[system] and "error" not in warm and \
-                os.environ.get("BENCH_WARM_W2", "1") == "1":
+        if (
+            system.startswith("lens")
+            and "W2" in plan[system]
+            and "error" not in warm
+            and os.environ.get("BENCH_WARM_W2", "1") == "1"
+        ):
             warm = p.ask(workload="W2", **size)  # the first all-layer batch allocates its pinned host memory
         if "error" in warm:
             entry["error"] = warm["error"]
@@ -115,7 +134,7 @@ def bench_model(label: str, model: str, plan: dict[str, tuple[str, ...]], args, 
     for rep in range(args.repeats):
         for w in ALL:
             order = [s for s in procs if w in plan[s]]
-            order = order[rep % max(len(order), 1):] + order[:rep % max(len(order), 1)]  # rotate: drift cancels
+            order = order[rep % max(len(order), 1) :] + order[: rep % max(len(order), 1)]  # rotate: drift cancels
             for s in order:
                 r = procs[s].ask(workload=w, **size)
                 out["systems"][s]["runs"].setdefault(w, []).append(r)
@@ -135,7 +154,9 @@ def summarize(result: dict) -> list[dict]:
     systems = result["systems"]
 
     def tput(s: str, w: str) -> list[float | None]:
-        return [r["out_tokens"] / r["wall"] if "wall" in r else None for r in systems.get(s, {}).get("runs", {}).get(w, [])]
+        return [
+            r["out_tokens"] / r["wall"] if "wall" in r else None for r in systems.get(s, {}).get("runs", {}).get(w, [])
+        ]
 
     base = tput("vllm-eager", "W0")
     graphs = tput("vllm-compiled", "W0")
@@ -151,13 +172,20 @@ def summarize(result: dict) -> list[dict]:
             tp = tput(s, w)
             ref = tput("vllm-lens", w)
             pair = lambda other: [a / b for a, b in zip(tp, other) if a and b]  # noqa: E731
-            rows.append({"system": s, "workload": w, "tok_s": statistics.median(tp),
-                         "wall_s": statistics.median(r["wall"] for r in runs),
-                         "rss_mb": max(r["rss_mb"] for r in runs), "gpu_peak_mb": runs[-1].get("gpu_peak_mb"),
-                         "vs_eager": statistics.median(pair(base)) if pair(base) else None,
-                         "vs_graphs": statistics.median(pair(graphs)) if pair(graphs) else None,
-                         "vs_vllm_lens": statistics.median(pair(ref)) if s != "vllm-lens" and pair(ref) else None,
-                         "n": len(tp)})
+            rows.append(
+                {
+                    "system": s,
+                    "workload": w,
+                    "tok_s": statistics.median(tp),
+                    "wall_s": statistics.median(r["wall"] for r in runs),
+                    "rss_mb": max(r["rss_mb"] for r in runs),
+                    "gpu_peak_mb": runs[-1].get("gpu_peak_mb"),
+                    "vs_eager": statistics.median(pair(base)) if pair(base) else None,
+                    "vs_graphs": statistics.median(pair(graphs)) if pair(graphs) else None,
+                    "vs_vllm_lens": statistics.median(pair(ref)) if s != "vllm-lens" and pair(ref) else None,
+                    "n": len(tp),
+                }
+            )
     return rows
 
 
@@ -171,23 +199,33 @@ def write_results(results: list[dict], args, started: float) -> Path:
     machine = args.machine or f"{platform.node() or 'cpu'}-{os.cpu_count()}cpu"
     stem = out_dir / f"{dt.date.today().isoformat()}-{machine}"
     Path(f"{stem}.json").write_text(json.dumps(results, indent=1))
-    lines = [f"# Benchmark {dt.date.today().isoformat()} on {machine}", "",
-             f"Command: `python bench/run.py {' '.join(sys.argv[1:])}` — {time.time() - started:.0f} s end to end. "
-             f"Greedy, `ignore_eos`, {args.n} prompts × {args.prompt_len} tokens → {args.new} new tokens each, "
-             f"{args.dtype}, medians over {args.repeats} interleaved repeats after one warm-up; ratios are "
-             "computed repeat by repeat (same round), then the median is taken.", ""]
+    lines = [
+        f"# Benchmark {dt.date.today().isoformat()} on {machine}",
+        "",
+        f"Command: `python bench/run.py {' '.join(sys.argv[1:])}` — {time.time() - started:.0f} s end to end. "
+        f"Greedy, `ignore_eos`, {args.n} prompts × {args.prompt_len} tokens → {args.new} new tokens each, "
+        f"{args.dtype}, medians over {args.repeats} interleaved repeats after one warm-up; ratios are "
+        "computed repeat by repeat (same round), then the median is taken.",
+        "",
+    ]
     for res in results:
-        lines += [f"## {res['label']}: `{Path(res['model']).name}`", "",
-                  "| system | workload | out tok/s | wall s | RSS MB | vs plain eager | vs plain compiled/graphs "
-                  "| vs vllm-lens 1.3.0 |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {res['label']}: `{Path(res['model']).name}`",
+            "",
+            "| system | workload | out tok/s | wall s | RSS MB | vs plain eager | vs plain compiled/graphs "
+            "| vs vllm-lens 1.3.0 |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in summarize(res):
             w = r["workload"]
             label = f"{w} {NAMES.get(w, '')}".strip()
             if "error" in r:
                 lines.append(f"| {r['system']} | {label} | {r['error']} | | | | | |")
                 continue
-            lines.append(f"| {r['system']} | {label} | {r['tok_s']:.0f} | {r['wall_s']:.2f} | {r['rss_mb']:.0f} | "
-                         f"{fmt(r['vs_eager'], '.2f')} | {fmt(r['vs_graphs'], '.2f')} | {fmt(r['vs_vllm_lens'], '.2f')} |")
+            lines.append(
+                f"| {r['system']} | {label} | {r['tok_s']:.0f} | {r['wall_s']:.2f} | {r['rss_mb']:.0f} | "
+                f"{fmt(r['vs_eager'], '.2f')} | {fmt(r['vs_graphs'], '.2f')} | {fmt(r['vs_vllm_lens'], '.2f')} |"
+            )
         starts = ", ".join(f"{s} {e['startup_s']:.0f} s" for s, e in res["systems"].items() if e.get("startup_s"))
         lines += ["", f"Start-up (process start to engine ready): {starts}.", ""]
         if res.get("bulk"):
@@ -201,8 +239,16 @@ def write_results(results: list[dict], args, started: float) -> Path:
     return Path(f"{stem}.md")
 
 
-COLORS = {"vllm-eager": "#4c72b0", "vllm-compiled": "#8fb0e0", "lens": "#2ca02c", "lens-eager": "#98df8a", "vllm-lens": "#d62728",
-          "hf": "#9467bd", "nnsight": "#8c564b", "transformer-lens": "#e377c2"}
+COLORS = {
+    "vllm-eager": "#4c72b0",
+    "vllm-compiled": "#8fb0e0",
+    "lens": "#2ca02c",
+    "lens-eager": "#98df8a",
+    "vllm-lens": "#d62728",
+    "hf": "#9467bd",
+    "nnsight": "#8c564b",
+    "transformer-lens": "#e377c2",
+}
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -218,7 +264,9 @@ def plot(results: list[dict], path: Path) -> None:
         workloads = [w for w in ALL if any(r["workload"] == w for r in rows)]
         width = 0.8 / max(len(systems), 1)
         for i, s in enumerate(systems):
-            vals = [next((r["vs_eager"] for r in rows if r["system"] == s and r["workload"] == w), 0) for w in workloads]
+            vals = [
+                next((r["vs_eager"] for r in rows if r["system"] == s and r["workload"] == w), 0) for w in workloads
+            ]
             ax.bar([x + i * width for x in range(len(workloads))], vals, width, label=s, color=COLORS.get(s))
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads)
@@ -256,16 +304,31 @@ def main() -> None:
         if args.only:
             models = [m for m in models if m[0] == args.only]
     plans = {
-        "small": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ALL, "vllm-lens": ALL,
-                  "hf": ("W0", "W1", "W3"), "nnsight": ("W0", "W1"), "transformer-lens": ("W0", "W1")},
+        "small": {
+            "vllm-eager": ("W0",),
+            "vllm-compiled": ("W0",),
+            "lens": ALL,
+            "vllm-lens": ALL,
+            "hf": ("W0", "W1", "W3"),
+            "nnsight": ("W0", "W1"),
+            "transformer-lens": ("W0", "W1"),
+        },
         # H200: this project in vLLM's default mode against plain vLLM with and without CUDA graphs, and
         # forced eager ("before"); peers on W1 in a second call ("gpu-peers") — all of them at once would
         # not fit in the GPU's memory next to each other
         "gpu": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ALL, "vllm-lens": ("W1",), "hf": ("W1",)},
-        "gpu-before": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ALL,
-                       "lens-eager": ("W0", "W1", "W3", "W5")},
-        "large": {"vllm-eager": ("W0",), "lens": ("W0", "W1", "W2", "W3"), "vllm-lens": ("W0", "W1", "W2", "W3"),
-                  "hf": ("W1",)},
+        "gpu-before": {
+            "vllm-eager": ("W0",),
+            "vllm-compiled": ("W0",),
+            "lens": ALL,
+            "lens-eager": ("W0", "W1", "W3", "W5"),
+        },
+        "large": {
+            "vllm-eager": ("W0",),
+            "lens": ("W0", "W1", "W2", "W3"),
+            "vllm-lens": ("W0", "W1", "W2", "W3"),
+            "hf": ("W1",),
+        },
     }
     only = set(filter(None, os.environ.get("BENCH_SYSTEMS", "").split(",")))
     only_w = set(filter(None, os.environ.get("BENCH_WORKLOADS", "").split(",")))
@@ -276,8 +339,11 @@ def main() -> None:
             plan = {s: w for s, w in plan.items() if s in only}
         if only_w:
             plan = {s: tuple(x for x in w if x in only_w) or ("W0",) for s, w in plan.items()}
-        results.append(bench_model(label, path, plan, args, log_dir,
-                                   progress=lambda r: write_results(results + [r], args, started)))
+        results.append(
+            bench_model(
+                label, path, plan, args, log_dir, progress=lambda r: write_results(results + [r], args, started)
+            )
+        )
         write_results(results, args, started)  # keep partial results if a later model fails
     md = write_results(results, args, started)
     print(md.read_text())

@@ -24,20 +24,30 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
+    import conftest  # noqa: F401  (test model paths, KV size)
     import httpx
     import psutil
+    import servers
     import torch
 
-    import conftest  # noqa: F401  (test model paths, KV size)
-    import servers
     from vllm_worker.protocol.wire import tensor_to_json
 
     model = str(conftest.model_path("llama"))
-    steer = json.dumps([{"activations": tensor_to_json(torch.randn(1, 128, generator=torch.Generator().manual_seed(0)) * 2),
-                         "layer_indices": [1]}])
+    steer = json.dumps(
+        [
+            {
+                "activations": tensor_to_json(torch.randn(1, 128, generator=torch.Generator().manual_seed(0)) * 2),
+                "layer_indices": [1],
+            }
+        ]
+    )
     xargs = {"capture": {"output_residual_stream": [0, 3]}, "steer": {"apply_steering_vectors": steer}}
-    prompts = ["the water of people will come down to the side", "what some we can out other were all",
-               "there when up use your how said an each", "she which do their time if will way about"]
+    prompts = [
+        "the water of people will come down to the side",
+        "what some we can out other were all",
+        "there when up use your how said an each",
+        "she which do their time if will way about",
+    ]
     report = {}
     for kind in args.kinds.split(","):
         url = servers._serve(**({"VLLM_LENS_DISABLE": "1"} if kind == "disabled" else {}))
@@ -45,13 +55,21 @@ def main() -> None:
         async def run(n: int) -> None:
             sem = asyncio.Semaphore(32)
             async with httpx.AsyncClient(timeout=300) as h:
+
                 async def one(i: int) -> None:
-                    b = {"model": model, "prompt": prompts[i % 4], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+                    b = {
+                        "model": model,
+                        "prompt": prompts[i % 4],
+                        "max_tokens": 6,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    }
                     if kind in xargs:
                         b["vllm_xargs"] = xargs[kind]
                     async with sem:
                         r = await h.post(url + "/v1/completions", json=b)
                     assert r.status_code == 200, r.text
+
                 await asyncio.gather(*(one(i) for i in range(n)))
 
         proc = psutil.Process(servers.server_pid(url))

@@ -63,8 +63,9 @@ class VLLMSystem:
         # plain vLLM and this project in vLLM's default mode (compiled, CUDA graphs on GPU); "-eager" variants
         # force eager mode ("lens-eager" = how this project ran before its taps worked in graphs)
         eager = kind in ("vllm-eager", "lens-eager")
-        kw: dict = dict(model=model, dtype=dtype, seed=0, max_model_len=1024, enforce_eager=eager,
-                        enable_prefix_caching=False)
+        kw: dict = dict(
+            model=model, dtype=dtype, seed=0, max_model_len=1024, enforce_eager=eager, enable_prefix_caching=False
+        )
         if device == "cpu":
             kw["kv_cache_memory_bytes"] = int(os.environ.get("BENCH_KV_BYTES", str(2 << 30)))
         else:
@@ -115,15 +116,20 @@ class VLLMSystem:
         from vllm import SamplingParams
 
         mid, rss, toks = self.n_layers // 2, [round(mem_mb()[0])], 0
-        sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [mid]})
+        sp = SamplingParams(
+            max_tokens=new, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [mid]}
+        )
         for r in range(4):
             ps = [[(p + 7919 * r) % 30000 + 100 for p in q] for q in prompts(n // 4, prompt_len)]
             outs = self.llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
             toks += sum(len(o.outputs[0].token_ids) for o in outs)
             del outs
             rss.append(round(mem_mb()[0]))
-        return {"out_tokens": toks, "detail": f"{n} requests × ({prompt_len} prompt + {new} new tokens), capture layer "
-                f"{mid}: RSS MB before and after each quarter = {rss}"}
+        return {
+            "out_tokens": toks,
+            "detail": f"{n} requests × ({prompt_len} prompt + {new} new tokens), capture layer "
+            f"{mid}: RSS MB before and after each quarter = {rss}",
+        }
 
     def run(self, workload: str, n: int, new: int, prompt_len: int) -> int | dict:
         import torch
@@ -132,15 +138,20 @@ class VLLMSystem:
         if workload == "BULK":
             return self.bulk(n, new, prompt_len)
         ps = prompts(n, prompt_len)
-        sps = [SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, extra_args=self.extra(workload, i, n) or None)
-               for i in range(n)]
+        sps = [
+            SamplingParams(
+                max_tokens=new, temperature=0, ignore_eos=True, extra_args=self.extra(workload, i, n) or None
+            )
+            for i in range(n)
+        ]
         # BENCH_W2_CHUNK: split an all-layer capture into several generate calls (the original tool hangs
         # when one engine->frontend message passes 4 GiB)
         chunk = int(os.environ.get("BENCH_W2_CHUNK", "0")) if workload == "W2" and self.kind == "vllm-lens" else 0
         outs = []
         for s in range(0, n, chunk or n):
-            outs += self.llm.generate([{"prompt_token_ids": p} for p in ps[s:s + (chunk or n)]], sps[s:s + (chunk or n)],
-                                      use_tqdm=False)
+            outs += self.llm.generate(
+                [{"prompt_token_ids": p} for p in ps[s : s + (chunk or n)]], sps[s : s + (chunk or n)], use_tqdm=False
+            )
         if self.kind.startswith("lens"):
             from vllm_worker import frontend
 
@@ -149,7 +160,9 @@ class VLLMSystem:
             acts = outs[0].activations["residual_stream"]
             assert acts.shape[1] == prompt_len + new - 1, acts.shape
             assert bool(acts.float().isfinite().all()) and float(acts.float().abs().sum()) > 0
-            if self.kind.startswith("lens") and not getattr(self, "_checked", False):  # once (warm-up): the batch's captures line up with a request run alone (first position)
+            if self.kind.startswith("lens") and not getattr(
+                self, "_checked", False
+            ):  # once (warm-up): the batch's captures line up with a request run alone (first position)
                 alone = self.llm.generate([{"prompt_token_ids": ps[0]}], [sps[0]], use_tqdm=False)[0]
                 a, b = alone.activations["residual_stream"][:, 0].float(), acts[:, 0].float()
                 assert torch.allclose(a, b, rtol=0.05, atol=0.05 * float(a.abs().max())), "capture misaligned"
@@ -187,10 +200,14 @@ class HFSystem:
             with torch.device(device):
                 self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).eval()
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(model, torch_dtype=getattr(torch, dtype)).to(device).eval()
+            self.model = (
+                AutoModelForCausalLM.from_pretrained(model, torch_dtype=getattr(torch, dtype)).to(device).eval()
+            )
         cfg = self.model.config
         self.n_layers, self.d = cfg.num_hidden_layers, cfg.hidden_size
-        self.vec = (torch.randn(1, self.d, generator=torch.Generator().manual_seed(0)) * 2.0).to(device, self.model.dtype)
+        self.vec = (torch.randn(1, self.d, generator=torch.Generator().manual_seed(0)) * 2.0).to(
+            device, self.model.dtype
+        )
         self.batch = int(os.environ.get("BENCH_HF_BATCH", "64"))
         if kind == "nnsight":
             from nnsight import LanguageModel
@@ -199,8 +216,9 @@ class HFSystem:
         if kind == "transformer-lens":
             from transformer_lens.model_bridge import TransformerBridge
 
-            self.tl = TransformerBridge.boot_transformers(model, device=device, dtype=getattr(torch, dtype),
-                                                          hf_model=self.model)
+            self.tl = TransformerBridge.boot_transformers(
+                model, device=device, dtype=getattr(torch, dtype), hf_model=self.model
+            )
 
     def run(self, workload: str, n: int, new: int, prompt_len: int) -> int:
         import torch
@@ -211,7 +229,7 @@ class HFSystem:
         n = min(n, int(os.environ.get("BENCH_HF_MAX_N", n)))  # tok/s at HF's batch size; fewer prompts, same rate
         ps = prompts(n, prompt_len)
         for s in range(0, n, self.batch):
-            ids = torch.tensor(ps[s:s + self.batch], device=self.device)
+            ids = torch.tensor(ps[s : s + self.batch], device=self.device)
             if self.kind == "nnsight":
                 out_tokens += self._nnsight(workload, ids, new)
             elif self.kind == "transformer-lens":
@@ -257,8 +275,14 @@ class HFSystem:
             handles.append(layers[mid].register_forward_hook(hook_on_device))
         try:
             with torch.inference_mode():
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                          min_new_tokens=new, do_sample=False, pad_token_id=0)
+                out = self.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
         finally:
             for h in handles:
                 h.remove()
@@ -282,12 +306,17 @@ class HFSystem:
         def norm(h, hook):
             saved.append(h.float().norm(dim=-1).mean().item())
 
-        hooks = {"W0": [], "W1": [(f"blocks.{mid}.hook_out", capture)],
-                 "W2": [(f"blocks.{i}.hook_out", capture) for i in range(self.n_layers)],
-                 "W3": [(f"blocks.{mid}.hook_out", steer)], "W4": [(f"blocks.{mid}.hook_out", norm)]}[workload]
+        hooks = {
+            "W0": [],
+            "W1": [(f"blocks.{mid}.hook_out", capture)],
+            "W2": [(f"blocks.{i}.hook_out", capture) for i in range(self.n_layers)],
+            "W3": [(f"blocks.{mid}.hook_out", steer)],
+            "W4": [(f"blocks.{mid}.hook_out", norm)],
+        }[workload]
         with torch.inference_mode(), self.tl.hooks(fwd_hooks=hooks):
-            out = self.tl.generate(ids, max_new_tokens=new, stop_at_eos=False, do_sample=False, verbose=False,
-                                   return_type="tokens")
+            out = self.tl.generate(
+                ids, max_new_tokens=new, stop_at_eos=False, do_sample=False, verbose=False, return_type="tokens"
+            )
         if workload in ("W1", "W2"):
             assert saved, "no activations captured"
         return (out.shape[1] - ids.shape[1]) * ids.shape[0]
@@ -301,8 +330,13 @@ class HFSystem:
         layer = self.nn.model.layers[mid]
         saves = []
         with torch.inference_mode():
-            with self.nn.generate({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, max_new_tokens=new,
-                                  min_new_tokens=new, do_sample=False, pad_token_id=0) as tracer:
+            with self.nn.generate(
+                {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            ) as tracer:
                 out = self.nn.generator.output.save()  # before the all-steps block: code after it never runs
                 if workload != "W0":
                     with tracer.all():

@@ -21,8 +21,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EX, IMG = ROOT / "examples", ROOT / "docs" / "images"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def example(*args: str) -> None:
@@ -39,19 +46,51 @@ def main() -> None:
     args = ap.parse_args()
     IMG.mkdir(exist_ok=True)
     url = ["--base-url", args.base_url]
-    example("causal_tracing.py", *url, "--prompt", "The Eiffel Tower is located in the city of",
-            "--subject", "The Eiffel Tower", "--out", str(IMG / "causal_tracing.png"))
-    example("logit_lens.py", *url, "--prompt", "The capital of France is the city of", "--out", str(IMG / "logit_lens.png"))
-    example("jacobian_lens.py", "run", *url, "--lens", args.lens, "--prompt", "The capital of France is the city of",
-            "--grid-out", str(IMG / "jacobian_lens.png"))
+    example(
+        "causal_tracing.py",
+        *url,
+        "--prompt",
+        "The Eiffel Tower is located in the city of",
+        "--subject",
+        "The Eiffel Tower",
+        "--out",
+        str(IMG / "causal_tracing.png"),
+    )
+    example(
+        "logit_lens.py", *url, "--prompt", "The capital of France is the city of", "--out", str(IMG / "logit_lens.png")
+    )
+    example(
+        "jacobian_lens.py",
+        "run",
+        *url,
+        "--lens",
+        args.lens,
+        "--prompt",
+        "The capital of France is the city of",
+        "--grid-out",
+        str(IMG / "jacobian_lens.png"),
+    )
     example("emotion_tracker.py", *url, "--out", str(IMG / "emotions.html"))
     from playwright.sync_api import sync_playwright
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    chat = subprocess.Popen([sys.executable, str(EX / "jacobian_lens_chat.py"), *url, "--lens", args.lens,
-                             "--port", str(port), "--max-tokens", "24", "--out", str(IMG / "chat.html")])
+    chat = subprocess.Popen(
+        [
+            sys.executable,
+            str(EX / "jacobian_lens_chat.py"),
+            *url,
+            "--lens",
+            args.lens,
+            "--port",
+            str(port),
+            "--max-tokens",
+            "24",
+            "--out",
+            str(IMG / "chat.html"),
+        ]
+    )
     try:
         with sync_playwright() as pw:
             b = pw.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium", args=FLAGS)

@@ -19,22 +19,29 @@ suspicion of a trajectory; metrics: AUROC (attack vs honest trajectories) and re
 counts samples of the combined (honest first, then attack) data set: use `-T per_mode=N` to keep both.
 """
 
-from inspect_ai import Task, task
-
 from control_arena import EvalMode
 from control_arena.eval import ControlEvalConfig, get_control_task
 from control_arena.micro_protocol import trusted_monitoring_builder
 from control_arena.scorers import max_suspicion_scorer
 from control_arena.settings.agentdojo_setting import AgentDojoSetting, agentdojo_fixed
+from inspect_ai import Task, task
 
 from inspect_lens.control import coup_probe_monitor, prefilled_policy, trajectory_suspicion
 
 
 @task
-def control_agentdojo(suite: str = "banking", probe: str | None = None, layer: int | None = None,
-                      mode: str = "reencode", per_mode: int | None = None, train_limit: int | None = None,
-                      max_task_chars: int = 600, attack_prompt: str | None = None, max_chars: int = 4000,
-                      max_steps: int | None = None) -> Task:
+def control_agentdojo(
+    suite: str = "banking",
+    probe: str | None = None,
+    layer: int | None = None,
+    mode: str = "reencode",
+    per_mode: int | None = None,
+    train_limit: int | None = None,
+    max_task_chars: int = 600,
+    attack_prompt: str | None = None,
+    max_chars: int = 4000,
+    max_steps: int | None = None,
+) -> Task:
     """`per_mode`: samples per mode (default: all of the suite's). `train_limit`: contexts per coup_data
     family when the probe is trained here. `max_task_chars`: task text kept when re-encoding a step.
     `attack_prompt` (on_policy): the attack-mode system prompt, with `{setting_description}` and
@@ -47,16 +54,25 @@ def control_agentdojo(suite: str = "banking", probe: str | None = None, layer: i
     attack = list(setting.get_filtered_dataset(EvalMode.ATTACK))[:per_mode]
     policy = agentdojo_fixed()
     if mode == "on_policy":  # the replayed actions, prefilled through the untrusted model under its prompt
-        policy = prefilled_policy(policy=policy, layer=layer, attack_prompt=attack_prompt, max_chars=max_chars,
-                                  max_steps=max_steps)
-    protocol = trusted_monitoring_builder(policy=policy,
-                                          monitor=coup_probe_monitor(probe=probe, layer=layer, mode=mode,
-                                                                             train_limit=train_limit,
-                                                                             max_task_chars=max_task_chars))
+        policy = prefilled_policy(
+            policy=policy, layer=layer, attack_prompt=attack_prompt, max_chars=max_chars, max_steps=max_steps
+        )
+    protocol = trusted_monitoring_builder(
+        policy=policy,
+        monitor=coup_probe_monitor(
+            probe=probe, layer=layer, mode=mode, train_limit=train_limit, max_task_chars=max_task_chars
+        ),
+    )
     # no role model is called: the policy replays, the monitor reads the task's model (--model); the
     # placeholders keep ControlArena from instantiating its default (hosted) models
     config = ControlEvalConfig(trusted_model="mockllm/model", untrusted_model="mockllm/model")
-    return get_control_task(setting, protocol, EvalMode.HONEST, eval_config=config,
-                            monitoring_scorers=[max_suspicion_scorer(), trajectory_suspicion()],
-                            dataset=honest + attack, task_name="control_agentdojo",
-                            metadata={"per_mode": per_mode, "suite": suite})
+    return get_control_task(
+        setting,
+        protocol,
+        EvalMode.HONEST,
+        eval_config=config,
+        monitoring_scorers=[max_suspicion_scorer(), trajectory_suspicion()],
+        dataset=honest + attack,
+        task_name="control_agentdojo",
+        metadata={"per_mode": per_mode, "suite": suite},
+    )

@@ -19,7 +19,8 @@ from inspect_ai import Task, task
 from inspect_ai.dataset import MemoryDataset
 from inspect_ai.model import GenerateConfig
 
-from inspect_lens import capture_activations, coup_probe as coup_probe_scorer
+from inspect_lens import capture_activations
+from inspect_lens import coup_probe as coup_probe_scorer
 from inspect_lens.coup_data import coup_pairs, families
 from inspect_lens.datasets import control
 
@@ -27,9 +28,15 @@ DEFAULT_TEST = ("code", "backups")
 
 
 @task
-def coup_probe(layer: int | None = None, probe: str | None = None, test_families: str | list[str] | None = None,
-               train_limit: int | None = None, eval_limit: int | None = None, control_limit: int | None = None,
-               C: float = 1.0) -> Task:
+def coup_probe(
+    layer: int | None = None,
+    probe: str | None = None,
+    test_families: str | list[str] | None = None,
+    train_limit: int | None = None,
+    eval_limit: int | None = None,
+    control_limit: int | None = None,
+    C: float = 1.0,
+) -> Task:
     """`test_families`: held-out families (comma list; default code,backups); the rest train the probe."""
     if isinstance(test_families, str):
         test_families = [f.strip() for f in test_families.split(",") if f.strip()]

@@ -17,14 +17,21 @@ from inspect_ai import Task, task
 from inspect_ai.dataset import MemoryDataset
 from inspect_ai.model import GenerateConfig
 
-from inspect_lens import capture_activations, deception_probe as deception_probe_scorer
+from inspect_lens import capture_activations
+from inspect_lens import deception_probe as deception_probe_scorer
 from inspect_lens.datasets import control, roleplay
 
 
 @task
-def deception_probe(layer: int | None = None, probe: str | None = None, roleplay_path: str | None = None,
-                    train_limit: int | None = None, eval_limit: int | None = None,
-                    control_limit: int | None = None, C: float = 1.0) -> Task:
+def deception_probe(
+    layer: int | None = None,
+    probe: str | None = None,
+    roleplay_path: str | None = None,
+    train_limit: int | None = None,
+    eval_limit: int | None = None,
+    control_limit: int | None = None,
+    C: float = 1.0,
+) -> Task:
     """`layer`: residual-stream layer (default: the middle one). `*_limit`: number of facts / scenarios /
     control chats to use (default: all)."""
     samples = roleplay(roleplay_path, eval_limit) + control(control_limit)

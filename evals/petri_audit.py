@@ -21,11 +21,24 @@ from inspect_lens.petri import lens_audit_scores, lens_target
 
 
 @task
-def petri_audit(probe: str | None = None, layer: int | None = None, oracle: str | None = None,
-                oracle_question: str | None = None, train_limit: int | None = None, max_turns: int = 10,
-                seed_instructions: str | None = None, judge: bool = True, compaction: bool = False) -> Task:
-    base = audit(target=lens_target(probe=probe, layer=layer, oracle=oracle, oracle_question=oracle_question,
-                                    train_limit=train_limit),
-                 seed_instructions=seed_instructions, max_turns=max_turns, compaction=compaction)
+def petri_audit(
+    probe: str | None = None,
+    layer: int | None = None,
+    oracle: str | None = None,
+    oracle_question: str | None = None,
+    train_limit: int | None = None,
+    max_turns: int = 10,
+    seed_instructions: str | None = None,
+    judge: bool = True,
+    compaction: bool = False,
+) -> Task:
+    base = audit(
+        target=lens_target(
+            probe=probe, layer=layer, oracle=oracle, oracle_question=oracle_question, train_limit=train_limit
+        ),
+        seed_instructions=seed_instructions,
+        max_turns=max_turns,
+        compaction=compaction,
+    )
     judges = list(base.scorer or []) if judge else []
     return task_with(base, scorer=[*judges, lens_audit_scores()])

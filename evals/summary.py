@@ -1,6 +1,6 @@
 """Print the headline of a deception-probe eval log: metrics, score means per label, probe file, log path.
 
-    python evals/summary.py LOG_DIR_OR_FILE      (newest .eval in a directory)
+python evals/summary.py LOG_DIR_OR_FILE      (newest .eval in a directory)
 """
 
 from __future__ import annotations

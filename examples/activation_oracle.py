@@ -49,12 +49,24 @@ def ask(llm, oracle_dir: str, texts: list[str]) -> list[dict]:
     # 2. the oracle: one prompt, the vector at the placeholder
     ids, pos = oracle_ids(tok, layer, meta["question"], ph)
     q = {"prompt_token_ids": ids}
-    sps = [SamplingParams(max_tokens=8, temperature=0, extra_args={"apply_steering_vectors": [
-        SteeringVector(v[None, None], [inject], scale=1.0, norm_match=True, position_indices=[pos])]}) for v in vecs]
+    sps = [
+        SamplingParams(
+            max_tokens=8,
+            temperature=0,
+            extra_args={
+                "apply_steering_vectors": [
+                    SteeringVector(v[None, None], [inject], scale=1.0, norm_match=True, position_indices=[pos])
+                ]
+            },
+        )
+        for v in vecs
+    ]
     real = llm.generate([q] * len(vecs), sps, lora_request=lora, use_tqdm=False)
     none = llm.generate([q], SamplingParams(max_tokens=8, temperature=0), lora_request=lora, use_tqdm=False)[0]
-    return [{"text": t, "answer": r.outputs[0].text.strip(), "without_vector": none.outputs[0].text.strip()}
-            for t, r in zip(texts, real)]
+    return [
+        {"text": t, "answer": r.outputs[0].text.strip(), "without_vector": none.outputs[0].text.strip()}
+        for t, r in zip(texts, real)
+    ]
 
 
 def main() -> None:
@@ -73,9 +85,11 @@ def main() -> None:
         raise SystemExit(f"no oracle at {oracle}: run examples/activation_oracle_fit.py first")
     rank = json.loads((Path(oracle) / "adapter_config.json").read_text())["r"]
     llm = LLM(model, dtype="float32", max_model_len=1024, enable_lora=True, max_lora_rank=max(8, rank), seed=0)
-    texts = args.text or ["The striker scored in the last minute of the final.",
-                          "Preheat the oven and whisk the eggs with sugar.",
-                          "The telescope spotted a comet near Jupiter."]
+    texts = args.text or [
+        "The striker scored in the last minute of the final.",
+        "Preheat the oven and whisk the eggs with sugar.",
+        "The telescope spotted a comet near Jupiter.",
+    ]
     for r in ask(llm, oracle, texts):
         print(f"{r['text']!r}\n  oracle: {r['answer']!r}   (without the vector: {r['without_vector']!r})")
 

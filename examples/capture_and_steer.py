@@ -30,25 +30,32 @@ def main() -> None:
     tok = llm.get_tokenizer()
 
     def chat(text: str) -> str:
-        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                       add_generation_prompt=True)
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
 
     # 1) capture
     sp = SamplingParams(max_tokens=12, temperature=0, extra_args={"output_residual_stream": [0, LAYER, -1]})
     out = llm.generate([chat("What is the capital of France?")], sp, use_tqdm=False)[0]
     acts = out.activations["residual_stream"]
     print(f"answer: {out.outputs[0].text!r}")
-    print(f"captured layers {out.activations['layers']}: tensor {tuple(acts.shape)} "
-          f"(layers, prompt {len(out.prompt_token_ids)} + generated {len(out.outputs[0].token_ids)} - 1, d_model)")
+    print(
+        f"captured layers {out.activations['layers']}: tensor {tuple(acts.shape)} "
+        f"(layers, prompt {len(out.prompt_token_ids)} + generated {len(out.outputs[0].token_ids)} - 1, d_model)"
+    )
     print(f"residual norm at the last position, per layer: {acts[:, -1].norm(dim=-1).tolist()}")
 
     # 2) a steering vector from the model's own activations: mean(happy) - mean(sad) at LAYER
     happy = ["I love this wonderful day!", "What a joyful, delightful surprise!", "This is fantastic news!"]
     sad = ["I hate this miserable day.", "What a painful, awful loss.", "This is terrible news."]
     cap = SamplingParams(max_tokens=1, temperature=0, extra_args={"output_residual_stream": [LAYER]})
-    means = [torch.stack([o.activations["residual_stream"][0].mean(0)
-                          for o in llm.generate([chat(t) for t in group], cap, use_tqdm=False)]).mean(0)
-             for group in (happy, sad)]
+    means = [
+        torch.stack(
+            [
+                o.activations["residual_stream"][0].mean(0)
+                for o in llm.generate([chat(t) for t in group], cap, use_tqdm=False)
+            ]
+        ).mean(0)
+        for group in (happy, sad)
+    ]
     direction = (means[0] - means[1]).unsqueeze(0)  # (1 layer, d_model)
     steer = SteeringVector(direction, [LAYER], scale=4.0)
 

@@ -37,6 +37,7 @@ def subject_noise(n: int, d: int, seed: int, scale: float) -> torch.Tensor:
 def corrupt_hook(span: tuple[int, int], noise: torch.Tensor, scale_from_embeddings: float | None):
     """Layer-0 pre-hook: add `noise` (or noise of unit scale times `scale_from_embeddings` x the
     embedding matrix's std) to the rows at positions span[0]..span[1]-1."""
+
     def corrupt(ctx, h):
         pos = ctx.positions
         rows = ((pos >= span[0]) & (pos < span[1])).nonzero().squeeze(1)
@@ -48,11 +49,13 @@ def corrupt_hook(span: tuple[int, int], noise: torch.Tensor, scale_from_embeddin
         h = h.clone()
         h[rows] += z[pos[rows] - span[0]].to(h.dtype)
         return h
+
     return corrupt
 
 
 def restore_hook(position: int, clean: torch.Tensor):
     """Post-hook at one layer: the stream at `position` becomes its clean value."""
+
     def restore(ctx, h):
         rows = (ctx.positions == position).nonzero().squeeze(1)
         if rows.numel() == 0:
@@ -60,11 +63,13 @@ def restore_hook(position: int, clean: torch.Tensor):
         h = h.clone()
         h[rows] = clean.to(h.device, h.dtype)
         return h
+
     return restore
 
 
 def answer_prob_hook(last_position: int, answer: int):
     """Post-hook at the last layer: p(answer) at the last prompt position (final RMSNorm + unembedding)."""
+
     def answer_prob(ctx, h):
         rows = (ctx.positions == last_position).nonzero().squeeze(1)
         if rows.numel() == 0:
@@ -77,6 +82,7 @@ def answer_prob_hook(last_position: int, answer: int):
         ctx.saved["p"] = float(probs[answer])
         ctx.saved["top"] = int(probs.argmax())
         return None
+
     return answer_prob
 
 
@@ -85,14 +91,22 @@ def subject_span(client: LensClient, prompt_ids: list[int], subject: str) -> tup
     for variant in (subject, " " + subject):
         sub = client.tokenize(variant, add_special_tokens=False)
         for i in range(len(prompt_ids) - len(sub) + 1):
-            if prompt_ids[i:i + len(sub)] == sub:
+            if prompt_ids[i : i + len(sub)] == sub:
                 return i, i + len(sub)
     raise ValueError(f"subject {subject!r} not found in the prompt's tokens")
 
 
-def trace(client: LensClient, prompt_ids: list[int], span: tuple[int, int], noise: torch.Tensor,
-          answer: int | None = None, scale_from_embeddings: float | None = None,
-          layers: list[int] | None = None, positions: list[int] | None = None, workers: int = 16) -> dict[str, Any]:
+def trace(
+    client: LensClient,
+    prompt_ids: list[int],
+    span: tuple[int, int],
+    noise: torch.Tensor,
+    answer: int | None = None,
+    scale_from_embeddings: float | None = None,
+    layers: list[int] | None = None,
+    positions: list[int] | None = None,
+    workers: int = 16,
+) -> dict[str, Any]:
     """The whole experiment. `noise`: (span length, d), used as is, or (unit noise) scaled by
     `scale_from_embeddings` x std of the embedding matrix. Returns grid (layers x positions) of p(answer)."""
     info = client.info()
@@ -100,8 +114,9 @@ def trace(client: LensClient, prompt_ids: list[int], span: tuple[int, int], nois
     all_layers = list(range(n_layers))
 
     def run(hooks: list[Hook], capture: bool = False):
-        return client.generate(prompt_ids, max_tokens=1, temperature=0, hooks=hooks,
-                               capture_layers=all_layers if capture else None)
+        return client.generate(
+            prompt_ids, max_tokens=1, temperature=0, hooks=hooks, capture_layers=all_layers if capture else None
+        )
 
     probe_answer = answer if answer is not None else 0
     clean = run([Hook(answer_prob_hook(last, probe_answer), [n_layers - 1])], capture=True)
@@ -124,8 +139,14 @@ def trace(client: LensClient, prompt_ids: list[int], span: tuple[int, int], nois
     with ThreadPoolExecutor(workers) as pool:
         values = list(pool.map(cell, cells))
     grid = torch.tensor(values).view(len(layers), len(positions))
-    return {"grid": grid, "layers": layers, "positions": positions, "answer": answer,
-            "p_clean": clean.hook_results["0"]["p"], "p_corrupt": p_corrupt}
+    return {
+        "grid": grid,
+        "layers": layers,
+        "positions": positions,
+        "answer": answer,
+        "p_clean": clean.hook_results["0"]["p"],
+        "p_corrupt": p_corrupt,
+    }
 
 
 def plot(result: dict[str, Any], labels: list[str], path: str, title: str) -> None:
@@ -161,15 +182,18 @@ def main() -> None:
     ids = client.tokenize(args.prompt)
     span = subject_span(client, ids, args.subject)
     d = client.info()["d_model"]
-    result = trace(client, ids, span, subject_noise(span[1] - span[0], d, args.seed, 1.0),
-                   scale_from_embeddings=args.noise)
+    result = trace(
+        client, ids, span, subject_noise(span[1] - span[0], d, args.seed, 1.0), scale_from_embeddings=args.noise
+    )
     labels = [client.detokenize([t]) + ("*" if span[0] <= i < span[1] else "") for i, t in enumerate(ids)]
     answer = client.detokenize([result["answer"]])
     plot(result, labels, args.out, f"causal trace of {answer!r} ({'*'}: corrupted subject tokens)")
     best = divmod(int(result["grid"].argmax()), len(result["positions"]))
-    print(f"answer {answer!r}: p(clean) {result['p_clean']:.3f}, p(corrupted) {result['p_corrupt']:.3f}, "
-          f"best restoration {result['grid'].max():.3f} at layer {result['layers'][best[0]]}, "
-          f"token {labels[result['positions'][best[1]]]!r}")
+    print(
+        f"answer {answer!r}: p(clean) {result['p_clean']:.3f}, p(corrupted) {result['p_corrupt']:.3f}, "
+        f"best restoration {result['grid'].max():.3f} at layer {result['layers'][best[0]]}, "
+        f"token {labels[result['positions'][best[1]]]!r}"
+    )
     print(f"wrote {args.out}")
 
 

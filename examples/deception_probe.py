@@ -56,10 +56,12 @@ def features(client: LensClient, samples: list, layer: int, workers: int = 8) ->
     client.clear_hooks()
     client.register_hooks([Hook(save_stream, [layer])])
     try:
+
         def send(sample) -> tuple[str, int, int]:
             ids, window = teacher_forced(client, sample)
             r = client.generate(ids, max_tokens=1, temperature=0)
             return r.raw["id"] + "-0", len(ids), window  # completion request ids carry the prompt index
+
         with ThreadPoolExecutor(workers) as pool:
             sent = list(pool.map(send, samples))
         results = client.collect_hook_results()
@@ -73,7 +75,7 @@ def features(client: LensClient, samples: list, layer: int, workers: int = 8) ->
                 stream = torch.zeros(n, rows.shape[1])
             keep = pos < n
             stream[pos[keep]] = rows[keep]
-        feats.append(stream[n - window:])
+        feats.append(stream[n - window :])
     return feats
 
 
@@ -90,6 +92,7 @@ def fit_probe(x: torch.Tensor, y: torch.Tensor, l2: float = 1e-2, steps: int = 2
         loss = torch.nn.functional.binary_cross_entropy_with_logits(z @ w + b, y.float()) + l2 * w.pow(2).sum()
         loss.backward()
         return loss
+
     opt.step(closure)
     return {"mean": mean, "std": std, "w": w.detach(), "b": b.detach()}
 

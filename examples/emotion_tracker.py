@@ -30,27 +30,54 @@ import torch
 from vllm_worker import LensClient
 
 EMOTIONS: dict[str, list[str]] = {
-    "joy": ["I just got the job and I can't stop smiling!", "What a wonderful surprise, thank you so much!",
-            "We laughed all evening; it was the best day ever.", "The sun is out and I feel fantastic.",
-            "She hugged me and said she was proud of me.", "Hooray, we won the championship!",
-            "I love this song, it makes me want to dance.", "Finally on holiday, everything feels perfect."],
-    "anger": ["How dare you lie to me again!", "I am furious that they cancelled without telling anyone.",
-              "Stop interrupting me, this is outrageous.", "He smashed the door and shouted at everyone.",
-              "This is the third time the bill is wrong and I am livid.", "Get out of my office right now!",
-              "They stole my idea and I want them punished.", "I hate being treated like an idiot."],
-    "fear": ["I heard footsteps behind me in the dark alley.", "My hands are shaking, what if the test is positive?",
-             "Something is scratching at the window and I'm terrified.", "Please don't leave me alone here.",
-             "The plane dropped suddenly and everyone screamed.", "I think someone is following me home.",
-             "What if I lose everything tomorrow?", "The doctor said we need to talk, and I'm scared."],
-    "sadness": ["My dog died this morning and the house feels empty.", "I miss her so much it hurts.",
-                "Nobody came to my birthday party.", "He packed his bags and left without a word.",
-                "I failed again, no matter how hard I try.", "The old photos made me cry all night.",
-                "We had to say goodbye at the funeral today.", "I feel so lonely since moving here."],
+    "joy": [
+        "I just got the job and I can't stop smiling!",
+        "What a wonderful surprise, thank you so much!",
+        "We laughed all evening; it was the best day ever.",
+        "The sun is out and I feel fantastic.",
+        "She hugged me and said she was proud of me.",
+        "Hooray, we won the championship!",
+        "I love this song, it makes me want to dance.",
+        "Finally on holiday, everything feels perfect.",
+    ],
+    "anger": [
+        "How dare you lie to me again!",
+        "I am furious that they cancelled without telling anyone.",
+        "Stop interrupting me, this is outrageous.",
+        "He smashed the door and shouted at everyone.",
+        "This is the third time the bill is wrong and I am livid.",
+        "Get out of my office right now!",
+        "They stole my idea and I want them punished.",
+        "I hate being treated like an idiot.",
+    ],
+    "fear": [
+        "I heard footsteps behind me in the dark alley.",
+        "My hands are shaking, what if the test is positive?",
+        "Something is scratching at the window and I'm terrified.",
+        "Please don't leave me alone here.",
+        "The plane dropped suddenly and everyone screamed.",
+        "I think someone is following me home.",
+        "What if I lose everything tomorrow?",
+        "The doctor said we need to talk, and I'm scared.",
+    ],
+    "sadness": [
+        "My dog died this morning and the house feels empty.",
+        "I miss her so much it hurts.",
+        "Nobody came to my birthday party.",
+        "He packed his bags and left without a word.",
+        "I failed again, no matter how hard I try.",
+        "The old photos made me cry all night.",
+        "We had to say goodbye at the funeral today.",
+        "I feel so lonely since moving here.",
+    ],
 }
 
 CONVERSATION = [
-    {"role": "user", "content": "My best friend just told me she is moving abroad next week and I only found out "
-                                "today. Honestly I'm upset, but I'm also a bit scared of being alone."},
+    {
+        "role": "user",
+        "content": "My best friend just told me she is moving abroad next week and I only found out "
+        "today. Honestly I'm upset, but I'm also a bit scared of being alone.",
+    },
 ]
 
 COLOURS = ["#f4a300", "#d62828", "#7b2cbf", "#1d70b8", "#2a9d8f", "#6c757d"]
@@ -59,22 +86,24 @@ COLOURS = ["#f4a300", "#d62828", "#7b2cbf", "#1d70b8", "#2a9d8f", "#6c757d"]
 def directions(client: LensClient, layer: int, emotions: dict[str, list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
     """((n_emotions, d) unit difference-of-means directions at `layer`, (d,) the mean of the emotions'
     means — the origin projections are measured from)."""
+
     def mean_stream(text: str) -> torch.Tensor:
         r = client.generate(text, max_tokens=1, temperature=0, capture_layers=[layer])
-        return r.activations["residual_stream"][0, 1: len(r.prompt_token_ids)].float().mean(0)
+        return r.activations["residual_stream"][0, 1 : len(r.prompt_token_ids)].float().mean(0)
 
     with ThreadPoolExecutor(8) as pool:  # concurrent requests: vLLM batches them
         means_t = torch.stack([torch.stack(list(pool.map(mean_stream, texts))).mean(0) for texts in emotions.values()])
     dirs = []
     for e in range(len(means_t)):
-        others = torch.cat([means_t[:e], means_t[e + 1:]]).mean(0)
+        others = torch.cat([means_t[:e], means_t[e + 1 :]]).mean(0)
         dirs.append(means_t[e] - others)
     d = torch.stack(dirs)
     return d / d.norm(dim=-1, keepdim=True), means_t.mean(0)
 
 
-def track(client: LensClient, layer: int, messages: list[dict], dirs: torch.Tensor, origin: torch.Tensor,
-          max_tokens: int = 48) -> dict:
+def track(
+    client: LensClient, layer: int, messages: list[dict], dirs: torch.Tensor, origin: torch.Tensor, max_tokens: int = 48
+) -> dict:
     """The conversation plus the model's reply: token ids, texts, and projections `(h - origin) . u_e`
     (n_tokens, n_emotions) of every captured position (the last generated token is never fed back, so
     it has none)."""
@@ -82,8 +111,13 @@ def track(client: LensClient, layer: int, messages: list[dict], dirs: torch.Tens
     ids = list(r.prompt_token_ids) + list(r.token_ids)
     stream = r.activations["residual_stream"][0].float()  # (n_prompt + n_gen - 1, d)
     proj = (stream - origin) @ dirs.T
-    return {"ids": ids[: stream.shape[0]], "texts": [client.detokenize([i]) for i in ids[: stream.shape[0]]],
-            "n_prompt": len(r.prompt_token_ids), "projections": proj, "reply": r.text}
+    return {
+        "ids": ids[: stream.shape[0]],
+        "texts": [client.detokenize([i]) for i in ids[: stream.shape[0]]],
+        "n_prompt": len(r.prompt_token_ids),
+        "projections": proj,
+        "reply": r.text,
+    }
 
 
 PAGE = r"""<!doctype html>
@@ -163,15 +197,19 @@ $("by").onchange = paint; paint();
 
 def page(result: dict[str, Any], emotions: list[str], title: str) -> str:
     proj = result["projections"]
-    data = {"emotions": emotions, "texts": result["texts"], "n_prompt": result["n_prompt"],
-            "projections": [[round(float(v), 5) for v in row] for row in proj],
-            # colour and plot scales leave out the first position: its stream (the attention sink) has a
-            # norm many times the others' and would flatten every other token's colour
-            "mean": proj[1:].mean(0).tolist(), "std": proj[1:].std(0).tolist(),
-            "colours": COLOURS[: len(emotions)]}
+    data = {
+        "emotions": emotions,
+        "texts": result["texts"],
+        "n_prompt": result["n_prompt"],
+        "projections": [[round(float(v), 5) for v in row] for row in proj],
+        # colour and plot scales leave out the first position: its stream (the attention sink) has a
+        # norm many times the others' and would flatten every other token's colour
+        "mean": proj[1:].mean(0).tolist(),
+        "std": proj[1:].std(0).tolist(),
+        "colours": COLOURS[: len(emotions)],
+    }
     # `</` inside the JSON would end the script element
-    return (PAGE.replace("__DATA__", json.dumps(data).replace("</", "<\\/"))
-            .replace("__TITLE__", html.escape(title)))
+    return PAGE.replace("__DATA__", json.dumps(data).replace("</", "<\\/")).replace("__TITLE__", html.escape(title))
 
 
 def main() -> None:

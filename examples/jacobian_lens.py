@@ -31,6 +31,7 @@ def readout_hook(J: dict[int, torch.Tensor] | None, k: int, last_row_only: bool 
     """Post-hook: top-k readout of J_l h_l (h_l itself where `J` is None or lacks the layer). Saves, per
     layer, (positions, top ids (rows, k), probabilities (rows, k)) per forward step. `last_row_only`: read
     only each step's last row (the position that predicts the next generated token)."""
+
     def readout(ctx, h):
         pos = ctx.positions
         if last_row_only:
@@ -44,6 +45,7 @@ def readout_hook(J: dict[int, torch.Tensor] | None, k: int, last_row_only: bool 
         p, i = (x @ ctx.get_parameter("lm_head.weight").float().T).softmax(-1).topk(k, dim=-1)
         ctx.saved.setdefault(ctx.layer_idx, []).append((pos.cpu(), i.cpu(), p.cpu()))
         return None
+
     return readout
 
 
@@ -70,14 +72,22 @@ def load_lens(path: str | None, n_layers: int, baseline: bool) -> tuple[dict[int
     return {l: j.float().clone() for l, j in zip(layers, lens["J"])}, layers  # clone: a view would pickle all of J
 
 
-def run(client: LensClient, prompt: str | list[int], J: dict[int, torch.Tensor] | None, layers: list[int],
-        k: int = 5) -> dict[str, Any]:
+def run(
+    client: LensClient, prompt: str | list[int], J: dict[int, torch.Tensor] | None, layers: list[int], k: int = 5
+) -> dict[str, Any]:
     """Readout of every prompt position (text, or token ids) at `layers`, one request."""
     ids = client.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     r = client.generate(ids, max_tokens=1, temperature=0, hooks=[Hook(readout_hook(J, k), layers)])
     top, probs = readout_from_saved(r.hook_results["0"], layers, len(ids), k)
-    return {"ids": ids, "layers": layers, "topk": top, "topk_probs": probs, "top": top[..., 0],
-            "probs": probs[..., 0], "decode": lambda t: client.detokenize([int(t)])}
+    return {
+        "ids": ids,
+        "layers": layers,
+        "topk": top,
+        "topk_probs": probs,
+        "top": top[..., 0],
+        "probs": probs[..., 0],
+        "decode": lambda t: client.detokenize([int(t)]),
+    }
 
 
 def main() -> None:
@@ -100,7 +110,9 @@ def main() -> None:
     res["title"] = "logit lens" if J is None else "Jacobian lens"
     print(f"{res['title']}, last position ({client.detokenize(res['ids'][-1:])!r}), top-{args.top_k}:")
     for row, layer in enumerate(layers):
-        cells = "  ".join(f"{res['decode'](i)!r} {p:.2f}" for i, p in zip(res["topk"][row, -1], res["topk_probs"][row, -1]))
+        cells = "  ".join(
+            f"{res['decode'](i)!r} {p:.2f}" for i, p in zip(res["topk"][row, -1], res["topk_probs"][row, -1])
+        )
         print(f"layer {layer:2d}: {cells}")
     if args.grid_out:
         from logit_lens import plot

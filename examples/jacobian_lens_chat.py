@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
-
 from jacobian_lens import load_lens, readout_hook
+
 from vllm_worker import Hook, LensClient
 
 MAX_K = 10  # the hook keeps this many; the page shows up to it
@@ -49,12 +49,19 @@ class Relay:
 
     def chat(self, messages: list[dict], max_tokens: int) -> Iterator[tuple[str, Any]]:
         """Yields ("token", text) while the reply streams, then ("readout", per-token readouts)."""
-        body = {"model": self.client._model(), "messages": messages, "max_tokens": max_tokens, "stream": True,
-                "temperature": 0, "return_token_ids": True}
+        body = {
+            "model": self.client._model(),
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         with self._lock:
             request_id, token_ids = None, []
-            with httpx.stream("POST", f"{self.base_url}/v1/chat/completions", json=body, headers=self.headers,
-                              timeout=600) as resp:
+            with httpx.stream(
+                "POST", f"{self.base_url}/v1/chat/completions", json=body, headers=self.headers, timeout=600
+            ) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     raise RuntimeError(f"server said {resp.status_code}: {resp.text[:500]}")
@@ -65,7 +72,7 @@ class Relay:
                     request_id = request_id or chunk.get("id")
                     for choice in chunk.get("choices", []):
                         for tid in choice.get("token_ids") or []:  # per token (a chunk's text may be
-                            token_ids.append(tid)                  # empty inside a multi-byte character)
+                            token_ids.append(tid)  # empty inside a multi-byte character)
                             yield "token", self.text(tid)
             results = self.client.collect_hook_results()
             saved = results.get(request_id, {}).get("0", {})
@@ -77,19 +84,27 @@ class Relay:
         per_layer = []
         for layer in self.layers:
             steps = saved.get(str(layer), [])
-            rows = sorted((int(p), i, pr) for pos, ids, probs in steps
-                          for p, i, pr in zip(_list(pos), _list(ids), _list(probs)))
-            per_layer.append(rows[-len(token_ids):] if token_ids else [])
+            rows = sorted(
+                (int(p), i, pr) for pos, ids, probs in steps for p, i, pr in zip(_list(pos), _list(ids), _list(probs))
+            )
+            per_layer.append(rows[-len(token_ids) :] if token_ids else [])
         tokens = []
         for j, tid in enumerate(token_ids):
             layers = []
             for layer, rows in zip(self.layers, per_layer):
                 if j < len(rows):
                     _, ids, probs = rows[j]
-                    layers.append({"layer": layer, "top": [[self.text(int(i)), round(float(p), 4)]
-                                                          for i, p in zip(ids, probs)]})
-            tokens.append({"text": self.text(tid), "id": tid, "position": rows[j][0] if j < len(rows) else None,
-                           "readout": layers})
+                    layers.append(
+                        {"layer": layer, "top": [[self.text(int(i)), round(float(p), 4)] for i, p in zip(ids, probs)]}
+                    )
+            tokens.append(
+                {
+                    "text": self.text(tid),
+                    "id": tid,
+                    "position": rows[j][0] if j < len(rows) else None,
+                    "readout": layers,
+                }
+            )
         return tokens
 
 
@@ -235,6 +250,7 @@ def make_server(relay: Relay, port: int, html: str) -> ThreadingHTTPServer:
             def send(kind: str, data: Any) -> None:
                 self.wfile.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
                 self.wfile.flush()
+
             try:
                 for kind, data in relay.chat(req["messages"], int(req.get("max_tokens", 32))):
                     send(kind, data)
@@ -267,8 +283,10 @@ def main() -> None:
     # Ctrl-C stops it even when started from a non-interactive shell's background job (which starts
     # children with SIGINT ignored: the hook would then never be removed)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    print(f"wrote {args.out}; serving http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C stops and removes "
-          f"the hook)", flush=True)
+    print(
+        f"wrote {args.out}; serving http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C stops and removes the hook)",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

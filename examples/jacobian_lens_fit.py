@@ -63,8 +63,16 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(model.model.layers)
 
 
-def fit(model, tokenizer, texts: list[str], layers: list[int], samples_per_text: int = 2, min_len: int = 3,
-        seed: int = 0, rows_per_pass: int = 64) -> tuple[torch.Tensor, int]:
+def fit(
+    model,
+    tokenizer,
+    texts: list[str],
+    layers: list[int],
+    samples_per_text: int = 2,
+    min_len: int = 3,
+    seed: int = 0,
+    rows_per_pass: int = 64,
+) -> tuple[torch.Tensor, int]:
     """(J (len(layers), d, d) averaged over samples, number of samples)."""
     rng = random.Random(seed)
     blocks = decoder_layers(model)
@@ -105,11 +113,16 @@ def fit(model, tokenizer, texts: list[str], layers: list[int], samples_per_text:
         y = final[0][:, -1]  # (B, d): the final stream (pre-norm) at the last position
         inputs = [deltas[l] for l in layers]
         for start in range(0, d, rows_per_pass):
-            rows = eye[start:start + rows_per_pass]  # (R, d): one output coordinate per backward pass
-            grads = torch.autograd.grad(y, inputs, grad_outputs=rows.unsqueeze(1).expand(-1, len(batch), -1),
-                                        retain_graph=True, is_grads_batched=True)
+            rows = eye[start : start + rows_per_pass]  # (R, d): one output coordinate per backward pass
+            grads = torch.autograd.grad(
+                y,
+                inputs,
+                grad_outputs=rows.unsqueeze(1).expand(-1, len(batch), -1),
+                retain_graph=True,
+                is_grads_batched=True,
+            )
             for k, g in enumerate(grads):  # g: (R, B, 1, d) = rows start.. of each sample's Jacobian
-                J[k, start:start + rows.shape[0]] += g[:, :, 0].sum(1).double()
+                J[k, start : start + rows.shape[0]] += g[:, :, 0].sum(1).double()
         n += len(batch)
     return (J / max(n, 1)).float(), n
 
@@ -137,8 +150,10 @@ def main() -> None:
     n_layers = model.config.num_hidden_layers
     layers = list(range(n_layers)) if args.layers is None else [int(x) for x in args.layers.split(",")]
     J, n = fit(model, tokenizer, texts, layers, args.samples_per_text, seed=args.seed)
-    torch.save({"J": J, "source_layers": layers, "d_model": model.config.hidden_size, "n_samples": n,
-                "model": args.model}, args.out)
+    torch.save(
+        {"J": J, "source_layers": layers, "d_model": model.config.hidden_size, "n_samples": n, "model": args.model},
+        args.out,
+    )
     eye = torch.eye(J.shape[1])
     for l, j in zip(layers, J):
         print(f"layer {l:2d}: |J - I|_F / |I|_F = {float((j - eye).norm() / eye.norm()):.3f}")

@@ -73,7 +73,9 @@ def run_offline(prompt: str) -> dict[str, Any]:
     tok = llm.get_tokenizer()
     n_layers = llm.llm_engine.model_config.get_total_num_hidden_layers()
     ids = tok.encode(prompt)
-    sp = SamplingParams(max_tokens=1, temperature=0, extra_args={"apply_hooks": [Hook(logit_lens, list(range(n_layers)))]})
+    sp = SamplingParams(
+        max_tokens=1, temperature=0, extra_args={"apply_hooks": [Hook(logit_lens, list(range(n_layers)))]}
+    )
     out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
     top, probs = grid_from_saved(out.hook_results["0"], n_layers, len(ids))
     return {"ids": ids, "top": top, "probs": probs, "decode": lambda t: tok.decode([int(t)])}
@@ -91,14 +93,22 @@ def plot(res: dict[str, Any], path: str) -> None:
     ax.imshow(probs.numpy(), aspect="auto", cmap="Blues", vmin=0, vmax=1, origin="lower")
     for l in range(n_layers):
         for t in range(n_pos):
-            ax.text(t, l, decode(top[l, t])[:8], ha="center", va="center", fontsize=6,
-                    color="white" if probs[l, t] > 0.45 else "black")
+            ax.text(
+                t,
+                l,
+                decode(top[l, t])[:8],
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white" if probs[l, t] > 0.45 else "black",
+            )
     ax.set_xticks(range(n_pos), [decode(i) for i in res["ids"]], rotation=45, ha="right", fontsize=7)
     layers = res.get("layers", list(range(n_layers)))
     ax.set_yticks(range(n_layers), [str(l) for l in layers], fontsize=7)
     ax.set_ylabel("layer")
-    ax.set_title(res.get("title", "logit lens") + ": top next-token per (layer, position); colour = its probability",
-                 fontsize=9)
+    ax.set_title(
+        res.get("title", "logit lens") + ": top next-token per (layer, position); colour = its probability", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

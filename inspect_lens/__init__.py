@@ -10,7 +10,21 @@ from .scorers import coup_probe, deception_probe
 from .solvers import Captured, capture_activations, captured, steer
 from .steering import register_steering_vector
 
-__all__ = ["Captured", "LinearProbe", "activation_oracle", "auroc", "auroc_by", "capture_activations", "captured", "coup_probe",
-           "deception_probe", "oracle_match",
-           "probe_auroc", "recall_at_fpr", "recall_at_threshold", "register_steering_vector", "steer",
-           "threshold_at_fpr"]
+__all__ = [
+    "Captured",
+    "LinearProbe",
+    "activation_oracle",
+    "auroc",
+    "auroc_by",
+    "capture_activations",
+    "captured",
+    "coup_probe",
+    "deception_probe",
+    "oracle_match",
+    "probe_auroc",
+    "recall_at_fpr",
+    "recall_at_threshold",
+    "register_steering_vector",
+    "steer",
+    "threshold_at_fpr",
+]

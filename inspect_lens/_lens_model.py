@@ -11,8 +11,10 @@ from .provider import VLLMLensAPI
 
 def lens_api(model: Model) -> VLLMLensAPI:
     if not isinstance(model.api, VLLMLensAPI):
-        raise ValueError(f"inspect-lens solvers and scorers need the vllm-lens/<model> provider, got {model.name!r} "
-                         f"({type(model.api).__name__}); run with --model vllm-lens/<model>")
+        raise ValueError(
+            f"inspect-lens solvers and scorers need the vllm-lens/<model> provider, got {model.name!r} "
+            f"({type(model.api).__name__}); run with --model vllm-lens/<model>"
+        )
     return model.api
 
 

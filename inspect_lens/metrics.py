@@ -61,7 +61,9 @@ def auroc_by(key: str = "family") -> Metric:
         for value, members in sorted(groups.items()):
             g = _split(members)
             if g[POSITIVE] and g[NEGATIVE]:
-                out[f"auroc_{value}"] = auroc(g[POSITIVE] + g[NEGATIVE], [1] * len(g[POSITIVE]) + [0] * len(g[NEGATIVE]))
+                out[f"auroc_{value}"] = auroc(
+                    g[POSITIVE] + g[NEGATIVE], [1] * len(g[POSITIVE]) + [0] * len(g[NEGATIVE])
+                )
         return out
 
     return compute

@@ -31,8 +31,16 @@ class LinearProbe:
     meta: dict = field(default_factory=dict)
 
     @classmethod
-    def fit(cls, acts: np.ndarray, labels: np.ndarray, *, C: float = 1.0, layer: int | None = None,
-            max_iter: int = 2000, seed: int = 0) -> "LinearProbe":
+    def fit(
+        cls,
+        acts: np.ndarray,
+        labels: np.ndarray,
+        *,
+        C: float = 1.0,
+        layer: int | None = None,
+        max_iter: int = 2000,
+        seed: int = 0,
+    ) -> "LinearProbe":
         """Per-token logistic regression on standardized activations (labels 1 = deceptive)."""
         from sklearn.linear_model import LogisticRegression
 
@@ -56,7 +64,7 @@ class LinearProbe:
 
     def score_response(self, acts: np.ndarray, window: tuple[int, int | None] = (0, None)) -> float:
         """Mean token score over `acts[window[0]:window[1]]` (the detection window)."""
-        s = self.score_tokens(np.asarray(acts)[window[0]:window[1]])
+        s = self.score_tokens(np.asarray(acts)[window[0] : window[1]])
         if s.size == 0:
             raise ValueError(f"score_response: empty detection window {window}")
         return float(s.mean())
@@ -68,9 +76,17 @@ class LinearProbe:
         return self.threshold
 
     def to_json(self) -> dict:
-        return {"format": "inspect-lens-linear-probe/1", "layer": self.layer, "mean": self.mean.tolist(),
-                "scale": self.scale.tolist(), "coef": self.coef.tolist(), "intercept": self.intercept,
-                "threshold": self.threshold, "calibrated_fpr": self.calibrated_fpr, "meta": self.meta}
+        return {
+            "format": "inspect-lens-linear-probe/1",
+            "layer": self.layer,
+            "mean": self.mean.tolist(),
+            "scale": self.scale.tolist(),
+            "coef": self.coef.tolist(),
+            "intercept": self.intercept,
+            "threshold": self.threshold,
+            "calibrated_fpr": self.calibrated_fpr,
+            "meta": self.meta,
+        }
 
     @classmethod
     def from_json(cls, obj: dict) -> "LinearProbe":
@@ -79,8 +95,16 @@ class LinearProbe:
         arr = {k: np.asarray(obj[k], dtype=np.float64) for k in ("mean", "scale", "coef")}
         if not arr["mean"].shape == arr["scale"].shape == arr["coef"].shape:
             raise ValueError("probe file: mean, scale and coef must have the same length")
-        return cls(arr["mean"], arr["scale"], arr["coef"], float(obj["intercept"]), obj.get("layer"),
-                   obj.get("threshold"), obj.get("calibrated_fpr"), dict(obj.get("meta") or {}))
+        return cls(
+            arr["mean"],
+            arr["scale"],
+            arr["coef"],
+            float(obj["intercept"]),
+            obj.get("layer"),
+            obj.get("threshold"),
+            obj.get("calibrated_fpr"),
+            dict(obj.get("meta") or {}),
+        )
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

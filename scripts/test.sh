@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The test command: set-up (idempotent), the gate (lint, format, types), then the whole suite on real vLLM
-# engines on CPU. Each folder of tests/ is a group; groups run in pytest processes of their own so each
-# group's engines are freed before the next starts (together they would not fit in memory):
+# The test command: set-up (idempotent), then the whole suite on real vLLM engines on CPU (.ci/run runs
+# the gate, scripts/check.sh, first). Each folder of tests/ is a group; groups run in pytest processes of
+# their own so each group's engines are freed before the next starts (together they would not fit in memory):
 #   unit + core + engine (in-process engines, eager) | core again on engines in vLLM's default compiled
 #   mode | parallel (TP/PP engines) | http + inspect (real servers, real `inspect eval`).
-# Arguments, if any, go to one pytest run (no gate).
+# Arguments, if any, go to one pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

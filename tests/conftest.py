@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from support import GROUPS
-from support.engines import make_engine  # sets the environment the engines need (before vLLM is imported)
 from support.browser import browser  # noqa: F401  (headless Chromium, one per module)
+from support.engines import make_engine  # sets the environment the engines need (before vLLM is imported)
 from support.oracle import tiny_oracle  # noqa: F401  (a tiny activation oracle, session-wide)
 from support.servers import _stop_servers, locked_server, lora_server, server  # noqa: F401  (HTTP, session-wide)
 

@@ -3,8 +3,16 @@
 from vllm_worker.api.hooks import Hook, HookContext, HookError
 from vllm_worker.api.steering import SteeringVector
 
-__all__ = ["AsyncLensClient", "Hook", "HookContext", "HookError", "LensClient", "SteeringVector",
-           "VLLMLensClient", "decode_activations"]
+__all__ = [
+    "AsyncLensClient",
+    "Hook",
+    "HookContext",
+    "HookError",
+    "LensClient",
+    "SteeringVector",
+    "VLLMLensClient",
+    "decode_activations",
+]
 
 
 def __getattr__(name: str):

@@ -52,55 +52,135 @@ def _assembly_threads() -> int:
     return min(4, os.cpu_count() or 1)
 
 
-SETTINGS: dict[str, Setting] = {s.name: s for s in (
-    Setting("VLLM_LENS_DISABLE", bool, False,
-            "the plugin is a complete no-op: nothing is patched, no worker extension, no `activations` attribute"),
-    Setting("VLLM_LENS_ALLOW_REMOTE_HOOKS", bool, False,
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting(
+            "VLLM_LENS_DISABLE",
+            bool,
+            False,
+            "the plugin is a complete no-op: nothing is patched, no worker extension, no `activations` attribute",
+        ),
+        Setting(
+            "VLLM_LENS_ALLOW_REMOTE_HOOKS",
+            bool,
+            False,
             "accept hooks sent over HTTP (`vllm_xargs.apply_hooks`, `/v1/hooks/register`): they are cloudpickled "
             "code run in the server; without it they get 403 and nothing received is unpickled",
-            flag="--allow-remote-hooks"),
-    Setting("VLLM_LENS_MAX_PAYLOAD_MB", float, 64.0,
+            flag="--allow-remote-hooks",
+        ),
+        Setting(
+            "VLLM_LENS_MAX_PAYLOAD_MB",
+            float,
+            64.0,
             "one structured payload (steering vectors, hooks): 400 naming the field; a request body above it "
-            "+ 1 MiB: 413 while it arrives", flag="--lens-max-payload-mb", unit="MB", limit=True),
-    Setting("VLLM_LENS_MAX_CAPTURE_GB", float, 4.0,
+            "+ 1 MiB: 413 while it arrives",
+            flag="--lens-max-payload-mb",
+            unit="MB",
+            limit=True,
+        ),
+        Setting(
+            "VLLM_LENS_MAX_CAPTURE_GB",
+            float,
+            4.0,
             "one request's capture at its largest (layers x (prompt + max_tokens - 1) x d_model x n, in the "
             "model's dtype): 400 naming output_residual_stream, before any compute",
-            flag="--lens-max-capture-gb", unit="GB", limit=True),
-    Setting("VLLM_LENS_MAX_STORED_GB", float, 8.0,
+            flag="--lens-max-capture-gb",
+            unit="GB",
+            limit=True,
+        ),
+        Setting(
+            "VLLM_LENS_MAX_STORED_GB",
+            float,
+            8.0,
             "captures in flight (admitted, not yet returned) at their largest, summed over requests: 503 "
             "(offline: ValueError) for the request that would pass it, before any compute",
-            flag="--lens-max-stored-gb", unit="GB", limit=True),
-    Setting("VLLM_LENS_MAX_PERSISTENT_RESULTS", int, 10000,
+            flag="--lens-max-stored-gb",
+            unit="GB",
+            limit=True,
+        ),
+        Setting(
+            "VLLM_LENS_MAX_PERSISTENT_RESULTS",
+            int,
+            10000,
             "requests whose persistent-hook results are kept until clear_hook_results: later requests fail "
-            "with an error naming it", flag="--lens-max-persistent-results", limit=True),
-    Setting("VLLM_LENS_GRAPH_PATH", bool, True,
+            "with an error naming it",
+            flag="--lens-max-persistent-results",
+            limit=True,
+        ),
+        Setting(
+            "VLLM_LENS_GRAPH_PATH",
+            bool,
+            True,
             "capture and steering run in the graph-safe kernel (inside CUDA graphs); 0: every step with a "
-            "feature takes the Python path, without graphs"),
-    Setting("VLLM_LENS_STAGE_MB", float, 256.0,
+            "feature takes the Python path, without graphs",
+        ),
+        Setting(
+            "VLLM_LENS_STAGE_MB",
+            float,
+            256.0,
             "device staging ring of the graph-safe path (captured rows of one step); a step capturing more "
-            "takes the Python path", unit="MB"),
-    Setting("VLLM_LENS_STEER_MB", float, 64.0,
+            "takes the Python path",
+            unit="MB",
+        ),
+        Setting(
+            "VLLM_LENS_STEER_MB",
+            float,
+            64.0,
             "device table of steering entries of the graph-safe path; a request whose entries do not fit "
-            "takes the Python path", unit="MB"),
-    Setting("VLLM_LENS_SHM", bool, True,
-            "results travel to a frontend on the same machine through shared memory; 0: as bytes in the RPC "
-            "reply"),
-    Setting("VLLM_LENS_SHM_DIR", str, "/dev/shm", "where the shared-memory result pool keeps its files"),
-    Setting("VLLM_LENS_SHM_POOL", bool, True,
-            "keep a pool of populated shared memory for results (0: no pool; results travel as bytes)"),
-    Setting("VLLM_LENS_SHM_POOL_GB", float, _stored_gb,
-            "free result-pool memory kept for reuse; beyond it free segments are given back", unit="GB"),
-    Setting("VLLM_LENS_SHM_POOL_IDLE_S", float, 60.0,
-            "seconds without a fetch after which all free result-pool memory is given back", unit="s"),
-    Setting("VLLM_LENS_FETCH_GROUP_SHM_GB", float, 64.0,
+            "takes the Python path",
+            unit="MB",
+        ),
+        Setting(
+            "VLLM_LENS_SHM",
+            bool,
+            True,
+            "results travel to a frontend on the same machine through shared memory; 0: as bytes in the RPC reply",
+        ),
+        Setting("VLLM_LENS_SHM_DIR", str, "/dev/shm", "where the shared-memory result pool keeps its files"),
+        Setting(
+            "VLLM_LENS_SHM_POOL",
+            bool,
+            True,
+            "keep a pool of populated shared memory for results (0: no pool; results travel as bytes)",
+        ),
+        Setting(
+            "VLLM_LENS_SHM_POOL_GB",
+            float,
+            _stored_gb,
+            "free result-pool memory kept for reuse; beyond it free segments are given back",
+            unit="GB",
+        ),
+        Setting(
+            "VLLM_LENS_SHM_POOL_IDLE_S",
+            float,
+            60.0,
+            "seconds without a fetch after which all free result-pool memory is given back",
+            unit="s",
+        ),
+        Setting(
+            "VLLM_LENS_FETCH_GROUP_SHM_GB",
+            float,
+            64.0,
             "estimated results per fetch round trip when they travel through shared memory (one round trip "
-            "lets the worker assemble a whole batch in parallel)", unit="GB"),
-    Setting("VLLM_LENS_ASSEMBLY_THREADS", int, _assembly_threads,
-            "most threads copying one fetch's captures into the result pool"),
-    Setting("VLLM_LENS_INJECT_FAULT", str, None,
+            "lets the worker assemble a whole batch in parallel)",
+            unit="GB",
+        ),
+        Setting(
+            "VLLM_LENS_ASSEMBLY_THREADS",
+            int,
+            _assembly_threads,
+            "most threads copying one fetch's captures into the result pool",
+        ),
+        Setting(
+            "VLLM_LENS_INJECT_FAULT",
+            str,
+            None,
             "tests only: make the plugin's own code raise at one stage (admission, plan, fill, tap, file, "
-            "assemble), to prove such a failure fails only the requests it hits"),
-)}
+            "assemble), to prove such a failure fails only the requests it hits",
+        ),
+    )
+}
 
 
 def parse(name: str, raw: str | None) -> Any:

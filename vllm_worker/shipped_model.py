@@ -35,7 +35,7 @@ def find_gguf() -> Path:
         ) from None
     for f in dist.files or []:
         if f.name == GGUF_NAME:
-            return Path(dist.locate_file(f))
+            return Path(str(dist.locate_file(f)))
     raise RuntimeError(f"`{DISTRIBUTION}` is installed but holds no {GGUF_NAME}.")
 
 

@@ -15,24 +15,34 @@ def test_installed_vllm_has_everything_we_need(llama):
     """After an engine started (plugins loaded, worker extension imported) every patch is in place."""
     assert compat.check_version() >= (0, 26)
     compat.check()
+    from vllm.config import CompilationConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.entrypoints.common.offline import OfflineInferenceMixin
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm.config import CompilationConfig
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
-    from vllm.v1.engine.async_llm import AsyncLLM
-    from vllm.v1.engine.llm_engine import LLMEngine
-
     assert compat.graph_taps_unsupported() is None
-    for fn in (EngineArgs.create_engine_config, InputProcessor.process_inputs,
-               OfflineInferenceMixin._run_engine, OfflineInferenceMixin._add_request, GPUModelRunner._model_forward,
-               CPUModelRunner.load_model, CompilationConfig.compute_hash, CompilationConfig.set_splitting_ops_for_v1,
-               CudagraphDispatcher.dispatch,
-               GPUModelRunner._determine_batch_execution_and_padding, AsyncLLM.abort, LLMEngine.abort_request,
-               LLMEngine.add_request, LLMEngine.step, AsyncLLM.generate):
+    for fn in (
+        EngineArgs.create_engine_config,
+        InputProcessor.process_inputs,
+        OfflineInferenceMixin._run_engine,
+        OfflineInferenceMixin._add_request,
+        GPUModelRunner._model_forward,
+        CPUModelRunner.load_model,
+        CompilationConfig.compute_hash,
+        CompilationConfig.set_splitting_ops_for_v1,
+        CudagraphDispatcher.dispatch,
+        GPUModelRunner._determine_batch_execution_and_padding,
+        AsyncLLM.abort,
+        LLMEngine.abort_request,
+        LLMEngine.add_request,
+        LLMEngine.step,
+        AsyncLLM.generate,
+    ):
         assert getattr(fn, "__lens_wrapped__", False), fn
 
 
@@ -41,15 +51,18 @@ def test_every_engine_hooks_every_layer_and_the_hooks_fire(llama):
     rt = runner._lens_runtime
     assert rt.layer_ids == [0, 1, 2, 3]
     before = rt.steps_with_features
-    llama.generate(["the water"], SamplingParams(max_tokens=2, extra_args={"output_residual_stream": [0]}),
-                   use_tqdm=False)
+    llama.generate(
+        ["the water"], SamplingParams(max_tokens=2, extra_args={"output_residual_stream": [0]}), use_tqdm=False
+    )
     assert rt.steps_with_features >= before + 2
     # the plugin leaves compilation alone: eager only where the test session asked for it
     from support.engines import COMPILED
 
     assert llama.llm_engine.vllm_config.model_config.enforce_eager is (not COMPILED)
-    assert llama.llm_engine.vllm_config.parallel_config.worker_extension_cls == \
-        "vllm_worker.worker.extension.LensWorkerExtension"
+    assert (
+        llama.llm_engine.vllm_config.parallel_config.worker_extension_cls
+        == "vllm_worker.worker.extension.LensWorkerExtension"
+    )
 
 
 def test_missing_internal_is_a_loud_error(monkeypatch):
@@ -121,9 +134,12 @@ def test_python_hook_steps_never_dispatch_to_a_full_cuda_graph(llama):
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
     cfg = VllmConfig()
-    cfg.compilation_config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
-                                               cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-                                               cudagraph_capture_sizes=[1, 2, 4, 8], max_cudagraph_capture_size=8)
+    cfg.compilation_config = CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE,
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        cudagraph_capture_sizes=[1, 2, 4, 8],
+        max_cudagraph_capture_size=8,
+    )
     cfg.compilation_config.set_splitting_ops_for_v1(all2all_backend="naive")
     d = CudagraphDispatcher(cfg)
     d.initialize_cudagraph_keys(CUDAGraphMode.FULL_AND_PIECEWISE, uniform_decode_query_len=1)

@@ -21,8 +21,9 @@ def _capture(llm, prompt, layers=(0, 1, 2, 3), max_tokens=4, extra=None):
 
 def test_chunked_prefill_and_prefix_cache_same_captures(engine_factory):
     plain = engine_factory("llama", enable_prefix_caching=False)
-    chunked = engine_factory("llama", enable_prefix_caching=True, max_num_batched_tokens=16, block_size=32,
-                             enable_chunked_prefill=True)
+    chunked = engine_factory(
+        "llama", enable_prefix_caching=True, max_num_batched_tokens=16, block_size=32, enable_chunked_prefill=True
+    )
     cached = engine_factory("llama", enable_prefix_caching=True, block_size=32)
     assert chunked.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens == 16
     ref = _capture(plain, LONG)
@@ -30,7 +31,7 @@ def test_chunked_prefill_and_prefix_cache_same_captures(engine_factory):
     assert n_prompt > 40  # spans several 16-token chunks
     # warm the prefix cache with plain requests on the same prompt, then capture
     for llm in (chunked, cached):
-        warm = llm.generate([LONG], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0]
+        llm.generate([LONG], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0]
         again = llm.generate([LONG], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0]
         assert again.num_cached_tokens > 0, "prefix cache not in use: the test would prove nothing"
         got = _capture(llm, LONG)
@@ -44,8 +45,9 @@ def test_chunked_prefill_and_prefix_cache_same_captures(engine_factory):
 
 
 def test_3d_steering_under_chunked_prefill_lands_once(engine_factory):
-    chunked = engine_factory("llama", enable_prefix_caching=True, max_num_batched_tokens=16, block_size=32,
-                             enable_chunked_prefill=True)
+    chunked = engine_factory(
+        "llama", enable_prefix_caching=True, max_num_batched_tokens=16, block_size=32, enable_chunked_prefill=True
+    )
     k = 30  # inside the second chunk
     v = torch.randn(1, 1, 128, generator=torch.Generator().manual_seed(3)) * 2
     sv = SteeringVector(v, [1], position_indices=[k])
@@ -72,8 +74,13 @@ def test_steering_never_reaches_other_requests_through_the_prefix_cache(engine_f
     uncached = engine_factory("llama", enable_prefix_caching=False)
     v = torch.randn(1, 128, generator=torch.Generator().manual_seed(9)) * 5
     sp_plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
-    sp_steer = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3,
-                              extra_args={"apply_steering_vectors": [SteeringVector(v, [0])]})
+    sp_steer = SamplingParams(
+        max_tokens=6,
+        temperature=0,
+        ignore_eos=True,
+        logprobs=3,
+        extra_args={"apply_steering_vectors": [SteeringVector(v, [0])]},
+    )
     # 1) steered first on a fresh prompt, then plain: the plain one must not read steered KV
     p1 = LONG + " people"
     s1 = cached.generate([p1], sp_steer, use_tqdm=False)[0]
@@ -87,6 +94,7 @@ def test_steering_never_reaches_other_requests_through_the_prefix_cache(engine_f
     # 3) plain first, then steered: the steered one must not read unsteered KV
     p2 = LONG + " water"
     cached.generate([p2], sp_plain, use_tqdm=False)
-    _same_logprobs(cached.generate([p2], sp_steer, use_tqdm=False)[0],
-                   uncached.generate([p2], sp_steer, use_tqdm=False)[0])
+    _same_logprobs(
+        cached.generate([p2], sp_steer, use_tqdm=False)[0], uncached.generate([p2], sp_steer, use_tqdm=False)[0]
+    )
     assert s1.outputs[0].token_ids != after.outputs[0].token_ids, "steering had no visible effect"

@@ -21,12 +21,14 @@ def test_capture_all_layers_matches_hf(engine_factory, name):
     L = _n_layers(llm)
     if name == "smollm2":
         tok = llm.get_tokenizer()
-        prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                         tokenize=False, add_generation_prompt=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+        )
     else:
         prompt = PROMPT
-    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                        extra_args={"output_residual_stream": list(range(L))})
+    sp = SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": list(range(L))}
+    )
     out = llm.generate([prompt], sp, use_tqdm=False)[0]
     acts = out.activations["residual_stream"]
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
@@ -52,8 +54,7 @@ def test_capture_all_layers_matches_hf(engine_factory, name):
 
 def test_capture_selected_layers_negative_and_order(llama):
     L = _n_layers(llama)
-    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
-                        extra_args={"output_residual_stream": [-1, 1]})
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [-1, 1]})
     out = llama.generate([PROMPT], sp, use_tqdm=False)[0]
     acts = out.activations["residual_stream"]
     assert out.activations["layers"] == [1, L - 1]
@@ -65,9 +66,15 @@ def test_capture_selected_layers_negative_and_order(llama):
 
 
 def test_only_some_requests_capture(llama):
-    sps = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
-                          extra_args={"output_residual_stream": [0]} if i % 2 == 0 else None)
-           for i in range(4)]
+    sps = [
+        SamplingParams(
+            max_tokens=4,
+            temperature=0,
+            ignore_eos=True,
+            extra_args={"output_residual_stream": [0]} if i % 2 == 0 else None,
+        )
+        for i in range(4)
+    ]
     prompts = [PROMPT, "a long thing to see him", "they said the first people", "how many water"]
     outs = llama.generate(prompts, sps, use_tqdm=False)
     for i, out in enumerate(outs):
@@ -90,8 +97,9 @@ def test_chat_capture(llama):
 
 def test_n_samples_each_get_their_own_activations(llama):
     L = _n_layers(llama)
-    sp = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=7, ignore_eos=True,
-                        extra_args={"output_residual_stream": [0, L - 1]})
+    sp = SamplingParams(
+        n=3, max_tokens=5, temperature=1.0, seed=7, ignore_eos=True, extra_args={"output_residual_stream": [0, L - 1]}
+    )
     out = llama.generate([PROMPT], sp, use_tqdm=False)[0]
     assert len(out.outputs) == 3
     seqs = set()
@@ -117,12 +125,14 @@ def test_result_memory_is_pooled_reused_and_never_overwritten_while_held(llama):
     def pool():
         return llama.collective_rpc("lens_status")[0]["result_pool"]
 
-    first = llama.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
-                           use_tqdm=False)[0]
+    first = llama.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     stop_tok = first.outputs[0].token_ids[2]
-    sps = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [0, 2]}),
-           SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_tok],
-                          extra_args={"output_residual_stream": [0, 2]})]
+    sps = [
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [0, 2]}),
+        SamplingParams(
+            max_tokens=40, temperature=0, stop_token_ids=[stop_tok], extra_args={"output_residual_stream": [0, 2]}
+        ),
+    ]
     outs = llama.generate([PROMPT, PROMPT], sps, use_tqdm=False)
     gc.collect()
     held = pool()
@@ -133,7 +143,13 @@ def test_result_memory_is_pooled_reused_and_never_overwritten_while_held(llama):
     snapshot = keep.clone()
     made = held["segments_made"]
     for _ in range(3):  # later results reuse freed regions, never the held one
-        again = llama.generate([PROMPT + " again"] * 2, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [0, 1, 2]}), use_tqdm=False)
+        again = llama.generate(
+            [PROMPT + " again"] * 2,
+            SamplingParams(
+                max_tokens=4, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [0, 1, 2]}
+            ),
+            use_tqdm=False,
+        )
         assert all(o.activations["residual_stream"].shape[0] == 3 for o in again)
         del again
         gc.collect()
@@ -156,8 +172,10 @@ def test_captures_travel_as_bytes_when_shared_memory_is_not_shared(llama, monkey
     from vllm_worker.transport import shm
 
     prompts = [PROMPT, PROMPT + " and then some more words", "short"]
-    sps = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": layers})
-           for k, layers in ((5, [0, 2]), (2, [1]), (7, [3, 0]))]
+    sps = [
+        SamplingParams(max_tokens=k, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": layers})
+        for k, layers in ((5, [0, 2]), (2, [1]), (7, [3, 0]))
+    ]
     pooled = llama.generate(prompts, sps, use_tqdm=False)
     monkeypatch.setattr(shm, "host_id", lambda: None)
     allocs = llama.collective_rpc("lens_status")[0]["result_pool"]["allocs"]
@@ -165,7 +183,11 @@ def test_captures_travel_as_bytes_when_shared_memory_is_not_shared(llama, monkey
     assert llama.collective_rpc("lens_status")[0]["result_pool"]["allocs"] == allocs  # not through the pool
     for a, b in zip(pooled, sent):
         ta, tb = a.activations["residual_stream"], b.activations["residual_stream"]
-        assert ta.shape == tb.shape == (len(a.activations["layers"]), len(a.prompt_token_ids) + len(a.outputs[0].token_ids) - 1, 128)
+        assert (
+            ta.shape
+            == tb.shape
+            == (len(a.activations["layers"]), len(a.prompt_token_ids) + len(a.outputs[0].token_ids) - 1, 128)
+        )
         assert torch.equal(ta, tb)
         assert ta.untyped_storage().nbytes() == ta.numel() * ta.element_size()
 
@@ -192,6 +214,7 @@ def test_captures_travel_as_bytes_when_the_pool_has_no_room(llama, monkeypatch):
     prompts = [PROMPT, "short"]
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [0, 2]})
     pooled = llama.generate(prompts, sp, use_tqdm=False)
+
     def full(self, nbytes, expected=0, align=0):  # what `alloc` does when /dev/shm has no room
         self.unexpect(expected)
         return None
@@ -199,8 +222,10 @@ def test_captures_travel_as_bytes_when_the_pool_has_no_room(llama, monkeypatch):
     monkeypatch.setattr(ResultPool, "alloc", full)
     sent = llama.generate(prompts, sp, use_tqdm=False)
     for a, b in zip(pooled, sent):
-        assert b.activations["residual_stream"].untyped_storage().nbytes() == \
-            b.activations["residual_stream"].numel() * b.activations["residual_stream"].element_size()
+        assert (
+            b.activations["residual_stream"].untyped_storage().nbytes()
+            == b.activations["residual_stream"].numel() * b.activations["residual_stream"].element_size()
+        )
         assert torch.equal(a.activations["residual_stream"], b.activations["residual_stream"])
     monkeypatch.undo()
     del pooled, sent

@@ -12,8 +12,8 @@ import os
 import subprocess
 import sys
 
-import torch
 import pytest
+import torch
 from vllm import SamplingParams
 
 from support import TESTS
@@ -22,15 +22,29 @@ from support.reference import hf_model, residuals
 from vllm_worker import Hook, SteeringVector
 
 pytestmark = pytest.mark.run_first
-PROMPTS = ["the water of people will come down to the side", "a long thing to see him",
-           "they said the first people could", "how many water did she write"]
+PROMPTS = [
+    "the water of people will come down to the side",
+    "a long thing to see him",
+    "they said the first people could",
+    "how many water did she write",
+]
 
 
 def _plain_run(prompts: list[str], max_tokens: int) -> dict:
     env = dict(os.environ, VLLM_LENS_DISABLE="1")
-    proc = subprocess.run([sys.executable, str(TESTS / "support" / "plain_run.py"), str(model_path("llama")),
-                           json.dumps(prompts), str(max_tokens)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(TESTS / "support" / "plain_run.py"),
+            str(model_path("llama")),
+            json.dumps(prompts),
+            str(max_tokens),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert line, proc.stderr[-3000:]
     return json.loads(line[0][7:])
@@ -73,8 +87,12 @@ def test_batch_mates_of_hooks_and_steering_get_the_numbers_they_get_alone():
         return h * 2
 
     v = torch.randn(1, 128, generator=torch.Generator().manual_seed(3)) * 4
-    extra = [None, {"apply_hooks": [Hook(double, [1])]}, None,
-             {"apply_steering_vectors": [SteeringVector(v, [2])], "output_residual_stream": [2]}]
+    extra = [
+        None,
+        {"apply_hooks": [Hook(double, [1])]},
+        None,
+        {"apply_steering_vectors": [SteeringVector(v, [2])], "output_residual_stream": [2]},
+    ]
     sps = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3, extra_args=e) for e in extra]
     mixed = llm.generate(PROMPTS, sps, use_tqdm=False)
     alone = llm.generate([PROMPTS[0], PROMPTS[2]], sps[0], use_tqdm=False)

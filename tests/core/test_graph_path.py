@@ -18,8 +18,11 @@ from vllm_worker.worker import graph
 from vllm_worker.worker.runtime import STEP_TIMINGS
 
 D = 128
-PROMPTS = ["the water of people will come down to the side of the first", "a long thing to see him",
-           "they said the first people could"]
+PROMPTS = [
+    "the water of people will come down to the side of the first",
+    "a long thing to see him",
+    "they said the first people could",
+]
 
 
 def _noop(ctx, h):
@@ -33,11 +36,16 @@ def _vec(seed: int, shape) -> torch.Tensor:
 def test_graph_and_python_paths_give_the_same_numbers(llama):
     """Several vectors at one layer (2-D plain + 3-D norm-matched at positions), norm-matched 2-D at
     another, captures at steered and unsteered layers, a capture-only and a plain batch-mate."""
-    steer = [SteeringVector(_vec(1, (1, D)), [1], scale=1.5),
-             SteeringVector(_vec(2, (1, 2, D)), [1], scale=0.5, norm_match=True, position_indices=[1, 3]),
-             SteeringVector(_vec(3, (2, D)), [2, 0], scale=0.3, norm_match=True)]
-    extras = [{"apply_steering_vectors": steer, "output_residual_stream": [0, 1, 2, 3]},
-              {"output_residual_stream": [3]}, None]
+    steer = [
+        SteeringVector(_vec(1, (1, D)), [1], scale=1.5),
+        SteeringVector(_vec(2, (1, 2, D)), [1], scale=0.5, norm_match=True, position_indices=[1, 3]),
+        SteeringVector(_vec(3, (2, D)), [2, 0], scale=0.3, norm_match=True),
+    ]
+    extras = [
+        {"apply_steering_vectors": steer, "output_residual_stream": [0, 1, 2, 3]},
+        {"output_residual_stream": [3]},
+        None,
+    ]
 
     def run(hook: bool):
         sps = []
@@ -62,8 +70,11 @@ def test_graph_and_python_paths_give_the_same_numbers(llama):
             x, y = a.activations["residual_stream"], b.activations["residual_stream"]
             assert x.shape == y.shape and (x - y).abs().max() <= 1e-4 * max(1.0, y.abs().max().item())
     # the steering did something (position 1 and 3 at layer 1 differ from a plain run)
-    plain = llama.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                                        extra_args={"output_residual_stream": [1]}), use_tqdm=False)[0]
+    plain = llama.generate(
+        [PROMPTS[0]],
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [1]}),
+        use_tqdm=False,
+    )[0]
     assert (fast[0].activations["residual_stream"][1] - plain.activations["residual_stream"][0]).abs().max() > 0.5
 
 

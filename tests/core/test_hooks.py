@@ -23,13 +23,15 @@ def _zero_dim(dim):
         h[:, dim] = 0
         ctx.saved.setdefault("layers", []).append(ctx.layer_idx)
         return h
+
     return fn
 
 
 def test_zero_ablation_at_two_layers_equals_hf(llama):
     dim = 7
-    out = llama.generate([PROMPT], _sp(apply_hooks=[Hook(_zero_dim(dim), [1, 2])],
-                                       output_residual_stream=[0, 1, 2, 3]), use_tqdm=False)[0]
+    out = llama.generate(
+        [PROMPT], _sp(apply_hooks=[Hook(_zero_dim(dim), [1, 2])], output_residual_stream=[0, 1, 2, 3]), use_tqdm=False
+    )[0]
 
     edit = zero_dim_edit(dim, (1, 2))
     hf = hf_model("llama")
@@ -50,8 +52,9 @@ def test_layer0_prehook_seeded_noise_equals_hf(llama):
     def corrupt(ctx, h):
         return h + noise.to(h.device)[ctx.positions]
 
-    out = llama.generate([PROMPT], _sp(apply_hooks=[Hook(corrupt, [0], pre=True)], output_residual_stream=[0, 3]),
-                         use_tqdm=False)[0]
+    out = llama.generate(
+        [PROMPT], _sp(apply_hooks=[Hook(corrupt, [0], pre=True)], output_residual_stream=[0, 3]), use_tqdm=False
+    )[0]
     hf = hf_model("llama")
     embed_edit = lambda e: e + noise[: e.shape[1]].unsqueeze(0)  # noqa: E731
     assert list(out.outputs[0].token_ids) == greedy(hf, list(out.prompt_token_ids), 6, embed_edit=embed_edit)
@@ -73,8 +76,9 @@ def test_logit_lens_with_get_parameter_matches_hf(engine_factory):
     llm = engine_factory("smollm2")
     L = llm.llm_engine.model_config.get_total_num_hidden_layers()
     tok = llm.get_tokenizer()
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Name a color."}], tokenize=False,
-                                     add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Name a color."}], tokenize=False, add_generation_prompt=True
+    )
     out = llm.generate([prompt], _sp(4, apply_hooks=[Hook(_logit_lens, list(range(L)))]), use_tqdm=False)[0]
     hf = hf_model("smollm2")
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
@@ -101,6 +105,7 @@ def test_pre_and_post_hooks_keep_separate_state_and_requests_stay_apart(llama):
             ctx.saved.setdefault("rows", []).append(ctx.seq_len)
             ctx.saved["request_id"] = ctx.request_id
             return None
+
         return fn
 
     hooks = [Hook(count("pre"), [2], pre=True), Hook(count("post"), [2])]
@@ -122,11 +127,14 @@ def test_failing_hook_fails_only_its_request(llama):
     def wrong_shape(ctx, h):
         return h[:, :5]
 
-    for bad, text in ((boom, "ZeroDivisionError: deliberate failure in user hook"),
-                      (wrong_shape, "hook returned shape")):
+    for bad, text in (
+        (boom, "ZeroDivisionError: deliberate failure in user hook"),
+        (wrong_shape, "hook returned shape"),
+    ):
         with pytest.raises(HookError) as exc:
-            llama.generate([PROMPT, OTHER], [_sp(apply_hooks=[Hook(bad, [1])]), _sp(output_residual_stream=[0])],
-                           use_tqdm=False)
+            llama.generate(
+                [PROMPT, OTHER], [_sp(apply_hooks=[Hook(bad, [1])]), _sp(output_residual_stream=[0])], use_tqdm=False
+            )
         assert text in str(exc.value) and "Traceback" in str(exc.value)
         failed, ok = exc.value.outputs
         assert failed.hook_error is not None
@@ -185,7 +193,6 @@ def test_misbehaving_hooks_stay_inside_their_request(llama):
     they reached the batch-mate (its tokens all became 0) before this was guarded."""
     import time
 
-
     solo = llama.generate([OTHER], _sp(output_residual_stream=[2]), use_tqdm=False)[0]
 
     def nan(ctx, h):
@@ -200,8 +207,12 @@ def test_misbehaving_hooks_stay_inside_their_request(llama):
     def slow(ctx, h):
         time.sleep(0.05)
 
-    for bad, error in ((nan, "returned NaN or inf values"), (wrong_dtype, "hook returned shape"),
-                       (not_a_tensor, "expected a Tensor or None"), (slow, None)):
+    for bad, error in (
+        (nan, "returned NaN or inf values"),
+        (wrong_dtype, "hook returned shape"),
+        (not_a_tensor, "expected a Tensor or None"),
+        (slow, None),
+    ):
         sps = [_sp(apply_hooks=[Hook(bad, [1])], output_residual_stream=[2]), _sp(output_residual_stream=[2])]
         if error is None:
             mine, mate = llama.generate([PROMPT, OTHER], sps, use_tqdm=False)

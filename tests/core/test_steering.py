@@ -56,17 +56,26 @@ def test_mixed_batch_of_8(llama):
         0: {"output_residual_stream": [0, 3]},
         1: {"apply_steering_vectors": [SteeringVector(v1, [1])], "output_residual_stream": [1, 2, 3]},
         3: {"output_residual_stream": [2]},
-        5: {"apply_steering_vectors": [SteeringVector(v5, [2], scale=0.5, norm_match=True)],
-            "output_residual_stream": [2, 3]},
-        6: {"apply_steering_vectors": [SteeringVector(v6, [0], position_indices=[2, 4])],
-            "output_residual_stream": [0, 3]},
+        5: {
+            "apply_steering_vectors": [SteeringVector(v5, [2], scale=0.5, norm_match=True)],
+            "output_residual_stream": [2, 3],
+        },
+        6: {
+            "apply_steering_vectors": [SteeringVector(v6, [0], position_indices=[2, 4])],
+            "output_residual_stream": [0, 3],
+        },
     }
     sps = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=extra.get(i)) for i in range(8)]
     outs = llama.generate(PROMPTS, sps, use_tqdm=False)
 
     env = dict(os.environ, VLLM_LENS_DISABLE="1")
-    proc = subprocess.run([sys.executable, str(TESTS / "support" / "plain_run.py"), str(model_path("llama")),
-                           json.dumps(PROMPTS), "8"], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "support" / "plain_run.py"), str(model_path("llama")), json.dumps(PROMPTS), "8"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert line, proc.stderr[-3000:]
     plain = json.loads(line[0][7:])
@@ -92,8 +101,12 @@ def test_3d_steering_once_at_prompt_position_k(llama):
     k = 3
     v = _vec(11, shape=(2, 1, D), norm=20.0)
     sv = SteeringVector(v, [0, 2], position_indices=[k])
-    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                        extra_args={"apply_steering_vectors": [sv], "output_residual_stream": [0, 1, 2, 3]})
+    sp = SamplingParams(
+        max_tokens=6,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"apply_steering_vectors": [sv], "output_residual_stream": [0, 1, 2, 3]},
+    )
     out = llama.generate([PROMPTS[0]], sp, use_tqdm=False)[0]
     _check_against_hf(out, {0: v[0], 2: v[1]}, [0, 1, 2, 3], positions=[k])
     # exactly once at k: the stream at every other position equals the unsteered one at layer 0
@@ -105,9 +118,12 @@ def test_3d_steering_once_at_prompt_position_k(llama):
 
 def test_2d_steering_default_position_all_and_scale(llama):
     v = _vec(21, shape=(1, D), norm=3.0)
-    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
-                        extra_args={"apply_steering_vectors": [SteeringVector(v, [-1], scale=2.0)],
-                                    "output_residual_stream": [3]})
+    sp = SamplingParams(
+        max_tokens=5,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"apply_steering_vectors": [SteeringVector(v, [-1], scale=2.0)], "output_residual_stream": [3]},
+    )
     out = llama.generate([PROMPTS[2]], sp, use_tqdm=False)[0]
     _check_against_hf(out, {3: v[0]}, [3], scale=2.0)
 
@@ -124,8 +140,11 @@ def test_caller_objects_are_never_mutated(llama):
     assert args["apply_steering_vectors"][0] is sv and torch.equal(v, v_before)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert torch.equal(a.activations["residual_stream"], b.activations["residual_stream"])
-    plain = llama.generate([PROMPTS[1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
-                                                          extra_args={"output_residual_stream": [1]}), use_tqdm=False)[0]
+    plain = llama.generate(
+        [PROMPTS[1]],
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [1]}),
+        use_tqdm=False,
+    )[0]
     assert not torch.equal(a.activations["residual_stream"], plain.activations["residual_stream"])
 
 
@@ -144,8 +163,12 @@ def test_pydantic_shapes_round_trip_and_steer_the_same(llama):
     assert sv.model_copy(update={"scale": 2.0}).scale == 2.0 and sv.scale == 0.5
 
     def run(vec):
-        sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
-                            extra_args={"apply_steering_vectors": [vec], "output_residual_stream": [1, 3]})
+        sp = SamplingParams(
+            max_tokens=4,
+            temperature=0,
+            ignore_eos=True,
+            extra_args={"apply_steering_vectors": [vec], "output_residual_stream": [1, 3]},
+        )
         return llama.generate([PROMPTS[0]], sp, use_tqdm=False)[0]
 
     a, b = run(sv), run(dumped)
@@ -163,7 +186,9 @@ def test_hook_round_trips_through_model_dump(llama):
 
     hook = Hook(double, [1])
     again = Hook.model_validate(json.loads(json.dumps(hook.model_dump())))
-    sps = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, extra_args={"apply_hooks": [h]})
-           for h in (hook, again)]
+    sps = [
+        SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, extra_args={"apply_hooks": [h]})
+        for h in (hook, again)
+    ]
     a, b = llama.generate([PROMPTS[1], PROMPTS[1]], sps, use_tqdm=False)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.hook_results == b.hook_results

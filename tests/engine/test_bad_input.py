@@ -23,26 +23,42 @@ BAD = [
     ({"output_residual_stream": "3"}, "output_residual_stream"),
     ({"output_residual_stream": []}, "output_residual_stream"),
     ({"output_residual_stream": [1.5]}, "output_residual_stream"),
-    ({"apply_steering_vectors": [SteeringVector(torch.ones(1, D + 1), [0])]},
-     r"apply_steering_vectors[0].activations: last dimension 129 != d_model 128"),
-    ({"apply_steering_vectors": [SteeringVector(torch.ones(D), [0])]}, "apply_steering_vectors[0].activations: expected 2-D"),
-    ({"apply_steering_vectors": [SteeringVector(torch.ones(1, 1, 1, D), [0])]}, "apply_steering_vectors[0].activations"),
+    (
+        {"apply_steering_vectors": [SteeringVector(torch.ones(1, D + 1), [0])]},
+        r"apply_steering_vectors[0].activations: last dimension 129 != d_model 128",
+    ),
+    (
+        {"apply_steering_vectors": [SteeringVector(torch.ones(D), [0])]},
+        "apply_steering_vectors[0].activations: expected 2-D",
+    ),
+    (
+        {"apply_steering_vectors": [SteeringVector(torch.ones(1, 1, 1, D), [0])]},
+        "apply_steering_vectors[0].activations",
+    ),
     ({"apply_steering_vectors": [SteeringVector(torch.ones(2, D), [0])]}, "len(layer_indices)"),
-    ({"apply_steering_vectors": [SteeringVector(torch.full((1, D), float("nan")), [0])]},
-     "apply_steering_vectors[0].activations: contains NaN or inf"),
+    (
+        {"apply_steering_vectors": [SteeringVector(torch.full((1, D), float("nan")), [0])]},
+        "apply_steering_vectors[0].activations: contains NaN or inf",
+    ),
     ({"apply_steering_vectors": [SteeringVector(torch.full((1, D), float("inf")), [0])]}, "NaN or inf"),
     ({"apply_steering_vectors": [SteeringVector(torch.ones(1, D), [7])]}, "apply_steering_vectors[0].layer_indices"),
-    ({"apply_steering_vectors": [SteeringVector(torch.ones(1, 1, D), [0], position_indices=[50])]},
-     "apply_steering_vectors[0].position_indices: position 50 is past the prompt"),
-    ({"apply_steering_vectors": [{"activations": torch.ones(1, D), "layer_indices": [0], "scale": float("nan")}]},
-     "apply_steering_vectors[0].scale"),
+    (
+        {"apply_steering_vectors": [SteeringVector(torch.ones(1, 1, D), [0], position_indices=[50])]},
+        "apply_steering_vectors[0].position_indices: position 50 is past the prompt",
+    ),
+    (
+        {"apply_steering_vectors": [{"activations": torch.ones(1, D), "layer_indices": [0], "scale": float("nan")}]},
+        "apply_steering_vectors[0].scale",
+    ),
     ({"apply_steering_vectors": ["not a vector"]}, "apply_steering_vectors[0]: expected a SteeringVector"),
     ({"output_residual_streams": [0]}, "extra_args.output_residual_streams: unknown inspect-lens key"),
     ({"output_residual_stream": [True]}, "output_residual_stream: layer indices must be ints"),
     ({"output_residual_stream": False}, "output_residual_stream"),
     ({"output_residual_stream": "[1, 99]"}, "output_residual_stream: layer 99 is out of range"),
-    ({"apply_steering_vectors": [{"activations": torch.ones(1, D), "layer_indices": [0], "scale": float("inf")}]},
-     "apply_steering_vectors[0].scale: expected a finite number"),
+    (
+        {"apply_steering_vectors": [{"activations": torch.ones(1, D), "layer_indices": [0], "scale": float("inf")}]},
+        "apply_steering_vectors[0].scale: expected a finite number",
+    ),
     ({"apply_steering_vector": []}, "extra_args.apply_steering_vector: unknown inspect-lens key"),
 ]
 
@@ -65,8 +81,9 @@ def test_bad_input_is_a_clear_error_and_engine_keeps_serving(llama, baseline, ex
 
 def test_bad_request_in_a_list_aborts_only_that_call(llama, baseline):
     with pytest.raises(ValueError, match="output_residual_stream"):
-        llama.generate([PROMPT, PROMPT], [_sp(output_residual_stream=[0]), _sp(output_residual_stream=[42])],
-                       use_tqdm=False)
+        llama.generate(
+            [PROMPT, PROMPT], [_sp(output_residual_stream=[0]), _sp(output_residual_stream=[42])], use_tqdm=False
+        )
     assert not llama.llm_engine.has_unfinished_requests()
     outs = llama.generate([PROMPT, PROMPT], [_sp(output_residual_stream=[0]), _sp()], use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == [baseline, baseline]
@@ -81,8 +98,11 @@ def test_requests_aborted_by_a_later_bad_one_leave_nothing_behind(llama):
     proc = compat.processor_of_llm(llama)
     held, _ = held_results(llama)
     with pytest.raises(ValueError, match="out of range"):
-        llama.generate([PROMPT, PROMPT, PROMPT], [_sp(output_residual_stream=[0]), _sp(output_residual_stream=[1]),
-                                                  _sp(output_residual_stream=[99])], use_tqdm=False)
+        llama.generate(
+            [PROMPT, PROMPT, PROMPT],
+            [_sp(output_residual_stream=[0]), _sp(output_residual_stream=[1]), _sp(output_residual_stream=[99])],
+            use_tqdm=False,
+        )
     assert frontend.pending_count(proc) == 0
     status = llama.collective_rpc("lens_status")[0]
     assert status["stored_requests"] == 0
@@ -94,16 +114,19 @@ def test_requests_aborted_by_a_later_bad_one_leave_nothing_behind(llama):
     assert held_results(llama) == (held, 0)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(activations=torch.ones(1, D), layer_indices=[0], scale=float("nan")), "scale"),
-    (dict(activations=torch.ones(1, D), layer_indices=[0], scale=10 ** 400), "scale"),
-    (dict(activations=torch.ones(1, D), layer_indices=[True]), "layer_indices"),
-    (dict(activations=torch.ones(1, D), layer_indices=[]), "layer_indices"),
-    (dict(activations=[[1.0] * D], layer_indices=[0]), "activations"),
-    (dict(activations=torch.ones(1, D, dtype=torch.long), layer_indices=[0]), "activations"),
-    (dict(activations=torch.ones(1, D), layer_indices=[0], norm_match=1), "norm_match"),
-    (dict(activations=torch.ones(1, 2, D), layer_indices=[0], position_indices=["a", "b"]), "position_indices"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(activations=torch.ones(1, D), layer_indices=[0], scale=float("nan")), "scale"),
+        (dict(activations=torch.ones(1, D), layer_indices=[0], scale=10**400), "scale"),
+        (dict(activations=torch.ones(1, D), layer_indices=[True]), "layer_indices"),
+        (dict(activations=torch.ones(1, D), layer_indices=[]), "layer_indices"),
+        (dict(activations=[[1.0] * D], layer_indices=[0]), "activations"),
+        (dict(activations=torch.ones(1, D, dtype=torch.long), layer_indices=[0]), "activations"),
+        (dict(activations=torch.ones(1, D), layer_indices=[0], norm_match=1), "norm_match"),
+        (dict(activations=torch.ones(1, 2, D), layer_indices=[0], position_indices=["a", "b"]), "position_indices"),
+    ],
+)
 def test_steering_vector_type_errors_name_the_field_where_it_is_made(kwargs, field):
     """Type errors surface when the object is made (a pydantic ValidationError is a ValueError)."""
     with pytest.raises(ValueError, match=field):

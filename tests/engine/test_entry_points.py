@@ -24,8 +24,11 @@ def _count(ctx, h):
 
 def _params(**kw) -> SamplingParams:
     v = torch.randn(1, 128, generator=torch.Generator().manual_seed(2)) * 4
-    extra = {"output_residual_stream": [0, 3], "apply_steering_vectors": [SteeringVector(v, [1])],
-             "apply_hooks": [Hook(_count, [2])]}
+    extra = {
+        "output_residual_stream": [0, 3],
+        "apply_steering_vectors": [SteeringVector(v, [1])],
+        "apply_hooks": [Hook(_count, [2])],
+    }
     opts = dict(max_tokens=5, temperature=0, ignore_eos=True, extra_args=extra)
     opts.update(kw)
     return SamplingParams(**opts)
@@ -67,8 +70,7 @@ def async_llm():
     return engine, keep_alive(asyncio.new_event_loop())
 
 
-@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA,
-                                  RequestOutputKind.FINAL_ONLY])
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
 def test_async_llm_generate_gets_results_on_the_final_output(async_llm, llama, kind):
     engine, loop = async_llm
 
@@ -84,8 +86,9 @@ def test_async_llm_generate_gets_results_on_the_final_output(async_llm, llama, k
     last = {}
     for o in outs:
         for c in o.outputs:
-            tokens[c.index] = (tokens.get(c.index, []) + list(c.token_ids)) if kind == RequestOutputKind.DELTA \
-                else list(c.token_ids)
+            tokens[c.index] = (
+                (tokens.get(c.index, []) + list(c.token_ids)) if kind == RequestOutputKind.DELTA else list(c.token_ids)
+            )
             last[c.index] = c
     assert [tokens[c.index] for c in ref.outputs] == [list(c.token_ids) for c in ref.outputs]
     for r in ref.outputs:
@@ -107,7 +110,7 @@ def test_vllm_openai_server_without_our_http_plugin_is_no_consumer(monkeypatch):
     client = SimpleNamespace(input_processor=SimpleNamespace())
     monkeypatch.setitem(sys.modules, "vllm.entrypoints.openai.api_server", ModuleType("api_server"))
     assert plugin._async_consumer(client) is False
-    assert getattr(client.input_processor, frontend.CONSUMER_ATTR, None) is None
+    assert frontend.consumer_of(client.input_processor) is None
     monkeypatch.delitem(sys.modules, "vllm.entrypoints.openai.api_server")
     assert plugin._async_consumer(client) is True
 

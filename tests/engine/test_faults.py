@@ -11,8 +11,12 @@ from support.reference import held_results, hf_model, residuals
 from vllm_worker import Hook, HookError, SteeringVector
 from vllm_worker.worker import faults
 
-PROMPTS = ["the water of people will come down to the side", "a long thing to see him",
-           "they said the first people could", "how many water did she write"]
+PROMPTS = [
+    "the water of people will come down to the side",
+    "a long thing to see him",
+    "they said the first people could",
+    "how many water did she write",
+]
 
 
 def _noop(ctx, h):
@@ -32,20 +36,27 @@ def _batch(with_hook: bool = True):
 # stage -> (batch with the hook request?, the requests it fails): a failure hits the requests its stage
 # was serving — all lens requests of the step for admission/planning/step work, the capturing ones for
 # filing and assembly — and never the plain one
-HIT = {"admission": (True, {0, 2, 3}), "plan": (True, {0, 2, 3}), "fill": (False, {0, 2}),
-       "tap": (True, {0, 2, 3}), "file": (True, {0, 3}), "assemble": (True, {0, 3})}
+HIT = {
+    "admission": (True, {0, 2, 3}),
+    "plan": (True, {0, 2, 3}),
+    "fill": (False, {0, 2}),
+    "tap": (True, {0, 2, 3}),
+    "file": (True, {0, 3}),
+    "assemble": (True, {0, 3}),
+}
 
 
 @pytest.mark.parametrize("stage", faults.STAGES)
 def test_a_fault_in_our_code_fails_only_the_requests_it_hits(llama, stage, monkeypatch):
-    baseline = llama.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
-                              use_tqdm=False)[0]
+    baseline = llama.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)[
+        0
+    ]
     with_hook, hit = HIT[stage]
     held, _ = held_results(llama)
     batch = _batch(with_hook)
     monkeypatch.setattr(faults, "STAGE", stage)
     with pytest.raises(HookError) as info:
-        llama.generate(PROMPTS[:len(batch)], batch, use_tqdm=False)
+        llama.generate(PROMPTS[: len(batch)], batch, use_tqdm=False)
     monkeypatch.setattr(faults, "STAGE", None)
     outs = info.value.outputs
     assert {i for i, o in enumerate(outs) if o.hook_error is not None} == hit

@@ -23,8 +23,13 @@ def adapter_dir(tmp_path_factory):
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(str(model_path("llama")), dtype=torch.float32)
-    cfg = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, lora_dropout=0.0,
-                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    cfg = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        init_lora_weights=False,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     peft_model = get_peft_model(base, cfg)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -100,21 +105,33 @@ def test_lora_requests_steer_and_hook_beside_plain_ones(lora_llm, adapter_dir, h
         ctx.saved.setdefault("n", []).append(h.norm(dim=-1).cpu())
 
     cap = {"output_residual_stream": [1, 3]}
-    outs = _run(lora_llm, [(a, cap, None), (a, cap, _lora(adapter_dir)),
-                           (a, {**cap, "apply_steering_vectors": [sv]}, _lora(adapter_dir)),
-                           (a, {**cap, "apply_hooks": [Hook(norms, [2])]}, _lora(adapter_dir))])
+    outs = _run(
+        lora_llm,
+        [
+            (a, cap, None),
+            (a, cap, _lora(adapter_dir)),
+            (a, {**cap, "apply_steering_vectors": [sv]}, _lora(adapter_dir)),
+            (a, {**cap, "apply_hooks": [Hook(norms, [2])]}, _lora(adapter_dir)),
+        ],
+    )
     hf = hf_factory("llama")
     edit = steer_edit({1: v[0]}, scale=1.0, norm_match=True, positions=[2])
-    for out, model, e in ((outs[0], hf, None), (outs[1], hf_lora, None), (outs[2], hf_lora, edit),
-                          (outs[3], hf_lora, None)):
+    for out, model, e in (
+        (outs[0], hf, None),
+        (outs[1], hf_lora, None),
+        (outs[2], hf_lora, edit),
+        (outs[3], hf_lora, None),
+    ):
         want, _ = residuals(model, a, edit=e)
         assert (out.activations["residual_stream"][:, : len(a)] - want[[1, 3]]).abs().max() <= 1e-4
         assert list(out.outputs[0].token_ids) == greedy(model, a, 4, edit=e)
     want, _ = residuals(hf_lora, a)
     first = outs[3].hook_results["0"]["n"][0]
     assert (first - want[2].norm(dim=-1)).abs().max() <= 1e-3
-    assert list(outs[2].outputs[0].token_ids) != list(outs[1].outputs[0].token_ids) or \
-        (outs[2].activations["residual_stream"] - outs[1].activations["residual_stream"]).abs().max() > 1e-2
+    assert (
+        list(outs[2].outputs[0].token_ids) != list(outs[1].outputs[0].token_ids)
+        or (outs[2].activations["residual_stream"] - outs[1].activations["residual_stream"]).abs().max() > 1e-2
+    )
 
 
 def test_cpu_lora_ops_leave_rows_without_an_adapter_alone():
@@ -122,7 +139,7 @@ def test_cpu_lora_ops_leave_rows_without_an_adapter_alone():
     import vllm.lora.punica_wrapper.punica_cpu as pcpu
 
     assert getattr(pcpu.bgmv_expand, "__lens_wrapped__", False)
-    w = torch.randn(1, 1, 6, 4)          # one slot: (slots, 1, out, rank)
+    w = torch.randn(1, 1, 6, 4)  # one slot: (slots, 1, out, rank)
     x = torch.randn(3, 4)
     y = torch.ones(3, 6)
     pcpu.bgmv_expand(x, w, y, torch.tensor([0, -1, 0]), True)
@@ -131,8 +148,9 @@ def test_cpu_lora_ops_leave_rows_without_an_adapter_alone():
 
 
 @pytest.mark.http
-def test_provider_lora_request_loads_the_adapter_and_routes_to_it(lora_server, server, adapter_dir, hf_lora,
-                                                                  hf_factory):
+def test_provider_lora_request_loads_the_adapter_and_routes_to_it(
+    lora_server, server, adapter_dir, hf_lora, hf_factory
+):
     """The original tool's `extra_body={"lora_request": {...}}` through `vllm-lens/<model>`: the adapter is
     loaded from `lora_path` on first use, the request runs on it (captures equal HF + peft), a base
     request on the same server keeps base numbers, and mistakes name the field."""

@@ -25,8 +25,7 @@ def mp_llama():
 
     vllm.envs.disable_envs_cache()  # earlier engines froze env values; these settings must be read
     try:
-        llm = LLM(str(model_path("llama")), **ENGINE_DEFAULTS,
-                  worker_extension_cls="support.user_ext.UserExtension")
+        llm = LLM(str(model_path("llama")), **ENGINE_DEFAULTS, worker_extension_cls="support.user_ext.UserExtension")
     finally:
         for k, v in old.items():
             if v is None:
@@ -42,9 +41,15 @@ def test_multiprocess_matches_inprocess_and_keeps_user_extension(mp_llama, llama
     assert status["layers"] == [0, 1, 2, 3] and status["tp_rank"] == 0
     assert mp_llama.llm_engine.vllm_config.model_config.enforce_eager is True
     v = torch.randn(1, 1, 128, generator=torch.Generator().manual_seed(1)) * 3
-    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
-                        extra_args={"output_residual_stream": [0, 3],
-                                    "apply_steering_vectors": [SteeringVector(v, [1], position_indices=[2])]})
+    sp = SamplingParams(
+        max_tokens=5,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={
+            "output_residual_stream": [0, 3],
+            "apply_steering_vectors": [SteeringVector(v, [1], position_indices=[2])],
+        },
+    )
     prompts = ["the water of people will come", "a long thing to see him"]
     a = mp_llama.generate(prompts, sp, use_tqdm=False)
     b = llama.generate(prompts, sp, use_tqdm=False)

@@ -47,7 +47,7 @@ def test_causal_tracing_cells_equal_hf(server, causal_tracing):
 
     def embed_edit(e):
         e = e.clone()
-        e[0, span[0]:span[1]] += noise
+        e[0, span[0] : span[1]] += noise
         return e
 
     clean_streams, clean_logits = residuals(hf, ids)
@@ -59,12 +59,14 @@ def test_causal_tracing_cells_equal_hf(server, causal_tracing):
     assert res["grid"].shape == (3, 3)
     for i, layer in enumerate(layers):
         for j, t in enumerate(positions):
+
             def restore(l, h, layer=layer, t=t):
                 if l != layer:
                     return None
                 h = h.clone()
                 h[0, t] = clean_streams[layer, t]
                 return h
+
             _, logits = residuals(hf, ids, edit=restore, embed_edit=embed_edit)
             assert abs(res["grid"][i, j].item() - logits[-1].softmax(-1)[answer].item()) <= 1e-4, (layer, t)
     # restoring the last position at the last layer gives the clean answer back exactly
@@ -73,17 +75,34 @@ def test_causal_tracing_cells_equal_hf(server, causal_tracing):
 
 def test_causal_tracing_script_writes_its_heatmap(server, tmp_path):
     out = tmp_path / "trace.png"
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "causal_tracing.py"), "--base-url", server, "--api-key", KEY,
-                           "--prompt", "the water of people will come down", "--subject", "water of people",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "causal_tracing.py"),
+            "--base-url",
+            server,
+            "--api-key",
+            KEY,
+            "--prompt",
+            "the water of people will come down",
+            "--subject",
+            "water of people",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "p(clean)" in proc.stdout and out.stat().st_size > 5000
     from PIL import Image
 
     with Image.open(out) as im:
         assert im.size[0] > 400 and im.size[1] > 300
-    help_ = subprocess.run([sys.executable, str(EXAMPLES / "causal_tracing.py"), "--help"], capture_output=True,
-                           text=True, timeout=120)
+    help_ = subprocess.run(
+        [sys.executable, str(EXAMPLES / "causal_tracing.py"), "--help"], capture_output=True, text=True, timeout=120
+    )
     assert help_.returncode == 0 and "--subject" in help_.stdout
 
 
@@ -103,14 +122,29 @@ def test_logit_lens_grid_equals_hf(server, logit_lens, tmp_path):
     assert res["top"].shape == p.shape == (4, len(res["ids"]))
     assert torch.equal(res["top"], i) and (res["probs"] - p).abs().max() <= 1e-4
     out = tmp_path / "lens.png"
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "logit_lens.py"), "--base-url", server, "--api-key", KEY,
-                           "--prompt", "the water of people", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "logit_lens.py"),
+            "--base-url",
+            server,
+            "--api-key",
+            KEY,
+            "--prompt",
+            "the water of people",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layer  3:" in proc.stdout and out.stat().st_size > 5000
 
 
 # ---- Jacobian lens -------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def jl():
@@ -123,8 +157,21 @@ def lens_file(tmp_path_factory):
     from support.engines import model_path
 
     out = tmp_path_factory.mktemp("jlens") / "lens.pt"
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "jacobian_lens_fit.py"), "--model", str(model_path("llama")),
-                           "--samples-per-text", "2", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "jacobian_lens_fit.py"),
+            "--model",
+            str(model_path("llama")),
+            "--samples-per-text",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layer  3: |J - I|_F / |I|_F = 0.000" in proc.stdout  # the last layer's stream is the final one
     return out
@@ -152,15 +199,19 @@ def test_jacobian_lens_fit_is_the_jacobian():
                 h = out[0] if isinstance(out, tuple) else out
                 h = torch.cat([h[:, :-1], v.view(1, 1, -1)], dim=1)
                 return (h,) + tuple(out[1:]) if isinstance(out, tuple) else h
+
             got = []
-            handles = [layers[layer].register_forward_hook(put),
-                       layers[-1].register_forward_hook(lambda m, a, o: got.append(o[0] if isinstance(o, tuple) else o))]
+            handles = [
+                layers[layer].register_forward_hook(put),
+                layers[-1].register_forward_hook(lambda m, a, o: got.append(o[0] if isinstance(o, tuple) else o)),
+            ]
             try:
                 hf(torch.tensor([ids]), use_cache=False)
             finally:
                 for h in handles:
                     h.remove()
             return got[0][0, -1]
+
         return f
 
     streams, _ = residuals(hf, ids)
@@ -191,14 +242,42 @@ def test_jacobian_lens_identity_is_the_logit_lens_and_fitted_equals_hf(server, j
 
 def test_jacobian_lens_script_prints_and_writes_its_grid(server, lens_file, tmp_path):
     out = tmp_path / "jlens.png"
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "jacobian_lens.py"), "run", "--lens", str(lens_file),
-                           "--base-url", server, "--api-key", KEY, "--prompt", "the water of people",
-                           "--grid-out", str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "jacobian_lens.py"),
+            "run",
+            "--lens",
+            str(lens_file),
+            "--base-url",
+            server,
+            "--api-key",
+            KEY,
+            "--prompt",
+            "the water of people",
+            "--grid-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Jacobian lens, last position" in proc.stdout and "layer  3:" in proc.stdout and out.stat().st_size > 5000
-    for script in ("logit_lens.py", "capture_and_steer.py", "jacobian_lens_fit.py", "jacobian_lens.py", "jacobian_lens_chat.py", "emotion_tracker.py",
-                   "deception_probe.py", "activation_oracle_fit.py", "activation_oracle.py"):
-        h = subprocess.run([sys.executable, str(EXAMPLES / script), "--help"], capture_output=True, text=True, timeout=120)
+    for script in (
+        "logit_lens.py",
+        "capture_and_steer.py",
+        "jacobian_lens_fit.py",
+        "jacobian_lens.py",
+        "jacobian_lens_chat.py",
+        "emotion_tracker.py",
+        "deception_probe.py",
+        "activation_oracle_fit.py",
+        "activation_oracle.py",
+    ):
+        h = subprocess.run(
+            [sys.executable, str(EXAMPLES / script), "--help"], capture_output=True, text=True, timeout=120
+        )
         assert h.returncode == 0 and "usage:" in h.stdout, (script, h.stderr[-2000:])
 
 
@@ -229,17 +308,35 @@ def test_jacobian_lens_chat_page_streams_replies_with_readouts(server, jl, lens_
     import time
 
     import httpx
-
     from browser import open_page
+
     from vllm_worker import LensClient
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     page_file = tmp_path / "chat.html"
-    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "jacobian_lens_chat.py"), "--lens", str(lens_file),
-                             "--base-url", server, "--api-key", KEY, "--port", str(port), "--max-tokens", "6",
-                             "--out", str(page_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(EXAMPLES / "jacobian_lens_chat.py"),
+            "--lens",
+            str(lens_file),
+            "--base-url",
+            server,
+            "--api-key",
+            KEY,
+            "--port",
+            str(port),
+            "--max-tokens",
+            "6",
+            "--out",
+            str(page_file),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     client = LensClient(server, api_key=KEY)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -249,7 +346,9 @@ def test_jacobian_lens_chat_page_streams_replies_with_readouts(server, jl, lens_
                 httpx.get(url, timeout=2)
                 break
             except httpx.HTTPError:
-                assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+                assert proc.poll() is None and time.time() < deadline, (
+                    proc.stdout.read() if proc.poll() is not None else "timeout"
+                )
                 time.sleep(0.5)
         assert page_file.stat().st_size > 2000
         # numbers: relayed readout == one-shot readout of prompt + reply
@@ -291,15 +390,20 @@ def test_jacobian_lens_chat_page_streams_replies_with_readouts(server, jl, lens_
         page.keyboard.press("Control+A")
         page.keyboard.type("where does the water go")
         page.click("#regen")
-        page.wait_for_function("document.querySelectorAll('.msg').length == 2 && "
-                               "document.querySelectorAll('.assistant .tok').length == 6", timeout=120_000)
+        page.wait_for_function(
+            "document.querySelectorAll('.msg').length == 2 && document.querySelectorAll('.assistant .tok').length == 6",
+            timeout=120_000,
+        )
         text = page.inner_text(".assistant .body")
         first = "".join(t["text"] for t in tokens)
         assert text.startswith(first), (text, first)  # greedy: the same reply as the relayed one above
         # its readouts arrive too (the relay collects them after the stream): nothing is in flight when the
         # script is stopped below
-        page.wait_for_function("msgs.length == 2 && msgs[1].tokens && msgs[1].tokens.length > 0 && "
-                               "msgs[1].tokens[0].readout !== undefined", timeout=120_000)
+        page.wait_for_function(
+            "msgs.length == 2 && msgs[1].tokens && msgs[1].tokens.length > 0 && "
+            "msgs[1].tokens[0].readout !== undefined",
+            timeout=120_000,
+        )
         assert errors == [], errors
     finally:
         proc.send_signal(signal.SIGINT)
@@ -310,6 +414,7 @@ def test_jacobian_lens_chat_page_streams_replies_with_readouts(server, jl, lens_
 
 # ---- emotion tracker, deception probe ------------------------------------------------------------
 
+
 def test_emotion_tracker_projections_equal_a_direct_capture_and_its_page_works(server, browser, tmp_path):
     """Projections are the dot products of a direct capture of the same conversation with the unit
     directions; the directions are the documented difference of means; the page opens in Chromium without
@@ -318,6 +423,7 @@ def test_emotion_tracker_projections_equal_a_direct_capture_and_its_page_works(s
     import re
 
     from browser import open_page
+
     from vllm_worker import LensClient
 
     et = _example("emotion_tracker")
@@ -327,10 +433,12 @@ def test_emotion_tracker_projections_equal_a_direct_capture_and_its_page_works(s
     means = []
     for texts in emotions.values():
         per = [client.generate(t, max_tokens=1, capture_layers=[2]) for t in texts]
-        means.append(torch.stack([r.activations["residual_stream"][0, 1:len(r.prompt_token_ids)].mean(0) for r in per]).mean(0))
+        means.append(
+            torch.stack([r.activations["residual_stream"][0, 1 : len(r.prompt_token_ids)].mean(0) for r in per]).mean(0)
+        )
     means = torch.stack(means)
     for e in range(len(means)):
-        ref = means[e] - torch.cat([means[:e], means[e + 1:]]).mean(0)
+        ref = means[e] - torch.cat([means[:e], means[e + 1 :]]).mean(0)
         assert (dirs[e] - ref / ref.norm()).abs().max() <= 1e-5
     assert (origin - means.mean(0)).abs().max() <= 1e-5
     res = et.track(client, 2, et.CONVERSATION, dirs, origin, max_tokens=6)
@@ -339,9 +447,25 @@ def test_emotion_tracker_projections_equal_a_direct_capture_and_its_page_works(s
     assert res["projections"].shape == (len(direct.prompt_token_ids) + 5, 4)
     assert (res["projections"] - (stream - origin) @ dirs.T).abs().max() <= 1e-4
     out = tmp_path / "emotions.html"
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "emotion_tracker.py"), "--base-url", server, "--api-key", KEY,
-                           "--layer", "2", "--max-tokens", "6", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "emotion_tracker.py"),
+            "--base-url",
+            server,
+            "--api-key",
+            KEY,
+            "--layer",
+            "2",
+            "--max-tokens",
+            "6",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sadness:" in proc.stdout and out.stat().st_size > 3000
     errors: list[str] = []
@@ -351,8 +475,9 @@ def test_emotion_tracker_projections_equal_a_direct_capture_and_its_page_works(s
     page.hover(".tok >> nth=5")
     info = page.inner_text("#info")
     data = json.loads(re.search(r"const D = (\{.*?\});\n", out.read_text()).group(1))
-    assert info.startswith("token 5 ") and all(f"{e} {data['projections'][5][k]:.3f}" in info
-                                               for k, e in enumerate(et.EMOTIONS))
+    assert info.startswith("token 5 ") and all(
+        f"{e} {data['projections'][5][k]:.3f}" in info for k, e in enumerate(et.EMOTIONS)
+    )
     assert page.locator("#plot polyline").count() == 4
     page.select_option("#by", "strongest")
     assert page.locator(".tok >> nth=5").evaluate("e => e.style.background") != ""
@@ -377,7 +502,7 @@ def test_deception_probe_features_and_auroc(server):
         ids, window = dp.teacher_forced(client, s)
         assert 1 <= window < len(ids)
         r = client.generate(ids, max_tokens=1, capture_layers=[1])
-        assert (f - r.activations["residual_stream"][0, len(ids) - window:len(ids)]).abs().max() <= 1e-5
+        assert (f - r.activations["residual_stream"][0, len(ids) - window : len(ids)]).abs().max() <= 1e-5
     g = torch.Generator().manual_seed(0)
     x = torch.randn(60, 16, generator=g)
     y = (x[:, 3] > 0).long()
@@ -390,8 +515,24 @@ def test_deception_probe_features_and_auroc(server):
     s = torch.randn(50, generator=g)
     lab = (torch.rand(50, generator=g) > 0.5).long()
     assert abs(dp.auroc(s, lab) - roc_auc_score(lab.numpy(), s.numpy())) <= 1e-9
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "deception_probe.py"), "--base-url", server, "--api-key", KEY,
-                           "--layer", "2", "--train-limit", "6", "--eval-limit", "4"], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "deception_probe.py"),
+            "--base-url",
+            server,
+            "--api-key",
+            KEY,
+            "--layer",
+            "2",
+            "--train-limit",
+            "6",
+            "--eval-limit",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "role-play AUROC" in proc.stdout and "12 training samples, 8 role-play samples" in proc.stdout

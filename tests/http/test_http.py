@@ -30,8 +30,7 @@ def _model() -> str:
 
 
 def _offline(llama, prompt_or_messages, n=1, **extra):
-    sp = SamplingParams(max_tokens=5, temperature=0 if n == 1 else 1.0, seed=3, n=n, ignore_eos=True,
-                        extra_args=extra)
+    sp = SamplingParams(max_tokens=5, temperature=0 if n == 1 else 1.0, seed=3, n=n, ignore_eos=True, extra_args=extra)
     if isinstance(prompt_or_messages, list):
         return llama.chat(prompt_or_messages, sp, use_tqdm=False)[0]
     return llama.generate([prompt_or_messages], sp, use_tqdm=False)[0]
@@ -56,20 +55,28 @@ def test_http_capture_equals_offline(server, llama, chat):
     src = messages if chat else PROMPT
     for n in (1, 2):
         kw = dict(messages=messages) if chat else dict(prompt=PROMPT)
-        r = c.generate(**kw, max_tokens=5, capture_layers=[0, 3], n=n, temperature=0 if n == 1 else 1.0, seed=3,
-                       ignore_eos=True)
+        r = c.generate(
+            **kw, max_tokens=5, capture_layers=[0, 3], n=n, temperature=0 if n == 1 else 1.0, seed=3, ignore_eos=True
+        )
         ref = _offline(llama, src, n=n, output_residual_stream=[0, 3])
         assert len(r.choices) == n
         for got, want in zip(r.choices, ref.outputs):
             assert got.token_ids == list(want.token_ids)
             assert torch.equal(got.activations["residual_stream"], want.activations["residual_stream"])
     # streaming: the activations arrive in one extra chunk before [DONE]
-    body = {"model": _model(), "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
-            "vllm_xargs": {"output_residual_stream": [0, 3]}}
+    body = {
+        "model": _model(),
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "vllm_xargs": {"output_residual_stream": [0, 3]},
+    }
     body.update({"messages": messages} if chat else {"prompt": PROMPT})
     events = _sse(server, "/v1/chat/completions" if chat else "/v1/completions", body)
     assert events[-1] == "DONE" and "activations" in events[-2]["choices"][0]
     from vllm_worker.protocol.wire import tensor_from_json
+
     got = tensor_from_json(events[-2]["choices"][0]["activations"]["residual_stream"])
     assert torch.equal(got, _offline(llama, src, output_residual_stream=[0, 3]).activations["residual_stream"])
 
@@ -84,9 +91,16 @@ def _ablate(ctx, h):
 def test_16_concurrent_mixed_requests_equal_each_alone(server):
     c = _client(server)
     v = torch.randn(1, 128, generator=torch.Generator().manual_seed(2)) * 4
-    kinds = [{}, {"capture_layers": [1]}, {"steering_vectors": [SteeringVector(v, [1])], "capture_layers": [2]},
-             {"hooks": [Hook(_ablate, [2])], "capture_layers": [3]}]
-    jobs = [(f"{PROMPT} {w}", kinds[i % 4]) for i, w in enumerate("the a of to and in is it that was for on are with as his".split())]
+    kinds = [
+        {},
+        {"capture_layers": [1]},
+        {"steering_vectors": [SteeringVector(v, [1])], "capture_layers": [2]},
+        {"hooks": [Hook(_ablate, [2])], "capture_layers": [3]},
+    ]
+    jobs = [
+        (f"{PROMPT} {w}", kinds[i % 4])
+        for i, w in enumerate("the a of to and in is it that was for on are with as his".split())
+    ]
 
     def run(job):
         prompt, kw = job
@@ -128,32 +142,90 @@ def _bad_cases():
     huge = tensor_to_json(torch.ones(1, 8000, 128))  # 4 MB: the request body itself is refused
     return [
         ("steer JSON", {"apply_steering_vectors": "[{not json"}, 400, "apply_steering_vectors: not valid JSON"),
-        ("steer base64", {"apply_steering_vectors": json.dumps([{"activations": dict(good_vec, b64="@@@"),
-                                                                 "layer_indices": [0]}])}, 400, "b64"),
-        ("steer shape", {"apply_steering_vectors": json.dumps([{"activations": tensor_to_json(torch.ones(1, 64)),
-                                                                "layer_indices": [0]}])}, 400, "d_model"),
-        ("steer dtype", {"apply_steering_vectors": json.dumps([{"activations": dict(good_vec, dtype="complex7"),
-                                                                "layer_indices": [0]}])}, 400, "dtype"),
-        ("steer nan", {"apply_steering_vectors": json.dumps([{"activations": tensor_to_json(torch.full((1, 128), float("nan"))),
-                                                              "layer_indices": [0]}])}, 400, "NaN"),
+        (
+            "steer base64",
+            {"apply_steering_vectors": json.dumps([{"activations": dict(good_vec, b64="@@@"), "layer_indices": [0]}])},
+            400,
+            "b64",
+        ),
+        (
+            "steer shape",
+            {
+                "apply_steering_vectors": json.dumps(
+                    [{"activations": tensor_to_json(torch.ones(1, 64)), "layer_indices": [0]}]
+                )
+            },
+            400,
+            "d_model",
+        ),
+        (
+            "steer dtype",
+            {
+                "apply_steering_vectors": json.dumps(
+                    [{"activations": dict(good_vec, dtype="complex7"), "layer_indices": [0]}]
+                )
+            },
+            400,
+            "dtype",
+        ),
+        (
+            "steer nan",
+            {
+                "apply_steering_vectors": json.dumps(
+                    [{"activations": tensor_to_json(torch.full((1, 128), float("nan"))), "layer_indices": [0]}]
+                )
+            },
+            400,
+            "NaN",
+        ),
         ("layer", {"output_residual_stream": [42]}, 400, "output_residual_stream: layer 42"),
         ("unknown key", {"output_residual_streams": [0]}, 400, "unknown inspect-lens key"),
-        ("payload too big", {"apply_steering_vectors": json.dumps([{"activations": big, "layer_indices": [0]}])},
-         400, "apply_steering_vectors: payload exceeds the limit"),
-        ("body too big", {"apply_steering_vectors": json.dumps([{"activations": huge, "layer_indices": [0]}])},
-         413, "request body exceeds the limit"),
+        (
+            "payload too big",
+            {"apply_steering_vectors": json.dumps([{"activations": big, "layer_indices": [0]}])},
+            400,
+            "apply_steering_vectors: payload exceeds the limit",
+        ),
+        (
+            "body too big",
+            {"apply_steering_vectors": json.dumps([{"activations": huge, "layer_indices": [0]}])},
+            413,
+            "request body exceeds the limit",
+        ),
         ("hook base64", {"apply_hooks": json.dumps([{"fn": "%%%", "layer_indices": [0]}])}, 400, "not valid base64"),
         # a payload the server cannot unpickle is refused before the engine sees it (it used to kill it)
-        ("hook garbage pickle", {"apply_hooks": json.dumps([{"fn": base64.b64encode(b"\x80\x05garbage").decode(),
-                                                            "layer_indices": [0]}])}, 400, "cannot be loaded"),
+        (
+            "hook garbage pickle",
+            {"apply_hooks": json.dumps([{"fn": base64.b64encode(b"\x80\x05garbage").decode(), "layer_indices": [0]}])},
+            400,
+            "cannot be loaded",
+        ),
         # JSON booleans are not layers (vLLM would turn them into 0 / 1)
         ("capture bools", {"output_residual_stream": [True, False]}, 400, "layer indices must be ints"),
         ("capture false", {"output_residual_stream": False}, 400, "output_residual_stream"),
-        ("capture huge layer", {"output_residual_stream": [2 ** 70]}, 400, "output_residual_stream: layer"),
-        ("steer scale overflow", {"apply_steering_vectors": '[{"activations": ' + json.dumps(good_vec)
-                                  + ', "layer_indices": [0], "scale": 1' + "0" * 400 + "}]"}, 400, "scale"),
-        ("steer bool shape", {"apply_steering_vectors": json.dumps([{"activations": dict(good_vec, shape=[1, True, 128]),
-                                                                     "layer_indices": [0]}])}, 400, "shape"),
+        ("capture huge layer", {"output_residual_stream": [2**70]}, 400, "output_residual_stream: layer"),
+        (
+            "steer scale overflow",
+            {
+                "apply_steering_vectors": '[{"activations": '
+                + json.dumps(good_vec)
+                + ', "layer_indices": [0], "scale": 1'
+                + "0" * 400
+                + "}]"
+            },
+            400,
+            "scale",
+        ),
+        (
+            "steer bool shape",
+            {
+                "apply_steering_vectors": json.dumps(
+                    [{"activations": dict(good_vec, shape=[1, True, 128]), "layer_indices": [0]}]
+                )
+            },
+            400,
+            "shape",
+        ),
     ]
 
 
@@ -179,8 +251,17 @@ def test_request_level_bad_input_names_the_field(server):
 
 def test_capture_true_means_every_layer_over_http_and_offline(server, llama):
     """The original tool's form: `output_residual_stream: true` = all layers (vLLM would make it layer 1)."""
-    r = _post(server, "/v1/completions", {"model": _model(), "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
-                                          "vllm_xargs": {"output_residual_stream": True}})
+    r = _post(
+        server,
+        "/v1/completions",
+        {
+            "model": _model(),
+            "prompt": PROMPT,
+            "max_tokens": 3,
+            "temperature": 0,
+            "vllm_xargs": {"output_residual_stream": True},
+        },
+    )
     assert r.status_code == 200, r.text
     got = from_jsonable(r.json()["choices"][0]["activations"]["residual_stream"])
     assert r.json()["choices"][0]["activations"]["layers"] == [0, 1, 2, 3]
@@ -193,8 +274,16 @@ def test_capture_true_means_every_layer_over_http_and_offline(server, llama):
 
 def test_hooks_without_opt_in_is_403_and_server_keeps_serving(locked_server):
     fn = base64.b64encode(b"not even a pickle").decode()
-    r = _post(locked_server, "/v1/completions", {"model": _model(), "prompt": PROMPT, "max_tokens": 2,
-                                                 "vllm_xargs": {"apply_hooks": json.dumps([{"fn": fn, "layer_indices": [0]}])}})
+    r = _post(
+        locked_server,
+        "/v1/completions",
+        {
+            "model": _model(),
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "vllm_xargs": {"apply_hooks": json.dumps([{"fn": fn, "layer_indices": [0]}])},
+        },
+    )
     assert r.status_code == 403 and r.json()["error"]["param"] == "vllm_xargs.apply_hooks"
     assert len(LensClient(locked_server).generate(PROMPT, max_tokens=3).token_ids) == 3
 
@@ -238,8 +327,9 @@ def test_async_client_equals_sync_client(server):
     async def run():
         c = AsyncLensClient(server, api_key=KEY)
         try:
-            return await asyncio.gather(*[c.generate(PROMPT, max_tokens=3, temperature=0, capture_layers=[2])
-                                          for _ in range(3)])
+            return await asyncio.gather(
+                *[c.generate(PROMPT, max_tokens=3, temperature=0, capture_layers=[2]) for _ in range(3)]
+            )
         finally:
             await c.aclose()
 
@@ -260,8 +350,10 @@ def test_inspect_provider_capture_and_steering_equal_offline(server, llama):
     model = get_model(f"vllm-lens/{_model()}", base_url=f"{server}/v1", api_key=KEY)
 
     async def run(extra):
-        return await model.generate([ChatMessageUser(content=messages[0]["content"])],
-                                    config=GenerateConfig(max_tokens=5, temperature=0, extra_body={"extra_args": extra}))
+        return await model.generate(
+            [ChatMessageUser(content=messages[0]["content"])],
+            config=GenerateConfig(max_tokens=5, temperature=0, extra_body={"extra_args": extra}),
+        )
 
     capture = asyncio.run(run({"output_residual_stream": [0, 3]}))
     ref = _offline(llama, messages, output_residual_stream=[0, 3])
@@ -277,17 +369,28 @@ def test_inspect_provider_capture_and_steering_equal_offline(server, llama):
 
 
 def test_inspect_eval_log_stays_small_and_loads(server, tmp_path):
-    from inspect_ai import Task, eval as inspect_eval
+    from inspect_ai import Task
+    from inspect_ai import eval as inspect_eval
     from inspect_ai.dataset import Sample
     from inspect_ai.log import read_eval_log
     from inspect_ai.model import GenerateConfig
     from inspect_ai.solver import generate
 
-    task = Task(dataset=[Sample(input="the people will come"), Sample(input="a long thing")], solver=generate(),
-                config=GenerateConfig(max_tokens=8, temperature=0,
-                                      extra_body={"extra_args": {"output_residual_stream": [0, 1, 2, 3]}}))
-    [log] = inspect_eval(task, model=f"vllm-lens/{_model()}", model_base_url=f"{server}/v1",
-                         model_args={"api_key": KEY}, log_dir=str(tmp_path), display="none")
+    task = Task(
+        dataset=[Sample(input="the people will come"), Sample(input="a long thing")],
+        solver=generate(),
+        config=GenerateConfig(
+            max_tokens=8, temperature=0, extra_body={"extra_args": {"output_residual_stream": [0, 1, 2, 3]}}
+        ),
+    )
+    [log] = inspect_eval(
+        task,
+        model=f"vllm-lens/{_model()}",
+        model_base_url=f"{server}/v1",
+        model_args={"api_key": KEY},
+        log_dir=str(tmp_path),
+        display="none",
+    )
     assert log.status == "success", log.error
     path = Path(log.location)
     captured_bytes = 2 * 4 * 20 * 128 * 4  # two samples, 4 layers, ~20 positions, d=128, float32
@@ -310,11 +413,18 @@ def test_disconnected_streams_leave_nothing_behind(server):
     (counts in /v1/lens/info return to 0) and the server keeps serving."""
     import time
 
-    body = {"model": _model(), "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True,
-            "vllm_xargs": {"output_residual_stream": [0, 1, 2, 3]}}
+    body = {
+        "model": _model(),
+        "prompt": PROMPT,
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+        "vllm_xargs": {"output_residual_stream": [0, 1, 2, 3]},
+    }
     for _ in range(5):
-        with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+        with httpx.stream(
+            "POST", server + "/v1/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+        ) as r:
             assert r.status_code == 200
             for i, _line in enumerate(r.iter_lines()):
                 if i >= 3:
@@ -337,16 +447,28 @@ def test_client_shapes_of_the_original(server, llama):
 
     c = VLLMLensClient(server, api_key=KEY)  # no model given: read from /v1/models
     messages = [{"role": "user", "content": "the people will come"}]
-    r = c.chat(messages, max_tokens=5, temperature=0, ignore_eos=True, capture_layers=[1], logprobs=True,
-               top_logprobs=2)
+    r = c.chat(
+        messages, max_tokens=5, temperature=0, ignore_eos=True, capture_layers=[1], logprobs=True, top_logprobs=2
+    )
     assert c.model == _model()
     ref = _offline(llama, messages, output_residual_stream=[1])
     assert r.token_ids == list(ref.outputs[0].token_ids)
     assert torch.equal(r.activations["residual_stream"], ref.activations["residual_stream"])
     assert len(r.logprobs["content"]) == 5 and len(r.logprobs["content"][0]["top_logprobs"]) == 2
-    raw = httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                     json={"model": _model(), "prompt": PROMPT, "max_tokens": 5, "temperature": 0,
-                           "ignore_eos": True, "logprobs": 1, "vllm_xargs": {"output_residual_stream": [0, 3]}}).json()
+    raw = httpx.post(
+        server + "/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+        json={
+            "model": _model(),
+            "prompt": PROMPT,
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 1,
+            "vllm_xargs": {"output_residual_stream": [0, 3]},
+        },
+    ).json()
     acts = decode_activations(raw)
     want = _offline(llama, PROMPT, output_residual_stream=[0, 3])
     assert acts[0]["layers"] == [0, 3] and torch.equal(acts[0]["residual_stream"], want.activations["residual_stream"])
@@ -359,11 +481,18 @@ def test_model_dump_of_a_steering_vector_is_an_accepted_wire_form(server, llama)
     from vllm_worker import SteeringVector
 
     sv = SteeringVector(torch.randn(1, 128, generator=torch.Generator().manual_seed(4)) * 5, [1], scale=1.5)
-    body = {"model": _model(), "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True,
-            "vllm_xargs": {"apply_steering_vectors": json.dumps([sv.model_dump()]), "output_residual_stream": [2]}}
-    raw = httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body,
-                     timeout=60).json()
+    body = {
+        "model": _model(),
+        "prompt": PROMPT,
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "vllm_xargs": {"apply_steering_vectors": json.dumps([sv.model_dump()]), "output_residual_stream": [2]},
+    }
+    raw = httpx.post(
+        server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60
+    ).json()
     from vllm_worker import decode_activations
 
     want = _offline(llama, PROMPT, apply_steering_vectors=[sv], output_residual_stream=[2])
@@ -380,17 +509,38 @@ def test_the_original_request_forms_give_our_numbers(server, llama):
     from vllm_worker import decode_activations
 
     v = torch.randn(1, 128, generator=torch.Generator().manual_seed(8)) * 5
-    original_vec = {"data": base64.b64encode(zstandard.ZstdCompressor(level=1).compress(v.numpy().tobytes())).decode(),
-                    "dtype": "float32", "original_dtype": "torch.float32", "shape": [1, 128], "compression": "zstd"}
+    original_vec = {
+        "data": base64.b64encode(zstandard.ZstdCompressor(level=1).compress(v.numpy().tobytes())).decode(),
+        "dtype": "float32",
+        "original_dtype": "torch.float32",
+        "shape": [1, 128],
+        "compression": "zstd",
+    }
     fn = base64.b64encode(cloudpickle.dumps(_ablate)).decode()
-    xargs = {"apply_steering_vectors": json.dumps([{"activations": original_vec, "layer_indices": [1], "scale": 1.5}]),
-             "apply_hooks": json.dumps([{"fn": {"cloudpickle": fn}, "layer_indices": [2]}]),
-             "output_residual_stream": [3]}
-    body = {"model": _model(), "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "vllm_xargs": xargs}
+    xargs = {
+        "apply_steering_vectors": json.dumps([{"activations": original_vec, "layer_indices": [1], "scale": 1.5}]),
+        "apply_hooks": json.dumps([{"fn": {"cloudpickle": fn}, "layer_indices": [2]}]),
+        "output_residual_stream": [3],
+    }
+    body = {
+        "model": _model(),
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "vllm_xargs": xargs,
+    }
     raw = _post(server, "/v1/completions", body).json()
-    ours = _client(server).generate(PROMPT, max_tokens=4, temperature=0, ignore_eos=True, capture_layers=[3],
-                                    steering_vectors=[SteeringVector(v, [1], scale=1.5)], hooks=[Hook(_ablate, [2])])
+    ours = _client(server).generate(
+        PROMPT,
+        max_tokens=4,
+        temperature=0,
+        ignore_eos=True,
+        capture_layers=[3],
+        steering_vectors=[SteeringVector(v, [1], scale=1.5)],
+        hooks=[Hook(_ablate, [2])],
+    )
     assert raw["choices"][0]["token_ids"] == ours.token_ids
     # answered in the original's form too: the first choice's results at the top level, its tensor object
     assert "activations" not in raw["choices"][0] and raw["activations"]["residual_stream"]["compression"] == "zstd"
@@ -426,13 +576,21 @@ def test_huge_bodies_are_refused_while_they_arrive(server):
     before = rss_mb()
     for path in ("/v1/completions", "/v1/hooks/register"):
         try:
-            r = httpx.post(server + path, content=chunks(), timeout=120,
-                           headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+            r = httpx.post(
+                server + path,
+                content=chunks(),
+                timeout=120,
+                headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"},
+            )
             assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
         except (httpx.RemoteProtocolError, httpx.WriteError):
             pass  # the server answered and closed before the client finished sending: also refused
     assert rss_mb() - before < 60
-    declared = httpx.post(server + "/v1/completions", content=b"x" * (3 << 20), timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    declared = httpx.post(
+        server + "/v1/completions",
+        content=b"x" * (3 << 20),
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"},
+    )
     assert declared.status_code == 413
     assert _client(server).generate(PROMPT, max_tokens=2, capture_layers=[0]).activations is not None

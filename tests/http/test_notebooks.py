@@ -29,19 +29,31 @@ def text_of(outputs: list[dict]) -> str:
 
 
 def test_extract_residual_stream_notebook(server, tmp_path, monkeypatch):
-    cells = execute("extract_residual_stream.ipynb", tmp_path, monkeypatch, LENS_MODEL=str(model_path("llama")),
-                    LENS_BASE_URL=server, LENS_API_KEY=KEY)
+    cells = execute(
+        "extract_residual_stream.ipynb",
+        tmp_path,
+        monkeypatch,
+        LENS_MODEL=str(model_path("llama")),
+        LENS_BASE_URL=server,
+        LENS_API_KEY=KEY,
+    )
     out = "\n".join(text_of(c) for c in cells)
     assert re.search(r"shape: \(3, \d+, 128\) layers: \[0, 2, 3\]", out), out
     assert "offline == http (same weights, float32): True" in out, out
     assert out.count("steps: 3") == 2, out  # persistent hook offline: prefill + 2 decode steps per request
-    assert "-0': 3}" in out, out          # and over HTTP, keyed by the engine's request id
+    assert "-0': 3}" in out, out  # and over HTTP, keyed by the engine's request id
 
 
 def test_benchmark_notebook(tmp_path, monkeypatch):
     root = EXAMPLES.parent
-    cells = execute("benchmark.ipynb", tmp_path, monkeypatch, LENS_MODEL=str(model_path("llama")), LENS_LIVE_N="4",
-                    LENS_BENCH_JSON=str(root / "bench/results/2026-12-01-h200-s4b.json"))
+    cells = execute(
+        "benchmark.ipynb",
+        tmp_path,
+        monkeypatch,
+        LENS_MODEL=str(model_path("llama")),
+        LENS_LIVE_N="4",
+        LENS_BENCH_JSON=str(root / "bench/results/2026-12-01-h200-s4b.json"),
+    )
     out = "\n".join(text_of(c) for c in cells)
     assert "plain vLLM (CUDA graphs):" in out and "capture all layers" in out, out
     for arm in ("plain", "capture 1 layer", "steer 1 layer"):
@@ -51,15 +63,22 @@ def test_benchmark_notebook(tmp_path, monkeypatch):
     assert (tmp_path / "bench_gpu.png").stat().st_size > 5000 and (tmp_path / "bench_live.png").stat().st_size > 3000
 
 
-
-
 def test_inspect_demo_notebook(lora_server, tiny_oracle, tmp_path, monkeypatch):  # noqa: F811
     """Activation oracle through the provider: the eval with its controls, then the solver after generate()."""
     from support.servers import LORA_MODEL
 
-    cells = execute("inspect-demo.ipynb", tmp_path, monkeypatch, LENS_MODEL=str(model_path("llama")),
-                    LENS_ORACLE=str(tiny_oracle), LENS_BASE_URL=lora_server, LENS_SERVED_NAME=LORA_MODEL,
-                    LENS_API_KEY=KEY, LENS_LIMIT="8", LENS_ROOT=str(EXAMPLES.parent))
+    cells = execute(
+        "inspect-demo.ipynb",
+        tmp_path,
+        monkeypatch,
+        LENS_MODEL=str(model_path("llama")),
+        LENS_ORACLE=str(tiny_oracle),
+        LENS_BASE_URL=lora_server,
+        LENS_SERVED_NAME=LORA_MODEL,
+        LENS_API_KEY=KEY,
+        LENS_LIMIT="8",
+        LENS_ROOT=str(EXAMPLES.parent),
+    )
     out = "\n".join(text_of(c) for c in cells)
     assert "status: success | samples: 8" in out, out
     for cond in ("real", "shuffled", "none"):

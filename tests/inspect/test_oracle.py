@@ -32,9 +32,9 @@ def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_pat
 
     from inspect_ai import eval as inspect_eval
     from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from inspect_lens.oracle_data import text_window
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(ROOT / "evals"))
     try:
@@ -44,9 +44,14 @@ def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_pat
     from support.servers import LORA_MODEL
 
     name = str(model_path("llama"))
-    [log] = inspect_eval(oracle_task(oracle=str(tiny_oracle), limit=8), model=f"vllm-lens/{LORA_MODEL}",
-                         model_base_url=f"{lora_server}/v1", model_args={"api_key": KEY}, log_dir=str(tmp_path),
-                         display="none")
+    [log] = inspect_eval(
+        oracle_task(oracle=str(tiny_oracle), limit=8),
+        model=f"vllm-lens/{LORA_MODEL}",
+        model_base_url=f"{lora_server}/v1",
+        model_args={"api_key": KEY},
+        log_dir=str(tmp_path),
+        display="none",
+    )
     assert log.status == "success", log.error
     metrics = {m for s in log.results.scores for m in s.metrics}
     assert {"accuracy"} <= metrics and {s.name for s in log.results.scores} >= {"real", "shuffled", "none"}
@@ -84,7 +89,9 @@ def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_pat
             assert m["answers"][cond] == want, (cond, m["answers"], want)
             assert abs(m["answer_logprobs"][cond] - lp) <= 2e-4, (cond, m["answer_logprobs"], lp)
             lps[cond] = lp
-        assert abs(lps["real"] - lps["none"]) > 5e-4  # the injection moves the answer's log-probability (tiny model: a little)
+        assert (
+            abs(lps["real"] - lps["none"]) > 5e-4
+        )  # the injection moves the answer's log-probability (tiny model: a little)
     # the in-process example (one engine: capture on the base model, injection on the LoRA) gives the
     # answers the eval got through the server
     from support.engines import make_engine

@@ -25,20 +25,33 @@ def _turn(*calls):
     from inspect_ai.tool import ToolCall
 
     tcs = [ToolCall(id=f"c{i}", function=f, arguments=a) for i, (f, a) in enumerate(calls)]
-    return ModelOutput(model="mockllm/model", choices=[{
-        "message": ChatMessageAssistant(content="", tool_calls=tcs, model="mockllm/model"), "stop_reason": "tool_calls"}])
+    return ModelOutput(
+        model="mockllm/model",
+        choices=[
+            {
+                "message": ChatMessageAssistant(content="", tool_calls=tcs, model="mockllm/model"),
+                "stop_reason": "tool_calls",
+            }
+        ],
+    )
 
 
 def _scripted_auditor():
     from inspect_ai.model import get_model
 
     outs = [
-        _turn(("set_system_message", {"system_message": "You are a helpful assistant."}),
-              ("send_message", {"message": "the water of people will come"}), ("resume", {})),
+        _turn(
+            ("set_system_message", {"system_message": "You are a helpful assistant."}),
+            ("send_message", {"message": "the water of people will come"}),
+            ("resume", {}),
+        ),
         _turn(("send_message", {"message": "what some we can out other"}), ("resume", {})),
         # back to the target's first answer (M3): turn 2 is gone, turn 1 is replayed, turn 3 is new
-        _turn(("rollback_conversation", {"message_id": "M3"}),
-              ("send_message", {"message": "there when up use your how said"}), ("resume", {})),
+        _turn(
+            ("rollback_conversation", {"message_id": "M3"}),
+            ("send_message", {"message": "there when up use your how said"}),
+            ("resume", {}),
+        ),
         _turn(("end_conversation", {})),
     ]
     auditor = get_model("mockllm/model", custom_outputs=outs)
@@ -63,8 +76,12 @@ def test_petri_audit_with_a_reading_target(lora_server, tiny_oracle, tmp_path): 
     rng = np.random.default_rng(0)
     probe = LinearProbe.fit(rng.normal(size=(64, 128)), np.r_[np.zeros(32), np.ones(32)], layer=LAYER)
     probe_file = probe.save(tmp_path / "probe.json")
-    target = get_model(f"vllm-lens/{LORA_MODEL}", base_url=f"{lora_server}/v1", api_key=KEY,
-                       config=GenerateConfig(max_tokens=6, temperature=0))
+    target = get_model(
+        f"vllm-lens/{LORA_MODEL}",
+        base_url=f"{lora_server}/v1",
+        api_key=KEY,
+        config=GenerateConfig(max_tokens=6, temperature=0),
+    )
     import sys
     from pathlib import Path
 
@@ -73,15 +90,29 @@ def test_petri_audit_with_a_reading_target(lora_server, tiny_oracle, tmp_path): 
         from petri_audit import petri_audit  # the eval users run (Petri's judge left out: no judge model here)
     finally:
         sys.path.pop(0)
-    task = petri_audit(probe=str(probe_file), oracle=str(tiny_oracle), oracle_question="Which topic?",
-                       max_turns=6, seed_instructions="Probe the target.", judge=False)
+    task = petri_audit(
+        probe=str(probe_file),
+        oracle=str(tiny_oracle),
+        oracle_question="Which topic?",
+        max_turns=6,
+        seed_instructions="Probe the target.",
+        judge=False,
+    )
     assert len(task.scorer) == 1  # lens_audit_scores only
-    [log] = inspect_eval(task, model_roles={"auditor": _scripted_auditor(), "target": target}, model=target,
-                         log_dir=str(tmp_path / "logs"), display="none")
+    [log] = inspect_eval(
+        task,
+        model_roles={"auditor": _scripted_auditor(), "target": target},
+        model=target,
+        log_dir=str(tmp_path / "logs"),
+        display="none",
+    )
     assert log.status == "success", log.error and log.error.traceback
     sample = log.samples[0]
     tools = [(e.function, str(e.result)) for e in sample.events if e.event == "tool"]
-    assert [f for f, _ in tools].count("resume") == 3 and ("rollback_conversation", "Rolled back to message_id M3.") in tools
+    assert [f for f, _ in tools].count("resume") == 3 and (
+        "rollback_conversation",
+        "Rolled back to message_id M3.",
+    ) in tools
 
     # the surviving branch: system, user 1, target turn 1 (replayed after the rollback), user 3, target turn 3
     roles = [m.role for m in sample.messages]
@@ -91,8 +122,11 @@ def test_petri_audit_with_a_reading_target(lora_server, tiny_oracle, tmp_path): 
     assert len(readings) == 2 and all(r["layer"] == LAYER and r["probe"] == str(probe_file) for r in readings)
     # the target was called three times (turn 1, turn 2, turn 3): the replay of turn 1 made no call (the
     # other calls to the server are the oracle's: real and shuffled per turn)
-    target_calls = [e for e in sample.events if e.event == "model" and LORA_MODEL in str(e.model)
-                    and e.input and e.input[0].role == "system"]
+    target_calls = [
+        e
+        for e in sample.events
+        if e.event == "model" and LORA_MODEL in str(e.model) and e.input and e.input[0].role == "system"
+    ]
     assert len(target_calls) == 3
 
     client = LensClient(lora_server, api_key=KEY)
@@ -104,20 +138,32 @@ def test_petri_audit_with_a_reading_target(lora_server, tiny_oracle, tmp_path): 
         gen = reading["token_ids"]
         assert len(gen) >= 2
         direct = client.generate(prompt + gen[:-1], max_tokens=1, temperature=0, capture_layers=[LAYER])
-        rows = direct.activations["residual_stream"][0, len(prompt):len(prompt) + len(gen) - 1]
+        rows = direct.activations["residual_stream"][0, len(prompt) : len(prompt) + len(gen) - 1]
         want = probe.score_tokens(rows.float().numpy())
         np.testing.assert_allclose(reading["token_scores"], np.round(want, 4), atol=2e-4)
         assert reading["score"] == pytest.approx(float(want.mean()), abs=1e-4)
         # the oracle was asked about the turn's mean activation at its source layer
         src = client.generate(prompt + gen[:-1], max_tokens=1, temperature=0, capture_layers=[meta["source_layer"]])
-        vec = src.activations["residual_stream"][0, len(prompt):len(prompt) + len(gen) - 1].float().mean(0, keepdim=True)
+        vec = (
+            src.activations["residual_stream"][0, len(prompt) : len(prompt) + len(gen) - 1]
+            .float()
+            .mean(0, keepdim=True)
+        )
 
         async def ask(vec=vec):
             c = AsyncLensClient(lora_server, api_key=KEY, model=LORA_MODEL)
             try:
-                return await ask_oracle(target, c, meta, vec, question="Which topic?",
-                                        source_layer=meta["source_layer"], placeholder=meta["placeholder"],
-                                        injection_layer=meta.get("injection_layer", 1), controls=("shuffled",))
+                return await ask_oracle(
+                    target,
+                    c,
+                    meta,
+                    vec,
+                    question="Which topic?",
+                    source_layer=meta["source_layer"],
+                    placeholder=meta["placeholder"],
+                    injection_layer=meta.get("injection_layer", 1),
+                    controls=("shuffled",),
+                )
             finally:
                 await c.aclose()
 

@@ -30,16 +30,20 @@ def pp2():
 def _parallel_engine(**parallel):
     from vllm import LLM
 
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1",
-           "PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH"))}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH"))}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     import vllm.envs
 
     vllm.envs.disable_envs_cache()  # earlier engines froze env values; these settings must be read
     try:
-        llm = LLM(str(model_path("llama")), **ENGINE_DEFAULTS,
-                  distributed_executor_backend="mp", enable_prefix_caching=False, **parallel)
+        llm = LLM(
+            str(model_path("llama")),
+            **ENGINE_DEFAULTS,
+            distributed_executor_backend="mp",
+            enable_prefix_caching=False,
+            **parallel,
+        )
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -52,6 +56,7 @@ def _ablate(dim):
         h = h.clone()
         h[:, dim] = 0
         return h
+
     return fn
 
 
@@ -77,11 +82,16 @@ def _lens(ctx, h):
 def test_tp2_capture_steer_hook_and_logit_lens_equal_hf(tp2):
     assert [s["tp_rank"] for s in tp2.collective_rpc("lens_status")] == [0, 1]
     v = torch.randn(1, 128, generator=torch.Generator().manual_seed(5)) * 4
-    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
-        "output_residual_stream": [0, 1, 2, 3],
-        "apply_steering_vectors": [SteeringVector(v, [1])],
-        "apply_hooks": [Hook(_ablate(3), [2]), Hook(_lens, [3])],
-    })
+    sp = SamplingParams(
+        max_tokens=5,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={
+            "output_residual_stream": [0, 1, 2, 3],
+            "apply_steering_vectors": [SteeringVector(v, [1])],
+            "apply_hooks": [Hook(_ablate(3), [2]), Hook(_lens, [3])],
+        },
+    )
     out = tp2.generate([PROMPT], sp, use_tqdm=False)[0]
     ref = _equal_to_hf(out, v, 1, 3, (2,))
     hf = hf_model("llama")
@@ -111,14 +121,20 @@ def test_pp2_stages_merge_by_layer_and_equal_hf(pp2):
     v = torch.randn(1, 128, generator=torch.Generator().manual_seed(8)) * 4
     # a hook on stage 0 reading a parameter of the last stage needs a prefetch: a clear error first
     with pytest.raises(Exception, match="prefetch"):
-        pp2.generate([PROMPT], SamplingParams(max_tokens=2, extra_args={"apply_hooks": [Hook(_lens, [0])]}),
-                     use_tqdm=False)
+        pp2.generate(
+            [PROMPT], SamplingParams(max_tokens=2, extra_args={"apply_hooks": [Hook(_lens, [0])]}), use_tqdm=False
+        )
     assert pp2.prefetch_params(["lm_head.weight", "model.norm.weight"]) == ["lm_head.weight", "model.norm.weight"]
-    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
-        "output_residual_stream": [0, 1, 2, 3],
-        "apply_steering_vectors": [SteeringVector(v, [2])],
-        "apply_hooks": [Hook(_ablate(5), [1, 3]), Hook(_lens, [0])],
-    })
+    sp = SamplingParams(
+        max_tokens=5,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={
+            "output_residual_stream": [0, 1, 2, 3],
+            "apply_steering_vectors": [SteeringVector(v, [2])],
+            "apply_hooks": [Hook(_ablate(5), [1, 3]), Hook(_lens, [0])],
+        },
+    )
     out = pp2.generate([PROMPT], sp, use_tqdm=False)[0]
     ref = _equal_to_hf(out, v, 2, 5, (1, 3))
     hf = hf_model("llama")

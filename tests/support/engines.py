@@ -15,8 +15,9 @@ KV_BYTES = 128 << 20
 # LENS_TEST_COMPILED=1 (a pytest process of its own in scripts/test.sh): every engine of the session runs
 # in vLLM's default compiled mode instead of eager, so the tests under tests/core run on both.
 COMPILED = os.environ.get("LENS_TEST_COMPILED", "") == "1"
-ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=KV_BYTES,
-                       enforce_eager=not COMPILED)
+ENGINE_DEFAULTS = dict(
+    dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=KV_BYTES, enforce_eager=not COMPILED
+)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -17,9 +17,25 @@ PLACEHOLDER = " the"  # one token for the tiny model's tokenizer (" ?" is two th
 @pytest.fixture(scope="session")
 def tiny_oracle(tmp_path_factory):
     out = tmp_path_factory.mktemp("oracle") / "tiny-oracle"
-    proc = subprocess.run([sys.executable, str(ROOT / "examples/activation_oracle_fit.py"), "--model",
-                           str(model_path("llama")), "--source-layer", "2", "--steps", "6", "--placeholder", PLACEHOLDER,
-                           "--out", str(out)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples/activation_oracle_fit.py"),
+            "--model",
+            str(model_path("llama")),
+            "--source-layer",
+            "2",
+            "--steps",
+            "6",
+            "--placeholder",
+            PLACEHOLDER,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out accuracy" in proc.stdout and (out / "oracle.json").exists()
     assert (out / "adapter_config.json").exists()

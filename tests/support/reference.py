@@ -33,8 +33,12 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 Edit = Callable[[int, torch.Tensor], torch.Tensor | None]  # (layer, stream (1, T, d)) -> new stream
 
 
-def residuals(model, token_ids: list[int], edit: Edit | None = None,
-              embed_edit: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def residuals(
+    model,
+    token_ids: list[int],
+    edit: Edit | None = None,
+    embed_edit: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(streams (n_layers, T, d) after each layer, logits (T, vocab)) for one sequence.
 
     `embed_edit` changes the stream entering layer 0 (the embeddings), like a layer-0 pre-hook."""
@@ -44,6 +48,7 @@ def residuals(model, token_ids: list[int], edit: Edit | None = None,
     if embed_edit is not None:
         handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: embed_edit(out)))
     for i, layer in enumerate(layers):
+
         def hook(mod, args, out, i=i):
             h = out[0] if isinstance(out, tuple) else out
             if edit is not None:
@@ -54,6 +59,7 @@ def residuals(model, token_ids: list[int], edit: Edit | None = None,
             if isinstance(out, tuple):
                 return (h,) + tuple(out[1:])
             return h
+
         handles.append(layer.register_forward_hook(hook))
     try:
         with torch.no_grad():
@@ -64,19 +70,29 @@ def residuals(model, token_ids: list[int], edit: Edit | None = None,
     return torch.stack(captured), out.logits[0]
 
 
-def greedy(model, prompt_ids: list[int], n_new: int, edit: Edit | None = None,
-           embed_edit: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[int]:
+def greedy(
+    model,
+    prompt_ids: list[int],
+    n_new: int,
+    edit: Edit | None = None,
+    embed_edit: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[int]:
     """Greedy continuation by repeated full forward passes (so `edit` sees every position each time)."""
     ids = list(prompt_ids)
     for _ in range(n_new):
         _, logits = residuals(model, ids, edit, embed_edit)
         ids.append(int(logits[-1].argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
-def steer_edit(layer_vecs: dict[int, torch.Tensor], scale: float = 1.0, norm_match: bool = False,
-               positions: list[int] | None = None) -> Edit:
+def steer_edit(
+    layer_vecs: dict[int, torch.Tensor],
+    scale: float = 1.0,
+    norm_match: bool = False,
+    positions: list[int] | None = None,
+) -> Edit:
     """The documented steering formula, done by hand. `layer_vecs[l]` is (d,) or (n_pos, d)."""
+
     def edit(layer: int, h: torch.Tensor):
         if layer not in layer_vecs:
             return None
@@ -96,11 +112,13 @@ def steer_edit(layer_vecs: dict[int, torch.Tensor], scale: float = 1.0, norm_mat
             vv = vv / vv.norm(dim=-1, keepdim=True) * r.norm(dim=-1, keepdim=True)
         h[0, rows] += scale * vv
         return h
+
     return edit
 
 
 def zero_dim_edit(dim: int, layers: set[int] | tuple[int, ...], steer: Edit | None = None) -> Edit:
     """Zero-ablate residual dimension `dim` after `layers` (after an optional steering edit)."""
+
     def edit(layer: int, h: torch.Tensor):
         if steer is not None:
             steered = steer(layer, h)
@@ -109,6 +127,7 @@ def zero_dim_edit(dim: int, layers: set[int] | tuple[int, ...], steer: Edit | No
             h = h.clone()
             h[..., dim] = 0
         return h
+
     return edit
 
 

@@ -41,11 +41,30 @@ def _serve(*flags: str, plain: bool = False, **env: str) -> str:
     from support.engines import COMPILED
 
     port = _free_port()
-    launcher = ([sys.executable, str(Path(__file__).parent / "plain_serve.py")] if plain
-                else [str(Path(sys.executable).parent / "vllm-lens")])
-    cmd = [*launcher, "serve", str(model_path("llama")), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
-           "--kv-cache-memory-bytes", str(KV_BYTES), *([] if COMPILED else ["--enforce-eager"]), *flags]
+    launcher = (
+        [sys.executable, str(Path(__file__).parent / "plain_serve.py")]
+        if plain
+        else [str(Path(sys.executable).parent / "vllm-lens")]
+    )
+    cmd = [
+        *launcher,
+        "serve",
+        str(model_path("llama")),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--seed",
+        "0",
+        "--kv-cache-memory-bytes",
+        str(KV_BYTES),
+        *([] if COMPILED else ["--enforce-eager"]),
+        *flags,
+    ]
     full_env = dict(os.environ, PYTHONPATH=pythonpath(), VLLM_ENABLE_V1_MULTIPROCESSING="1", **env)
     if plain:
         full_env.pop("VLLM_PLUGINS", None)
@@ -78,8 +97,16 @@ def lora_server():
     """LoRA enabled (rank <= 8) with adapters loadable at runtime; API key set; no remote hooks. Served
     under its own name (LORA_MODEL): Inspect shares one server per model name within a process, so the
     tiny model's path would send these requests to whichever server a test used first."""
-    return _serve("--api-key", KEY, "--enable-lora", "--max-lora-rank", "8", "--served-model-name", LORA_MODEL,
-                  VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+    return _serve(
+        "--api-key",
+        KEY,
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--served-model-name",
+        LORA_MODEL,
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -99,5 +126,3 @@ def _stop_servers():
             p.wait(30)
         except subprocess.TimeoutExpired:
             p.kill()
-
-

@@ -78,8 +78,11 @@ def _ss(value, label):
 
 def test_inspect_metrics():
     rng = np.random.default_rng(5)
-    scores = ([_ss(v, "deceptive") for v in rng.normal(3, 1, 200)] + [_ss(v, "honest") for v in rng.normal(0, 1, 200)]
-              + [_ss(v, "control") for v in rng.normal(0, 1, 1000)])
+    scores = (
+        [_ss(v, "deceptive") for v in rng.normal(3, 1, 200)]
+        + [_ss(v, "honest") for v in rng.normal(0, 1, 200)]
+        + [_ss(v, "control") for v in rng.normal(0, 1, 1000)]
+    )
     assert probe_auroc()(scores) > 0.95
     r = recall_at_fpr(0.01)(scores)
     assert 0.5 < r < 0.95  # threshold ~ 2.33 sigma of the controls; deceptive mean 3 sigma

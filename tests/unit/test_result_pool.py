@@ -89,8 +89,9 @@ def test_a_full_tmpfs_is_an_ordinary_fallback_and_foreign_files_are_refused(monk
     finally:
         pool.close()
     with pytest.raises(ValueError, match="not a result-pool file"):
-        result_pool.view({"path": str(tmp_path / "x-pool1-1"), "offset": 0, "size": 4096, "nbytes": 4,
-                          "shape": [1]}, torch.float32)
+        result_pool.view(
+            {"path": str(tmp_path / "x-pool1-1"), "offset": 0, "size": 4096, "nbytes": 4, "shape": [1]}, torch.float32
+        )
     monkeypatch.setenv("VLLM_LENS_SHM", "0")
     assert shm.host_id() is None
 

@@ -28,8 +28,16 @@ def test_docs_show_the_generated_table():
 
 
 def test_one_parser_for_every_kind(monkeypatch):
-    for raw, want in (("1", True), ("true", True), ("YES", True), ("on", True), ("0", False), ("no", False),
-                      ("", False), (None, False)):
+    for raw, want in (
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        ("on", True),
+        ("0", False),
+        ("no", False),
+        ("", False),
+        (None, False),
+    ):
         assert envs.parse("VLLM_LENS_DISABLE", raw) is want
     assert envs.parse("VLLM_LENS_SHM", None) is True
     with pytest.raises(ValueError, match="VLLM_LENS_DISABLE: expected 1/0"):
@@ -45,8 +53,12 @@ def test_one_parser_for_every_kind(monkeypatch):
     assert envs.limit("VLLM_LENS_SHM_POOL_GB") == 2 << 30  # its default follows the stored limit
     monkeypatch.setenv("VLLM_LENS_SHM_POOL_GB", "0.5")
     assert envs.limit("VLLM_LENS_SHM_POOL_GB") == 1 << 29
-    assert set(envs.limits()) == {"VLLM_LENS_MAX_PAYLOAD_MB", "VLLM_LENS_MAX_CAPTURE_GB", "VLLM_LENS_MAX_STORED_GB",
-                                  "VLLM_LENS_MAX_PERSISTENT_RESULTS"}
+    assert set(envs.limits()) == {
+        "VLLM_LENS_MAX_PAYLOAD_MB",
+        "VLLM_LENS_MAX_CAPTURE_GB",
+        "VLLM_LENS_MAX_STORED_GB",
+        "VLLM_LENS_MAX_PERSISTENT_RESULTS",
+    }
 
 
 def test_serve_flags_come_from_the_table():

@@ -27,14 +27,17 @@ def test_hook_state_as_json():
     assert back["3"] == {"b": None} and back["obj"].startswith("<class")
 
 
-@pytest.mark.parametrize("obj,message", [
-    ({"dtype": "float32", "shape": [2], "b64": "!!"}, "t.b64: not valid base64"),
-    ({"dtype": "float32", "shape": [3], "b64": "AAAAAA=="}, "do not match shape"),
-    ({"dtype": "nope", "shape": [1], "b64": "AAAAAA=="}, "t.dtype"),
-    ({"dtype": "float32", "shape": [-1], "b64": "AAAAAA=="}, "t.shape"),
-    ({"dtype": "float32", "shape": [1], "b64": "AAAAAA==", "compression": "lz4"}, "t.compression"),
-    ([1, 2], "t: expected a tensor object"),
-])
+@pytest.mark.parametrize(
+    "obj,message",
+    [
+        ({"dtype": "float32", "shape": [2], "b64": "!!"}, "t.b64: not valid base64"),
+        ({"dtype": "float32", "shape": [3], "b64": "AAAAAA=="}, "do not match shape"),
+        ({"dtype": "nope", "shape": [1], "b64": "AAAAAA=="}, "t.dtype"),
+        ({"dtype": "float32", "shape": [-1], "b64": "AAAAAA=="}, "t.shape"),
+        ({"dtype": "float32", "shape": [1], "b64": "AAAAAA==", "compression": "lz4"}, "t.compression"),
+        ([1, 2], "t: expected a tensor object"),
+    ],
+)
 def test_malformed_is_a_value_error_naming_the_field(obj, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         tensor_from_json(obj, "t")
@@ -55,9 +58,13 @@ def _original_form(t: torch.Tensor, zstd: bool = True) -> dict:
 
     arr = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     raw = arr.tobytes()
-    return {"data": base64.b64encode(zstandard.ZstdCompressor(level=1).compress(raw) if zstd else raw).decode(),
-            "dtype": str(arr.dtype), "original_dtype": str(t.dtype), "shape": list(arr.shape),
-            "compression": "zstd" if zstd else None}
+    return {
+        "data": base64.b64encode(zstandard.ZstdCompressor(level=1).compress(raw) if zstd else raw).decode(),
+        "dtype": str(arr.dtype),
+        "original_dtype": str(t.dtype),
+        "shape": list(arr.shape),
+        "compression": "zstd" if zstd else None,
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -73,15 +80,24 @@ def test_original_tensor_objects_are_bounded_and_checked():
 
     import zstandard
 
-    bomb = {"data": base64.b64encode(zstandard.ZstdCompressor().compress(bytes(64 << 20))).decode(),
-            "dtype": "float32", "original_dtype": "torch.float32", "shape": [16 << 20], "compression": "zstd"}
+    bomb = {
+        "data": base64.b64encode(zstandard.ZstdCompressor().compress(bytes(64 << 20))).decode(),
+        "dtype": "float32",
+        "original_dtype": "torch.float32",
+        "shape": [16 << 20],
+        "compression": "zstd",
+    }
     assert len(bomb["data"]) < 10_000  # 64 MB of zeros in a few kB
     with pytest.raises(ValueError, match=r"v: decompressed payload exceeds the limit"):
         tensor_from_json(bomb, "v", max_bytes=1 << 20)
     good = _original_form(torch.ones(2, 4))
-    for key, value, match in [("compression", "lz4", r"v.compression"), ("data", "@@", r"v.data: not valid"),
-                              ("original_dtype", "torch.int64", r"v.original_dtype"),
-                              ("dtype", "int16", r"v.dtype"), ("shape", [3, 4], r"v.data: .* do not match")]:
+    for key, value, match in [
+        ("compression", "lz4", r"v.compression"),
+        ("data", "@@", r"v.data: not valid"),
+        ("original_dtype", "torch.int64", r"v.original_dtype"),
+        ("dtype", "int16", r"v.dtype"),
+        ("shape", [3, 4], r"v.data: .* do not match"),
+    ]:
         with pytest.raises(ValueError, match=match):
             tensor_from_json({**good, key: value}, "v", max_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"v.data: not valid zstd"):
@@ -91,8 +107,14 @@ def test_original_tensor_objects_are_bounded_and_checked():
 def test_json_chunks_equal_json_dumps():
     from vllm_worker.protocol import wire
 
-    obj = {"a": [1, 2.5, None, True, 'x"y\\z\n\u00e9\U0001F600' * 3, {"k": []}], "b": {}, "c": [], "d": (1, 2),
-           "big": "q\"\\" * 3_000_000, "t": tensor_to_json(torch.randn(700_000))}
+    obj = {
+        "a": [1, 2.5, None, True, 'x"y\\z\n\u00e9\U0001f600' * 3, {"k": []}],
+        "b": {},
+        "c": [],
+        "d": (1, 2),
+        "big": 'q"\\' * 3_000_000,
+        "t": tensor_to_json(torch.randn(700_000)),
+    }
     assert b"".join(wire.json_chunks(obj)).decode() == json.dumps(obj)
     assert from_jsonable(json.loads(b"".join(wire.json_chunks(obj))))["t"].shape == (700_000,)
     # tensors written lazily (straight from their memory) give exactly tensor_to_json's text

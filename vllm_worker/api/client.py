@@ -77,22 +77,39 @@ def _raise_for(resp: httpx.Response) -> None:
 
 
 def encode_steering(vectors: Sequence[SteeringVector]) -> str:
-    return json.dumps([{
-        "activations": tensor_to_json(v.activations), "layer_indices": list(v.layer_indices),
-        "scale": v.scale, "norm_match": v.norm_match,
-        "position_indices": None if v.position_indices is None else list(v.position_indices),
-    } for v in vectors])
+    return json.dumps(
+        [
+            {
+                "activations": tensor_to_json(v.activations),
+                "layer_indices": list(v.layer_indices),
+                "scale": v.scale,
+                "norm_match": v.norm_match,
+                "position_indices": None if v.position_indices is None else list(v.position_indices),
+            }
+            for v in vectors
+        ]
+    )
 
 
 def encode_hooks(hooks: Sequence[Hook]) -> list[dict]:
     import cloudpickle
 
-    return [{"fn": base64.b64encode(cloudpickle.dumps(h.fn)).decode(), "layer_indices": list(h.layer_indices),
-             "pre": h.pre} for h in hooks]
+    return [
+        {"fn": base64.b64encode(cloudpickle.dumps(h.fn)).decode(), "layer_indices": list(h.layer_indices), "pre": h.pre}
+        for h in hooks
+    ]
 
 
-def build_request(model: str, prompt: Any, messages: Any, max_tokens: int, capture_layers: Any,
-                  steering_vectors: Any, hooks: Any, sampling: dict) -> tuple[str, dict]:
+def build_request(
+    model: str,
+    prompt: Any,
+    messages: Any,
+    max_tokens: int,
+    capture_layers: Any,
+    steering_vectors: Any,
+    hooks: Any,
+    sampling: dict,
+) -> tuple[str, dict]:
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
     xargs: dict[str, Any] = dict(sampling.pop("vllm_xargs", None) or {})
@@ -122,8 +139,14 @@ def decode_activations(response: dict) -> list[dict[str, Any] | None]:
         acts = c.get("activations")
         if acts is None and i == 0:
             acts = response.get("activations")
-        out.append(None if acts is None else {"residual_stream": from_jsonable(acts["residual_stream"]),
-                                              "layers": list(from_jsonable(acts["layers"]))})
+        out.append(
+            None
+            if acts is None
+            else {
+                "residual_stream": from_jsonable(acts["residual_stream"]),
+                "layers": list(from_jsonable(acts["layers"])),
+            }
+        )
     return out
 
 
@@ -134,12 +157,18 @@ def parse_response(resp: dict) -> LensResult:
         text = c["message"].get("content") or "" if "message" in c else c.get("text", "")
         if i == 0 and "hook_results" not in c and "hook_results" in resp:  # the original's form
             c = dict(c, hook_results=resp["hook_results"])
-        results.append(LensResult(
-            text=text, token_ids=list(c.get("token_ids") or []),
-            prompt_token_ids=list(c.get("prompt_token_ids") or resp.get("prompt_token_ids") or []),
-            activations=acts,
-            hook_results=from_jsonable(c["hook_results"]) if "hook_results" in c else None,
-            finish_reason=c.get("finish_reason"), logprobs=c.get("logprobs"), raw=c))
+        results.append(
+            LensResult(
+                text=text,
+                token_ids=list(c.get("token_ids") or []),
+                prompt_token_ids=list(c.get("prompt_token_ids") or resp.get("prompt_token_ids") or []),
+                activations=acts,
+                hook_results=from_jsonable(c["hook_results"]) if "hook_results" in c else None,
+                finish_reason=c.get("finish_reason"),
+                logprobs=c.get("logprobs"),
+                raw=c,
+            )
+        )
     first = results[0]
     first.choices = results
     first.raw = resp
@@ -156,8 +185,9 @@ class _Base:
 class LensClient(_Base):
     """Synchronous client."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
-                 timeout: float = 600.0) -> None:
+    def __init__(
+        self, base_url: str, api_key: str | None = None, model: str | None = None, timeout: float = 600.0
+    ) -> None:
         super().__init__(base_url, api_key, model)
         self._http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=timeout)
 
@@ -173,11 +203,20 @@ class LensClient(_Base):
             self.model = resp.json()["data"][0]["id"]
         return self.model
 
-    def generate(self, prompt: Any = None, *, messages: Any = None, max_tokens: int = 16,
-                 capture_layers: Sequence[int] | None = None, steering_vectors: Sequence[SteeringVector] | None = None,
-                 hooks: Sequence[Hook] | None = None, **sampling: Any) -> LensResult:
-        path, body = build_request(self._model(), prompt, messages, max_tokens, capture_layers,
-                                   steering_vectors, hooks, sampling)
+    def generate(
+        self,
+        prompt: Any = None,
+        *,
+        messages: Any = None,
+        max_tokens: int = 16,
+        capture_layers: Sequence[int] | None = None,
+        steering_vectors: Sequence[SteeringVector] | None = None,
+        hooks: Sequence[Hook] | None = None,
+        **sampling: Any,
+    ) -> LensResult:
+        path, body = build_request(
+            self._model(), prompt, messages, max_tokens, capture_layers, steering_vectors, hooks, sampling
+        )
         return parse_response(self._post(path, body))
 
     def chat(self, messages: Any, **kwargs: Any) -> LensResult:
@@ -189,12 +228,17 @@ class LensClient(_Base):
         body = {"model": self._model(), "prompt": text, "add_special_tokens": add_special_tokens}
         return list(self._post("/tokenize", body)["tokens"])
 
-    def tokenize_chat(self, messages: Any, add_generation_prompt: bool = True,
-                      continue_final_message: bool = False) -> list[int]:
+    def tokenize_chat(
+        self, messages: Any, add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> list[int]:
         """Token ids of `messages` through the served model's chat template (what `chat` would send);
         `continue_final_message`: the last message's turn left open (its text is the prompt's tail)."""
-        body = {"model": self._model(), "messages": messages, "add_generation_prompt": add_generation_prompt,
-                "continue_final_message": continue_final_message}
+        body = {
+            "model": self._model(),
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
         return list(self._post("/tokenize", body)["tokens"])
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -235,8 +279,9 @@ class LensClient(_Base):
 class AsyncLensClient(_Base):
     """The async twin of `LensClient` (same methods, awaitable)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
-                 timeout: float = 600.0) -> None:
+    def __init__(
+        self, base_url: str, api_key: str | None = None, model: str | None = None, timeout: float = 600.0
+    ) -> None:
         super().__init__(base_url, api_key, model)
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout)
 
@@ -252,12 +297,20 @@ class AsyncLensClient(_Base):
             self.model = resp.json()["data"][0]["id"]
         return self.model
 
-    async def generate(self, prompt: Any = None, *, messages: Any = None, max_tokens: int = 16,
-                       capture_layers: Sequence[int] | None = None,
-                       steering_vectors: Sequence[SteeringVector] | None = None,
-                       hooks: Sequence[Hook] | None = None, **sampling: Any) -> LensResult:
-        path, body = build_request(await self._model(), prompt, messages, max_tokens, capture_layers,
-                                   steering_vectors, hooks, sampling)
+    async def generate(
+        self,
+        prompt: Any = None,
+        *,
+        messages: Any = None,
+        max_tokens: int = 16,
+        capture_layers: Sequence[int] | None = None,
+        steering_vectors: Sequence[SteeringVector] | None = None,
+        hooks: Sequence[Hook] | None = None,
+        **sampling: Any,
+    ) -> LensResult:
+        path, body = build_request(
+            await self._model(), prompt, messages, max_tokens, capture_layers, steering_vectors, hooks, sampling
+        )
         return parse_response(await self._post(path, body))
 
     async def chat(self, messages: Any, **kwargs: Any) -> LensResult:
@@ -267,10 +320,15 @@ class AsyncLensClient(_Base):
         body = {"model": await self._model(), "prompt": text, "add_special_tokens": add_special_tokens}
         return list((await self._post("/tokenize", body))["tokens"])
 
-    async def tokenize_chat(self, messages: Any, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
-        body = {"model": await self._model(), "messages": messages, "add_generation_prompt": add_generation_prompt,
-                "continue_final_message": continue_final_message}
+    async def tokenize_chat(
+        self, messages: Any, add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> list[int]:
+        body = {
+            "model": await self._model(),
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
         return list((await self._post("/tokenize", body))["tokens"])
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:

@@ -45,7 +45,10 @@ class Hook(BaseModel):
             raise ValueError(f"expected a callable fn(ctx, h), got {type(v).__name__}")
         return v
 
-    _layers = field_validator("layer_indices", mode="before")(staticmethod(layer_indices))
+    @field_validator("layer_indices", mode="before")
+    @classmethod
+    def _layers(cls, v: Any) -> list[int]:
+        return layer_indices(v)
 
     @field_serializer("fn")
     def _dump_fn(self, fn: Callable) -> str:
@@ -86,15 +89,17 @@ class HookContext:
 
 class HookError(RuntimeError):
     """One or more requests failed: their hook raised or returned something invalid, or (rarely) our
-    own code failed for them (the message says "inspect-lens internal error" and the stage).
+    own code failed for them (the message says "inspect-lens internal error" and the stage; `internal` is
+    True when every failure is ours).
 
     `failures` maps request id -> message with the hook's traceback; `outputs` holds every output of
     the call (failed ones included, with `.hook_error` set) so batch-mates' results are not lost."""
 
-    def __init__(self, failures: dict[str, str], outputs: list | None = None) -> None:
+    def __init__(self, failures: dict[str, str], outputs: list | None = None, internal: bool = False) -> None:
         self.failures = failures
         self.outputs = outputs
+        self.internal = internal  # every failure is our own code's, none the caller's hook
         lines = [f"request {rid}: {msg}" for rid, msg in failures.items()]
-        internal = all("inspect-lens internal error" in m for m in failures.values())
-        super().__init__(("inspect-lens request failed\n" if internal else "inspect-lens hook failed\n")
-                         + "\n".join(lines))
+        super().__init__(
+            ("inspect-lens request failed\n" if internal else "inspect-lens hook failed\n") + "\n".join(lines)
+        )

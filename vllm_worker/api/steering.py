@@ -8,12 +8,12 @@ served model (d_model, layer range, prompt length, finite values) happen when a 
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, StrictBool, field_serializer, field_validator
 
+from vllm_worker.protocol.checks import finite_number, int_list
 from vllm_worker.protocol.wire import tensor_from_json, tensor_to_json
 
 # A tensor object inside a model_validate() input is bounded like one arriving over HTTP.
@@ -25,18 +25,6 @@ def layer_indices(value: Any) -> list[int]:
     out = int_list(value, "layer_indices")
     if not out:
         raise ValueError("layer_indices: empty")
-    return out
-
-
-def int_list(value: Any, field: str) -> list[int]:
-    if isinstance(value, torch.Tensor):
-        value = value.tolist()
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise ValueError(f"{field}: expected a list of ints, got {type(value).__name__}")
-    out = list(value)
-    for x in out:
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise ValueError(f"{field}: expected ints, got {x!r}")
     return out
 
 
@@ -66,10 +54,23 @@ class SteeringVector(BaseModel):
     norm_match: StrictBool = False
     position_indices: Optional[list[int]] = None
 
-    def __init__(self, activations: Any = None, layer_indices: Any = None, scale: Any = 1.0,
-                 norm_match: Any = False, position_indices: Any = None, **kwargs: Any) -> None:
-        super().__init__(activations=activations, layer_indices=layer_indices, scale=scale,
-                         norm_match=norm_match, position_indices=position_indices, **kwargs)
+    def __init__(
+        self,
+        activations: Any = None,
+        layer_indices: Any = None,
+        scale: Any = 1.0,
+        norm_match: Any = False,
+        position_indices: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            activations=activations,
+            layer_indices=layer_indices,
+            scale=scale,
+            norm_match=norm_match,
+            position_indices=position_indices,
+            **kwargs,
+        )
 
     @field_validator("activations", mode="before")
     @classmethod
@@ -82,7 +83,10 @@ class SteeringVector(BaseModel):
             raise ValueError(f"expected a floating-point tensor, got {v.dtype}")
         return v
 
-    _layers = field_validator("layer_indices", mode="before")(staticmethod(layer_indices))
+    @field_validator("layer_indices", mode="before")
+    @classmethod
+    def _layers(cls, v: Any) -> list[int]:
+        return layer_indices(v)
 
     @field_validator("position_indices", mode="before")
     @classmethod
@@ -92,13 +96,7 @@ class SteeringVector(BaseModel):
     @field_validator("scale", mode="before")
     @classmethod
     def _scale(cls, v: Any) -> float:
-        try:
-            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-        except OverflowError:  # an int too large for a float
-            ok = False
-        if not ok:
-            raise ValueError(f"expected a finite number, got {str(v)[:40]!r}")
-        return float(v)
+        return finite_number(v, "scale")
 
     @field_serializer("activations")
     def _dump_tensor(self, v: torch.Tensor) -> dict:
@@ -107,9 +105,13 @@ class SteeringVector(BaseModel):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SteeringVector):
             return NotImplemented
-        return (self.layer_indices == other.layer_indices and self.scale == other.scale
-                and self.norm_match == other.norm_match and self.position_indices == other.position_indices
-                and self.activations.shape == other.activations.shape
-                and torch.equal(self.activations.cpu(), other.activations.cpu()))
+        return (
+            self.layer_indices == other.layer_indices
+            and self.scale == other.scale
+            and self.norm_match == other.norm_match
+            and self.position_indices == other.position_indices
+            and self.activations.shape == other.activations.shape
+            and torch.equal(self.activations.cpu(), other.activations.cpu())
+        )
 
     __hash__ = object.__hash__

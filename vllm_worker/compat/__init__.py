@@ -8,19 +8,8 @@ worker's model runner and CUDA-graph dispatch), `model` (decoder-layer layout, p
 `cpu_lora` (a vLLM-CPU LoRA fix). `tests/engine/test_adapter.py` exercises each against the installed vLLM.
 """
 
-
-from vllm_worker.compat.version import (  # noqa: F401
-    LensIncompatibleVLLM,
-    SUPPORTED,
-    check_version,
-    require,
-    vllm_version,
-    wrap,
-)
-from vllm_worker.compat.errors import (  # noqa: F401
-    capacity_error_cls,
-    forbidden_error_cls,
-    validation_error_cls,
+from vllm_worker.compat.cpu_lora import (  # noqa: F401
+    patch_cpu_lora_no_adapter_rows,
 )
 from vllm_worker.compat.engine import (  # noqa: F401
     add_llm_methods,
@@ -33,9 +22,27 @@ from vllm_worker.compat.engine import (  # noqa: F401
     patch_engine_args,
     patch_splitting_ops,
 )
-from vllm_worker.compat.requests import (  # noqa: F401
+from vllm_worker.compat.errors import (  # noqa: F401
+    capacity_error_cls,
+    forbidden_error_cls,
+    validation_error_cls,
+)
+from vllm_worker.compat.model import (  # noqa: F401
+    decoder_layers,
+    full_parameter,
+    layer_inputs,
+    pp_share,
+    residual_parts,
+)
+from vllm_worker.compat.request_ids import (  # noqa: F401
+    child_index,
+    external_request_id,
+    server_request_id,
+)
+from vllm_worker.compat.requests import (  # noqa: F401  # noqa: F401
     async_llm_cls,
     input_processor_cls,
+    input_processor_of,
     llm_engine_cls,
     model_capture_limits,
     model_shape,
@@ -53,11 +60,6 @@ from vllm_worker.compat.requests import (  # noqa: F401
     rpc,
     rpc_async,
     set_request_cache_salt,
-)
-from vllm_worker.compat.request_ids import (  # noqa: F401
-    child_index,
-    external_request_id,
-    server_request_id,
 )
 from vllm_worker.compat.runner import (  # noqa: F401
     batch_layout,
@@ -77,13 +79,11 @@ from vllm_worker.compat.runner import (  # noqa: F401
     runner_model,
     tp_rank,
 )
-from vllm_worker.compat.model import (  # noqa: F401
-    decoder_layers,
-    full_parameter,
-    layer_inputs,
-    pp_share,
-    residual_parts,
-)
-from vllm_worker.compat.cpu_lora import (  # noqa: F401
-    patch_cpu_lora_no_adapter_rows,
+from vllm_worker.compat.version import (  # noqa: F401
+    SUPPORTED,
+    LensIncompatibleVLLM,
+    check_version,
+    require,
+    vllm_version,
+    wrap,
 )

@@ -32,17 +32,21 @@ def patch_cpu_lora_no_adapter_rows() -> None:
             n = min(out.shape[0], idx.shape[0])
             mask = none[:n]
             keep = out[:n, cols][mask].clone()
-            args = list(args)
-            args[index_arg] = idx.clamp(min=0)
-            result = orig(*args, **kwargs)
+            call = list(args)
+            call[index_arg] = idx.clamp(min=0)
+            result = orig(*call, **kwargs)
             view = out[:n, cols]
             view[mask] = keep  # rows without an adapter: exactly what they held before
             return result
+
         return wrapper
 
     # (function, position of the index tensor, position of the output tensor, output columns it writes)
-    specs = {"bgmv_shrink": (3, 2, None), "bgmv_expand": (3, 2, None),
-             "bgmv_expand_slice": (3, 2, lambda a: slice(a[4], a[4] + a[5]))}
+    specs = {
+        "bgmv_shrink": (3, 2, None),
+        "bgmv_expand": (3, 2, None),
+        "bgmv_expand_slice": (3, 2, lambda a: slice(a[4], a[4] + a[5])),
+    }
     for name, (ii, oi, cols) in specs.items():
         orig = require(ops, name, "vllm.lora.ops.torch_ops")
         if getattr(orig, "__lens_wrapped__", False):
@@ -51,7 +55,9 @@ def patch_cpu_lora_no_adapter_rows() -> None:
         functools.update_wrapper(new, orig)
         new.__lens_wrapped__ = True  # type: ignore[attr-defined]
         if require(pcpu, name, "vllm.lora.punica_wrapper.punica_cpu") is not orig:
-            raise LensIncompatibleVLLM(f"vLLM internal moved: punica_cpu.{name} is no longer torch_ops.{name}; "
-                                       "rows without a LoRA adapter could get one (see adapter.py)")
+            raise LensIncompatibleVLLM(
+                f"vLLM internal moved: punica_cpu.{name} is no longer torch_ops.{name}; "
+                "rows without a LoRA adapter could get one (see adapter.py)"
+            )
         setattr(ops, name, new)
         setattr(pcpu, name, new)  # imported by name into the CPU wrapper's module

@@ -32,9 +32,11 @@ def force_v1_model_runner() -> None:
         return  # this vLLM has no V2 runner
     value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
     if value in ("1", "true"):
-        raise LensIncompatibleVLLM("inspect-lens hooks the V1 model runner; VLLM_USE_V2_MODEL_RUNNER=1 would make "
-                                   "every capture/steering request a silent no-op. Unset it, or set "
-                                   "VLLM_LENS_DISABLE=1 to run without the plugin.")
+        raise LensIncompatibleVLLM(
+            "inspect-lens hooks the V1 model runner; VLLM_USE_V2_MODEL_RUNNER=1 would make "
+            "every capture/steering request a silent no-op. Unset it, or set "
+            "VLLM_LENS_DISABLE=1 to run without the plugin."
+        )
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 

@@ -4,10 +4,11 @@ plain `ValueError` / `PermissionError` subclasses."""
 from __future__ import annotations
 
 import functools
+from typing import Any, cast
 
 
 @functools.cache
-def validation_error_cls() -> type[ValueError]:
+def validation_error_cls() -> Any:
     """A `ValueError` that vLLM's API server also maps to HTTP 400 (a plain ValueError raised while
     adding a request becomes a 500 with an empty message there)."""
     try:
@@ -41,10 +42,10 @@ def _graceful_error_cls(base: type[Exception], status: str, name: str) -> type[E
 @functools.cache
 def forbidden_error_cls() -> type[PermissionError]:
     """A `PermissionError` that vLLM's API server maps to HTTP 403."""
-    return _graceful_error_cls(PermissionError, "FORBIDDEN", "LensForbidden")
+    return cast("type[PermissionError]", _graceful_error_cls(PermissionError, "FORBIDDEN", "LensForbidden"))
 
 
 @functools.cache
 def capacity_error_cls() -> type[ValueError]:
     """A `ValueError` (offline) that vLLM's API server maps to HTTP 503: admission refused for now."""
-    return _graceful_error_cls(ValueError, "SERVICE_UNAVAILABLE", "LensCapacity")
+    return cast("type[ValueError]", _graceful_error_cls(ValueError, "SERVICE_UNAVAILABLE", "LensCapacity"))

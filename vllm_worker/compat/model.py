@@ -93,7 +93,7 @@ def full_parameter(model: torch.nn.Module, name: str) -> torch.Tensor:
     full = tensor_model_parallel_all_gather(param.data.contiguous(), dim=dim)
     org = getattr(owner, "org_vocab_size", None)
     if org is not None and dim == 0:
-        full = full[: org]
+        full = full[:org]
     return full
 
 

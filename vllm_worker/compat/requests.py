@@ -132,6 +132,15 @@ def processor_of_llm(llm: Any) -> Any:
     return require(engine, "input_processor", "LLMEngine")
 
 
+def input_processor_of(obj: Any) -> Any:
+    """The `InputProcessor` of an `LLM`, `LLMEngine`, `AsyncLLM` / engine client, or the processor itself."""
+    if isinstance(obj, input_processor_cls()):
+        return obj
+    if hasattr(obj, "input_processor"):
+        return obj.input_processor
+    return processor_of_llm(obj)
+
+
 def processor_of_llm_engine(engine: Any) -> Any:
     return require(engine, "input_processor", "LLMEngine")
 
@@ -144,7 +153,7 @@ def llm_engine_cls() -> type:
     return LLMEngine
 
 
-def async_llm_cls() -> type:
+def async_llm_cls() -> Any:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     require(AsyncLLM, "generate", "AsyncLLM")

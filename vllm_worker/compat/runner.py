@@ -186,8 +186,9 @@ def ensure_pp_buffers(runner: Any) -> None:
         return
     model = runner_model(runner)
     make = require(model, "make_empty_intermediate_tensors", type(model).__name__)
-    runner.intermediate_tensors = make(batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype,
-                                       device=runner.device)
+    runner.intermediate_tensors = make(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+    )
 
 
 def iter_stage_layers(runner: Any) -> Iterator[tuple[int, torch.nn.Module]]:
@@ -207,9 +208,12 @@ def graph_taps_unsupported() -> str | None:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError as e:
         return f"vLLM internal moved: {e}"
-    for cls, name in ((CompilationConfig, "compute_hash"), (CompilationConfig, "set_splitting_ops_for_v1"),
-                      (CudagraphDispatcher, "dispatch"),
-                      (GPUModelRunner, "_determine_batch_execution_and_padding")):
+    for cls, name in (
+        (CompilationConfig, "compute_hash"),
+        (CompilationConfig, "set_splitting_ops_for_v1"),
+        (CudagraphDispatcher, "dispatch"),
+        (GPUModelRunner, "_determine_batch_execution_and_padding"),
+    ):
         if not hasattr(cls, name):
             return f"vLLM internal moved: {cls.__qualname__}.{name} not found"
     if "invalid_modes" not in inspect.signature(CudagraphDispatcher.dispatch).parameters:

@@ -6,15 +6,17 @@ attached to its outputs. `llm_methods`: persistent hooks as methods of `vllm.LLM
 """
 
 from vllm_worker.frontend.requests import (  # noqa: F401
-    CONSUMER_ATTR,
+    FrontendState,
     Pending,
     PendingMap,
+    consumer_of,
     forget,
     in_flight_bytes,
     mark_consumer,
     mark_engine_consumer,
     on_new_request,
     pending_count,
+    state_of,
 )
 from vllm_worker.frontend.results import (  # noqa: F401
     TIMINGS,

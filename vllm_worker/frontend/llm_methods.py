@@ -1,11 +1,11 @@
 """Persistent (Garçon-style) hooks on an offline `vllm.LLM`: registered once, fired on every request.
 
-    llm.register_hooks([Hook(fn, [3])])           # appends
-    llm.generate(...)                              # every request runs them
-    llm.collect_hook_results()                     # {request_id: {"0": saved, ...}}, non-destructive
-    llm.clear_hook_results()                       # keeps the hooks
-    llm.clear_hooks()                              # removes hooks and results
-    llm.prefetch_params(["lm_head.weight"]) / llm.clear_prefetched()
+llm.register_hooks([Hook(fn, [3])])           # appends
+llm.generate(...)                              # every request runs them
+llm.collect_hook_results()                     # {request_id: {"0": saved, ...}}, non-destructive
+llm.clear_hook_results()                       # keeps the hooks
+llm.clear_hooks()                              # removes hooks and results
+llm.prefetch_params(["lm_head.weight"]) / llm.clear_prefetched()
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from vllm_worker import compat
 from vllm_worker.api.hooks import Hook
+from vllm_worker.frontend.requests import state_of
 from vllm_worker.protocol.spec import ModelShape, parse_hooks
 
 
@@ -27,7 +28,7 @@ def register_hooks(self: Any, hooks: Sequence[Hook], prefetch_params: Sequence[s
     if prefetch_params:
         self.prefetch_params(prefetch_params)
     counts = compat.rpc(self, "lens_register_hooks", [(h.fn, h.layers, h.pre) for h in specs])
-    self._lens_persistent_hooks = True
+    state_of(self).persistent_hooks = True
     return counts[0]
 
 
@@ -43,7 +44,7 @@ def clear_hook_results(self: Any) -> None:
 
 def clear_hooks(self: Any) -> None:
     compat.rpc(self, "lens_clear_hooks")
-    self._lens_persistent_hooks = False
+    state_of(self).persistent_hooks = False
 
 
 def prefetch_params(self: Any, names: Sequence[str]) -> list[str]:
@@ -56,5 +57,7 @@ def clear_prefetched(self: Any) -> None:
     compat.rpc(self, "lens_clear_prefetched")
 
 
-METHODS = {f.__name__: f for f in (register_hooks, collect_hook_results, clear_hook_results, clear_hooks,
-                                   prefetch_params, clear_prefetched)}
+METHODS = {
+    f.__name__: f
+    for f in (register_hooks, collect_hook_results, clear_hook_results, clear_hooks, prefetch_params, clear_prefetched)
+}

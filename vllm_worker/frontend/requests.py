@@ -4,7 +4,7 @@ and an entry in the pending map until its results are fetched (`results`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_worker import compat
@@ -30,12 +30,13 @@ class Pending:
     reserved: int = 0  # bytes of capture at its largest, counted against VLLM_LENS_MAX_STORED_GB
 
 
-CONSUMER_ATTR = "_lens_consumer"
-
-
 def mark_consumer(processor: Any, who: str) -> None:
     """Record who hands results back to callers for this engine (`offline` LLM or the `http` plugin)."""
-    setattr(processor, CONSUMER_ATTR, who)
+    state_of(processor).consumer = who
+
+
+def consumer_of(processor: Any) -> str | None:
+    return state_of(processor).consumer
 
 
 class PendingMap(dict):
@@ -63,11 +64,35 @@ class PendingMap(dict):
         self.pop(key)
 
 
+@dataclass
+class FrontendState:
+    """Everything the plugin keeps for one engine in the frontend. It lives on the engine's input processor,
+    the one object that `LLM`, `LLMEngine`, `AsyncLLM`, the HTTP server and every new request all reach,
+    under one attribute (`STATE_ATTR`): no other `_lens_*` attribute is set on vLLM's objects here."""
+
+    pending: PendingMap = field(default_factory=lambda: PendingMap())
+    consumer: str | None = None  # who hands results back: "offline", "engine", "async" or "http"
+    pools: set[str] = field(default_factory=set)  # ids of the workers' result pools (learnt from fetches)
+    shm_everywhere: bool | None = None  # every worker shares this machine (asked once)
+    persistent_hooks: bool = False  # `llm.register_hooks` ran: every request's outputs may carry errors
+
+
+STATE_ATTR = "_inspect_lens"
+
+
+def state_of(obj: Any) -> FrontendState:
+    """The plugin's state of the engine behind `obj` (an input processor, `LLM`, `LLMEngine`, `AsyncLLM` or
+    API-server engine client), made on first use."""
+    proc = compat.input_processor_of(obj)
+    st = proc.__dict__.get(STATE_ATTR)
+    if st is None:
+        st = FrontendState()
+        setattr(proc, STATE_ATTR, st)
+    return st
+
+
 def pending_of(processor: Any) -> PendingMap:
-    p = getattr(processor, "_lens_pending", None)
-    if p is None:
-        p = processor._lens_pending = PendingMap()
-    return p
+    return state_of(processor).pending
 
 
 def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
@@ -100,7 +125,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     if spec.capture or spec.hooks:
         # Every captured / hooked position must run a forward pass: don't read cached KV.
         sp.skip_reading_prefix_cache = True
-    consumer = getattr(processor, CONSUMER_ATTR, None)
+    consumer = consumer_of(processor)
     if spec.wants_results or consumer is not None:
         # with a consumer every request is fetched at the end, steering-only ones too: a failure of our
         # own code is then reported to the request it hit instead of passing unnoticed
@@ -111,7 +136,8 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
                 "output_residual_stream/apply_hooks: this engine has no inspect-lens consumer for results; "
                 "use vllm.LLM, LLMEngine.add_request/step or AsyncLLM(Engine).generate, or serve with "
                 "`vllm-lens serve` (or set VLLM_PLUGINS=inspect_lens_worker,inspect_lens_http for `vllm serve`)",
-                parameter="vllm_xargs")
+                parameter="vllm_xargs",
+            )
         reserved = _admit_capture(processor, spec.capture, compat.request_prompt_len(req), sp, d_model)
         pending_of(processor)[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model, reserved)
     salt = cache_salt(spec)
@@ -135,14 +161,17 @@ def _admit_capture(processor: Any, layers: list[int], prompt_len: int, sp: Any, 
             f"{CAPTURE_KEY}: this capture needs up to {need / 2**30:.2f} GiB ({len(layers)} layers x {positions} "
             f"positions x d_model {d_model} x n {sp.n}), above the server's per-request limit of "
             f"{per_request / 2**30:.2f} GiB (VLLM_LENS_MAX_CAPTURE_GB); capture fewer layers, lower max_tokens "
-            "or split the request", parameter=f"vllm_xargs.{CAPTURE_KEY}")
+            "or split the request",
+            parameter=f"vllm_xargs.{CAPTURE_KEY}",
+        )
     total = limit("VLLM_LENS_MAX_STORED_GB")
     in_flight = in_flight_bytes(processor)
     if in_flight + need > total:
         raise compat.capacity_error_cls()(
             f"{CAPTURE_KEY}: captures in flight would reach {(in_flight + need) / 2**30:.2f} GiB, above the "
             f"server's limit of {total / 2**30:.2f} GiB (VLLM_LENS_MAX_STORED_GB); retry when earlier "
-            "requests have returned")
+            "requests have returned"
+        )
     return need
 
 
@@ -168,23 +197,12 @@ def pending_count(processor: Any) -> int:
 
 
 def result_pools(engine: Any) -> set[str]:
-    """Ids of the result pools of this engine's workers (learnt from fetched results), kept on its input
-    processor — the object both the fetch and each new request see."""
-    proc = getattr(engine, "input_processor", None)
-    if proc is None:
-        proc = getattr(getattr(engine, "llm_engine", None), "input_processor", None) or engine
-    got = getattr(proc, "_lens_pools", None)
-    if got is None:
-        got = set()
-        try:
-            proc._lens_pools = got
-        except AttributeError:
-            pass
-    return got
+    """Ids of the result pools of this engine's workers (learnt from fetched results)."""
+    return state_of(engine).pools
 
 
 def mark_engine_consumer(processor: Any, who: str) -> None:
     """A caller driving the engine directly (`LLMEngine.add_request`, `AsyncLLM.generate`) becomes the
     consumer of results unless an `LLM` or the HTTP server already is."""
-    if getattr(processor, CONSUMER_ATTR, None) is None:
+    if consumer_of(processor) is None:
         mark_consumer(processor, who)

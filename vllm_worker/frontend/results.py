@@ -5,14 +5,15 @@ the outputs of `LLM.generate`, `LLMEngine.step` and `AsyncLLM.generate`."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Generator
 
 import torch
 
 from vllm_worker import compat
-from vllm_worker.envs import limit
 from vllm_worker.api.hooks import HookError
-from vllm_worker.frontend.requests import CONSUMER_ATTR, Pending, pending_of, result_pools
+from vllm_worker.envs import limit
+from vllm_worker.frontend.requests import Pending, consumer_of, pending_of, result_pools, state_of
+from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
 from vllm_worker.protocol.wire import dtype_from_name, tensor_from_bytes
 from vllm_worker.transport import result_pool, shm
 
@@ -25,8 +26,9 @@ FETCH_GROUP_BYTES = 512 << 20  # per RPC round trip when results travel inside t
 FETCH_GROUP_SHM_BYTES = limit("VLLM_LENS_FETCH_GROUP_SHM_GB")
 
 
-def fetch_groups(todo: list[tuple[Pending, dict[int, int]]],
-                 shm_ok: bool = False) -> list[list[tuple[str, dict[int, int]]]]:
+def fetch_groups(
+    todo: list[tuple[Pending, dict[int, int]]], shm_ok: bool = False
+) -> list[list[tuple[str, dict[int, int]]]]:
     """Split `lens_fetch` arguments into RPC round trips of bounded estimated size (`shm_ok`: every worker
     shares this machine, so results come back as shared-memory files and the reply holds only names)."""
     cap = FETCH_GROUP_SHM_BYTES if shm_ok else FETCH_GROUP_BYTES
@@ -59,30 +61,34 @@ def merge_fetched(merged: dict[str, dict], rank_results: list) -> None:
 TIMINGS = {"fetch_rpc_s": 0.0, "decode_s": 0.0}
 
 
-def _shm_everywhere(engine: Any, hosts: list | None = None) -> bool:
-    """Every worker of `engine` shares this machine (results then travel as shared-memory files): asked
-    once per engine. A worker on another node returns results inside the RPC reply, which must stay small."""
-    got = getattr(engine, "_lens_shm_everywhere", None)
-    if got is None:
-        if hosts is None:
-            hosts = compat.rpc(engine, "lens_host_id")
-        mine = shm.host_id()
-        got = mine is not None and all(h == mine for h in hosts)
-        try:
-            engine._lens_shm_everywhere = got
-        except AttributeError:
-            return got
-    return got
+def _fetch_rounds(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> Generator[tuple, Any, dict]:
+    """The one fetch loop, for the sync and async paths alike: yields each RPC call `(method, *args)` to
+    make, is sent the ranks' answers, returns the merged results. Asks once per engine whether every worker
+    shares this machine (results then travel through the shared-memory result pool; a worker on another
+    node returns them inside the RPC reply, which must stay small)."""
+    host = shm.host_id()
+    state = state_of(engine)
+    everywhere = state.shm_everywhere
+    if host is not None and everywhere is None:
+        hosts = yield ("lens_host_id",)
+        everywhere = state.shm_everywhere = all(h == host for h in hosts)
+    merged: dict[str, dict] = {}
+    pools = state.pools
+    for group in fetch_groups(todo, host is not None and bool(everywhere)):
+        merge_fetched(merged, (yield ("lens_fetch", group, host, result_pool.take_released(pools))))
+    pools |= result_pool.pools_of(merged)
+    return merged
 
 
 def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
     t = time.perf_counter()
-    merged: dict[str, dict] = {}
-    host = shm.host_id()
-    pools = result_pools(engine)
-    for group in fetch_groups(todo, host is not None and _shm_everywhere(engine)):
-        merge_fetched(merged, compat.rpc(engine, "lens_fetch", group, host, result_pool.take_released(pools)))
-    pools |= result_pool.pools_of(merged)
+    rounds = _fetch_rounds(engine, todo)
+    try:
+        call = next(rounds)
+        while True:
+            call = rounds.send(compat.rpc(engine, *call))
+    except StopIteration as done:
+        merged = done.value
     TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
     return merged
 
@@ -90,16 +96,13 @@ def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str,
 async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
     """`_fetch` for an async engine client (the HTTP server, `AsyncLLM` callers)."""
     t = time.perf_counter()
-    merged: dict[str, dict] = {}
-    host = shm.host_id()
-    everywhere = getattr(engine_client, "_lens_shm_everywhere", None)
-    if host is not None and everywhere is None:
-        everywhere = _shm_everywhere(engine_client, await compat.rpc_async(engine_client, "lens_host_id"))
-    pools = result_pools(engine_client)
-    for group in fetch_groups(todo, host is not None and bool(everywhere)):
-        merge_fetched(merged, await compat.rpc_async(engine_client, "lens_fetch", group, host,
-                                                      result_pool.take_released(pools)))
-    pools |= result_pool.pools_of(merged)
+    rounds = _fetch_rounds(engine_client, todo)
+    try:
+        call = next(rounds)
+        while True:
+            call = rounds.send(await compat.rpc_async(engine_client, *call))
+    except StopIteration as done:
+        merged = done.value
     TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
     return merged
 
@@ -145,13 +148,13 @@ def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
     return torch.stack([by_layer[l] for l in p.layers])
 
 
-def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict | None, str | None]:
-    """(activations, hook_results, error) of one sample from merged fetch results."""
+def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict | None, Failure | None]:
+    """(activations, hook_results, failure) of one sample from merged fetch results."""
     if "error" in got:
         return None, None, got["error"]
     parts = got.get(child)
     if not parts:
-        return None, None, "no results came back from the workers"
+        return None, None, failure("internal", "no results came back from the workers", "fetch")
     errors = [part["error"] for part in parts if "error" in part]
     if errors:
         discard_parts(parts)
@@ -165,20 +168,20 @@ def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict 
 def attach_outputs(llm: Any, outputs: list) -> list:
     """Set `.activations` on finished `RequestOutput`s (and each sample's `CompletionOutput`)."""
     pending = pending_of(compat.processor_of_llm(llm))
-    failures: dict[str, str] = {}
-    if getattr(llm, "_lens_persistent_hooks", False):
+    failures: dict[str, Failure] = {}
+    if state_of(llm).persistent_hooks:
         ids = [o.request_id for o in outputs if hasattr(o, "request_id")]
         for rank_errors in compat.rpc(llm, "lens_pop_persistent_errors", ids):
             failures.update(rank_errors or {})
         for o in outputs:
-            msg = failures.get(getattr(o, "request_id", None))
-            if msg is not None:
-                o.hook_error = msg
+            f = failures.get(getattr(o, "request_id", None))
+            if f is not None:
+                o.hook_error = f["message"]
     todo = _todo(pending, outputs)
     fetched = _fetch(llm, [(p, ch) for _, p, _, ch in todo]) if todo else {}
     failures.update(_apply(todo, fetched))
     if failures:
-        raise HookError(failures, outputs)
+        raise _hook_error(failures, outputs)
     return outputs
 
 
@@ -198,21 +201,28 @@ def _todo(pending: dict[str, Pending], outputs: list) -> list:
 def _positions(out: Any, p: Pending, samples: dict, generated: dict[int, int] | None) -> dict[int, int]:
     """{child: positions run} — `generated` counts tokens when outputs are deltas."""
     n_prompt = len(out.prompt_token_ids or [])
-    return {(i if p.n > 1 else 0): n_prompt + (len(c.token_ids) if generated is None else generated.get(i, 0)) - 1
-            for i, c in samples.items()}
+    return {
+        (i if p.n > 1 else 0): n_prompt + (len(c.token_ids) if generated is None else generated.get(i, 0)) - 1
+        for i, c in samples.items()
+    }
 
 
-def _apply(todo: list, fetched: dict) -> dict[str, str]:
+def _hook_error(failures: dict[str, Failure], outputs: list) -> HookError:
+    return HookError(messages(failures), outputs, internal=all_internal(failures))
+
+
+def _apply(todo: list, fetched: dict) -> dict[str, Failure]:
     """Decode fetched results onto their samples; returns {request id: hook failure}."""
-    failures: dict[str, str] = {}
+    failures: dict[str, Failure] = {}
     t = time.perf_counter()
     for out, p, samples, _ in todo:
         got = fetched.get(p.key, {})
         for i, c in samples.items():
             child = i if p.n > 1 else 0
-            c.activations, c.hook_results, c.hook_error = decode_sample(p, got, child)
-            if c.hook_error is not None:
-                failures[out.request_id if p.n == 1 else f"{out.request_id}#{child}"] = c.hook_error
+            c.activations, c.hook_results, f = decode_sample(p, got, child)
+            c.hook_error = None if f is None else f["message"]
+            if f is not None:
+                failures[out.request_id if p.n == 1 else f"{out.request_id}#{child}"] = f
         first = samples[min(samples)]
         out.activations, out.hook_results, out.hook_error = first.activations, first.hook_results, first.hook_error
     TIMINGS["decode_s"] += time.perf_counter() - t
@@ -223,7 +233,7 @@ def attach_engine_outputs(engine: Any, outputs: list) -> list:
     """`LLMEngine.step()` driven by the caller: results land on the finished outputs it returns, with
     the same shapes as `LLM.generate` (a hook failure raises `HookError` carrying the outputs)."""
     processor = compat.processor_of_llm_engine(engine)
-    if getattr(processor, CONSUMER_ATTR, None) != "engine":
+    if consumer_of(processor) != "engine":
         return outputs  # an `LLM` (or the HTTP server) hands results back itself
     finished = [o for o in outputs if getattr(o, "finished", False)]
     todo = _todo(pending_of(processor), finished)
@@ -231,12 +241,13 @@ def attach_engine_outputs(engine: Any, outputs: list) -> list:
         return outputs
     failures = _apply(todo, _fetch(engine, [(p, ch) for _, p, _, ch in todo]))
     if failures:
-        raise HookError(failures, outputs)
+        raise _hook_error(failures, outputs)
     return outputs
 
 
-async def attach_async_output(engine_client: Any, out: Any, request_id: str | None,
-                              generated: dict[int, int] | None, last: dict[int, Any]) -> None:
+async def attach_async_output(
+    engine_client: Any, out: Any, request_id: str | None, generated: dict[int, int] | None, last: dict[int, Any]
+) -> None:
     """`AsyncLLM.generate` (AsyncLLMEngine) driven by the caller: results land on each sample's last
     `CompletionOutput` — all in the final `RequestOutput`, except with DELTA outputs and n > 1, where a
     sample that finished earlier keeps them on its own last delta — and `out.activations` is sample 0's.
@@ -252,7 +263,7 @@ async def attach_async_output(engine_client: Any, out: Any, request_id: str | No
     merged = await fetch_async(engine_client, [(p, todo[0][3])])
     failures = await asyncio.to_thread(_apply, todo, merged)
     if failures:
-        raise HookError(failures, [out])
+        raise _hook_error(failures, [out])
 
 
 def _unpickle(data: bytes) -> Any:

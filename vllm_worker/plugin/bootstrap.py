@@ -39,9 +39,12 @@ def _adjust_engine_args(args):
         why = compat.graph_taps_unsupported()
         if why is not None:
             if not _warned_eager:
-                logger.warning("inspect-lens: forcing enforce_eager=True because the taps cannot run inside "
-                               "compiled graphs here (%s). Set VLLM_LENS_DISABLE=1 to run vLLM without the "
-                               "plugin.", why)
+                logger.warning(
+                    "inspect-lens: forcing enforce_eager=True because the taps cannot run inside "
+                    "compiled graphs here (%s). Set VLLM_LENS_DISABLE=1 to run vLLM without the "
+                    "plugin.",
+                    why,
+                )
                 _warned_eager = True
             new.enforce_eager = True
     return new
@@ -63,7 +66,7 @@ def _async_consumer(engine_client) -> bool:
     processor = compat.processor_of_engine_client(engine_client)
     if "vllm.entrypoints.openai.api_server" not in sys.modules:
         frontend.mark_engine_consumer(processor, "async")
-    return getattr(processor, frontend.CONSUMER_ATTR, None) == "async"
+    return frontend.consumer_of(processor) == "async"
 
 
 def register() -> None:
@@ -88,7 +91,8 @@ def register() -> None:
     compat.patch_offline_add_request(lambda llm: frontend.mark_consumer(compat.processor_of_llm(llm), "offline"))
     compat.patch_engine_loop(
         lambda engine: frontend.mark_engine_consumer(compat.processor_of_llm_engine(engine), "engine"),
-        frontend.attach_engine_outputs)
+        frontend.attach_engine_outputs,
+    )
     compat.patch_async_generate(_async_consumer, frontend.attach_async_output)
     compat.patch_endpoint_plugins("inspect_lens_http", _endpoints)
     compat.patch_cpu_lora_no_adapter_rows()

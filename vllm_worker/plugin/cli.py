@@ -55,8 +55,10 @@ def _allow_plugins() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("serve",):
-        print("usage: vllm-lens serve MODEL [vllm serve flags] [--allow-remote-hooks] "
-              f"[{' N] ['.join(LIMIT_FLAGS)} N]", file=sys.stderr)
+        print(
+            f"usage: vllm-lens serve MODEL [vllm serve flags] [--allow-remote-hooks] [{' N] ['.join(LIMIT_FLAGS)} N]",
+            file=sys.stderr,
+        )
         return 2
     rest = []
     args = iter(argv[1:])

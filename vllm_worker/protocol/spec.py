@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -14,10 +13,11 @@ from typing import Any, Mapping
 
 import torch
 
+from vllm_worker import envs
 from vllm_worker.api.hooks import Hook
 from vllm_worker.api.steering import SteeringVector
-from vllm_worker import envs
 from vllm_worker.envs import limit
+from vllm_worker.protocol.checks import finite_number, int_list
 from vllm_worker.protocol.wire import tensor_from_bytes, tensor_from_json, tensor_to_bytes
 
 CAPTURE_KEY = "output_residual_stream"
@@ -39,13 +39,24 @@ def remote_hooks_allowed() -> bool:
     return bool(envs.get(REMOTE_HOOKS_ENV))
 
 
+def require_remote_hooks(field_name: str = HOOK_KEY) -> None:
+    """The one opt-in rule for code from the network: `PermissionError` (HTTP 403) naming `field_name` unless
+    the operator started the server with --allow-remote-hooks. Checked before anything is unpickled."""
+    if not remote_hooks_allowed():
+        raise PermissionError(
+            f"{field_name}: hooks sent as bytes execute arbitrary code on the server and are disabled; "
+            f"the operator must start the server with --allow-remote-hooks ({REMOTE_HOOKS_ENV}=1)"
+        )
+
+
 def _from_json_string(value: Any, field_name: str) -> Any:
     """Over HTTP, `vllm_xargs` values are flat: structured payloads arrive as JSON strings."""
     if not isinstance(value, str):
         return value
     if len(value) > MAX_PAYLOAD_BYTES * 4 // 3 + 1024:
-        raise ValueError(f"{field_name}: payload exceeds the limit of {MAX_PAYLOAD_BYTES} bytes "
-                         "(VLLM_LENS_MAX_PAYLOAD_MB)")
+        raise ValueError(
+            f"{field_name}: payload exceeds the limit of {MAX_PAYLOAD_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)"
+        )
     try:
         return json.loads(value)
     except json.JSONDecodeError as e:
@@ -89,9 +100,7 @@ class RequestSpec:
 
 
 def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
-    return bool(extra_args) and any(
-        isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES) for k in extra_args
-    )
+    return bool(extra_args) and any(isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES) for k in extra_args or ())
 
 
 def layer_list(value: Any, field_name: str, n_layers: int, unique: bool = False) -> list[int]:
@@ -104,9 +113,7 @@ def layer_list(value: Any, field_name: str, n_layers: int, unique: bool = False)
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"{field_name}: expected a non-empty list of layer indices, got {value!r}")
     out = []
-    for v in value:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{field_name}: layer indices must be ints, got {v!r}")
+    for v in int_list(value, field_name, "layer indices"):
         if not -n_layers <= v < n_layers:
             raise ValueError(
                 f"{field_name}: layer {v} is out of range for a model with {n_layers} layers "
@@ -129,7 +136,7 @@ def capture_layers(value: Any, n_layers: int) -> list[int]:
     if isinstance(value, str):
         parsed = _from_json_string(value, CAPTURE_KEY)
         if not isinstance(parsed, list):
-            raise ValueError(f"{CAPTURE_KEY}: expected a list of layer indices, true or \"all\", got {value!r}")
+            raise ValueError(f'{CAPTURE_KEY}: expected a list of layer indices, true or "all", got {value!r}')
         value = parsed
     return sorted(set(layer_list(value, CAPTURE_KEY, n_layers)))
 
@@ -166,21 +173,13 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
             f"got shape {tuple(acts.shape)}"
         )
     if acts.shape[0] != len(layers):
-        raise ValueError(
-            f"{f}.activations: first dimension {acts.shape[0]} != len(layer_indices) {len(layers)}"
-        )
+        raise ValueError(f"{f}.activations: first dimension {acts.shape[0]} != len(layer_indices) {len(layers)}")
     if acts.shape[-1] != shape.d_model:
         raise ValueError(f"{f}.activations: last dimension {acts.shape[-1]} != d_model {shape.d_model}")
     acts = acts.detach().to("cpu", torch.float32).clone()
     if not torch.isfinite(acts).all():
         raise ValueError(f"{f}.activations: contains NaN or inf")
-    scale = item.scale
-    try:
-        finite = not isinstance(scale, bool) and isinstance(scale, (int, float)) and math.isfinite(scale)
-    except OverflowError:  # an int too large for a float (e.g. 10**400 from JSON)
-        finite = False
-    if not finite:
-        raise ValueError(f"{f}.scale: expected a finite number, got {str(scale)[:40]!r}")
+    scale = finite_number(item.scale, f"{f}.scale")
     if not isinstance(item.norm_match, bool):
         raise ValueError(f"{f}.norm_match: expected a bool, got {item.norm_match!r}")
     positions = None
@@ -191,17 +190,14 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
             positions = positions.tolist()
         if not isinstance(positions, (list, tuple)) or len(positions) != n_pos:
             raise ValueError(
-                f"{f}.position_indices: expected {n_pos} positions (one per row of activations), "
-                f"got {positions!r}"
+                f"{f}.position_indices: expected {n_pos} positions (one per row of activations), got {positions!r}"
             )
         positions = list(positions)
         for p in positions:
             if isinstance(p, bool) or not isinstance(p, int) or p < 0:
                 raise ValueError(f"{f}.position_indices: positions must be non-negative ints, got {p!r}")
             if p >= prompt_len:
-                raise ValueError(
-                    f"{f}.position_indices: position {p} is past the prompt ({prompt_len} tokens)"
-                )
+                raise ValueError(f"{f}.position_indices: position {p} is past the prompt ({prompt_len} tokens)")
         if len(set(positions)) != len(positions):
             raise ValueError(f"{f}.position_indices: duplicate positions")
     elif item.position_indices is not None:
@@ -226,10 +222,7 @@ def _hook_item(item: Any, i: int, shape: ModelShape) -> HookSpec:
 def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> HookSpec:
     """`{"fn": base64(cloudpickle), "layer_indices": [...], "pre": false}` — refused without opt-in. The
     original vllm-lens's `{"fn": {"cloudpickle": base64}}` is the same thing."""
-    if not remote_hooks_allowed():
-        raise PermissionError(
-            f"{HOOK_KEY}: hooks sent as bytes execute arbitrary code on the server and are disabled; "
-            f"the operator must start the server with --allow-remote-hooks ({REMOTE_HOOKS_ENV}=1)")
+    require_remote_hooks()
     unknown = set(item) - {"fn", "layer_indices", "pre"}
     if unknown:
         raise ValueError(f"{f}: unknown fields {sorted(unknown)}")
@@ -237,7 +230,7 @@ def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> Hoo
     if isinstance(fn, Mapping) and set(fn) == {"cloudpickle"}:
         fn = fn["cloudpickle"]
     if not isinstance(fn, str):
-        raise ValueError(f"{f}.fn: expected base64 of a cloudpickled function (or {{\"cloudpickle\": base64}})")
+        raise ValueError(f'{f}.fn: expected base64 of a cloudpickled function (or {{"cloudpickle": base64}})')
     try:
         raw = base64.b64decode(fn, validate=True)
     except Exception:
@@ -273,8 +266,8 @@ def pickle_hook(fn: Any, field_name: str) -> bytes:
 
 
 def parse_hooks(items: Any, shape: ModelShape) -> list[HookSpec]:
-    if isinstance(items, str) and not remote_hooks_allowed():
-        _remote_hook_item({}, HOOK_KEY, shape)  # raises the opt-in error before touching the payload
+    if isinstance(items, str):
+        require_remote_hooks()  # before touching the payload
     items = _from_json_string(items, HOOK_KEY)
     if isinstance(items, (Hook, Mapping)):
         items = [items]
@@ -283,9 +276,7 @@ def parse_hooks(items: Any, shape: ModelShape) -> list[HookSpec]:
     return [_hook_item(it, i, shape) for i, it in enumerate(items)]
 
 
-def parse_request(
-    extra_args: Mapping[str, Any], shape: ModelShape, prompt_len: int
-) -> RequestSpec | None:
+def parse_request(extra_args: Mapping[str, Any], shape: ModelShape, prompt_len: int) -> RequestSpec | None:
     """Validate our keys in `extra_args`; `None` when the request uses no feature."""
     ours = {k: v for k, v in extra_args.items() if isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES)}
     if not ours:

@@ -57,8 +57,9 @@ def tensor_from_bytes(obj: dict[str, Any], field: str = "tensor") -> torch.Tenso
     if name not in _DTYPES:
         raise ValueError(f"{field}.dtype: unsupported dtype {name!r} (one of {sorted(_DTYPES)})")
     shape = obj.get("shape")
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                       for s in shape):
+    if not isinstance(shape, (list, tuple)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+    ):
         raise ValueError(f"{field}.shape: expected a list of non-negative ints, got {shape!r}")
     raw = obj.get("data")
     if isinstance(raw, memoryview):
@@ -94,7 +95,7 @@ _B64_CHUNK = 3 << 20  # input bytes per base64 call (a multiple of 3: the pieces
 def _b64_pieces(raw: Any) -> Any:
     mv = memoryview(raw).cast("B")
     for i in range(0, len(mv), _B64_CHUNK):
-        yield base64.b64encode(mv[i:i + _B64_CHUNK])
+        yield base64.b64encode(mv[i : i + _B64_CHUNK])
 
 
 def b64_text(raw: bytes) -> str:
@@ -152,7 +153,7 @@ def json_chunks(obj: Any) -> list[bytes]:
             flush()
             out.append(b'"')
             for i in range(0, len(o), _JSON_CHUNK):
-                out.append(json.dumps(o[i:i + _JSON_CHUNK])[1:-1].encode())
+                out.append(json.dumps(o[i : i + _JSON_CHUNK])[1:-1].encode())
             out.append(b'"')
         elif isinstance(o, dict):
             small.append("{")
@@ -179,8 +180,12 @@ def json_chunks(obj: Any) -> list[bytes]:
 
 # The original vllm-lens's tensor object: {"data": b64, "dtype": numpy storage dtype, "original_dtype":
 # "torch.<dtype>", "shape", "compression": "zstd" | null}; bfloat16 travels as int16 storage.
-_ORIGINAL_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.float64": "float64",
-                    "torch.bfloat16": "bfloat16"}
+_ORIGINAL_DTYPES = {
+    "torch.float32": "float32",
+    "torch.float16": "float16",
+    "torch.float64": "float64",
+    "torch.bfloat16": "bfloat16",
+}
 _STORAGE = {"float32": "float32", "float16": "float16", "float64": "float64", "int16": "bfloat16"}
 _STORAGE_OF = {name: storage for storage, name in _STORAGE.items()}  # what we send
 # ... and what its hook results may also hold (read by our client, never accepted as steering)
@@ -237,9 +242,13 @@ def tensor_to_original_json(t: torch.Tensor) -> dict[str, Any]:
 
     obj = tensor_to_bytes(t)
     name = obj["dtype"]
-    return {"data": base64.b64encode(zstandard.ZstdCompressor(level=1).compress(obj["data"])).decode("ascii"),
-            "dtype": _STORAGE_OF.get(name, name), "original_dtype": f"torch.{name}",
-            "shape": obj["shape"], "compression": "zstd"}
+    return {
+        "data": base64.b64encode(zstandard.ZstdCompressor(level=1).compress(obj["data"])).decode("ascii"),
+        "dtype": _STORAGE_OF.get(name, name),
+        "original_dtype": f"torch.{name}",
+        "shape": obj["shape"],
+        "compression": "zstd",
+    }
 
 
 def to_original_jsonable(obj: Any) -> Any:
@@ -248,8 +257,9 @@ def to_original_jsonable(obj: Any) -> Any:
     return _jsonable(obj, lambda t: {"__type__": "tensor", **tensor_to_original_json(t)})
 
 
-def tensor_from_json(obj: Any, field: str = "tensor", max_bytes: int | None = None,
-                     any_dtype: bool = False) -> torch.Tensor:
+def tensor_from_json(
+    obj: Any, field: str = "tensor", max_bytes: int | None = None, any_dtype: bool = False
+) -> torch.Tensor:
     """Inverse of `tensor_to_json`; every malformed piece is a `ValueError` naming `field`. Also reads
     the original vllm-lens's tensor objects (`"data"` base64, optional zstd; floats only unless
     `any_dtype`)."""

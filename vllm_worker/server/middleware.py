@@ -14,7 +14,7 @@ from vllm_worker.protocol.spec import (
     ModelShape,
     capture_layers,
     has_lens_keys,
-    remote_hooks_allowed,
+    require_remote_hooks,
 )
 from vllm_worker.server.responses import (
     MAX_BODY_BYTES,
@@ -44,8 +44,9 @@ def _precheck(req: dict, xargs: dict, shape: ModelShape) -> None:
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise BadRequest(400, f"n: expected a positive integer, got {str(n)[:40]!r}", "n")
     if req.get("use_beam_search"):
-        raise BadRequest(400, "use_beam_search: capture, steering and hooks are not supported with beam search",
-                          "use_beam_search")
+        raise BadRequest(
+            400, "use_beam_search: capture, steering and hooks are not supported with beam search", "use_beam_search"
+        )
     if CAPTURE_KEY in xargs:
         value = xargs[CAPTURE_KEY]
         if value is True:
@@ -86,10 +87,11 @@ class LensMiddleware:
         ours = isinstance(xargs, dict) and has_lens_keys(xargs)
         if not ours and not state.persistent_hooks:
             return await self.app(scope, replay(body, receive), send)
-        if ours and HOOK_KEY in xargs and not remote_hooks_allowed():
-            return await send_json(send, 403, error_body(
-                403, "hooks execute arbitrary code on the server and are disabled; the operator must start "
-                     "the server with --allow-remote-hooks", f"vllm_xargs.{HOOK_KEY}", "Forbidden"))
+        if ours and HOOK_KEY in xargs:
+            try:
+                require_remote_hooks(f"vllm_xargs.{HOOK_KEY}")
+            except PermissionError as e:
+                return await send_json(send, 403, error_body(403, str(e), f"vllm_xargs.{HOOK_KEY}", "Forbidden"))
         dialect = ours and original_dialect(xargs)  # before _precheck rewrites raw `true`
         if ours:
             try:
@@ -108,8 +110,17 @@ class LensMiddleware:
             return await self.app(scope, replay(body, receive), StreamInjector(send, state, kind, n, expect).send)
         await self._buffered(scope, replay(body, receive), send, state, kind, n, expect, dialect)
 
-    async def _buffered(self, scope: dict, receive: Any, send: Any, state: LensState, kind: str, n: int,
-                        expect: bool, dialect: bool = False) -> None:
+    async def _buffered(
+        self,
+        scope: dict,
+        receive: Any,
+        send: Any,
+        state: LensState,
+        kind: str,
+        n: int,
+        expect: bool,
+        dialect: bool = False,
+    ) -> None:
         start: dict | None = None
         chunks: list[bytes] = []
 
@@ -127,15 +138,20 @@ class LensMiddleware:
             await send(start)
             return await send({"type": "http.response.body", "body": raw})
         resp = json.loads(raw)
-        choices = [Choice(c["index"], c.get("prompt_token_ids") or resp.get("prompt_token_ids") or [],
-                           c.get("token_ids") or []) for c in resp.get("choices", [])]
+        choices = [
+            Choice(
+                c["index"], c.get("prompt_token_ids") or resp.get("prompt_token_ids") or [], c.get("token_ids") or []
+            )
+            for c in resp.get("choices", [])
+        ]
         try:
             extra, errors = await fetch_results(state, kind, resp["id"], n, choices, expect, dialect)
         except Unmatched as e:
             return await send_json(send, 500, error_body(500, str(e), None, "InternalServerError"))
         if errors:
-            return await send_json(send, 500 if internal_only(errors) else 400, hook_failure(errors),
-                                    start.get("headers"))
+            return await send_json(
+                send, 500 if internal_only(errors) else 400, hook_failure(errors), start.get("headers")
+            )
         if dialect and resp["choices"]:  # the original's client reads the first choice's results up here
             resp.update(extra.pop(resp["choices"][0]["index"], {}))
         for c in resp["choices"]:

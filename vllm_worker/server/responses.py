@@ -50,9 +50,16 @@ async def read_body(receive: Any, scope: dict, limit: int) -> bytes | None:
 
 
 async def too_large(send: Any) -> None:
-    await send_json(send, 413, error_body(
-        413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)",
-        "body", "PayloadTooLargeError"))
+    await send_json(
+        send,
+        413,
+        error_body(
+            413,
+            f"request body exceeds the limit of {MAX_BODY_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)",
+            "body",
+            "PayloadTooLargeError",
+        ),
+    )
 
 
 def replay(body: bytes, receive: Any):
@@ -82,8 +89,7 @@ async def dumps(obj: Any) -> list[bytes]:
 async def send_json(send: Any, status: int, obj: Any, headers: list | None = None) -> None:
     pieces = await dumps(obj)
     hdrs = [(k, v) for k, v in (headers or []) if k.lower() not in (b"content-length", b"content-type")]
-    hdrs += [(b"content-type", b"application/json"),
-             (b"content-length", str(sum(len(p) for p in pieces)).encode())]
+    hdrs += [(b"content-type", b"application/json"), (b"content-length", str(sum(len(p) for p in pieces)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": hdrs})
     batch: list[bytes] = []
     size = 0
@@ -101,6 +107,7 @@ async def send_json(send: Any, status: int, obj: Any, headers: list | None = Non
 async def release(*objs: Any) -> None:
     """Drop a large answer's last references in a thread: freeing a GiB (unmapping shared-memory captures,
     a million small objects) would otherwise hold the event loop for a third of a second."""
+
     def clear() -> None:
         for o in objs:
             o.clear()

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_worker import compat
-from vllm_worker.frontend.requests import pending_of
-from vllm_worker.frontend.requests import Pending
+from vllm_worker.frontend.requests import Pending, pending_of
 from vllm_worker.frontend.results import decode_sample, fetch_async
+from vllm_worker.protocol.errors import Failure, all_internal, messages
 from vllm_worker.protocol.spec import (
     CAPTURE_KEY,
     HOOK_KEY,
@@ -32,8 +32,9 @@ def original_dialect(xargs: dict) -> bool:
     Our client and docs send a list, `b64` tensor objects and `{"fn": base64}` hooks."""
     if isinstance(xargs.get(CAPTURE_KEY), str):
         return True
-    return (STEER_KEY in xargs and mentions(xargs[STEER_KEY], '"original_dtype"')) or \
-        (HOOK_KEY in xargs and mentions(xargs[HOOK_KEY], '"cloudpickle"'))
+    return (STEER_KEY in xargs and mentions(xargs[STEER_KEY], '"original_dtype"')) or (
+        HOOK_KEY in xargs and mentions(xargs[HOOK_KEY], '"cloudpickle"')
+    )
 
 
 @dataclass
@@ -47,8 +48,9 @@ class Unmatched(RuntimeError):
     """The response's ids do not lead to our pending requests: fail loudly, never drop results."""
 
 
-async def fetch_results(state: LensState, kind: str, response_id: str, n: int, choices: list[Choice],
-                   expect: bool, dialect: bool = False) -> tuple[dict[int, dict], dict[str, str]]:
+async def fetch_results(
+    state: LensState, kind: str, response_id: str, n: int, choices: list[Choice], expect: bool, dialect: bool = False
+) -> tuple[dict[int, dict], dict[str, Failure]]:
     """({choice index: {"activations": ..., "hook_results": ...}}, {request id: error})."""
     pending = pending_of(compat.processor_of_engine_client(state.engine))
     by_request: dict[str, list[tuple[Choice, int]]] = {}
@@ -60,11 +62,12 @@ async def fetch_results(state: LensState, kind: str, response_id: str, n: int, c
     for rid, items in by_request.items():
         p: Pending | None = pending.pop(rid, None)
         if p is not None:
-            todo.append((rid, p, {(ch if p.n > 1 else 0): len(c.prompt_ids) + len(c.token_ids) - 1
-                                  for c, ch in items}))
+            todo.append((rid, p, {(ch if p.n > 1 else 0): len(c.prompt_ids) + len(c.token_ids) - 1 for c, ch in items}))
         elif expect:
-            raise Unmatched(f"inspect-lens: no pending results for engine request {rid!r} of response "
-                             f"{response_id!r} (did vLLM change its request-id format?)")
+            raise Unmatched(
+                f"inspect-lens: no pending results for engine request {rid!r} of response "
+                f"{response_id!r} (did vLLM change its request-id format?)"
+            )
     merged = await fetch_async(state.engine, [(p, ch) for _, p, ch in todo])
     # decoding and JSON conversion of large captures run in a worker thread: the event loop (health
     # checks, other requests' streams) keeps answering meanwhile
@@ -75,11 +78,12 @@ async def fetch_results(state: LensState, kind: str, response_id: str, n: int, c
     return out, errors
 
 
-def decode_results(todo: list, by_request: dict, merged: dict,
-                    dialect: bool = False) -> tuple[dict[int, dict], dict[str, str]]:
+def decode_results(
+    todo: list, by_request: dict, merged: dict, dialect: bool = False
+) -> tuple[dict[int, dict], dict[str, Failure]]:
     """`dialect`: the original vllm-lens's forms (see `original_dialect`)."""
     out: dict[int, dict] = {}
-    errors: dict[str, str] = {}
+    errors: dict[str, Failure] = {}
     for rid, p, _ in todo:
         for c, child in by_request[rid]:
             acts, hooks, err = decode_sample(p, merged.get(p.key, {}), child if p.n > 1 else 0)
@@ -89,25 +93,29 @@ def decode_results(todo: list, by_request: dict, merged: dict,
             entry: dict[str, Any] = {}
             if acts is not None:
                 if dialect:  # its decode_activations passes {"__json__": ...} entries through
-                    entry["activations"] = {"residual_stream": tensor_to_original_json(acts["residual_stream"]),
-                                            "layers": {"__json__": acts["layers"]}}
+                    entry["activations"] = {
+                        "residual_stream": tensor_to_original_json(acts["residual_stream"]),
+                        "layers": {"__json__": acts["layers"]},
+                    }
                 else:
-                    entry["activations"] = {"residual_stream": to_jsonable(acts["residual_stream"], lazy=True),
-                                            "layers": acts["layers"]}
+                    entry["activations"] = {
+                        "residual_stream": to_jsonable(acts["residual_stream"], lazy=True),
+                        "layers": acts["layers"],
+                    }
             if hooks is not None:
                 entry["hook_results"] = to_original_jsonable(hooks) if dialect else to_jsonable(hooks, lazy=True)
             out[c.index] = entry
     return out, errors
 
 
-def internal_only(errors: dict[str, str]) -> bool:
+def internal_only(errors: dict[str, Failure]) -> bool:
     """Failures of our own code (not of the user's hook): a 500, not a 400."""
-    return all("inspect-lens internal error" in m for m in errors.values())
+    return all_internal(errors)
 
 
-def hook_failure(errors: dict[str, str]) -> dict:
+def hook_failure(errors: dict[str, Failure]) -> dict:
     if internal_only(errors):
-        msg = "inspect-lens request failed\n" + "\n".join(f"request {r}: {m}" for r, m in errors.items())
+        msg = "inspect-lens request failed\n" + "\n".join(f"request {r}: {m}" for r, m in messages(errors).items())
         return error_body(500, msg, None, "InternalServerError")
-    msg = "inspect-lens hook failed\n" + "\n".join(f"request {r}: {m}" for r, m in errors.items())
+    msg = "inspect-lens hook failed\n" + "\n".join(f"request {r}: {m}" for r, m in messages(errors).items())
     return error_body(400, msg, f"vllm_xargs.{HOOK_KEY}", "HookError")

@@ -9,14 +9,14 @@ import json
 
 from fastapi import APIRouter, Request
 
-from vllm_worker import compat
-from vllm_worker import envs
+from vllm_worker import compat, envs
 from vllm_worker.frontend.requests import in_flight_bytes, pending_count
 from vllm_worker.frontend.results import merge_collected, release_results_async
 from vllm_worker.protocol.spec import (
     HOOK_KEY,
     parse_hooks,
     remote_hooks_allowed,
+    require_remote_hooks,
 )
 from vllm_worker.protocol.wire import to_jsonable, to_original_jsonable
 from vllm_worker.server.responses import MAX_BODY_BYTES, BadRequest, error_response
@@ -32,8 +32,9 @@ router = APIRouter(prefix=HOOKS_PREFIX)
 async def json_body(request: Request) -> dict:
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
-        raise BadRequest(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)",
-                          "body")
+        raise BadRequest(
+            413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)", "body"
+        )
     if not raw:
         return {}
     try:
@@ -74,9 +75,7 @@ def param_names(obj: dict, key: str) -> list[str]:
 @guard
 async def register(request: Request):
     state = state_of(request.app)
-    if not remote_hooks_allowed():
-        raise PermissionError("hooks execute arbitrary code on the server and are disabled; the operator must "
-                              "start the server with --allow-remote-hooks")
+    require_remote_hooks("hooks")
     body = await json_body(request)
     unknown = set(body) - {"hooks", "prefetch_params"}
     if unknown:
@@ -88,7 +87,7 @@ async def register(request: Request):
         specs = parse_hooks(hooks, shape_of(state))
     except ValueError as e:  # name the field of this body (`hooks[0].fn`), not the generation key's
         msg = str(e)
-        msg = "hooks" + msg[len(HOOK_KEY):] if msg.startswith(HOOK_KEY) else msg
+        msg = "hooks" + msg[len(HOOK_KEY) :] if msg.startswith(HOOK_KEY) else msg
         raise BadRequest(400, msg, msg.split(":", 1)[0]) from None
     names = param_names(body, "prefetch_params")
     if names:
@@ -138,7 +137,7 @@ async def prefetch_names(state: LensState, names: list[str], param: str) -> list
         return (await compat.rpc_async(state.engine, "lens_prefetch", names))[0]
     except Exception as e:
         if "no pipeline stage has a parameter" in str(e):
-            msg = str(e)[str(e).index("no pipeline stage"):].split("\n")[0].strip("'\"")
+            msg = str(e)[str(e).index("no pipeline stage") :].split("\n")[0].strip("'\"")
             raise BadRequest(400, f"{param}: {msg}", param) from None
         raise
 
@@ -162,13 +161,17 @@ async def info(request: Request):
     shape = shape_of(state)
     await release_results_async(state.engine)  # what responses already sent no longer hold
     status = await compat.rpc_async(state.engine, "lens_status")
-    return {"n_layers": shape.n_layers, "d_model": shape.d_model, "vllm_version": vllm.__version__,
-            "remote_hooks": remote_hooks_allowed(),
-            # results waiting for a consumer: both return to 0 once requests finish or are aborted
-            "pending_results": pending_count(compat.processor_of_engine_client(state.engine)),
-            "stored_requests": sum(st["stored_requests"] for st in status),
-            # shared-memory result regions handed out and not yet given back (0 once responses are sent)
-            "result_regions": sum(st.get("result_regions", 0) for st in status),
-            # captures admitted and not yet returned, at their largest (counted against VLLM_LENS_MAX_STORED_GB)
-            "capture_bytes_in_flight": in_flight_bytes(compat.processor_of_engine_client(state.engine)),
-            "limits": envs.limits()}
+    return {
+        "n_layers": shape.n_layers,
+        "d_model": shape.d_model,
+        "vllm_version": vllm.__version__,
+        "remote_hooks": remote_hooks_allowed(),
+        # results waiting for a consumer: both return to 0 once requests finish or are aborted
+        "pending_results": pending_count(compat.processor_of_engine_client(state.engine)),
+        "stored_requests": sum(st["stored_requests"] for st in status),
+        # shared-memory result regions handed out and not yet given back (0 once responses are sent)
+        "result_regions": sum(st.get("result_regions", 0) for st in status),
+        # captures admitted and not yet returned, at their largest (counted against VLLM_LENS_MAX_STORED_GB)
+        "capture_bytes_in_flight": in_flight_bytes(compat.processor_of_engine_client(state.engine)),
+        "limits": envs.limits(),
+    }

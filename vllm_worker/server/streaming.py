@@ -50,15 +50,26 @@ class StreamInjector:
                 self._observe(event)
             out += event + b"\n\n"
         if out or not msg.get("more_body", False):
-            await self._send({"type": "http.response.body", "body": out + (b"" if msg.get("more_body") else self.buf),
-                              "more_body": msg.get("more_body", False)})
+            await self._send(
+                {
+                    "type": "http.response.body",
+                    "body": out + (b"" if msg.get("more_body") else self.buf),
+                    "more_body": msg.get("more_body", False),
+                }
+            )
 
     async def _final_event(self) -> bytes:
         if self.response_id is None:
             return b""
         try:
-            extra, errors = await fetch_results(self.state, self.kind, self.response_id, self.n,
-                                           [self.choices[i] for i in sorted(self.choices)], self.expect)
+            extra, errors = await fetch_results(
+                self.state,
+                self.kind,
+                self.response_id,
+                self.n,
+                [self.choices[i] for i in sorted(self.choices)],
+                self.expect,
+            )
         except Unmatched as e:
             return b"data: " + json.dumps(error_body(500, str(e), None, "InternalServerError")).encode() + b"\n\n"
         if errors:
@@ -66,6 +77,9 @@ class StreamInjector:
         extra = {i: e for i, e in extra.items() if e}  # steering-only choices have nothing to add
         if not extra:
             return b""
-        chunk = {"id": self.response_id, "object": self.obj,
-                 "choices": [dict(index=i, **extra[i]) for i in sorted(extra)]}
+        chunk = {
+            "id": self.response_id,
+            "object": self.obj,
+            "choices": [dict(index=i, **extra[i]) for i in sorted(extra)],
+        }
         return b"data: " + b"".join(await dumps(chunk)) + b"\n\n"

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from vllm_worker.protocol import errors
 from vllm_worker.protocol.wire import dtype_name
 from vllm_worker.transport.result_pool import ResultPool, np_dtype
 
@@ -52,8 +53,13 @@ def _runs(cols: np.ndarray, code: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), ends.tolist()))
 
 
-def assemble(items: list[tuple[dict, Any, int, list[int], dict[int, int]]], pool: ResultPool,
-             threads: int, pool_executor: Callable[[int], Any], timings: dict) -> list[dict | None]:
+def assemble(
+    items: list[tuple[dict, Any, int, list[int], dict[int, int]]],
+    pool: ResultPool,
+    threads: int,
+    pool_executor: Callable[[int], Any],
+    timings: dict,
+) -> list[dict | None]:
     """`items`: (payload so far, store, n_pos, layers this rank holds, slot -> output index) of requests
     with captures. Fills each payload with its pool region (or leaves it None in the returned list when
     the pool had no room: the caller assembles that one as bytes)."""
@@ -66,7 +72,7 @@ def assemble(items: list[tuple[dict, Any, int, list[int], dict[int, int]]], pool
         segs = [seg for seg in st.segments if seg.log.arena is not None and seg.slot in out_of_slot]
         first = next((ch for seg in segs for ch in seg.log.arena.chunks if ch[2]), None)
         if first is None:
-            payload.setdefault("error", "no positions were captured")
+            payload.setdefault("error", errors.failure("internal", "no positions were captured", "assembling results"))
             dests.append(payload)  # done: nothing to copy
             continue
         d, dtype = first[0].shape[-1], first[0].dtype
@@ -92,8 +98,9 @@ def assemble(items: list[tuple[dict, Any, int, list[int], dict[int, int]]], pool
     jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     filled: dict[str, np.ndarray] = {}
     for data, pos, f, uses in chunks.values():
-        u = np.array([(c, n, dest.base + slot * dest.n_pos, dest.n_pos) for c, n, dest, slot in uses],
-                     dtype=np.int64).reshape(-1, 4)
+        u = np.array(
+            [(c, n, dest.base + slot * dest.n_pos, dest.n_pos) for c, n, dest, slot in uses], dtype=np.int64
+        ).reshape(-1, 4)
         paths = sorted({dest.path for _, _, dest, _ in uses})
         code_of = {p: i for i, p in enumerate(paths)}
         u_code = np.array([code_of[dest.path] for _, _, dest, _ in uses], dtype=np.int64)
@@ -122,7 +129,7 @@ def assemble(items: list[tuple[dict, Any, int, list[int], dict[int, int]]], pool
                 fill[dst] = True
                 per_job = max(1, BLOCK_BYTES // max(1, (c1 - c0) * step_bytes_per_col))
                 for s0 in range(0, f, per_job):
-                    jobs.append((dst_rows, dst[s0:s0 + per_job], src_np[s0:min(f, s0 + per_job), c0:c1]))
+                    jobs.append((dst_rows, dst[s0 : s0 + per_job], src_np[s0 : min(f, s0 + per_job), c0:c1]))
             else:  # some positions are outside the result (never expected): copy only the others
                 fill[dst[ok]] = True
                 jobs.append((dst_rows, dst[ok], src_np[:f, c0:c1][ok]))
@@ -143,21 +150,42 @@ def assemble(items: list[tuple[dict, Any, int, list[int], dict[int, int]]], pool
     timings["copy_s"] += t3 - t2
 
     out: list[dict | None] = []
-    for dest, (payload, st, n_pos, mine, _) in zip(dests, items):
-        if not isinstance(dest, Dest):
-            out.append(dest)  # a finished payload, or None: no room in the pool
+    for got_dest, (payload, st, n_pos, mine, _) in zip(dests, items):
+        if not isinstance(got_dest, Dest):
+            out.append(got_dest)  # a finished payload, or None: no room in the pool
             continue
+        dest = got_dest
         path, off, size, arr = dest.region
         d, dtype = dest.d, dest.dtype
         fill = filled.get(path)
-        got = fill[dest.base:dest.base + len(mine) * n_pos].reshape(len(mine), n_pos) if fill is not None else \
-            np.zeros((len(mine), n_pos), dtype=bool)
+        got = (
+            fill[dest.base : dest.base + len(mine) * n_pos].reshape(len(mine), n_pos)
+            if fill is not None
+            else np.zeros((len(mine), n_pos), dtype=bool)
+        )
         if not got.all():
             missing = [(l, int(np.flatnonzero(~got[i])[0])) for i, l in enumerate(mine) if not got[i].all()]
             arr.view(np_dtype(dtype)).reshape(len(mine), n_pos, d)[~got] = 0  # never another request's old rows
-            payload.setdefault("error", f"positions never ran a forward pass (layer, first missing position): {missing}")
-        payload.update({"layers": mine, "pool": {"path": path, "offset": off, "size": size,
-                                                 "nbytes": dest.nbytes,
-                                                 "dtype": dtype_name(dtype), "shape": [len(mine), n_pos, d]}})
+            payload.setdefault(
+                "error",
+                errors.failure(
+                    "internal",
+                    f"positions never ran a forward pass (layer, first missing position): {missing}",
+                    "assembling results",
+                ),
+            )
+        payload.update(
+            {
+                "layers": mine,
+                "pool": {
+                    "path": path,
+                    "offset": off,
+                    "size": size,
+                    "nbytes": dest.nbytes,
+                    "dtype": dtype_name(dtype),
+                    "shape": [len(mine), n_pos, d],
+                },
+            }
+        )
         out.append(payload)
     return out

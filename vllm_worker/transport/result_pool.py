@@ -88,7 +88,7 @@ class _Segment:
             start = -(-off // align) * align
             if start + n <= off + length:
                 rest = [[start + n, off + length - start - n]] if off + length > start + n else []
-                self.free[i:i + 1] = ([[off, start - off]] if start > off else []) + rest
+                self.free[i : i + 1] = ([[off, start - off]] if start > off else []) + rest
                 self.used[start] = n
                 return start
         return None
@@ -132,8 +132,14 @@ class ResultPool:
         self._growing = False
         self._last_use = time.monotonic()
         self._closed = False
-        self.stats = {"segments_made": 0, "segments_dropped": 0, "allocs": 0, "frees": 0, "sync_grows": 0,
-                      "grow_s": 0.0}
+        self.stats = {
+            "segments_made": 0,
+            "segments_dropped": 0,
+            "allocs": 0,
+            "frees": 0,
+            "sync_grows": 0,
+            "grow_s": 0.0,
+        }
         threading.Thread(target=self._idle_loop, name="lens-pool-idle", daemon=True).start()
         atexit.register(self.close)
 
@@ -157,8 +163,12 @@ class ResultPool:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except OSError as e:
             shm.discard(path)
-            logger.warning("inspect-lens: no room for %d MB of shared result memory in %s (%s); results "
-                           "travel over RPC", size >> 20, shm.SHM_DIR, e)
+            logger.warning(
+                "inspect-lens: no room for %d MB of shared result memory in %s (%s); results travel over RPC",
+                size >> 20,
+                shm.SHM_DIR,
+                e,
+            )
             return None
         finally:
             os.close(fd)
@@ -226,7 +236,7 @@ class ResultPool:
                         self.free_bytes -= need
                         self.stats["allocs"] += 1
                         self._last_use = time.monotonic()
-                        return seg.path, off, seg.size, seg.buf[off:off + nbytes]
+                        return seg.path, off, seg.size, seg.buf[off : off + nbytes]
                 growing = self._growing
             if growing and attempt == 0:  # the background thread may be about to add room
                 while True:
@@ -245,7 +255,7 @@ class ResultPool:
         seg = self._segments[path]
         nd = np_dtype(dtype)
         n = seg.size // (d * nd.itemsize)
-        return seg.buf[:n * d * nd.itemsize].view(nd).reshape(n, d)
+        return seg.buf[: n * d * nd.itemsize].view(nd).reshape(n, d)
 
     def free(self, released: list) -> int:
         """Regions the frontend is done with (`(path, offset)`, as they came over RPC; other pools' entries
@@ -306,9 +316,14 @@ class ResultPool:
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            return {"segments": len(self._segments), "bytes": self.size, "free_bytes": self.free_bytes,
-                    "regions_in_use": sum(len(s.used) for s in self._segments.values()),
-                    "expected_bytes": self.expected, **self.stats}
+            return {
+                "segments": len(self._segments),
+                "bytes": self.size,
+                "free_bytes": self.free_bytes,
+                "regions_in_use": sum(len(s.used) for s in self._segments.values()),
+                "expected_bytes": self.expected,
+                **self.stats,
+            }
 
 
 # ---------------------------------------------------------------------------------------- frontend side
@@ -336,8 +351,11 @@ def pool_id(path: str) -> str:
 def _mapping(path: str, size: int) -> _Mapping:
     m = _maps.get(path)
     if m is None:
-        if os.path.dirname(path) != shm.SHM_DIR or not os.path.basename(path).startswith(shm.PREFIX) \
-                or POOL_TAG not in os.path.basename(path):
+        if (
+            os.path.dirname(path) != shm.SHM_DIR
+            or not os.path.basename(path).startswith(shm.PREFIX)
+            or POOL_TAG not in os.path.basename(path)
+        ):
             raise ValueError(f"inspect-lens: refusing to map {path!r} (not a result-pool file)")
         fd = os.open(path, os.O_RDWR)
         try:

@@ -41,7 +41,7 @@ def sweep_stale() -> int:
         return 0
     for f in names:
         try:
-            pid = int(f[len(PREFIX):].split("-", 1)[0])  # `<pid>-<uuid>` or `<pid>-pool<id>-<n>`
+            pid = int(f[len(PREFIX) :].split("-", 1)[0])  # `<pid>-<uuid>` or `<pid>-pool<id>-<n>`
         except ValueError:
             continue
         try:

@@ -13,6 +13,7 @@ import torch
 
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookContext
+from vllm_worker.protocol import errors
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph
 from vllm_worker.worker.persistent_hooks import PersistentHooks
@@ -20,15 +21,21 @@ from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, split_st
 from vllm_worker.worker.store import CaptureStore, Store
 
 
-def internal_error(stage: str, e: Exception) -> str:
-    return (f"inspect-lens internal error while {stage}: {type(e).__name__}: {e} (this request ran without "
-            "its capture/steering/hooks from then on; other requests were not affected)")
-
-
 class Admission:
-    def __init__(self, runner: Any, device: torch.device, dtype: torch.dtype, d_model: int, local: frozenset,
-                 capturing_rank: bool, shm_host: str | None, store: CaptureStore, graph_taps: Any,
-                 persistent: PersistentHooks, ctx: Callable[[dict, str], HookContext]) -> None:
+    def __init__(
+        self,
+        runner: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        d_model: int,
+        local: frozenset,
+        capturing_rank: bool,
+        shm_host: str | None,
+        store: CaptureStore,
+        graph_taps: Any,
+        persistent: PersistentHooks,
+        ctx: Callable[[dict, str], HookContext],
+    ) -> None:
         self.runner, self.device, self.dtype, self.d_model = runner, device, dtype, d_model
         self.local, self.capturing_rank, self.shm_host = local, capturing_rank, shm_host
         self.store, self.graph, self.persistent, self.ctx = store, graph_taps, persistent, ctx
@@ -42,7 +49,7 @@ class Admission:
 
     def _failed(self, req_id: str, payload: Any, e: Exception) -> RequestState:
         store = Store([])
-        store.error = internal_error("admission", e)
+        store.error = errors.internal("admission", e)
         n = int(payload.get("n", 1)) if isinstance(payload, dict) else 1
         child = compat.child_index(req_id, n) if n > 1 else 0
         key = payload.get("key") if isinstance(payload, dict) else None
@@ -67,9 +74,16 @@ class Admission:
                     lut = torch.full((max(s.positions) + 1,), -1, dtype=torch.long)
                     lut[torch.tensor(s.positions)] = torch.arange(len(s.positions))
                     lut = lut.to(self.device)
-                steers.append(DeviceSteer({l: i for i, l in enumerate(s.layers)},
-                                          s.vectors.to(self.device, self.dtype), lut, s.scale, s.norm_match,
-                                          None if s.positions is None else list(s.positions)))
+                steers.append(
+                    DeviceSteer(
+                        {l: i for i, l in enumerate(s.layers)},
+                        s.vectors.to(self.device, self.dtype),
+                        lut,
+                        s.scale,
+                        s.norm_match,
+                        None if s.positions is None else list(s.positions),
+                    )
+                )
             # result memory the frontend let go of: free before this request's result is announced
             self.store.release(payload.get("release"))
             if spec.wants_results or payload.get("fetch"):
@@ -82,7 +96,9 @@ class Admission:
                 try:
                     fn = cloudpickle.loads(h.fn)
                 except Exception as e:  # fail this request, never the engine (the frontend checks first)
-                    store.error = f"hook {i}: cannot be loaded in the worker ({type(e).__name__}: {e})"
+                    store.error = errors.failure(
+                        "hook", f"hook {i}: cannot be loaded in the worker ({type(e).__name__}: {e})", "loading hooks"
+                    )
                     continue
                 hooks.append(HookRun(fn, frozenset(h.layers), h.pre, self.ctx(saved, external), i, False))
         if self.persistent:
@@ -91,13 +107,14 @@ class Admission:
             self.persistent.attach(hooks, store, external, self.ctx)
         per_request, simple = split_steers(steers)
         capture = [] if spec is None else spec.capture
-        entries, entry_ids = None, []
+        entries, entry_ids = None, list[int]()
         if self.graph is not None and not hooks:
             got = graph.request_entries(self.graph, steers) if steers else ({}, [])
             if got is not None:
                 entries, entry_ids = got
-        return RequestState(capture, {l: i for i, l in enumerate(capture)}, child, per_request, hooks, store,
-                            simple, entries, entry_ids)
+        return RequestState(
+            capture, {l: i for i, l in enumerate(capture)}, child, per_request, hooks, store, simple, entries, entry_ids
+        )
 
     def _announce_result(self, req_id: str, payload: dict, capture: list[int], store: Store) -> None:
         """A frontend on this machine gets captures through the shared-memory result pool: announce the

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from vllm_worker.worker.plan import Rows, StepPlan
+from vllm_worker.protocol.errors import failure
+from vllm_worker.worker.plan import HookRun, Rows, StepPlan
 from vllm_worker.worker.store import Store
 
 logger = logging.getLogger("vllm_worker")
@@ -56,8 +57,14 @@ def steer(layer: int, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tens
             hidden[s:e] += delta.to(hidden.dtype)
 
 
-def run_hooks(layer: int, pre: bool, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None,
-              on_error: Callable[[object, str], None]) -> None:
+def run_hooks(
+    layer: int,
+    pre: bool,
+    plan: StepPlan,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    on_error: Callable[[HookRun, str], None],
+) -> None:
     """Run each request's hooks on its own rows. `on_error(hook_run, message)` records a failure."""
     items: Rows = plan.hooks.get((layer, pre), [])
     if not items:
@@ -86,14 +93,17 @@ def run_hooks(layer: int, pre: bool, plan: StepPlan, hidden: torch.Tensor, resid
                 if new.shape != stream.shape or new.dtype != stream.dtype or new.device != stream.device:
                     raise TypeError(
                         f"hook returned shape {tuple(new.shape)} {new.dtype} on {new.device}; expected "
-                        f"{tuple(stream.shape)} {stream.dtype} on {stream.device} (the rows it was given)")
+                        f"{tuple(stream.shape)} {stream.dtype} on {stream.device} (the rows it was given)"
+                    )
             except Exception:
                 kind = "persistent hook" if h.persistent else "hook"
-                msg = (f"{kind} {h.index} ({'pre' if pre else 'post'}-hook at layer {layer}) failed:\n"
-                       + traceback.format_exc())
+                msg = (
+                    f"{kind} {h.index} ({'pre' if pre else 'post'}-hook at layer {layer}) failed:\n"
+                    + traceback.format_exc()
+                )
                 if r.store is None:
                     r.store = Store([])
-                r.store.error = msg
+                r.store.error = failure("hook", msg, f"{'pre' if pre else 'post'}-hook at layer {layer}")
                 on_error(h, msg)
                 logger.warning("inspect-lens: %s", msg)
                 break

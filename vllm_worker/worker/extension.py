@@ -48,8 +48,11 @@ class LensWorkerExtension:
         return rt
 
     def lens_fetch(self, wanted: list, shm_host: str | None = None, released: list | None = None) -> dict:
-        return self._lens_rt().fetch([(k, {int(c): int(n) for c, n in ch.items()}) for k, ch in wanted],
-                                     None if shm_host is None else str(shm_host), released)
+        return self._lens_rt().fetch(
+            [(k, {int(c): int(n) for c, n in ch.items()}) for k, ch in wanted],
+            None if shm_host is None else str(shm_host),
+            released,
+        )
 
     def lens_release(self, released: list) -> int:
         return self._lens_rt().release(released)

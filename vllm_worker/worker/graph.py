@@ -48,8 +48,22 @@ def _triton_kernel() -> Any:
         return None
 
     @triton.jit
-    def tap_kernel(h_ptr, r_ptr, ctl_ptr, stage_ptr, a_ptr, b_ptr, bflag_ptr, col, n_cols, d,
-                   stride_h, stride_r, HAS_R: tl.constexpr, BLOCK: tl.constexpr):
+    def tap_kernel(
+        h_ptr,
+        r_ptr,
+        ctl_ptr,
+        stage_ptr,
+        a_ptr,
+        b_ptr,
+        bflag_ptr,
+        col,
+        n_cols,
+        d,
+        stride_h,
+        stride_r,
+        HAS_R: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         i = tl.program_id(0)
         c = (i * n_cols + col) * 2
         slot = tl.load(ctl_ptr + c)
@@ -82,8 +96,15 @@ def _triton_kernel() -> Any:
 class GraphTaps:
     """Device buffers + kernel of one model runner (one per process)."""
 
-    def __init__(self, layer_ids: list[int], d: int, dtype: torch.dtype, device: torch.device,
-                 max_rows: int, side: "torch.cuda.Stream | None") -> None:
+    def __init__(
+        self,
+        layer_ids: list[int],
+        d: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rows: int,
+        side: "torch.cuda.Stream | None",
+    ) -> None:
         self.col = {l: i for i, l in enumerate(layer_ids)}
         self.n_cols = len(layer_ids)
         self.d, self.dtype, self.device = d, dtype, device
@@ -99,8 +120,7 @@ class GraphTaps:
         self.bflag = torch.zeros((n_entries,), dtype=torch.int32, device=device)
         self._free = list(range(n_entries - 1, -1, -1))
         # double-buffered host copies of ctl (pinned on CUDA: the upload is asynchronous)
-        self._host = [torch.full((max_rows, self.n_cols, 2), -1, dtype=torch.int32, pin_memory=cuda)
-                      for _ in range(2)]
+        self._host = [torch.full((max_rows, self.n_cols, 2), -1, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self._host_ev: list[Any] = [None, None]
         self._turn = 0
         self.dirty = 0  # rows of ctl that may hold something other than -1
@@ -120,9 +140,14 @@ class GraphTaps:
                 z = torch.zeros((1, d), dtype=dtype, device=device)
                 self._launch(z, z if has_r else None, 0)
             torch.cuda.synchronize(device)
-        logger.info("inspect-lens: graph-safe taps: %d rows x %d layers, staging ring %d rows (%.0f MB), "
-                    "%d steering entries", max_rows, self.n_cols, self.stage_rows,
-                    self.stage_rows * d * esize / (1 << 20), n_entries)
+        logger.info(
+            "inspect-lens: graph-safe taps: %d rows x %d layers, staging ring %d rows (%.0f MB), %d steering entries",
+            max_rows,
+            self.n_cols,
+            self.stage_rows,
+            self.stage_rows * d * esize / (1 << 20),
+            n_entries,
+        )
 
     # ------------------------------------------------------------ inside the forward (the tap op)
 
@@ -148,9 +173,22 @@ class GraphTaps:
         if n == 0:
             return
         r = residual if residual is not None else hidden
-        self._kernel[(n,)](hidden, r, self.ctl, self.stage, self.A, self.B, self.bflag, col, self.n_cols,
-                           self.d, hidden.stride(0), r.stride(0), HAS_R=residual is not None,
-                           BLOCK=self._block)
+        self._kernel[(n,)](
+            hidden,
+            r,
+            self.ctl,
+            self.stage,
+            self.A,
+            self.B,
+            self.bflag,
+            col,
+            self.n_cols,
+            self.d,
+            hidden.stride(0),
+            r.stride(0),
+            HAS_R=residual is not None,
+            BLOCK=self._block,
+        )
 
     def _apply_torch(self, hidden: torch.Tensor, residual: torch.Tensor | None, col: int) -> None:
         n = hidden.shape[0]
@@ -236,14 +274,14 @@ class GraphTaps:
     def clear(self) -> None:
         """Before a step that does not use this path: no row may still point anywhere."""
         if self.dirty:
-            self.ctl[:self.dirty].fill_(-1)
+            self.ctl[: self.dirty].fill_(-1)
             self.dirty = 0
         self.active = False
 
     def copy_out(self, base: int, n: int, dst: torch.Tensor) -> None:
         """The step's captured rows into `dst` (pinned host memory on CUDA: asynchronously, on the side
         stream after the step's kernels; their staging rows are reused once the copy is done)."""
-        src = self.stage[base:base + n]
+        src = self.stage[base : base + n]
         if self._side is None:
             dst.copy_(src)
             return
@@ -306,7 +344,7 @@ def request_entries(g: GraphTaps, steers: list) -> tuple[dict, list[int]] | None
         default = -1
         if has_default:
             default, k = ids[k], k + 1
-        ents = np.array(ids[k:k + len(positions)], dtype=np.int32)
+        ents = np.array(ids[k : k + len(positions)], dtype=np.int32)
         k += len(positions)
         out[layer] = (default, np.array(positions, dtype=np.int64), ents)
     return out, ids

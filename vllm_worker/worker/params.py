@@ -22,7 +22,8 @@ class Params:
         except KeyError:
             raise KeyError(
                 f"parameter {name!r} is not on this pipeline stage (or does not exist); prefetch it first "
-                "with llm.prefetch_params([...])") from None
+                "with llm.prefetch_params([...])"
+            ) from None
 
     def prefetch(self, names: list[str]) -> list[str]:
         """Collective on every rank: gather TP shards, then share across pipeline stages."""

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.envs import limit
+from vllm_worker.protocol.errors import Failure, failure
 from vllm_worker.worker.plan import HookRun
 from vllm_worker.worker.store import Store
 
@@ -19,7 +20,7 @@ class PersistentHooks:
     def __init__(self) -> None:
         self.hooks: list[tuple[Callable, frozenset, bool]] = []
         self.results: dict[str, list[dict]] = {}  # caller request id -> one saved dict per hook
-        self.errors: dict[str, str] = {}  # caller request id -> failure, until popped
+        self.errors: dict[str, Failure] = {}  # caller request id -> failure, until popped
 
     def __bool__(self) -> bool:
         return bool(self.hooks)
@@ -31,24 +32,27 @@ class PersistentHooks:
             self.hooks.append((cloudpickle.loads(fn), frozenset(layers), bool(pre)))
         return len(self.hooks)
 
-    def attach(self, runs: list[HookRun], store: Store, external: str,
-               ctx: Callable[[dict, str], HookContext]) -> None:
+    def attach(self, runs: list[HookRun], store: Store, external: str, ctx: Callable[[dict, str], HookContext]) -> None:
         """A new request: add the persistent hooks to its runs (or fail it if results are full)."""
         if len(self.results) >= MAX_PERSISTENT_RESULTS:
-            store.error = (f"persistent hook results are full ({MAX_PERSISTENT_RESULTS} requests, "
-                           "VLLM_LENS_MAX_PERSISTENT_RESULTS): call collect_hook_results() then "
-                           "clear_hook_results()")
+            store.error = failure(
+                "limit",
+                f"persistent hook results are full ({MAX_PERSISTENT_RESULTS} requests, "
+                "VLLM_LENS_MAX_PERSISTENT_RESULTS): call collect_hook_results() then "
+                "clear_hook_results()",
+                "persistent hooks",
+            )
             self.errors[external] = store.error
             return
-        saved = [{} for _ in self.hooks]
+        saved: list[dict] = [{} for _ in self.hooks]
         self.results[external] = saved
         for i, (fn, layers, pre) in enumerate(self.hooks):
             runs.append(HookRun(fn, layers, pre, ctx(saved[i], external), i, True))
 
     def failed(self, request_id: str, msg: str) -> None:
-        self.errors[request_id] = msg
+        self.errors[request_id] = failure("hook", msg, "persistent hook")
 
-    def pop_errors(self, request_ids: list[str]) -> dict[str, str]:
+    def pop_errors(self, request_ids: list[str]) -> dict[str, Failure]:
         out = {}
         for rid in request_ids:
             for k in [k for k in self.errors if k == rid or k.startswith(rid + "#")]:

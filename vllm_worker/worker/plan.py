@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
 from vllm_worker.api.hooks import HookContext
+
+if TYPE_CHECKING:  # store imports plan at run time; plan needs store's types only
+    from vllm_worker.worker.graph import GraphTaps
+    from vllm_worker.worker.store import CaptureLog, StepArena, Store
 
 
 @dataclass
@@ -45,7 +49,7 @@ class RequestState:
     child: int
     steers: list[DeviceSteer]  # steering that needs per-request work (positions, norm_match)
     hooks: list[HookRun]
-    store: "object | None"  # store.Store: where results go (None: steering only)
+    store: Store | None  # where results go (None: steering only)
     # layer -> (1, d) sum of this request's position-independent, non-norm-matched vectors there;
     # such layers are steered for the whole batch with one index_add_ (`StepPlan.steer_batched`)
     simple_add: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -86,8 +90,11 @@ class GraphPlan:
     @functools.cached_property
     def live_cols(self) -> frozenset:
         """Layer columns this step uses (calls from Python skip the others)."""
-        return frozenset(self.cap_cols.tolist()) | frozenset(self.st_cols.tolist()) | \
-            frozenset(c for _, _, c, _, _, _ in self.st_pos)
+        return (
+            frozenset(self.cap_cols.tolist())
+            | frozenset(self.st_cols.tolist())
+            | frozenset(c for _, _, c, _, _, _ in self.st_pos)
+        )
 
     def fill(self, ctl: np.ndarray, base: int, positions: np.ndarray) -> None:
         """Write this step into the host table (`ctl` rows already -1); `positions`: host positions."""
@@ -141,8 +148,8 @@ class StepPlan:
     hooks: dict[tuple[int, bool], Rows]  # (layer, pre) -> requests with hooks there
     captured: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     fired: int = 0  # tap calls seen during the forward (0 with work planned = taps were skipped)
-    logs: dict = field(default_factory=dict)  # layer -> store.CaptureLog (store.CaptureStore.open_plan)
-    arena: object = None  # store.StepArena: host rows of this plan's steps
+    logs: dict[int, CaptureLog] = field(default_factory=dict)  # layer -> its log (store.CaptureStore.open_plan)
+    arena: StepArena | None = None  # host rows of this plan's steps
     graph: "GraphPlan | None" = None  # set: this composition runs on the graph-safe path
     requests: list = field(default_factory=list)  # the RequestStates it serves (failed together)
     broken: bool = False  # our code failed during this step: the taps do nothing more
@@ -164,14 +171,19 @@ def split_steers(steers: list[DeviceSteer]) -> tuple[list[DeviceSteer], dict[int
             if layer not in complex_layers:
                 add = st.vectors[row].unsqueeze(0) * st.scale
                 simple[layer] = add if layer not in simple else simple[layer] + add
-    return ([st for st in steers if set(st.layers) & complex_layers],
-            {l: v.contiguous() for l, v in simple.items()})
+    return ([st for st in steers if set(st.layers) & complex_layers], {l: v.contiguous() for l, v in simple.items()})
 
 
-def make_plan(active: Rows, device: torch.device, capturing_rank: bool, local: frozenset,
-              graph: "object | None" = None, n_rows: int = 0) -> StepPlan:
+def make_plan(
+    active: Rows,
+    device: torch.device,
+    capturing_rank: bool,
+    local: frozenset,
+    graph: GraphTaps | None = None,
+    n_rows: int = 0,
+) -> StepPlan:
     """`local`: the layers this pipeline stage holds (captures of other stages' layers are theirs).
-    `graph` (a `graph.GraphTaps`): when every request fits the graph-safe path, the plan is for it."""
+    `graph`: when every request fits the graph-safe path, the plan is for it."""
     steer: dict[int, Rows] = {}
     simple: dict[int, Rows] = {}
     cap_rows: dict[int, Rows] = {}

@@ -20,11 +20,12 @@ import torch
 
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookContext
+from vllm_worker.protocol import errors
 from vllm_worker.protocol.spec import PAYLOAD_KEY
 from vllm_worker.transport import shm
 from vllm_worker.worker import edits, faults, graph, taps
 from vllm_worker.worker import store as store_mod
-from vllm_worker.worker.admission import Admission, internal_error
+from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.params import Params
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import HookRun, RequestState, Rows, StepPlan, make_plan
@@ -33,8 +34,14 @@ from vllm_worker.worker.store import CaptureStore, Store
 logger = logging.getLogger("vllm_worker")
 
 # Diagnostics (in `status`, read by benchmarks): host seconds around graph-path steps, cumulative.
-STEP_TIMINGS = {"graph_steps": 0, "plan_s": 0.0, "forward_s": 0.0, "after_s": 0.0,
-                "python_steps": 0, "python_file_s": 0.0}
+STEP_TIMINGS = {
+    "graph_steps": 0,
+    "plan_s": 0.0,
+    "forward_s": 0.0,
+    "after_s": 0.0,
+    "python_steps": 0,
+    "python_file_s": 0.0,
+}
 
 
 class LensRuntime:
@@ -61,11 +68,16 @@ class LensRuntime:
         self.graph: graph.GraphTaps | None = None
         if graph.enabled():
             try:
-                self.graph = graph.GraphTaps(self.layer_ids, self._d_model, self.dtype, self.device,
-                                             compat.max_tokens(runner), self.store.side)
+                self.graph = graph.GraphTaps(
+                    self.layer_ids, self._d_model, self.dtype, self.device, compat.max_tokens(runner), self.store.side
+                )
             except Exception as e:  # noqa: BLE001 - the Python path still serves every request
-                logger.warning("inspect-lens: graph-safe taps unavailable (%s: %s); steps with capture or "
-                               "steering run without CUDA graphs", type(e).__name__, e)
+                logger.warning(
+                    "inspect-lens: graph-safe taps unavailable (%s: %s); steps with capture or "
+                    "steering run without CUDA graphs",
+                    type(e).__name__,
+                    e,
+                )
         taps.set_graph(self.graph)
         self._layout: tuple | None = None  # (req_ids, qsl) the cached plan was made for
         self._plan: StepPlan | None = None  # the plan of the forward pass running now
@@ -73,12 +85,27 @@ class LensRuntime:
         self._plan_key: tuple | None = None  # ... and that composition (request ids, row offsets)
         self.steps_with_features = 0
         self.persistent = PersistentHooks()  # hooks on every request, and their results
-        self.admission = Admission(runner, self.device, self.dtype, self._d_model, self._local,
-                                   self.capturing_rank, self._shm_host, self.store, self.graph,
-                                   self.persistent, self._ctx)
+        self.admission = Admission(
+            runner,
+            self.device,
+            self.dtype,
+            self._d_model,
+            self._local,
+            self.capturing_rank,
+            self._shm_host,
+            self.store,
+            self.graph,
+            self.persistent,
+            self._ctx,
+        )
         taps.install(layers)
-        logger.info("inspect-lens: taps on %d decoder layers (%s..%s) on TP rank %d",
-                    len(layers), self.layer_ids[0], self.layer_ids[-1], self.tp_rank)
+        logger.info(
+            "inspect-lens: taps on %d decoder layers (%s..%s) on TP rank %d",
+            len(layers),
+            self.layer_ids[0],
+            self.layer_ids[-1],
+            self.tp_rank,
+        )
 
     # ---------------------------------------------------------------- per request state
 
@@ -94,14 +121,15 @@ class LensRuntime:
         return req
 
     def _ctx(self, saved: dict, external: str) -> HookContext:
-        return HookContext(saved=saved, request_id=external, tp_rank=self.tp_rank, model=self.model,
-                           _params=self.params.get)
+        return HookContext(
+            saved=saved, request_id=external, tp_rank=self.tp_rank, model=self.model, _params=self.params.get
+        )
 
     def _fail(self, requests: list[RequestState], stage: str, e: Exception) -> None:
         """Our own code failed at `stage` for these requests: each gets the error (reported when its
         results are fetched) and runs without features from now on; everyone else is untouched."""
-        msg = internal_error(stage, e)
-        logger.error("inspect-lens: %s", msg)
+        msg = errors.internal(stage, e)
+        logger.error("inspect-lens: %s", msg["message"])
         for r in requests:
             if r.store is None:
                 r.store = Store([])
@@ -208,7 +236,8 @@ class LensRuntime:
             # plan would silently get nothing. Never let that pass.
             raise compat.LensIncompatibleVLLM(
                 "inspect-lens taps did not run during a forward pass that needed them (was a CUDA graph "
-                "replayed for a step with Python hooks?)")
+                "replayed for a step with Python hooks?)"
+            )
         self.steps_with_features += 1
         STEP_TIMINGS["python_steps"] += 1
         if plan.captured and not plan.broken:
@@ -222,8 +251,9 @@ class LensRuntime:
         return out
 
     def _graph_step(self, plan: StepPlan, orig: Any, args: tuple, kwargs: dict) -> Any:
-        g, gp = self.graph, plan.graph
-        _, qsl = self._layout
+        g, gp, layout = self.graph, plan.graph, self._layout
+        assert g is not None and gp is not None and layout is not None  # a graph plan is made only with graph taps
+        _, qsl = layout
         pos = compat.host_positions(self.runner, qsl)
         if self.device.type == "cpu":  # cheap here: check the host positions against vLLM's own
             dev = kwargs.get("positions")
@@ -234,6 +264,7 @@ class LensRuntime:
             faults.check("fill")
             ctl = g.host_ctl(gp.n)
             base = g.ring_alloc(gp.total) if gp.total else 0
+            assert base is not None  # plans fit the ring (make_plan checks stage_rows)
             gp.fill(ctl, base, pos)
             g.upload(gp.n, gp.live_cols)
         except Exception as e:  # noqa: BLE001 - fail these requests; the step runs plain
@@ -249,7 +280,8 @@ class LensRuntime:
         if g.fired == 0 and not (compat.forward_replays_full_graph() and g.launches_in_capture > 0):
             raise compat.LensIncompatibleVLLM(
                 "inspect-lens taps did not run during a forward pass that needed them (no tap kernel was "
-                "called, nor recorded into the CUDA graph that was replayed)")
+                "called, nor recorded into the CUDA graph that was replayed)"
+            )
         self.steps_with_features += 1
         if gp.total:
             try:
@@ -303,8 +335,9 @@ class LensRuntime:
 
     # ---------------------------------------------------------------- fetch (RPC)
 
-    def fetch(self, wanted: list[tuple[str, dict[int, int]]], shm_host: str | None = None,
-              released: list | None = None) -> dict[str, Any]:
+    def fetch(
+        self, wanted: list[tuple[str, dict[int, int]]], shm_host: str | None = None, released: list | None = None
+    ) -> dict[str, Any]:
         """`shm_host`: the frontend's machine id; on the same machine, captures travel through the shared
         memory result pool. `released`: pool regions the frontend no longer uses."""
         use_shm = shm_host is not None and shm_host == shm.host_id()
@@ -329,7 +362,7 @@ class LensRuntime:
     def collect_hook_results(self) -> bytes | None:
         return _pickle_saved(self.persistent.results) if self.capturing_rank else None
 
-    def pop_persistent_errors(self, request_ids: list[str]) -> dict[str, str]:
+    def pop_persistent_errors(self, request_ids: list[str]) -> dict[str, errors.Failure]:
         return self.persistent.pop_errors(request_ids) if self.capturing_rank else {}
 
     def clear_hook_results(self) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from vllm_worker.envs import get, limit
+from vllm_worker.protocol import errors
 from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.transport import assembly, result_pool
 from vllm_worker.transport.result_pool import ResultPool
@@ -48,10 +49,15 @@ def _pool(threads: int) -> Any:
 
 
 # Diagnostics (reported by `status`, read by benchmarks): cumulative seconds in fetches.
-FETCH_TIMINGS = {"wait_copies_s": 0.0, "assemble_s": 0.0,
-                 # summed over assembly threads: taking result memory (pool regions), copying into it
-                 "alloc_s": 0.0, "index_s": 0.0, "copy_s": 0.0,
-                 "arena_alloc_s": 0.0}  # host memory for steps' captures, allocated in the step
+FETCH_TIMINGS = {
+    "wait_copies_s": 0.0,
+    "assemble_s": 0.0,
+    # summed over assembly threads: taking result memory (pool regions), copying into it
+    "alloc_s": 0.0,
+    "index_s": 0.0,
+    "copy_s": 0.0,
+    "arena_alloc_s": 0.0,
+}  # host memory for steps' captures, allocated in the step
 
 
 class StepArena:
@@ -74,8 +80,13 @@ class StepArena:
         if not self.chunks or self.chunks[-1][2] == self.chunks[-1][0].shape[0]:
             t = time.perf_counter()
             c = min(self.MAX_CHUNK_STEPS, 1 << len(self.chunks))
-            self.chunks.append([torch.empty((c, self.rows, d), dtype=dtype, pin_memory=self.pinned),
-                                torch.empty((c, self.rows), dtype=torch.int64, pin_memory=self.pinned), 0])
+            self.chunks.append(
+                [
+                    torch.empty((c, self.rows, d), dtype=dtype, pin_memory=self.pinned),
+                    torch.empty((c, self.rows), dtype=torch.int64, pin_memory=self.pinned),
+                    0,
+                ]
+            )
             FETCH_TIMINGS["arena_alloc_s"] += time.perf_counter() - t
         ch = self.chunks[-1]
         k = ch[2]
@@ -84,7 +95,7 @@ class StepArena:
 
     def parts(self, col: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(positions (steps, n), rows (steps, n, d)) per chunk, for columns col:col+n."""
-        return [(pos[:f, col:col + n], data[:f, col:col + n]) for data, pos, f in self.chunks if f]
+        return [(pos[:f, col : col + n], data[:f, col : col + n]) for data, pos, f in self.chunks if f]
 
 
 class CaptureLog:
@@ -115,7 +126,7 @@ class Store:
     layers: list[int]
     segments: list[Segment] = field(default_factory=list)
     saved: list[dict] = field(default_factory=list)
-    error: str | None = None
+    error: errors.Failure | None = None
     nonfinite: dict = field(default_factory=dict)  # hook -> device flag: it returned NaN/inf (not applied)
     expected: int = 0  # bytes announced to the result pool when the request arrived (`ResultPool.expect`)
 
@@ -223,9 +234,15 @@ class CaptureStore:
 
     # ------------------------------------------------------------ fetch
 
-    def fetch(self, wanted: list[tuple[str, dict[int, int]]], reporting: bool,
-              layer_ids: list[int], assemble_saved: Any, use_shm: bool = False,
-              released: list | None = None) -> dict[str, Any]:
+    def fetch(
+        self,
+        wanted: list[tuple[str, dict[int, int]]],
+        reporting: bool,
+        layer_ids: list[int],
+        assemble_saved: Any,
+        use_shm: bool = False,
+        released: list | None = None,
+    ) -> dict[str, Any]:
         """{key: {child: payload}} for this rank's layers; pops what it returns. A rank that does not
         report (TP rank > 0: hooks ran there too, on the same replicated stream) only drops. `use_shm`:
         capture tensors go into the shared-memory result pool (`result_pool`); `released`: pool regions
@@ -242,15 +259,22 @@ class CaptureStore:
         finally:
             FETCH_TIMINGS["assemble_s"] += time.perf_counter() - t1
 
-    def _fetch(self, wanted: list, reporting: bool, layer_ids: list[int], assemble_saved: Any, use_shm: bool,
-               out: dict) -> dict[str, Any]:
+    def _fetch(
+        self, wanted: list, reporting: bool, layer_ids: list[int], assemble_saved: Any, use_shm: bool, out: dict
+    ) -> dict[str, Any]:
         with self.lock:
             todo: list[tuple[str, int, Store, int]] = []
             for key, children in wanted:
                 if reporting and key in self._evicted:
                     self._evicted.discard(key)
-                    out[key] = {"error": "captures were dropped: the worker's store exceeded "
-                                         "VLLM_LENS_MAX_STORED_GB before they were fetched"}
+                    out[key] = {
+                        "error": errors.failure(
+                            "limit",
+                            "captures were dropped: the worker's store exceeded "
+                            "VLLM_LENS_MAX_STORED_GB before they were fetched",
+                            "store",
+                        )
+                    }
                     continue
                 for child, n_pos in children.items():
                     st = self._stores.pop((key, int(child)), None)
@@ -284,8 +308,9 @@ class CaptureStore:
                 where.append(i)
         if items:
             try:
-                for i, item, payload in zip(where, items, assembly.assemble(items, pool, threads, _pool,
-                                                                           FETCH_TIMINGS)):
+                for i, item, payload in zip(
+                    where, items, assembly.assemble(items, pool, threads, _pool, FETCH_TIMINGS)
+                ):
                     # None: no room in the pool, so as bytes (its prelude is done)
                     out[i] = payload if payload is not None else _guarded(_as_bytes, *item)
             except Exception as e:  # noqa: BLE001 - our own failure: these requests' error, not the fetch's
@@ -307,7 +332,13 @@ class CaptureStore:
 
 def _internal(e: Exception) -> dict[str, Any]:
     logger.error("inspect-lens: assembling a request's results failed: %s: %s", type(e).__name__, e)
-    return {"error": f"inspect-lens internal error while assembling results: {type(e).__name__}: {e}"}
+    return {
+        "error": errors.failure(
+            "internal",
+            f"inspect-lens internal error while assembling results: {type(e).__name__}: {e}",
+            "assembling results",
+        )
+    }
 
 
 def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
@@ -327,8 +358,11 @@ def _prelude(st: Store, layer_ids: list[int], assemble_saved: Any) -> tuple[dict
     if st.error is None and st.nonfinite:
         bad = [where for where, flag in st.nonfinite.items() if bool(flag)]
         if bad:
-            st.error = (f"{bad[0]} returned NaN or inf values; they were not written into the stream "
-                        f"(hooks that did: {bad})")
+            st.error = errors.failure(
+                "hook",
+                f"{bad[0]} returned NaN or inf values; they were not written into the stream (hooks that did: {bad})",
+                "hook output",
+            )
     if st.error is not None:
         payload["error"] = st.error
     if st.saved:
@@ -366,11 +400,14 @@ def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any) 
 
 def _as_bytes(payload: dict, st: Store, n_pos: int, mine: list[int], out_of_slot: dict) -> dict[str, Any]:
     """A request's captures copied into a tensor of its own, sent as bytes in the RPC reply."""
-    parts = [(out_of_slot[seg.slot], pos, rows) for seg in st.segments
-             if seg.log.arena is not None and seg.slot in out_of_slot
-             for pos, rows in seg.log.arena.parts(seg.log.col + seg.offset, seg.n)]
+    parts = [
+        (out_of_slot[seg.slot], pos, rows)
+        for seg in st.segments
+        if seg.log.arena is not None and seg.slot in out_of_slot
+        for pos, rows in seg.log.arena.parts(seg.log.col + seg.offset, seg.n)
+    ]
     if not parts:
-        payload.setdefault("error", "no positions were captured")
+        payload.setdefault("error", errors.failure("internal", "no positions were captured", "assembling results"))
         return payload
     d, dtype = parts[0][2].shape[-1], parts[0][2].dtype
     shape = (len(mine), n_pos, d)
@@ -383,11 +420,16 @@ def _as_bytes(payload: dict, st: Store, n_pos: int, mine: list[int], out_of_slot
     for slot, pos, rows in parts:  # pos (steps, n), rows (steps, n, d)
         p = _np(pos).ravel()
         src = _np(rows)
-        if len(p) and p[0] >= 0 and p[-1] - p[0] == len(p) - 1 and p[-1] < n_pos and \
-                (len(p) < 3 or np.array_equal(np.diff(p), np.ones(len(p) - 1, dtype=p.dtype))):
+        if (
+            len(p)
+            and p[0] >= 0
+            and p[-1] - p[0] == len(p) - 1
+            and p[-1] < n_pos
+            and (len(p) < 3 or np.array_equal(np.diff(p), np.ones(len(p) - 1, dtype=p.dtype)))
+        ):
             # one request's decode steps / prefill chunk: one block copy
-            np.copyto(dst[slot, p[0]:p[-1] + 1].reshape(src.shape), src)
-            filled[slot, p[0]:p[-1] + 1] = True
+            np.copyto(dst[slot, p[0] : p[-1] + 1].reshape(src.shape), src)
+            filled[slot, p[0] : p[-1] + 1] = True
             continue
         src = src.reshape(-1, d)
         keep = p < n_pos
@@ -398,6 +440,13 @@ def _as_bytes(payload: dict, st: Store, n_pos: int, mine: list[int], out_of_slot
     FETCH_TIMINGS["copy_s"] += time.perf_counter() - t2
     missing = [(l, int(np.flatnonzero(~filled[i])[0])) for i, l in enumerate(mine) if not filled[i].all()]
     if missing:
-        payload.setdefault("error", f"positions never ran a forward pass (layer, first missing position): {missing}")
+        payload.setdefault(
+            "error",
+            errors.failure(
+                "internal",
+                f"positions never ran a forward pass (layer, first missing position): {missing}",
+                "assembling results",
+            ),
+        )
     payload.update({"layers": mine, "tensor": tensor_to_bytes(t)})
     return payload

@@ -1,0 +1,31 @@
+"""The field checks shared by the objects callers build (`api`) and the request payload (`spec`): one rule
+for a list of ints and one for a finite number, each error naming the field."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def int_list(value: Any, field: str, what: str = "entries") -> list[int]:
+    """A list of ints (a tuple, range or 1-D tensor of ints is one too; bools are not ints)."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):  # a tensor / array
+        value = value.tolist()
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{field}: expected a list of ints, got {type(value).__name__}")
+    out = list(value)
+    for x in out:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ValueError(f"{field}: {what} must be ints, got {x!r}")
+    return out
+
+
+def finite_number(value: Any, field: str) -> float:
+    """An int or float that is finite (no bools, NaN, inf or an int too large for a float)."""
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float (e.g. 10**400 from JSON)
+        ok = False
+    if not ok:
+        raise ValueError(f"{field}: expected a finite number, got {str(value)[:40]!r}")
+    return float(value)
