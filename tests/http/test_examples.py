@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from support import load_script
 from support.reference import hf_model, residuals
 from support.servers import KEY
 
@@ -17,13 +18,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def _example(name: str):
     """An example script imported as a module (they are standalone files, not a package)."""
-    import importlib
-
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    return load_script(EXAMPLES / f"{name}.py")
 
 
 @pytest.fixture(scope="module")

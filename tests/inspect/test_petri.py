@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 
+from support import ROOT, load_script
 from support.servers import KEY
 
 pytest.importorskip("inspect_petri")
@@ -82,14 +83,9 @@ def test_petri_audit_with_a_reading_target(lora_server, tiny_oracle, tmp_path): 
         api_key=KEY,
         config=GenerateConfig(max_tokens=6, temperature=0),
     )
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "evals"))
-    try:
-        from petri_audit import petri_audit  # the eval users run (Petri's judge left out: no judge model here)
-    finally:
-        sys.path.pop(0)
+    # the eval users run (Petri's judge left out: no judge model here)
+    petri_audit = load_script(ROOT / "evals" / "petri_audit.py").petri_audit
     task = petri_audit(
         probe=str(probe_file),
         oracle=str(tiny_oracle),

@@ -103,7 +103,7 @@ def test_batch_assembly_in_threads_puts_every_row_in_its_place(monkeypatch):
     request whose last step ran past its result (that row is dropped)."""
     from vllm_worker.transport import assembly
     from vllm_worker.worker import store
-    from vllm_worker.worker.store import CaptureLog, Segment, StepArena, Store
+    from vllm_worker.worker.results import CaptureLog, RequestResults, Segment, StepArena
 
     monkeypatch.setattr(assembly, "BLOCK_BYTES", 3 * 64 * 2)  # three rows per copy job
     n_req, L, S, d = 7, 2, 9, 64
@@ -118,7 +118,7 @@ def test_batch_assembly_in_threads_puts_every_row_in_its_place(monkeypatch):
     try:
         items, want = [], {}
         for r in (5, 0, 3, 6, 1):  # out of order, and requests 2 and 4 not in this fetch
-            st = Store([10, 20])
+            st = RequestResults([10, 20])
             st.segments = [Segment(logs[l], l, r, 1) for l in range(L)]
             n_pos = S - 1 if r == 3 else S
             items.append(({}, st, n_pos, [10, 20], {0: 0, 1: 1}))

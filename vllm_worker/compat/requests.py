@@ -134,11 +134,11 @@ def processor_of_llm(llm: Any) -> Any:
 
 def input_processor_of(obj: Any) -> Any:
     """The `InputProcessor` of an `LLM`, `LLMEngine`, `AsyncLLM` / engine client, or the processor itself."""
-    if isinstance(obj, input_processor_cls()):
-        return obj
+    if hasattr(obj, "llm_engine"):
+        return processor_of_llm(obj)
     if hasattr(obj, "input_processor"):
         return obj.input_processor
-    return processor_of_llm(obj)
+    return obj
 
 
 def processor_of_llm_engine(engine: Any) -> Any:

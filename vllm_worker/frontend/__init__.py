@@ -1,7 +1,7 @@
 """The engine frontend: the process that owns `LLM` / `LLMEngine` / `AsyncLLM` (or vLLM's API server).
 
-`requests`: every new request's features validated, admitted against the capture limits and encoded for
-the workers. `results`: captures and hook state fetched from the workers when a request finishes and
+`requests`: every new request's features validated (`validation`), admitted against the capture limits
+and encoded for the workers. `results`: captures and hook state fetched from the workers when a request finishes and
 attached to its outputs. `llm_methods`: persistent hooks as methods of `vllm.LLM`.
 """
 

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 from vllm_worker import compat
 from vllm_worker.api.hooks import Hook
 from vllm_worker.frontend.requests import state_of
-from vllm_worker.protocol.spec import ModelShape, parse_hooks
+from vllm_worker.frontend.validation import parse_hooks
+from vllm_worker.protocol.spec import ModelShape
 
 
 def _shape(llm: Any) -> ModelShape:

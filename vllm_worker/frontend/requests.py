@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm_worker import compat
 from vllm_worker.envs import limit
+from vllm_worker.frontend.validation import parse_request
 from vllm_worker.protocol.spec import (
     CAPTURE_KEY,
     PAYLOAD_KEY,
@@ -16,7 +17,6 @@ from vllm_worker.protocol.spec import (
     cache_salt,
     encode,
     has_lens_keys,
-    parse_request,
 )
 from vllm_worker.transport import result_pool, shm
 

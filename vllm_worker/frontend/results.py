@@ -18,11 +18,8 @@ from vllm_worker.protocol.wire import dtype_from_name, tensor_from_bytes
 from vllm_worker.transport import result_pool, shm
 
 FETCH_GROUP_BYTES = 512 << 20  # per RPC round trip when results travel inside the RPC reply
-
-
-# ... and when they travel as shared-memory files (the reply holds only their names): one round trip lets
-# the worker assemble a whole batch in parallel threads (at 512 MiB an all-layer batch of 256 requests
-# took 41 round trips of ~6 requests each, assembled one after another: 7 s of 15 on the H200)
+# ... and when they travel through the shared-memory result pool (the reply holds only region names): one
+# round trip lets the worker assemble a whole batch in parallel threads (docs/internals.md#measured-reasons)
 FETCH_GROUP_SHM_BYTES = limit("VLLM_LENS_FETCH_GROUP_SHM_GB")
 
 

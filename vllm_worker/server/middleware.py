@@ -32,8 +32,6 @@ from vllm_worker.server.state import LensState, shape_of, state_of
 from vllm_worker.server.streaming import StreamInjector
 
 COMPLETIONS = "/v1/completions"
-
-
 CHAT = "/v1/chat/completions"
 
 

@@ -12,9 +12,9 @@ from fastapi import APIRouter, Request
 from vllm_worker import compat, envs
 from vllm_worker.frontend.requests import in_flight_bytes, pending_count
 from vllm_worker.frontend.results import merge_collected, release_results_async
+from vllm_worker.frontend.validation import parse_hooks
 from vllm_worker.protocol.spec import (
     HOOK_KEY,
-    parse_hooks,
     remote_hooks_allowed,
     require_remote_hooks,
 )

@@ -2,9 +2,9 @@
 large index copies per arena chunk — every request of the fetch at once — instead of a dozen small
 copies per request and chunk.
 
-Why: measured on the H200 host (bench/results/2026-12-01-h200-s8.md), per-request assembly spent its
-time in Python around the copies (~74k numpy calls for an all-layer 256-request fetch), and threads
-made it worse by fighting over the GIL. Here each arena chunk (steps, rows, d) is cut into runs of
+Why: per-request assembly spent its time in Python around the copies (tens of thousands of numpy calls
+for an all-layer batch), and threads made it worse by fighting over the GIL
+(docs/internals.md#measured-reasons). Here each arena chunk (steps, rows, d) is cut into runs of
 adjacent columns that belong to this fetch; a run is copied with one numpy fancy-index assignment
 (`dst_rows[index (steps, m)] = chunk[:, run]`, no temporary: the source is a view) that releases the GIL,
 so a few threads really run in parallel. A request's region is aligned to a row of its segment, so the

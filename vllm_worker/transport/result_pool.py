@@ -1,10 +1,10 @@
 """Shared-memory result memory that outlives a fetch: captures are written into regions of a few large
 files that worker and frontend both keep mapped, and a region is reused once the caller is done with it.
 
-Why: a fresh shared-memory file costs page population on both sides (measured on the H200 host: 1.4 GB/s
-into a fresh /dev/shm file against 8.7 GB/s into one already faulted in), plus a file open/allocate/
-truncate/unlink per request. A 10.5 GB all-layer fetch spent most of its ~6 s there. Memory that has
-been written once is cheap to write again, so the pool keeps it:
+Why: a fresh shared-memory file costs page population on both sides (several times slower to write than
+memory already faulted in), plus a file open/allocate/truncate/unlink per request; a large all-layer
+fetch spent most of its time there (docs/internals.md#measured-reasons). Memory that has been written
+once is cheap to write again, so the pool keeps it:
 
 - Worker (`ResultPool`): segments are files under /dev/shm, reserved with `posix_fallocate` (a full tmpfs
   is an ordinary error: the result then travels over RPC) and mapped with MAP_POPULATE. Requests that

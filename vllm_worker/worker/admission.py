@@ -18,7 +18,8 @@ from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, split_steers
-from vllm_worker.worker.store import CaptureStore, Store
+from vllm_worker.worker.results import RequestResults
+from vllm_worker.worker.store import CaptureStore
 
 
 class Admission:
@@ -48,7 +49,7 @@ class Admission:
             return self._failed(req_id, payload, e)
 
     def _failed(self, req_id: str, payload: Any, e: Exception) -> RequestState:
-        store = Store([])
+        store = RequestResults([])
         store.error = errors.internal("admission", e)
         n = int(payload.get("n", 1)) if isinstance(payload, dict) else 1
         child = compat.child_index(req_id, n) if n > 1 else 0
@@ -87,7 +88,7 @@ class Admission:
             # result memory the frontend let go of: free before this request's result is announced
             self.store.release(payload.get("release"))
             if spec.wants_results or payload.get("fetch"):
-                store = Store(spec.capture)
+                store = RequestResults(spec.capture)
                 self._announce_result(req_id, payload, spec.capture, store)
                 self.store.add(spec.key, child, store)
             for i, h in enumerate(spec.hooks):
@@ -103,7 +104,7 @@ class Admission:
                 hooks.append(HookRun(fn, frozenset(h.layers), h.pre, self.ctx(saved, external), i, False))
         if self.persistent:
             if store is None:
-                store = Store([])
+                store = RequestResults([])
             self.persistent.attach(hooks, store, external, self.ctx)
         per_request, simple = split_steers(steers)
         capture = [] if spec is None else spec.capture
@@ -116,7 +117,7 @@ class Admission:
             capture, {l: i for i, l in enumerate(capture)}, child, per_request, hooks, store, simple, entries, entry_ids
         )
 
-    def _announce_result(self, req_id: str, payload: dict, capture: list[int], store: Store) -> None:
+    def _announce_result(self, req_id: str, payload: dict, capture: list[int], store: RequestResults) -> None:
         """A frontend on this machine gets captures through the shared-memory result pool: announce the
         request's largest result now, so the pool can grow while it runs (`ResultPool.expect`)."""
         if not capture or not self.capturing_rank or self.shm_host is None or payload.get("shm") != self.shm_host:

@@ -15,7 +15,7 @@ import torch
 
 from vllm_worker.protocol.errors import failure
 from vllm_worker.worker.plan import HookRun, Rows, StepPlan
-from vllm_worker.worker.store import Store
+from vllm_worker.worker.results import RequestResults
 
 logger = logging.getLogger("vllm_worker")
 
@@ -102,7 +102,7 @@ def run_hooks(
                     + traceback.format_exc()
                 )
                 if r.store is None:
-                    r.store = Store([])
+                    r.store = RequestResults([])
                 r.store.error = failure("hook", msg, f"{'pre' if pre else 'post'}-hook at layer {layer}")
                 on_error(h, msg)
                 logger.warning("inspect-lens: %s", msg)

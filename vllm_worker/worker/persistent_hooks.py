@@ -9,7 +9,7 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.envs import limit
 from vllm_worker.protocol.errors import Failure, failure
 from vllm_worker.worker.plan import HookRun
-from vllm_worker.worker.store import Store
+from vllm_worker.worker.results import RequestResults
 
 # Requests whose persistent-hook results are kept until `clear_hook_results`. Past it, new requests
 # fail with an error that says so (never a silent drop).
@@ -32,7 +32,9 @@ class PersistentHooks:
             self.hooks.append((cloudpickle.loads(fn), frozenset(layers), bool(pre)))
         return len(self.hooks)
 
-    def attach(self, runs: list[HookRun], store: Store, external: str, ctx: Callable[[dict, str], HookContext]) -> None:
+    def attach(
+        self, runs: list[HookRun], store: RequestResults, external: str, ctx: Callable[[dict, str], HookContext]
+    ) -> None:
         """A new request: add the persistent hooks to its runs (or fail it if results are full)."""
         if len(self.results) >= MAX_PERSISTENT_RESULTS:
             store.error = failure(

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 
 from vllm_worker.api.hooks import HookContext
-
-if TYPE_CHECKING:  # store imports plan at run time; plan needs store's types only
-    from vllm_worker.worker.graph import GraphTaps
-    from vllm_worker.worker.store import CaptureLog, StepArena, Store
+from vllm_worker.worker.graph import GraphTaps
+from vllm_worker.worker.results import CaptureLog, RequestResults, StepArena
 
 
 @dataclass
@@ -49,7 +47,7 @@ class RequestState:
     child: int
     steers: list[DeviceSteer]  # steering that needs per-request work (positions, norm_match)
     hooks: list[HookRun]
-    store: Store | None  # where results go (None: steering only)
+    store: RequestResults | None  # where results go (None: steering only)
     # layer -> (1, d) sum of this request's position-independent, non-norm-matched vectors there;
     # such layers are steered for the whole batch with one index_add_ (`StepPlan.steer_batched`)
     simple_add: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -29,7 +29,8 @@ from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.params import Params
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import HookRun, RequestState, Rows, StepPlan, make_plan
-from vllm_worker.worker.store import CaptureStore, Store
+from vllm_worker.worker.results import RequestResults
+from vllm_worker.worker.store import CaptureStore
 
 logger = logging.getLogger("vllm_worker")
 
@@ -132,7 +133,7 @@ class LensRuntime:
         logger.error("inspect-lens: %s", msg["message"])
         for r in requests:
             if r.store is None:
-                r.store = Store([])
+                r.store = RequestResults([])
             if r.store.error is None:
                 r.store.error = msg
             r.capture, r.capture_slot, r.steers, r.simple_add, r.hooks = [], {}, [], {}, []

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,17 +23,22 @@ from vllm_worker.transport import assembly, result_pool
 from vllm_worker.transport.result_pool import ResultPool
 from vllm_worker.worker import faults
 from vllm_worker.worker.plan import StepPlan
+from vllm_worker.worker.results import FETCH_TIMINGS, CaptureLog, RequestResults, Segment, StepArena
 
 logger = logging.getLogger("vllm_worker")
+
 
 # Captures kept in the worker until fetched. Past the cap the oldest are dropped and a later fetch of
 # them reports it (an error, never a silent empty result).
 MAX_STORED_BYTES = limit("VLLM_LENS_MAX_STORED_GB")
 
+
 # At most this many threads copy a fetch's captures into the result pool; one per
-# ASSEMBLY_BYTES_PER_THREAD of results. The copies release the GIL (`assembly`); measured on the H200 host
-# (bench/results/2026-12-01-h200-s8.md): 10.5 GB in 2.0 s on one thread, 0.65 s on four.
+# ASSEMBLY_BYTES_PER_THREAD of results. The copies release the GIL (`assembly`), so threads really run in
+# parallel (docs/internals.md#measured-reasons).
 ASSEMBLY_THREADS = max(1, get("VLLM_LENS_ASSEMBLY_THREADS"))
+
+
 ASSEMBLY_BYTES_PER_THREAD = 128 << 20
 
 
@@ -48,92 +52,9 @@ def _pool(threads: int) -> Any:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lens-assemble")
 
 
-# Diagnostics (reported by `status`, read by benchmarks): cumulative seconds in fetches.
-FETCH_TIMINGS = {
-    "wait_copies_s": 0.0,
-    "assemble_s": 0.0,
-    # summed over assembly threads: taking result memory (pool regions), copying into it
-    "alloc_s": 0.0,
-    "index_s": 0.0,
-    "copy_s": 0.0,
-    "arena_alloc_s": 0.0,
-}  # host memory for steps' captures, allocated in the step
-
-
-class StepArena:
-    """Host memory for the captured rows of every step run with one plan (one batch composition): step
-    after step in chunks of shape (steps, rows, d), so a request's rows at one layer across all decode
-    steps are one strided slice — nothing to stack at fetch. Chunks double (1, 2, 4 … 64 steps); on CUDA
-    they are pinned (device copies land in them asynchronously) and come from torch's caching host
-    allocator, so a steady workload stops allocating."""
-
-    __slots__ = ("rows", "pinned", "chunks")
-    MAX_CHUNK_STEPS = 64
-
-    def __init__(self, rows: int, pinned: bool) -> None:
-        self.rows = rows
-        self.pinned = pinned
-        self.chunks: list[list] = []  # [data (steps, rows, d), positions (steps, rows), steps filled]
-
-    def next(self, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, d) and (rows,) host views for the next step."""
-        if not self.chunks or self.chunks[-1][2] == self.chunks[-1][0].shape[0]:
-            t = time.perf_counter()
-            c = min(self.MAX_CHUNK_STEPS, 1 << len(self.chunks))
-            self.chunks.append(
-                [
-                    torch.empty((c, self.rows, d), dtype=dtype, pin_memory=self.pinned),
-                    torch.empty((c, self.rows), dtype=torch.int64, pin_memory=self.pinned),
-                    0,
-                ]
-            )
-            FETCH_TIMINGS["arena_alloc_s"] += time.perf_counter() - t
-        ch = self.chunks[-1]
-        k = ch[2]
-        ch[2] += 1
-        return ch[0][k], ch[1][k]
-
-    def parts(self, col: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(positions (steps, n), rows (steps, n, d)) per chunk, for columns col:col+n."""
-        return [(pos[:f, col : col + n], data[:f, col : col + n]) for data, pos, f in self.chunks if f]
-
-
-class CaptureLog:
-    """One layer's columns of a plan's arena: shared by the plan's requests, each reading its own row
-    range (`Segment`). Filing a step is O(layers), not O(requests)."""
-
-    __slots__ = ("arena", "col", "refs", "nbytes")
-
-    def __init__(self, arena: StepArena, col: int) -> None:
-        self.arena: StepArena | None = arena
-        self.col = col  # first column of this layer in the arena's rows
-        self.refs = 0  # segments still to be fetched or dropped
-        self.nbytes = 0
-
-
-@dataclass
-class Segment:
-    log: CaptureLog
-    slot: int  # index of the layer in the request's capture list
-    offset: int  # first row of the request inside each of the log's blocks
-    n: int
-
-
-@dataclass
-class Store:
-    """Everything a request hands back: captures, hook state, and the first failure."""
-
-    layers: list[int]
-    segments: list[Segment] = field(default_factory=list)
-    saved: list[dict] = field(default_factory=list)
-    error: errors.Failure | None = None
-    nonfinite: dict = field(default_factory=dict)  # hook -> device flag: it returned NaN/inf (not applied)
-    expected: int = 0  # bytes announced to the result pool when the request arrived (`ResultPool.expect`)
-
-
 class CaptureStore:
     def __init__(self, device: torch.device) -> None:
-        self._stores: dict[tuple[str, int], Store] = {}
+        self._stores: dict[tuple[str, int], RequestResults] = {}
         self._evicted: set[str] = set()
         self.stored_bytes = 0
         self.lock = threading.Lock()
@@ -157,7 +78,7 @@ class CaptureStore:
     def __len__(self) -> int:
         return len(self._stores)
 
-    def add(self, key: str, child: int, store: Store) -> None:
+    def add(self, key: str, child: int, store: RequestResults) -> None:
         with self.lock:
             self._stores[(key, child)] = store
 
@@ -214,7 +135,7 @@ class CaptureStore:
                 self.stored_bytes += nb
             self._evict_if_needed()
 
-    def _release(self, st: Store) -> None:
+    def _release(self, st: RequestResults) -> None:
         if st.expected and self._pool is not None:
             self._pool.unexpect(st.expected)
             st.expected = 0
@@ -263,7 +184,7 @@ class CaptureStore:
         self, wanted: list, reporting: bool, layer_ids: list[int], assemble_saved: Any, use_shm: bool, out: dict
     ) -> dict[str, Any]:
         with self.lock:
-            todo: list[tuple[str, int, Store, int]] = []
+            todo: list[tuple[str, int, RequestResults, int]] = []
             for key, children in wanted:
                 if reporting and key in self._evicted:
                     self._evicted.discard(key)
@@ -349,7 +270,7 @@ def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
         return _internal(e)
 
 
-def _prelude(st: Store, layer_ids: list[int], assemble_saved: Any) -> tuple[dict, list[int] | None, dict]:
+def _prelude(st: RequestResults, layer_ids: list[int], assemble_saved: Any) -> tuple[dict, list[int] | None, dict]:
     """The payload without captures (error, hook state), the captured layers this rank holds (None: no
     captures to assemble) and capture slot -> output index."""
     if st.layers:
@@ -373,7 +294,7 @@ def _prelude(st: Store, layer_ids: list[int], assemble_saved: Any) -> tuple[dict
     return payload, mine, {st.layers.index(l): i for i, l in enumerate(mine)}
 
 
-def _result_bytes(st: Store, n_pos: int) -> int:
+def _result_bytes(st: RequestResults, n_pos: int) -> int:
     """Size of a request's assembled captures (0 without any)."""
     for seg in st.segments:
         arena = seg.log.arena
@@ -385,20 +306,19 @@ def _result_bytes(st: Store, n_pos: int) -> int:
 
 def _np(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor (16-bit floats as int16), for the assembly copies: numpy copies
-    are single-threaded and release the GIL. (On the H200 host this did not by itself change the
-    assembly time — the thread count did, see `assembly_threads`.)"""
+    are single-threaded and release the GIL."""
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.int16)
     return t.numpy()
 
 
-def _assemble(st: Store, n_pos: int, layer_ids: list[int], assemble_saved: Any) -> dict[str, Any]:
+def _assemble(st: RequestResults, n_pos: int, layer_ids: list[int], assemble_saved: Any) -> dict[str, Any]:
     """One request, as bytes (no result pool: a frontend on another machine)."""
     payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved)
     return payload if mine is None else _as_bytes(payload, st, n_pos, mine, out_of_slot)
 
 
-def _as_bytes(payload: dict, st: Store, n_pos: int, mine: list[int], out_of_slot: dict) -> dict[str, Any]:
+def _as_bytes(payload: dict, st: RequestResults, n_pos: int, mine: list[int], out_of_slot: dict) -> dict[str, Any]:
     """A request's captures copied into a tensor of its own, sent as bytes in the RPC reply."""
     parts = [
         (out_of_slot[seg.slot], pos, rows)

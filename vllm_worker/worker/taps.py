@@ -71,9 +71,9 @@ def _tap_fake(hidden: torch.Tensor, residual: torch.Tensor | None, site: int) ->
     return None
 
 
-# Registered through torch.library.Library (as vLLM registers its own ops): a call costs ~3 us here,
-# against ~25 us through torch.library.custom_op's Python wrappers (measured), and the op is called once
-# per layer per step.
+# Registered through torch.library.Library (as vLLM registers its own ops), not torch.library.custom_op,
+# whose Python wrappers cost several times more per call (docs/internals.md#measured-reasons): the op is
+# called once per layer per step.
 _lib = torch.library.Library("vllm_lens", "FRAGMENT")
 _lib.define("tap(Tensor(a!) hidden, Tensor? residual, int site) -> ()")
 _lib.impl("tap", _tap_impl, "CompositeExplicitAutograd")

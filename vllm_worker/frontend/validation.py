@@ -1,0 +1,192 @@
+"""What a caller asks for, checked: our keys in `extra_args` (offline objects — `SteeringVector`, `Hook` —
+or their JSON forms over HTTP) validated against the served model's shape, each error a `ValueError` naming
+the field (`PermissionError` for remote hooks without opt-in), turned into the `RequestSpec` that
+`protocol.spec` encodes for the workers. Runs in the frontend, before any compute."""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from types import SimpleNamespace
+from typing import Any, Mapping
+
+import torch
+
+from vllm_worker.api.hooks import Hook
+from vllm_worker.api.steering import SteeringVector
+from vllm_worker.protocol.checks import finite_number
+from vllm_worker.protocol.spec import (
+    CAPTURE_KEY,
+    HOOK_KEY,
+    KNOWN_KEYS,
+    MAX_PAYLOAD_BYTES,
+    NAMESPACE_PREFIXES,
+    STEER_KEY,
+    HookSpec,
+    ModelShape,
+    RequestSpec,
+    Steer,
+    capture_layers,
+    from_json_string,
+    layer_list,
+    require_remote_hooks,
+)
+from vllm_worker.protocol.wire import tensor_from_json
+
+
+def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Steer:
+    f = f"{STEER_KEY}[{i}]"
+    if isinstance(item, Mapping):
+        unknown = set(item) - {"activations", "layer_indices", "scale", "norm_match", "position_indices"}
+        if unknown:
+            raise ValueError(f"{f}: unknown fields {sorted(unknown)}")
+        if "activations" not in item or "layer_indices" not in item:
+            raise ValueError(f"{f}: needs 'activations' and 'layer_indices'")
+        # checked field by field below, with messages naming the request's field (not as a model)
+        item = SimpleNamespace(
+            activations=item["activations"],
+            layer_indices=item["layer_indices"],
+            scale=item.get("scale", 1.0),
+            norm_match=item.get("norm_match", False),
+            position_indices=item.get("position_indices"),
+        )
+    elif not isinstance(item, SteeringVector):
+        raise ValueError(f"{f}: expected a SteeringVector, got {type(item).__name__}")
+    acts = item.activations
+    if isinstance(acts, Mapping):
+        acts = tensor_from_json(acts, f"{f}.activations", max_bytes=MAX_PAYLOAD_BYTES)
+    if not isinstance(acts, torch.Tensor):
+        raise ValueError(f"{f}.activations: expected a torch.Tensor, got {type(acts).__name__}")
+    if not acts.is_floating_point():
+        raise ValueError(f"{f}.activations: expected a floating-point tensor, got {acts.dtype}")
+    layers = layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
+    if acts.ndim not in (2, 3):
+        raise ValueError(
+            f"{f}.activations: expected 2-D (n_layers, d_model) or 3-D (n_layers, n_pos, d_model), "
+            f"got shape {tuple(acts.shape)}"
+        )
+    if acts.shape[0] != len(layers):
+        raise ValueError(f"{f}.activations: first dimension {acts.shape[0]} != len(layer_indices) {len(layers)}")
+    if acts.shape[-1] != shape.d_model:
+        raise ValueError(f"{f}.activations: last dimension {acts.shape[-1]} != d_model {shape.d_model}")
+    acts = acts.detach().to("cpu", torch.float32).clone()
+    if not torch.isfinite(acts).all():
+        raise ValueError(f"{f}.activations: contains NaN or inf")
+    scale = finite_number(item.scale, f"{f}.scale")
+    if not isinstance(item.norm_match, bool):
+        raise ValueError(f"{f}.norm_match: expected a bool, got {item.norm_match!r}")
+    positions = None
+    if acts.ndim == 3:
+        n_pos = acts.shape[1]
+        positions = list(range(n_pos)) if item.position_indices is None else item.position_indices
+        if isinstance(positions, torch.Tensor):
+            positions = positions.tolist()
+        if not isinstance(positions, (list, tuple)) or len(positions) != n_pos:
+            raise ValueError(
+                f"{f}.position_indices: expected {n_pos} positions (one per row of activations), got {positions!r}"
+            )
+        positions = list(positions)
+        for p in positions:
+            if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+                raise ValueError(f"{f}.position_indices: positions must be non-negative ints, got {p!r}")
+            if p >= prompt_len:
+                raise ValueError(f"{f}.position_indices: position {p} is past the prompt ({prompt_len} tokens)")
+        if len(set(positions)) != len(positions):
+            raise ValueError(f"{f}.position_indices: duplicate positions")
+    elif item.position_indices is not None:
+        raise ValueError(f"{f}.position_indices: only valid with 3-D activations")
+    return Steer(layers, acts, positions, float(scale), item.norm_match)
+
+
+def _hook_item(item: Any, i: int, shape: ModelShape) -> HookSpec:
+    f = f"{HOOK_KEY}[{i}]"
+    if isinstance(item, Mapping):
+        return _remote_hook_item(item, f, shape)
+    if not isinstance(item, Hook):
+        raise ValueError(f"{f}: expected a vllm_worker.Hook, got {type(item).__name__}")
+    if not callable(item.fn):
+        raise ValueError(f"{f}.fn: not callable")
+    layers = layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
+    if not isinstance(item.pre, bool):
+        raise ValueError(f"{f}.pre: expected a bool")
+    return HookSpec(pickle_hook(item.fn, f), layers, item.pre)
+
+
+def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> HookSpec:
+    """`{"fn": base64(cloudpickle), "layer_indices": [...], "pre": false}` — refused without opt-in. The
+    original vllm-lens's `{"fn": {"cloudpickle": base64}}` is the same thing."""
+    require_remote_hooks()
+    unknown = set(item) - {"fn", "layer_indices", "pre"}
+    if unknown:
+        raise ValueError(f"{f}: unknown fields {sorted(unknown)}")
+    fn = item.get("fn")
+    if isinstance(fn, Mapping) and set(fn) == {"cloudpickle"}:
+        fn = fn["cloudpickle"]
+    if not isinstance(fn, str):
+        raise ValueError(f'{f}.fn: expected base64 of a cloudpickled function (or {{"cloudpickle": base64}})')
+    try:
+        raw = base64.b64decode(fn, validate=True)
+    except Exception:
+        raise ValueError(f"{f}.fn: not valid base64") from None
+    layers = layer_list(item.get("layer_indices"), f"{f}.layer_indices", shape.n_layers, unique=True)
+    pre = item.get("pre", False)
+    if not isinstance(pre, bool):
+        raise ValueError(f"{f}.pre: expected a bool")
+    _check_loads(raw, f"{f}.fn")
+    return HookSpec(raw, layers, pre)
+
+
+def _check_loads(raw: bytes, field_name: str) -> None:
+    """A hook the worker could not unpickle would fail inside the forward pass (and take the engine with
+    it): load it here first. Only reached when the operator enabled remote hooks (it runs their code)."""
+    import cloudpickle
+
+    try:
+        fn = cloudpickle.loads(raw)
+    except Exception as e:
+        raise ValueError(f"{field_name}: cannot be loaded on the server ({type(e).__name__}: {str(e)[:200]})") from None
+    if not callable(fn):
+        raise ValueError(f"{field_name}: not callable after loading ({type(fn).__name__})")
+
+
+def pickle_hook(fn: Any, field_name: str) -> bytes:
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(fn)
+    except Exception as e:
+        raise ValueError(f"{field_name}.fn: cannot be serialized with cloudpickle: {e}") from None
+
+
+def parse_hooks(items: Any, shape: ModelShape) -> list[HookSpec]:
+    if isinstance(items, str):
+        require_remote_hooks()  # before touching the payload
+    items = from_json_string(items, HOOK_KEY)
+    if isinstance(items, (Hook, Mapping)):
+        items = [items]
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"{HOOK_KEY}: expected a list of Hook, got {type(items).__name__}")
+    return [_hook_item(it, i, shape) for i, it in enumerate(items)]
+
+
+def parse_request(extra_args: Mapping[str, Any], shape: ModelShape, prompt_len: int) -> RequestSpec | None:
+    """Validate our keys in `extra_args`; `None` when the request uses no feature."""
+    ours = {k: v for k, v in extra_args.items() if isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES)}
+    if not ours:
+        return None
+    for k in ours:
+        if k not in KNOWN_KEYS:
+            raise ValueError(f"extra_args.{k}: unknown inspect-lens key (known: {', '.join(KNOWN_KEYS)})")
+    spec = RequestSpec(key=uuid.uuid4().hex)
+    if CAPTURE_KEY in ours:
+        spec.capture = capture_layers(ours[CAPTURE_KEY], shape.n_layers)
+    if STEER_KEY in ours:
+        items = from_json_string(ours[STEER_KEY], STEER_KEY)
+        if isinstance(items, (SteeringVector, Mapping)):
+            items = [items]
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"{STEER_KEY}: expected a list of SteeringVector, got {type(items).__name__}")
+        spec.steers = [_steering_item(it, i, shape, prompt_len) for i, it in enumerate(items)]
+    if HOOK_KEY in ours:
+        spec.hooks = parse_hooks(ours[HOOK_KEY], shape)
+    return spec
