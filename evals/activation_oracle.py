@@ -1,9 +1,19 @@
 """Activation oracle: can a LoRA "oracle" name the topic of a text from one activation vector of the base
 model, on texts whose templates it never saw — and does it need the vector to do so?
 
-    python examples/activation_oracle_fit.py                       # once: trains the oracle (~10 min CPU)
     inspect eval evals/activation_oracle.py --model vllm-lens/<base model> \
-        -M enable_lora=true -M max_lora_rank=8 [-T oracle=DIR] [-T limit=16] [-T positions=mean]
+        -M enable_lora=true -M max_lora_rank=8 [-T oracle=DIR] [-T limit=16] [-T positions=mean] \
+        [-T base=DIR] [-T source_layer=15] [-T steps=150] [-T "placeholder=' ?'"]
+
+The oracle is fitted on first use: when `oracle` (default: `<user cache>/inspect-lens/oracles/<base
+model folder>-topic-L<source layer>`) holds no `oracle.json` yet, one is fitted there on the base model
+before the task runs (`inspect_lens.oracle_fit`: peft + HF transformers on CPU, ~10 min for the shipped
+SmolLM2 on 2 cores, with a progress bar) and reused by every later run. The base model is the one
+evaluated — `<base model>` itself when it is a folder, else the folder the server reports for it
+(`--model-base-url` to a `vllm-lens serve DIR --served-model-name NAME`); `-T base=DIR` overrides that.
+`source_layer` (default: the middle layer), `steps` and `placeholder` (one token; YAML-quote a leading
+space, as above) only matter when the oracle is fitted. `examples/activation_oracle_fit.py` fits one by
+hand (to refit, or with other settings).
 
 For each held-out text of `inspect_lens.oracle_data` (8 topics), the `activation_oracle` solver reads
 the text from the base model (the stream after the oracle's source layer, averaged over the text's
@@ -13,24 +23,68 @@ accuracy with the real vector, with its dimensions shuffled (same norm, no meani
 — in one run, so the gap is measured on the same samples. Chance is 1/8.
 """
 
+import json
 from pathlib import Path
 
 from inspect_ai import Task, task
 
-from inspect_lens.oracle import activation_oracle as oracle_solver, oracle_match
+from inspect_lens.oracle import activation_oracle as oracle_solver
+from inspect_lens.oracle import oracle_match
 from inspect_lens.oracle_data import topic_samples
 
 
-def default_oracle() -> Path:
-    from vllm_worker.shipped_model import cache_root, shipped_model_path
+def default_oracle(base: str | Path | None = None, source_layer: int | None = None) -> Path:
+    """Where the oracle for `base` (default: the shipped SmolLM2) reading `source_layer` (default: the
+    middle one) is cached: `<user cache>/inspect-lens/oracles/<base folder name>-topic-L<layer>`."""
+    from inspect_lens.oracle_fit import default_oracle_dir
+    from vllm_worker.shipped_model import shipped_model_path
 
-    return cache_root() / "oracles" / f"{shipped_model_path().name}-topic-L15"
+    return default_oracle_dir(base or shipped_model_path(), source_layer)
 
 
 @task
-def activation_oracle(oracle: str | None = None, limit: int | None = None, positions: str = "mean") -> Task:
-    """`oracle`: adapter folder with oracle.json (default: the one examples/activation_oracle_fit.py makes
-    for the shipped SmolLM2); `limit`: held-out texts (spread over the topics; default all 96)."""
-    path = Path(oracle) if oracle else default_oracle()
-    return Task(dataset=topic_samples(limit), solver=oracle_solver(str(path), positions=positions),
-                scorer=oracle_match())
+def activation_oracle(
+    oracle: str | None = None,
+    limit: int | None = None,
+    positions: str = "mean",
+    base: str | None = None,
+    source_layer: int | None = None,
+    steps: int | None = None,
+    placeholder: str | None = None,
+) -> Task:
+    """`oracle`: adapter folder with oracle.json (default: the cached one for the evaluated model; fitted
+    there on first use, as is a given folder that does not exist yet); `limit`: held-out texts (spread
+    over the topics; default all 96). When fitting: `base` (the base model folder; default: the model
+    evaluated), `source_layer` (default: the middle one), `steps` (default 150), `placeholder` (default
+    " ?"; must be one token)."""
+    if placeholder is not None and not isinstance(placeholder, str):
+        raise ValueError(
+            f"placeholder: expected a string, got {placeholder!r} (on the command line, YAML-quote "
+            "it: -T \"placeholder=' ?'\")"
+        )
+    path = Path(oracle).expanduser() if oracle else None
+    if path is None or not (path / "oracle.json").exists():
+        from inspect_lens.oracle_fit import ensure_oracle, evaluated_base_model
+
+        model_dir = base or evaluated_base_model()
+        if model_dir is None:
+            raise ValueError(
+                f"activation_oracle: no fitted oracle {'at ' + str(path) if path else 'given'}, and the "
+                "base model to fit one on is unknown (no vllm-lens/<folder> model is being evaluated, nor a "
+                "server that names its folder): pass -T base=<base model folder> or -T oracle=<fitted oracle "
+                "folder>"
+            )
+        path = path or default_oracle(model_dir, source_layer)
+        ensure_oracle(path, model_dir, source_layer=source_layer, steps=steps, placeholder=placeholder)
+    meta = json.loads((path / "oracle.json").read_text())
+    if source_layer is not None and source_layer != meta["source_layer"]:
+        raise ValueError(
+            f"source_layer: {source_layer} given, but the oracle at {path} reads layer "
+            f"{meta['source_layer']} (give another oracle folder, or leave source_layer out)"
+        )
+    return Task(
+        dataset=topic_samples(limit),
+        solver=oracle_solver(str(path), positions=positions),
+        scorer=oracle_match(),
+        metadata={"oracle": str(path), "oracle_base_model": meta.get("base_model")},
+    )

@@ -3,7 +3,7 @@
     inspect eval evals/petri_audit.py \
         --model-role auditor=anthropic/claude-sonnet-4-5 --model-role judge=anthropic/claude-sonnet-4-5 \
         --model-role target=vllm-lens/<model> [-T probe=PROBE.json] [-T oracle=DIR] [-T max_turns=10] \
-        [-T seed_instructions=...]
+        [-T seed_instructions=SEEDS] [-T judge=false]
 
 Petri's `audit` task (inspect-petri) with `inspect_lens.petri.lens_target` as the target agent: each target
 turn is captured at the probe's layer inside Petri's replayable generate call, scored per token with the
@@ -11,7 +11,10 @@ probe (default: a deception probe trained on first use through the target's serv
 log — or pass one `evals/deception_probe.py` saved), optionally shown to an activation oracle, and the
 small readings are kept in the message's metadata. Scorers: Petri's judge (needs the `judge` role) and
 `lens_audit_scores` (max and mean of the surviving turns' probe scores). `-T judge=false` leaves the judge
-out (e.g. offline, where no judge model is reachable).
+out (e.g. offline, where no judge model is reachable). `seed_instructions`: Petri's (a text, a file of
+seeds, a folder of `.md` seeds, `tags:<tag>` or `id:<id>`; default: Petri's built-in seeds). `oracle`: an
+oracle folder fitted for the target's base model (`evals/activation_oracle.py` fits and caches one on first
+use; `examples/activation_oracle_fit.py --out DIR` fits one by hand).
 """
 
 from inspect_ai import Task, task, task_with

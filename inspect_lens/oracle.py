@@ -1,7 +1,8 @@
 """Activation oracles as Inspect parts: a solver that reads the conversation's activations from the base
 model and asks an oracle LoRA about them (the vectors injected at placeholders), and its scorer.
 
-An oracle is an adapter folder as `examples/activation_oracle_fit.py` writes it: a peft adapter plus
+An oracle is an adapter folder as `inspect_lens.oracle_fit.fit_oracle` writes it (the eval
+`evals/activation_oracle.py` on first use, or `examples/activation_oracle_fit.py`): a peft adapter plus
 `oracle.json` (source layer, injection layer, placeholder, question, topics). The base model is the
 one the task runs on (`vllm-lens/<base>`); the oracle runs on the same server as a LoRA, loaded on first
 use (start the server with `-M enable_lora=true -M max_lora_rank=R`).
@@ -30,7 +31,11 @@ def load_oracle(path: str | Path) -> dict[str, Any]:
     path = Path(path).expanduser()
     meta_file = path / "oracle.json"
     if not meta_file.exists():
-        raise ValueError(f"oracle: {path} has no oracle.json (make one with examples/activation_oracle_fit.py)")
+        raise ValueError(
+            f"oracle: {path} has no oracle.json: fit one there with inspect_lens.oracle_fit.ensure_oracle "
+            "(or examples/activation_oracle_fit.py --out DIR); evals/activation_oracle.py does it "
+            "on first use"
+        )
     meta = json.loads(meta_file.read_text())
     return {**meta, "path": str(path), "name": f"oracle-{path.name}"}
 
@@ -49,27 +54,41 @@ def _vectors(window: torch.Tensor, positions: str | Sequence[int]) -> torch.Tens
     return window[list(positions)].float()
 
 
-async def placeholder_positions(client: Any, source_layer: int, k: int, question: str, placeholder: str
-                                ) -> tuple[list[dict[str, str]], list[int]]:
+async def placeholder_positions(
+    client: Any, source_layer: int, k: int, question: str, placeholder: str
+) -> tuple[list[dict[str, str]], list[int]]:
     """(oracle messages, positions of the k placeholders in the prompt the server will build): the
     placeholders are the tail of the prompt cut just after them, checked against the full prompt."""
     messages = [{"role": "user", "content": oracle_prompt(source_layer, k, question, placeholder)}]
     full = await client.tokenize_chat(messages)
-    head = await client.tokenize_chat([{"role": "user", "content": f"Layer: {source_layer}\n{placeholder * k}"}],
-                                      add_generation_prompt=False, continue_final_message=True)
+    head = await client.tokenize_chat(
+        [{"role": "user", "content": f"Layer: {source_layer}\n{placeholder * k}"}],
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
     ph = await client.tokenize(placeholder, add_special_tokens=False)
     pos = list(range(len(head) - k, len(head)))
     if len(ph) != 1 or full[: len(head)] != head or any(full[p] != ph[0] for p in pos):
-        raise ValueError(f"placeholder: {placeholder!r} must tokenize to one token that stays one token in the "
-                         f"oracle prompt (got {ph}); pick another placeholder (and train the oracle with it)")
+        raise ValueError(
+            f"placeholder: {placeholder!r} must tokenize to one token that stays one token in the "
+            f"oracle prompt (got {ph}); pick another placeholder (and train the oracle with it)"
+        )
     return messages, pos
 
 
 @solver
-def activation_oracle(oracle: str, question: str | None = None, source_layer: int | None = None,
-                      injection_layer: int | None = None, positions: str | Sequence[int] = "mean",
-                      placeholder: str | None = None, controls: Sequence[str] = ("shuffled", "none"),
-                      max_tokens: int = 8, seed: int = 0, key: str = "activation_oracle") -> Solver:
+def activation_oracle(
+    oracle: str,
+    question: str | None = None,
+    source_layer: int | None = None,
+    injection_layer: int | None = None,
+    positions: str | Sequence[int] = "mean",
+    placeholder: str | None = None,
+    controls: Sequence[str] = ("shuffled", "none"),
+    max_tokens: int = 8,
+    seed: int = 0,
+    key: str = "activation_oracle",
+) -> Solver:
     """Ask oracle `oracle` (an adapter folder with `oracle.json`) about the current conversation.
 
     The last message's tokens are read from the base model with capture at `source_layer` (teacher-forced
@@ -97,24 +116,51 @@ def activation_oracle(oracle: str, question: str | None = None, source_layer: in
             msgs = [{"role": m.role, "content": m.text} for m in state.messages]
             window, window_ids, exact = await read_window(client, model, msgs, msgs[-1]["content"], layer)
             vecs = _vectors(window, positions)
-            asked = await ask_oracle(model, client, meta, vecs, question=q, source_layer=layer, placeholder=ph,
-                                     injection_layer=inject,
-                                     controls=controls, max_tokens=max_tokens,
-                                     seed=seed + hash(state.sample_id) % 10_000)
+            asked = await ask_oracle(
+                model,
+                client,
+                meta,
+                vecs,
+                question=q,
+                source_layer=layer,
+                placeholder=ph,
+                injection_layer=inject,
+                controls=controls,
+                max_tokens=max_tokens,
+                seed=seed + hash(state.sample_id) % 10_000,
+            )
         finally:
             await client.aclose()
-        state.metadata[key] = {**asked, "question": q, "oracle": meta["path"], "source_layer": layer,
-                               "injection_layer": inject, "positions": positions if isinstance(positions, str)
-                               else list(positions), "n_vectors": len(vecs),
-                               "window_token_ids": window_ids, "window_exact": exact}
+        state.metadata[key] = {
+            **asked,
+            "question": q,
+            "oracle": meta["path"],
+            "source_layer": layer,
+            "injection_layer": inject,
+            "positions": positions if isinstance(positions, str) else list(positions),
+            "n_vectors": len(vecs),
+            "window_token_ids": window_ids,
+            "window_exact": exact,
+        }
         return state
 
     return solve
 
 
-async def ask_oracle(model: Any, client: Any, meta: dict[str, Any], vecs: torch.Tensor, *, question: str,
-                     source_layer: int, placeholder: str, injection_layer: int,
-                     controls: Sequence[str] = ("shuffled", "none"), max_tokens: int = 8, seed: int = 0) -> dict[str, Any]:
+async def ask_oracle(
+    model: Any,
+    client: Any,
+    meta: dict[str, Any],
+    vecs: torch.Tensor,
+    *,
+    question: str,
+    source_layer: int,
+    placeholder: str,
+    injection_layer: int,
+    controls: Sequence[str] = ("shuffled", "none"),
+    max_tokens: int = 8,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Ask the oracle LoRA (`load_oracle`'s `meta`) `question` about `vecs` (k, d) read at `source_layer`,
     injected norm-matched at its k placeholders after `injection_layer`; `controls` ask again with the
     vectors' dimensions shuffled (seeded) and with none. Returns answers and their log-probabilities per condition and the
@@ -130,11 +176,15 @@ async def ask_oracle(model: Any, client: Any, meta: dict[str, Any], vecs: torch.
         body: dict[str, Any] = {"lora_request": {"lora_name": meta["name"], "lora_path": meta["path"]}}
         if cond != "none":
             v = vecs if cond == "real" else shuffled
-            body["extra_args"] = {"apply_steering_vectors": [
-                SteeringVector(v[None], [injection_layer], scale=1.0, norm_match=True, position_indices=pos)]}
-        out = await model.generate([ChatMessageUser(content=messages[0]["content"])],
-                                   config=GenerateConfig(max_tokens=max_tokens, temperature=0, logprobs=True,
-                                                         extra_body=body))
+            body["extra_args"] = {
+                "apply_steering_vectors": [
+                    SteeringVector(v[None], [injection_layer], scale=1.0, norm_match=True, position_indices=pos)
+                ]
+            }
+        out = await model.generate(
+            [ChatMessageUser(content=messages[0]["content"])],
+            config=GenerateConfig(max_tokens=max_tokens, temperature=0, logprobs=True, extra_body=body),
+        )
         answers[cond] = out.completion.strip()
         lp = out.choices[0].logprobs if out.choices else None
         if lp is not None:  # the oracle's confidence in its own answer
