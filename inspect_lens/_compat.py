@@ -125,6 +125,7 @@ OWN_NAMES = (
     "_lora_loaded",
     "_lens_info",
     "_lora_lock",
+    "_lora_lock_loop",
     "lens_info",
     "lens_client",
     "_lens_args",

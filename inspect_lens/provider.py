@@ -168,7 +168,11 @@ class VLLMLensAPI(VLLMAPI):
         if name not in self._lora_loaded:
             import asyncio
 
-            self._lora_lock = getattr(self, "_lora_lock", None) or asyncio.Lock()
+            # one lock per event loop: Inspect reuses a model instance across `eval()` calls, each of which
+            # runs its own loop, and an asyncio lock is bound to the loop it was first contended in
+            loop = asyncio.get_running_loop()
+            if getattr(self, "_lora_lock_loop", None) is not loop:
+                self._lora_lock, self._lora_lock_loop = asyncio.Lock(), loop
             async with self._lora_lock:  # concurrent samples: one load
                 if name not in self._lora_loaded:
                     await _ensure_lora(_compat.server_root(self), self.api_key, name, path)

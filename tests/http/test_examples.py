@@ -303,7 +303,7 @@ def test_jacobian_lens_chat_page_streams_replies_with_readouts(server, jl, lens_
     import time
 
     import httpx
-    from browser import open_page
+    from support.browser import open_page
 
     from vllm_worker import LensClient
 
@@ -417,7 +417,7 @@ def test_emotion_tracker_projections_equal_a_direct_capture_and_its_page_works(s
     import json
     import re
 
-    from browser import open_page
+    from support.browser import open_page
 
     from vllm_worker import LensClient
 

@@ -11,18 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from support.servers import run_eval
+
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("control_arena")
 
 
 def test_control_agentdojo_end_to_end(server, tmp_path):
-    from inspect_ai import eval as inspect_eval
     from inspect_ai.log import read_eval_log
     from inspect_ai.model import ChatMessageAssistant
 
     from inspect_lens import LinearProbe
     from inspect_lens.control import MONITOR_SYSTEM, action_text
-    from support.engines import model_path
     from support.servers import KEY
     from vllm_worker.api.client import LensClient
 
@@ -32,15 +32,7 @@ def test_control_agentdojo_end_to_end(server, tmp_path):
     with pytest.raises(ValueError, match="expected 'reencode' or 'on_policy'"):
         mod.control_agentdojo(mode="psychic")
     task = mod.control_agentdojo(per_mode=2, layer=2, train_limit=1, max_task_chars=160)
-    [log] = inspect_eval(
-        task,
-        model=f"vllm-lens/{model_path('llama')}",
-        model_base_url=f"{server}/v1",
-        model_args={"api_key": KEY},
-        log_dir=str(tmp_path),
-        display="none",
-    )
-    assert log.status == "success", log.error
+    log = run_eval(task, server, tmp_path)
     metrics = {name: m.value for s in log.results.scores for name, m in s.metrics.items()}
     assert 0.0 <= metrics["probe_auroc"] <= 1.0
     samples = read_eval_log(log.location).samples
@@ -91,7 +83,6 @@ def test_on_policy_monitor_reads_the_generating_pass(server, tmp_path):
     second pass): the suspicion equals the saved probe on those captured positions; a step without
     activations (a replayed policy) is an error, not a silent 0."""
     from inspect_ai import Task
-    from inspect_ai import eval as inspect_eval
     from inspect_ai.agent import AgentState
     from inspect_ai.dataset import Sample
     from inspect_ai.log import read_eval_log
@@ -100,8 +91,6 @@ def test_on_policy_monitor_reads_the_generating_pass(server, tmp_path):
 
     from inspect_lens import LinearProbe
     from inspect_lens.control import coup_probe_monitor, on_policy_config
-    from support.engines import model_path
-    from support.servers import KEY
 
     probe_path = tmp_path / "probe.json"
     rng = np.random.default_rng(0)
@@ -139,15 +128,7 @@ def test_on_policy_monitor_reads_the_generating_pass(server, tmp_path):
         return solve
 
     task = Task(dataset=[Sample(input="the water of people will come")], solver=step_and_monitor())
-    [log] = inspect_eval(
-        task,
-        model=f"vllm-lens/{model_path('llama')}",
-        model_base_url=f"{server}/v1",
-        model_args={"api_key": KEY},
-        log_dir=str(tmp_path),
-        display="none",
-    )
-    assert log.status == "success", log.error
+    log = run_eval(task, server, tmp_path)
     meta = read_eval_log(log.location).samples[0].metadata
     probe = LinearProbe.load(probe_path)
     n_prompt, n_gen = len(meta["check"]["prompt"]), len(meta["check"]["gen"])
@@ -162,13 +143,11 @@ def test_control_agentdojo_on_policy_prefilled_under_the_attack_prompt(server, t
     """mode=on_policy on the replay: every step's action is prefilled through the untrusted model in its
     conversation, under the honest scaffold's prompt or ControlArena's attack prompt with the side task;
     the monitor's suspicion equals the saved probe on a direct read of that same text."""
-    from inspect_ai import eval as inspect_eval
     from inspect_ai.log import read_eval_log
     from inspect_ai.model import ChatMessageAssistant
 
     from inspect_lens import LinearProbe
     from inspect_lens.control import action_text, prefilled_messages
-    from support.engines import model_path
     from support.servers import KEY
     from vllm_worker.api.client import LensClient
 
@@ -179,15 +158,7 @@ def test_control_agentdojo_on_policy_prefilled_under_the_attack_prompt(server, t
     task = mod.control_agentdojo(
         per_mode=2, layer=2, train_limit=1, mode="on_policy", attack_prompt=attack_prompt, max_chars=100, max_steps=1
     )
-    [log] = inspect_eval(
-        task,
-        model=f"vllm-lens/{model_path('llama')}",
-        model_base_url=f"{server}/v1",
-        model_args={"api_key": KEY},
-        log_dir=str(tmp_path),
-        display="none",
-    )
-    assert log.status == "success", log.error
+    log = run_eval(task, server, tmp_path)
     samples = read_eval_log(log.location).samples
     assert len(samples) == 4
     [probe_file] = list(tmp_path.glob("*.probe-L2.json"))

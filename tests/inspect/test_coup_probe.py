@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from inspect_lens.coup_data import FAMILIES, coup_pairs, families
+from support.servers import run_eval
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,24 +83,14 @@ def test_eval_refuses_bad_family_lists():
 def test_coup_probe_eval_end_to_end(server, tmp_path):
     """Train on five families, score the held-out one: metrics (with the per-family table), the probe saved
     beside the log, and each logged score = the saved probe on a direct client capture of the action."""
-    from inspect_ai import eval as inspect_eval
     from inspect_ai.log import read_eval_log
 
     from inspect_lens import LinearProbe
-    from support.engines import model_path
     from support.servers import KEY
     from vllm_worker.api.client import LensClient
 
     task = _eval_module().coup_probe(layer=2, test_families="code", train_limit=2, eval_limit=2, control_limit=6)
-    [log] = inspect_eval(
-        task,
-        model=f"vllm-lens/{model_path('llama')}",
-        model_base_url=f"{server}/v1",
-        model_args={"api_key": KEY},
-        log_dir=str(tmp_path),
-        display="none",
-    )
-    assert log.status == "success", log.error
+    log = run_eval(task, server, tmp_path)
     metrics = {name: m.value for s in log.results.scores for name, m in s.metrics.items()}
     assert set(metrics) == {"probe_auroc", "recall_at_fpr", "auroc_code"}  # + one AUROC per held-out family
     assert 0.0 <= metrics["probe_auroc"] <= 1.0

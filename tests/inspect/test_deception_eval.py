@@ -12,8 +12,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from support.engines import model_path
-from support.servers import KEY
+from support.servers import KEY, run_eval
 from vllm_worker import SteeringVector
 from vllm_worker.api.client import LensClient
 
@@ -28,17 +27,8 @@ def _eval_module():
 
 
 def _run(task, tmp_path, server):
-    from inspect_ai import eval as inspect_eval
 
-    [log] = inspect_eval(
-        task,
-        model=f"vllm-lens/{model_path('llama')}",
-        model_base_url=f"{server}/v1",
-        model_args={"api_key": KEY},
-        log_dir=str(tmp_path),
-        display="none",
-    )
-    assert log.status == "success", log.error
+    log = run_eval(task, server, tmp_path)
     return log
 
 

@@ -25,7 +25,7 @@ import tomllib
 
 from support import load_script
 from support.engines import model_path
-from support.servers import KEY
+from support.servers import KEY, run_eval
 
 ROOT = Path(__file__).resolve().parents[2]
 EVALS = ROOT / "evals"
@@ -177,21 +177,11 @@ def test_activation_oracle_fits_its_oracle_on_first_use_then_reuses_it(lora_serv
 def test_deception_probe_from_its_file_then_summary(server, tmp_path, monkeypatch):
     """`inspect eval evals/deception_probe.py -T ...` then `python evals/summary.py LOG_DIR` (scripts/main.sh):
     the summary prints the log's metrics, the per-label means, the probe trained beside the log, the log."""
-    from inspect_ai import eval as inspect_eval
     from inspect_ai._util.config import parse_cli_args
 
     args = parse_cli_args(["layer=2", "train_limit=6", "eval_limit=3", "control_limit=4"])
     monkeypatch.chdir(ROOT)
-    [log] = inspect_eval(
-        "evals/deception_probe.py",
-        task_args=args,
-        model=f"vllm-lens/{model_path('llama')}",
-        model_base_url=f"{server}/v1",
-        model_args={"api_key": KEY},
-        log_dir=str(tmp_path),
-        display="none",
-    )
-    assert log.status == "success", log.error
+    log = run_eval("evals/deception_probe.py", server, tmp_path, task_args=args)
     proc = subprocess.run(
         [sys.executable, str(EVALS / "summary.py"), str(tmp_path)],
         capture_output=True,

@@ -5,26 +5,17 @@ position of a vector read from the same window."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
+from support import ROOT, load_script
 from support.engines import model_path
 from support.oracle import PLACEHOLDER
 from support.servers import KEY
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _example(name: str):
     """examples/<name>.py as a module of its own name (evals/ has an activation_oracle.py too)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "examples" / f"{name}.py", f"example_{name}")
 
 
 def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_path):
@@ -36,11 +27,7 @@ def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_pat
 
     from inspect_lens.oracle_data import text_window
 
-    sys.path.insert(0, str(ROOT / "evals"))
-    try:
-        from activation_oracle import activation_oracle as oracle_task
-    finally:
-        sys.path.remove(str(ROOT / "evals"))
+    oracle_task = load_script(ROOT / "evals" / "activation_oracle.py").activation_oracle
     from support.servers import LORA_MODEL
 
     name = str(model_path("llama"))

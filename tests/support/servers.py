@@ -126,3 +126,23 @@ def _stop_servers():
             p.wait(30)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def run_eval(task, server: str, log_dir, model: str | None = None, **kwargs):
+    """`inspect eval` of `task` (a Task or a task file) through `vllm-lens/<tiny llama>` on `server`; the log,
+    after checking the run succeeded."""
+    from inspect_ai import eval as inspect_eval
+
+    from support.engines import model_path
+
+    [log] = inspect_eval(
+        task,
+        model=model or f"vllm-lens/{model_path('llama')}",
+        model_base_url=f"{server}/v1",
+        model_args={"api_key": KEY},
+        log_dir=str(log_dir),
+        display="none",
+        **kwargs,
+    )
+    assert log.status == "success", log.error
+    return log

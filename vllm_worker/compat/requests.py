@@ -202,7 +202,7 @@ def patch_async_generate(pre: Callable[[Any], bool], on_final: Callable[..., Any
         raise LensIncompatibleVLLM(f"vLLM internal moved: AsyncLLM.generate{params}")
 
     def make(orig: Callable) -> Callable:
-        async def generate(self, *args, **kwargs):
+        async def generate(self, *args: Any, **kwargs: Any) -> Any:
             mine = pre(self)
             request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
             sp = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
