@@ -303,8 +303,8 @@ def test_jacobian_lens_chat_page_streams_replies_with_readouts(server, jl, lens_
     import time
 
     import httpx
-    from support.browser import open_page
 
+    from support.browser import open_page
     from vllm_worker import LensClient
 
     with socket.socket() as s:
@@ -418,7 +418,6 @@ def test_emotion_tracker_projections_equal_a_direct_capture_and_its_page_works(s
     import re
 
     from support.browser import open_page
-
     from vllm_worker import LensClient
 
     et = _example("emotion_tracker")
