@@ -25,7 +25,7 @@ import tomllib
 
 from support import load_script
 from support.engines import model_path
-from support.servers import KEY, run_eval
+from support.servers import run_eval
 
 ROOT = Path(__file__).resolve().parents[2]
 EVALS = ROOT / "evals"
@@ -128,7 +128,6 @@ def test_activation_oracle_fits_its_oracle_on_first_use_then_reuses_it(lora_serv
     """No oracle anywhere: the eval, loaded from its file with CLI-parsed `-T` arguments on the LoRA server's
     served name, fits one on the served base model into the user cache, evaluates with it, and a second run
     uses the cached oracle untouched (same files, same answers) even when asked for other fitting steps."""
-    from inspect_ai import eval as inspect_eval
     from inspect_ai._util.config import parse_cli_args
 
     from support.servers import LORA_MODEL
@@ -142,16 +141,13 @@ def test_activation_oracle_fits_its_oracle_on_first_use_then_reuses_it(lora_serv
     cli = ["limit=8", "source_layer=2", "steps=4", "placeholder=' the'"]
 
     def run(args: list[str]):
-        [log] = inspect_eval(
+        log = run_eval(
             "evals/activation_oracle.py",
-            task_args=parse_cli_args(args),
+            lora_server,
+            tmp_path / "logs",
             model=f"vllm-lens/{LORA_MODEL}",
-            model_base_url=f"{lora_server}/v1",
-            model_args={"api_key": KEY},
-            log_dir=str(tmp_path / "logs"),
-            display="none",
+            task_args=parse_cli_args(args),
         )
-        assert log.status == "success", log.error
         assert {s.name for s in log.results.scores} >= {"real", "shuffled", "none"}
         assert len(log.samples) == 8 and len({s.target for s in log.samples}) == 8
         assert all(s.metadata["activation_oracle"]["oracle"] == str(oracle) for s in log.samples)

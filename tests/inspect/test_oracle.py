@@ -10,7 +10,7 @@ import torch
 from support import ROOT, load_script
 from support.engines import model_path
 from support.oracle import PLACEHOLDER
-from support.servers import KEY
+from support.servers import run_eval
 
 
 def _example(name: str):
@@ -21,7 +21,6 @@ def _example(name: str):
 def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_path):
     import json
 
-    from inspect_ai import eval as inspect_eval
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -31,15 +30,9 @@ def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_pat
     from support.servers import LORA_MODEL
 
     name = str(model_path("llama"))
-    [log] = inspect_eval(
-        oracle_task(oracle=str(tiny_oracle), limit=8),
-        model=f"vllm-lens/{LORA_MODEL}",
-        model_base_url=f"{lora_server}/v1",
-        model_args={"api_key": KEY},
-        log_dir=str(tmp_path),
-        display="none",
+    log = run_eval(
+        oracle_task(oracle=str(tiny_oracle), limit=8), lora_server, tmp_path, model=f"vllm-lens/{LORA_MODEL}"
     )
-    assert log.status == "success", log.error
     metrics = {m for s in log.results.scores for m in s.metrics}
     assert {"accuracy"} <= metrics and {s.name for s in log.results.scores} >= {"real", "shuffled", "none"}
     assert len(log.samples) == 8 and len({s.target for s in log.samples}) == 8  # one per topic

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from pydantic import BaseModel, ConfigDict, StrictBool, field_serializer, field_validator
 
-from vllm_worker.api.steering import layer_indices
+from vllm_worker.api.steering import LayerIndices
 
 
 class Hook(BaseModel):
@@ -28,7 +28,7 @@ class Hook(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
     fn: Callable[..., Any]
-    layer_indices: list[int]
+    layer_indices: LayerIndices
     pre: StrictBool = False
 
     def __init__(self, fn: Any = None, layer_indices: Any = None, pre: Any = False, **kwargs: Any) -> None:
@@ -44,11 +44,6 @@ class Hook(BaseModel):
         if not callable(v):
             raise ValueError(f"expected a callable fn(ctx, h), got {type(v).__name__}")
         return v
-
-    @field_validator("layer_indices", mode="before")
-    @classmethod
-    def _layers(cls, v: Any) -> list[int]:
-        return layer_indices(v)
 
     @field_serializer("fn")
     def _dump_fn(self, fn: Callable) -> str:

@@ -8,10 +8,10 @@ served model (d_model, layer range, prompt length, finite values) happen when a 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, StrictBool, field_serializer, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictBool, field_serializer, field_validator
 
 from vllm_worker.protocol.checks import finite_number, int_list
 from vllm_worker.protocol.wire import tensor_from_json, tensor_to_json
@@ -26,6 +26,10 @@ def layer_indices(value: Any) -> list[int]:
     if not out:
         raise ValueError("layer_indices: empty")
     return out
+
+
+# the field type of `layer_indices` in SteeringVector and Hook
+LayerIndices = Annotated[list[int], BeforeValidator(layer_indices)]
 
 
 class SteeringVector(BaseModel):
@@ -49,7 +53,7 @@ class SteeringVector(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
     activations: torch.Tensor
-    layer_indices: list[int]
+    layer_indices: LayerIndices
     scale: float = 1.0
     norm_match: StrictBool = False
     position_indices: Optional[list[int]] = None
@@ -82,11 +86,6 @@ class SteeringVector(BaseModel):
         if not v.is_floating_point():
             raise ValueError(f"expected a floating-point tensor, got {v.dtype}")
         return v
-
-    @field_validator("layer_indices", mode="before")
-    @classmethod
-    def _layers(cls, v: Any) -> list[int]:
-        return layer_indices(v)
 
     @field_validator("position_indices", mode="before")
     @classmethod

@@ -70,7 +70,7 @@ class FrontendState:
     the one object that `LLM`, `LLMEngine`, `AsyncLLM`, the HTTP server and every new request all reach,
     under one attribute (`STATE_ATTR`): no other `_lens_*` attribute is set on vLLM's objects here."""
 
-    pending: PendingMap = field(default_factory=lambda: PendingMap())
+    pending: PendingMap = field(default_factory=PendingMap)
     consumer: str | None = None  # who hands results back: "offline", "engine", "async" or "http"
     pools: set[str] = field(default_factory=set)  # ids of the workers' result pools (learnt from fetches)
     shm_everywhere: bool | None = None  # every worker shares this machine (asked once)
@@ -100,6 +100,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     sp = getattr(req, "sampling_params", None)
     if sp is None or not has_lens_keys(sp.extra_args):
         return req
+    state = state_of(processor)
     n_layers, d_model = compat.model_shape(processor)
     try:
         spec = parse_request(sp.extra_args, ModelShape(n_layers, d_model), compat.request_prompt_len(req))
@@ -116,7 +117,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
         payload["shm"] = shm.host_id()
         # result memory the caller has let go of rides along: the worker reuses it for this request
         # instead of growing its pool (otherwise it goes back only with the next fetch)
-        released = result_pool.take_released(result_pools(processor))
+        released = result_pool.take_released(state.pools)
         if released:
             payload["release"] = released
     args = {k: v for k, v in sp.extra_args.items() if not has_lens_keys({k: v})}
@@ -125,7 +126,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     if spec.capture or spec.hooks:
         # Every captured / hooked position must run a forward pass: don't read cached KV.
         sp.skip_reading_prefix_cache = True
-    consumer = consumer_of(processor)
+    consumer = state.consumer
     if spec.wants_results or consumer is not None:
         # with a consumer every request is fetched at the end, steering-only ones too: a failure of our
         # own code is then reported to the request it hit instead of passing unnoticed
@@ -138,8 +139,8 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
                 "`vllm-lens serve` (or set VLLM_PLUGINS=inspect_lens_worker,inspect_lens_http for `vllm serve`)",
                 parameter="vllm_xargs",
             )
-        reserved = _admit_capture(processor, spec.capture, compat.request_prompt_len(req), sp, d_model)
-        pending_of(processor)[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model, reserved)
+        reserved = _admit_capture(processor, state.pending, spec.capture, compat.request_prompt_len(req), sp, d_model)
+        state.pending[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model, reserved)
     salt = cache_salt(spec)
     if salt is not None:
         # Steered / hooked KV is stored under its own hash: no other request can ever read it.
@@ -147,7 +148,9 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     return req
 
 
-def _admit_capture(processor: Any, layers: list[int], prompt_len: int, sp: Any, d_model: int) -> int:
+def _admit_capture(
+    processor: Any, pending: PendingMap, layers: list[int], prompt_len: int, sp: Any, d_model: int
+) -> int:
     """Refuse a capture up front, before any compute, when at its largest it would pass the per-request
     limit or the in-flight total (instead of being dropped half-way by the workers' store cap)."""
     if not layers:
@@ -165,7 +168,7 @@ def _admit_capture(processor: Any, layers: list[int], prompt_len: int, sp: Any, 
             parameter=f"vllm_xargs.{CAPTURE_KEY}",
         )
     total = limit("VLLM_LENS_MAX_STORED_GB")
-    in_flight = in_flight_bytes(processor)
+    in_flight = pending.reserved
     if in_flight + need > total:
         raise compat.capacity_error_cls()(
             f"{CAPTURE_KEY}: captures in flight would reach {(in_flight + need) / 2**30:.2f} GiB, above the "

@@ -12,7 +12,6 @@ from typing import Any, Mapping
 import torch
 
 from vllm_worker import envs
-from vllm_worker.envs import limit
 from vllm_worker.protocol.checks import int_list
 from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
 
@@ -24,7 +23,7 @@ KNOWN_KEYS = (CAPTURE_KEY, STEER_KEY, HOOK_KEY)
 # Keys with these prefixes belong to us: a typo (`output_residual_streams`) is an error, not ignored.
 NAMESPACE_PREFIXES = ("output_residual", "apply_steering", "apply_hook", "lens_", PAYLOAD_KEY)
 # Largest structured payload accepted in one request (steering vectors, hooks), in bytes.
-MAX_PAYLOAD_BYTES = limit("VLLM_LENS_MAX_PAYLOAD_MB")
+MAX_PAYLOAD_BYTES = envs.limit("VLLM_LENS_MAX_PAYLOAD_MB")
 REMOTE_HOOKS_ENV = "VLLM_LENS_ALLOW_REMOTE_HOOKS"
 
 

@@ -108,7 +108,8 @@ class Admission:
             self.persistent.attach(hooks, store, external, self.ctx)
         per_request, simple = split_steers(steers)
         capture = [] if spec is None else spec.capture
-        entries, entry_ids = None, list[int]()
+        entries = None
+        entry_ids: list[int] = []
         if self.graph is not None and not hooks:
             got = graph.request_entries(self.graph, steers) if steers else ({}, [])
             if got is not None:
