@@ -3,12 +3,13 @@
     inspect eval task.py --model vllm-lens/<model> [-M any vllm serve flag] [-M allow_remote_hooks=true]
 
 Capture / steering / hooks go in `GenerateConfig.extra_body={"extra_args": {...}}` with the same keys as
-offline (`output_residual_stream`, `apply_steering_vectors` with `SteeringVector`s or tensors,
-`apply_hooks` with `Hook`s); steering vectors may also be names registered with
+offline (`output_residual_stream`, `output_activations` = {hook point: layers}, `apply_steering_vectors`
+with `SteeringVector`s or tensors, `apply_hooks` with `Hook`s); steering vectors may also be names registered with
 `inspect_lens.register_steering_vector`. Results land in `ModelOutput.metadata`:
 
 - `metadata["activations"] = {"residual_stream": torch.Tensor (n_layers, n_prompt + n_generated - 1,
-  d_model), "layers": [...]}` (first choice)
+  d_model), "layers": [...], <point>: tensor for each point asked for, "points": {point: layers}}`
+  (first choice; docs/hook-points.md)
 - `metadata["hook_results"]`, `metadata["prompt_token_ids"]`, `metadata["token_ids"]`
 
 LoRA: Inspect's `vllm-lens/<base>:<adapter path>` form, or per request the original tool's
@@ -36,7 +37,7 @@ from . import _compat
 # goes through `_compat` (which lists them all and checks them when the provider is created).
 from ._compat import VLLMAPI
 
-LENS_KEYS = ("output_residual_stream", "apply_steering_vectors", "apply_hooks")
+LENS_KEYS = ("output_residual_stream", "output_activations", "apply_steering_vectors", "apply_hooks")
 
 
 def _serve_command() -> str:
@@ -71,6 +72,9 @@ def encode_extra_args(extra_args: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in extra_args.items() if k not in LENS_KEYS}
     if "output_residual_stream" in extra_args:
         out["output_residual_stream"] = list(extra_args["output_residual_stream"])
+    if "output_activations" in extra_args:
+        acts = extra_args["output_activations"]
+        out["output_activations"] = acts if isinstance(acts, str) else json.dumps(acts)
     if "apply_steering_vectors" in extra_args:
         vecs = extra_args["apply_steering_vectors"]
         if isinstance(vecs, str) and vecs.lstrip().startswith("["):
@@ -232,6 +236,7 @@ async def _ensure_lora(root: str, api_key: str | None, name: str, path: str | No
 
 
 def decode_choice(response: dict) -> dict[str, Any]:
+    from vllm_worker.api.client import decode_activations
     from vllm_worker.protocol.wire import from_jsonable
 
     choices = response.get("choices") or []
@@ -243,10 +248,8 @@ def decode_choice(response: dict) -> dict[str, Any]:
         "token_ids": c.get("token_ids"),
     }
     if c.get("activations"):
-        meta["activations"] = {
-            "residual_stream": from_jsonable(c["activations"]["residual_stream"]),
-            "layers": c["activations"]["layers"],
-        }
+        # {point: tensor, "points": {point: layers}, "residual_stream"/"layers" (= resid_post)}
+        meta["activations"] = decode_activations({"choices": [c]})[0]
     if "hook_results" in c:
         meta["hook_results"] = from_jsonable(c["hook_results"])
     return meta

@@ -176,8 +176,8 @@ SETTINGS: dict[str, Setting] = {
             "VLLM_LENS_INJECT_FAULT",
             str,
             None,
-            "tests only: make the plugin's own code raise at one stage (admission, plan, fill, tap, file, "
-            "assemble), to prove such a failure fails only the requests it hits",
+            "tests only: make the plugin's own code raise at one stage (admission, plan, fill, tap, kernel, "
+            "file, assemble; layout: at load), to prove such a failure fails only the requests it hits",
         ),
     )
 }

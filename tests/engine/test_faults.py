@@ -41,6 +41,7 @@ HIT = {
     "plan": (True, {0, 2, 3}),
     "fill": (False, {0, 2}),
     "tap": (True, {0, 2, 3}),
+    "kernel": (False, {0, 2}),
     "file": (True, {0, 3}),
     "assemble": (True, {0, 3}),
 }
@@ -74,3 +75,27 @@ def test_a_fault_in_our_code_fails_only_the_requests_it_hits(llama, stage, monke
     ref, _ = residuals(hf_model("llama"), ids[:-1])
     acts = ok.activations["residual_stream"]
     assert (acts[0] - ref[0]).abs().max() <= 1e-4 and (acts[1] - ref[2]).abs().max() <= 1e-4
+
+
+def test_a_model_whose_layers_cannot_be_found_serves_plain_requests_and_refuses_features(llama, monkeypatch):
+    """An unknown layout (here: the decoder-layer lookup fails at load) must never stop a model from being
+    served: plain requests run as without the plugin, feature requests get one clear error naming the model
+    class — and the engine goes on serving."""
+    from support.engines import make_engine
+
+    monkeypatch.setattr(faults, "STAGE", "layout")
+    llm = make_engine("llama", max_num_seqs=5)  # an engine of its own, loaded under the fault
+    monkeypatch.setattr(faults, "STAGE", None)
+    plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ref = llama.generate(PROMPTS[0], plain, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(PROMPTS[0], plain, use_tqdm=False)[0].outputs[0].token_ids == ref
+    status = llm.collective_rpc("lens_status")[0]
+    assert "fault injected at load" in status["unsupported"] and status["model_class"] == "LlamaForCausalLM"
+    for extra in (
+        {"output_residual_stream": [1]},
+        {"apply_steering_vectors": [SteeringVector(torch.ones(1, 128), [1])]},
+    ):
+        sp = SamplingParams(max_tokens=2, temperature=0, extra_args=extra)
+        with pytest.raises(ValueError, match="LlamaForCausalLM: inspect-lens cannot act on this model"):
+            llm.generate(PROMPTS[1], sp, use_tqdm=False)
+    assert llm.generate(PROMPTS[0], plain, use_tqdm=False)[0].outputs[0].token_ids == ref

@@ -594,3 +594,50 @@ def test_huge_bodies_are_refused_while_they_arrive(server):
     )
     assert declared.status_code == 413
     assert _client(server).generate(PROMPT, max_tokens=2, capture_layers=[0]).activations is not None
+
+
+def test_hook_points_over_http_client_and_inspect_equal_offline(server, llama):
+    """`output_activations` and `point=` over raw JSON (an object or its string), `LensClient(capture=)`
+    and Inspect's metadata: the same tensors as offline; a bad point is a 400 naming the field."""
+    import asyncio
+
+    from inspect_ai.model import GenerateConfig, get_model
+
+    want = {"attn_out": [1, 3], "resid_mid": [2], "mlp_out": [0]}
+    v = torch.randn(1, 128, generator=torch.Generator().manual_seed(8)) * 3
+    sv = SteeringVector(v, [1], point="mlp_out", norm_match=True)
+    ref = _offline(llama, PROMPT, output_activations=want, apply_steering_vectors=[sv])
+    for form in (want, json.dumps(want)):
+        body = {"model": _model(), "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        body["vllm_xargs"] = {"output_activations": form, "apply_steering_vectors": json.dumps([sv.model_dump()])}
+        r = _post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        acts = r.json()["choices"][0]["activations"]
+        assert acts["points"] == want and "residual_stream" not in acts
+        for p in want:
+            assert torch.equal(from_jsonable(acts[p]), ref.activations[p]), p
+    got = _client(server).generate(
+        PROMPT, max_tokens=5, temperature=0, ignore_eos=True, capture=want, steering_vectors=[sv]
+    )
+    for p in want:
+        assert torch.equal(got.activations[p], ref.activations[p]), p
+    model = get_model(f"vllm-lens/{_model()}", base_url=f"{server}/v1", api_key=KEY)
+    out = asyncio.run(
+        model.generate(
+            PROMPT,
+            config=GenerateConfig(
+                max_tokens=3, temperature=0, extra_body={"extra_args": {"output_activations": {"mlp_out": [2]}}}
+            ),
+        )
+    )
+    assert out.metadata["activations"]["points"] == {"mlp_out": [2]}
+    assert out.metadata["activations"]["mlp_out"].shape[0] == 1
+    bad = {"model": _model(), "prompt": PROMPT, "max_tokens": 2, "vllm_xargs": {"output_activations": {"attn": [1]}}}
+    r = _post(server, "/v1/completions", bad)
+    assert r.status_code == 400 and "did you mean 'attn_out'" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "vllm_xargs.output_activations.attn"
+    info = httpx.get(server + "/v1/lens/info", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert (
+        info["points"] == ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"]
+        and info["missing_points"] == {}
+    )

@@ -48,12 +48,30 @@ def keep_alive(engine):
     return engine
 
 
+MOE = {"mixtral", "qwen3_moe"}
+
+
+def _share_expert_group() -> None:
+    """In-process engines share one process's distributed state, made by the first engine: vLLM creates
+    the expert-parallel group only when that first model is an MoE one. A later MoE engine gets the same
+    single-rank group that an MoE engine of its own process would have made (test processes only)."""
+    import torch
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized() and ps._EP is None:
+        world = ps.get_world_group()
+        backend = torch.distributed.get_backend(world.device_group)
+        ps._EP = ps.init_model_parallel_group([[0]], world.local_rank, backend, group_name="ep")
+
+
 def make_engine(name: str, **kwargs):
     """One cached in-process engine per (model, settings)."""
     key = (name, tuple(sorted(kwargs.items())))
     if key not in _ENGINES:
         from vllm import LLM
 
+        if name in MOE:
+            _share_expert_group()
         opts = dict(ENGINE_DEFAULTS)
         opts.update(kwargs)
         _ENGINES[key] = LLM(str(model_path(name)), **opts)

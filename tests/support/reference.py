@@ -9,19 +9,37 @@ from typing import Callable
 import torch
 
 
+def _outside_vllm(hf_config):
+    """vLLM's Transformers backend (GPT-NeoX here) decorates HF model classes for its compiler: built in
+    the same process, the reference must say "no vLLM compilation" or its constructor asks for a config."""
+    import contextlib
+    import sys
+
+    if "vllm" not in sys.modules:
+        return contextlib.nullcontext()
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig, set_current_vllm_config
+
+    config = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.NONE))
+    object.__setattr__(config, "model_config", SimpleNamespace(hf_config=hf_config))  # what the backend reads
+    return set_current_vllm_config(config)
+
+
 @functools.cache
 def hf_model(name: str):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from support.engines import model_path
 
-    m = AutoModelForCausalLM.from_pretrained(str(model_path(name)), dtype=torch.float32)
+    with _outside_vllm(AutoConfig.from_pretrained(str(model_path(name)))):
+        m = AutoModelForCausalLM.from_pretrained(str(model_path(name)), dtype=torch.float32)
     m.eval()
     return m
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
-    for path in ("model.layers", "transformer.h", "model.decoder.layers"):
+    for path in ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers"):
         obj = model
         for part in path.split("."):
             obj = getattr(obj, part, None)
@@ -142,3 +160,78 @@ def held_results(llm) -> tuple[int, int]:
     frontend.release_results(llm)
     status = llm.collective_rpc("lens_status")[0]
     return status["result_regions"], (status["result_pool"] or {}).get("expected_bytes", 0)
+
+
+# Where each point lives in the HF implementation of a family (the reference's own table, written from
+# transformers' modelling code — not the plugin's): attention / MLP block whose output is added to the
+# stream, and the module whose input is the stream between them (None: parallel residual).
+HF_POINTS = {
+    "gpt2": ("attn", "mlp", "ln_2"),
+    "opt": ("self_attn", "fc2", "final_layer_norm"),
+    "gpt_neox": ("attention", "mlp", None),
+    "gemma2": ("post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
+    "gemma3": ("post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
+}
+HF_DEFAULT = ("self_attn", "mlp", "post_attention_layernorm")
+
+PointEdit = Callable[[str, int, torch.Tensor], torch.Tensor | None]  # (point, layer, (T, d)) -> new value
+
+
+def point_activations(
+    model, family: str, token_ids: list[int], edit: PointEdit | None = None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """({point: (n_layers, T, d)}, logits (T, vocab)) of one sequence by HF hooks, with an optional edit at
+    any point (applied before the value is recorded, like steering)."""
+    attn_name, mlp_name, mid_name = HF_POINTS.get(family, HF_DEFAULT)
+    layers = decoder_layers(model)
+    got: dict[str, list] = {
+        p: [None] * len(layers) for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+    }
+    handles = []
+
+    def edited(point: str, i: int, h: torch.Tensor) -> torch.Tensor:
+        batched = h.dim() == 3  # (1, T, d); HF OPT runs its MLP on (T, d)
+        x = h[0] if batched else h
+        if edit is not None:
+            new = edit(point, i, x)
+            if new is not None:
+                x = new
+                h = new.unsqueeze(0) if batched else new
+        got[point][i] = x.detach().clone()
+        return h
+
+    def out_hook(point: str, i: int):
+        def hook(mod, args, out):
+            h = out[0] if isinstance(out, tuple) else out
+            h2 = edited(point, i, h)
+            if h2 is h:
+                return None
+            return (h2,) + tuple(out[1:]) if isinstance(out, tuple) else h2
+
+        return hook
+
+    def in_place_pre_hook(point: str, i: int):
+        def hook(mod, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            h2 = edited(point, i, h)
+            if h2 is not h:
+                h.copy_(h2)  # in place: the layer keeps this tensor as its residual too
+
+        return hook
+
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(in_place_pre_hook("resid_pre", i), with_kwargs=True))
+        handles.append(getattr(layer, attn_name).register_forward_hook(out_hook("attn_out", i)))
+        if mid_name is not None:
+            handles.append(
+                getattr(layer, mid_name).register_forward_pre_hook(in_place_pre_hook("resid_mid", i), with_kwargs=True)
+            )
+        handles.append(getattr(layer, mlp_name).register_forward_hook(out_hook("mlp_out", i)))
+        handles.append(layer.register_forward_hook(out_hook("resid_post", i)))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([token_ids]), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {p: torch.stack(v) for p, v in got.items() if v[0] is not None}, out.logits[0]

@@ -1,4 +1,4 @@
-"""Tiny random-weight models (Llama, Qwen2, GPT2 and OPT families) with an offline-built tokenizer.
+"""Tiny random-weight models of every family the tests cover, with an offline-built tokenizer.
 
 head_dim is 32 (vLLM's CPU attention needs >= 32). Built once into a cache folder keyed by family.
 """
@@ -76,7 +76,100 @@ def _config(family: str):
             do_layer_norm_before=True,
             **common,
         )
+    dense = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        **common,
+    )
+    if family == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(head_dim=32, tie_word_embeddings=False, **dense)
+    if family == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(head_dim=32, sliding_window=None, tie_word_embeddings=False, **dense)
+    if family == "phi3":
+        from transformers import Phi3Config
+
+        return Phi3Config(pad_token_id=0, tie_word_embeddings=False, **dense)
+    if family == "gemma2":
+        from transformers import Gemma2Config
+
+        return Gemma2Config(head_dim=32, query_pre_attn_scalar=32, sliding_window=4096, **dense)
+    if family == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=4096,
+            rope_scaling=None,
+            architectures=["Gemma3ForCausalLM"],
+            **dense,
+        )
+    if family == "gpt_neox":  # Pythia's layout: parallel residual
+        from transformers import GPTNeoXConfig
+
+        return GPTNeoXConfig(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            max_position_embeddings=1024,
+            rotary_pct=0.25,
+            use_parallel_residual=True,
+            tie_word_embeddings=False,
+            **common,
+        )
+    if family == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(
+            head_dim=32, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False, **dense
+        )
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+            **dense,
+        )
+    if family == "granite":  # a family outside the plugin's layout table (residual multipliers)
+        from transformers import GraniteConfig
+
+        return GraniteConfig(residual_multiplier=0.5, embedding_multiplier=2.0, tie_word_embeddings=False, **dense)
     raise ValueError(family)
+
+
+SEEDS = {
+    "llama": 1,
+    "qwen2": 2,
+    "gpt2": 3,
+    "opt": 4,
+    "qwen3": 5,
+    "mistral": 6,
+    "phi3": 7,
+    "gemma2": 8,
+    "gemma3": 9,
+    "gpt_neox": 10,
+    "mixtral": 11,
+    "qwen3_moe": 12,
+    "granite": 13,
+}
+UNLISTED = ("granite",)  # families the plugin's layout table does not know (resid_* only)
+FAMILIES = tuple(f for f in SEEDS if f not in UNLISTED)
 
 
 def build(family: str, root: Path) -> Path:
@@ -86,7 +179,7 @@ def build(family: str, root: Path) -> Path:
     dst = root / f"tiny-{family}"
     if (dst / "config.json").exists():
         return dst
-    torch.manual_seed({"llama": 1, "qwen2": 2, "gpt2": 3, "opt": 4}[family])
+    torch.manual_seed(SEEDS[family])
     cfg = _config(family)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Larger-than-default weights so that layers actually move the residual stream.

@@ -85,6 +85,7 @@ def encode_steering(vectors: Sequence[SteeringVector]) -> str:
                 "scale": v.scale,
                 "norm_match": v.norm_match,
                 "position_indices": None if v.position_indices is None else list(v.position_indices),
+                "point": v.point,
             }
             for v in vectors
         ]
@@ -95,7 +96,12 @@ def encode_hooks(hooks: Sequence[Hook]) -> list[dict]:
     import cloudpickle
 
     return [
-        {"fn": base64.b64encode(cloudpickle.dumps(h.fn)).decode(), "layer_indices": list(h.layer_indices), "pre": h.pre}
+        {
+            "fn": base64.b64encode(cloudpickle.dumps(h.fn)).decode(),
+            "layer_indices": list(h.layer_indices),
+            "pre": h.pre,
+            **({} if h.point is None else {"point": h.point}),
+        }
         for h in hooks
     ]
 
@@ -109,12 +115,19 @@ def build_request(
     steering_vectors: Any,
     hooks: Any,
     sampling: dict,
+    capture: Any = None,
 ) -> tuple[str, dict]:
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
     xargs: dict[str, Any] = dict(sampling.pop("vllm_xargs", None) or {})
     if capture_layers is not None:
         xargs["output_residual_stream"] = list(capture_layers)
+    if capture is not None:
+        if not isinstance(capture, dict):
+            raise ValueError(f'capture: expected {{point: layer indices}}, e.g. {{"attn_out": [3]}}, got {capture!r}')
+        xargs["output_activations"] = json.dumps(
+            {p: v if isinstance(v, (str, bool)) else list(v) for p, v in capture.items()}
+        )
     if steering_vectors:
         xargs["apply_steering_vectors"] = encode_steering(steering_vectors)
     if hooks:
@@ -139,14 +152,21 @@ def decode_activations(response: dict) -> list[dict[str, Any] | None]:
         acts = c.get("activations")
         if acts is None and i == 0:
             acts = response.get("activations")
-        out.append(
-            None
-            if acts is None
-            else {
-                "residual_stream": from_jsonable(acts["residual_stream"]),
-                "layers": list(from_jsonable(acts["layers"])),
-            }
-        )
+        out.append(None if acts is None else _activations(acts))
+    return out
+
+
+def _activations(acts: dict) -> dict[str, Any]:
+    """The same dict as offline `RequestOutput.activations`: a tensor per point, `points`, and
+    `residual_stream` / `layers` (= `resid_post`)."""
+    out: dict[str, Any] = {}
+    if "residual_stream" in acts:
+        out["residual_stream"] = from_jsonable(acts["residual_stream"])
+        out["layers"] = list(from_jsonable(acts["layers"]))
+    points = acts.get("points") or ({"resid_post": out["layers"]} if "layers" in out else {})
+    for point in points:
+        out[point] = out["residual_stream"] if point == "resid_post" else from_jsonable(acts[point])
+    out["points"] = {p: list(v) for p, v in points.items()}
     return out
 
 
@@ -212,10 +232,13 @@ class LensClient(_Base):
         capture_layers: Sequence[int] | None = None,
         steering_vectors: Sequence[SteeringVector] | None = None,
         hooks: Sequence[Hook] | None = None,
+        capture: dict[str, Any] | None = None,
         **sampling: Any,
     ) -> LensResult:
+        """`capture_layers`: the residual stream (`resid_post`) at these layers; `capture`: any hook points,
+        `{"attn_out": [3, 7], "resid_mid": [5]}` (docs/hook-points.md) — both land in `.activations`."""
         path, body = build_request(
-            self._model(), prompt, messages, max_tokens, capture_layers, steering_vectors, hooks, sampling
+            self._model(), prompt, messages, max_tokens, capture_layers, steering_vectors, hooks, sampling, capture
         )
         return parse_response(self._post(path, body))
 
@@ -306,10 +329,21 @@ class AsyncLensClient(_Base):
         capture_layers: Sequence[int] | None = None,
         steering_vectors: Sequence[SteeringVector] | None = None,
         hooks: Sequence[Hook] | None = None,
+        capture: dict[str, Any] | None = None,
         **sampling: Any,
     ) -> LensResult:
+        """`capture_layers`: the residual stream (`resid_post`) at these layers; `capture`: any hook points,
+        `{"attn_out": [3, 7], "resid_mid": [5]}` (docs/hook-points.md) — both land in `.activations`."""
         path, body = build_request(
-            await self._model(), prompt, messages, max_tokens, capture_layers, steering_vectors, hooks, sampling
+            await self._model(),
+            prompt,
+            messages,
+            max_tokens,
+            capture_layers,
+            steering_vectors,
+            hooks,
+            sampling,
+            capture,
         )
         return parse_response(await self._post(path, body))
 

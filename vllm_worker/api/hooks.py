@@ -1,8 +1,9 @@
 """User hooks: arbitrary Python run on one request's residual stream inside vLLM's batched forward.
 
-`Hook(fn, layer_indices, pre=False)`; `fn(ctx, h) -> Tensor | None`. `h` is the residual stream of
-*that request's rows only*, shape `(rows, d_model)`: after the layer for a post-hook, entering the layer
-for a pre-hook (for layer 0: the embeddings). Returning a tensor of the same shape/dtype/device
+`Hook(fn, layer_indices, point="resid_post")`; `fn(ctx, h) -> Tensor | None`. `h` is the activation at the
+hook point for *that request's rows only*, shape `(rows, d_model)`: the stream leaving the layer
+(`resid_post`), entering it (`resid_pre`, = `pre=True`; for layer 0: the embeddings), or the attention /
+MLP block's output or the stream between them (`attn_out`, `mlp_out`, `resid_mid`: docs/hook-points.md). Returning a tensor of the same shape/dtype/device
 replaces the stream for those rows; `None` leaves it.
 """
 
@@ -10,29 +11,41 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, StrictBool, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, field_serializer, field_validator, model_validator
 
-from vllm_worker.api.steering import LayerIndices
+from vllm_worker.api.steering import LayerIndices, Point, no_unknown_fields
 
 
 class Hook(BaseModel):
-    """`Hook(fn, layer_indices, pre=False)`: `fn(ctx, h)` runs on this request's rows after (or, with
-    `pre=True`, entering) each listed layer. A frozen pydantic model: `model_dump()` gives a JSON-able
+    """`Hook(fn, layer_indices, pre=False, point=None)`: `fn(ctx, h)` runs on this request's rows after
+    (or, with `pre=True`, entering) each listed layer, or at another hook `point` of it. A frozen pydantic model: `model_dump()` gives a JSON-able
     dict with `fn` as base64 cloudpickle (our HTTP form), which `Hook.model_validate` loads back — that
     unpickles, so only validate dumps you made (the server never builds a Hook from what it receives:
     remote hooks go through their own opt-in path)."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
 
     fn: Callable[..., Any]
     layer_indices: LayerIndices
     pre: StrictBool = False
+    point: Optional[Point] = None  # None: "resid_pre" with pre=True, else "resid_post"
 
     def __init__(self, fn: Any = None, layer_indices: Any = None, pre: Any = False, **kwargs: Any) -> None:
         super().__init__(fn=fn, layer_indices=layer_indices, pre=pre, **kwargs)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any) -> Any:
+        return no_unknown_fields(cls, data)
+
+    @model_validator(mode="after")
+    def _pre_and_point(self) -> "Hook":
+        if self.pre and self.point not in (None, "resid_pre"):
+            raise ValueError(f"pre=True means point='resid_pre', got point={self.point!r}")
+        return self
 
     @field_validator("fn", mode="before")
     @classmethod
@@ -61,6 +74,7 @@ class HookContext:
 
     saved: dict
     layer_idx: int = -1
+    point: str = "resid_post"  # the hook point `h` is read at (docs/hook-points.md)
     seq_len: int = 0
     request_id: str = ""
     tp_rank: int = 0
@@ -98,3 +112,13 @@ class HookError(RuntimeError):
         super().__init__(
             ("inspect-lens request failed\n" if internal else "inspect-lens hook failed\n") + "\n".join(lines)
         )
+
+
+class UnsupportedError(HookError, ValueError):
+    """The served model cannot give what the request asked for (a hook point its layout lacks, a model
+    whose decoder layers inspect-lens cannot find): a `ValueError`, like other bad input, carrying the
+    outputs as `HookError` does."""
+
+    def __init__(self, failures: dict[str, str], outputs: list | None = None) -> None:
+        HookError.__init__(self, failures, outputs)
+        self.args = ("inspect-lens request refused\n" + "\n".join(f"request {r}: {m}" for r, m in failures.items()),)

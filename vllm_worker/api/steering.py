@@ -11,8 +11,17 @@ from __future__ import annotations
 from typing import Annotated, Any, Optional
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictBool, field_serializer, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    StrictBool,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
+from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number, int_list
 from vllm_worker.protocol.wire import tensor_from_json, tensor_to_json
 
@@ -32,8 +41,29 @@ def layer_indices(value: Any) -> list[int]:
 LayerIndices = Annotated[list[int], BeforeValidator(layer_indices)]
 
 
+def _point(value: Any) -> str:
+    return pts.point_name(value, "point")
+
+
+# the field type of `point` (a hook-point name: docs/hook-points.md)
+Point = Annotated[str, BeforeValidator(_point)]
+
+
+def no_unknown_fields(cls: type[BaseModel], data: Any) -> Any:
+    """An unknown keyword is an error naming it and the closest field (a typo such as `normmatch=True`
+    would otherwise be dropped without a word, and the request run without it)."""
+    if isinstance(data, dict):
+        unknown = [k for k in data if k not in cls.model_fields]
+        if unknown:
+            hint = pts.closest(str(unknown[0]), cls.model_fields)
+            raise ValueError(
+                f"{cls.__name__}: unknown field {unknown[0]!r}{hint}; fields: {', '.join(cls.model_fields)}"
+            )
+    return data
+
+
 class SteeringVector(BaseModel):
-    """Vectors added to the residual stream after the listed decoder layers.
+    """Vectors added to the residual stream after the listed decoder layers (or at another hook `point`).
 
     activations: `(n_layers, d_model)` — added at every position (prompt and generated), or
         `(n_layers, n_pos, d_model)` — row `p` added only at absolute token position
@@ -45,18 +75,22 @@ class SteeringVector(BaseModel):
         stream at that position after the layer (before any addition) — i.e. the vector is rescaled to
         the norm of the activation it is added to, per position.
     position_indices: absolute token positions for 3-D activations; must lie inside the prompt.
+    point: where in each listed layer the vector is added: "resid_post" (default, the stream leaving the
+        layer), "resid_pre", "attn_out", "resid_mid" or "mlp_out" (docs/hook-points.md); `norm_match`
+        then uses the norm of the activation at that point.
 
     Positional or keyword construction: `SteeringVector(v, [15], scale=4.0)`. Immutable (frozen); the
     plugin never modifies it and copies it when the request is submitted.
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
 
     activations: torch.Tensor
     layer_indices: LayerIndices
     scale: float = 1.0
     norm_match: StrictBool = False
     position_indices: Optional[list[int]] = None
+    point: Point = pts.RESID_POST
 
     def __init__(
         self,
@@ -75,6 +109,11 @@ class SteeringVector(BaseModel):
             position_indices=position_indices,
             **kwargs,
         )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any) -> Any:
+        return no_unknown_fields(cls, data)
 
     @field_validator("activations", mode="before")
     @classmethod
@@ -109,6 +148,7 @@ class SteeringVector(BaseModel):
             and self.scale == other.scale
             and self.norm_match == other.norm_match
             and self.position_indices == other.position_indices
+            and self.point == other.point
             and self.activations.shape == other.activations.shape
             and torch.equal(self.activations.cpu(), other.activations.cpu())
         )

@@ -4,7 +4,7 @@ If vLLM moves something we rely on, `check()` (plugin load) and the worker's own
 `LensIncompatibleVLLM` naming it: the plugin never silently does nothing. One module per side of vLLM:
 `engine` (engine construction, plugins), `requests` (per-request frontend hooks, outputs, RPC), `errors`
 (exception classes vLLM maps to HTTP codes), `request_ids` (how vLLM names requests), `runner` (the
-worker's model runner and CUDA-graph dispatch), `model` (decoder-layer layout, parameters across ranks),
+worker's model runner and CUDA-graph dispatch), `model` (decoder-layer list, parameters across ranks), `layouts` (where each family's inner points are),
 `cpu_lora` (a vLLM-CPU LoRA fix). `tests/engine/test_adapter.py` exercises each against the installed vLLM.
 """
 
@@ -26,6 +26,14 @@ from vllm_worker.compat.errors import (  # noqa: F401
     capacity_error_cls,
     forbidden_error_cls,
     validation_error_cls,
+)
+from vllm_worker.compat.layouts import (  # noqa: F401
+    Layout,
+    inner_modules,
+    layout_for,
+    missing_points,
+    model_class,
+    module_output,
 )
 from vllm_worker.compat.model import (  # noqa: F401
     decoder_layers,
@@ -66,6 +74,7 @@ from vllm_worker.compat.runner import (  # noqa: F401
     ensure_pp_buffers,
     forward_replays_full_graph,
     graph_taps_unsupported,
+    hf_config,
     hidden_size,
     host_positions,
     iter_stage_layers,

@@ -9,20 +9,30 @@ import torch
 
 from vllm_worker.compat.version import LensIncompatibleVLLM
 
+LAYER_PATHS = (
+    "model.layers",
+    "transformer.h",
+    "model.decoder.layers",
+    "gpt_neox.layers",
+    "model.model.layers",
+    "layers",
+)
 
-def decoder_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+
+def decoder_layers(model: torch.nn.Module, n_layers: int | None = None) -> list[tuple[int, torch.nn.Module]]:
     """(global index, module) of the decoder layers this rank holds.
 
-    Known layouts: `model.layers` (Llama/Qwen2/Mistral), `transformer.h` (GPT2), `model.decoder.layers`
-    (OPT), nested under `language_model` for multimodal wrappers. Pipeline-parallel placeholders
-    (`PPMissingLayer`) are skipped; indices stay global."""
+    Known layouts: `model.layers` (Llama/Qwen2/Mistral, and HF models under vLLM's Transformers backend),
+    `transformer.h` (GPT2), `model.decoder.layers` (OPT), `gpt_neox.layers`, nested under `language_model`
+    for multimodal wrappers; else the shallowest `ModuleList` of `n_layers` modules. Pipeline-parallel
+    placeholders (`PPMissingLayer`) are skipped; indices stay global."""
     from vllm.model_executor.models.utils import PPMissingLayer
 
     candidates = []
     for root in (model, getattr(model, "language_model", None)):
         if root is None:
             continue
-        for path in ("model.layers", "transformer.h", "model.decoder.layers", "model.model.layers", "layers"):
+        for path in LAYER_PATHS:
             obj: Any = root
             for part in path.split("."):
                 obj = getattr(obj, part, None)
@@ -33,10 +43,15 @@ def decoder_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
                 break
         if candidates:
             break
+    if not candidates and n_layers:
+        found = [(name.count("."), name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+        found = [f for f in found if len(f[2]) == n_layers]
+        if found:
+            candidates.append(min(found, key=lambda f: (f[0], f[1]))[2])
     if not candidates:
         raise LensIncompatibleVLLM(
-            f"cannot find the decoder layers of {type(model).__name__} "
-            "(looked for model.layers, transformer.h, model.decoder.layers)"
+            f"cannot find the decoder layers of {type(model).__name__} (looked for {', '.join(LAYER_PATHS)} and "
+            f"for a list of {n_layers} modules)"
         )
     layers = candidates[0]
     return [(i, m) for i, m in enumerate(layers) if not isinstance(m, PPMissingLayer)]
@@ -49,6 +64,8 @@ def residual_parts(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     the stream itself. Anything else is an error, never silently skipped."""
     if isinstance(output, torch.Tensor):
         return output, None
+    if isinstance(output, tuple) and len(output) == 1 and isinstance(output[0], torch.Tensor):
+        return output[0], None  # HF layers of older transformers
     if isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor):
         res = output[1]
         if res is None or isinstance(res, torch.Tensor):

@@ -126,8 +126,18 @@ def hidden_size(runner: Any) -> int:
 
 
 def runner_model(runner: Any) -> torch.nn.Module:
+    """The runner's model, inside vLLM's CUDA-graph wrappers (which keep it as `runnable`)."""
     model = require(runner, "model", type(runner).__name__)
+    for _ in range(4):  # CUDAGraphWrapper / BreakableCUDAGraphWrapper are plain objects around the module
+        inner = None if isinstance(model, torch.nn.Module) else getattr(model, "__dict__", {}).get("runnable")
+        if inner is None:
+            break
+        model = inner
     return model
+
+
+def hf_config(runner: Any) -> Any:
+    return require(require(runner, "model_config", type(runner).__name__), "hf_config", "ModelConfig")
 
 
 def batch_layout(runner: Any) -> tuple[list[str], Any]:
@@ -192,7 +202,8 @@ def ensure_pp_buffers(runner: Any) -> None:
 
 
 def iter_stage_layers(runner: Any) -> Iterator[tuple[int, torch.nn.Module]]:
-    yield from decoder_layers(runner_model(runner))
+    mc = require(runner, "model_config", type(runner).__name__)
+    yield from decoder_layers(runner_model(runner), int(mc.get_total_num_hidden_layers()))
 
 
 def graph_taps_unsupported() -> str | None:

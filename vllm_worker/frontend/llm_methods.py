@@ -28,7 +28,7 @@ def register_hooks(self: Any, hooks: Sequence[Hook], prefetch_params: Sequence[s
     specs = parse_hooks(list(hooks), _shape(self))
     if prefetch_params:
         self.prefetch_params(prefetch_params)
-    counts = compat.rpc(self, "lens_register_hooks", [(h.fn, h.layers, h.pre) for h in specs])
+    counts = compat.rpc(self, "lens_register_hooks", [(h.fn, h.layers, h.point) for h in specs])
     state_of(self).persistent_hooks = True
     return counts[0]
 

@@ -25,9 +25,10 @@ from vllm_worker.transport import result_pool, shm
 class Pending:
     key: str
     n: int
-    layers: list[int]
+    layers: list[int]  # tap sites captured (the rows of the fetched tensor)
     d_model: int
     reserved: int = 0  # bytes of capture at its largest, counted against VLLM_LENS_MAX_STORED_GB
+    points: dict[str, list[int]] = field(default_factory=dict)  # what was asked: {point: layers}
 
 
 def mark_consumer(processor: Any, who: str) -> None:
@@ -101,9 +102,10 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     if sp is None or not has_lens_keys(sp.extra_args):
         return req
     state = state_of(processor)
-    n_layers, d_model = compat.model_shape(processor)
+    shape = ModelShape(*compat.model_shape(processor))
+    d_model = shape.d_model
     try:
-        spec = parse_request(sp.extra_args, ModelShape(n_layers, d_model), compat.request_prompt_len(req))
+        spec = parse_request(sp.extra_args, shape, compat.request_prompt_len(req))
     except PermissionError as e:
         raise compat.forbidden_error_cls()(str(e)) from None
     except ValueError as e:
@@ -140,7 +142,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
                 parameter="vllm_xargs",
             )
         reserved = _admit_capture(processor, state.pending, spec.capture, compat.request_prompt_len(req), sp, d_model)
-        state.pending[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model, reserved)
+        state.pending[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model, reserved, spec.points)
     salt = cache_salt(spec)
     if salt is not None:
         # Steered / hooked KV is stored under its own hash: no other request can ever read it.

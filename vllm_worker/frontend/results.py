@@ -10,10 +10,11 @@ from typing import Any, Generator
 import torch
 
 from vllm_worker import compat
-from vllm_worker.api.hooks import HookError
+from vllm_worker.api.hooks import HookError, UnsupportedError
 from vllm_worker.envs import limit
 from vllm_worker.frontend.requests import Pending, consumer_of, pending_of, result_pools, state_of
 from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
+from vllm_worker.protocol.points import RESID_POST, canonical_site
 from vllm_worker.protocol.wire import dtype_from_name, tensor_from_bytes
 from vllm_worker.transport import result_pool, shm
 
@@ -145,6 +146,24 @@ def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
     return torch.stack([by_layer[l] for l in p.layers])
 
 
+def by_point(t: torch.Tensor, sites: list[int], points: dict[str, list[int]]) -> dict[str, Any]:
+    """`activations` of a sample: one `(n_layers, n_pos, d)` tensor per point asked for (layers in the order
+    asked), `points` = {point: layers}, and `residual_stream` / `layers` for `resid_post` (the same tensor
+    object: the original's names). A point whose rows are consecutive in `t` is a view, never a copy."""
+    row = {s: i for i, s in enumerate(sites)}
+    acts: dict[str, Any] = {}
+    for point, layers in points.items():
+        idx = [row[canonical_site(point, l)] for l in layers]
+        if idx == list(range(idx[0], idx[0] + len(idx))):
+            acts[point] = t[idx[0] : idx[0] + len(idx)]
+        else:
+            acts[point] = t[idx]
+    acts["points"] = {point: list(layers) for point, layers in points.items()}
+    if RESID_POST in points:
+        acts["residual_stream"], acts["layers"] = acts[RESID_POST], list(points[RESID_POST])
+    return acts
+
+
 def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict | None, Failure | None]:
     """(activations, hook_results, failure) of one sample from merged fetch results."""
     if "error" in got:
@@ -156,7 +175,7 @@ def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict 
     if errors:
         discard_parts(parts)
         return None, None, errors[0]
-    acts = {"residual_stream": _assemble(p, parts), "layers": list(p.layers)} if p.layers else None
+    acts = by_point(_assemble(p, parts), p.layers, p.points) if p.layers else None
     hook_parts = [part["hooks"] for part in parts if "hooks" in part]
     hooks = merge_stage_results([_unpickle(h) for h in hook_parts]) if hook_parts else None
     return acts, hooks, None
@@ -205,6 +224,8 @@ def _positions(out: Any, p: Pending, samples: dict, generated: dict[int, int] | 
 
 
 def _hook_error(failures: dict[str, Failure], outputs: list) -> HookError:
+    if all(f["kind"] == "unsupported" for f in failures.values()):
+        return UnsupportedError(messages(failures), outputs)
     return HookError(messages(failures), outputs, internal=all_internal(failures))
 
 

@@ -14,8 +14,10 @@ import torch
 
 from vllm_worker.api.hooks import Hook
 from vllm_worker.api.steering import SteeringVector
+from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number
 from vllm_worker.protocol.spec import (
+    ACTIVATIONS_KEY,
     CAPTURE_KEY,
     HOOK_KEY,
     KNOWN_KEYS,
@@ -27,6 +29,8 @@ from vllm_worker.protocol.spec import (
     RequestSpec,
     Steer,
     capture_layers,
+    capture_points,
+    capture_sites,
     from_json_string,
     layer_list,
     require_remote_hooks,
@@ -37,9 +41,10 @@ from vllm_worker.protocol.wire import tensor_from_json
 def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Steer:
     f = f"{STEER_KEY}[{i}]"
     if isinstance(item, Mapping):
-        unknown = set(item) - {"activations", "layer_indices", "scale", "norm_match", "position_indices"}
+        unknown = set(item) - STEER_FIELDS
         if unknown:
-            raise ValueError(f"{f}: unknown fields {sorted(unknown)}")
+            name = sorted(unknown)[0]
+            raise ValueError(f"{f}: unknown fields {sorted(unknown)}{pts.closest(name, STEER_FIELDS)}")
         if "activations" not in item or "layer_indices" not in item:
             raise ValueError(f"{f}: needs 'activations' and 'layer_indices'")
         # checked field by field below, with messages naming the request's field (not as a model)
@@ -49,6 +54,7 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
             scale=item.get("scale", 1.0),
             norm_match=item.get("norm_match", False),
             position_indices=item.get("position_indices"),
+            point=item.get("point", pts.RESID_POST),
         )
     elif not isinstance(item, SteeringVector):
         raise ValueError(f"{f}: expected a SteeringVector, got {type(item).__name__}")
@@ -59,6 +65,8 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
         raise ValueError(f"{f}.activations: expected a torch.Tensor, got {type(acts).__name__}")
     if not acts.is_floating_point():
         raise ValueError(f"{f}.activations: expected a floating-point tensor, got {acts.dtype}")
+    point = pts.point_name(item.point, f"{f}.point")
+    pts.check_available(point, f"{f}.point", shape.missing)
     layers = layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
     if acts.ndim not in (2, 3):
         raise ValueError(
@@ -95,7 +103,25 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
             raise ValueError(f"{f}.position_indices: duplicate positions")
     elif item.position_indices is not None:
         raise ValueError(f"{f}.position_indices: only valid with 3-D activations")
-    return Steer(layers, acts, positions, float(scale), item.norm_match)
+    sites = [pts.canonical_site(point, l) for l in layers]
+    return Steer(sites, acts, positions, float(scale), item.norm_match)
+
+
+STEER_FIELDS = {"activations", "layer_indices", "scale", "norm_match", "position_indices", "point"}
+HOOK_FIELDS = {"fn", "layer_indices", "pre", "point"}
+
+
+def hook_point(pre: Any, point: Any, f: str, shape: ModelShape) -> str:
+    """`pre=True` is `point="resid_pre"`; both together must agree."""
+    if not isinstance(pre, bool):
+        raise ValueError(f"{f}.pre: expected a bool")
+    if point is None:
+        return pts.RESID_PRE if pre else pts.RESID_POST
+    point = pts.point_name(point, f"{f}.point")
+    if pre and point != pts.RESID_PRE:
+        raise ValueError(f"{f}.point: pre=True means point='resid_pre', got point={point!r}")
+    pts.check_available(point, f"{f}.point", shape.missing)
+    return point
 
 
 def _hook_item(item: Any, i: int, shape: ModelShape) -> HookSpec:
@@ -107,18 +133,18 @@ def _hook_item(item: Any, i: int, shape: ModelShape) -> HookSpec:
     if not callable(item.fn):
         raise ValueError(f"{f}.fn: not callable")
     layers = layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
-    if not isinstance(item.pre, bool):
-        raise ValueError(f"{f}.pre: expected a bool")
-    return HookSpec(pickle_hook(item.fn, f), layers, item.pre)
+    point = hook_point(item.pre, item.point, f, shape)
+    return HookSpec(pickle_hook(item.fn, f), layers, point)
 
 
 def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> HookSpec:
     """`{"fn": base64(cloudpickle), "layer_indices": [...], "pre": false}` — refused without opt-in. The
     original vllm-lens's `{"fn": {"cloudpickle": base64}}` is the same thing."""
     require_remote_hooks()
-    unknown = set(item) - {"fn", "layer_indices", "pre"}
+    unknown = set(item) - HOOK_FIELDS
     if unknown:
-        raise ValueError(f"{f}: unknown fields {sorted(unknown)}")
+        name = sorted(unknown)[0]
+        raise ValueError(f"{f}: unknown fields {sorted(unknown)}{pts.closest(name, HOOK_FIELDS)}")
     fn = item.get("fn")
     if isinstance(fn, Mapping) and set(fn) == {"cloudpickle"}:
         fn = fn["cloudpickle"]
@@ -129,11 +155,9 @@ def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> Hoo
     except Exception:
         raise ValueError(f"{f}.fn: not valid base64") from None
     layers = layer_list(item.get("layer_indices"), f"{f}.layer_indices", shape.n_layers, unique=True)
-    pre = item.get("pre", False)
-    if not isinstance(pre, bool):
-        raise ValueError(f"{f}.pre: expected a bool")
+    point = hook_point(item.get("pre", False), item.get("point"), f, shape)
     _check_loads(raw, f"{f}.fn")
-    return HookSpec(raw, layers, pre)
+    return HookSpec(raw, layers, point)
 
 
 def _check_loads(raw: bytes, field_name: str) -> None:
@@ -176,10 +200,16 @@ def parse_request(extra_args: Mapping[str, Any], shape: ModelShape, prompt_len: 
         return None
     for k in ours:
         if k not in KNOWN_KEYS:
-            raise ValueError(f"extra_args.{k}: unknown inspect-lens key (known: {', '.join(KNOWN_KEYS)})")
+            raise ValueError(
+                f"extra_args.{k}: unknown inspect-lens key{pts.closest(k, KNOWN_KEYS)} (known: {', '.join(KNOWN_KEYS)})"
+            )
     spec = RequestSpec(key=uuid.uuid4().hex)
+    if ACTIVATIONS_KEY in ours:
+        spec.points = capture_points(ours[ACTIVATIONS_KEY], shape)
     if CAPTURE_KEY in ours:
-        spec.capture = capture_layers(ours[CAPTURE_KEY], shape.n_layers)
+        layers = capture_layers(ours[CAPTURE_KEY], shape.n_layers)
+        spec.points[pts.RESID_POST] = sorted(set(spec.points.get(pts.RESID_POST, [])) | set(layers))
+    spec.capture = capture_sites(spec.points)
     if STEER_KEY in ours:
         items = from_json_string(ours[STEER_KEY], STEER_KEY)
         if isinstance(items, (SteeringVector, Mapping)):

@@ -1,13 +1,13 @@
 """How a request's failure travels from a worker to the frontend: a structured value, never a string told
 apart by its wording. `kind` says whose failure it is — `internal` (our own code: HTTP 500), `hook` (the
-caller's hook raised or returned something invalid: 400), `limit` (an operator limit was reached: 400) —
+caller's hook raised or returned something invalid: 400), `limit` (an operator limit was reached: 400), `unsupported` (the served model lacks what was asked: 400) —
 `stage` where it happened, `message` what the caller reads (with the hook's traceback, or the knob)."""
 
 from __future__ import annotations
 
 from typing import Literal, TypedDict
 
-Kind = Literal["internal", "hook", "limit"]
+Kind = Literal["internal", "hook", "limit", "unsupported"]
 
 
 class Failure(TypedDict):

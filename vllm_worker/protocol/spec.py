@@ -12,16 +12,18 @@ from typing import Any, Mapping
 import torch
 
 from vllm_worker import envs
+from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import int_list
 from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
 
-CAPTURE_KEY = "output_residual_stream"
+CAPTURE_KEY = "output_residual_stream"  # shorthand for {"resid_post": layers} of ACTIVATIONS_KEY
+ACTIVATIONS_KEY = "output_activations"  # {point: layers}
 STEER_KEY = "apply_steering_vectors"
 HOOK_KEY = "apply_hooks"
 PAYLOAD_KEY = "_inspect_lens"
-KNOWN_KEYS = (CAPTURE_KEY, STEER_KEY, HOOK_KEY)
+KNOWN_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, STEER_KEY, HOOK_KEY)
 # Keys with these prefixes belong to us: a typo (`output_residual_streams`) is an error, not ignored.
-NAMESPACE_PREFIXES = ("output_residual", "apply_steering", "apply_hook", "lens_", PAYLOAD_KEY)
+NAMESPACE_PREFIXES = ("output_residual", "output_activation", "apply_steering", "apply_hook", "lens_", PAYLOAD_KEY)
 # Largest structured payload accepted in one request (steering vectors, hooks), in bytes.
 MAX_PAYLOAD_BYTES = envs.limit("VLLM_LENS_MAX_PAYLOAD_MB")
 REMOTE_HOOKS_ENV = "VLLM_LENS_ALLOW_REMOTE_HOOKS"
@@ -60,11 +62,12 @@ def from_json_string(value: Any, field_name: str) -> Any:
 class ModelShape:
     n_layers: int
     d_model: int
+    missing: dict[str, str] = field(default_factory=dict)  # hook point the model lacks -> why
 
 
 @dataclass
 class Steer:
-    layers: list[int]
+    layers: list[int]  # tap sites (`points.canonical_site` of the point and the caller's layers)
     vectors: torch.Tensor  # (n_layers, d) or (n_layers, n_pos, d)
     positions: list[int] | None
     scale: float
@@ -74,8 +77,8 @@ class Steer:
 @dataclass
 class HookSpec:
     fn: bytes  # cloudpickle of the callable (the caller's own code, in-process or opted-in remote)
-    layers: list[int]
-    pre: bool
+    layers: list[int]  # the caller's layer indices (each worker maps them to its sites: `plan.hook_at`)
+    point: str = pts.RESID_POST
 
 
 @dataclass
@@ -83,7 +86,9 @@ class RequestSpec:
     """What the worker does for one request (decoded form)."""
 
     key: str
-    capture: list[int] = field(default_factory=list)
+    capture: list[int] = field(default_factory=list)  # tap sites, sorted
+    # what the caller asked to capture, {point: layers} (frontend only: how results are handed back)
+    points: dict[str, list[int]] = field(default_factory=dict)
     steers: list[Steer] = field(default_factory=list)
     hooks: list[HookSpec] = field(default_factory=list)
 
@@ -134,6 +139,29 @@ def capture_layers(value: Any, n_layers: int) -> list[int]:
     return sorted(set(layer_list(value, CAPTURE_KEY, n_layers)))
 
 
+def capture_points(value: Any, shape: ModelShape) -> dict[str, list[int]]:
+    """`output_activations`: `{point: layers}` (layers as for `output_residual_stream`), or its JSON string."""
+    value = from_json_string(value, ACTIVATIONS_KEY)
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(
+            f'{ACTIVATIONS_KEY}: expected {{point: layer indices}}, e.g. {{"attn_out": [3, 7]}}, got {value!r}'
+        )
+    out = {}
+    for point, layers in value.items():
+        f = f"{ACTIVATIONS_KEY}.{point}"
+        pts.point_name(point, f)
+        pts.check_available(point, f, shape.missing)
+        if layers is True or layers == ALL_LAYERS:
+            out[point] = list(range(shape.n_layers))
+        else:
+            out[point] = sorted(set(layer_list(layers, f, shape.n_layers)))
+    return out
+
+
+def capture_sites(points: Mapping[str, list[int]]) -> list[int]:
+    return sorted({pts.canonical_site(p, l) for p, ls in points.items() for l in ls})
+
+
 def encode(spec: RequestSpec) -> dict[str, Any]:
     """msgspec-safe payload for the engine core and workers (no pickle, no tensors)."""
     return {
@@ -150,7 +178,7 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
             }
             for s in spec.steers
         ],
-        "hooks": [{"fn": h.fn, "layers": h.layers, "pre": h.pre} for h in spec.hooks],
+        "hooks": [{"fn": h.fn, "layers": h.layers, "point": h.point} for h in spec.hooks],
     }
 
 
@@ -170,7 +198,7 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
             )
             for s in payload.get("steer") or []
         ],
-        hooks=[HookSpec(bytes(h["fn"]), list(h["layers"]), bool(h["pre"])) for h in payload.get("hooks") or []],
+        hooks=[HookSpec(bytes(h["fn"]), list(h["layers"]), str(h["point"])) for h in payload.get("hooks") or []],
     )
 
 

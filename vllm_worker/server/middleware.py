@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from vllm_worker.protocol.spec import (
+    ACTIVATIONS_KEY,
     ALL_LAYERS,
     CAPTURE_KEY,
     HOOK_KEY,
@@ -45,6 +46,8 @@ def _precheck(req: dict, xargs: dict, shape: ModelShape) -> None:
         raise BadRequest(
             400, "use_beam_search: capture, steering and hooks are not supported with beam search", "use_beam_search"
         )
+    if isinstance(xargs.get(ACTIVATIONS_KEY), dict):  # raw JSON: vLLM takes only flat values, so a string
+        xargs[ACTIVATIONS_KEY] = json.dumps(xargs[ACTIVATIONS_KEY])
     if CAPTURE_KEY in xargs:
         value = xargs[CAPTURE_KEY]
         if value is True:
@@ -103,7 +106,7 @@ class LensMiddleware:
         kind = "chat" if path == CHAT else "cmpl"
         n = int(req.get("n") or 1)
         # requests that asked for results must get them (steering-only ones have nothing to fetch)
-        expect = ours and any(k in xargs for k in (CAPTURE_KEY, HOOK_KEY))
+        expect = ours and any(k in xargs for k in (CAPTURE_KEY, ACTIVATIONS_KEY, HOOK_KEY))
         if req.get("stream"):
             return await self.app(scope, replay(body, receive), StreamInjector(send, state, kind, n, expect).send)
         await self._buffered(scope, replay(body, receive), send, state, kind, n, expect, dialect)

@@ -12,6 +12,7 @@ from vllm_worker import compat
 from vllm_worker.frontend.requests import Pending, pending_of
 from vllm_worker.frontend.results import decode_sample, fetch_async
 from vllm_worker.protocol.errors import Failure, all_internal, messages
+from vllm_worker.protocol.points import RESID_POST
 from vllm_worker.protocol.spec import (
     CAPTURE_KEY,
     HOOK_KEY,
@@ -98,14 +99,22 @@ def decode_results(
                         "layers": {"__json__": acts["layers"]},
                     }
                 else:
-                    entry["activations"] = {
-                        "residual_stream": to_jsonable(acts["residual_stream"], lazy=True),
-                        "layers": acts["layers"],
-                    }
+                    entry["activations"] = activations_json(acts)
             if hooks is not None:
                 entry["hook_results"] = to_original_jsonable(hooks) if dialect else to_jsonable(hooks, lazy=True)
             out[c.index] = entry
     return out, errors
+
+
+def activations_json(acts: dict[str, Any]) -> dict[str, Any]:
+    """Each point's tensor once (`resid_post` travels as `residual_stream`, its original name)."""
+    out: dict[str, Any] = {"points": acts["points"]}
+    for point in acts["points"]:
+        if point == RESID_POST:
+            out["residual_stream"], out["layers"] = to_jsonable(acts[point], lazy=True), acts["layers"]
+        else:
+            out[point] = to_jsonable(acts[point], lazy=True)
+    return out
 
 
 def internal_only(errors: dict[str, Failure]) -> bool:
@@ -117,5 +126,8 @@ def hook_failure(errors: dict[str, Failure]) -> dict:
     if internal_only(errors):
         msg = "inspect-lens request failed\n" + "\n".join(f"request {r}: {m}" for r, m in messages(errors).items())
         return error_body(500, msg, None, "InternalServerError")
+    if all(f["kind"] == "unsupported" for f in errors.values()):
+        msg = "inspect-lens request refused\n" + "\n".join(f"request {r}: {m}" for r, m in messages(errors).items())
+        return error_body(400, msg, "vllm_xargs", "BadRequestError")
     msg = "inspect-lens hook failed\n" + "\n".join(f"request {r}: {m}" for r, m in messages(errors).items())
     return error_body(400, msg, f"vllm_xargs.{HOOK_KEY}", "HookError")

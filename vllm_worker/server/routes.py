@@ -13,6 +13,7 @@ from vllm_worker import compat, envs
 from vllm_worker.frontend.requests import in_flight_bytes, pending_count
 from vllm_worker.frontend.results import merge_collected, release_results_async
 from vllm_worker.frontend.validation import parse_hooks
+from vllm_worker.protocol.points import POINTS
 from vllm_worker.protocol.spec import (
     HOOK_KEY,
     remote_hooks_allowed,
@@ -92,7 +93,7 @@ async def register(request: Request):
     names = param_names(body, "prefetch_params")
     if names:
         await prefetch_names(state, names, "prefetch_params")
-    counts = await compat.rpc_async(state.engine, "lens_register_hooks", [(h.fn, h.layers, h.pre) for h in specs])
+    counts = await compat.rpc_async(state.engine, "lens_register_hooks", [(h.fn, h.layers, h.point) for h in specs])
     state.persistent_hooks = True
     state.original_collect = mentions(hooks, '"cloudpickle"')
     return {"status": "ok", "registered": counts[0], "count": counts[0]}
@@ -164,6 +165,9 @@ async def info(request: Request):
     return {
         "n_layers": shape.n_layers,
         "d_model": shape.d_model,
+        # hook points requests may name (docs/hook-points.md), and why the others are missing
+        "points": [p for p in POINTS if p not in shape.missing],
+        "missing_points": shape.missing,
         "vllm_version": vllm.__version__,
         "remote_hooks": remote_hooks_allowed(),
         # results waiting for a consumer: both return to 0 once requests finish or are aborted

@@ -14,10 +14,11 @@ import torch
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors
+from vllm_worker.protocol.points import CODE, NAME, RESID_PRE, describe, site, site_layer, split_site
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph
 from vllm_worker.worker.persistent_hooks import PersistentHooks
-from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, split_steers
+from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, hook_at, split_steers
 from vllm_worker.worker.results import RequestResults
 from vllm_worker.worker.store import CaptureStore
 
@@ -30,6 +31,8 @@ class Admission:
         dtype: torch.dtype,
         d_model: int,
         local: frozenset,
+        local_layers: frozenset,
+        missing: dict[str, str],
         capturing_rank: bool,
         shm_host: str | None,
         store: CaptureStore,
@@ -38,7 +41,8 @@ class Admission:
         ctx: Callable[[dict, str], HookContext],
     ) -> None:
         self.runner, self.device, self.dtype, self.d_model = runner, device, dtype, d_model
-        self.local, self.capturing_rank, self.shm_host = local, capturing_rank, shm_host
+        self.local, self.capturing_rank, self.shm_host = local, capturing_rank, shm_host  # local: sites
+        self.local_layers, self.missing = local_layers, missing
         self.store, self.graph, self.persistent, self.ctx = store, graph_taps, persistent, ctx
 
     def admit(self, req_id: str, payload: Any) -> RequestState:
@@ -101,7 +105,9 @@ class Admission:
                         "hook", f"hook {i}: cannot be loaded in the worker ({type(e).__name__}: {e})", "loading hooks"
                     )
                     continue
-                hooks.append(HookRun(fn, frozenset(h.layers), h.pre, self.ctx(saved, external), i, False))
+                at = hook_at(h.layers, h.point, self.local_layers)
+                hooks.append(HookRun(fn, at, h.point, self.ctx(saved, external), i, False))
+            self._check_sites(spec, store)
         if self.persistent:
             if store is None:
                 store = RequestResults([])
@@ -117,6 +123,24 @@ class Admission:
         return RequestState(
             capture, {l: i for i, l in enumerate(capture)}, child, per_request, hooks, store, simple, entries, entry_ids
         )
+
+    def _check_sites(self, spec: Any, store: RequestResults | None) -> None:
+        """A point this worker has no tap for (its layout could not be resolved here) fails the request with
+        the reason — never a capture or steer that silently does nothing."""
+        wanted = set(spec.capture) | {s for st in spec.steers for s in st.layers}
+        for h in spec.hooks:
+            if h.point != RESID_PRE:
+                wanted |= {site(l, CODE[h.point]) for l in h.layers}
+        lacking = sorted(s for s in wanted if site_layer(s) in self.local_layers and s not in self.local)
+        if not lacking:
+            return
+        names = ", ".join(describe(s) for s in lacking)
+        why = "; ".join(dict.fromkeys(self.missing.get(NAME[split_site(s)[1]], "no tap there") for s in lacking))
+        err = errors.failure("unsupported", f"{names}: not available on this model ({why})", "admission")
+        if store is None:
+            raise ValueError(err["message"])
+        if store.error is None:
+            store.error = err
 
     def _announce_result(self, req_id: str, payload: dict, capture: list[int], store: RequestResults) -> None:
         """A frontend on this machine gets captures through the shared-memory result pool: announce the

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from vllm_worker.protocol.errors import failure
-from vllm_worker.worker.plan import HookRun, Rows, StepPlan
+from vllm_worker.worker.plan import HookAt, HookRun, Rows, StepPlan
 from vllm_worker.worker.results import RequestResults
 
 logger = logging.getLogger("vllm_worker")
@@ -24,15 +24,15 @@ logger = logging.getLogger("vllm_worker")
 HOOK_TIMINGS = {"calls": 0, "in_hooks_s": 0.0, "around_hooks_s": 0.0}
 
 
-def steer(layer: int, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-    batched = plan.steer_batched.get(layer)
+def steer(site: int, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+    batched = plan.steer_batched.get(site)
     if batched is not None:
         hidden.index_add_(0, batched[0], batched[1].to(hidden.dtype))
-    for r, s, e in plan.steer.get(layer, ()):
+    for r, s, e in plan.steer.get(site, ()):
         stream_norm = None
         delta = None
         for st in r.steers:
-            row = st.layers.get(layer)
+            row = st.layers.get(site)
             if row is None:
                 continue
             if st.lut is None:
@@ -57,16 +57,21 @@ def steer(layer: int, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tens
             hidden[s:e] += delta.to(hidden.dtype)
 
 
+def _where(h: HookRun, layer: int) -> str:
+    kind = "persistent hook" if h.persistent else "hook"
+    what = {"resid_pre": "pre-hook", "resid_post": "post-hook"}.get(h.point, f"{h.point} hook")
+    return f"{kind} {h.index} ({what} at layer {layer})"
+
+
 def run_hooks(
-    layer: int,
-    pre: bool,
+    at: HookAt,
     plan: StepPlan,
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     on_error: Callable[[HookRun, str], None],
 ) -> None:
     """Run each request's hooks on its own rows. `on_error(hook_run, message)` records a failure."""
-    items: Rows = plan.hooks.get((layer, pre), [])
+    items: Rows = plan.hooks.get(at, [])
     if not items:
         return
     t_start = time.perf_counter()
@@ -74,11 +79,12 @@ def run_hooks(
     calls = 0
     for r, s, e in items:
         for h in r.hooks:
-            if h.pre != pre or layer not in h.layers or r.failed:
+            layer = h.at.get(at)
+            if layer is None or r.failed:
                 continue
             stream = hidden[s:e] + residual[s:e] if residual is not None else hidden[s:e].clone()
             ctx = h.ctx
-            ctx.layer_idx, ctx.seq_len, ctx._rows = layer, e - s, (plan.positions, s, e)
+            ctx.layer_idx, ctx.point, ctx.seq_len, ctx._rows = layer, h.point, e - s, (plan.positions, s, e)
             try:
                 calls += 1
                 t = time.perf_counter()
@@ -96,14 +102,11 @@ def run_hooks(
                         f"{tuple(stream.shape)} {stream.dtype} on {stream.device} (the rows it was given)"
                     )
             except Exception:
-                kind = "persistent hook" if h.persistent else "hook"
-                msg = (
-                    f"{kind} {h.index} ({'pre' if pre else 'post'}-hook at layer {layer}) failed:\n"
-                    + traceback.format_exc()
-                )
+                where = _where(h, layer)
+                msg = f"{where} failed:\n" + traceback.format_exc()
                 if r.store is None:
                     r.store = RequestResults([])
-                r.store.error = failure("hook", msg, f"{'pre' if pre else 'post'}-hook at layer {layer}")
+                r.store.error = failure("hook", msg, where.split("(", 1)[1].rstrip(")"))
                 on_error(h, msg)
                 logger.warning("inspect-lens: %s", msg)
                 break
@@ -113,8 +116,7 @@ def run_hooks(
             target = new - residual[s:e] if residual is not None else new
             hidden[s:e] = torch.where(finite, target, hidden[s:e])
             if r.store is not None:
-                kind = "persistent hook" if h.persistent else "hook"
-                where = f"{kind} {h.index} ({'pre' if pre else 'post'}-hook at layer {layer})"
+                where = _where(h, layer)
                 seen = r.store.nonfinite.get(where)
                 r.store.nonfinite[where] = ~finite if seen is None else seen | ~finite
     HOOK_TIMINGS["calls"] += calls

@@ -7,29 +7,96 @@ clashes with the worker) and are called through `collective_rpc`.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm_worker import compat
+from vllm_worker.protocol import errors
 from vllm_worker.transport import shm
 from vllm_worker.worker.runtime import LensRuntime
+
+logger = logging.getLogger("vllm_worker")
+
+
+class Unsupported:
+    """Stands in for the runtime on a model whose layout the plugin cannot read (no decoder-layer list):
+    the engine serves plain requests as if the plugin were not installed, and every request that asked
+    for a feature gets one clear failure naming the model class (HTTP 400 / `ValueError`) at its fetch."""
+
+    def __init__(self, runner: Any, reason: str) -> None:
+        self.reason = f"inspect-lens cannot act on this model: {reason}"
+        try:
+            self.model_class = compat.model_class(compat.hf_config(runner))
+        except Exception:  # noqa: BLE001 - only for the message
+            self.model_class = type(compat.runner_model(runner)).__name__
+
+    def fetch(self, wanted: list, shm_host: str | None = None, released: list | None = None) -> dict:
+        fail = errors.failure("unsupported", f"{self.model_class}: {self.reason}", "model layout")
+        return {key: {child: {"error": fail} for child in children} for key, children in wanted}
+
+    def status(self) -> dict:
+        return {
+            "unsupported": self.reason,
+            "model_class": self.model_class,
+            "layers": [],
+            "points": [],
+            "stored_requests": 0,
+            "stored_bytes": 0,
+            "steps_with_features": 0,
+            "persistent_hooks": 0,
+            "persistent_results": 0,
+            "prefetched": [],
+            "result_regions": 0,
+            "result_pool": None,
+        }
+
+    def drop(self, keys: list) -> int:
+        return 0
+
+    def release(self, released: list) -> int:
+        return 0
+
+    def collect_hook_results(self) -> None:
+        return None
+
+    def pop_persistent_errors(self, request_ids: list) -> dict:
+        return {}
+
+    def clear_hook_results(self) -> None:
+        return None
+
+    def clear_hooks(self) -> None:
+        return None
+
+    def clear_prefetched(self) -> None:
+        return None
+
+    def _refuse(self, *args: Any) -> Any:
+        raise ValueError(f"{self.model_class}: {self.reason}")
+
+    register_hooks = prefetch = get_parameter = _refuse
 
 
 def _on_loaded(runner: Any) -> None:
     compat.ensure_pp_buffers(runner)
     if getattr(runner, "_lens_runtime", None) is None:
-        runner._lens_runtime = LensRuntime(runner)
+        try:
+            runner._lens_runtime = LensRuntime(runner)
+        except compat.LensIncompatibleVLLM as e:  # an unknown layout still serves: plain requests run
+            logger.warning("inspect-lens: %s; plain requests are served, feature requests are refused", e)
+            runner._lens_runtime = Unsupported(runner, str(e))
 
 
 def _around_forward(runner: Any, orig: Any, *args: Any, **kwargs: Any) -> Any:
     rt = getattr(runner, "_lens_runtime", None)
-    if rt is None:  # e.g. a drafter's runner or a model loaded before the patch
+    if rt is None or isinstance(rt, Unsupported):  # e.g. a drafter's runner or a model loaded before the patch
         return orig(runner, *args, **kwargs)
     return rt.around_forward(orig, *args, **kwargs)
 
 
 def _needs_python(runner: Any) -> bool:
     rt = getattr(runner, "_lens_runtime", None)
-    return rt is not None and rt.prepare_step()
+    return rt is not None and not isinstance(rt, Unsupported) and rt.prepare_step()
 
 
 compat.check_version()
@@ -41,7 +108,7 @@ if compat.graph_taps_unsupported() is None:  # else the frontend forced eager mo
 class LensWorkerExtension:
     """RPC surface of the plugin inside each worker."""
 
-    def _lens_rt(self) -> LensRuntime:
+    def _lens_rt(self) -> Any:
         rt = getattr(getattr(self, "model_runner", None), "_lens_runtime", None)
         if rt is None:
             raise RuntimeError("inspect-lens is not installed on this worker's model runner")
@@ -67,7 +134,7 @@ class LensWorkerExtension:
         return self._lens_rt().status()
 
     def lens_register_hooks(self, hooks: list) -> int:
-        return self._lens_rt().register_hooks([(bytes(f), list(l), bool(p)) for f, l, p in hooks])
+        return self._lens_rt().register_hooks([(bytes(f), list(l), str(p)) for f, l, p in hooks])
 
     def lens_collect_hook_results(self) -> bytes | None:
         return self._lens_rt().collect_hook_results()

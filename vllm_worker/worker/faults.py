@@ -2,14 +2,17 @@
 that such a failure fails the requests involved (with a clear error) and never the engine.
 
 Inactive unless a test sets `STAGE` (in-process engines) or the process starts with
-`VLLM_LENS_INJECT_FAULT=<stage>`. Stages: admission, plan, fill, tap, file, assemble.
+`VLLM_LENS_INJECT_FAULT=<stage>`. Per-step stages: admission, plan, fill, tap (the Python path), kernel
+(the graph-safe kernel inside the tap op), file, assemble. At load: layout (the decoder layers are not
+found, as on a model whose layout the plugin cannot read).
 """
 
 from __future__ import annotations
 
 from vllm_worker import envs
 
-STAGES = ("admission", "plan", "fill", "tap", "file", "assemble")
+STAGES = ("admission", "plan", "fill", "tap", "kernel", "file", "assemble")
+AT_LOAD = ("layout",)
 STAGE: str | None = envs.get("VLLM_LENS_INJECT_FAULT")
 
 

@@ -4,7 +4,8 @@ Why: a CUDA graph replays recorded kernels and never calls Python. So the tap op
 graph, must do its work from buffers whose addresses never change and whose *contents* the per-step plan
 fills before the forward runs:
 
-- `ctl[row, col] = (slot, entry)` for every row of the batch and every layer this stage holds: `slot` is
+- `ctl[row, col] = (slot, entry)` for every row of the batch and every tap site (`taps`: a point of a
+  layer) this stage holds: `slot` is
   where the row's stream goes in the staging ring (capture), `entry` which steering entry is added to it;
   -1 = nothing. Rows beyond the step's tokens (a graph's padding) are always -1.
 - `stage`: the staging ring the captured rows are written to; after the step they are copied to pinned
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from vllm_worker import envs
+from vllm_worker.worker import faults
 
 logger = logging.getLogger("vllm_worker")
 
@@ -98,15 +100,15 @@ class GraphTaps:
 
     def __init__(
         self,
-        layer_ids: list[int],
+        sites: list[int],
         d: int,
         dtype: torch.dtype,
         device: torch.device,
         max_rows: int,
         side: "torch.cuda.Stream | None",
     ) -> None:
-        self.col = {l: i for i, l in enumerate(layer_ids)}
-        self.n_cols = len(layer_ids)
+        self.col = {s: i for i, s in enumerate(sites)}
+        self.n_cols = len(sites)
         self.d, self.dtype, self.device = d, dtype, device
         self.max_rows = max_rows
         esize = torch.empty((), dtype=dtype).element_size()
@@ -127,7 +129,9 @@ class GraphTaps:
         self.active = False  # a step planned for this path is running (the op acts outside graphs)
         self.fired = 0  # kernel calls outside graph capture during the running step
         self.launches_in_capture = 0  # kernel calls recorded into CUDA graphs
-        self.live_cols: frozenset = frozenset()  # layer columns the running step uses
+        self.live_cols: frozenset = frozenset()  # site columns the running step uses
+        self.error: str | None = None  # the kernel raised during the running step (its requests fail)
+        self.broken: str | None = None  # it raised while vLLM captured a graph: the path is off for good
         self._side = side
         self._ring_pos = 0
         self._pending: collections.deque = collections.deque()  # (start, end, event) copies in flight
@@ -141,7 +145,7 @@ class GraphTaps:
                 self._launch(z, z if has_r else None, 0)
             torch.cuda.synchronize(device)
         logger.info(
-            "inspect-lens: graph-safe taps: %d rows x %d layers, staging ring %d rows (%.0f MB), %d steering entries",
+            "inspect-lens: graph-safe taps: %d rows x %d sites, staging ring %d rows (%.0f MB), %d steering entries",
             max_rows,
             self.n_cols,
             self.stage_rows,
@@ -151,8 +155,8 @@ class GraphTaps:
 
     # ------------------------------------------------------------ inside the forward (the tap op)
 
-    def apply(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
-        col = self.col.get(layer)
+    def apply(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        col = self.col.get(site)
         if col is None:
             return
         if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -161,12 +165,23 @@ class GraphTaps:
             return
         else:
             self.fired += 1
-            if col not in self.live_cols:  # called from Python: layers nobody uses this step cost nothing
+            if col not in self.live_cols:  # called from Python: sites nobody uses this step cost nothing
                 return
+            faults.check("kernel")
         if self._kernel is not None:
             self._launch(hidden, residual, col)
         else:
             self._apply_torch(hidden, residual, col)
+
+    def fail(self, e: BaseException, site: int) -> None:
+        """The kernel raised (`taps` caught it): fail the running step's requests, or — while vLLM records
+        a graph — turn the path off for good (a graph without the kernel would silently do nothing)."""
+        msg = f"graph-safe tap at site {site} failed: {type(e).__name__}: {e}"
+        logger.error("inspect-lens: %s", msg)
+        if self.active:
+            self.error = self.error or msg
+        else:
+            self.broken = self.broken or msg
 
     def _launch(self, hidden: torch.Tensor, residual: torch.Tensor | None, col: int) -> None:
         n = hidden.shape[0]
@@ -269,6 +284,7 @@ class GraphTaps:
         self.dirty = n
         self.active = True
         self.fired = 0
+        self.error = None
         self.live_cols = live_cols
 
     def clear(self) -> None:
@@ -302,7 +318,7 @@ def request_entries(g: GraphTaps, steers: list) -> tuple[dict, list[int]] | None
     rows_b: list[torch.Tensor] = []
     layout: list[tuple[int, bool, list[int]]] = []
     zero = torch.zeros(g.d, dtype=torch.float32, device=g.device)
-    for layer in sorted({l for st in steers for l in st.layers if l in g.col}):
+    for layer in sorted({l for st in steers for l in st.layers if l in g.col}):  # `layer`: a site
         da, db, has_default = zero.clone(), zero.clone(), False
         pa: dict[int, torch.Tensor] = {}
         pb: dict[int, torch.Tensor] = {}

@@ -8,7 +8,7 @@ from typing import Any, Callable
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.envs import limit
 from vllm_worker.protocol.errors import Failure, failure
-from vllm_worker.worker.plan import HookRun
+from vllm_worker.worker.plan import HookRun, hook_at
 from vllm_worker.worker.results import RequestResults
 
 # Requests whose persistent-hook results are kept until `clear_hook_results`. Past it, new requests
@@ -18,18 +18,18 @@ MAX_PERSISTENT_RESULTS = limit("VLLM_LENS_MAX_PERSISTENT_RESULTS")
 
 class PersistentHooks:
     def __init__(self) -> None:
-        self.hooks: list[tuple[Callable, frozenset, bool]] = []
+        self.hooks: list[tuple[Callable, dict, str]] = []  # (fn, where it runs on this stage, point)
         self.results: dict[str, list[dict]] = {}  # caller request id -> one saved dict per hook
         self.errors: dict[str, Failure] = {}  # caller request id -> failure, until popped
 
     def __bool__(self) -> bool:
         return bool(self.hooks)
 
-    def register(self, hooks: list[tuple[bytes, list[int], bool]]) -> int:
+    def register(self, hooks: list[tuple[bytes, list[int], str]], local_layers: frozenset) -> int:
         import cloudpickle
 
-        for fn, layers, pre in hooks:
-            self.hooks.append((cloudpickle.loads(fn), frozenset(layers), bool(pre)))
+        for fn, layers, point in hooks:
+            self.hooks.append((cloudpickle.loads(fn), hook_at(list(layers), point, local_layers), point))
         return len(self.hooks)
 
     def attach(
@@ -48,8 +48,8 @@ class PersistentHooks:
             return
         saved: list[dict] = [{} for _ in self.hooks]
         self.results[external] = saved
-        for i, (fn, layers, pre) in enumerate(self.hooks):
-            runs.append(HookRun(fn, layers, pre, ctx(saved[i], external), i, True))
+        for i, (fn, at, point) in enumerate(self.hooks):
+            runs.append(HookRun(fn, at, point, ctx(saved[i], external), i, True))
 
     def failed(self, request_id: str, msg: str) -> None:
         self.errors[request_id] = failure("hook", msg, "persistent hook")

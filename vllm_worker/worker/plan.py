@@ -1,6 +1,7 @@
 """Per-request state (decoded once) and the per-step plan (rebuilt before every forward pass).
 
-The plan turns "which requests sit in which rows of this batch" into what each tap site needs: device
+Everything is keyed by tap site (`protocol.points`: a point of a layer), not by layer. The plan turns
+"which requests sit in which rows of this batch" into what each tap site needs: device
 row indices for capture, one batched add per layer for simple steering, and the (request, rows) lists for
 the work that stays per request (positional / norm-matched steering, Python hooks). Rows of batch entry j
 are `qsl[j]:qsl[j+1]`; built with numpy, no per-request Python work on the device.
@@ -16,13 +17,14 @@ import numpy as np
 import torch
 
 from vllm_worker.api.hooks import HookContext
+from vllm_worker.protocol.points import CODE, IN, OUT, RESID_PRE, site
 from vllm_worker.worker.graph import GraphTaps
 from vllm_worker.worker.results import CaptureLog, RequestResults, StepArena
 
 
 @dataclass
 class DeviceSteer:
-    layers: dict[int, int]  # layer -> row of vectors
+    layers: dict[int, int]  # site -> row of vectors
     vectors: torch.Tensor  # on device, model dtype
     lut: torch.Tensor | None  # position -> row in vectors[:, row] (or -1); None for 2-D
     scale: float
@@ -30,11 +32,26 @@ class DeviceSteer:
     positions: list[int] | None = None  # host copy of the positions `lut` maps (3-D vectors)
 
 
+HookAt = tuple[int, bool]  # (site, late): late = a pre-hook of the next layer, run after that site's captures
+
+
+def hook_at(layers: list[int], point: str, local_layers: frozenset) -> dict[HookAt, int]:
+    """Where a hook on `point` of `layers` runs on this stage: a pre-hook of layer i at the site leaving
+    layer i - 1 (after its captures), or — on the first layer of a stage — at the stage's input tap."""
+    out: dict[HookAt, int] = {}
+    for layer in layers:
+        if point == RESID_PRE and layer - 1 in local_layers:
+            out[(site(layer - 1, OUT), True)] = layer
+        elif layer in local_layers:
+            out[(site(layer, CODE[point] if point != RESID_PRE else IN), False)] = layer
+    return out
+
+
 @dataclass
 class HookRun:
     fn: Callable
-    layers: frozenset
-    pre: bool
+    at: dict[HookAt, int]  # where it runs -> the layer index it asked for (`ctx.layer_idx`)
+    point: str
     ctx: HookContext
     index: int
     persistent: bool
@@ -42,16 +59,16 @@ class HookRun:
 
 @dataclass(eq=False)
 class RequestState:
-    capture: list[int]  # layers captured (sorted)
-    capture_slot: dict[int, int]  # layer -> index in `capture`
+    capture: list[int]  # sites captured (sorted)
+    capture_slot: dict[int, int]  # site -> index in `capture`
     child: int
     steers: list[DeviceSteer]  # steering that needs per-request work (positions, norm_match)
     hooks: list[HookRun]
     store: RequestResults | None  # where results go (None: steering only)
-    # layer -> (1, d) sum of this request's position-independent, non-norm-matched vectors there;
-    # such layers are steered for the whole batch with one index_add_ (`StepPlan.steer_batched`)
+    # site -> (1, d) sum of this request's position-independent, non-norm-matched vectors there;
+    # such sites are steered for the whole batch with one index_add_ (`StepPlan.steer_batched`)
     simple_add: dict[int, torch.Tensor] = field(default_factory=dict)
-    # graph-safe path (`graph`): layer -> (default entry or -1, sorted positions, their entries);
+    # graph-safe path (`graph`): site -> (default entry or -1, sorted positions, their entries);
     # None when the request steers and its entries did not fit the table
     entries: "dict[int, tuple[int, np.ndarray, np.ndarray]] | None" = field(default_factory=dict)
     entry_ids: list[int] = field(default_factory=list)  # to give back when the request leaves
@@ -75,7 +92,7 @@ class GraphPlan:
 
     n: int  # rows (tokens) of the step
     cap_rows: np.ndarray  # captured rows, in filing order (layer by layer, as `StepPlan.capture`)
-    cap_cols: np.ndarray  # their layer columns
+    cap_cols: np.ndarray  # their site columns
     st_rows: np.ndarray  # rows with a position-independent steering entry ...
     st_cols: np.ndarray
     st_ents: np.ndarray  # ... and that entry
@@ -87,7 +104,7 @@ class GraphPlan:
 
     @functools.cached_property
     def live_cols(self) -> frozenset:
-        """Layer columns this step uses (calls from Python skip the others)."""
+        """Site columns this step uses (calls from Python skip the others)."""
         return (
             frozenset(self.cap_cols.tolist())
             | frozenset(self.st_cols.tolist())
@@ -140,13 +157,13 @@ class StepPlan:
     resets the per-step part."""
 
     positions: torch.Tensor | None  # device positions of the step (Python path; set by begin_step)
-    steer: dict[int, Rows]  # layer -> requests with per-request steering there
-    steer_batched: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (rows, (rows, d) adds)
-    capture: dict[int, tuple[torch.Tensor, Rows]]  # layer -> (row index on device, requests)
-    hooks: dict[tuple[int, bool], Rows]  # (layer, pre) -> requests with hooks there
+    steer: dict[int, Rows]  # site -> requests with per-request steering there
+    steer_batched: dict[int, tuple[torch.Tensor, torch.Tensor]]  # site -> (rows, (rows, d) adds)
+    capture: dict[int, tuple[torch.Tensor, Rows]]  # site -> (row index on device, requests)
+    hooks: dict[HookAt, Rows]  # (site, late) -> requests with hooks there
     captured: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     fired: int = 0  # tap calls seen during the forward (0 with work planned = taps were skipped)
-    logs: dict[int, CaptureLog] = field(default_factory=dict)  # layer -> its log (store.CaptureStore.open_plan)
+    logs: dict[int, CaptureLog] = field(default_factory=dict)  # site -> its log (store.CaptureStore.open_plan)
     arena: StepArena | None = None  # host rows of this plan's steps
     graph: "GraphPlan | None" = None  # set: this composition runs on the graph-safe path
     requests: list = field(default_factory=list)  # the RequestStates it serves (failed together)
@@ -180,12 +197,12 @@ def make_plan(
     graph: GraphTaps | None = None,
     n_rows: int = 0,
 ) -> StepPlan:
-    """`local`: the layers this pipeline stage holds (captures of other stages' layers are theirs).
+    """`local`: the sites this pipeline stage holds (captures of other stages' layers are theirs).
     `graph`: when every request fits the graph-safe path, the plan is for it."""
     steer: dict[int, Rows] = {}
     simple: dict[int, Rows] = {}
     cap_rows: dict[int, Rows] = {}
-    hooks: dict[tuple[int, bool], Rows] = {}
+    hooks: dict[HookAt, Rows] = {}
     for item in active:
         r = item[0]
         for st in r.steers:
@@ -194,14 +211,19 @@ def make_plan(
         for layer in r.simple_add:
             simple.setdefault(layer, []).append(item)
         for h in r.hooks:
-            for layer in h.layers:
-                hooks.setdefault((layer, h.pre), []).append(item)
+            for at in h.at:
+                hooks.setdefault(at, []).append(item)
         if capturing_rank:
             for layer in r.capture:
                 if layer in local:
                     cap_rows.setdefault(layer, []).append(item)
 
-    if graph is not None and n_rows <= graph.max_rows and all(r.graph_ok for r, _, _ in active):
+    if (
+        graph is not None
+        and graph.broken is None
+        and n_rows <= graph.max_rows
+        and all(r.graph_ok for r, _, _ in active)
+    ):
         gp = graph_plan(active, cap_rows, n_rows, graph.col)
         if gp.total <= graph.stage_rows:
             capture = {layer: (None, items) for layer, items in cap_rows.items()}

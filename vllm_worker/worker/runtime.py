@@ -20,7 +20,7 @@ import torch
 
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookContext
-from vllm_worker.protocol import errors
+from vllm_worker.protocol import errors, points
 from vllm_worker.protocol.spec import PAYLOAD_KEY
 from vllm_worker.transport import shm
 from vllm_worker.worker import edits, faults, graph, taps
@@ -51,9 +51,27 @@ class LensRuntime:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.model = compat.runner_model(runner)
+        if faults.STAGE == "layout":
+            raise compat.LensIncompatibleVLLM(
+                f"fault injected at load: no decoder layers in {type(self.model).__name__}"
+            )
         layers = list(compat.iter_stage_layers(runner))
         self.layer_ids = [i for i, _ in layers]
-        self._local = frozenset(self.layer_ids)
+        self._local_layers = frozenset(self.layer_ids)
+        hf_config = compat.hf_config(runner)
+        self.model_class = compat.model_class(hf_config)
+        self.missing = compat.missing_points(hf_config)  # point -> why this model lacks it
+        layout = compat.layout_for(hf_config)
+        inner: dict = {}
+        if layout is not None:
+            try:
+                inner = {i: compat.inner_modules(m, layout) for i, m in layers}
+            except compat.LensIncompatibleVLLM as e:  # vLLM renamed a block: resid_* still work
+                logger.warning("inspect-lens: inner hook points unavailable on %s: %s", self.model_class, e)
+                self.missing = {p: f"{self.model_class}: {e}" for p in points.INNER}
+        # the sites this stage holds (installed before vLLM compiles the model: see taps)
+        self.sites = taps.install(layers, inner)
+        self._local = frozenset(self.sites)
         self.tp_rank = compat.tp_rank()
         self.capturing_rank = self.tp_rank == 0
         p = next(self.model.parameters())
@@ -70,7 +88,7 @@ class LensRuntime:
         if graph.enabled():
             try:
                 self.graph = graph.GraphTaps(
-                    self.layer_ids, self._d_model, self.dtype, self.device, compat.max_tokens(runner), self.store.side
+                    self.sites, self._d_model, self.dtype, self.device, compat.max_tokens(runner), self.store.side
                 )
             except Exception as e:  # noqa: BLE001 - the Python path still serves every request
                 logger.warning(
@@ -92,6 +110,8 @@ class LensRuntime:
             self.dtype,
             self._d_model,
             self._local,
+            self._local_layers,
+            self.missing,
             self.capturing_rank,
             self._shm_host,
             self.store,
@@ -99,13 +119,15 @@ class LensRuntime:
             self.persistent,
             self._ctx,
         )
-        taps.install(layers)
         logger.info(
-            "inspect-lens: taps on %d decoder layers (%s..%s) on TP rank %d",
+            "inspect-lens: %d taps on %d decoder layers (%s..%s) of %s on TP rank %d%s",
+            len(self.sites),
             len(layers),
             self.layer_ids[0],
             self.layer_ids[-1],
+            self.model_class,
             self.tp_rank,
+            "" if not self.missing else f"; points not available: {', '.join(self.missing)}",
         )
 
     # ---------------------------------------------------------------- per request state
@@ -278,6 +300,9 @@ class LensRuntime:
         finally:
             g.active = False
         t2 = time.perf_counter()
+        if g.error is not None:  # the kernel raised inside the forward: these requests fail, nobody else
+            self._fail(plan.requests, "running the graph-safe taps", RuntimeError(g.error))
+            return out
         if g.fired == 0 and not (compat.forward_replays_full_graph() and g.launches_in_capture > 0):
             raise compat.LensIncompatibleVLLM(
                 "inspect-lens taps did not run during a forward pass that needed them (no tap kernel was "
@@ -311,24 +336,21 @@ class LensRuntime:
             self._tap(plan, hidden, residual, site)
         except Exception as e:  # noqa: BLE001 - the plan's requests fail; their batch-mates go on
             plan.broken = True
-            self._fail(plan.requests, f"tap {taps.split_site(site)}", e)
+            self._fail(plan.requests, f"tap {points.describe(site)}", e)
 
     def _tap(self, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
-        layer, point = taps.split_site(site)
-        if point == taps.OUT:
-            edits.steer(layer, plan, hidden, residual)
-            edits.run_hooks(layer, False, plan, hidden, residual, self._hook_failed)
-            cap = plan.capture.get(layer)
-            if cap is not None:
-                idx = cap[0]
-                rows = hidden.index_select(0, idx)
-                if residual is not None:
-                    rows = rows + residual.index_select(0, idx)
-                plan.captured.append((layer, rows))
-            if layer + 1 in self._local:  # the stream leaving `layer` is the one entering `layer + 1`
-                edits.run_hooks(layer + 1, True, plan, hidden, residual, self._hook_failed)
-        elif point == taps.IN:
-            edits.run_hooks(layer, True, plan, hidden, residual, self._hook_failed)
+        """At one site: steering, hooks at the point, capture, then the next layer's pre-hooks (the stream
+        leaving layer i is the one entering layer i + 1)."""
+        edits.steer(site, plan, hidden, residual)
+        edits.run_hooks((site, False), plan, hidden, residual, self._hook_failed)
+        cap = plan.capture.get(site)
+        if cap is not None:
+            idx = cap[0]
+            rows = hidden.index_select(0, idx)
+            if residual is not None:
+                rows = rows + residual.index_select(0, idx)
+            plan.captured.append((site, rows))
+        edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
 
     def _hook_failed(self, h: HookRun, msg: str) -> None:
         if h.persistent:
@@ -342,7 +364,7 @@ class LensRuntime:
         """`shm_host`: the frontend's machine id; on the same machine, captures travel through the shared
         memory result pool. `released`: pool regions the frontend no longer uses."""
         use_shm = shm_host is not None and shm_host == shm.host_id()
-        return self.store.fetch(wanted, self.capturing_rank, self.layer_ids, _pickle_saved, use_shm, released)
+        return self.store.fetch(wanted, self.capturing_rank, self.sites, _pickle_saved, use_shm, released)
 
     def drop(self, keys: list[str]) -> int:
         return self.store.drop(keys)
@@ -353,8 +375,8 @@ class LensRuntime:
 
     # ---------------------------------------------------------------- persistent hooks (RPC)
 
-    def register_hooks(self, hooks: list[tuple[bytes, list[int], bool]]) -> int:
-        n = self.persistent.register(hooks)
+    def register_hooks(self, hooks: list[tuple[bytes, list[int], str]]) -> int:
+        n = self.persistent.register(hooks, self._local_layers)
         # plain requests cached as "nothing to do" must be re-planned
         self._reqs = {k: v for k, v in self._reqs.items() if v is not None}
         self._invalidate()
@@ -396,6 +418,8 @@ class LensRuntime:
         pool = self.store.pool_status()
         return {
             "layers": self.layer_ids,
+            "points": [p for p in points.POINTS if p not in self.missing],
+            "model_class": self.model_class,
             "tp_rank": self.tp_rank,
             "stored_requests": len(self.store),
             "stored_bytes": self.store.stored_bytes,

@@ -13,10 +13,12 @@ steps), with no Python in the step. (2) When called from Python it also calls th
 vLLM's piecewise `splitting_ops`, so it is called from Python between piecewise graphs, and steps with
 Python hooks are kept off full graphs (`compat.patch_cudagraph_dispatch`); eager mode calls it always.
 
-Sites: `site = layer * SITES_PER_LAYER + point`. Points today: IN (the stream entering a layer; placed
-only on the first layer of a stage: for the others it is the previous layer's OUT) and OUT (the stream
-leaving a layer). A further point inside a layer (attention output, MLP output, mid-layer residual) is a
-new point number placed by a new hook; the handler and the plan already key everything by site.
+Sites: `site = layer * SITES_PER_LAYER + code` (`protocol.points`): IN (the stream entering the first
+layer of a stage; for the others it is the previous layer's OUT), OUT (leaving a layer) and, where the
+family's layout is known (`compat.layouts`), ATTN / MID / MLP inside it (`attn_out`, `resid_mid`,
+`mlp_out`) — forward hooks on the attention / MLP blocks and a pre-hook on the norm between them. The
+graph kernel and the handler key everything by site. vLLM's Transformers backend runs HF layers on
+`(1, tokens, d)` tensors: the taps see `(tokens, d)` views of them (edits land in the original).
 """
 
 from __future__ import annotations
@@ -26,22 +28,16 @@ from typing import Any, Callable
 import torch
 
 from vllm_worker import compat
+from vllm_worker.protocol.points import ATTN_OUT, CODE, IN, MLP_OUT, OUT, RESID_MID, SITES_PER_LAYER, site, split_site
 
 OP = "vllm_lens::tap"
-IN, OUT = 0, 1
-SITES_PER_LAYER = 8
 
 Handler = Callable[[torch.Tensor, "torch.Tensor | None", int], None]
 _handler: Handler | None = None
 _graph: Any = None  # graph.GraphTaps of this process, if any
 
 
-def site(layer: int, point: int) -> int:
-    return layer * SITES_PER_LAYER + point
-
-
-def split_site(s: int) -> tuple[int, int]:
-    return divmod(s, SITES_PER_LAYER)
+__all__ = ["IN", "OUT", "SITES_PER_LAYER", "site", "split_site", "install", "set_handler", "set_graph"]
 
 
 def set_handler(fn: Handler | None) -> Handler | None:
@@ -60,8 +56,11 @@ def set_graph(g: Any) -> Any:
 
 def _tap_impl(hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
     g = _graph
-    if g is not None and site % SITES_PER_LAYER == OUT:
-        g.apply(hidden, residual, site // SITES_PER_LAYER)
+    if g is not None:
+        try:
+            g.apply(hidden, residual, site)
+        except Exception as e:  # noqa: BLE001 - the step's requests fail (runtime reads g.error); never the engine
+            g.fail(e, site)
     h = _handler
     if h is not None:
         h(hidden, residual, site)
@@ -80,29 +79,50 @@ _lib.impl("tap", _tap_impl, "CompositeExplicitAutograd")
 torch.library.register_fake(OP, _tap_fake, lib=_lib)
 
 
-def _out_hook(layer: int) -> Callable:
-    s = site(layer, OUT)
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """(tokens, d) view of a (1, tokens, d) tensor (vLLM's Transformers backend)."""
+    if t is not None and t.dim() == 3 and t.shape[0] == 1:
+        return t[0]
+    return t
 
+
+def _out_hook(s: int) -> Callable:
     def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         hidden, residual = compat.residual_parts(output)
-        torch.ops.vllm_lens.tap(hidden, residual, s)
+        torch.ops.vllm_lens.tap(_rows(hidden), _rows(residual), s)
 
     return hook
 
 
-def _in_hook(layer: int) -> Callable:
-    s = site(layer, IN)
+def _block_hook(s: int) -> Callable:
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        torch.ops.vllm_lens.tap(_rows(compat.module_output(output)), None, s)
 
+    return hook
+
+
+def _in_hook(s: int) -> Callable:
     def hook(module: torch.nn.Module, args: tuple) -> None:
         hidden, residual = compat.layer_inputs(args)
-        torch.ops.vllm_lens.tap(hidden, residual, s)
+        torch.ops.vllm_lens.tap(_rows(hidden), _rows(residual), s)
 
     return hook
 
 
-def install(layers: list[tuple[int, torch.nn.Module]]) -> None:
-    """Place the taps on this stage's decoder layers (before compilation: see the module docstring)."""
+def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str, torch.nn.Module]]) -> list[int]:
+    """Place the taps on this stage's decoder layers (before compilation: see the module docstring);
+    `inner`: layer -> {point: submodule} where the layout is known. Returns the sites placed."""
     first, module = layers[0]
-    module.register_forward_pre_hook(_in_hook(first))
+    module.register_forward_pre_hook(_in_hook(site(first, IN)))
+    sites = [site(first, IN)]
     for idx, module in layers:
-        module.register_forward_hook(_out_hook(idx))
+        mods = inner.get(idx, {})
+        if ATTN_OUT in mods:
+            mods[ATTN_OUT].register_forward_hook(_block_hook(site(idx, CODE[ATTN_OUT])))
+        if RESID_MID in mods:
+            mods[RESID_MID].register_forward_pre_hook(_in_hook(site(idx, CODE[RESID_MID])))
+        if MLP_OUT in mods:
+            mods[MLP_OUT].register_forward_hook(_block_hook(site(idx, CODE[MLP_OUT])))
+        module.register_forward_hook(_out_hook(site(idx, OUT)))
+        sites += [site(idx, CODE[p]) for p in (ATTN_OUT, RESID_MID, MLP_OUT) if p in mods] + [site(idx, OUT)]
+    return sorted(sites)

@@ -1,0 +1,131 @@
+"""Where the inner hook points live in each model family's decoder layer (vLLM's module names).
+
+A family is known only when it has been checked against HF transformers (tests/core/test_points.py): a
+guessed submodule would give a wrong tensor, and a wrong tensor is worse than a refusal. For a family
+not in the table, `resid_pre` / `resid_post` still work (they need only the decoder-layer list) and the
+inner points are refused up front, naming the model. Read by the frontend (which points a request may
+ask for, from the HF config) and by the workers (which submodules to tap).
+
+`attn` / `mlp`: the submodule whose *output* is what the attention / MLP block adds to the stream (after
+the post-norm of sandwich-norm families). `mid`: the submodule whose *input* is the stream between the
+two blocks (`resid_mid`; its `(hidden, residual)` pair in fused add-norm layouts); None when the layout
+has no such stream (parallel residual) — `mid_missing` then says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_worker.protocol.points import ATTN_OUT, INNER, MLP_OUT, RESID_MID
+
+
+@dataclass(frozen=True)
+class Layout:
+    family: str
+    attn: str
+    mlp: str
+    mid: str | None
+    mid_missing: str = ""
+
+
+_SEQUENTIAL = ("self_attn", "mlp", "post_attention_layernorm")
+_TABLE: dict[str, tuple[str, str, str | None]] = {
+    "llama": _SEQUENTIAL,
+    "mistral": _SEQUENTIAL,
+    "qwen2": _SEQUENTIAL,
+    "qwen3": _SEQUENTIAL,
+    "phi3": _SEQUENTIAL,
+    "qwen3_moe": _SEQUENTIAL,
+    "mixtral": ("self_attn", "block_sparse_moe", "post_attention_layernorm"),
+    # sandwich norms: the stream receives the post-norm of each block's output
+    "gemma2": ("post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
+    "gemma3": ("post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
+    "gemma3_text": ("post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
+    "gpt2": ("attn", "mlp", "ln_2"),
+    "opt": ("self_attn", "fc2", "final_layer_norm"),
+    "gpt_neox": ("attention", "mlp", "post_attention_layernorm"),
+}
+
+
+def text_config(hf_config: Any) -> Any:
+    get = getattr(hf_config, "get_text_config", None)
+    return get() if callable(get) else hf_config
+
+
+def layout_for(hf_config: Any) -> Layout | None:
+    """The layout of a served model from its HF config; None when the family is not in the table."""
+    cfg = text_config(hf_config)
+    family = str(getattr(cfg, "model_type", ""))
+    entry = _TABLE.get(family)
+    if entry is None:
+        return None
+    attn, mlp, mid = entry
+    why = ""
+    if family == "gpt_neox" and getattr(cfg, "use_parallel_residual", True):
+        mid, why = (
+            None,
+            "GPTNeoX with use_parallel_residual=True (Pythia) is a parallel-residual layout: attention and MLP read the same input",
+        )
+    if family == "opt" and not getattr(cfg, "do_layer_norm_before", True):
+        mid, why = None, "post-LayerNorm OPT normalises the stream between attention and MLP"
+    return Layout(family, attn, mlp, mid, why + (", so there is no resid_mid" if why else ""))
+
+
+def model_class(hf_config: Any) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    return archs[0] if archs else type(hf_config).__name__
+
+
+def missing_points(hf_config: Any) -> dict[str, str]:
+    """Points the served model lacks -> why (checked by the frontend before a request runs)."""
+    layout = layout_for(hf_config)
+    if layout is None:
+        cfg = text_config(hf_config)
+        why = (
+            f"the decoder-layer layout of {model_class(hf_config)} (model_type {getattr(cfg, 'model_type', '?')!r}) "
+            f"is not known to inspect-lens (known: {', '.join(sorted(_TABLE))}); resid_pre and resid_post work "
+            "on every model"
+        )
+        return {p: why for p in INNER}
+    return {} if layout.mid is not None else {RESID_MID: layout.mid_missing}
+
+
+def _get(layer: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    m = getattr(layer, name, None)
+    return m if isinstance(m, torch.nn.Module) else None
+
+
+def inner_modules(layer: torch.nn.Module, layout: Layout) -> dict[str, torch.nn.Module]:
+    """{point: submodule} of one decoder layer; `LensIncompatibleVLLM` if the layer lacks one (vLLM renamed
+    it: the table needs updating)."""
+    from vllm_worker.compat.version import LensIncompatibleVLLM
+
+    want = {ATTN_OUT: layout.attn, MLP_OUT: layout.mlp}
+    if layout.mid is not None:
+        want[RESID_MID] = layout.mid
+    out = {}
+    for point, name in want.items():
+        m = _get(layer, name)
+        if m is None:
+            raise LensIncompatibleVLLM(
+                f"{type(layer).__name__} has no submodule {name!r} (expected for {point} of the {layout.family} layout)"
+            )
+        out[point] = m
+    return out
+
+
+def module_output(output: Any) -> torch.Tensor:
+    """The tensor a block adds to the stream: modules return it, `(out, bias)` (vLLM's linear layers) or
+    `(out, attention weights)` (HF attention under vLLM's Transformers backend)."""
+    from vllm_worker.compat.version import LensIncompatibleVLLM
+
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        if len(output) == 2 and isinstance(output[1], torch.Tensor) and output[1].shape == output[0].shape:
+            raise LensIncompatibleVLLM("block output is a pair of same-shaped tensors (an unfused residual?)")
+        return output[0]
+    raise LensIncompatibleVLLM(f"unexpected block output {type(output).__name__}")

@@ -1,0 +1,69 @@
+"""Hook points: the names callers use (TransformerLens's vocabulary) and the tap sites they map to.
+
+A site is one tap op call inside the model, `site = layer * SITES_PER_LAYER + code`. Codes: the stream
+entering a layer (`resid_pre`; a tap only on the first layer of a stage), leaving it (`resid_post`), the
+attention block's output added to the stream (`attn_out`), the stream between attention and MLP
+(`resid_mid`; sequential layouts only) and the MLP / MoE block's output added to the stream (`mlp_out`).
+`resid_pre` of layer i > 0 *is* `resid_post` of layer i - 1 (same tensor, before layer i reads it), so
+captures and steering there use that site (`canonical_site`); hooks keep the layer index they asked for.
+Exact definitions per family: docs/hook-points.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable
+
+RESID_PRE, RESID_POST, ATTN_OUT, RESID_MID, MLP_OUT = "resid_pre", "resid_post", "attn_out", "resid_mid", "mlp_out"
+# in the order of a layer's computation (the order of `activations` keys and of docs)
+POINTS = (RESID_PRE, ATTN_OUT, RESID_MID, MLP_OUT, RESID_POST)
+# inner points: need the model's layout (which submodule is attention, which the MLP)
+INNER = (ATTN_OUT, RESID_MID, MLP_OUT)
+IN, OUT, ATTN, MID, MLP = 0, 1, 2, 3, 4
+CODE = {RESID_PRE: IN, RESID_POST: OUT, ATTN_OUT: ATTN, RESID_MID: MID, MLP_OUT: MLP}
+NAME = {c: p for p, c in CODE.items()}
+SITES_PER_LAYER = 8
+
+
+def site(layer: int, code: int) -> int:
+    return layer * SITES_PER_LAYER + code
+
+
+def split_site(s: int) -> tuple[int, int]:
+    return divmod(s, SITES_PER_LAYER)
+
+
+def site_layer(s: int) -> int:
+    return s // SITES_PER_LAYER
+
+
+def describe(s: int) -> str:
+    layer, code = split_site(s)
+    return f"{NAME.get(code, code)}[{layer}]"
+
+
+def canonical_site(point: str, layer: int) -> int:
+    """The site where `point` of `layer` is read and edited (captures, steering)."""
+    if point == RESID_PRE and layer > 0:
+        return site(layer - 1, OUT)
+    return site(layer, CODE[point])
+
+
+def closest(name: str, valid: Iterable[str]) -> str:
+    """' (did you mean X?)' for a misspelt name, else ''."""
+    got = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    return f" (did you mean {got[0]!r}?)" if got else ""
+
+
+def point_name(value: Any, field_name: str) -> str:
+    if not isinstance(value, str) or value not in CODE:
+        hint = closest(value, POINTS) if isinstance(value, str) else ""
+        raise ValueError(f"{field_name}: unknown hook point {value!r}{hint}; points: {', '.join(POINTS)}")
+    return value
+
+
+def check_available(point: str, field_name: str, missing: dict[str, str]) -> None:
+    """`missing`: point -> why the served model lacks it (`ModelShape.missing`)."""
+    why = missing.get(point)
+    if why is not None:
+        raise ValueError(f"{field_name}: point {point!r} is not available on this model: {why}")
