@@ -21,7 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPS = ROOT / "bench" / ".deps"
-ALL = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5")
+BASE = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5")
+POINTS = ("W6", "W7", "W8")  # hook points (issue #24): this project only
+ALL = BASE + POINTS
 NAMES = {
     "W0": "plain generation",
     "W1": "capture 1 middle layer",
@@ -30,6 +32,9 @@ NAMES = {
     "W4": "Python hook 1 layer",
     "W4n": "Python hook 1 layer, result kept on the GPU",
     "W5": "mixed batch (¼ capture, ¼ steer)",
+    "W6": "capture attn_out + mlp_out, middle layer",
+    "W7": "capture z (per head), middle layer",
+    "W8": "steer mlp_out, middle layer",
 }
 
 
@@ -127,6 +132,17 @@ def bench_model(
             and os.environ.get("BENCH_WARM_W2", "1") == "1"
         ):
             warm = p.ask(workload="W2", **size)  # the first all-layer batch allocates its pinned host memory
+        for w in POINTS:  # warm-up of each point workload; its first call also checks the values
+            if system.startswith("lens") and w in plan[system] and "error" not in warm:
+                r = p.ask(workload=w, **size)
+                entry.setdefault("checks", {})[w] = r.get("check") or r.get("error") or "ok (shapes, finite)"
+                print(f"[{label}] {system} {w} check: {entry['checks'][w]}", flush=True)
+                if r.get("error", "").startswith("n/a"):
+                    continue  # skipped (e.g. z refused): the timed rounds report the same n/a
+                if "error" in r:
+                    warm = r
+        if p.start.get("engine"):
+            entry["engine"] = p.start["engine"]
         if "error" in warm:
             entry["error"] = warm["error"]
         procs[system] = p
@@ -228,6 +244,12 @@ def write_results(results: list[dict], args, started: float) -> Path:
             )
         starts = ", ".join(f"{s} {e['startup_s']:.0f} s" for s, e in res["systems"].items() if e.get("startup_s"))
         lines += ["", f"Start-up (process start to engine ready): {starts}.", ""]
+        for s, e in res["systems"].items():
+            if e.get("engine"):
+                lines.append(f"- engine of {s}: {e['engine']}")
+            for w, c in e.get("checks", {}).items():
+                lines.append(f"- check {s} {w}: {c}")
+        lines.append("")
         if res.get("bulk"):
             b = res["bulk"]
             lines += [f"Bulk capture (this project): {b.get('error') or b.get('detail')}", ""]
@@ -308,7 +330,7 @@ def main() -> None:
             "vllm-eager": ("W0",),
             "vllm-compiled": ("W0",),
             "lens": ALL,
-            "vllm-lens": ALL,
+            "vllm-lens": BASE,
             "hf": ("W0", "W1", "W3"),
             "nnsight": ("W0", "W1"),
             "transformer-lens": ("W0", "W1"),
@@ -323,6 +345,9 @@ def main() -> None:
             "lens": ALL,
             "lens-eager": ("W0", "W1", "W3", "W5"),
         },
+        # hook points (issue #24): this project against plain vLLM with CUDA graphs, 8B-shaped and NeoX-shaped
+        "gpu-points": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W3", "W6", "W7", "W8")},
+        "neox": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W6", "W8")},
         "large": {
             "vllm-eager": ("W0",),
             "lens": ("W0", "W1", "W2", "W3"),

@@ -9,6 +9,11 @@ or {"error": "..."}). The first answer reports the start-up time.
 Systems: vllm-eager, vllm-compiled (plain vLLM, plugins off), lens (this project), vllm-lens (the
 original, 1.3.0), hf (transformers + forward hooks), nnsight, transformer-lens. Which plugin loads is
 decided by the parent through VLLM_PLUGINS; this file only builds requests.
+
+W6-W8 (hook points, issue #24) exist for this project only (lens, lens-eager): W6 captures attn_out +
+mlp_out of the middle layer, W7 captures z (per-head attention output before o_proj) there (skipped with
+"n/a: ..." when the plugin refuses the point), W8 steers mlp_out there (W3's vector and scale). Their
+first call (the parent's warm-up) also checks the values once and reports it as "check".
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import sys
 import time
 import traceback
 
-WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5")
+WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5", "W6", "W7", "W8")
+POINT_WORKLOADS = ("W6", "W7", "W8")  # hook points: this project only
 
 
 def mem_mb() -> tuple[float, float]:
@@ -76,6 +82,19 @@ class VLLMSystem:
         self.llm = LLM(**kw)
         cfg = self.llm.llm_engine.model_config.hf_config
         self.n_layers, self.d = cfg.num_hidden_layers, cfg.hidden_size
+        self.n_heads = cfg.num_attention_heads
+        self.d_head = getattr(cfg, "head_dim", None) or self.d // self.n_heads
+        self.z_refused: str | None = None  # why the plugin refused point "z" (W7), once probed
+        self._checked: set[str] = set()
+        try:  # what the engine really runs (CUDA graphs or not), for the results' start-up line
+            comp = self.llm.llm_engine.vllm_config.compilation_config
+            self.engine_mode = {
+                "enforce_eager": self.llm.llm_engine.model_config.enforce_eager,
+                "cudagraph_mode": str(comp.cudagraph_mode),
+                "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
+            }
+        except Exception as e:  # informative only
+            self.engine_mode = {"error": f"{type(e).__name__}: {e}"}
         import torch
 
         g = torch.Generator().manual_seed(0)
@@ -94,6 +113,8 @@ class VLLMSystem:
             return {}
         if self.kind in ("vllm-eager", "vllm-compiled"):
             raise NotImplementedError("plain vLLM has no capture/steering/hooks")
+        if workload in POINT_WORKLOADS and not self.kind.startswith("lens"):
+            raise NotImplementedError(f"{workload} (hook points) is benchmarked for this project only")
         Hook, SteeringVector = self._types()
         if workload == "W5":  # a quarter capture, a quarter steer, the rest plain
             workload = "W1" if i % 4 == 0 else "W3" if i % 4 == 1 else "W0"
@@ -109,7 +130,91 @@ class VLLMSystem:
             return {"apply_hooks": [Hook(fn=_norm_hook, layer_indices=[mid])]}
         if workload == "W4n":
             return {"apply_hooks": [Hook(fn=_norm_hook_on_device, layer_indices=[mid])]}
+        if workload == "W6":
+            return {"output_activations": {"attn_out": [mid], "mlp_out": [mid]}}
+        if workload == "W7":
+            return {"output_activations": {"z": [mid]}}
+        if workload == "W8":
+            return {
+                "apply_steering_vectors": [
+                    SteeringVector(activations=self.vec, layer_indices=[mid], scale=1.0, point="mlp_out")
+                ]
+            }
         raise ValueError(workload)
+
+    def _one(self, prompt: list[int], extra: dict, new: int = 1):
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, extra_args=extra or None)
+        return self.llm.generate([{"prompt_token_ids": prompt}], [sp], use_tqdm=False)[0]
+
+    def _probe_z(self, prompt: list[int]) -> None:
+        """W7: one 1-token request asking for z; a refusal (unknown / unavailable point) skips W7."""
+        if self.z_refused is not None or "z-probe" in self._checked:
+            return
+        try:
+            self._one(prompt, {"output_activations": {"z": [self.n_layers // 2]}})
+        except (ValueError, TypeError, KeyError) as e:
+            self.z_refused = f"{type(e).__name__}: {str(e).splitlines()[0][:240] if str(e) else ''}"
+        self._checked.add("z-probe")
+
+    def _check_points(self, workload: str, outs, ps: list[list[int]], sps, prompt_len: int, new: int) -> str | None:
+        """Results must really be there: shapes, finite non-zero values every call; once per workload also
+        the batch's first request against the same request alone, and what the values must satisfy."""
+        import torch
+
+        n_pos = prompt_len + new - 1
+        mid = self.n_layers // 2
+        if workload in ("W6", "W7"):
+            acts = outs[0].activations
+            keys = ("attn_out", "mlp_out") if workload == "W6" else ("z",)
+            for k in keys:
+                a = acts[k]
+                want = (1, n_pos, self.d) if k != "z" else (1, n_pos, self.n_heads, self.d_head)
+                flat_ok = (
+                    k == "z" and tuple(a.shape[:2]) == (1, n_pos) and a[0, 0].numel() == self.n_heads * self.d_head
+                )
+                assert tuple(a.shape) == want or flat_ok, f"{k}: shape {tuple(a.shape)}, expected {want}"
+                assert bool(a.float().isfinite().all()) and float(a.float().abs().sum()) > 0, f"{k}: empty/non-finite"
+        if workload in self._checked:
+            return None
+        self._checked.add(workload)
+        note = None
+        if workload in ("W6", "W7"):
+            alone = self._one(ps[0], sps[0].extra_args, new=new)
+            for k in keys:
+                a, b = alone.activations[k][:, 0].float(), outs[0].activations[k][:, 0].float()
+                assert torch.allclose(a, b, rtol=0.05, atol=0.05 * float(a.abs().max())), f"{k}: capture misaligned"
+        if workload == "W6":  # resid_post = resid_pre + attn_out + mlp_out (sequential and parallel layouts)
+            pts = ("resid_pre", "attn_out", "mlp_out", "resid_post")
+            got = self._one(ps[0], {"output_activations": {p: [mid] for p in pts}}).activations
+            pre, att, mlp, post = (got[p][0, :prompt_len].float() for p in pts)
+            gap = (pre + att + mlp - post).norm()
+            err = float(gap / post.norm())
+            note = (
+                f"layer {mid}, prompt positions: |resid_pre + attn_out + mlp_out - resid_post| = {err:.2e} x "
+                f"|resid_post| = {float(gap / (att + mlp).norm()):.2e} x |attn_out + mlp_out|; "
+                f"|attn_out| = {float(att.norm() / post.norm()):.2e} x |resid_post|, "
+                f"|mlp_out| = {float(mlp.norm() / post.norm()):.2e} x |resid_post|"
+            )
+            assert err < 0.05, note
+        if workload == "W7":
+            z = outs[0].activations["z"]
+            note = f"z[{mid}] shape {tuple(z.shape)} (n_heads {self.n_heads}, d_head {self.d_head})"
+        if workload == "W8":  # steering mlp_out of layer mid moves resid_post of mid by exactly the vector
+            cap = {"output_activations": {"resid_post": [mid]}}
+            plain = self._one(ps[0], cap).activations["resid_post"][0, :prompt_len].float()
+            steer = self.extra("W8", 0, 1)
+            steered = self._one(ps[0], {**cap, **steer}).activations["resid_post"][0, :prompt_len].float()
+            vec = self.vec.float().reshape(1, -1)
+            err = float((steered - plain - vec).norm() / (vec.norm() * prompt_len**0.5))
+            note = (
+                f"layer {mid}: resid_post(steered) - resid_post(plain) vs the vector, relative error "
+                f"{err:.2e} over {prompt_len} prompt positions (|vector| {float(vec.norm()):.1f}, "
+                f"|resid_post| per position {float(plain.norm() / prompt_len**0.5):.2f})"
+            )
+            assert err < 0.05, note
+        return note
 
     def bulk(self, n: int, new: int, prompt_len: int) -> dict:
         """n capture requests (middle layer) in rounds of n/4, results dropped: does RSS stay flat?"""
@@ -138,6 +243,10 @@ class VLLMSystem:
         if workload == "BULK":
             return self.bulk(n, new, prompt_len)
         ps = prompts(n, prompt_len)
+        if workload == "W7" and self.kind.startswith("lens"):
+            self._probe_z(ps[0])  # once; untimed only on the parent's warm-up call
+            if self.z_refused:
+                raise NotImplementedError(f"point 'z' refused by this build: {self.z_refused}")
         sps = [
             SamplingParams(
                 max_tokens=new, temperature=0, ignore_eos=True, extra_args=self.extra(workload, i, n) or None
@@ -160,14 +269,18 @@ class VLLMSystem:
             acts = outs[0].activations["residual_stream"]
             assert acts.shape[1] == prompt_len + new - 1, acts.shape
             assert bool(acts.float().isfinite().all()) and float(acts.float().abs().sum()) > 0
-            if self.kind.startswith("lens") and not getattr(
-                self, "_checked", False
-            ):  # once (warm-up): the batch's captures line up with a request run alone (first position)
+            if self.kind.startswith("lens") and workload not in self._checked:
+                # once (warm-up): the batch's captures line up with a request run alone (first position)
                 alone = self.llm.generate([{"prompt_token_ids": ps[0]}], [sps[0]], use_tqdm=False)[0]
                 a, b = alone.activations["residual_stream"][:, 0].float(), acts[:, 0].float()
                 assert torch.allclose(a, b, rtol=0.05, atol=0.05 * float(a.abs().max())), "capture misaligned"
-                self._checked = True
-        return sum(len(o.outputs[0].token_ids) for o in outs)
+                self._checked.add(workload)
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        if workload in POINT_WORKLOADS:
+            note = self._check_points(workload, outs, ps, sps, prompt_len, new)
+            if note:
+                return {"out_tokens": out_tokens, "check": note}
+        return out_tokens
 
 
 def _norm_hook(ctx, h):
@@ -367,7 +480,7 @@ def main() -> None:
         traceback.print_exc(file=sys.stderr)
         send({"error": f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
         return
-    send({"startup_s": time.perf_counter() - t0})
+    send({"startup_s": time.perf_counter() - t0, "engine": getattr(system, "engine_mode", None)})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("quit"):

@@ -13,7 +13,7 @@ from support.reference import hf_model, point_activations
 from support.tiny_models import FAMILIES
 from vllm_worker import Hook, SteeringVector
 
-POINTS = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"]
+POINTS = ["resid_pre", "z", "attn_out", "resid_mid", "mlp_out", "resid_post"]
 PARALLEL = {"gpt_neox"}  # parallel residual: no resid_mid
 LAYERS = [0, 1, 3]
 PROMPTS = ["the water of time was long", "a day"]
@@ -58,7 +58,11 @@ def test_every_point_equals_hf(family):
         ref, logits = point_activations(hf_model(family), family, _ids(o))
         assert o.activations["points"] == want
         for p in want:
-            _close(o.activations[p], ref[p][LAYERS], f"{family} {p}", family)
+            got = o.activations[p]
+            if p == "z":  # (n_layers, n_pos, n_heads, d_head)
+                assert got.shape[2:] == (4, 32), got.shape
+                got = got.flatten(-2)
+            _close(got, ref[p][LAYERS], f"{family} {p}", family)
         # the stream's bookkeeping: resid_post = resid_mid + mlp_out (sequential) / resid_pre + attn + mlp
         a = o.activations
         if family not in PARALLEL:
@@ -131,7 +135,9 @@ def _zero_dim(ctx, h):
     return h
 
 
-@pytest.mark.parametrize("family,point", [("llama", "attn_out"), ("gpt_neox", "mlp_out"), ("gemma2", "resid_mid")])
+@pytest.mark.parametrize(
+    "family,point", [("llama", "attn_out"), ("gpt_neox", "mlp_out"), ("gemma2", "resid_mid"), ("qwen2", "z")]
+)
 def test_a_hook_at_an_inner_point_sees_and_replaces_that_value(family, point):
     llm = _engine(family)
     sp = SamplingParams(
@@ -233,3 +239,84 @@ def test_a_family_outside_the_table_serves_resid_points_and_refuses_inner_ones()
     )
     v = SteeringVector(_vec(2), [1], point="attn_out")
     _refused(llm, {"apply_steering_vectors": [v]}, "apply_steering_vectors[0].point", "GraniteForCausalLM")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_head_steering_and_ablation_at_z_equal_hf(family):
+    """`point="z", heads=[...]`: a d_head vector added to those heads' outputs, or (no activations) the
+    heads scaled — `scale=0` ablates them; both equal the same edit of HF's o_proj input, batch-mates plain."""
+    llm = _engine(family)
+    v = torch.randn(1, 32, generator=torch.Generator().manual_seed(3))
+    add = SteeringVector(v, [1], point="z", heads=[1, 3], scale=2.0)
+    ablate = SteeringVector(None, [2], point="z", heads=[0], scale=0.0)
+    capture = {"z": [1, 2], "resid_post": [3]}
+
+    def sp(*steers):
+        extra = {"output_activations": capture, **({"apply_steering_vectors": list(steers)} if steers else {})}
+        return SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args=extra)
+
+    outs = llm.generate([PROMPTS[0]] * 3, [sp(add), sp(ablate), sp()], use_tqdm=False)
+
+    def edit_add(where, layer, h):
+        if where == "z" and layer == 1:
+            h = h.clone().unflatten(-1, (4, 32))
+            h[:, [1, 3]] += 2.0 * v[0]
+            return h.flatten(-2)
+        return None
+
+    def edit_ablate(where, layer, h):
+        if where == "z" and layer == 2:
+            h = h.clone().unflatten(-1, (4, 32))
+            h[:, 0] = 0
+            return h.flatten(-2)
+        return None
+
+    for out, edit in zip(outs, (edit_add, edit_ablate, None)):
+        ref, _ = point_activations(hf_model(family), family, _ids(out), edit)
+        _close(out.activations["z"].flatten(-2), ref["z"][[1, 2]], f"{family} z", family)
+        _close(out.activations["resid_post"], ref["resid_post"][[3]], f"{family} downstream", family)
+    assert (outs[1].activations["z"][1, :, 0] == 0).all()
+    with pytest.raises(ValueError, match="heads: only with point='z'"):
+        SteeringVector(v, [1], point="mlp_out", heads=[1])
+    _refused(llm, {"apply_steering_vectors": [SteeringVector(v, [1], point="z", heads=[9])]}, "heads", "out of range")
+    _refused(
+        llm,
+        {"apply_steering_vectors": [SteeringVector(torch.ones(1, 128), [1], point="z", norm_match=True)]},
+        "norm_match: not defined at point 'z'",
+    )
+
+
+def _noop(ctx, h):
+    return None
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_inner_points_run_on_the_graph_safe_path_and_equal_the_python_path(family):
+    """Capture and steering at every inner point fit the graph-safe kernel (steps counted there); the same
+    batch with a no-op hook (Python path) gives the same numbers; head scaling takes the Python path."""
+    from vllm_worker.worker.runtime import STEP_TIMINGS
+
+    llm = _engine(family)
+    pts = _points(family)
+    steer = [SteeringVector(_vec(i), [i % 4], point=p, norm_match=i % 2 == 1) for i, p in enumerate(pts) if p != "z"]
+    steer.append(
+        SteeringVector(torch.randn(1, 32, generator=torch.Generator().manual_seed(1)), [2], point="z", heads=[2])
+    )
+    extra = {"output_activations": {p: [1, 2] for p in pts}, "apply_steering_vectors": steer}
+
+    def run(**more):
+        sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={**extra, **more})
+        before = STEP_TIMINGS["graph_steps"], STEP_TIMINGS["python_steps"]
+        out = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0]
+        return out, STEP_TIMINGS["graph_steps"] - before[0], STEP_TIMINGS["python_steps"] - before[1]
+
+    fast, g_fast, p_fast = run()
+    slow, g_slow, p_slow = run(apply_hooks=[Hook(_noop, [3])])
+    assert g_fast >= 4 and p_fast == 0 and g_slow == 0 and p_slow >= 4
+    for p in pts:
+        _close(fast.activations[p], slow.activations[p], f"graph vs python {p}", family)
+    ref, _ = point_activations(hf_model(family), family, _ids(fast))
+    assert (fast.activations["resid_post"] - ref["resid_post"][[1, 2]]).abs().max() > 1e-2  # steering acted
+    ablate = [SteeringVector(None, [1], point="z", heads=[0], scale=0.0)]
+    _, g_abl, p_abl = run(apply_steering_vectors=ablate)
+    assert g_abl == 0 and p_abl >= 4

@@ -173,6 +173,8 @@ HF_POINTS = {
     "gemma3": ("post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
 }
 HF_DEFAULT = ("self_attn", "mlp", "post_attention_layernorm")
+# the attention's output projection, whose input is z (the heads' outputs, concatenated)
+HF_Z = {"gpt2": "attn.c_proj", "opt": "self_attn.out_proj", "gpt_neox": "attention.dense"}
 
 PointEdit = Callable[[str, int, torch.Tensor], torch.Tensor | None]  # (point, layer, (T, d)) -> new value
 
@@ -184,9 +186,8 @@ def point_activations(
     any point (applied before the value is recorded, like steering)."""
     attn_name, mlp_name, mid_name = HF_POINTS.get(family, HF_DEFAULT)
     layers = decoder_layers(model)
-    got: dict[str, list] = {
-        p: [None] * len(layers) for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
-    }
+    names = ("resid_pre", "z", "attn_out", "resid_mid", "mlp_out", "resid_post")
+    got: dict[str, list] = {p: [None] * len(layers) for p in names}
     handles = []
 
     def edited(point: str, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -221,6 +222,10 @@ def point_activations(
 
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(in_place_pre_hook("resid_pre", i), with_kwargs=True))
+        o_proj = layer
+        for part in HF_Z.get(family, "self_attn.o_proj").split("."):
+            o_proj = getattr(o_proj, part)
+        handles.append(o_proj.register_forward_pre_hook(in_place_pre_hook("z", i), with_kwargs=True))
         handles.append(getattr(layer, attn_name).register_forward_hook(out_hook("attn_out", i)))
         if mid_name is not None:
             handles.append(

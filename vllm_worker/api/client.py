@@ -80,12 +80,13 @@ def encode_steering(vectors: Sequence[SteeringVector]) -> str:
     return json.dumps(
         [
             {
-                "activations": tensor_to_json(v.activations),
+                "activations": None if v.activations is None else tensor_to_json(v.activations),
                 "layer_indices": list(v.layer_indices),
                 "scale": v.scale,
                 "norm_match": v.norm_match,
                 "position_indices": None if v.position_indices is None else list(v.position_indices),
                 "point": v.point,
+                **({} if v.heads is None else {"heads": list(v.heads)}),
             }
             for v in vectors
         ]

@@ -76,8 +76,12 @@ class SteeringVector(BaseModel):
         the norm of the activation it is added to, per position.
     position_indices: absolute token positions for 3-D activations; must lie inside the prompt.
     point: where in each listed layer the vector is added: "resid_post" (default, the stream leaving the
-        layer), "resid_pre", "attn_out", "resid_mid" or "mlp_out" (docs/hook-points.md); `norm_match`
-        then uses the norm of the activation at that point.
+        layer), "resid_pre", "attn_out", "resid_mid", "mlp_out" or "z" (the heads' outputs before the
+        output projection; docs/hook-points.md); `norm_match` then uses the norm of the activation at
+        that point.
+    heads: with point="z", the heads the vector goes to: activations are then `(n_layers, d_head)` (or
+        `(n_layers, n_pos, d_head)`), added to each listed head. Without activations (`None`), the listed
+        heads' outputs are multiplied by `scale` instead — `scale=0.0` ablates them.
 
     Positional or keyword construction: `SteeringVector(v, [15], scale=4.0)`. Immutable (frozen); the
     plugin never modifies it and copies it when the request is submitted.
@@ -85,12 +89,13 @@ class SteeringVector(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
 
-    activations: torch.Tensor
+    activations: Optional[torch.Tensor]
     layer_indices: LayerIndices
     scale: float = 1.0
     norm_match: StrictBool = False
     position_indices: Optional[list[int]] = None
     point: Point = pts.RESID_POST
+    heads: Optional[list[int]] = None
 
     def __init__(
         self,
@@ -117,7 +122,9 @@ class SteeringVector(BaseModel):
 
     @field_validator("activations", mode="before")
     @classmethod
-    def _tensor(cls, v: Any) -> torch.Tensor:
+    def _tensor(cls, v: Any) -> torch.Tensor | None:
+        if v is None:
+            return None
         if isinstance(v, dict):  # our tensor object (model_dump / HTTP form)
             return tensor_from_json(v, "activations", max_bytes=MAX_TENSOR_BYTES)
         if not isinstance(v, torch.Tensor):
@@ -136,9 +143,22 @@ class SteeringVector(BaseModel):
     def _scale(cls, v: Any) -> float:
         return finite_number(v, "scale")
 
+    @field_validator("heads", mode="before")
+    @classmethod
+    def _heads(cls, v: Any) -> list[int] | None:
+        return None if v is None else int_list(v, "heads")
+
+    @model_validator(mode="after")
+    def _heads_need_z(self) -> "SteeringVector":
+        if self.heads is not None and self.point != pts.Z:
+            raise ValueError(f"heads: only with point='z', got point={self.point!r}")
+        if self.activations is None and self.heads is None:
+            raise ValueError("activations: required (only point='z' with heads may omit them, to scale those heads)")
+        return self
+
     @field_serializer("activations")
-    def _dump_tensor(self, v: torch.Tensor) -> dict:
-        return tensor_to_json(v)
+    def _dump_tensor(self, v: torch.Tensor | None) -> dict | None:
+        return None if v is None else tensor_to_json(v)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SteeringVector):
@@ -149,8 +169,15 @@ class SteeringVector(BaseModel):
             and self.norm_match == other.norm_match
             and self.position_indices == other.position_indices
             and self.point == other.point
-            and self.activations.shape == other.activations.shape
-            and torch.equal(self.activations.cpu(), other.activations.cpu())
+            and self.heads == other.heads
+            and (self.activations is None) == (other.activations is None)
+            and (
+                self.activations is None
+                or (
+                    self.activations.shape == other.activations.shape
+                    and torch.equal(self.activations.cpu(), other.activations.cpu())
+                )
+            )
         )
 
     __hash__ = object.__hash__

@@ -29,6 +29,7 @@ from vllm_worker.compat.errors import (  # noqa: F401
 )
 from vllm_worker.compat.layouts import (  # noqa: F401
     Layout,
+    head_shape,
     inner_modules,
     layout_for,
     missing_points,
@@ -87,6 +88,7 @@ from vllm_worker.compat.runner import (  # noqa: F401
     runner_classes,
     runner_model,
     tp_rank,
+    tp_world_size,
 )
 from vllm_worker.compat.version import (  # noqa: F401
     SUPPORTED,

@@ -7,7 +7,8 @@ inner points are refused up front, naming the model. Read by the frontend (which
 ask for, from the HF config) and by the workers (which submodules to tap).
 
 `attn` / `mlp`: the submodule whose *output* is what the attention / MLP block adds to the stream (after
-the post-norm of sandwich-norm families). `mid`: the submodule whose *input* is the stream between the
+the post-norm of sandwich-norm families). `z`: the attention's output projection (its *input* is the
+heads' concatenated outputs). `mid`: the submodule whose *input* is the stream between the
 two blocks (`resid_mid`; its `(hidden, residual)` pair in fused add-norm layouts); None when the layout
 has no such stream (parallel residual) — `mid_missing` then says why.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vllm_worker.protocol.points import ATTN_OUT, INNER, MLP_OUT, RESID_MID
+from vllm_worker.protocol.points import ATTN_OUT, INNER, MLP_OUT, RESID_MID, Z
 
 
 @dataclass(frozen=True)
@@ -28,25 +29,27 @@ class Layout:
     attn: str
     mlp: str
     mid: str | None
+    z: str
     mid_missing: str = ""
 
 
-_SEQUENTIAL = ("self_attn", "mlp", "post_attention_layernorm")
-_TABLE: dict[str, tuple[str, str, str | None]] = {
+_SEQUENTIAL = ("self_attn", "mlp", "post_attention_layernorm", "self_attn.o_proj")
+_SANDWICH = ("post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "self_attn.o_proj")
+_TABLE: dict[str, tuple[str, str, str | None, str]] = {
     "llama": _SEQUENTIAL,
     "mistral": _SEQUENTIAL,
     "qwen2": _SEQUENTIAL,
     "qwen3": _SEQUENTIAL,
     "phi3": _SEQUENTIAL,
     "qwen3_moe": _SEQUENTIAL,
-    "mixtral": ("self_attn", "block_sparse_moe", "post_attention_layernorm"),
+    "mixtral": ("self_attn", "block_sparse_moe", "post_attention_layernorm", "self_attn.o_proj"),
     # sandwich norms: the stream receives the post-norm of each block's output
-    "gemma2": ("post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
-    "gemma3": ("post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
-    "gemma3_text": ("post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"),
-    "gpt2": ("attn", "mlp", "ln_2"),
-    "opt": ("self_attn", "fc2", "final_layer_norm"),
-    "gpt_neox": ("attention", "mlp", "post_attention_layernorm"),
+    "gemma2": _SANDWICH,
+    "gemma3": _SANDWICH,
+    "gemma3_text": _SANDWICH,
+    "gpt2": ("attn", "mlp", "ln_2", "attn.c_proj"),
+    "opt": ("self_attn", "fc2", "final_layer_norm", "self_attn.out_proj"),
+    "gpt_neox": ("attention", "mlp", "post_attention_layernorm", "attention.dense"),
 }
 
 
@@ -62,7 +65,7 @@ def layout_for(hf_config: Any) -> Layout | None:
     entry = _TABLE.get(family)
     if entry is None:
         return None
-    attn, mlp, mid = entry
+    attn, mlp, mid, z = entry
     why = ""
     if family == "gpt_neox" and getattr(cfg, "use_parallel_residual", True):
         mid, why = (
@@ -71,7 +74,15 @@ def layout_for(hf_config: Any) -> Layout | None:
         )
     if family == "opt" and not getattr(cfg, "do_layer_norm_before", True):
         mid, why = None, "post-LayerNorm OPT normalises the stream between attention and MLP"
-    return Layout(family, attn, mlp, mid, why + (", so there is no resid_mid" if why else ""))
+    return Layout(family, attn, mlp, mid, z, why + (", so there is no resid_mid" if why else ""))
+
+
+def head_shape(hf_config: Any) -> tuple[int, int]:
+    """(n_heads, d_head) of the attention (query heads; GQA shares key/value heads between them)."""
+    cfg = text_config(hf_config)
+    n = int(getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_head", 0) or 0)
+    d = getattr(cfg, "head_dim", None) or (int(cfg.hidden_size) // n if n else 0)
+    return n, int(d)
 
 
 def model_class(hf_config: Any) -> str:
@@ -90,11 +101,18 @@ def missing_points(hf_config: Any) -> dict[str, str]:
             "on every model"
         )
         return {p: why for p in INNER}
-    return {} if layout.mid is not None else {RESID_MID: layout.mid_missing}
+    out = {} if layout.mid is not None else {RESID_MID: layout.mid_missing}
+    n, d = head_shape(hf_config)
+    width = int(getattr(text_config(hf_config), "hidden_size", 0))
+    if n * d != width:
+        out[Z] = f"its heads are {n} x {d} = {n * d} wide, not d_model {width} (z needs n_heads * d_head = d_model)"
+    return out
 
 
 def _get(layer: torch.nn.Module, name: str) -> torch.nn.Module | None:
-    m = getattr(layer, name, None)
+    m: Any = layer
+    for part in name.split("."):
+        m = getattr(m, part, None)
     return m if isinstance(m, torch.nn.Module) else None
 
 
@@ -103,7 +121,7 @@ def inner_modules(layer: torch.nn.Module, layout: Layout) -> dict[str, torch.nn.
     it: the table needs updating)."""
     from vllm_worker.compat.version import LensIncompatibleVLLM
 
-    want = {ATTN_OUT: layout.attn, MLP_OUT: layout.mlp}
+    want = {ATTN_OUT: layout.attn, MLP_OUT: layout.mlp, Z: layout.z}
     if layout.mid is not None:
         want[RESID_MID] = layout.mid
     out = {}

@@ -46,13 +46,20 @@ def set_request_cache_salt(req: Any, salt: str) -> None:
     req.cache_salt = salt if not req.cache_salt else f"{req.cache_salt}|{salt}"
 
 
-def model_shape(processor: Any) -> tuple[int, int, dict[str, str]]:
-    """(n_layers, d_model, {hook point it lacks: why}) of the served model, from the processor's model
-    config (the points: `compat.layouts`)."""
-    from vllm_worker.compat.layouts import missing_points
+def model_shape(processor: Any) -> tuple[int, int, dict[str, str], int, int]:
+    """(n_layers, d_model, {hook point it lacks: why}, n_heads, d_head) of the served model, from the
+    processor's model config (the points: `compat.layouts`)."""
+    from vllm_worker.compat.layouts import head_shape, missing_points
 
     mc = require(processor, "model_config", "InputProcessor")
-    return int(mc.get_total_num_hidden_layers()), int(mc.get_hidden_size()), missing_points(mc.hf_config)
+    n_heads, d_head = head_shape(mc.hf_config)
+    return (
+        int(mc.get_total_num_hidden_layers()),
+        int(mc.get_hidden_size()),
+        missing_points(mc.hf_config),
+        n_heads,
+        d_head,
+    )
 
 
 def model_capture_limits(processor: Any) -> tuple[int, int]:

@@ -186,6 +186,12 @@ def tp_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
+def tp_world_size() -> int:
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_world_size()
+
+
 def ensure_pp_buffers(runner: Any) -> None:
     """vLLM's CPU worker skips the warm-up run that allocates the pipeline-parallel receive buffer on
     later stages (rank 1 then dies on `assert self.intermediate_tensors is not None`). Allocate it the

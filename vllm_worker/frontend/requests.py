@@ -29,6 +29,7 @@ class Pending:
     d_model: int
     reserved: int = 0  # bytes of capture at its largest, counted against VLLM_LENS_MAX_STORED_GB
     points: dict[str, list[int]] = field(default_factory=dict)  # what was asked: {point: layers}
+    heads: tuple[int, int] = (0, 0)  # (n_heads, d_head): how `z` rows are handed back
 
 
 def mark_consumer(processor: Any, who: str) -> None:
@@ -142,7 +143,9 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
                 parameter="vllm_xargs",
             )
         reserved = _admit_capture(processor, state.pending, spec.capture, compat.request_prompt_len(req), sp, d_model)
-        state.pending[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model, reserved, spec.points)
+        state.pending[request_id] = Pending(
+            spec.key, int(sp.n), spec.capture, d_model, reserved, spec.points, (shape.n_heads, shape.d_head)
+        )
     salt = cache_salt(spec)
     if salt is not None:
         # Steered / hooked KV is stored under its own hash: no other request can ever read it.

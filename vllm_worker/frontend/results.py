@@ -14,7 +14,7 @@ from vllm_worker.api.hooks import HookError, UnsupportedError
 from vllm_worker.envs import limit
 from vllm_worker.frontend.requests import Pending, consumer_of, pending_of, result_pools, state_of
 from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
-from vllm_worker.protocol.points import RESID_POST, canonical_site
+from vllm_worker.protocol.points import RESID_POST, Z, canonical_site
 from vllm_worker.protocol.wire import dtype_from_name, tensor_from_bytes
 from vllm_worker.transport import result_pool, shm
 
@@ -146,10 +146,13 @@ def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
     return torch.stack([by_layer[l] for l in p.layers])
 
 
-def by_point(t: torch.Tensor, sites: list[int], points: dict[str, list[int]]) -> dict[str, Any]:
+def by_point(
+    t: torch.Tensor, sites: list[int], points: dict[str, list[int]], heads: tuple[int, int] = (0, 0)
+) -> dict[str, Any]:
     """`activations` of a sample: one `(n_layers, n_pos, d)` tensor per point asked for (layers in the order
-    asked), `points` = {point: layers}, and `residual_stream` / `layers` for `resid_post` (the same tensor
-    object: the original's names). A point whose rows are consecutive in `t` is a view, never a copy."""
+    asked; `z`: `(n_layers, n_pos, n_heads, d_head)`), `points` = {point: layers}, and `residual_stream` /
+    `layers` for `resid_post` (the same tensor object: the original's names). A point whose rows are
+    consecutive in `t` is a view, never a copy."""
     row = {s: i for i, s in enumerate(sites)}
     acts: dict[str, Any] = {}
     for point, layers in points.items():
@@ -158,6 +161,8 @@ def by_point(t: torch.Tensor, sites: list[int], points: dict[str, list[int]]) ->
             acts[point] = t[idx[0] : idx[0] + len(idx)]
         else:
             acts[point] = t[idx]
+        if point == Z:
+            acts[point] = acts[point].unflatten(-1, heads)
     acts["points"] = {point: list(layers) for point, layers in points.items()}
     if RESID_POST in points:
         acts["residual_stream"], acts["layers"] = acts[RESID_POST], list(points[RESID_POST])
@@ -175,7 +180,7 @@ def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict 
     if errors:
         discard_parts(parts)
         return None, None, errors[0]
-    acts = by_point(_assemble(p, parts), p.layers, p.points) if p.layers else None
+    acts = by_point(_assemble(p, parts), p.layers, p.points, p.heads) if p.layers else None
     hook_parts = [part["hooks"] for part in parts if "hooks" in part]
     hooks = merge_stage_results([_unpickle(h) for h in hook_parts]) if hook_parts else None
     return acts, hooks, None

@@ -15,7 +15,7 @@ import torch
 from vllm_worker.api.hooks import Hook
 from vllm_worker.api.steering import SteeringVector
 from vllm_worker.protocol import points as pts
-from vllm_worker.protocol.checks import finite_number
+from vllm_worker.protocol.checks import finite_number, int_list
 from vllm_worker.protocol.spec import (
     ACTIVATIONS_KEY,
     CAPTURE_KEY,
@@ -45,29 +45,41 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
         if unknown:
             name = sorted(unknown)[0]
             raise ValueError(f"{f}: unknown fields {sorted(unknown)}{pts.closest(name, STEER_FIELDS)}")
-        if "activations" not in item or "layer_indices" not in item:
+        if "layer_indices" not in item or ("activations" not in item and "heads" not in item):
             raise ValueError(f"{f}: needs 'activations' and 'layer_indices'")
         # checked field by field below, with messages naming the request's field (not as a model)
         item = SimpleNamespace(
-            activations=item["activations"],
+            activations=item.get("activations"),
             layer_indices=item["layer_indices"],
             scale=item.get("scale", 1.0),
             norm_match=item.get("norm_match", False),
             position_indices=item.get("position_indices"),
             point=item.get("point", pts.RESID_POST),
+            heads=item.get("heads"),
         )
     elif not isinstance(item, SteeringVector):
         raise ValueError(f"{f}: expected a SteeringVector, got {type(item).__name__}")
+    point = pts.point_name(item.point, f"{f}.point")
+    pts.check_available(point, f"{f}.point", shape.missing)
+    heads = _heads(item.heads, point, f, shape)
     acts = item.activations
+    if acts is None and heads is not None:
+        return _head_scaling(item, heads, f, shape)
     if isinstance(acts, Mapping):
         acts = tensor_from_json(acts, f"{f}.activations", max_bytes=MAX_PAYLOAD_BYTES)
     if not isinstance(acts, torch.Tensor):
         raise ValueError(f"{f}.activations: expected a torch.Tensor, got {type(acts).__name__}")
     if not acts.is_floating_point():
         raise ValueError(f"{f}.activations: expected a floating-point tensor, got {acts.dtype}")
-    point = pts.point_name(item.point, f"{f}.point")
-    pts.check_available(point, f"{f}.point", shape.missing)
     layers = layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
+    if heads is not None:  # one d_head vector for each listed head: the z row is zero elsewhere
+        if acts.shape[-1] != shape.d_head:
+            raise ValueError(f"{f}.activations: last dimension {acts.shape[-1]} != d_head {shape.d_head} (with heads)")
+        full = acts.new_zeros(*acts.shape[:-1], shape.n_heads, shape.d_head)
+        full[..., heads, :] = acts.unsqueeze(-2)
+        acts = full.flatten(-2)
+    if point == pts.Z and item.norm_match:
+        raise ValueError(f"{f}.norm_match: not defined at point 'z' (per-head values); use it at a residual point")
     if acts.ndim not in (2, 3):
         raise ValueError(
             f"{f}.activations: expected 2-D (n_layers, d_model) or 3-D (n_layers, n_pos, d_model), "
@@ -107,7 +119,38 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
     return Steer(sites, acts, positions, float(scale), item.norm_match)
 
 
-STEER_FIELDS = {"activations", "layer_indices", "scale", "norm_match", "position_indices", "point"}
+STEER_FIELDS = {"activations", "layer_indices", "scale", "norm_match", "position_indices", "point", "heads"}
+
+
+def _heads(value: Any, point: str, f: str, shape: ModelShape) -> list[int] | None:
+    if value is None:
+        return None
+    if point != pts.Z:
+        raise ValueError(f"{f}.heads: only with point='z' (per-head attention outputs), got point={point!r}")
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    heads = int_list(value, f"{f}.heads")
+    if not heads or len(set(heads)) != len(heads):
+        raise ValueError(f"{f}.heads: expected a non-empty list of distinct head indices, got {value!r}")
+    for h in heads:
+        if not 0 <= h < shape.n_heads:
+            raise ValueError(f"{f}.heads: head {h} is out of range for {shape.n_heads} heads (0..{shape.n_heads - 1})")
+    return heads
+
+
+def _head_scaling(item: Any, heads: list[int], f: str, shape: ModelShape) -> Steer:
+    """`SteeringVector(None, layers, point="z", heads=[...], scale=s)`: those heads' outputs times `s`
+    (0 ablates them) — a multiplication, so it has no vector, norm matching or positions."""
+    if item.norm_match or item.position_indices is not None:
+        raise ValueError(f"{f}: scaling heads (no activations) takes neither norm_match nor position_indices")
+    layers = layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
+    scale = finite_number(item.scale, f"{f}.scale")
+    mul = torch.ones(len(layers), shape.n_heads, shape.d_head)
+    mul[:, heads] = float(scale)
+    sites = [pts.canonical_site(pts.Z, l) for l in layers]
+    return Steer(sites, mul.flatten(-2), None, 1.0, False, mul=True)
+
+
 HOOK_FIELDS = {"fn", "layer_indices", "pre", "point"}
 
 

@@ -4,7 +4,8 @@ A site is one tap op call inside the model, `site = layer * SITES_PER_LAYER + co
 entering a layer (`resid_pre`; a tap only on the first layer of a stage), leaving it (`resid_post`), the
 attention block's output added to the stream (`attn_out`), the stream between attention and MLP
 (`resid_mid`; sequential layouts only) and the MLP / MoE block's output added to the stream (`mlp_out`).
-`resid_pre` of layer i > 0 *is* `resid_post` of layer i - 1 (same tensor, before layer i reads it), so
+`z` is per head: each head's attention output before the output projection (the input of `o_proj`), one
+row of `n_heads * d_head` values per token (`(n_heads, d_head)` once handed back). `resid_pre` of layer i > 0 *is* `resid_post` of layer i - 1 (same tensor, before layer i reads it), so
 captures and steering there use that site (`canonical_site`); hooks keep the layer index they asked for.
 Exact definitions per family: docs/hook-points.md.
 """
@@ -15,12 +16,13 @@ import difflib
 from typing import Any, Iterable
 
 RESID_PRE, RESID_POST, ATTN_OUT, RESID_MID, MLP_OUT = "resid_pre", "resid_post", "attn_out", "resid_mid", "mlp_out"
+Z = "z"
 # in the order of a layer's computation (the order of `activations` keys and of docs)
-POINTS = (RESID_PRE, ATTN_OUT, RESID_MID, MLP_OUT, RESID_POST)
+POINTS = (RESID_PRE, Z, ATTN_OUT, RESID_MID, MLP_OUT, RESID_POST)
 # inner points: need the model's layout (which submodule is attention, which the MLP)
-INNER = (ATTN_OUT, RESID_MID, MLP_OUT)
-IN, OUT, ATTN, MID, MLP = 0, 1, 2, 3, 4
-CODE = {RESID_PRE: IN, RESID_POST: OUT, ATTN_OUT: ATTN, RESID_MID: MID, MLP_OUT: MLP}
+INNER = (Z, ATTN_OUT, RESID_MID, MLP_OUT)
+IN, OUT, ATTN, MID, MLP, ZC = 0, 1, 2, 3, 4, 5
+CODE = {RESID_PRE: IN, RESID_POST: OUT, ATTN_OUT: ATTN, RESID_MID: MID, MLP_OUT: MLP, Z: ZC}
 NAME = {c: p for p, c in CODE.items()}
 SITES_PER_LAYER = 8
 

@@ -63,6 +63,8 @@ class ModelShape:
     n_layers: int
     d_model: int
     missing: dict[str, str] = field(default_factory=dict)  # hook point the model lacks -> why
+    n_heads: int = 0
+    d_head: int = 0
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Steer:
     positions: list[int] | None
     scale: float
     norm_match: bool
+    mul: bool = False  # `vectors` multiply the stream there instead of adding to it (head scaling at z)
 
 
 @dataclass
@@ -175,6 +178,7 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
                 "positions": s.positions,
                 "scale": s.scale,
                 "norm_match": s.norm_match,
+                "mul": s.mul,
             }
             for s in spec.steers
         ],
@@ -195,6 +199,7 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
                 None if s.get("positions") is None else list(s["positions"]),
                 float(s["scale"]),
                 bool(s["norm_match"]),
+                bool(s.get("mul", False)),
             )
             for s in payload.get("steer") or []
         ],
@@ -213,6 +218,6 @@ def cache_salt(spec: RequestSpec) -> str | None:
 
     h = hashlib.sha256()
     for s in spec.steers:
-        h.update(repr((s.layers, s.positions, s.scale, s.norm_match, tuple(s.vectors.shape))).encode())
+        h.update(repr((s.layers, s.positions, s.scale, s.norm_match, s.mul, tuple(s.vectors.shape))).encode())
         h.update(s.vectors.numpy().tobytes())
     return "inspect-lens:" + h.hexdigest()

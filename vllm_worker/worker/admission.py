@@ -87,6 +87,7 @@ class Admission:
                         s.scale,
                         s.norm_match,
                         None if s.positions is None else list(s.positions),
+                        s.mul,
                     )
                 )
             # result memory the frontend let go of: free before this request's result is announced
@@ -116,7 +117,7 @@ class Admission:
         capture = [] if spec is None else spec.capture
         entries = None
         entry_ids: list[int] = []
-        if self.graph is not None and not hooks:
+        if self.graph is not None and not hooks and not any(st.mul for st in steers):  # multiplications: Python path
             got = graph.request_entries(self.graph, steers) if steers else ({}, [])
             if got is not None:
                 entries, entry_ids = got

@@ -35,6 +35,12 @@ def steer(site: int, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tenso
             row = st.layers.get(site)
             if row is None:
                 continue
+            if st.mul:  # scaling (heads at z): what was added so far first, then the product
+                if delta is not None:
+                    hidden[s:e] += delta.to(hidden.dtype)
+                    delta, stream_norm = None, None
+                hidden[s:e] *= st.vectors[row].unsqueeze(0)
+                continue
             if st.lut is None:
                 v = st.vectors[row].unsqueeze(0)  # (1, d)
                 mask = None

@@ -30,6 +30,7 @@ class DeviceSteer:
     scale: float
     norm_match: bool
     positions: list[int] | None = None  # host copy of the positions `lut` maps (3-D vectors)
+    mul: bool = False  # `vectors` multiply the activation (head scaling at z): Python path only
 
 
 HookAt = tuple[int, bool]  # (site, late): late = a pre-hook of the next layer, run after that site's captures
@@ -179,7 +180,7 @@ class StepPlan:
 def split_steers(steers: list[DeviceSteer]) -> tuple[list[DeviceSteer], dict[int, torch.Tensor]]:
     """(steers needing per-request work, {layer: summed simple add}). A layer where any vector is
     positional or norm-matched keeps all its vectors per request (their order of application matters)."""
-    complex_layers = {l for st in steers if st.lut is not None or st.norm_match for l in st.layers}
+    complex_layers = {l for st in steers if st.lut is not None or st.norm_match or st.mul for l in st.layers}
     simple: dict[int, torch.Tensor] = {}
     for st in steers:
         for layer, row in st.layers.items():

@@ -61,6 +61,8 @@ class LensRuntime:
         hf_config = compat.hf_config(runner)
         self.model_class = compat.model_class(hf_config)
         self.missing = compat.missing_points(hf_config)  # point -> why this model lacks it
+        if compat.tp_world_size() > 1:  # each rank holds a slice of the heads
+            self.missing.setdefault(points.Z, "z under tensor parallelism is not supported yet")
         layout = compat.layout_for(hf_config)
         inner: dict = {}
         if layout is not None:
@@ -69,6 +71,9 @@ class LensRuntime:
             except compat.LensIncompatibleVLLM as e:  # vLLM renamed a block: resid_* still work
                 logger.warning("inspect-lens: inner hook points unavailable on %s: %s", self.model_class, e)
                 self.missing = {p: f"{self.model_class}: {e}" for p in points.INNER}
+        for mods in inner.values():  # a point the model lacks gets no tap (its width may differ)
+            for p in [p for p in mods if p in self.missing]:
+                del mods[p]
         # the sites this stage holds (installed before vLLM compiles the model: see taps)
         self.sites = taps.install(layers, inner)
         self._local = frozenset(self.sites)

@@ -28,7 +28,18 @@ from typing import Any, Callable
 import torch
 
 from vllm_worker import compat
-from vllm_worker.protocol.points import ATTN_OUT, CODE, IN, MLP_OUT, OUT, RESID_MID, SITES_PER_LAYER, site, split_site
+from vllm_worker.protocol.points import (
+    ATTN_OUT,
+    CODE,
+    IN,
+    MLP_OUT,
+    OUT,
+    RESID_MID,
+    SITES_PER_LAYER,
+    Z,
+    site,
+    split_site,
+)
 
 OP = "vllm_lens::tap"
 
@@ -117,6 +128,8 @@ def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str
     sites = [site(first, IN)]
     for idx, module in layers:
         mods = inner.get(idx, {})
+        if Z in mods:  # the heads' outputs entering the output projection
+            mods[Z].register_forward_pre_hook(_in_hook(site(idx, CODE[Z])))
         if ATTN_OUT in mods:
             mods[ATTN_OUT].register_forward_hook(_block_hook(site(idx, CODE[ATTN_OUT])))
         if RESID_MID in mods:
@@ -124,5 +137,5 @@ def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str
         if MLP_OUT in mods:
             mods[MLP_OUT].register_forward_hook(_block_hook(site(idx, CODE[MLP_OUT])))
         module.register_forward_hook(_out_hook(site(idx, OUT)))
-        sites += [site(idx, CODE[p]) for p in (ATTN_OUT, RESID_MID, MLP_OUT) if p in mods] + [site(idx, OUT)]
+        sites += [site(idx, CODE[p]) for p in (Z, ATTN_OUT, RESID_MID, MLP_OUT) if p in mods] + [site(idx, OUT)]
     return sorted(sites)
