@@ -13,8 +13,9 @@ from support.reference import hf_model, point_activations
 from support.tiny_models import FAMILIES
 from vllm_worker import Hook, SteeringVector
 
-POINTS = ["resid_pre", "z", "attn_out", "resid_mid", "mlp_out", "resid_post"]
+POINTS = ["resid_pre", "z", "attn_out", "resid_mid", "router_logits", "mlp_out", "resid_post"]
 PARALLEL = {"gpt_neox"}  # parallel residual: no resid_mid
+MOE = {"mixtral", "qwen3_moe"}  # router_logits
 LAYERS = [0, 1, 3]
 PROMPTS = ["the water of time was long", "a day"]
 # compiled mode: one dense, one parallel-residual and one MoE family (eager runs them all)
@@ -28,7 +29,11 @@ def _engine(family: str):
 
 
 def _points(family: str) -> list[str]:
-    return [p for p in POINTS if not (p == "resid_mid" and family in PARALLEL)]
+    return [
+        p
+        for p in POINTS
+        if not (p == "resid_mid" and family in PARALLEL) and not (p == "router_logits" and family not in MOE)
+    ]
 
 
 # relative to the largest value; Gemma 2's soft-capped attention differs from HF's at ~2e-4 on vLLM's CPU
@@ -63,6 +68,9 @@ def test_every_point_equals_hf(family):
                 assert got.shape[2:] == (4, 32), got.shape
                 got = got.flatten(-2)
             _close(got, ref[p][LAYERS], f"{family} {p}", family)
+        if family in MOE:  # the experts chosen: HF's top-k, in its order (by router probability)
+            assert o.activations["router_logits"].shape[-1] == 4
+            assert torch.equal(o.activations["expert_ids"], ref["expert_ids"][LAYERS]), family
         # the stream's bookkeeping: resid_post = resid_mid + mlp_out (sequential) / resid_pre + attn + mlp
         a = o.activations
         if family not in PARALLEL:
@@ -159,7 +167,8 @@ def test_a_hook_at_an_inner_point_sees_and_replaces_that_value(family, point):
         return None
 
     ref, _ = point_activations(hf_model(family), family, _ids(out), edit)
-    _close(out.activations[point], ref[point][[2]], f"hooked {point}", family)
+    got = out.activations[point]
+    _close(got.flatten(-2) if point == "z" else got, ref[point][[2]], f"hooked {point}", family)
     _close(out.activations["resid_post"], ref["resid_post"][[3]], "downstream of the hook", family)
     where = out.hook_results["0"]["where"]
     assert {(p, l) for p, l, _ in where} == {(point, 2)} and all(s[1] == 128 for _, _, s in where)
@@ -201,6 +210,10 @@ def test_refusals_name_the_field_and_the_point():
     _refused(neox, {"output_activations": {"mlp_out": [9]}}, "output_activations.mlp_out", "out of range")
     _refused(neox, {"output_activation": {"mlp_out": [1]}}, "did you mean 'output_activations'")
     _refused(neox, {"apply_hooks": [Hook(_zero_dim, [1], point="resid_mid")]}, "apply_hooks[0].point")
+    _refused(neox, {"output_activations": {"router_logits": [1]}}, "router_logits", "not a mixture-of-experts")
+    moe = _engine("mixtral")
+    v = SteeringVector(_vec(1), [1], point="router_logits")
+    _refused(moe, {"apply_steering_vectors": [v]}, "apply_steering_vectors[0].point", "not steered")
     # batch-mates and later requests are untouched: the engine still serves
     out = neox.generate(PROMPTS[1], SamplingParams(max_tokens=2, extra_args={"output_activations": {"mlp_out": [1]}}))
     assert out[0].activations["mlp_out"].shape[0] == 1
@@ -290,7 +303,7 @@ def _noop(ctx, h):
     return None
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "mixtral"])
 def test_inner_points_run_on_the_graph_safe_path_and_equal_the_python_path(family):
     """Capture and steering at every inner point fit the graph-safe kernel (steps counted there); the same
     batch with a no-op hook (Python path) gives the same numbers; head scaling takes the Python path."""
@@ -298,7 +311,11 @@ def test_inner_points_run_on_the_graph_safe_path_and_equal_the_python_path(famil
 
     llm = _engine(family)
     pts = _points(family)
-    steer = [SteeringVector(_vec(i), [i % 4], point=p, norm_match=i % 2 == 1) for i, p in enumerate(pts) if p != "z"]
+    steer = [
+        SteeringVector(_vec(i), [i % 4], point=p, norm_match=i % 2 == 1)
+        for i, p in enumerate(pts)
+        if p not in ("z", "router_logits")
+    ]
     steer.append(
         SteeringVector(torch.randn(1, 32, generator=torch.Generator().manual_seed(1)), [2], point="z", heads=[2])
     )

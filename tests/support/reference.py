@@ -186,7 +186,7 @@ def point_activations(
     any point (applied before the value is recorded, like steering)."""
     attn_name, mlp_name, mid_name = HF_POINTS.get(family, HF_DEFAULT)
     layers = decoder_layers(model)
-    names = ("resid_pre", "z", "attn_out", "resid_mid", "mlp_out", "resid_post")
+    names = ("resid_pre", "z", "attn_out", "resid_mid", "router_logits", "expert_ids", "mlp_out", "resid_post")
     got: dict[str, list] = {p: [None] * len(layers) for p in names}
     handles = []
 
@@ -231,6 +231,14 @@ def point_activations(
             handles.append(
                 getattr(layer, mid_name).register_forward_pre_hook(in_place_pre_hook("resid_mid", i), with_kwargs=True)
             )
+        gate = getattr(getattr(layer, mlp_name), "gate", None)
+        if isinstance(gate, torch.nn.Module) and family in ("mixtral", "qwen3_moe"):  # HF's top-k router
+            handles.append(gate.register_forward_hook(out_hook("router_logits", i)))
+
+            def ids_hook(mod, args, out, i=i):
+                got["expert_ids"][i] = out[2].detach().clone()
+
+            handles.append(gate.register_forward_hook(ids_hook))
         handles.append(getattr(layer, mlp_name).register_forward_hook(out_hook("mlp_out", i)))
         handles.append(layer.register_forward_hook(out_hook("resid_post", i)))
     try:

@@ -168,6 +168,8 @@ def _activations(acts: dict) -> dict[str, Any]:
     for point in points:
         out[point] = out["residual_stream"] if point == "resid_post" else from_jsonable(acts[point])
     out["points"] = {p: list(v) for p, v in points.items()}
+    if "expert_ids" in acts:
+        out["expert_ids"] = from_jsonable(acts["expert_ids"])
     return out
 
 

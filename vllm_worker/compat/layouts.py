@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vllm_worker.protocol.points import ATTN_OUT, INNER, MLP_OUT, RESID_MID, Z
+from vllm_worker.protocol.points import ATTN_OUT, INNER, MLP_OUT, RESID_MID, ROUTER_LOGITS, Z
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,12 @@ class Layout:
     mid: str | None
     z: str
     mid_missing: str = ""
+    router: str | None = None  # MoE: the router (gate) submodule, whose output is the router logits
+
+
+# MoE families: the router module of a layer (a layer without it, e.g. a dense layer of a mixed model, has
+# no router_logits)
+_ROUTERS = {"mixtral": "block_sparse_moe.gate", "qwen3_moe": "mlp.gate"}
 
 
 _SEQUENTIAL = ("self_attn", "mlp", "post_attention_layernorm", "self_attn.o_proj")
@@ -74,7 +80,15 @@ def layout_for(hf_config: Any) -> Layout | None:
         )
     if family == "opt" and not getattr(cfg, "do_layer_norm_before", True):
         mid, why = None, "post-LayerNorm OPT normalises the stream between attention and MLP"
-    return Layout(family, attn, mlp, mid, z, why + (", so there is no resid_mid" if why else ""))
+    return Layout(family, attn, mlp, mid, z, why + (", so there is no resid_mid" if why else ""), _ROUTERS.get(family))
+
+
+def moe_shape(hf_config: Any) -> tuple[int, int]:
+    """(n_experts, experts chosen per token) of an MoE model; (0, 0) for a dense one."""
+    cfg = text_config(hf_config)
+    n = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
+    k = getattr(cfg, "num_experts_per_tok", None) or 0
+    return int(n), int(k)
 
 
 def head_shape(hf_config: Any) -> tuple[int, int]:
@@ -106,6 +120,11 @@ def missing_points(hf_config: Any) -> dict[str, str]:
     width = int(getattr(text_config(hf_config), "hidden_size", 0))
     if n * d != width:
         out[Z] = f"its heads are {n} x {d} = {n * d} wide, not d_model {width} (z needs n_heads * d_head = d_model)"
+    n_experts, _ = moe_shape(hf_config)
+    if layout.router is None:
+        out[ROUTER_LOGITS] = f"{model_class(hf_config)} is not a mixture-of-experts model known to inspect-lens"
+    elif not 0 < n_experts <= width:
+        out[ROUTER_LOGITS] = f"{n_experts} experts do not fit a row of d_model {width}"
     return out
 
 
@@ -125,6 +144,10 @@ def inner_modules(layer: torch.nn.Module, layout: Layout) -> dict[str, torch.nn.
     if layout.mid is not None:
         want[RESID_MID] = layout.mid
     out = {}
+    if layout.router is not None:
+        router = _get(layer, layout.router)
+        if router is not None:  # optional per layer (dense layers of mixed models have none)
+            out[ROUTER_LOGITS] = router
     for point, name in want.items():
         m = _get(layer, name)
         if m is None:

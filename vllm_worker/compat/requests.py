@@ -46,19 +46,18 @@ def set_request_cache_salt(req: Any, salt: str) -> None:
     req.cache_salt = salt if not req.cache_salt else f"{req.cache_salt}|{salt}"
 
 
-def model_shape(processor: Any) -> tuple[int, int, dict[str, str], int, int]:
-    """(n_layers, d_model, {hook point it lacks: why}, n_heads, d_head) of the served model, from the
-    processor's model config (the points: `compat.layouts`)."""
-    from vllm_worker.compat.layouts import head_shape, missing_points
+def model_shape(processor: Any) -> tuple[int, int, dict[str, str], int, int, int, int]:
+    """(n_layers, d_model, {hook point it lacks: why}, n_heads, d_head, n_experts, experts per token) of
+    the served model, from the processor's model config (the points: `compat.layouts`)."""
+    from vllm_worker.compat.layouts import head_shape, missing_points, moe_shape
 
     mc = require(processor, "model_config", "InputProcessor")
-    n_heads, d_head = head_shape(mc.hf_config)
     return (
         int(mc.get_total_num_hidden_layers()),
         int(mc.get_hidden_size()),
         missing_points(mc.hf_config),
-        n_heads,
-        d_head,
+        *head_shape(mc.hf_config),
+        *moe_shape(mc.hf_config),
     )
 
 

@@ -30,6 +30,7 @@ class Pending:
     reserved: int = 0  # bytes of capture at its largest, counted against VLLM_LENS_MAX_STORED_GB
     points: dict[str, list[int]] = field(default_factory=dict)  # what was asked: {point: layers}
     heads: tuple[int, int] = (0, 0)  # (n_heads, d_head): how `z` rows are handed back
+    experts: tuple[int, int] = (0, 0)  # (n_experts, top_k): how `router_logits` rows are handed back
 
 
 def mark_consumer(processor: Any, who: str) -> None:
@@ -144,7 +145,14 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
             )
         reserved = _admit_capture(processor, state.pending, spec.capture, compat.request_prompt_len(req), sp, d_model)
         state.pending[request_id] = Pending(
-            spec.key, int(sp.n), spec.capture, d_model, reserved, spec.points, (shape.n_heads, shape.d_head)
+            spec.key,
+            int(sp.n),
+            spec.capture,
+            d_model,
+            reserved,
+            spec.points,
+            (shape.n_heads, shape.d_head),
+            (shape.n_experts, shape.top_k),
         )
     salt = cache_salt(spec)
     if salt is not None:

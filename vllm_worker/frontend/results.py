@@ -14,7 +14,7 @@ from vllm_worker.api.hooks import HookError, UnsupportedError
 from vllm_worker.envs import limit
 from vllm_worker.frontend.requests import Pending, consumer_of, pending_of, result_pools, state_of
 from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
-from vllm_worker.protocol.points import RESID_POST, Z, canonical_site
+from vllm_worker.protocol.points import RESID_POST, ROUTER_LOGITS, Z, canonical_site
 from vllm_worker.protocol.wire import dtype_from_name, tensor_from_bytes
 from vllm_worker.transport import result_pool, shm
 
@@ -147,7 +147,11 @@ def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
 
 
 def by_point(
-    t: torch.Tensor, sites: list[int], points: dict[str, list[int]], heads: tuple[int, int] = (0, 0)
+    t: torch.Tensor,
+    sites: list[int],
+    points: dict[str, list[int]],
+    heads: tuple[int, int] = (0, 0),
+    experts: tuple[int, int] = (0, 0),
 ) -> dict[str, Any]:
     """`activations` of a sample: one `(n_layers, n_pos, d)` tensor per point asked for (layers in the order
     asked; `z`: `(n_layers, n_pos, n_heads, d_head)`), `points` = {point: layers}, and `residual_stream` /
@@ -163,6 +167,9 @@ def by_point(
             acts[point] = t[idx]
         if point == Z:
             acts[point] = acts[point].unflatten(-1, heads)
+        if point == ROUTER_LOGITS:  # the first n_experts values of each row; the top-k chosen beside them
+            acts[point] = acts[point][..., : experts[0]]
+            acts["expert_ids"] = acts[point].float().topk(experts[1], dim=-1).indices
     acts["points"] = {point: list(layers) for point, layers in points.items()}
     if RESID_POST in points:
         acts["residual_stream"], acts["layers"] = acts[RESID_POST], list(points[RESID_POST])
@@ -180,7 +187,7 @@ def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict 
     if errors:
         discard_parts(parts)
         return None, None, errors[0]
-    acts = by_point(_assemble(p, parts), p.layers, p.points, p.heads) if p.layers else None
+    acts = by_point(_assemble(p, parts), p.layers, p.points, p.heads, p.experts) if p.layers else None
     hook_parts = [part["hooks"] for part in parts if "hooks" in part]
     hooks = merge_stage_results([_unpickle(h) for h in hook_parts]) if hook_parts else None
     return acts, hooks, None

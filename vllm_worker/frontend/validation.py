@@ -61,6 +61,8 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
         raise ValueError(f"{f}: expected a SteeringVector, got {type(item).__name__}")
     point = pts.point_name(item.point, f"{f}.point")
     pts.check_available(point, f"{f}.point", shape.missing)
+    if point in pts.NOT_STEERABLE:
+        raise ValueError(f"{f}.point: {point!r} can be captured and hooked, not steered")
     heads = _heads(item.heads, point, f, shape)
     acts = item.activations
     if acts is None and heads is not None:

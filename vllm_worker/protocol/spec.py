@@ -65,6 +65,8 @@ class ModelShape:
     missing: dict[str, str] = field(default_factory=dict)  # hook point the model lacks -> why
     n_heads: int = 0
     d_head: int = 0
+    n_experts: int = 0  # MoE models
+    top_k: int = 0  # experts chosen per token
 
 
 @dataclass

@@ -114,6 +114,8 @@ def activations_json(acts: dict[str, Any]) -> dict[str, Any]:
             out["residual_stream"], out["layers"] = to_jsonable(acts[point], lazy=True), acts["layers"]
         else:
             out[point] = to_jsonable(acts[point], lazy=True)
+    if "expert_ids" in acts:
+        out["expert_ids"] = to_jsonable(acts["expert_ids"], lazy=True)
     return out
 
 

@@ -61,6 +61,7 @@ def _triton_kernel() -> Any:
         col,
         n_cols,
         d,
+        w,
         stride_h,
         stride_r,
         HAS_R: tl.constexpr,
@@ -72,7 +73,7 @@ def _triton_kernel() -> Any:
         ent = tl.load(ctl_ptr + c + 1)
         if (slot >= 0) | (ent >= 0):
             offs = tl.arange(0, BLOCK)
-            m = offs < d
+            m = offs < w  # the site's width: d, or fewer values (router logits) in a d-wide staging row
             hp = h_ptr + i.to(tl.int64) * stride_h + offs
             h = tl.load(hp, mask=m, other=0.0)
             if HAS_R:
@@ -199,6 +200,7 @@ class GraphTaps:
             col,
             self.n_cols,
             self.d,
+            hidden.shape[1],
             hidden.stride(0),
             r.stride(0),
             HAS_R=residual is not None,
@@ -223,7 +225,7 @@ class GraphTaps:
         rows = torch.nonzero(slot >= 0).squeeze(1)
         if rows.numel():
             v = hidden[rows] if residual is None else hidden[rows] + residual[rows]
-            self.stage[slot[rows].long()] = v.to(self.dtype)
+            self.stage[slot[rows].long(), : v.shape[1]] = v.to(self.dtype)
 
     # ------------------------------------------------------------ steering entries (per request)
 

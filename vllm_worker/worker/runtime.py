@@ -354,6 +354,8 @@ class LensRuntime:
             rows = hidden.index_select(0, idx)
             if residual is not None:
                 rows = rows + residual.index_select(0, idx)
+            if rows.shape[1] < self._d_model:  # a narrower site (router logits) travels in d-wide rows
+                rows = torch.nn.functional.pad(rows, (0, self._d_model - rows.shape[1]))
             plan.captured.append((site, rows))
         edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
 

@@ -35,6 +35,7 @@ from vllm_worker.protocol.points import (
     MLP_OUT,
     OUT,
     RESID_MID,
+    ROUTER_LOGITS,
     SITES_PER_LAYER,
     Z,
     site,
@@ -134,8 +135,11 @@ def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str
             mods[ATTN_OUT].register_forward_hook(_block_hook(site(idx, CODE[ATTN_OUT])))
         if RESID_MID in mods:
             mods[RESID_MID].register_forward_pre_hook(_in_hook(site(idx, CODE[RESID_MID])))
+        if ROUTER_LOGITS in mods:  # the gate's output: (tokens, n_experts)
+            mods[ROUTER_LOGITS].register_forward_hook(_block_hook(site(idx, CODE[ROUTER_LOGITS])))
         if MLP_OUT in mods:
             mods[MLP_OUT].register_forward_hook(_block_hook(site(idx, CODE[MLP_OUT])))
         module.register_forward_hook(_out_hook(site(idx, OUT)))
-        sites += [site(idx, CODE[p]) for p in (Z, ATTN_OUT, RESID_MID, MLP_OUT) if p in mods] + [site(idx, OUT)]
+        sites += [site(idx, CODE[p]) for p in (Z, ATTN_OUT, RESID_MID, ROUTER_LOGITS, MLP_OUT) if p in mods]
+        sites.append(site(idx, OUT))
     return sorted(sites)
