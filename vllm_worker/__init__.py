@@ -1,6 +1,7 @@
-"""inspect-lens vLLM plugin: per-request residual-stream capture, steering and hooks inside vLLM."""
+"""inspect-lens vLLM plugin: per-request capture, steering and hooks at any hook point inside vLLM."""
 
-from vllm_worker.api.hooks import Hook, HookContext, HookError
+from vllm_worker.api.hooks import Hook, HookContext, HookError, UnsupportedError
+from vllm_worker.api.patterns import attention_pattern
 from vllm_worker.api.steering import SteeringVector
 
 __all__ = [
@@ -8,6 +9,8 @@ __all__ = [
     "Hook",
     "HookContext",
     "HookError",
+    "UnsupportedError",
+    "attention_pattern",
     "LensClient",
     "SteeringVector",
     "VLLMLensClient",

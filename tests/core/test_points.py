@@ -337,3 +337,41 @@ def test_inner_points_run_on_the_graph_safe_path_and_equal_the_python_path(famil
     ablate = [SteeringVector(None, [1], point="z", heads=[0], scale=0.0)]
     _, g_abl, p_abl = run(apply_steering_vectors=ablate)
     assert g_abl == 0 and p_abl >= 4
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt_neox"])
+def test_queries_keys_and_the_pattern_helper_equal_hf_attentions(family):
+    """`q` / `k` (after the rotary embedding, GQA's key heads) rebuild, through `attention_pattern`, the
+    attention weights HF returns with `output_attentions` — for chosen heads and query positions."""
+    from vllm_worker import attention_pattern
+
+    llm = _engine(family)
+    sp = SamplingParams(
+        max_tokens=4, temperature=0, ignore_eos=True, extra_args={"output_activations": {"q": [1, 3], "k": [1, 3]}}
+    )
+    out = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0]
+    a = out.activations
+    hf = hf_model(family)
+    n_kv = getattr(hf.config, "num_key_value_heads", None) or 4
+    assert a["q"].shape[2:] == (4, 32) and a["k"].shape[2:] == (n_kv, 32), (a["q"].shape, a["k"].shape)
+    # Gemma: its own query scale and (Gemma 2) soft-capped scores, from the config
+    scalar = getattr(hf.config, "query_pre_attn_scalar", None)
+    opts = dict(
+        scale=None if scalar is None else scalar**-0.5, softcap=getattr(hf.config, "attn_logit_softcapping", None)
+    )
+    hf.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            ref = hf(torch.tensor([_ids(out)]), output_attentions=True, use_cache=False).attentions
+    finally:
+        hf.set_attn_implementation("sdpa")
+    for i, layer in enumerate([1, 3]):
+        last = len(_ids(out)) - 1
+        got = attention_pattern(a["q"][i], a["k"][i], heads=[0, 3], query_positions=[2, last], **opts)
+        want = ref[layer][0][[0, 3]][:, [2, last]]
+        assert (got - want).abs().max() < 1e-4, (family, layer, (got - want).abs().max())
+        full = attention_pattern(a["q"][i], a["k"][i], **opts)
+        assert (full - ref[layer][0]).abs().max() < 1e-4
+    _refused(llm, {"apply_steering_vectors": [SteeringVector(_vec(1), [1], point="q")]}, "not steered")
+    if family == "llama":
+        _refused(_engine("gpt_neox"), {"output_activations": {"q": [1]}}, "output_activations.q", "cannot reach")

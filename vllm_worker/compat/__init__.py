@@ -31,12 +31,14 @@ from vllm_worker.compat.layouts import (  # noqa: F401
     Layout,
     head_shape,
     inner_modules,
+    kv_heads,
     layout_for,
     missing_points,
     model_class,
     module_output,
 )
 from vllm_worker.compat.model import (  # noqa: F401
+    attention_inputs,
     decoder_layers,
     full_parameter,
     layer_inputs,

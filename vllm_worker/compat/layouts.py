@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vllm_worker.protocol.points import ATTN_OUT, INNER, MLP_OUT, RESID_MID, ROUTER_LOGITS, Z
+from vllm_worker.protocol.points import ATTN_OUT, INNER, MLP_OUT, RESID_MID, ROUTER_LOGITS, K, Q, Z
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,15 @@ class Layout:
     z: str
     mid_missing: str = ""
     router: str | None = None  # MoE: the router (gate) submodule, whose output is the router logits
+    core: str | None = None  # vLLM's attention kernel module, called as (q, k, v) after the rotary embedding
 
 
 # MoE families: the router module of a layer (a layer without it, e.g. a dense layer of a mixed model, has
 # no router_logits)
 _ROUTERS = {"mixtral": "block_sparse_moe.gate", "qwen3_moe": "mlp.gate"}
+# where q and k enter vLLM's attention; GPT-NeoX runs HF's attention (Transformers backend): not exposed
+_CORES = {f: "self_attn.attn" for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral")}
+_CORES.update({f: "self_attn.attn" for f in ("gemma2", "gemma3", "gemma3_text", "opt")}, gpt2="attn.attn")
 
 
 _SEQUENTIAL = ("self_attn", "mlp", "post_attention_layernorm", "self_attn.o_proj")
@@ -80,7 +84,22 @@ def layout_for(hf_config: Any) -> Layout | None:
         )
     if family == "opt" and not getattr(cfg, "do_layer_norm_before", True):
         mid, why = None, "post-LayerNorm OPT normalises the stream between attention and MLP"
-    return Layout(family, attn, mlp, mid, z, why + (", so there is no resid_mid" if why else ""), _ROUTERS.get(family))
+    return Layout(
+        family,
+        attn,
+        mlp,
+        mid,
+        z,
+        why + (", so there is no resid_mid" if why else ""),
+        _ROUTERS.get(family),
+        _CORES.get(family),
+    )
+
+
+def kv_heads(hf_config: Any) -> int:
+    cfg = text_config(hf_config)
+    n, _ = head_shape(hf_config)
+    return int(getattr(cfg, "num_key_value_heads", None) or n)
 
 
 def moe_shape(hf_config: Any) -> tuple[int, int]:
@@ -120,6 +139,11 @@ def missing_points(hf_config: Any) -> dict[str, str]:
     width = int(getattr(text_config(hf_config), "hidden_size", 0))
     if n * d != width:
         out[Z] = f"its heads are {n} x {d} = {n * d} wide, not d_model {width} (z needs n_heads * d_head = d_model)"
+    if layout.core is None:
+        why = f"{model_class(hf_config)} runs an attention whose queries and keys inspect-lens cannot reach"
+        out[Q] = out[K] = why
+    elif n * d > width or kv_heads(hf_config) * d > width:
+        out[Q] = out[K] = f"its queries ({n} x {d}) do not fit a row of d_model {width}"
     n_experts, _ = moe_shape(hf_config)
     if layout.router is None:
         out[ROUTER_LOGITS] = f"{model_class(hf_config)} is not a mixture-of-experts model known to inspect-lens"
@@ -148,6 +172,11 @@ def inner_modules(layer: torch.nn.Module, layout: Layout) -> dict[str, torch.nn.
         router = _get(layer, layout.router)
         if router is not None:  # optional per layer (dense layers of mixed models have none)
             out[ROUTER_LOGITS] = router
+    if layout.core is not None:
+        core = _get(layer, layout.core)
+        if core is None:
+            raise LensIncompatibleVLLM(f"{type(layer).__name__} has no attention module {layout.core!r} (q, k)")
+        out[Q] = core
     for point, name in want.items():
         m = _get(layer, name)
         if m is None:

@@ -137,3 +137,11 @@ def pp_share(local: torch.Tensor | None, name: str) -> torch.Tensor:
     else:
         buf = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]), device=pp.device)
     return pp.broadcast(buf, src=src)
+
+
+def attention_inputs(args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) of a call of vLLM's attention module, `(query, key, value, ...)`."""
+    ts = [a for a in args[:3] if isinstance(a, torch.Tensor)]
+    if len(ts) < 2:
+        raise LensIncompatibleVLLM("attention module called without (query, key, value) tensors")
+    return ts[0], ts[1]

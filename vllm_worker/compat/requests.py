@@ -46,10 +46,10 @@ def set_request_cache_salt(req: Any, salt: str) -> None:
     req.cache_salt = salt if not req.cache_salt else f"{req.cache_salt}|{salt}"
 
 
-def model_shape(processor: Any) -> tuple[int, int, dict[str, str], int, int, int, int]:
-    """(n_layers, d_model, {hook point it lacks: why}, n_heads, d_head, n_experts, experts per token) of
-    the served model, from the processor's model config (the points: `compat.layouts`)."""
-    from vllm_worker.compat.layouts import head_shape, missing_points, moe_shape
+def model_shape(processor: Any) -> tuple[int, int, dict[str, str], int, int, int, int, int]:
+    """(n_layers, d_model, {hook point it lacks: why}, n_heads, d_head, n_experts, experts per token,
+    n_kv_heads) of the served model, from the processor's model config (the points: `compat.layouts`)."""
+    from vllm_worker.compat.layouts import head_shape, kv_heads, missing_points, moe_shape
 
     mc = require(processor, "model_config", "InputProcessor")
     return (
@@ -58,6 +58,7 @@ def model_shape(processor: Any) -> tuple[int, int, dict[str, str], int, int, int
         missing_points(mc.hf_config),
         *head_shape(mc.hf_config),
         *moe_shape(mc.hf_config),
+        kv_heads(mc.hf_config),
     )
 
 

@@ -29,7 +29,7 @@ class Pending:
     d_model: int
     reserved: int = 0  # bytes of capture at its largest, counted against VLLM_LENS_MAX_STORED_GB
     points: dict[str, list[int]] = field(default_factory=dict)  # what was asked: {point: layers}
-    heads: tuple[int, int] = (0, 0)  # (n_heads, d_head): how `z` rows are handed back
+    heads: tuple[int, int, int] = (0, 0, 0)  # (n_heads, d_head, n_kv_heads): how z / q / k rows come back
     experts: tuple[int, int] = (0, 0)  # (n_experts, top_k): how `router_logits` rows are handed back
 
 
@@ -151,7 +151,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
             d_model,
             reserved,
             spec.points,
-            (shape.n_heads, shape.d_head),
+            (shape.n_heads, shape.d_head, shape.n_kv_heads),
             (shape.n_experts, shape.top_k),
         )
     salt = cache_salt(spec)

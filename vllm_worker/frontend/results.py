@@ -14,7 +14,7 @@ from vllm_worker.api.hooks import HookError, UnsupportedError
 from vllm_worker.envs import limit
 from vllm_worker.frontend.requests import Pending, consumer_of, pending_of, result_pools, state_of
 from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
-from vllm_worker.protocol.points import RESID_POST, ROUTER_LOGITS, Z, canonical_site
+from vllm_worker.protocol.points import RESID_POST, ROUTER_LOGITS, K, Q, Z, canonical_site
 from vllm_worker.protocol.wire import dtype_from_name, tensor_from_bytes
 from vllm_worker.transport import result_pool, shm
 
@@ -150,7 +150,7 @@ def by_point(
     t: torch.Tensor,
     sites: list[int],
     points: dict[str, list[int]],
-    heads: tuple[int, int] = (0, 0),
+    heads: tuple[int, int, int] = (0, 0, 0),
     experts: tuple[int, int] = (0, 0),
 ) -> dict[str, Any]:
     """`activations` of a sample: one `(n_layers, n_pos, d)` tensor per point asked for (layers in the order
@@ -165,8 +165,11 @@ def by_point(
             acts[point] = t[idx[0] : idx[0] + len(idx)]
         else:
             acts[point] = t[idx]
-        if point == Z:
-            acts[point] = acts[point].unflatten(-1, heads)
+        n_heads, d_head, n_kv = heads
+        if point in (Z, Q):
+            acts[point] = acts[point][..., : n_heads * d_head].unflatten(-1, (n_heads, d_head))
+        if point == K:
+            acts[point] = acts[point][..., : n_kv * d_head].unflatten(-1, (n_kv, d_head))
         if point == ROUTER_LOGITS:  # the first n_experts values of each row; the top-k chosen beside them
             acts[point] = acts[point][..., : experts[0]]
             acts["expert_ids"] = acts[point].float().topk(experts[1], dim=-1).indices

@@ -7,7 +7,8 @@ attention block's output added to the stream (`attn_out`), the stream between at
 `z` is per head: each head's attention output before the output projection (the input of `o_proj`), one
 row of `n_heads * d_head` values per token (`(n_heads, d_head)` once handed back). `router_logits` (MoE layers): the router's logit per expert and
 token, carried in rows of d_model (the first n_experts values) and handed back `(n_experts,)` wide, with
-`expert_ids` (the top-k experts chosen) beside them. `resid_pre` of layer i > 0 *is* `resid_post` of layer i - 1 (same tensor, before layer i reads it), so
+`expert_ids` (the top-k experts chosen) beside them. `q` / `k`: queries and keys after the rotary embedding,
+as the attention kernel receives them (`(n_heads, d_head)` / `(n_kv_heads, d_head)` per token). `resid_pre` of layer i > 0 *is* `resid_post` of layer i - 1 (same tensor, before layer i reads it), so
 captures and steering there use that site (`canonical_site`); hooks keep the layer index they asked for.
 Exact definitions per family: docs/hook-points.md.
 """
@@ -20,16 +21,27 @@ from typing import Any, Iterable
 RESID_PRE, RESID_POST, ATTN_OUT, RESID_MID, MLP_OUT = "resid_pre", "resid_post", "attn_out", "resid_mid", "mlp_out"
 Z = "z"
 ROUTER_LOGITS = "router_logits"
+Q, K = "q", "k"
 # in the order of a layer's computation (the order of `activations` keys and of docs)
-POINTS = (RESID_PRE, Z, ATTN_OUT, RESID_MID, ROUTER_LOGITS, MLP_OUT, RESID_POST)
+POINTS = (RESID_PRE, Q, K, Z, ATTN_OUT, RESID_MID, ROUTER_LOGITS, MLP_OUT, RESID_POST)
 # inner points: need the model's layout (which submodule is attention, which the MLP)
-INNER = (Z, ATTN_OUT, RESID_MID, ROUTER_LOGITS, MLP_OUT)
+INNER = (Q, K, Z, ATTN_OUT, RESID_MID, ROUTER_LOGITS, MLP_OUT)
 # read-only: captured and hooked, never steered (their width is not d_model)
-NOT_STEERABLE = (ROUTER_LOGITS,)
-IN, OUT, ATTN, MID, MLP, ZC, ROUTER = 0, 1, 2, 3, 4, 5, 6
-CODE = {RESID_PRE: IN, RESID_POST: OUT, ATTN_OUT: ATTN, RESID_MID: MID, MLP_OUT: MLP, Z: ZC, ROUTER_LOGITS: ROUTER}
+NOT_STEERABLE = (Q, K, ROUTER_LOGITS)
+IN, OUT, ATTN, MID, MLP, ZC, ROUTER, QC, KC = 0, 1, 2, 3, 4, 5, 6, 7, 8
+CODE = {
+    RESID_PRE: IN,
+    RESID_POST: OUT,
+    ATTN_OUT: ATTN,
+    RESID_MID: MID,
+    MLP_OUT: MLP,
+    Z: ZC,
+    ROUTER_LOGITS: ROUTER,
+    Q: QC,
+    K: KC,
+}
 NAME = {c: p for p, c in CODE.items()}
-SITES_PER_LAYER = 8
+SITES_PER_LAYER = 16
 
 
 def site(layer: int, code: int) -> int:

@@ -67,6 +67,7 @@ class ModelShape:
     d_head: int = 0
     n_experts: int = 0  # MoE models
     top_k: int = 0  # experts chosen per token
+    n_kv_heads: int = 0
 
 
 @dataclass

@@ -62,7 +62,8 @@ class LensRuntime:
         self.model_class = compat.model_class(hf_config)
         self.missing = compat.missing_points(hf_config)  # point -> why this model lacks it
         if compat.tp_world_size() > 1:  # each rank holds a slice of the heads
-            self.missing.setdefault(points.Z, "z under tensor parallelism is not supported yet")
+            for p in (points.Z, points.Q, points.K):
+                self.missing.setdefault(p, f"{p} under tensor parallelism is not supported yet")
         layout = compat.layout_for(hf_config)
         inner: dict = {}
         if layout is not None:

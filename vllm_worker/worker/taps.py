@@ -37,6 +37,7 @@ from vllm_worker.protocol.points import (
     RESID_MID,
     ROUTER_LOGITS,
     SITES_PER_LAYER,
+    Q,
     Z,
     site,
     split_site,
@@ -113,6 +114,17 @@ def _block_hook(s: int) -> Callable:
     return hook
 
 
+def _qk_hook(q_site: int, k_site: int) -> Callable:
+    """Pre-hook of vLLM's attention module, called as `(q, k, v)` after the rotary embedding."""
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        q, k = compat.attention_inputs(args)
+        torch.ops.vllm_lens.tap(_rows(q), None, q_site)
+        torch.ops.vllm_lens.tap(_rows(k), None, k_site)
+
+    return hook
+
+
 def _in_hook(s: int) -> Callable:
     def hook(module: torch.nn.Module, args: tuple) -> None:
         hidden, residual = compat.layer_inputs(args)
@@ -129,6 +141,8 @@ def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str
     sites = [site(first, IN)]
     for idx, module in layers:
         mods = inner.get(idx, {})
+        if Q in mods:  # queries and keys entering the attention kernel
+            mods[Q].register_forward_pre_hook(_qk_hook(site(idx, CODE[Q]), site(idx, CODE[Q] + 1)))
         if Z in mods:  # the heads' outputs entering the output projection
             mods[Z].register_forward_pre_hook(_in_hook(site(idx, CODE[Z])))
         if ATTN_OUT in mods:
@@ -140,6 +154,8 @@ def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str
         if MLP_OUT in mods:
             mods[MLP_OUT].register_forward_hook(_block_hook(site(idx, CODE[MLP_OUT])))
         module.register_forward_hook(_out_hook(site(idx, OUT)))
+        if Q in mods:
+            sites += [site(idx, CODE[Q]), site(idx, CODE[Q] + 1)]  # q and k
         sites += [site(idx, CODE[p]) for p in (Z, ATTN_OUT, RESID_MID, ROUTER_LOGITS, MLP_OUT) if p in mods]
         sites.append(site(idx, OUT))
     return sorted(sites)
