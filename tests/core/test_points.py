@@ -375,3 +375,24 @@ def test_queries_keys_and_the_pattern_helper_equal_hf_attentions(family):
     _refused(llm, {"apply_steering_vectors": [SteeringVector(_vec(1), [1], point="q")]}, "not steered")
     if family == "llama":
         _refused(_engine("gpt_neox"), {"output_activations": {"q": [1]}}, "output_activations.q", "cannot reach")
+
+
+def test_python_at_an_inner_point_keeps_the_step_off_every_cuda_graph(llama):
+    """The taps inside a layer are not splitting ops (a graph piece per point would multiply vLLM's compiled
+    pieces): a step that needs Python there must replay no graph at all; Python between layers only
+    excludes full graphs, and graph-safe work excludes nothing."""
+    from vllm_worker.worker.runtime import STEP_TIMINGS
+
+    def steps(**extra):
+        before = dict(STEP_TIMINGS)
+        sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, extra_args=extra)
+        llama.generate(PROMPTS[0], sp, use_tqdm=False)
+        return {k: STEP_TIMINGS[k] - before[k] for k in ("graphless_steps", "python_steps", "graph_steps")}
+
+    assert steps(apply_hooks=[Hook(_noop, [1], point="attn_out")]) == {
+        "graphless_steps": 3,
+        "python_steps": 3,
+        "graph_steps": 0,
+    }
+    assert steps(apply_hooks=[Hook(_noop, [1])]) == {"graphless_steps": 0, "python_steps": 3, "graph_steps": 0}
+    assert steps(output_activations={"mlp_out": [1]}) == {"graphless_steps": 0, "python_steps": 0, "graph_steps": 3}

@@ -57,12 +57,13 @@ def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[...,
     wrap(classes[0], "_model_forward", make_forward)
 
 
-def patch_cudagraph_dispatch(needs_python: Callable[[Any], bool]) -> None:
+def patch_cudagraph_dispatch(needs_python: Callable[[Any], int]) -> None:
     """`needs_python(runner)` is asked once per step, after vLLM laid out the batch and before it picks
-    the step's CUDA-graph mode; True (the step runs Python hooks, or more than the graph-safe buffers
-    hold) excludes FULL graphs from that choice: vLLM then replays piecewise graphs, between which our
-    tap op (a splitting op) is called from Python, or no graph. Other steps keep vLLM's choice, full
-    graphs included (the graph-safe kernel is recorded in them)."""
+    the step's CUDA-graph mode. 1 (the step runs Python at the taps between layers) excludes FULL graphs
+    from that choice: vLLM then replays piecewise graphs, between which our tap op (a splitting op) is
+    called from Python, or no graph. 2 (Python at a tap inside a layer, which is inside a piecewise graph)
+    excludes PIECEWISE too: no graph replays. 0 keeps vLLM's choice, full graphs included (the graph-safe
+    kernel is recorded in them)."""
     from vllm.config import CUDAGraphMode
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -73,8 +74,10 @@ def patch_cudagraph_dispatch(needs_python: Callable[[Any], bool]) -> None:
 
     def make_dispatch(orig: Callable) -> Callable:
         def dispatch(self, *args, **kwargs):
-            if getattr(self, "_lens_no_full", False):
-                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | {CUDAGraphMode.FULL}
+            level = getattr(self, "_lens_no_full", 0)
+            if level:
+                bad = {CUDAGraphMode.FULL} | ({CUDAGraphMode.PIECEWISE} if level >= 2 else set())
+                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | bad
             return orig(self, *args, **kwargs)
 
         return dispatch
@@ -82,13 +85,14 @@ def patch_cudagraph_dispatch(needs_python: Callable[[Any], bool]) -> None:
     def make_determine(orig: Callable) -> Callable:
         def determine(self, *args, **kwargs):
             d = getattr(self, "cudagraph_dispatcher", None)
-            if d is None or not needs_python(self):
+            level = 0 if d is None else needs_python(self)
+            if not level:
                 return orig(self, *args, **kwargs)
-            d._lens_no_full = True
+            d._lens_no_full = level
             try:
                 return orig(self, *args, **kwargs)
             finally:
-                d._lens_no_full = False
+                d._lens_no_full = 0
 
         return determine
 

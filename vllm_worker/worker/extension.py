@@ -94,9 +94,9 @@ def _around_forward(runner: Any, orig: Any, *args: Any, **kwargs: Any) -> Any:
     return rt.around_forward(orig, *args, **kwargs)
 
 
-def _needs_python(runner: Any) -> bool:
+def _needs_python(runner: Any) -> int:
     rt = getattr(runner, "_lens_runtime", None)
-    return rt is not None and not isinstance(rt, Unsupported) and rt.prepare_step()
+    return 0 if rt is None or isinstance(rt, Unsupported) else rt.prepare_step()
 
 
 compat.check_version()

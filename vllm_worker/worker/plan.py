@@ -169,12 +169,21 @@ class StepPlan:
     graph: "GraphPlan | None" = None  # set: this composition runs on the graph-safe path
     requests: list = field(default_factory=list)  # the RequestStates it serves (failed together)
     broken: bool = False  # our code failed during this step: the taps do nothing more
+    fired_sites: set = field(default_factory=set)  # sites whose tap ran from Python this step
 
     def begin_step(self, positions: torch.Tensor) -> None:
         self.positions = positions
         self.captured = []
         self.fired = 0
         self.broken = False
+        self.fired_sites = set()
+
+    @functools.cached_property
+    def sites(self) -> frozenset:
+        """Every site this (Python-path) plan acts at."""
+        return (
+            frozenset(self.steer) | frozenset(self.steer_batched) | frozenset(self.capture) | {s for s, _ in self.hooks}
+        )
 
 
 def split_steers(steers: list[DeviceSteer]) -> tuple[list[DeviceSteer], dict[int, torch.Tensor]]:

@@ -42,6 +42,7 @@ STEP_TIMINGS = {
     "after_s": 0.0,
     "python_steps": 0,
     "python_file_s": 0.0,
+    "graphless_steps": 0,  # steps kept off every CUDA graph (Python at a tap inside a layer)
 }
 
 
@@ -218,12 +219,18 @@ class LensRuntime:
         self._layout = (req_ids, qsl)
         return self._cached_plan
 
-    def prepare_step(self) -> bool:
-        """Asked before vLLM picks the step's CUDA-graph mode (`compat.patch_cudagraph_dispatch`):
-        True when the step needs Python in the forward (hooks, or more than the graph buffers hold), so
-        it must not replay a full graph."""
+    def prepare_step(self) -> int:
+        """Asked before vLLM picks the step's CUDA-graph mode (`compat.patch_cudagraph_dispatch`): 0 when
+        any graph may replay (no feature, or all on the graph-safe kernel); 1 when the step needs Python at
+        the taps between layers (hooks, or more than the graph buffers hold): no full graph; 2 when it needs
+        Python at a tap inside a layer (not a splitting op): no CUDA graph at all."""
         plan = self._current_plan()
-        return plan is not None and plan.graph is None
+        if plan is None or plan.graph is not None:
+            return 0
+        if any(taps.is_inner(s) for s in plan.sites):
+            STEP_TIMINGS["graphless_steps"] += 1
+            return 2
+        return 1
 
     def _invalidate(self) -> None:
         """Request states changed outside a step (hooks registered / cleared): re-plan next step."""
@@ -266,6 +273,13 @@ class LensRuntime:
             raise compat.LensIncompatibleVLLM(
                 "inspect-lens taps did not run during a forward pass that needed them (was a CUDA graph "
                 "replayed for a step with Python hooks?)"
+            )
+        missed = (plan.sites & self._local) - plan.fired_sites
+        if missed and not plan.broken:  # never a silent no-op: the requests at those sites fail, loudly
+            names = ", ".join(points.describe(s) for s in sorted(missed))
+            hit = [r for r in plan.requests if _touches(r, missed)]
+            self._fail(
+                hit, "running the step", RuntimeError(f"the taps at {names} did not run (a CUDA graph replayed?)")
             )
         self.steps_with_features += 1
         STEP_TIMINGS["python_steps"] += 1
@@ -335,6 +349,7 @@ class LensRuntime:
         if plan is None:
             return
         plan.fired += 1
+        plan.fired_sites.add(site)
         if plan.broken:
             return
         try:
@@ -441,6 +456,11 @@ class LensRuntime:
             "result_regions": (pool or {}).get("regions_in_use", 0),
             "result_pool": pool,
         }
+
+
+def _touches(r: RequestState, sites: frozenset) -> bool:
+    own = set(r.capture) | set(r.simple_add) | {s for st in r.steers for s in st.layers}
+    return bool(own & sites) or any(s in sites for h in r.hooks for s, _ in h.at)
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -43,14 +43,23 @@ from vllm_worker.protocol.points import (
     split_site,
 )
 
-OP = "vllm_lens::tap"
+OP = "vllm_lens::tap"  # at the residual stream between layers: one of vLLM's piecewise splitting ops
+# inside a layer: the same op under another name, *not* splitting (a graph piece per inner point would
+# multiply vLLM's compiled pieces and captured graphs several times over); Python runs at it only in steps
+# without CUDA graphs (`LensRuntime.prepare_step`)
+INNER_OP = "vllm_lens::tap_inner"
 
 Handler = Callable[[torch.Tensor, "torch.Tensor | None", int], None]
 _handler: Handler | None = None
 _graph: Any = None  # graph.GraphTaps of this process, if any
 
 
-__all__ = ["IN", "OUT", "SITES_PER_LAYER", "site", "split_site", "install", "set_handler", "set_graph"]
+__all__ = ["IN", "OUT", "SITES_PER_LAYER", "site", "split_site", "install", "set_handler", "set_graph", "is_inner"]
+
+
+def is_inner(s: int) -> bool:
+    """A site inside a layer (its tap is not a splitting op)."""
+    return split_site(s)[1] not in (IN, OUT)
 
 
 def set_handler(fn: Handler | None) -> Handler | None:
@@ -90,6 +99,9 @@ _lib = torch.library.Library("vllm_lens", "FRAGMENT")
 _lib.define("tap(Tensor(a!) hidden, Tensor? residual, int site) -> ()")
 _lib.impl("tap", _tap_impl, "CompositeExplicitAutograd")
 torch.library.register_fake(OP, _tap_fake, lib=_lib)
+_lib.define("tap_inner(Tensor(a!) hidden, Tensor? residual, int site) -> ()")
+_lib.impl("tap_inner", _tap_impl, "CompositeExplicitAutograd")
+torch.library.register_fake(INNER_OP, _tap_fake, lib=_lib)
 
 
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -109,7 +121,7 @@ def _out_hook(s: int) -> Callable:
 
 def _block_hook(s: int) -> Callable:
     def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-        torch.ops.vllm_lens.tap(_rows(compat.module_output(output)), None, s)
+        torch.ops.vllm_lens.tap_inner(_rows(compat.module_output(output)), None, s)
 
     return hook
 
@@ -119,16 +131,17 @@ def _qk_hook(q_site: int, k_site: int) -> Callable:
 
     def hook(module: torch.nn.Module, args: tuple) -> None:
         q, k = compat.attention_inputs(args)
-        torch.ops.vllm_lens.tap(_rows(q), None, q_site)
-        torch.ops.vllm_lens.tap(_rows(k), None, k_site)
+        torch.ops.vllm_lens.tap_inner(_rows(q), None, q_site)
+        torch.ops.vllm_lens.tap_inner(_rows(k), None, k_site)
 
     return hook
 
 
-def _in_hook(s: int) -> Callable:
+def _in_hook(s: int, inner: bool = False) -> Callable:
     def hook(module: torch.nn.Module, args: tuple) -> None:
         hidden, residual = compat.layer_inputs(args)
-        torch.ops.vllm_lens.tap(_rows(hidden), _rows(residual), s)
+        op = torch.ops.vllm_lens.tap_inner if inner else torch.ops.vllm_lens.tap
+        op(_rows(hidden), _rows(residual), s)
 
     return hook
 
@@ -144,11 +157,11 @@ def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str
         if Q in mods:  # queries and keys entering the attention kernel
             mods[Q].register_forward_pre_hook(_qk_hook(site(idx, CODE[Q]), site(idx, CODE[Q] + 1)))
         if Z in mods:  # the heads' outputs entering the output projection
-            mods[Z].register_forward_pre_hook(_in_hook(site(idx, CODE[Z])))
+            mods[Z].register_forward_pre_hook(_in_hook(site(idx, CODE[Z]), inner=True))
         if ATTN_OUT in mods:
             mods[ATTN_OUT].register_forward_hook(_block_hook(site(idx, CODE[ATTN_OUT])))
         if RESID_MID in mods:
-            mods[RESID_MID].register_forward_pre_hook(_in_hook(site(idx, CODE[RESID_MID])))
+            mods[RESID_MID].register_forward_pre_hook(_in_hook(site(idx, CODE[RESID_MID]), inner=True))
         if ROUTER_LOGITS in mods:  # the gate's output: (tokens, n_experts)
             mods[ROUTER_LOGITS].register_forward_hook(_block_hook(site(idx, CODE[ROUTER_LOGITS])))
         if MLP_OUT in mods:
