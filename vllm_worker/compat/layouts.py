@@ -29,7 +29,7 @@ class Layout:
     attn: str
     mlp: str
     mid: str | None
-    z: str
+    z: str | None  # None: the attention has no per-head output of the usual shape (MLA)
     mid_missing: str = ""
     router: str | None = None  # MoE: the router (gate) submodule, whose output is the router logits
     core: str | None = None  # vLLM's attention kernel module, called as (q, k, v) after the rotary embedding
@@ -37,7 +37,7 @@ class Layout:
 
 # MoE families: the router module of a layer (a layer without it, e.g. a dense layer of a mixed model, has
 # no router_logits)
-_ROUTERS = {"mixtral": "block_sparse_moe.gate", "qwen3_moe": "mlp.gate"}
+_ROUTERS = {"mixtral": "block_sparse_moe.gate", "qwen3_moe": "mlp.gate", "deepseek_v2": "mlp.gate"}
 # where q and k enter vLLM's attention; GPT-NeoX runs HF's attention (Transformers backend): not exposed
 _CORES = {f: "self_attn.attn" for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral")}
 _CORES.update({f: "self_attn.attn" for f in ("gemma2", "gemma3", "gemma3_text", "opt")}, gpt2="attn.attn")
@@ -45,7 +45,7 @@ _CORES.update({f: "self_attn.attn" for f in ("gemma2", "gemma3", "gemma3_text", 
 
 _SEQUENTIAL = ("self_attn", "mlp", "post_attention_layernorm", "self_attn.o_proj")
 _SANDWICH = ("post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm", "self_attn.o_proj")
-_TABLE: dict[str, tuple[str, str, str | None, str]] = {
+_TABLE: dict[str, tuple[str, str, str | None, str | None]] = {
     "llama": _SEQUENTIAL,
     "mistral": _SEQUENTIAL,
     "qwen2": _SEQUENTIAL,
@@ -60,7 +60,10 @@ _TABLE: dict[str, tuple[str, str, str | None, str]] = {
     "gpt2": ("attn", "mlp", "ln_2", "attn.c_proj"),
     "opt": ("self_attn", "fc2", "final_layer_norm", "self_attn.out_proj"),
     "gpt_neox": ("attention", "mlp", "post_attention_layernorm", "attention.dense"),
+    # multi-head latent attention: no per-head z / q / k of the usual shape (refused, never a wrong tensor)
+    "deepseek_v2": ("self_attn", "mlp", "post_attention_layernorm", None),
 }
+_MLA = {"deepseek_v2"}
 
 
 def text_config(hf_config: Any) -> Any:
@@ -103,10 +106,14 @@ def kv_heads(hf_config: Any) -> int:
 
 
 def moe_shape(hf_config: Any) -> tuple[int, int]:
-    """(n_experts, experts chosen per token) of an MoE model; (0, 0) for a dense one."""
+    """(n_experts, experts chosen per token) of an MoE model; (0, 0) for a dense one. k is 0 where the
+    router does not choose the plain top-k of its logits (grouped or biased routing): no `expert_ids`."""
     cfg = text_config(hf_config)
     n = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
+    n = n or getattr(cfg, "n_routed_experts", None) or 0
     k = getattr(cfg, "num_experts_per_tok", None) or 0
+    if getattr(cfg, "topk_method", "greedy") != "greedy":
+        k = 0
     return int(n), int(k)
 
 
@@ -137,9 +144,15 @@ def missing_points(hf_config: Any) -> dict[str, str]:
     out = {} if layout.mid is not None else {RESID_MID: layout.mid_missing}
     n, d = head_shape(hf_config)
     width = int(getattr(text_config(hf_config), "hidden_size", 0))
-    if n * d != width:
+    if layout.z is None:
+        out[Z] = f"{model_class(hf_config)} uses multi-head latent attention: no per-head output of the usual shape"
+    elif n * d != width:
         out[Z] = f"its heads are {n} x {d} = {n * d} wide, not d_model {width} (z needs n_heads * d_head = d_model)"
-    if layout.core is None:
+    if layout.family in _MLA:
+        out[Q] = out[K] = (
+            f"{model_class(hf_config)} uses multi-head latent attention: no per-head q / k of the usual shape"
+        )
+    elif layout.core is None:
         why = f"{model_class(hf_config)} runs an attention whose queries and keys inspect-lens cannot reach"
         out[Q] = out[K] = why
     elif n * d > width or kv_heads(hf_config) * d > width:
@@ -164,7 +177,9 @@ def inner_modules(layer: torch.nn.Module, layout: Layout) -> dict[str, torch.nn.
     it: the table needs updating)."""
     from vllm_worker.compat.version import LensIncompatibleVLLM
 
-    want = {ATTN_OUT: layout.attn, MLP_OUT: layout.mlp, Z: layout.z}
+    want = {ATTN_OUT: layout.attn, MLP_OUT: layout.mlp}
+    if layout.z is not None:
+        want[Z] = layout.z
     if layout.mid is not None:
         want[RESID_MID] = layout.mid
     out = {}

@@ -172,7 +172,8 @@ def by_point(
             acts[point] = acts[point][..., : n_kv * d_head].unflatten(-1, (n_kv, d_head))
         if point == ROUTER_LOGITS:  # the first n_experts values of each row; the top-k chosen beside them
             acts[point] = acts[point][..., : experts[0]]
-            acts["expert_ids"] = acts[point].float().topk(experts[1], dim=-1).indices
+            if experts[1]:  # plain top-k routers only (`compat.moe_shape`)
+                acts["expert_ids"] = acts[point].float().topk(experts[1], dim=-1).indices
     acts["points"] = {point: list(layers) for point, layers in points.items()}
     if RESID_POST in points:
         acts["residual_stream"], acts["layers"] = acts[RESID_POST], list(points[RESID_POST])

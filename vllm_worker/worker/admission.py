@@ -136,7 +136,14 @@ class Admission:
         if not lacking:
             return
         names = ", ".join(describe(s) for s in lacking)
-        why = "; ".join(dict.fromkeys(self.missing.get(NAME[split_site(s)[1]], "no tap there") for s in lacking))
+        why = "; ".join(
+            dict.fromkeys(
+                self.missing.get(
+                    NAME[split_site(s)[1]], "that layer has no such block, e.g. a dense layer of an MoE model"
+                )
+                for s in lacking
+            )
+        )
         err = errors.failure("unsupported", f"{names}: not available on this model ({why})", "admission")
         if store is None:
             raise ValueError(err["message"])
