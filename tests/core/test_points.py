@@ -11,7 +11,7 @@ from vllm import SamplingParams
 from support.engines import COMPILED, make_engine
 from support.reference import hf_model, point_activations
 from support.tiny_models import FAMILIES
-from vllm_worker import Hook, SteeringVector
+from vllm_worker import Hook, HookError, SteeringVector
 
 POINTS = ["resid_pre", "z", "attn_out", "resid_mid", "router_logits", "mlp_out", "resid_post"]
 PARALLEL = {"gpt_neox"}  # parallel residual: no resid_mid
@@ -19,8 +19,8 @@ MOE = {"mixtral", "qwen3_moe"}  # router_logits compared with HF's router
 MLA = {"deepseek_v2"}  # no z / q / k
 LAYERS = [0, 1, 3]
 PROMPTS = ["the water of time was long", "a day"]
-# compiled mode: one dense, one parallel-residual and one MoE family (eager runs them all)
-COMPILED_FAMILIES = ("llama", "gpt_neox", "mixtral")
+# compiled mode: dense fused, dense unfused, parallel-residual and MoE families (eager runs them all)
+COMPILED_FAMILIES = ("llama", "gpt2", "gpt_neox", "mixtral")
 
 
 def _engine(family: str):
@@ -420,3 +420,23 @@ def test_python_at_an_inner_point_keeps_the_step_off_every_cuda_graph(llama):
     }
     assert steps(apply_hooks=[Hook(_noop, [1])]) == {"graphless_steps": 0, "python_steps": 3, "graph_steps": 0}
     assert steps(output_activations={"mlp_out": [1]}) == {"graphless_steps": 0, "python_steps": 0, "graph_steps": 3}
+
+
+def test_hooks_at_q_and_k_read_but_never_replace(llama):
+    """q / k are views into vLLM's fused qkv buffer, tapped by a read-only op: a hook there may read them;
+    returning a tensor fails that request with a clear error, its batch-mate runs plain."""
+
+    def replace(ctx, h):
+        return h * 0
+
+    sp = lambda extra: SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, extra_args=extra)  # noqa: E731
+    with pytest.raises(HookError) as info:
+        llama.generate(PROMPTS, [sp({"apply_hooks": [Hook(replace, [1], point="q")]}), sp({})], use_tqdm=False)
+    outs = info.value.outputs
+    assert "cannot replace it" in outs[0].hook_error and outs[1].hook_error is None
+    out = llama.generate(PROMPTS[0], sp({"apply_hooks": [Hook(_zero_dim_read, [1], point="k")]}), use_tqdm=False)[0]
+    assert {(p, l) for p, l, _ in out.hook_results["0"]["where"]} == {("k", 1)}
+
+
+def _zero_dim_read(ctx, h):
+    ctx.saved.setdefault("where", []).append((ctx.point, ctx.layer_idx, tuple(h.shape)))

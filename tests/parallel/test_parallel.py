@@ -144,3 +144,47 @@ def test_pp2_stages_merge_by_layer_and_equal_hf(pp2):
     hf_top = (hf.model.norm(ref[0]) @ hf.lm_head.weight.T).topk(5, dim=-1).indices
     assert (top == hf_top).all()
     pp2.clear_prefetched()
+
+
+def _record_point(ctx, h):
+    ctx.saved.setdefault("at", []).append((ctx.point, ctx.layer_idx, tuple(h.shape)))
+
+
+@pytest.mark.parametrize("engine", ["tp2", "pp2"])
+def test_hook_points_under_tp2_and_pp2_equal_hf(engine, request):
+    """Inner points across ranks: attn_out / mlp_out are all-reduced before they reach the stream (every TP
+    rank sees the whole value); under PP resid_pre of the first layer of stage 1 is the stream stage 0
+    sent (resid_post of layer 1); steering at mlp_out on stage 1; z refused under TP (each rank holds a
+    slice of the heads); a persistent hook at a point runs on its own stage."""
+    from support.reference import point_activations
+
+    llm = request.getfixturevalue(engine)
+    v = torch.randn(1, 128, generator=torch.Generator().manual_seed(9)) * 3
+    want = {"resid_pre": [0, 2], "attn_out": [1, 3], "resid_mid": [2], "mlp_out": [0, 3], "resid_post": [1]}
+    sp = SamplingParams(
+        max_tokens=4,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={
+            "output_activations": want,
+            "apply_steering_vectors": [SteeringVector(v, [2], point="mlp_out")],
+        },
+    )
+    out = llm.generate([PROMPT], sp, use_tqdm=False)[0]
+
+    def edit(where, layer, h):
+        return h + v[0] if (where, layer) == ("mlp_out", 2) else None
+
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)[:-1]
+    ref, _ = point_activations(hf_model("llama"), "llama", ids, edit)
+    for p, layers in want.items():
+        assert (out.activations[p] - ref[p][layers]).abs().max() <= 1e-4 * ref[p].abs().max(), p
+    if engine == "tp2":
+        with pytest.raises(ValueError, match="z under tensor parallelism"):
+            llm.generate([PROMPT], SamplingParams(max_tokens=2, extra_args={"output_activations": {"z": [1]}}))
+    llm.clear_hooks()
+    llm.register_hooks([Hook(_record_point, [1, 3], point="attn_out")])
+    llm.generate([PROMPT], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    (res,) = llm.collect_hook_results().values()
+    assert sorted({(p, l) for p, l, _ in res["0"]["at"]}) == [("attn_out", 1), ("attn_out", 3)]
+    llm.clear_hooks()

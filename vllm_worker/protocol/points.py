@@ -28,6 +28,8 @@ POINTS = (RESID_PRE, Q, K, Z, ATTN_OUT, RESID_MID, ROUTER_LOGITS, MLP_OUT, RESID
 INNER = (Q, K, Z, ATTN_OUT, RESID_MID, ROUTER_LOGITS, MLP_OUT)
 # read-only: captured and hooked, never steered (their width is not d_model)
 NOT_STEERABLE = (Q, K, ROUTER_LOGITS)
+# hooks there may read, not replace (views into vLLM's fused qkv buffer)
+READ_ONLY = (Q, K)
 IN, OUT, ATTN, MID, MLP, ZC, ROUTER, QC, KC = 0, 1, 2, 3, 4, 5, 6, 7, 8
 CODE = {
     RESID_PRE: IN,

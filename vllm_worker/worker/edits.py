@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from vllm_worker.protocol.errors import failure
+from vllm_worker.protocol.points import READ_ONLY
 from vllm_worker.worker.plan import HookAt, HookRun, Rows, StepPlan
 from vllm_worker.worker.results import RequestResults
 
@@ -100,6 +101,8 @@ def run_hooks(
                     in_hooks += time.perf_counter() - t
                 if new is None:
                     continue
+                if h.point in READ_ONLY:
+                    raise TypeError(f"hooks at {h.point!r} read it; they cannot replace it (return None)")
                 if not isinstance(new, torch.Tensor):
                     raise TypeError(f"hook returned {type(new).__name__}, expected a Tensor or None")
                 if new.shape != stream.shape or new.dtype != stream.dtype or new.device != stream.device:

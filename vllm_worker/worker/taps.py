@@ -48,6 +48,10 @@ OP = "vllm_lens::tap"  # at the residual stream between layers: one of vLLM's pi
 # multiply vLLM's compiled pieces and captured graphs several times over); Python runs at it only in steps
 # without CUDA graphs (`LensRuntime.prepare_step`)
 INNER_OP = "vllm_lens::tap_inner"
+# read-only points (q, k: views into vLLM's fused qkv buffer): no mutation declared, so the compiler never
+# functionalises a write into a view (which miscompiled on CPU inductor); kept from dead-code elimination
+# as a side-effectful op. Nothing at those points edits the tensor (never steered; hooks read only).
+READ_OP = "vllm_lens::tap_read"
 
 Handler = Callable[[torch.Tensor, "torch.Tensor | None", int], None]
 _handler: Handler | None = None
@@ -102,6 +106,10 @@ torch.library.register_fake(OP, _tap_fake, lib=_lib)
 _lib.define("tap_inner(Tensor(a!) hidden, Tensor? residual, int site) -> ()")
 _lib.impl("tap_inner", _tap_impl, "CompositeExplicitAutograd")
 torch.library.register_fake(INNER_OP, _tap_fake, lib=_lib)
+_lib.define("tap_read(Tensor hidden, Tensor? residual, int site) -> ()")
+_lib.impl("tap_read", _tap_impl, "CompositeExplicitAutograd")
+torch.library.register_fake(READ_OP, _tap_fake, lib=_lib)
+torch.fx.node.has_side_effect(torch.ops.vllm_lens.tap_read.default)
 
 
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -131,8 +139,8 @@ def _qk_hook(q_site: int, k_site: int) -> Callable:
 
     def hook(module: torch.nn.Module, args: tuple) -> None:
         q, k = compat.attention_inputs(args)
-        torch.ops.vllm_lens.tap_inner(_rows(q), None, q_site)
-        torch.ops.vllm_lens.tap_inner(_rows(k), None, k_site)
+        torch.ops.vllm_lens.tap_read(_rows(q), None, q_site)
+        torch.ops.vllm_lens.tap_read(_rows(k), None, k_site)
 
     return hook
 
