@@ -440,3 +440,26 @@ def test_hooks_at_q_and_k_read_but_never_replace(llama):
 
 def _zero_dim_read(ctx, h):
     ctx.saved.setdefault("where", []).append((ctx.point, ctx.layer_idx, tuple(h.shape)))
+
+
+def test_inner_points_are_off_unless_the_engine_starts_with_them(monkeypatch):
+    """Unset VLLM_LENS_POINTS: the engine taps only between layers (what installing the plugin costs stays
+    what it was) and a request for an inner point is refused naming the setting; a list taps just those."""
+    monkeypatch.setenv("VLLM_LENS_POINTS", "")
+    plain = make_engine("llama", max_num_seqs=6)
+    status = plain.collective_rpc("lens_status")[0]
+    assert status["points"] == ["resid_pre", "resid_post"]
+    _refused(plain, {"output_activations": {"mlp_out": [1]}}, "output_activations.mlp_out", "VLLM_LENS_POINTS=all")
+    out = plain.generate(
+        PROMPTS[0], SamplingParams(max_tokens=2, extra_args={"output_activations": {"resid_pre": [1]}})
+    )
+    assert out[0].activations["resid_pre"].shape[0] == 1
+    monkeypatch.setenv("VLLM_LENS_POINTS", "mlp_out,attn_out")
+    some = make_engine("llama", max_num_seqs=7)
+    assert some.collective_rpc("lens_status")[0]["points"] == ["resid_pre", "attn_out", "mlp_out", "resid_post"]
+    _refused(some, {"output_activations": {"z": [1]}}, "output_activations.z", "VLLM_LENS_POINTS")
+    monkeypatch.setenv("VLLM_LENS_POINTS", "mlp")
+    with pytest.raises(ValueError, match="VLLM_LENS_POINTS: unknown inner hook point 'mlp'.*did you mean 'mlp_out'"):
+        from vllm_worker.protocol.points import enabled_inner
+
+        enabled_inner()

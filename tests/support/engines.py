@@ -19,6 +19,9 @@ ENGINE_DEFAULTS = dict(
     dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=KV_BYTES, enforce_eager=not COMPILED
 )
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# every inner hook point tapped (off by default: tests/core/test_points.py checks the default too); servers
+# started by the tests inherit it
+os.environ.setdefault("VLLM_LENS_POINTS", "all")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from support import tiny_models  # noqa: E402

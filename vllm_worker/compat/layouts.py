@@ -131,7 +131,19 @@ def model_class(hf_config: Any) -> str:
 
 
 def missing_points(hf_config: Any) -> dict[str, str]:
-    """Points the served model lacks -> why (checked by the frontend before a request runs)."""
+    """Points the served engine lacks -> why (checked by the frontend before a request runs): what the
+    model's layout has, and of that what `VLLM_LENS_POINTS` enabled."""
+    from vllm_worker.protocol.points import enabled_inner, not_enabled
+
+    out = _layout_missing(hf_config)
+    on = enabled_inner()
+    for p in INNER:
+        if p not in out and p not in on:
+            out[p] = not_enabled(p)
+    return out
+
+
+def _layout_missing(hf_config: Any) -> dict[str, str]:
     layout = layout_for(hf_config)
     if layout is None:
         cfg = text_config(hf_config)

@@ -70,6 +70,35 @@ def canonical_site(point: str, layer: int) -> int:
     return site(layer, CODE[point])
 
 
+POINTS_ENV = "VLLM_LENS_POINTS"
+
+
+def enabled_inner() -> frozenset[str]:
+    """The inner points this engine taps (`VLLM_LENS_POINTS`, read when the engine starts)."""
+    from vllm_worker import envs
+
+    raw = str(envs.get(POINTS_ENV) or "").strip()
+    if not raw:
+        return frozenset()
+    if raw == "all":
+        return frozenset(INNER)
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    for n in names:
+        if n not in INNER:
+            hint = closest(n, INNER)
+            raise ValueError(
+                f"{POINTS_ENV}: unknown inner hook point {n!r}{hint}; inner points: all, {', '.join(INNER)}"
+            )
+    return frozenset(names)
+
+
+def not_enabled(point: str) -> str:
+    return (
+        f"inner hook points are tapped only when the engine starts with {POINTS_ENV}=all (or a list including "
+        f"{point!r}; `vllm-lens serve --lens-points all`, `-M lens_points=all`)"
+    )
+
+
 def closest(name: str, valid: Iterable[str]) -> str:
     """' (did you mean X?)' for a misspelt name, else ''."""
     got = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
