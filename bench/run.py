@@ -49,6 +49,16 @@ def system_env(system: str) -> dict[str, str]:
     elif system in ("lens", "lens-eager"):
         env["VLLM_PLUGINS"] = "inspect_lens_worker"
         env["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"
+    elif system == "lens-before":
+        # this project at an older commit (A/B): its package installed elsewhere (BENCH_LENS_BEFORE_PATH, e.g.
+        # pip install --no-deps --target /root/lens-before <tree>) and first on the path; this tree and the
+        # current install (/root/lens) are left off it, so only the old vllm_worker (and its entry points) exist
+        before = os.environ.get("BENCH_LENS_BEFORE_PATH", "/root/lens-before")
+        current = {str(ROOT), "/root/lens", os.environ.get("BENCH_LENS_PATH", "/root/lens")}
+        keep = [x for x in inherited.split(":") if x and x not in current]
+        env["PYTHONPATH"] = ":".join([before, *keep])
+        env["VLLM_PLUGINS"] = "inspect_lens_worker"
+        env["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"
     elif system == "vllm-lens":
         env["VLLM_PLUGINS"] = "activations"  # the original's plugin only
         env["PYTHONPATH"] = f"{os.environ.get('BENCH_VLLM_LENS_PATH', DEPS / 'vllm_lens')}:{env['PYTHONPATH']}"
@@ -63,13 +73,23 @@ class Proc:
     def __init__(self, system: str, model: str, device: str, dtype: str, log_dir: Path, wait: bool = True) -> None:
         self.system = system
         self.err = open(log_dir / f"{system}-{Path(model).name}.log", "w")
+        env = system_env(system)
+        env.setdefault(
+            "VLLM_LOGGING_STREAM", "ext://sys.stderr"
+        )  # vLLM's own log into this log (stdout is the protocol)
+        cold = os.environ.get("BENCH_COLD_CACHES")
+        if cold:  # start-up time, cold: this engine's own empty compile caches (vLLM, Inductor, Triton)
+            base = Path(cold) / f"{system}-{Path(model).name}"
+            env["VLLM_CACHE_ROOT"] = str(base / "vllm")
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(base / "inductor")
+            env["TRITON_CACHE_DIR"] = str(base / "triton")
         self.p = subprocess.Popen(
             [sys.executable, str(ROOT / "bench" / "worker.py"), system, model, "--device", device, "--dtype", dtype],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.err,
             text=True,
-            env=system_env(system),
+            env=env,
             cwd=ROOT,
         )
         self.start = self.read() if wait else {}
@@ -266,6 +286,7 @@ COLORS = {
     "vllm-compiled": "#8fb0e0",
     "lens": "#2ca02c",
     "lens-eager": "#98df8a",
+    "lens-before": "#bcbd22",
     "vllm-lens": "#d62728",
     "hf": "#9467bd",
     "nnsight": "#8c564b",
@@ -348,6 +369,13 @@ def main() -> None:
         # hook points (issue #24): this project against plain vLLM with CUDA graphs, 8B-shaped and NeoX-shaped
         "gpu-points": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W3", "W6", "W7", "W8")},
         "neox": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W6", "W8")},
+        # A/B of two commits of this project in one call: "lens-before" = the older package (BENCH_LENS_BEFORE_PATH;
+        # resid_post only, so W0/W1/W3), "lens" = this tree's
+        "gpu-ab": {
+            "vllm-compiled": ("W0",),
+            "lens-before": ("W0", "W1", "W3"),
+            "lens": ("W0", "W1", "W3", "W6", "W7", "W8"),
+        },
         "large": {
             "vllm-eager": ("W0",),
             "lens": ("W0", "W1", "W2", "W3"),

@@ -6,8 +6,8 @@ Protocol: one JSON command per stdin line ({"workload": "W1", "n": 64, "new": 32
 one `BENCH {...}` line per answer on stdout ({"wall": s, "out_tokens": n, "rss_mb": ..., "hwm_mb": ...}
 or {"error": "..."}). The first answer reports the start-up time.
 
-Systems: vllm-eager, vllm-compiled (plain vLLM, plugins off), lens (this project), vllm-lens (the
-original, 1.3.0), hf (transformers + forward hooks), nnsight, transformer-lens. Which plugin loads is
+Systems: vllm-eager, vllm-compiled (plain vLLM, plugins off), lens (this project), lens-before (this
+project at an older commit, for an A/B; see bench/run.py), vllm-lens (the original, 1.3.0), hf (transformers + forward hooks), nnsight, transformer-lens. Which plugin loads is
 decided by the parent through VLLM_PLUGINS; this file only builds requests.
 
 W6-W8 (hook points, issue #24) exist for this project only (lens, lens-eager): W6 captures attn_out +
@@ -95,6 +95,10 @@ class VLLMSystem:
             }
         except Exception as e:  # informative only
             self.engine_mode = {"error": f"{type(e).__name__}: {e}"}
+        if kind.startswith("lens"):  # which build of this project this process runs (A/B: lens vs lens-before)
+            import vllm_worker
+
+            self.engine_mode["package"] = os.path.dirname(vllm_worker.__file__)
         import torch
 
         g = torch.Generator().manual_seed(0)
