@@ -111,6 +111,18 @@ def test_compile_cache_key_carries_the_taps(llama):
     assert cc.compute_hash() == CompilationConfig(mode=CompilationMode.VLLM_COMPILE).compute_hash()
 
 
+def test_compile_cache_key_carries_the_inner_points(llama, monkeypatch):
+    """A graph compiled with other inner taps (VLLM_LENS_POINTS) is never reused: it would lack (or carry)
+    the taps this engine placed."""
+    from vllm.config import CompilationConfig, CompilationMode
+
+    keys = set()
+    for value in ("", "all", "mlp_out", "attn_out,mlp_out"):
+        monkeypatch.setenv("VLLM_LENS_POINTS", value)
+        keys.add(CompilationConfig(mode=CompilationMode.VLLM_COMPILE).compute_hash())
+    assert len(keys) == 4
+
+
 def test_tap_op_is_a_piecewise_splitting_op_next_to_attention(llama):
     """Piecewise compilation (the GPU default) splits the graph at our tap, so Python hooks can run
     between CUDA-graph pieces; a flat graph (empty splitting_ops) keeps it inside and stays flat."""

@@ -97,16 +97,17 @@ def patch_endpoint_plugins(name: str, factory: Callable[[], Any]) -> None:
     vp.load_endpoint_plugins = load_endpoint_plugins
 
 
-def patch_compile_hash(marker: str) -> None:
-    """Mix `marker` into the compilation config's hash, which keys vLLM's compile cache: a graph compiled
-    without our taps (a plugin-disabled run on the same machine) is then never reused by our engines."""
+def patch_compile_hash(marker: Callable[[], str]) -> None:
+    """Mix `marker()` into the compilation config's hash, which keys vLLM's compile cache: a graph compiled
+    without our taps (a plugin-disabled run on the same machine), or with other taps (another tap layout,
+    other `VLLM_LENS_POINTS`), is then never reused by our engines. Called when the hash is computed."""
     from vllm.config import CompilationConfig
 
     def make(orig: Callable) -> Callable:
         def compute_hash(self, *args, **kwargs):
             import hashlib
 
-            return hashlib.sha256(f"{orig(self, *args, **kwargs)}|{marker}".encode()).hexdigest()
+            return hashlib.sha256(f"{orig(self, *args, **kwargs)}|{marker()}".encode()).hexdigest()
 
         return compute_hash
 

@@ -69,6 +69,13 @@ def _async_consumer(engine_client) -> bool:
     return frontend.consumer_of(processor) == "async"
 
 
+def _compile_marker() -> str:
+    """What our taps add to a compiled graph: the tap layout's version and the inner points tapped."""
+    from vllm_worker.protocol.points import SITES_PER_LAYER, enabled_inner
+
+    return f"inspect-lens: taps v3, {SITES_PER_LAYER} sites/layer, inner={','.join(sorted(enabled_inner()))}"
+
+
 def register() -> None:
     global _registered
     if _registered or disabled():
@@ -84,7 +91,7 @@ def register() -> None:
         from vllm_worker.worker.taps import OP
 
         compat.patch_splitting_ops(OP)
-        compat.patch_compile_hash("inspect-lens: graph-safe taps v2")
+        compat.patch_compile_hash(_compile_marker)
     compat.patch_process_inputs(frontend.on_new_request)
     compat.patch_run_engine(frontend.attach_outputs)
     compat.patch_aborts(frontend.forget)
