@@ -39,8 +39,25 @@ class Layout:
 # no router_logits)
 _ROUTERS = {"mixtral": "block_sparse_moe.gate", "qwen3_moe": "mlp.gate", "deepseek_v2": "mlp.gate"}
 # where q and k enter vLLM's attention; GPT-NeoX runs HF's attention (Transformers backend): not exposed
-_CORES = {f: "self_attn.attn" for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral")}
-_CORES.update({f: "self_attn.attn" for f in ("gemma2", "gemma3", "gemma3_text", "opt")}, gpt2="attn.attn")
+_CORES = {
+    **dict.fromkeys(
+        (
+            "llama",
+            "mistral",
+            "qwen2",
+            "qwen3",
+            "phi3",
+            "qwen3_moe",
+            "mixtral",
+            "gemma2",
+            "gemma3",
+            "gemma3_text",
+            "opt",
+        ),
+        "self_attn.attn",
+    ),
+    "gpt2": "attn.attn",
+}
 
 
 _SEQUENTIAL = ("self_attn", "mlp", "post_attention_layernorm", "self_attn.o_proj")
@@ -63,7 +80,6 @@ _TABLE: dict[str, tuple[str, str, str | None, str | None]] = {
     # multi-head latent attention: no per-head z / q / k of the usual shape (refused, never a wrong tensor)
     "deepseek_v2": ("self_attn", "mlp", "post_attention_layernorm", None),
 }
-_MLA = {"deepseek_v2"}
 
 
 def text_config(hf_config: Any) -> Any:
@@ -160,7 +176,7 @@ def _layout_missing(hf_config: Any) -> dict[str, str]:
         out[Z] = f"{model_class(hf_config)} uses multi-head latent attention: no per-head output of the usual shape"
     elif n * d != width:
         out[Z] = f"its heads are {n} x {d} = {n * d} wide, not d_model {width} (z needs n_heads * d_head = d_model)"
-    if layout.family in _MLA:
+    if layout.z is None:  # multi-head latent attention (the table's one kind without z)
         out[Q] = out[K] = (
             f"{model_class(hf_config)} uses multi-head latent attention: no per-head q / k of the usual shape"
         )

@@ -14,18 +14,13 @@ from typing import Any, Sequence
 
 from vllm_worker import compat
 from vllm_worker.api.hooks import Hook
-from vllm_worker.frontend.requests import state_of
+from vllm_worker.frontend.requests import shape_of, state_of
 from vllm_worker.frontend.validation import parse_hooks
-from vllm_worker.protocol.spec import ModelShape
-
-
-def _shape(llm: Any) -> ModelShape:
-    return ModelShape(*compat.model_shape(compat.processor_of_llm(llm)))
 
 
 def register_hooks(self: Any, hooks: Sequence[Hook], prefetch_params: Sequence[str] | None = None) -> int:
     """Append persistent hooks; returns how many are registered now."""
-    specs = parse_hooks(list(hooks), _shape(self))
+    specs = parse_hooks(list(hooks), shape_of(compat.processor_of_llm(self)))
     if prefetch_params:
         self.prefetch_params(prefetch_params)
     counts = compat.rpc(self, "lens_register_hooks", [(h.fn, h.layers, h.point) for h in specs])

@@ -29,8 +29,7 @@ class Pending:
     d_model: int
     reserved: int = 0  # bytes of capture at its largest, counted against VLLM_LENS_MAX_STORED_GB
     points: dict[str, list[int]] = field(default_factory=dict)  # what was asked: {point: layers}
-    heads: tuple[int, int, int] = (0, 0, 0)  # (n_heads, d_head, n_kv_heads): how z / q / k rows come back
-    experts: tuple[int, int] = (0, 0)  # (n_experts, top_k): how `router_logits` rows are handed back
+    shape: ModelShape | None = None  # the served model's (heads, experts): how z / q / k / router rows come back
 
 
 def mark_consumer(processor: Any, who: str) -> None:
@@ -78,6 +77,7 @@ class FrontendState:
     pools: set[str] = field(default_factory=set)  # ids of the workers' result pools (learnt from fetches)
     shm_everywhere: bool | None = None  # every worker shares this machine (asked once)
     persistent_hooks: bool = False  # `llm.register_hooks` ran: every request's outputs may carry errors
+    shape: ModelShape | None = None  # the served model's shape and points (fixed once the engine runs)
 
 
 STATE_ATTR = "_inspect_lens"
@@ -94,6 +94,14 @@ def state_of(obj: Any) -> FrontendState:
     return st
 
 
+def shape_of(obj: Any) -> ModelShape:
+    """The served model's shape and available hook points, worked out once per engine (not per request)."""
+    state = state_of(obj)
+    if state.shape is None:
+        state.shape = ModelShape(*compat.model_shape(compat.input_processor_of(obj)))
+    return state.shape
+
+
 def pending_of(processor: Any) -> PendingMap:
     return state_of(processor).pending
 
@@ -104,7 +112,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     if sp is None or not has_lens_keys(sp.extra_args):
         return req
     state = state_of(processor)
-    shape = ModelShape(*compat.model_shape(processor))
+    shape = shape_of(processor)
     d_model = shape.d_model
     try:
         spec = parse_request(sp.extra_args, shape, compat.request_prompt_len(req))
@@ -144,16 +152,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
                 parameter="vllm_xargs",
             )
         reserved = _admit_capture(processor, state.pending, spec.capture, compat.request_prompt_len(req), sp, d_model)
-        state.pending[request_id] = Pending(
-            spec.key,
-            int(sp.n),
-            spec.capture,
-            d_model,
-            reserved,
-            spec.points,
-            (shape.n_heads, shape.d_head, shape.n_kv_heads),
-            (shape.n_experts, shape.top_k),
-        )
+        state.pending[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model, reserved, spec.points, shape)
     salt = cache_salt(spec)
     if salt is not None:
         # Steered / hooked KV is stored under its own hash: no other request can ever read it.

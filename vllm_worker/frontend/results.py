@@ -15,6 +15,7 @@ from vllm_worker.envs import limit
 from vllm_worker.frontend.requests import Pending, consumer_of, pending_of, result_pools, state_of
 from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
 from vllm_worker.protocol.points import RESID_POST, ROUTER_LOGITS, K, Q, Z, canonical_site
+from vllm_worker.protocol.spec import ModelShape
 from vllm_worker.protocol.wire import dtype_from_name, tensor_from_bytes
 from vllm_worker.transport import result_pool, shm
 
@@ -146,17 +147,12 @@ def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
     return torch.stack([by_layer[l] for l in p.layers])
 
 
-def by_point(
-    t: torch.Tensor,
-    sites: list[int],
-    points: dict[str, list[int]],
-    heads: tuple[int, int, int] = (0, 0, 0),
-    experts: tuple[int, int] = (0, 0),
-) -> dict[str, Any]:
+def by_point(t: torch.Tensor, sites: list[int], points: dict[str, list[int]], shape: ModelShape) -> dict[str, Any]:
     """`activations` of a sample: one `(n_layers, n_pos, d)` tensor per point asked for (layers in the order
-    asked; `z`: `(n_layers, n_pos, n_heads, d_head)`), `points` = {point: layers}, and `residual_stream` /
-    `layers` for `resid_post` (the same tensor object: the original's names). A point whose rows are
-    consecutive in `t` is a view, never a copy."""
+    asked; `z` / `q`: `(n_layers, n_pos, n_heads, d_head)`, `k`: `n_kv_heads`, `router_logits`: n_experts
+    wide, with `expert_ids`), `points` = {point: layers}, and `residual_stream` / `layers` for `resid_post`
+    (the same tensor object: the original's names). A point whose rows are consecutive in `t` is a view,
+    never a copy."""
     row = {s: i for i, s in enumerate(sites)}
     acts: dict[str, Any] = {}
     for point, layers in points.items():
@@ -165,15 +161,16 @@ def by_point(
             acts[point] = t[idx[0] : idx[0] + len(idx)]
         else:
             acts[point] = t[idx]
-        n_heads, d_head, n_kv = heads
         if point in (Z, Q):
-            acts[point] = acts[point][..., : n_heads * d_head].unflatten(-1, (n_heads, d_head))
+            acts[point] = acts[point][..., : shape.n_heads * shape.d_head].unflatten(-1, (shape.n_heads, shape.d_head))
         if point == K:
-            acts[point] = acts[point][..., : n_kv * d_head].unflatten(-1, (n_kv, d_head))
+            acts[point] = acts[point][..., : shape.n_kv_heads * shape.d_head].unflatten(
+                -1, (shape.n_kv_heads, shape.d_head)
+            )
         if point == ROUTER_LOGITS:  # the first n_experts values of each row; the top-k chosen beside them
-            acts[point] = acts[point][..., : experts[0]]
-            if experts[1]:  # plain top-k routers only (`compat.moe_shape`)
-                acts["expert_ids"] = acts[point].float().topk(experts[1], dim=-1).indices
+            acts[point] = acts[point][..., : shape.n_experts]
+            if shape.top_k:  # plain top-k routers only (`compat.moe_shape`)
+                acts["expert_ids"] = acts[point].float().topk(shape.top_k, dim=-1).indices
     acts["points"] = {point: list(layers) for point, layers in points.items()}
     if RESID_POST in points:
         acts["residual_stream"], acts["layers"] = acts[RESID_POST], list(points[RESID_POST])
@@ -191,7 +188,7 @@ def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict 
     if errors:
         discard_parts(parts)
         return None, None, errors[0]
-    acts = by_point(_assemble(p, parts), p.layers, p.points, p.heads, p.experts) if p.layers else None
+    acts = by_point(_assemble(p, parts), p.layers, p.points, p.shape or ModelShape(0, 0)) if p.layers else None
     hook_parts = [part["hooks"] for part in parts if "hooks" in part]
     hooks = merge_stage_results([_unpickle(h) for h in hook_parts]) if hook_parts else None
     return acts, hooks, None

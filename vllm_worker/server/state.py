@@ -3,20 +3,18 @@ model's shape."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_worker import compat
-from vllm_worker.protocol.spec import (
-    ModelShape,
-)
+from vllm_worker.frontend.requests import shape_of as frontend_shape_of
+from vllm_worker.protocol.spec import ModelShape
 
 
 @dataclass
 class LensState:
     engine: Any
     persistent_hooks: bool = False
-    shape: ModelShape | None = field(default=None)
     original_collect: bool = False  # the persistent hooks came in the original's form: collect answers in it
 
 
@@ -25,6 +23,4 @@ def state_of(app: Any) -> LensState:
 
 
 def shape_of(state: LensState) -> ModelShape:
-    if state.shape is None:
-        state.shape = ModelShape(*compat.model_shape(compat.processor_of_engine_client(state.engine)))
-    return state.shape
+    return frontend_shape_of(compat.processor_of_engine_client(state.engine))

@@ -14,7 +14,7 @@ import torch
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors
-from vllm_worker.protocol.points import CODE, NAME, RESID_PRE, describe, site, site_layer, split_site
+from vllm_worker.protocol.points import NAME, describe, site_layer, split_site
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph
 from vllm_worker.worker.persistent_hooks import PersistentHooks
@@ -108,7 +108,7 @@ class Admission:
                     continue
                 at = hook_at(h.layers, h.point, self.local_layers)
                 hooks.append(HookRun(fn, at, h.point, self.ctx(saved, external), i, False))
-            self._check_sites(spec, store)
+            self._check_sites(spec, hooks, store)
         if self.persistent:
             if store is None:
                 store = RequestResults([])
@@ -125,13 +125,10 @@ class Admission:
             capture, {l: i for i, l in enumerate(capture)}, child, per_request, hooks, store, simple, entries, entry_ids
         )
 
-    def _check_sites(self, spec: Any, store: RequestResults | None) -> None:
+    def _check_sites(self, spec: Any, hooks: list[HookRun], store: RequestResults | None) -> None:
         """A point this worker has no tap for (its layout could not be resolved here) fails the request with
-        the reason — never a capture or steer that silently does nothing."""
-        wanted = set(spec.capture) | {s for st in spec.steers for s in st.layers}
-        for h in spec.hooks:
-            if h.point != RESID_PRE:
-                wanted |= {site(l, CODE[h.point]) for l in h.layers}
+        the reason — never a capture, steer or hook that silently does nothing."""
+        wanted = set(spec.capture) | {s for st in spec.steers for s in st.layers} | {s for h in hooks for s, _ in h.at}
         lacking = sorted(s for s in wanted if site_layer(s) in self.local_layers and s not in self.local)
         if not lacking:
             return

@@ -15,9 +15,10 @@ Python hooks are kept off full graphs (`compat.patch_cudagraph_dispatch`); eager
 
 Sites: `site = layer * SITES_PER_LAYER + code` (`protocol.points`): IN (the stream entering the first
 layer of a stage; for the others it is the previous layer's OUT), OUT (leaving a layer) and, where the
-family's layout is known (`compat.layouts`), ATTN / MID / MLP inside it (`attn_out`, `resid_mid`,
-`mlp_out`) — forward hooks on the attention / MLP blocks and a pre-hook on the norm between them. The
-graph kernel and the handler key everything by site. vLLM's Transformers backend runs HF layers on
+family's layout is known (`compat.layouts`) and `VLLM_LENS_POINTS` asks for them, the points inside it:
+forward hooks on the attention / MLP blocks and the router (`attn_out`, `mlp_out`, `router_logits`),
+pre-hooks on the norm between them (`resid_mid`), the output projection (`z`) and the attention kernel
+(`q`, `k`). The graph kernel and the handler key everything by site. vLLM's Transformers backend runs HF layers on
 `(1, tokens, d)` tensors: the taps see `(tokens, d)` views of them (edits land in the original).
 """
 
