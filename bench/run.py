@@ -46,9 +46,13 @@ def system_env(system: str) -> dict[str, str]:
     env.pop("VLLM_LENS_DISABLE", None)
     if system in ("vllm-eager", "vllm-compiled"):
         env["VLLM_PLUGINS"] = "none-allowed"  # allow-list naming no plugin: plain vLLM
-    elif system in ("lens", "lens-eager"):
+    elif system in ("lens", "lens-eager", "lens-points"):
         env["VLLM_PLUGINS"] = "inspect_lens_worker"
         env["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"
+        # "lens-points": the engine taps the inner points the point workloads use (BENCH_LENS_POINTS), as an
+        # operator serving them would start it; "lens" keeps the caller's setting (unset: between layers only)
+        if system == "lens-points":
+            env["VLLM_LENS_POINTS"] = os.environ.get("BENCH_LENS_POINTS", "attn_out,mlp_out,z")
     elif system == "lens-before":
         # this project at an older commit (A/B): its package installed elsewhere (BENCH_LENS_BEFORE_PATH, e.g.
         # pip install --no-deps --target /root/lens-before <tree>) and first on the path; this tree and the
@@ -287,6 +291,7 @@ COLORS = {
     "lens": "#2ca02c",
     "lens-eager": "#98df8a",
     "lens-before": "#bcbd22",
+    "lens-points": "#17becf",
     "vllm-lens": "#d62728",
     "hf": "#9467bd",
     "nnsight": "#8c564b",
@@ -369,6 +374,12 @@ def main() -> None:
         # hook points (issue #24): this project against plain vLLM with CUDA graphs, 8B-shaped and NeoX-shaped
         "gpu-points": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W3", "W6", "W7", "W8")},
         "neox": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W6", "W8")},
+        # the inner points as served: an engine tapping only the points W6-W8 use, beside the default engine
+        "gpu-points2": {
+            "vllm-compiled": ("W0",),
+            "lens": ("W0", "W1", "W3"),
+            "lens-points": ("W0", "W1", "W3", "W6", "W7", "W8"),
+        },
         # A/B of two commits of this project in one call: "lens-before" = the older package (BENCH_LENS_BEFORE_PATH;
         # resid_post only, so W0/W1/W3), "lens" = this tree's
         "gpu-ab": {

@@ -6,7 +6,7 @@ Protocol: one JSON command per stdin line ({"workload": "W1", "n": 64, "new": 32
 one `BENCH {...}` line per answer on stdout ({"wall": s, "out_tokens": n, "rss_mb": ..., "hwm_mb": ...}
 or {"error": "..."}). The first answer reports the start-up time.
 
-Systems: vllm-eager, vllm-compiled (plain vLLM, plugins off), lens (this project), lens-before (this
+Systems: vllm-eager, vllm-compiled (plain vLLM, plugins off), lens (this project), lens-points (this project tapping the inner points W6-W8 use), lens-before (this
 project at an older commit, for an A/B; see bench/run.py), vllm-lens (the original, 1.3.0), hf (transformers + forward hooks), nnsight, transformer-lens. Which plugin loads is
 decided by the parent through VLLM_PLUGINS; this file only builds requests.
 
@@ -269,6 +269,10 @@ class VLLMSystem:
             from vllm_worker import frontend
 
             self.timings = dict(frontend.TIMINGS)
+            try:  # the worker's cumulative host seconds around graph-path steps (plan / forward / after)
+                self.timings["step"] = self.llm.collective_rpc("lens_status")[0]["step_timings"]
+            except Exception as e:  # noqa: BLE001 - diagnostics only
+                self.timings["step"] = f"{type(e).__name__}: {e}"
         if workload in ("W1", "W2"):  # results must really be there (no silent no-op)
             acts = outs[0].activations["residual_stream"]
             assert acts.shape[1] == prompt_len + new - 1, acts.shape

@@ -105,6 +105,23 @@ def test_ring_never_hands_out_rows_still_in_use(monkeypatch):
     assert a == 0 and b == 0
 
 
+def test_a_step_resets_what_the_step_before_used_and_touches_no_other_column(monkeypatch):
+    """The table is column-major and a step uploads only its own columns and the last step's: a row
+    the last step pointed somewhere must never point there in the next (another request may sit in it)."""
+    g = _graph_taps(monkeypatch)
+    ctl = g.host_ctl(6, frozenset({1}))
+    ctl[1, :6, 0] = range(6)  # step 1: column 1 captures 6 rows
+    g.upload(6, frozenset({1}))
+    assert g.ctl[1, :6, 0].tolist() == list(range(6)) and bool((g.ctl[[0, 2]] == -1).all())
+    ctl = g.host_ctl(2, frozenset({2}))  # step 2: 2 rows steer at column 2
+    assert g._fill_cols == [1, 2]  # column 1 is reset, column 0 is never touched
+    ctl[2, :2, 1] = 7
+    g.upload(2, frozenset({2}))
+    assert bool((g.ctl[1] == -1).all()) and g.ctl[2, :2, 1].tolist() == [7, 7] and bool((g.ctl[2, 2:] == -1).all())
+    g.clear()  # a step off this path: nothing may still point anywhere
+    assert bool((g.ctl == -1).all()) and g.dirty_cols == frozenset()
+
+
 @pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_kernel_matches_the_torch_semantics():
     """The CUDA kernel, run by Triton's interpreter on CPU tensors, against the torch implementation
@@ -115,8 +132,8 @@ def test_triton_kernel_matches_the_torch_semantics():
         g = graph.GraphTaps([0, 1], 96, torch.float32, torch.device("cpu"), 16, None)
         torch.manual_seed(0)
         g.A[:5] = torch.randn(5, 96); g.B[:5] = torch.randn(5, 96); g.bflag[:5] = torch.tensor([0, 1, 0, 1, 0])
-        g.ctl[1, 1] = torch.tensor([3, 1]); g.ctl[2, 1] = torch.tensor([-1, 2]); g.ctl[4, 1] = torch.tensor([7, -1])
-        g.ctl[5, 0] = torch.tensor([9, 3]); g.active = True; g.live_cols = frozenset({0, 1})
+        g.ctl[1, 1] = torch.tensor([3, 1]); g.ctl[1, 2] = torch.tensor([-1, 2]); g.ctl[1, 4] = torch.tensor([7, -1])
+        g.ctl[0, 5] = torch.tensor([9, 3]); g.active = True; g.live_cols = frozenset({0, 1})
         kernel = graph._triton_kernel()
         worst = 0.0
         for has_r in (True, False):

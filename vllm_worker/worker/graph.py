@@ -4,10 +4,12 @@ Why: a CUDA graph replays recorded kernels and never calls Python. So the tap op
 graph, must do its work from buffers whose addresses never change and whose *contents* the per-step plan
 fills before the forward runs:
 
-- `ctl[row, col] = (slot, entry)` for every row of the batch and every tap site (`taps`: a point of a
-  layer) this stage holds: `slot` is
+- `ctl[col, row] = (slot, entry)` for every tap site (`taps`: a point of a layer) this stage holds and
+  every row of the batch: `slot` is
   where the row's stream goes in the staging ring (capture), `entry` which steering entry is added to it;
-  -1 = nothing. Rows beyond the step's tokens (a graph's padding) are always -1.
+  -1 = nothing. Rows beyond the step's tokens (a graph's padding) are always -1. Column-major, so a
+  step resets and uploads only the columns it or the step before used: the host work per step follows
+  what is requested, not how many sites are tapped (every inner point of every layer is ~10 per layer).
 - `stage`: the staging ring the captured rows are written to; after the step they are copied to pinned
   host memory on a side stream (no synchronisation in the step).
 - `A[entry]`, `B[entry]`: a steering entry adds `A + B * |stream|` (B: the norm-matched vectors, already
@@ -59,7 +61,7 @@ def _triton_kernel() -> Any:
         b_ptr,
         bflag_ptr,
         col,
-        n_cols,
+        max_rows,
         d,
         w,
         stride_h,
@@ -68,7 +70,7 @@ def _triton_kernel() -> Any:
         BLOCK: tl.constexpr,
     ):
         i = tl.program_id(0)
-        c = (i * n_cols + col) * 2
+        c = (col * max_rows + i) * 2
         slot = tl.load(ctl_ptr + c)
         ent = tl.load(ctl_ptr + c + 1)
         if (slot >= 0) | (ent >= 0):
@@ -116,17 +118,19 @@ class GraphTaps:
         self.stage_rows = max(1, min(int(STAGE_MB * (1 << 20)) // (d * esize), max_rows * self.n_cols))
         n_entries = max(1, int(STEER_MB * (1 << 20)) // (2 * d * esize))
         cuda = device.type == "cuda"
-        self.ctl = torch.full((max_rows, self.n_cols, 2), -1, dtype=torch.int32, device=device)
+        self.ctl = torch.full((self.n_cols, max_rows, 2), -1, dtype=torch.int32, device=device)
         self.stage = torch.empty((self.stage_rows, d), dtype=dtype, device=device)
         self.A = torch.zeros((n_entries, d), dtype=dtype, device=device)
         self.B = torch.zeros((n_entries, d), dtype=dtype, device=device)
         self.bflag = torch.zeros((n_entries,), dtype=torch.int32, device=device)
         self._free = list(range(n_entries - 1, -1, -1))
         # double-buffered host copies of ctl (pinned on CUDA: the upload is asynchronous)
-        self._host = [torch.full((max_rows, self.n_cols, 2), -1, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._host = [torch.full((self.n_cols, max_rows, 2), -1, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self._host_ev: list[Any] = [None, None]
         self._turn = 0
-        self.dirty = 0  # rows of ctl that may hold something other than -1
+        self.dirty = 0  # rows of ctl that may hold something other than -1 ...
+        self.dirty_cols: frozenset = frozenset()  # ... in these columns
+        self._fill_cols: list[int] = []  # columns the step being prepared resets and uploads
         self.active = False  # a step planned for this path is running (the op acts outside graphs)
         self.fired = 0  # kernel calls outside graph capture during the running step
         self.launches_in_capture = 0  # kernel calls recorded into CUDA graphs
@@ -198,7 +202,7 @@ class GraphTaps:
             self.B,
             self.bflag,
             col,
-            self.n_cols,
+            self.max_rows,
             self.d,
             hidden.shape[1],
             hidden.stride(0),
@@ -209,7 +213,7 @@ class GraphTaps:
 
     def _apply_torch(self, hidden: torch.Tensor, residual: torch.Tensor | None, col: int) -> None:
         n = hidden.shape[0]
-        c = self.ctl[:n, col]
+        c = self.ctl[col, :n]
         ent = c[:, 1]
         rows = torch.nonzero(ent >= 0).squeeze(1)
         if rows.numel():
@@ -262,28 +266,33 @@ class GraphTaps:
         self._ring_pos = end
         return base
 
-    def host_ctl(self, n: int) -> np.ndarray:
-        """The host table for this step, rows [0, max(n, dirty)) reset to -1; `upload` sends it."""
+    def host_ctl(self, n: int, live_cols: frozenset) -> np.ndarray:
+        """The host table for this step (`[col, row]`): in the columns the step uses (`live_cols`) and those
+        the last step left dirty, rows [0, max(n, dirty)) reset to -1; `upload` sends those columns."""
         k = self._turn
         ev = self._host_ev[k]
         if ev is not None:
             ev.synchronize()
         m = max(n, self.dirty)
-        h = self._host[k].numpy()[:m]
-        h.fill(-1)
+        h = self._host[k].numpy()
+        self._fill_cols = sorted(live_cols | self.dirty_cols)
+        for c in self._fill_cols:
+            h[c, :m].fill(-1)
         self._fill_rows = m
         return h
 
     def upload(self, n: int, live_cols: frozenset = frozenset()) -> None:
         k = self._turn
         m = self._fill_rows
-        self.ctl[:m].copy_(self._host[k][:m], non_blocking=True)
+        for c in self._fill_cols:
+            self.ctl[c, :m].copy_(self._host[k][c, :m], non_blocking=True)
         if self.device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record()
             self._host_ev[k] = ev
         self._turn = 1 - k
         self.dirty = n
+        self.dirty_cols = live_cols
         self.active = True
         self.fired = 0
         self.error = None
@@ -292,8 +301,10 @@ class GraphTaps:
     def clear(self) -> None:
         """Before a step that does not use this path: no row may still point anywhere."""
         if self.dirty:
-            self.ctl[: self.dirty].fill_(-1)
+            for c in self.dirty_cols:
+                self.ctl[c, : self.dirty].fill_(-1)
             self.dirty = 0
+            self.dirty_cols = frozenset()
         self.active = False
 
     def copy_out(self, base: int, n: int, dst: torch.Tensor) -> None:

@@ -113,15 +113,16 @@ class GraphPlan:
         )
 
     def fill(self, ctl: np.ndarray, base: int, positions: np.ndarray) -> None:
-        """Write this step into the host table (`ctl` rows already -1); `positions`: host positions."""
+        """Write this step into the host table (`ctl[col, row]`, the live columns' rows already -1);
+        `positions`: host positions."""
         if len(self.cap_rows):
-            ctl[self.cap_rows, self.cap_cols, 0] = base + np.arange(len(self.cap_rows), dtype=np.int32)
+            ctl[self.cap_cols, self.cap_rows, 0] = base + np.arange(len(self.cap_rows), dtype=np.int32)
         if len(self.st_rows):
-            ctl[self.st_rows, self.st_cols, 1] = self.st_ents
+            ctl[self.st_cols, self.st_rows, 1] = self.st_ents
         for s, e, col, pos, ents, default in self.st_pos:
             ps = positions[s:e]
             i = np.minimum(np.searchsorted(pos, ps), len(pos) - 1)
-            ctl[s:e, col, 1] = np.where(pos[i] == ps, ents[i], default)
+            ctl[col, s:e, 1] = np.where(pos[i] == ps, ents[i], default)
 
 
 def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, int]) -> GraphPlan:

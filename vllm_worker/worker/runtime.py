@@ -305,7 +305,7 @@ class LensRuntime:
         t0 = time.perf_counter()
         try:
             faults.check("fill")
-            ctl = g.host_ctl(gp.n)
+            ctl = g.host_ctl(gp.n, gp.live_cols)
             base = g.ring_alloc(gp.total) if gp.total else 0
             assert base is not None  # plans fit the ring (make_plan checks stage_rows)
             gp.fill(ctl, base, pos)
