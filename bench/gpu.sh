@@ -12,7 +12,8 @@ if [ -n "${BENCH_LENS_BEFORE_SRC:-}" ] && [ ! -d /root/lens-before ]; then
 fi
 export PYTHONPATH=/root/lens:$PYTHONPATH
 export VLLM_LENS_MAX_STORED_GB=${VLLM_LENS_MAX_STORED_GB:-48} BENCH_LOAD_FORMAT=dummy BENCH_MP=${BENCH_MP:-1} BENCH_W2_CHUNK=64 BENCH_VLLM_LENS_PATH=$PWD/bench/.deps/vllm_lens
-# W6-W8 (inner hook points) need the inner taps, off by default since 97a4f22: VLLM_LENS_POINTS=all bash bench/gpu.sh ...
+# W6-W8 (inner hook points) need the inner taps, off by default since 97a4f22: plan gpu-points2 runs them on the
+# system lens-points (BENCH_LENS_POINTS, default attn_out,mlp_out,z) beside the default engine; or VLLM_LENS_POINTS=all
 export VLLM_LENS_POINTS=${VLLM_LENS_POINTS:-}
 python3 bench/run.py --device cuda --dtype bfloat16 --models gpu=$PWD/.gpu/model --n 256 --prompt-len 30 --new 128 \
   --repeats ${REPEATS:-3} --machine h200 --no-bulk --out "${OUT:-bench/results}" "$@"
