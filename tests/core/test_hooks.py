@@ -226,3 +226,81 @@ def test_misbehaving_hooks_stay_inside_their_request(llama):
     ids = list(solo.prompt_token_ids) + list(solo.outputs[0].token_ids)
     ref, _ = residuals(hf_model("llama"), ids[:-1])
     assert (solo.activations["residual_stream"][0] - ref[2]).abs().max() <= 1e-4
+
+
+def _zero_dim_batched(dim):
+    def fn(ctx, h):
+        assert ctx.rows and ctx.rows[-1][2] == h.shape[0] == ctx.positions.shape[0]
+        h = h.clone()
+        h[:, dim] = 0
+        for rid, s, e in ctx.rows:
+            ctx.saved[rid].setdefault("calls", []).append((ctx.layer_idx, len(ctx.rows), e - s))
+        return h
+
+    return fn
+
+
+def test_batched_hook_runs_once_for_all_its_requests_and_equals_hf(llama):
+    """`Hook(batched=True)`: one call per step and layer on the stacked rows of every request carrying it,
+    `ctx.rows` says whose rows are where; each request's numbers equal HF with the edit, and a batch-mate
+    without the hook equals HF without it."""
+    dim = 7
+    hook = Hook(_zero_dim_batched(dim), [1, 2], batched=True)
+    prompts = [PROMPT, OTHER, PROMPT + " of the first", OTHER + " again"]
+    sps = [_sp(apply_hooks=[hook], output_residual_stream=[3]) for _ in prompts[:3]] + [_sp(output_residual_stream=[3])]
+    outs = llama.generate(prompts, sps, use_tqdm=False)
+    hf = hf_model("llama")
+    edit = zero_dim_edit(dim, (1, 2))
+    for i, out in enumerate(outs):
+        e = edit if i < 3 else None
+        assert list(out.outputs[0].token_ids) == greedy(hf, list(out.prompt_token_ids), 6, e)
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        ref, _ = residuals(hf, ids[:-1], e)
+        assert (out.activations["residual_stream"] - ref[[3]]).abs().max() <= 1e-4
+    for out in outs[:3]:
+        calls = out.hook_results["0"]["calls"]
+        assert [c[0] for c in calls] == [1, 2] * 6  # prefill + 5 decode steps, two layers each
+        assert calls[0][1] == 3 and calls[0][2] == len(out.prompt_token_ids)  # the prefill call held all three
+    assert outs[3].hook_results in (None, {})
+
+
+def test_batched_hook_that_raises_fails_its_requests_only(llama):
+    baseline = list(llama.generate([OTHER], _sp(), use_tqdm=False)[0].outputs[0].token_ids)
+
+    def boom(ctx, h):
+        raise ZeroDivisionError("deliberate failure in a batched hook")
+
+    hook = Hook(boom, [1], batched=True)
+    with pytest.raises(HookError) as exc:
+        llama.generate(
+            [PROMPT, PROMPT + " again", OTHER],
+            [_sp(apply_hooks=[hook])] * 2 + [_sp(output_residual_stream=[0])],
+            use_tqdm=False,
+        )
+    a, b, ok = exc.value.outputs
+    assert a.hook_error is not None and b.hook_error is not None and len(exc.value.failures) == 2
+    assert "deliberate failure in a batched hook" in str(exc.value)
+    assert ok.hook_error is None and list(ok.outputs[0].token_ids) == baseline
+
+
+def test_persistent_batched_hook_reads_every_request_in_one_call(llama):
+    def last_norm(ctx, h):
+        norms = h.norm(dim=-1)
+        for rid, s, e in ctx.rows:
+            ctx.saved[rid].setdefault("norm", []).append(norms[e - 1])
+            ctx.saved[rid]["widest"] = max(ctx.saved[rid].get("widest", 0), len(ctx.rows))
+
+    llama.clear_hooks()
+    llama.register_hooks([Hook(last_norm, [2], batched=True)])
+    try:
+        outs = llama.generate([PROMPT, OTHER], [_sp(3, output_residual_stream=[2])] * 2, use_tqdm=False)
+        results = llama.collect_hook_results()
+    finally:
+        llama.clear_hooks()
+    for out in outs:
+        got = results[out.request_id]["0"]
+        assert got["widest"] == 2 and len(got["norm"]) == 3  # prefill + 2 decode steps
+        acts = out.activations["residual_stream"][0]
+        n = len(out.prompt_token_ids)
+        want = acts[[n - 1, n, n + 1]].norm(dim=-1)
+        assert torch.allclose(torch.stack([x.cpu() for x in got["norm"]]), want, atol=1e-4)

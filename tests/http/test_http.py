@@ -319,6 +319,32 @@ def test_persistent_hooks_over_http(server):
         assert _post(server, f"/v1/hooks/{path}", {}).json()["status"] == "ok"
 
 
+def _count_batched(ctx, h):
+    for rid, s, e in ctx.rows:
+        ctx.saved[rid]["rows"] = ctx.saved[rid].get("rows", 0) + e - s
+
+
+def test_batched_hooks_over_http(server):
+    """`Hook(batched=True)` travels as `"batched": true`: persistent (one call for every request of a step)
+    and per request give each request its own rows; a non-bool `batched` is a 400 naming it."""
+    c = _client(server)
+    c.clear_hooks()
+    c.register_hooks([Hook(_count_batched, [1], batched=True)])
+    try:
+        prompts = [f"{PROMPT} {w}" for w in "the a of to".split()]
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda p: c.generate(p, max_tokens=3, ignore_eos=True), prompts))
+        res = c.collect_hook_results()
+    finally:
+        c.clear_hooks()
+    assert sorted(r["0"]["rows"] for r in res.values()) == sorted(len(o.prompt_token_ids) + 2 for o in outs)
+    one = c.generate(PROMPT, max_tokens=2, ignore_eos=True, hooks=[Hook(_count_batched, [1], batched=True)])
+    assert one.hook_results["0"]["rows"] == len(one.prompt_token_ids) + 1
+    fn = base64.b64encode(__import__("cloudpickle").dumps(_count_batched)).decode()
+    bad = _post(server, "/v1/hooks/register", {"hooks": [{"fn": fn, "layer_indices": [1], "batched": "yes"}]})
+    assert bad.status_code == 400 and "hooks[0].batched" in bad.text
+
+
 def test_async_client_equals_sync_client(server):
     import asyncio
 

@@ -102,6 +102,7 @@ def encode_hooks(hooks: Sequence[Hook]) -> list[dict]:
             "layer_indices": list(h.layer_indices),
             "pre": h.pre,
             **({} if h.point is None else {"point": h.point}),
+            **({"batched": True} if h.batched else {}),
         }
         for h in hooks
     ]

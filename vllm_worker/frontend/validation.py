@@ -153,7 +153,7 @@ def _head_scaling(item: Any, heads: list[int], f: str, shape: ModelShape) -> Ste
     return Steer(sites, mul.flatten(-2), None, 1.0, False, mul=True)
 
 
-HOOK_FIELDS = {"fn", "layer_indices", "pre", "point"}
+HOOK_FIELDS = {"fn", "layer_indices", "pre", "point", "batched"}
 
 
 def hook_point(pre: Any, point: Any, f: str, shape: ModelShape) -> str:
@@ -179,7 +179,7 @@ def _hook_item(item: Any, i: int, shape: ModelShape) -> HookSpec:
         raise ValueError(f"{f}.fn: not callable")
     layers = layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
     point = hook_point(item.pre, item.point, f, shape)
-    return HookSpec(pickle_hook(item.fn, f), layers, point)
+    return HookSpec(pickle_hook(item.fn, f), layers, point, item.batched)
 
 
 def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> HookSpec:
@@ -201,8 +201,11 @@ def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> Hoo
         raise ValueError(f"{f}.fn: not valid base64") from None
     layers = layer_list(item.get("layer_indices"), f"{f}.layer_indices", shape.n_layers, unique=True)
     point = hook_point(item.get("pre", False), item.get("point"), f, shape)
+    batched = item.get("batched", False)
+    if not isinstance(batched, bool):
+        raise ValueError(f"{f}.batched: expected a bool")
     _check_loads(raw, f"{f}.fn")
-    return HookSpec(raw, layers, point)
+    return HookSpec(raw, layers, point, batched)
 
 
 def _check_loads(raw: bytes, field_name: str) -> None:

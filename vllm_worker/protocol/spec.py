@@ -85,6 +85,7 @@ class HookSpec:
     fn: bytes  # cloudpickle of the callable (the caller's own code, in-process or opted-in remote)
     layers: list[int]  # the caller's layer indices (each worker maps them to its sites: `plan.hook_at`)
     point: str = pts.RESID_POST
+    batched: bool = False  # one call for all requests of a step carrying the same hook (api.hooks)
 
 
 @dataclass
@@ -185,7 +186,7 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
             }
             for s in spec.steers
         ],
-        "hooks": [{"fn": h.fn, "layers": h.layers, "point": h.point} for h in spec.hooks],
+        "hooks": [{"fn": h.fn, "layers": h.layers, "point": h.point, "batched": h.batched} for h in spec.hooks],
     }
 
 
@@ -206,7 +207,10 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
             )
             for s in payload.get("steer") or []
         ],
-        hooks=[HookSpec(bytes(h["fn"]), list(h["layers"]), str(h["point"])) for h in payload.get("hooks") or []],
+        hooks=[
+            HookSpec(bytes(h["fn"]), list(h["layers"]), str(h["point"]), bool(h.get("batched", False)))
+            for h in payload.get("hooks") or []
+        ],
     )
 
 

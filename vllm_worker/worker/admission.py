@@ -7,6 +7,7 @@ A failure of our own code here fails that request only (it then runs plain and i
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable
 
 import torch
@@ -107,7 +108,9 @@ class Admission:
                     )
                     continue
                 at = hook_at(h.layers, h.point, self.local_layers)
-                hooks.append(HookRun(fn, at, h.point, self.ctx(saved, external), i, False))
+                # requests whose batched hooks are the same function (same bytes), point and layers share a call
+                key = (hashlib.blake2b(h.fn, digest_size=16).digest(), h.point, tuple(h.layers)) if h.batched else None
+                hooks.append(HookRun(fn, at, h.point, self.ctx(saved, external), i, False, h.batched, key))
             self._check_sites(spec, hooks, store)
         if self.persistent:
             if store is None:

@@ -134,7 +134,9 @@ class LensWorkerExtension:
         return self._lens_rt().status()
 
     def lens_register_hooks(self, hooks: list) -> int:
-        return self._lens_rt().register_hooks([(bytes(f), list(l), str(p)) for f, l, p in hooks])
+        return self._lens_rt().register_hooks(
+            [(bytes(h[0]), list(h[1]), str(h[2]), bool(h[3]) if len(h) > 3 else False) for h in hooks]
+        )
 
     def lens_collect_hook_results(self) -> bytes | None:
         return self._lens_rt().collect_hook_results()

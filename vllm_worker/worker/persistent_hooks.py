@@ -18,18 +18,18 @@ MAX_PERSISTENT_RESULTS = limit("VLLM_LENS_MAX_PERSISTENT_RESULTS")
 
 class PersistentHooks:
     def __init__(self) -> None:
-        self.hooks: list[tuple[Callable, dict, str]] = []  # (fn, where it runs on this stage, point)
+        self.hooks: list[tuple[Callable, dict, str, bool]] = []  # (fn, where it runs on this stage, point, batched)
         self.results: dict[str, list[dict]] = {}  # caller request id -> one saved dict per hook
         self.errors: dict[str, Failure] = {}  # caller request id -> failure, until popped
 
     def __bool__(self) -> bool:
         return bool(self.hooks)
 
-    def register(self, hooks: list[tuple[bytes, list[int], str]], local_layers: frozenset) -> int:
+    def register(self, hooks: list[tuple[bytes, list[int], str, bool]], local_layers: frozenset) -> int:
         import cloudpickle
 
-        for fn, layers, point in hooks:
-            self.hooks.append((cloudpickle.loads(fn), hook_at(list(layers), point, local_layers), point))
+        for fn, layers, point, batched in hooks:
+            self.hooks.append((cloudpickle.loads(fn), hook_at(list(layers), point, local_layers), point, batched))
         return len(self.hooks)
 
     def attach(
@@ -48,8 +48,9 @@ class PersistentHooks:
             return
         saved: list[dict] = [{} for _ in self.hooks]
         self.results[external] = saved
-        for i, (fn, at, point) in enumerate(self.hooks):
-            runs.append(HookRun(fn, at, point, ctx(saved[i], external), i, True))
+        for i, (fn, at, point, batched) in enumerate(self.hooks):
+            # a persistent hook is one function for every request: batched, they share one call per step
+            runs.append(HookRun(fn, at, point, ctx(saved[i], external), i, True, batched, ("persistent", i)))
 
     def failed(self, request_id: str, msg: str) -> None:
         self.errors[request_id] = failure("hook", msg, "persistent hook")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -56,6 +56,8 @@ class HookRun:
     ctx: HookContext
     index: int
     persistent: bool
+    batched: bool = False  # one call per step and site for every request carrying the same hook (`key`)
+    key: Any = None
 
 
 @dataclass(eq=False)
@@ -85,6 +87,16 @@ class RequestState:
 
 
 Rows = list[tuple[RequestState, int, int]]  # (request, start row, end row)
+
+
+@dataclass
+class HookGroup:
+    """A batched hook at one site: one call on the stacked rows of every request of the step carrying it."""
+
+    layer: int  # the layer index it asked for (`ctx.layer_idx`)
+    point: str
+    members: list[tuple[RequestState, HookRun, int, int]]  # (request, its run, start row, end row)
+    idx: torch.Tensor  # the members' rows on the device, in member order
 
 
 @dataclass
@@ -162,7 +174,7 @@ class StepPlan:
     steer: dict[int, Rows]  # site -> requests with per-request steering there
     steer_batched: dict[int, tuple[torch.Tensor, torch.Tensor]]  # site -> (rows, (rows, d) adds)
     capture: dict[int, tuple[torch.Tensor, Rows]]  # site -> (row index on device, requests)
-    hooks: dict[HookAt, Rows]  # (site, late) -> requests with hooks there
+    hooks: dict[HookAt, Rows]  # (site, late) -> requests with (per-request) hooks there
     captured: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     fired: int = 0  # tap calls seen during the forward (0 with work planned = taps were skipped)
     logs: dict[int, CaptureLog] = field(default_factory=dict)  # site -> its log (store.CaptureStore.open_plan)
@@ -171,6 +183,7 @@ class StepPlan:
     requests: list = field(default_factory=list)  # the RequestStates it serves (failed together)
     broken: bool = False  # our code failed during this step: the taps do nothing more
     fired_sites: set = field(default_factory=set)  # sites whose tap ran from Python this step
+    groups: dict[HookAt, list[HookGroup]] = field(default_factory=dict)  # batched hooks
 
     def begin_step(self, positions: torch.Tensor) -> None:
         self.positions = positions
@@ -183,7 +196,11 @@ class StepPlan:
     def sites(self) -> frozenset:
         """Every site this (Python-path) plan acts at."""
         return (
-            frozenset(self.steer) | frozenset(self.steer_batched) | frozenset(self.capture) | {s for s, _ in self.hooks}
+            frozenset(self.steer)
+            | frozenset(self.steer_batched)
+            | frozenset(self.capture)
+            | {s for s, _ in self.hooks}
+            | {s for s, _ in self.groups}
         )
 
 
@@ -214,6 +231,7 @@ def make_plan(
     simple: dict[int, Rows] = {}
     cap_rows: dict[int, Rows] = {}
     hooks: dict[HookAt, Rows] = {}
+    batched: dict[HookAt, dict[Any, list]] = {}
     for item in active:
         r = item[0]
         for st in r.steers:
@@ -222,8 +240,11 @@ def make_plan(
         for layer in r.simple_add:
             simple.setdefault(layer, []).append(item)
         for h in r.hooks:
-            for at in h.at:
-                hooks.setdefault(at, []).append(item)
+            for at, layer in h.at.items():
+                if h.batched:
+                    batched.setdefault(at, {}).setdefault((h.key, layer), []).append((r, h, item[1], item[2]))
+                else:
+                    hooks.setdefault(at, []).append(item)
         if capturing_rank:
             for layer in r.capture:
                 if layer in local:
@@ -247,14 +268,26 @@ def make_plan(
         return np.concatenate([np.arange(s, e) for _, s, e in items])
 
     capture = {layer: (on_device(rows_of(items)), items) for layer, items in cap_rows.items()}
-    batched = {}
+    steer_batched = {}
     for layer, items in simple.items():
         rows = rows_of(items)
         adds = torch.cat([r.simple_add[layer] for r, _, _ in items])  # (n_req, d) on device
         if len(rows) != len(items):  # prefill chunks: one add per row
             adds = adds.index_select(0, on_device(np.repeat(np.arange(len(items)), [e - s for _, s, e in items])))
-        batched[layer] = (on_device(rows), adds)
+        steer_batched[layer] = (on_device(rows), adds)
     # a request is listed once per layer even if several of its vectors/hooks act there
     steer = {l: list(dict.fromkeys(v)) for l, v in steer.items()}
     hooks = {k: list(dict.fromkeys(v)) for k, v in hooks.items()}
-    return StepPlan(None, steer, batched, capture, hooks, requests=[r for r, _, _ in active])
+    groups = {
+        at: [
+            HookGroup(layer, members[0][1].point, members, on_device(group_rows(members)))
+            for (_, layer), members in by_key.items()
+        ]
+        for at, by_key in batched.items()
+    }
+    return StepPlan(None, steer, steer_batched, capture, hooks, requests=[r for r, _, _ in active], groups=groups)
+
+
+def group_rows(members: list) -> np.ndarray:
+    """The batch rows of a batched hook's members, stacked in member order."""
+    return np.concatenate([np.arange(s, e) for _, _, s, e in members])

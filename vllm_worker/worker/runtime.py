@@ -398,7 +398,7 @@ class LensRuntime:
 
     # ---------------------------------------------------------------- persistent hooks (RPC)
 
-    def register_hooks(self, hooks: list[tuple[bytes, list[int], str]]) -> int:
+    def register_hooks(self, hooks: list[tuple[bytes, list[int], str, bool]]) -> int:
         n = self.persistent.register(hooks, self._local_layers)
         # plain requests cached as "nothing to do" must be re-planned
         self._reqs = {k: v for k, v in self._reqs.items() if v is not None}
