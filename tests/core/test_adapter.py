@@ -20,6 +20,7 @@ def test_installed_vllm_has_everything_we_need(llama):
     from vllm.entrypoints.common.offline import OfflineInferenceMixin
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core_client import DPLBAsyncMPClient
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -42,6 +43,7 @@ def test_installed_vllm_has_everything_we_need(llama):
         LLMEngine.add_request,
         LLMEngine.step,
         AsyncLLM.generate,
+        DPLBAsyncMPClient.get_core_engine_for_request,  # data parallel: which engine ran a request
     ):
         assert getattr(fn, "__lens_wrapped__", False), fn
 

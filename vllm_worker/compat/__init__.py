@@ -5,11 +5,20 @@ If vLLM moves something we rely on, `check()` (plugin load) and the worker's own
 `engine` (engine construction, plugins), `requests` (per-request frontend hooks, outputs, RPC), `errors`
 (exception classes vLLM maps to HTTP codes), `request_ids` (how vLLM names requests), `runner` (the
 worker's model runner and CUDA-graph dispatch), `model` (decoder-layer list, parameters across ranks), `layouts` (where each family's inner points are),
-`cpu_lora` (a vLLM-CPU LoRA fix). `tests/engine/test_adapter.py` exercises each against the installed vLLM.
+`cpu_lora` (a vLLM-CPU LoRA fix), `data_parallel` (which of several engine cores ran a request, RPC to
+one or all of them). `tests/engine/test_adapter.py` exercises each against the installed vLLM.
 """
 
 from vllm_worker.compat.cpu_lora import (  # noqa: F401
     patch_cpu_lora_no_adapter_rows,
+)
+from vllm_worker.compat.data_parallel import (  # noqa: F401
+    dp_client_cls,
+    engine_count,
+    engines_fed,
+    engines_of,
+    forget_routes,
+    patch_dp_routing,
 )
 from vllm_worker.compat.engine import (  # noqa: F401
     add_llm_methods,

@@ -120,7 +120,10 @@ def patch_aborts(forget: Callable[[Any, list[str]], list[str]]) -> None:
             await orig(self, request_id, *args, **kwargs)
             keys = forget(self.input_processor, as_ids(request_id))
             if keys:
-                await self.collective_rpc("lens_drop", args=(keys,))
+                from vllm_worker.compat.data_parallel import forget_routes
+
+                forget_routes(self, keys)
+                await self.collective_rpc("lens_drop", args=(keys,))  # reaches every data-parallel engine
 
         return abort
 
@@ -239,8 +242,13 @@ def processor_of_engine_client(engine_client: Any) -> Any:
     return require(engine_client, "input_processor", type(engine_client).__name__)
 
 
-async def rpc_async(engine_client: Any, method: str, *args: Any) -> list:
-    return await engine_client.collective_rpc(method, args=args)
+async def rpc_async(engine_client: Any, method: str, *args: Any, engine: int | None = None) -> list:
+    """Every worker's answer (of every data-parallel engine: vLLM's own `collective_rpc` keeps only the
+    first engine's), or only those of data-parallel engine `engine`."""
+    from vllm_worker.compat.data_parallel import rpc_engines
+
+    answers = await rpc_engines(engine_client, method, args, engine)
+    return await engine_client.collective_rpc(method, args=args) if answers is None else answers
 
 
 def rpc(llm_or_engine: Any, method: str, *args: Any) -> list:

@@ -10,6 +10,7 @@ from vllm_worker.frontend.requests import (  # noqa: F401
     Pending,
     PendingMap,
     consumer_of,
+    fetch_key,
     forget,
     in_flight_bytes,
     mark_consumer,

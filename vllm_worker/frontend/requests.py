@@ -75,9 +75,14 @@ class FrontendState:
     pending: PendingMap = field(default_factory=PendingMap)
     consumer: str | None = None  # who hands results back: "offline", "engine", "async" or "http"
     pools: set[str] = field(default_factory=set)  # ids of the workers' result pools (learnt from fetches)
+    engine_pools: dict[int, set[str]] = field(default_factory=dict)  # the same per data-parallel engine
     shm_everywhere: bool | None = None  # every worker shares this machine (asked once)
     persistent_hooks: bool = False  # `llm.register_hooks` ran: every request's outputs may carry errors
     shape: ModelShape | None = None  # the served model's shape and points (fixed once the engine runs)
+
+    def pools_of(self, engine: int | None) -> set[str]:
+        """Result pools of data-parallel engine `engine` (None: of every engine)."""
+        return self.pools if engine is None else self.engine_pools.setdefault(engine, set())
 
 
 STATE_ATTR = "_inspect_lens"
@@ -129,7 +134,8 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
         payload["shm"] = shm.host_id()
         # result memory the caller has let go of rides along: the worker reuses it for this request
         # instead of growing its pool (otherwise it goes back only with the next fetch)
-        released = result_pool.take_released(state.pools)
+        # (under data parallelism the engine is not chosen yet: each engine's regions go back with its fetches)
+        released = result_pool.take_released(state.pools) if compat.engines_fed(processor) == 1 else None
         if released:
             payload["release"] = released
     args = {k: v for k, v in sp.extra_args.items() if not has_lens_keys({k: v})}
@@ -179,15 +185,25 @@ def _admit_capture(
             "or split the request",
             parameter=f"vllm_xargs.{CAPTURE_KEY}",
         )
-    total = limit("VLLM_LENS_MAX_STORED_GB")
+    # the limit is per engine (each data-parallel engine's workers store their own requests' captures)
+    engines = compat.engines_fed(processor)
+    total = limit("VLLM_LENS_MAX_STORED_GB") * engines
     in_flight = pending.reserved
     if in_flight + need > total:
+        per = f" ({engines} data-parallel engines x {total / engines / 2**30:.2f} GiB)" if engines > 1 else ""
         raise compat.capacity_error_cls()(
             f"{CAPTURE_KEY}: captures in flight would reach {(in_flight + need) / 2**30:.2f} GiB, above the "
-            f"server's limit of {total / 2**30:.2f} GiB (VLLM_LENS_MAX_STORED_GB); retry when earlier "
+            f"server's limit of {total / 2**30:.2f} GiB{per} (VLLM_LENS_MAX_STORED_GB); retry when earlier "
             "requests have returned"
         )
     return need
+
+
+def fetch_key(req: Any) -> str | None:
+    """Our key of an `EngineCoreRequest` whose results will be fetched (None for any other request)."""
+    sp = getattr(req, "sampling_params", None)
+    payload = (getattr(sp, "extra_args", None) or {}).get(PAYLOAD_KEY)
+    return str(payload["key"]) if isinstance(payload, dict) and payload.get("fetch") else None
 
 
 def in_flight_bytes(processor: Any) -> int:

@@ -60,22 +60,47 @@ def merge_fetched(merged: dict[str, dict], rank_results: list) -> None:
 TIMINGS = {"fetch_rpc_s": 0.0, "decode_s": 0.0}
 
 
+def _by_engine(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> list[tuple[int | None, list]]:
+    """`todo` split by the data-parallel engine that ran each request (fetched from that engine only);
+    `None`: the one engine, or every engine for a request whose route is unknown (results are merged by
+    key, so an engine without them adds nothing)."""
+    if compat.engine_count(engine) <= 1:
+        return [(None, todo)]
+    groups: dict[int | None, list] = {}
+    for p, children in todo:
+        for target in compat.engines_of(engine, p.key) or [None]:
+            groups.setdefault(target, []).append((p, children))
+    return sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+
+
 def _fetch_rounds(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> Generator[tuple, Any, dict]:
-    """The one fetch loop, for the sync and async paths alike: yields each RPC call `(method, *args)` to
-    make, is sent the ranks' answers, returns the merged results. Asks once per engine whether every worker
-    shares this machine (results then travel through the shared-memory result pool; a worker on another
-    node returns them inside the RPC reply, which must stay small)."""
+    """The one fetch loop, for the sync and async paths alike: yields each RPC call `(engine index or None,
+    method, *args)` to make, is sent the ranks' answers, returns the merged results. Asks once per engine
+    whether every worker shares this machine (results then travel through the shared-memory result pool; a
+    worker on another node returns them inside the RPC reply, which must stay small). Under data
+    parallelism each request's results come from the engine vLLM routed it to."""
     host = shm.host_id()
     state = state_of(engine)
     everywhere = state.shm_everywhere
     if host is not None and everywhere is None:
-        hosts = yield ("lens_host_id",)
+        hosts = yield (None, "lens_host_id")
         everywhere = state.shm_everywhere = all(h == host for h in hosts)
     merged: dict[str, dict] = {}
-    pools = state.pools
-    for group in fetch_groups(todo, host is not None and bool(everywhere)):
-        merge_fetched(merged, (yield ("lens_fetch", group, host, result_pool.take_released(pools))))
-    pools |= result_pool.pools_of(merged)
+    for target, items in _by_engine(engine, todo):
+        pools = state.pools_of(target)
+        for group in fetch_groups(items, host is not None and bool(everywhere)):
+            got: dict[str, dict] = {}
+            merge_fetched(got, (yield (target, "lens_fetch", group, host, result_pool.take_released(pools))))
+            found = result_pool.pools_of(got)
+            pools |= found
+            state.pools |= found
+            for key, per_child in got.items():
+                dst = merged.setdefault(key, {})
+                for child, parts in per_child.items():
+                    if child == "error":
+                        dst["error"] = parts
+                    else:
+                        dst.setdefault(child, []).extend(parts)
     return merged
 
 
@@ -83,9 +108,10 @@ def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str,
     t = time.perf_counter()
     rounds = _fetch_rounds(engine, todo)
     try:
-        call = next(rounds)
+        target, *call = next(rounds)
         while True:
-            call = rounds.send(compat.rpc(engine, *call))
+            assert target is None, "data-parallel engines are served through AsyncLLM"
+            target, *call = rounds.send(compat.rpc(engine, *call))
     except StopIteration as done:
         merged = done.value
     TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
@@ -97,9 +123,9 @@ async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, in
     t = time.perf_counter()
     rounds = _fetch_rounds(engine_client, todo)
     try:
-        call = next(rounds)
+        target, *call = next(rounds)
         while True:
-            call = rounds.send(await compat.rpc_async(engine_client, *call))
+            target, *call = rounds.send(await compat.rpc_async(engine_client, *call, engine=target))
     except StopIteration as done:
         merged = done.value
     TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
@@ -114,8 +140,19 @@ def release_results(engine: Any) -> int:
 
 
 async def release_results_async(engine_client: Any) -> int:
-    released = result_pool.take_released(result_pools(engine_client))
-    return sum(await compat.rpc_async(engine_client, "lens_release", released)) if released else 0
+    """`release_results` for an async client: each data-parallel engine gets back its own workers' regions."""
+    state = state_of(engine_client)
+    n = 0
+    engines = compat.engine_count(engine_client)
+    for target in [None] if engines <= 1 else list(range(engines)):
+        released = result_pool.take_released(state.pools_of(target))
+        if released:
+            n += sum(await compat.rpc_async(engine_client, "lens_release", released, engine=target))
+    if state.engine_pools:  # pools learnt from a fetch sent to every engine: every engine hears of them
+        rest = result_pool.take_released(state.pools.difference(*state.engine_pools.values()))
+        if rest:
+            n += sum(await compat.rpc_async(engine_client, "lens_release", rest))
+    return n
 
 
 def _part_tensor(part: dict) -> torch.Tensor:

@@ -95,6 +95,7 @@ def register() -> None:
     compat.patch_process_inputs(frontend.on_new_request)
     compat.patch_run_engine(frontend.attach_outputs)
     compat.patch_aborts(frontend.forget)
+    compat.patch_dp_routing(frontend.fetch_key)
     compat.patch_offline_add_request(lambda llm: frontend.mark_consumer(compat.processor_of_llm(llm), "offline"))
     compat.patch_engine_loop(
         lambda engine: frontend.mark_engine_consumer(compat.processor_of_llm_engine(engine), "engine"),

@@ -125,11 +125,16 @@ def internal_only(errors: dict[str, Failure]) -> bool:
 
 
 def hook_failure(errors: dict[str, Failure]) -> dict:
+    """The error answer for failed results. The field named is the one whose use failed: `apply_hooks` only
+    when a caller's hook failed, the capture key when captures were dropped at a limit, `vllm_xargs`
+    otherwise; our own failures name no field (500) unless the caller's are among them."""
+    lines = "\n".join(f"request {r}: {m}" for r, m in messages(errors).items())
     if internal_only(errors):
-        msg = "inspect-lens request failed\n" + "\n".join(f"request {r}: {m}" for r, m in messages(errors).items())
-        return error_body(500, msg, None, "InternalServerError")
-    if all(f["kind"] == "unsupported" for f in errors.values()):
-        msg = "inspect-lens request refused\n" + "\n".join(f"request {r}: {m}" for r, m in messages(errors).items())
-        return error_body(400, msg, "vllm_xargs", "BadRequestError")
-    msg = "inspect-lens hook failed\n" + "\n".join(f"request {r}: {m}" for r, m in messages(errors).items())
-    return error_body(400, msg, f"vllm_xargs.{HOOK_KEY}", "HookError")
+        return error_body(500, "inspect-lens request failed\n" + lines, None, "InternalServerError")
+    kinds = {f["kind"] for f in errors.values()} - {"internal"}
+    if kinds == {"unsupported"}:
+        return error_body(400, "inspect-lens request refused\n" + lines, "vllm_xargs", "BadRequestError")
+    if kinds == {"hook"}:
+        return error_body(400, "inspect-lens hook failed\n" + lines, f"vllm_xargs.{HOOK_KEY}", "HookError")
+    field = f"vllm_xargs.{CAPTURE_KEY}" if kinds == {"limit"} else "vllm_xargs"
+    return error_body(400, "inspect-lens request failed\n" + lines, field, "BadRequestError")

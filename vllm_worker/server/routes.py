@@ -171,6 +171,7 @@ async def info(request: Request):
         "points": [p for p in POINTS if p not in shape.missing],
         "missing_points": shape.missing,
         "vllm_version": vllm.__version__,
+        "engines": compat.engine_count(state.engine),  # data-parallel engine cores this API server feeds
         "remote_hooks": remote_hooks_allowed(),
         # results waiting for a consumer: both return to 0 once requests finish or are aborted
         "pending_results": pending_count(compat.processor_of_engine_client(state.engine)),
