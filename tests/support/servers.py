@@ -72,7 +72,7 @@ def _serve(*flags: str, plain: bool = False, **env: str) -> str:
     proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
     _SERVERS.append(proc)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
+    deadline = time.time() + 600  # a DP=2 server under load starts in ~3 min
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
