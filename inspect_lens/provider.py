@@ -5,7 +5,8 @@
 Capture / steering / hooks go in `GenerateConfig.extra_body={"extra_args": {...}}` with the same keys as
 offline (`output_residual_stream`, `output_activations` = {hook point: layers}, `apply_steering_vectors`
 with `SteeringVector`s or tensors, `apply_hooks` with `Hook`s); steering vectors may also be names registered with
-`inspect_lens.register_steering_vector`. Results land in `ModelOutput.metadata`:
+`inspect_lens.register_steering_vector`. Each steering tensor is uploaded to the server once (named by
+its content, `POST /v1/lens/vectors`) and requests name it, so eval logs hold names, not tensors. Results land in `ModelOutput.metadata`:
 
 - `metadata["activations"] = {"residual_stream": torch.Tensor (n_layers, n_prompt + n_generated - 1,
   d_model), "layers": [...], <point>: tensor for each point asked for, "points": {point: layers}}`
@@ -110,6 +111,7 @@ class VLLMLensAPI(VLLMAPI):
         _compat.check()  # a clear LensIncompatibleInspect if an Inspect internal we use moved
         self._allow_remote_hooks = allow_remote_hooks
         self._lora_loaded: set[str] = set()
+        self._vectors_uploaded: set[str] = set()  # content names of steering vectors on this server
         super().__init__(model_name, *args, **kwargs)
 
     async def count_text_tokens(self, text: str) -> int:
@@ -183,10 +185,33 @@ class VLLMLensAPI(VLLMAPI):
                     self._lora_loaded.add(name)
         return {**body, "model": name}
 
+    async def _named_steering(self, vectors: Any) -> str:
+        """Steering entries as JSON naming their vectors; each tensor of this process is uploaded to the
+        server once (by content name), so requests and logs carry names, not tensors."""
+        import asyncio
+
+        from .steering import local_tensor, named_entries
+
+        entries = named_entries(vectors)
+        todo = {e["name"] for e in entries if "name" in e and local_tensor(e["name"]) is not None}
+        todo -= self._vectors_uploaded
+        if todo:
+            await _compat.ensure_server_started(self)
+            loop = asyncio.get_running_loop()  # one lock per event loop (see _route_lora)
+            if getattr(self, "_vector_lock_loop", None) is not loop:
+                self._vector_lock, self._vector_lock_loop = asyncio.Lock(), loop
+            async with self._vector_lock:  # concurrent samples steering with the same vector: one upload
+                for name in sorted(todo - self._vectors_uploaded):
+                    await _upload_vector(_compat.server_root(self), self.api_key, name, local_tensor(name))
+                    self._vectors_uploaded.add(name)
+        return json.dumps(entries)
+
     async def generate(self, input, tools, tool_choice, config: GenerateConfig):
         if "lora_request" in (config.extra_body or {}):
             config = config.model_copy(update={"extra_body": await self._route_lora(dict(config.extra_body))})
         lens = self._lens_args(config)
+        if lens is not None and not _encoded(lens.get("apply_steering_vectors")):
+            lens = {**lens, "apply_steering_vectors": await self._named_steering(lens["apply_steering_vectors"])}
         if lens is not None:
             body = {k: v for k, v in (config.extra_body or {}).items() if k not in ("extra_args", "vllm_xargs")}
             body["vllm_xargs"] = encode_extra_args(lens)
@@ -202,6 +227,23 @@ class VLLMLensAPI(VLLMAPI):
         if call is not None:
             call.request = summarize_tensor(call.request)
         return output, call
+
+
+def _encoded(vectors: Any) -> bool:
+    """No steering, or steering already in its JSON form."""
+    return vectors is None or isinstance(vectors, str) and vectors.lstrip().startswith("[")
+
+
+async def _upload_vector(root: str, api_key: str | None, name: str, tensor: Any) -> None:
+    import httpx
+
+    from vllm_worker.protocol.wire import tensor_to_json
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=root, headers=headers, timeout=300) as http:
+        resp = await http.post("/v1/lens/vectors", json={"name": name, "activations": tensor_to_json(tensor)})
+    if resp.status_code >= 400:
+        raise ValueError(f"apply_steering_vectors: the server refused steering vector {name!r}: {resp.text[:500]}")
 
 
 async def _ensure_lora(root: str, api_key: str | None, name: str, path: str | None) -> None:

@@ -133,17 +133,29 @@ def capture_activations(
     return solve
 
 
-@solver
 def steer(vectors: Any, *, capture_layers: Sequence[int] | None = None, **generate_args: Any) -> Solver:
     """Generate under steering. `vectors`: a `SteeringVector`, a registered name
-    (`register_steering_vector`), or a list of those. Names keep tensors out of the logged eval plan.
-    `capture_layers` also captures the residual stream (in `state.output.metadata["activations"]`)."""
-    from .steering import resolve_vectors
+    (`register_steering_vector`), a `{"name": ..., "layer_indices": [...]}` entry naming a vector on the
+    server, or a list of those. Tensors never reach the eval log: each `SteeringVector` becomes an entry
+    naming its tensor by content (uploaded to the server once by the provider), and that entry is what the
+    logged plan and each sample's model call show. `capture_layers` also captures the residual stream (in
+    `state.output.metadata["activations"]`)."""
+    from .steering import named_entries
 
-    resolve_vectors(vectors)  # fail at task construction on unknown names / bad types
+    if isinstance(vectors, (str, dict)) or not isinstance(vectors, Sequence):
+        vectors = [vectors]
+    named_entries(vectors)  # fail at task construction on unknown names / bad types
+    # local names stay names (readable in the log); SteeringVectors become entries naming their tensor
+    logged: list = []
+    for v in vectors:
+        logged.extend([v] if isinstance(v, (str, dict)) else named_entries(v))
+    return _steer(logged, capture_layers=capture_layers, **generate_args)
 
+
+@solver(name="steer")
+def _steer(vectors: list, *, capture_layers: Sequence[int] | None = None, **generate_args: Any) -> Solver:
     async def solve(state: TaskState, generate: Generate) -> TaskState:
-        extra: dict[str, Any] = {"apply_steering_vectors": vectors}
+        extra: dict[str, Any] = {"apply_steering_vectors": list(vectors)}
         if capture_layers is not None:
             extra["output_residual_stream"] = list(capture_layers)
         return await generate(state, extra_body={"extra_args": extra}, **generate_args)

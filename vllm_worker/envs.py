@@ -80,6 +80,16 @@ SETTINGS: dict[str, Setting] = {
             limit=True,
         ),
         Setting(
+            "VLLM_LENS_MAX_VECTORS_MB",
+            float,
+            1024.0,
+            "named vectors registered on one engine (`POST /v1/lens/vectors`, `llm.register_vector`), every "
+            "API key's together: registering past it is a 400 naming it",
+            flag="--lens-max-vectors-mb",
+            unit="MB",
+            limit=True,
+        ),
+        Setting(
             "VLLM_LENS_MAX_CAPTURE_GB",
             float,
             4.0,

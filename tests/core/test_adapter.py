@@ -176,3 +176,22 @@ def test_capture_admission_reads_the_model_config_and_vllm_maps_refusals_to_stat
     assert isinstance(err, ValueError) and err.http_status == HTTPStatus.SERVICE_UNAVAILABLE
     with pytest.raises(compat.LensIncompatibleVLLM, match="max_model_len"):
         compat.model_capture_limits(SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
+
+
+def test_server_api_keys_are_read_where_vllm_reads_them(monkeypatch):
+    """Named vectors are scoped per API key: the keys come from `--api-key` (vLLM's FrontendArgs.api_key,
+    a list) or VLLM_API_KEY, as vLLM's auth middleware reads them; a moved field is a loud error."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    assert "api_key" in FrontendArgs.__dataclass_fields__
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--api-key", "a", "b"])
+    assert compat.api_keys(args) == ["a", "b"]
+    monkeypatch.setenv("VLLM_API_KEY", "env-key")
+    assert compat.api_keys(SimpleNamespace(api_key=None)) == ["env-key"]
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert compat.api_keys(SimpleNamespace(api_key=None)) == []
+    with pytest.raises(compat.LensIncompatibleVLLM, match="api_key"):
+        compat.api_keys(SimpleNamespace())

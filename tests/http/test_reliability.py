@@ -28,7 +28,7 @@ import torch
 
 from support.engines import model_path
 from support.servers import KEY, _serve, server_pid
-from vllm_worker.api.client import LensClient
+from vllm_worker.api.client import LensBadRequest, LensClient
 from vllm_worker.protocol.wire import from_jsonable, tensor_to_json
 
 PROMPT = "the water of people will come down to the side"
@@ -588,6 +588,8 @@ def limited_server():
         "0.25",
         "--lens-max-persistent-results",
         "3",
+        "--lens-max-vectors-mb",
+        "0.0007",
     )
 
 
@@ -599,7 +601,15 @@ def test_limits_come_from_flags_and_each_refusal_names_its_knob(limited_server):
         "VLLM_LENS_MAX_CAPTURE_GB": int(0.003 * 2**30),
         "VLLM_LENS_MAX_STORED_GB": int(0.008 * 2**30),
         "VLLM_LENS_MAX_PERSISTENT_RESULTS": 3,
+        "VLLM_LENS_MAX_VECTORS_MB": int(0.0007 * 2**20),
     }
+    # named vectors: 734 bytes in all; a 512-byte vector fits, a second one does not
+    c = LensClient(url, api_key=KEY)
+    c.register_vector("fits", torch.ones(128))
+    with pytest.raises(LensBadRequest, match="VLLM_LENS_MAX_VECTORS_MB") as e:
+        c.register_vector("too-many", torch.ones(128))
+    assert e.value.param == "activations" and [v["name"] for v in c.list_vectors()] == ["fits"]
+    c.delete_vector("fits")
     base = {"model": _model(), "prompt": PROMPT, "ignore_eos": True}
     # one request's capture at its largest: 4 layers x (10 + 400 - 1) positions x 128 x 4 B x n 5 = 4 MiB > 3
     r = httpx.post(

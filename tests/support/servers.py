@@ -17,6 +17,7 @@ from support import pythonpath
 from support.engines import KV_BYTES, model_path
 
 KEY = "test-key"
+OTHER_KEY = "test-key-2"  # a second key of the session `server`: per-key scopes (named vectors)
 LORA_MODEL = "tiny-llama-lora"  # the lora_server's served name
 _SERVERS: list = []
 _PIDS: dict[str, int] = {}
@@ -88,8 +89,8 @@ def _serve(*flags: str, plain: bool = False, **env: str) -> str:
 
 @pytest.fixture(scope="session")
 def server():
-    """Operator opted in to remote hooks; API key set; 1 MiB payload limit."""
-    return _serve("--api-key", KEY, "--allow-remote-hooks", VLLM_LENS_MAX_PAYLOAD_MB="1")
+    """Operator opted in to remote hooks; two API keys; 1 MiB payload limit."""
+    return _serve("--api-key", KEY, OTHER_KEY, "--allow-remote-hooks", VLLM_LENS_MAX_PAYLOAD_MB="1")
 
 
 @pytest.fixture(scope="session")

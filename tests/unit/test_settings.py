@@ -55,6 +55,7 @@ def test_one_parser_for_every_kind(monkeypatch):
     assert envs.limit("VLLM_LENS_SHM_POOL_GB") == 1 << 29
     assert set(envs.limits()) == {
         "VLLM_LENS_MAX_PAYLOAD_MB",
+        "VLLM_LENS_MAX_VECTORS_MB",
         "VLLM_LENS_MAX_CAPTURE_GB",
         "VLLM_LENS_MAX_STORED_GB",
         "VLLM_LENS_MAX_PERSISTENT_RESULTS",

@@ -22,6 +22,8 @@ from vllm_worker.api.hooks import Hook
 from vllm_worker.api.steering import SteeringVector
 from vllm_worker.protocol.wire import from_jsonable, tensor_to_json
 
+VECTORS_PATH = "/v1/lens/vectors"
+
 
 class LensHTTPError(RuntimeError):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None) -> None:
@@ -80,7 +82,8 @@ def encode_steering(vectors: Sequence[SteeringVector]) -> str:
     return json.dumps(
         [
             {
-                "activations": None if v.activations is None else tensor_to_json(v.activations),
+                # a registered vector's name, or the tensor itself
+                **({"name": v.name} if v.name is not None else {"activations": _tensor(v.activations)}),
                 "layer_indices": list(v.layer_indices),
                 "scale": v.scale,
                 "norm_match": v.norm_match,
@@ -91,6 +94,10 @@ def encode_steering(vectors: Sequence[SteeringVector]) -> str:
             for v in vectors
         ]
     )
+
+
+def _tensor(t: Any) -> dict | None:
+    return None if t is None else tensor_to_json(t)
 
 
 def encode_hooks(hooks: Sequence[Hook]) -> list[dict]:
@@ -296,6 +303,20 @@ class LensClient(_Base):
     def prefetch_params(self, names: Sequence[str]) -> list[str]:
         return self._post("/v1/hooks/prefetch", {"names": list(names)})["prefetched"]
 
+    def register_vector(self, name: str, tensor: Any) -> dict[str, Any]:
+        """Register (or replace) `tensor` on the server as `name`; steering entries then name it:
+        `SteeringVector(name=name, layer_indices=[15], scale=4.0)`. Returns {name, shape, dtype, bytes}."""
+        return self._post(VECTORS_PATH, {"name": name, "activations": tensor_to_json(tensor)})
+
+    def list_vectors(self) -> list[dict[str, Any]]:
+        """The vectors registered with this client's API key: [{name, shape, dtype, bytes}]."""
+        resp = self._http.get(VECTORS_PATH)
+        _raise_for(resp)
+        return resp.json()["vectors"]
+
+    def delete_vector(self, name: str) -> None:
+        _raise_for(self._http.delete(f"{VECTORS_PATH}/{name}"))
+
     def clear_prefetched(self) -> None:
         self._post("/v1/hooks/clear_prefetched")
 
@@ -394,6 +415,17 @@ class AsyncLensClient(_Base):
 
     async def prefetch_params(self, names: Sequence[str]) -> list[str]:
         return (await self._post("/v1/hooks/prefetch", {"names": list(names)}))["prefetched"]
+
+    async def register_vector(self, name: str, tensor: Any) -> dict[str, Any]:
+        return await self._post(VECTORS_PATH, {"name": name, "activations": tensor_to_json(tensor)})
+
+    async def list_vectors(self) -> list[dict[str, Any]]:
+        resp = await self._http.get(VECTORS_PATH)
+        _raise_for(resp)
+        return resp.json()["vectors"]
+
+    async def delete_vector(self, name: str) -> None:
+        _raise_for(await self._http.delete(f"{VECTORS_PATH}/{name}"))
 
     async def clear_prefetched(self) -> None:
         await self._post("/v1/hooks/clear_prefetched")

@@ -82,6 +82,9 @@ class SteeringVector(BaseModel):
     heads: with point="z", the heads the vector goes to: activations are then `(n_layers, d_head)` (or
         `(n_layers, n_pos, d_head)`), added to each listed head. Without activations (`None`), the listed
         heads' outputs are multiplied by `scale` instead — `scale=0.0` ablates them.
+    name: instead of `activations`, a vector registered on the engine (`llm.register_vector(name, t)`,
+        HTTP `POST /v1/lens/vectors`): `SteeringVector(name="happy", layer_indices=[15], scale=4.0)`. A
+        1-D registered vector is added at every listed layer; otherwise as `activations`.
 
     Positional or keyword construction: `SteeringVector(v, [15], scale=4.0)`. Immutable (frozen); the
     plugin never modifies it and copies it when the request is submitted.
@@ -96,6 +99,7 @@ class SteeringVector(BaseModel):
     position_indices: Optional[list[int]] = None
     point: Point = pts.RESID_POST
     heads: Optional[list[int]] = None
+    name: Optional[str] = None
 
     def __init__(
         self,
@@ -133,6 +137,15 @@ class SteeringVector(BaseModel):
             raise ValueError(f"expected a floating-point tensor, got {v.dtype}")
         return v
 
+    @field_validator("name", mode="before")
+    @classmethod
+    def _name(cls, v: Any) -> str | None:
+        if v is None:
+            return None
+        from vllm_worker.protocol.checks import vector_name
+
+        return vector_name(v, "name")
+
     @field_validator("position_indices", mode="before")
     @classmethod
     def _positions(cls, v: Any) -> list[int] | None:
@@ -152,8 +165,15 @@ class SteeringVector(BaseModel):
     def _heads_need_z(self) -> "SteeringVector":
         if self.heads is not None and self.point != pts.Z:
             raise ValueError(f"heads: only with point='z', got point={self.point!r}")
+        if self.name is not None:
+            if self.activations is not None:
+                raise ValueError("name: give either name (a registered vector) or activations, not both")
+            return self
         if self.activations is None and self.heads is None:
-            raise ValueError("activations: required (only point='z' with heads may omit them, to scale those heads)")
+            raise ValueError(
+                "activations: required (or the name of a registered vector; only point='z' with heads may "
+                "omit them, to scale those heads)"
+            )
         return self
 
     @field_serializer("activations")
@@ -170,6 +190,7 @@ class SteeringVector(BaseModel):
             and self.position_indices == other.position_indices
             and self.point == other.point
             and self.heads == other.heads
+            and self.name == other.name
             and (self.activations is None) == (other.activations is None)
             and (
                 self.activations is None

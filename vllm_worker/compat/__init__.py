@@ -23,6 +23,7 @@ from vllm_worker.compat.data_parallel import (  # noqa: F401
 from vllm_worker.compat.engine import (  # noqa: F401
     add_llm_methods,
     add_output_defaults,
+    api_keys,
     check,
     engine_args_cls,
     force_v1_model_runner,

@@ -97,6 +97,19 @@ def patch_endpoint_plugins(name: str, factory: Callable[[], Any]) -> None:
     vp.load_endpoint_plugins = load_endpoint_plugins
 
 
+def api_keys(args: Any) -> list[str]:
+    """The API keys a server started with `args` requires (vLLM's `--api-key`, else `VLLM_API_KEY`; the
+    rule of `vllm.entrypoints.serve.middleware.register`); [] when it runs without keys."""
+    import os
+
+    if args is None:
+        return []
+    keys = require(args, "api_key", "the server's args")
+    if isinstance(keys, str):
+        keys = [keys]
+    return [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k]
+
+
 def patch_compile_hash(marker: Callable[[], str]) -> None:
     """Mix `marker()` into the compilation config's hash, which keys vLLM's compile cache: a graph compiled
     without our taps (a plugin-disabled run on the same machine), or with other taps (another tap layout,

@@ -6,6 +6,9 @@ llm.collect_hook_results()                     # {request_id: {"0": saved, ...}}
 llm.clear_hook_results()                       # keeps the hooks
 llm.clear_hooks()                              # removes hooks and results
 llm.prefetch_params(["lm_head.weight"]) / llm.clear_prefetched()
+
+Named vectors (`frontend.vectors`): llm.register_vector(name, tensor) / llm.list_vectors() /
+llm.delete_vector(name); then SteeringVector(name=name, layer_indices=[...], scale=...).
 """
 
 from __future__ import annotations
@@ -53,7 +56,40 @@ def clear_prefetched(self: Any) -> None:
     compat.rpc(self, "lens_clear_prefetched")
 
 
+def register_vector(self: Any, name: str, tensor: Any) -> dict[str, Any]:
+    """Register (or replace) `tensor` as `name` for steering entries to name; returns its description
+    (name, shape, dtype, bytes). The tensor is copied: later edits of the caller's do not reach it."""
+    from vllm_worker.frontend.vectors import check_name, check_vector, registry_of
+
+    proc = compat.processor_of_llm(self)
+    vec = check_vector(tensor, shape_of(proc), "register_vector.tensor")
+    return registry_of(proc).register("", check_name(name, "register_vector.name"), vec)
+
+
+def list_vectors(self: Any) -> list[dict[str, Any]]:
+    from vllm_worker.frontend.vectors import registry_of
+
+    return registry_of(compat.processor_of_llm(self)).list("")
+
+
+def delete_vector(self: Any, name: str) -> bool:
+    """True when `name` was registered (and is now gone)."""
+    from vllm_worker.frontend.vectors import registry_of
+
+    return registry_of(compat.processor_of_llm(self)).delete("", name)
+
+
 METHODS = {
     f.__name__: f
-    for f in (register_hooks, collect_hook_results, clear_hook_results, clear_hooks, prefetch_params, clear_prefetched)
+    for f in (
+        register_hooks,
+        collect_hook_results,
+        clear_hook_results,
+        clear_hooks,
+        prefetch_params,
+        clear_prefetched,
+        register_vector,
+        list_vectors,
+        delete_vector,
+    )
 }

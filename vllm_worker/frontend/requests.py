@@ -10,6 +10,7 @@ from typing import Any
 from vllm_worker import compat
 from vllm_worker.envs import limit
 from vllm_worker.frontend.validation import parse_request
+from vllm_worker.frontend.vectors import resolve as resolve_vectors
 from vllm_worker.protocol.spec import (
     CAPTURE_KEY,
     PAYLOAD_KEY,
@@ -79,6 +80,7 @@ class FrontendState:
     shm_everywhere: bool | None = None  # every worker shares this machine (asked once)
     persistent_hooks: bool = False  # `llm.register_hooks` ran: every request's outputs may carry errors
     shape: ModelShape | None = None  # the served model's shape and points (fixed once the engine runs)
+    vectors: Any = None  # named vectors (`frontend.vectors.VectorRegistry`), made on first use
 
     def pools_of(self, engine: int | None) -> set[str]:
         """Result pools of data-parallel engine `engine` (None: of every engine)."""
@@ -120,7 +122,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     shape = shape_of(processor)
     d_model = shape.d_model
     try:
-        spec = parse_request(sp.extra_args, shape, compat.request_prompt_len(req))
+        spec = parse_request(resolve_vectors(sp.extra_args, state.vectors), shape, compat.request_prompt_len(req))
     except PermissionError as e:
         raise compat.forbidden_error_cls()(str(e)) from None
     except ValueError as e:

@@ -4,6 +4,7 @@ for a list of ints and one for a finite number, each error naming the field."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 
@@ -29,3 +30,17 @@ def finite_number(value: Any, field: str) -> float:
     if not ok:
         raise ValueError(f"{field}: expected a finite number, got {str(value)[:40]!r}")
     return float(value)
+
+
+_VECTOR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+
+
+def vector_name(value: Any, field: str) -> str:
+    """The name of a registered vector: 1-128 URL-safe characters (it is a path segment in
+    `DELETE /v1/lens/vectors/{name}`)."""
+    if not isinstance(value, str) or not _VECTOR_NAME.fullmatch(value):
+        raise ValueError(
+            f"{field}: expected 1-128 characters of letters, digits, '_', '.', ':' or '-' (starting with a "
+            f"letter or digit), got {str(value)[:60]!r}"
+        )
+    return value

@@ -10,6 +10,7 @@ from vllm_worker.frontend.requests import mark_consumer
 from vllm_worker.server.middleware import LensMiddleware
 from vllm_worker.server.routes import info_router, router
 from vllm_worker.server.state import LensState
+from vllm_worker.server.vectors import vectors_router
 
 
 class LensEndpoints:
@@ -21,9 +22,10 @@ class LensEndpoints:
     def attach_router(self, app: Any) -> None:
         app.include_router(router)
         app.include_router(info_router)
+        app.include_router(vectors_router)
         app.add_middleware(LensMiddleware)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        state.lens = LensState(engine_client)
+        state.lens = LensState(engine_client, keyed=bool(compat.api_keys(args)))
         if engine_client is not None:
             mark_consumer(compat.processor_of_engine_client(engine_client), "http")

@@ -31,6 +31,7 @@ from vllm_worker.server.results import Choice, Unmatched, fetch_results, hook_fa
 from vllm_worker.server.routes import HOOKS_PREFIX
 from vllm_worker.server.state import LensState, shape_of, state_of
 from vllm_worker.server.streaming import StreamInjector
+from vllm_worker.server.vectors import VECTORS_PATH, stamp_scope
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -69,7 +70,7 @@ class LensMiddleware:
         path = scope.get("path", "")
         if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
-        if path.startswith(HOOKS_PREFIX + "/"):  # our routes: bounded while reading, like generation
+        if path.startswith(HOOKS_PREFIX + "/") or path == VECTORS_PATH:  # ours: bounded while reading
             body = await read_body(receive, scope, MAX_BODY_BYTES)
             if body is None:
                 return await too_large(send)
@@ -95,6 +96,7 @@ class LensMiddleware:
                 return await send_json(send, 403, error_body(403, str(e), f"vllm_xargs.{HOOK_KEY}", "Forbidden"))
         dialect = ours and original_dialect(xargs)  # before _precheck rewrites raw `true`
         if ours:
+            stamp_scope(state, xargs, scope["headers"])  # named vectors: this caller's (frontend.vectors)
             try:
                 _precheck(req, xargs, shape_of(state))
             except BadRequest as e:

@@ -16,6 +16,7 @@ class LensState:
     engine: Any
     persistent_hooks: bool = False
     original_collect: bool = False  # the persistent hooks came in the original's form: collect answers in it
+    keyed: bool = False  # started with API keys: named vectors are scoped per key (`frontend.vectors`)
 
 
 def state_of(app: Any) -> LensState:

@@ -1,0 +1,208 @@
+"""Named vectors: tensors registered once on an engine (offline `llm.register_vector`, HTTP
+`POST /v1/lens/vectors`) that steering entries name instead of carrying (`{"name": "happy",
+"layer_indices": [15], "scale": 4}` / `SteeringVector(name="happy", ...)`), so a request or an eval log
+carries a name, not megabytes.
+
+A name is resolved here, in the frontend, when the request is admitted: the entry gets the stored tensor
+and is validated exactly like an inline vector, so the workers (and the graph-safe path) receive tensors
+as before, and steering by name gives the numbers of steering with the same tensor inline.
+
+Names live in scopes: offline and on a server without API keys there is one (""); on a server started
+with `--api-key`, each key has its own, so callers sharing a server never see or use each other's
+vectors. The HTTP middleware tells the frontend a request's scope through `SCOPE_KEY` in its
+`vllm_xargs`, as a keyed hash of its API key that only this process can compute (a caller cannot name
+another key's scope); it removes any such key a caller sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from vllm_worker import envs
+from vllm_worker.api.steering import SteeringVector
+from vllm_worker.protocol.checks import vector_name
+from vllm_worker.protocol.spec import STEER_KEY, ModelShape, from_json_string
+
+SCOPE_KEY = "lens_vector_scope"  # in extra_args: the request's scope (set by the HTTP middleware only)
+LIMIT = "VLLM_LENS_MAX_VECTORS_MB"
+_SECRET = secrets.token_bytes(32)  # per process: scope tokens cannot be made outside it
+
+
+def scope_token(api_key: str | None) -> str:
+    """The scope of callers presenting `api_key` ("" for none)."""
+    if not api_key:
+        return ""
+    return hmac.new(_SECRET, api_key.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def check_name(name: Any, field: str = "name") -> str:
+    return vector_name(name, field)
+
+
+def check_vector(t: Any, shape: ModelShape, field: str = "activations") -> torch.Tensor:
+    """A vector as registered: a finite floating-point tensor of 1-3 dimensions whose last one is d_model
+    (or d_head, for steering chosen heads at `z`). Which layers, positions and point it goes to is said
+    by each steering entry that names it. A detached CPU copy: the caller's tensor is never kept."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{field}: expected a tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise ValueError(f"{field}: expected a floating-point tensor, got {t.dtype}")
+    if t.ndim not in (1, 2, 3):
+        raise ValueError(
+            f"{field}: expected (d_model,), (n_layers, d_model) or (n_layers, n_pos, d_model), got shape "
+            f"{tuple(t.shape)}"
+        )
+    widths = {shape.d_model} | ({shape.d_head} if shape.d_head else set())
+    if t.shape[-1] not in widths:
+        raise ValueError(
+            f"{field}: last dimension {t.shape[-1]} != d_model {shape.d_model}"
+            + (f" (or d_head {shape.d_head} for heads at 'z')" if shape.d_head else "")
+        )
+    if t.numel() == 0:
+        raise ValueError(f"{field}: empty tensor, shape {tuple(t.shape)}")
+    t = t.detach().to("cpu").clone()
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{field}: contains NaN or inf")
+    return t
+
+
+@dataclass(frozen=True)
+class Entry:
+    tensor: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+class VectorRegistry:
+    """scope -> name -> tensor, bounded in total by VLLM_LENS_MAX_VECTORS_MB (every scope together: it is
+    the server's memory). Registering a name again replaces it."""
+
+    def __init__(self) -> None:
+        self._scopes: dict[str, dict[str, Entry]] = {}
+        self.nbytes = 0
+        self._lock = threading.Lock()
+
+    def register(self, scope: str, name: str, tensor: torch.Tensor) -> dict[str, Any]:
+        entry = Entry(tensor)
+        with self._lock:
+            names = self._scopes.setdefault(scope, {})
+            old = names.get(name)
+            total = self.nbytes - (old.nbytes if old else 0) + entry.nbytes
+            cap = envs.limit(LIMIT)
+            if total > cap:
+                raise ValueError(
+                    f"activations: registering {name!r} ({_size(entry.nbytes)}) would bring the engine's "
+                    f"named vectors to {_size(total)}, above the limit of {_size(cap)} ({LIMIT}); delete "
+                    "vectors that are no longer needed"
+                )
+            names[name] = entry
+            self.nbytes = total
+        return describe(name, entry)
+
+    def get(self, scope: str, name: str, field: str) -> torch.Tensor:
+        entry = self._scopes.get(scope, {}).get(name)
+        if entry is None:
+            known = sorted(self._scopes.get(scope, {}))
+            listed = ", ".join(repr(n) for n in known[:20]) + (", ..." if len(known) > 20 else "")
+            raise ValueError(
+                f"{field}: unknown vector {name!r} (registered: {listed or 'none'}); register it first "
+                "(POST /v1/lens/vectors, or llm.register_vector offline)"
+            )
+        return entry.tensor
+
+    def list(self, scope: str) -> list[dict[str, Any]]:
+        return [describe(n, e) for n, e in sorted(self._scopes.get(scope, {}).items())]
+
+    def delete(self, scope: str, name: str) -> bool:
+        with self._lock:
+            entry = self._scopes.get(scope, {}).pop(name, None)
+            if entry is None:
+                return False
+            self.nbytes -= entry.nbytes
+            return True
+
+
+def _size(n: int) -> str:
+    return f"{n} bytes" if n < 1 << 20 else f"{n / 2**20:.2f} MiB"
+
+
+def describe(name: str, entry: Entry) -> dict[str, Any]:
+    from vllm_worker.protocol.wire import dtype_name
+
+    t = entry.tensor
+    return {"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype), "bytes": entry.nbytes}
+
+
+def registry_of(obj: Any) -> VectorRegistry:
+    """The registry of the engine behind `obj` (anything `frontend.requests.state_of` takes)."""
+    from vllm_worker.frontend.requests import state_of
+
+    state = state_of(obj)
+    if state.vectors is None:
+        state.vectors = VectorRegistry()
+    return state.vectors
+
+
+def _resolve_item(item: Any, i: int, registry: VectorRegistry | None, scope: str) -> Any:
+    """A steering entry naming a vector -> the same entry carrying its tensor (new objects: the caller's
+    are never edited). A 1-D vector is used at every listed layer."""
+    f = f"{STEER_KEY}[{i}]"
+    if isinstance(item, SteeringVector):
+        name = item.name
+    elif isinstance(item, Mapping):
+        name = item.get("name")
+        if name is None:  # `SteeringVector.model_dump()` of an inline vector says name=None
+            return {k: v for k, v in item.items() if k != "name"}
+    else:
+        return item
+    if name is None:
+        return item
+    check_name(name, f"{f}.name")
+    if (item.activations if isinstance(item, SteeringVector) else item.get("activations")) is not None:
+        raise ValueError(f"{f}: give either 'name' (a registered vector) or 'activations', not both")
+    if registry is None:
+        registry = VectorRegistry()  # nothing registered: the error lists none
+    t = registry.get(scope, name, f"{f}.name")
+    layers = item.layer_indices if isinstance(item, SteeringVector) else item.get("layer_indices")
+    if t.ndim == 1 and isinstance(layers, (list, tuple, range)) and len(layers) > 0:
+        t = t.expand(len(layers), t.shape[0])
+    if isinstance(item, SteeringVector):
+        return item.model_copy(update={"activations": t, "name": None})
+    out = {k: v for k, v in item.items() if k != "name"}
+    out["activations"] = t
+    return out
+
+
+def resolve(extra_args: Mapping[str, Any], registry: VectorRegistry | None) -> Mapping[str, Any]:
+    """`extra_args` with named steering entries resolved (and `SCOPE_KEY` consumed): a new dict when
+    anything changed, else `extra_args` itself."""
+    if SCOPE_KEY not in extra_args and STEER_KEY not in extra_args:
+        return extra_args
+    out = dict(extra_args)
+    scope = out.pop(SCOPE_KEY, "")
+    if not isinstance(scope, str):
+        raise ValueError(f"{SCOPE_KEY}: set by the server only")
+    if STEER_KEY in out:
+        items = from_json_string(out[STEER_KEY], STEER_KEY)
+        single = isinstance(items, (SteeringVector, Mapping))
+        seq = [items] if single else items
+        if isinstance(seq, (list, tuple)) and any(_names(it) for it in seq):
+            out[STEER_KEY] = [_resolve_item(it, i, registry, scope) for i, it in enumerate(seq)]
+        else:
+            out[STEER_KEY] = items
+    return out
+
+
+def _names(item: Any) -> bool:
+    if isinstance(item, SteeringVector):
+        return item.name is not None
+    return isinstance(item, Mapping) and "name" in item
