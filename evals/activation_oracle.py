@@ -1,9 +1,13 @@
 """Activation oracle: can a LoRA "oracle" name the topic of a text from one activation vector of the base
 model, on texts whose templates it never saw — and does it need the vector to do so?
 
-    inspect eval evals/activation_oracle.py --model vllm-lens/<base model> \
-        -M enable_lora=true -M max_lora_rank=8 [-T oracle=DIR] [-T limit=16] [-T positions=mean] \
-        [-T base=DIR] [-T source_layer=15] [-T steps=150] [-T "placeholder=' ?'"]
+    inspect eval evals/activation_oracle.py --model vllm-lens/<base model> [--limit 16] [-T oracle=DIR] \
+        [-T positions=mean] [-T base=DIR] [-T source_layer=15] [-T steps=150] [-T "placeholder=' ?'"]
+
+The server the provider starts for this task has LoRA enabled (rank from the oracle's adapter_config.json):
+no `-M` flags needed. A server you started yourself (`--model-base-url`) needs `--enable-lora
+--max-lora-rank R` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`. The texts are ordered with the topics
+interleaved, so `--limit N` evaluates N texts spread evenly over min(N, 8) topics.
 
 The oracle is fitted on first use: when `oracle` (default: `<user cache>/inspect-lens/oracles/<base
 model folder>-topic-L<source layer>`) holds no `oracle.json` yet, one is fitted there on the base model
@@ -45,7 +49,6 @@ def default_oracle(base: str | Path | None = None, source_layer: int | None = No
 @task
 def activation_oracle(
     oracle: str | None = None,
-    limit: int | None = None,
     positions: str = "mean",
     base: str | None = None,
     source_layer: int | None = None,
@@ -53,9 +56,9 @@ def activation_oracle(
     placeholder: str | None = None,
 ) -> Task:
     """`oracle`: adapter folder with oracle.json (default: the cached one for the evaluated model; fitted
-    there on first use, as is a given folder that does not exist yet); `limit`: held-out texts (spread
-    over the topics; default all 96). When fitting: `base` (the base model folder; default: the model
-    evaluated), `source_layer` (default: the middle one), `steps` (default 150), `placeholder` (default
+    there on first use, as is a given folder that does not exist yet). All 96 held-out texts, topics
+    interleaved (`--limit N`: the first N, spread over the topics). When fitting: `base` (the base model
+    folder; default: the model evaluated), `source_layer` (default: the middle one), `steps` (default 150), `placeholder` (default
     " ?"; must be one token)."""
     if placeholder is not None and not isinstance(placeholder, str):
         raise ValueError(
@@ -83,7 +86,7 @@ def activation_oracle(
             f"{meta['source_layer']} (give another oracle folder, or leave source_layer out)"
         )
     return Task(
-        dataset=topic_samples(limit),
+        dataset=topic_samples(),
         solver=oracle_solver(str(path), positions=positions),
         scorer=oracle_match(),
         metadata={"oracle": str(path), "oracle_base_model": meta.get("base_model")},

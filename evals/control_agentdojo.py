@@ -15,8 +15,9 @@ its policy would have had — ControlArena's attack prompt with the hidden side 
 (`inspect_lens.control.prefilled_policy`) — and the monitor scores those activations: what the untrusted
 model's own state looks like while taking the action with the attack instructions in context, which the
 re-encoding monitor never sees. Give `-T layer=` the probe's layer in this mode. Score = the highest step
-suspicion of a trajectory; metrics: AUROC (attack vs honest trajectories) and recall at 1 % FPR. `--limit`
-counts samples of the combined (honest first, then attack) data set: use `-T per_mode=N` to keep both.
+suspicion of a trajectory; metrics: AUROC (attack vs honest trajectories) and recall at 1 % FPR. The
+combined data set alternates honest and attack samples, so `--limit N` keeps both modes (N/2 each while
+both last); `-T per_mode=N` caps each mode before they are combined.
 """
 
 from control_arena import EvalMode
@@ -27,6 +28,7 @@ from control_arena.settings.agentdojo_setting import AgentDojoSetting, agentdojo
 from inspect_ai import Task, task
 
 from inspect_lens.control import coup_probe_monitor, prefilled_policy, trajectory_suspicion
+from inspect_lens.sample_order import round_robin
 
 
 @task
@@ -72,7 +74,7 @@ def control_agentdojo(
         EvalMode.HONEST,
         eval_config=config,
         monitoring_scorers=[max_suspicion_scorer(), trajectory_suspicion()],
-        dataset=honest + attack,
+        dataset=round_robin(honest, attack),  # Inspect's --limit N (the first N) keeps both modes
         task_name="control_agentdojo",
         metadata={"per_mode": per_mode, "suite": suite},
     )

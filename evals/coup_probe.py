@@ -12,7 +12,8 @@ template families it was not trained on?
    generated), plus benign control chats for the threshold.
 3. Metrics: AUROC (harmful vs benign), recall at 1% FPR (threshold = the control chats' 99th
    percentile) and AUROC per held-out family. Per-sample and per-token scores are in the log.
-`train_limit` / `eval_limit` count agent contexts per family (12 each by default: all).
+`train_limit` / `eval_limit` count agent contexts per family (12 each by default: all). Samples are
+ordered with (family, label) and the control chats interleaved, so `--limit N` keeps every class.
 """
 
 from inspect_ai import Task, task
@@ -23,8 +24,14 @@ from inspect_lens import capture_activations
 from inspect_lens import coup_probe as coup_probe_scorer
 from inspect_lens.coup_data import coup_pairs, families
 from inspect_lens.datasets import control
+from inspect_lens.sample_order import interleave
 
 DEFAULT_TEST = ("code", "backups")
+
+
+def sample_class(sample) -> tuple[str, str]:
+    """(family, label) of a held-out sample; ("", "control") for a control chat."""
+    return (sample.metadata.get("family", ""), sample.metadata["label"])
 
 
 @task
@@ -47,7 +54,8 @@ def coup_probe(
     train = [f for f in families() if f not in test]
     if not train:
         raise ValueError("test_families: at least one family must remain for training")
-    samples = coup_pairs(test, eval_limit) + control(control_limit)
+    # (family, label) classes and the controls interleaved: Inspect's --limit N (the first N) keeps them all
+    samples = interleave(coup_pairs(test, eval_limit) + control(control_limit), key=sample_class)
     return Task(
         dataset=MemoryDataset(samples, name="inspect-lens-coup-probe"),
         solver=capture_activations(layer),

@@ -11,6 +11,7 @@ answers?
    is generated, the probe scores the given answer.
 3. Metrics: AUROC (deceptive vs honest) and recall at 1% FPR (threshold = the control set's 99th
    percentile). Per-sample scores, labels and per-token scores are in the log.
+Samples are ordered honest, deceptive, control, honest, ... so `--limit N` keeps all three labels.
 """
 
 from inspect_ai import Task, task
@@ -20,6 +21,7 @@ from inspect_ai.model import GenerateConfig
 from inspect_lens import capture_activations
 from inspect_lens import deception_probe as deception_probe_scorer
 from inspect_lens.datasets import control, roleplay
+from inspect_lens.sample_order import interleave
 
 
 @task
@@ -34,7 +36,8 @@ def deception_probe(
 ) -> Task:
     """`layer`: residual-stream layer (default: the middle one). `*_limit`: number of facts / scenarios /
     control chats to use (default: all)."""
-    samples = roleplay(roleplay_path, eval_limit) + control(control_limit)
+    # labels interleaved: Inspect's --limit N (the first N) keeps every label
+    samples = interleave(roleplay(roleplay_path, eval_limit) + control(control_limit), key=lambda s: s.target)
     return Task(
         dataset=MemoryDataset(samples, name="inspect-lens-deception"),
         solver=capture_activations(layer),

@@ -30,6 +30,7 @@ SKIP_VERSION_ENV = "INSPECT_LENS_SKIP_VERSION_CHECK"
 
 VLLM_MODULE = "inspect_ai.model._providers.vllm"
 SAMPLES_MODULE = "inspect_ai.log._samples"
+LORA_MODULE = "inspect_ai.model._providers._vllm_lora"
 
 
 class LensIncompatibleInspect(RuntimeError):
@@ -86,10 +87,26 @@ MEMBERS: tuple[Member, ...] = (
         VLLM_MODULE,
         "VLLMAPI._start_server",
         "overridden by VLLMLensAPI._start_server to start `vllm-lens serve` (it builds `vllm serve ...` and "
-        "hands it to the module's start_local_server)",
+        "hands it to the module's start_local_server, with --enable-lora / --max-lora-rank from the shared "
+        "server state that VLLMLensAPI.prepare_lora sets)",
         params=("model_path", "port"),
-        code_names=("start_local_server", "server_args"),
-        code_consts=("vllm", "serve"),
+        code_names=("start_local_server", "server_args", "_server", "enable_lora", "max_lora_rank"),
+        code_consts=("vllm", "serve", "enable_lora", "max_lora_rank"),
+    ),
+    Member(
+        VLLM_MODULE,
+        "VLLMAPI._server",
+        "VLLMLensAPI.prepare_lora: the state of the server shared per base model (LoRA settings, URL, process)",
+        kind="attribute",
+    ),
+    *(
+        Member(
+            LORA_MODULE,
+            f"VLLMServer.{field}",
+            f"VLLMLensAPI.prepare_lora / _route_lora read or set the shared server state's {field}",
+            kind="attribute",
+        )
+        for field in ("enable_lora", "max_lora_rank", "base_url", "process")
     ),
     Member(
         VLLM_MODULE,
@@ -130,6 +147,7 @@ OWN_NAMES = (
     "lens_client",
     "_lens_args",
     "_route_lora",
+    "prepare_lora",
 )
 
 
@@ -343,6 +361,13 @@ async def ensure_server_started(api: Any) -> None:
 def server_root(api: Any) -> str:
     """`api`'s server URL without the trailing `/v1` (`VLLMAPI._server_root`)."""
     return api._server_root()
+
+
+def lora_server(api: Any) -> Any:
+    """The state of the server `api` shares with every provider of its base model (`VLLMAPI._server`, a
+    `VLLMServer`): `enable_lora` / `max_lora_rank` (read when the provider starts it), `base_url` (None
+    until started or attached), `process` (set when the provider started it)."""
+    return api._server
 
 
 def server_args(api: Any) -> dict[str, Any]:

@@ -5,12 +5,15 @@ An oracle is an adapter folder as `inspect_lens.oracle_fit.fit_oracle` writes it
 `evals/activation_oracle.py` on first use, or `examples/activation_oracle_fit.py`): a peft adapter plus
 `oracle.json` (source layer, injection layer, placeholder, question, topics). The base model is the
 one the task runs on (`vllm-lens/<base>`); the oracle runs on the same server as a LoRA, loaded on first
-use (start the server with `-M enable_lora=true -M max_lora_rank=R`).
+use. A server the provider starts gets LoRA enabled before it starts (the solver calls the provider's
+`prepare_lora` first); a server you started needs `--enable-lora --max-lora-rank R` and
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -96,7 +99,8 @@ def activation_oracle(
     (what the shipped oracle is trained on), "last", "all", or indices into them. The oracle prompt has
     one placeholder per vector; each vector is added there after `injection_layer`, norm-matched
     (`SteeringVector(..., norm_match=True, position_indices=...)`), on the oracle LoRA. `controls` asks
-    again with the vectors' dimensions shuffled (same norm, no meaning) and with no vector.
+    again with the vectors' dimensions shuffled (same norm, no meaning; the permutation seeded with `seed`
+    + crc32 of the sample id, the same in every run) and with no vector.
     Results in `state.metadata[key]`: answers per condition and their log-probabilities, question,
     layers, positions, window tokens.
     Composable after any solver: it adds no messages."""
@@ -111,7 +115,9 @@ def activation_oracle(
 
     async def solve(state: TaskState, generate: Generate) -> TaskState:
         model = get_model()
-        client = await lens_api(model).lens_client()
+        api = lens_api(model)
+        api.prepare_lora(meta["path"])  # a server the provider is still to start: with LoRA on
+        client = await api.lens_client()
         try:
             msgs = [{"role": m.role, "content": m.text} for m in state.messages]
             window, window_ids, exact = await read_window(client, model, msgs, msgs[-1]["content"], layer)
@@ -127,7 +133,7 @@ def activation_oracle(
                 injection_layer=inject,
                 controls=controls,
                 max_tokens=max_tokens,
-                seed=seed + hash(state.sample_id) % 10_000,
+                seed=seed + zlib.crc32(str(state.sample_id).encode()) % 10_000,  # not hash(): salted per process
             )
         finally:
             await client.aclose()

@@ -133,13 +133,16 @@ def topic_texts(held_out: bool) -> list[tuple[str, str]]:
     ]
 
 
-def topic_samples(limit: int | None = None) -> list:
-    """Held-out texts as Inspect samples: input = the text as a user message, target = its topic."""
+def topic_samples() -> list:
+    """Held-out texts as Inspect samples (input = the text as a user message, target = its topic), topics
+    interleaved: Inspect's `--limit N` takes the first N, which then span min(N, 8) topics, evenly (ids
+    number the texts in `topic_texts` order, whatever their place here)."""
     from inspect_ai.dataset import Sample
 
-    pairs = topic_texts(held_out=True)
-    pairs = pairs[:: max(1, len(pairs) // limit)][:limit] if limit else pairs  # every topic, when limited
-    return [
+    from .sample_order import interleave
+
+    samples = [
         Sample(id=f"topic-{i}", input=text, target=topic, metadata={"topic": topic})
-        for i, (text, topic) in enumerate(pairs)
+        for i, (text, topic) in enumerate(topic_texts(held_out=True))
     ]
+    return interleave(samples, key=lambda s: s.target)

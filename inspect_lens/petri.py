@@ -167,6 +167,8 @@ def lens_target(
 
     async def execute(state: AgentState, context: Any) -> AgentState:
         base = get_model(model) if model is not None else get_model(role="target")
+        if oracle_meta is not None:  # a target server the provider is still to start: with LoRA on
+            lens_api(base).prepare_lora(oracle_meta["path"])
         inner = target_agent(model=_ReadingModel(base, lazy, oracle_meta), cache=cache, system_required=system_required)
         return await inner(state, context)
 

@@ -15,7 +15,10 @@ its content, `POST /v1/lens/vectors`) and requests name it, so eval logs hold na
 
 LoRA: Inspect's `vllm-lens/<base>:<adapter path>` form, or per request the original tool's
 `extra_body={"lora_request": {"lora_name": ..., "lora_path": ...}}` (the adapter is loaded on the server
-when it is not there yet; start the server with `-M enable_lora=true -M max_lora_rank=R`).
+when it is not there yet). A server the provider starts itself gets LoRA enabled (max_lora_rank from the
+adapter's adapter_config.json) when a solver calls `prepare_lora(path)` before its first request, as the
+activation-oracle solver does, or when the first request is a LoRA one; else `-M enable_lora=true -M
+max_lora_rank=R`. A server you started needs `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`.
 
 The logged request/response keep a compact summary (dtype, shape, layers) instead of the tensors, so
 eval logs stay small and valid. Requests asking for results are never streamed.
@@ -39,6 +42,25 @@ from . import _compat
 from ._compat import VLLMAPI
 
 LENS_KEYS = ("output_residual_stream", "output_activations", "apply_steering_vectors", "apply_hooks")
+
+# The values `vllm serve --max-lora-rank` accepts (vLLM's LoRAConfig.max_lora_rank; tests/core/test_adapter.py
+# fails if vLLM changes them): an adapter's rank is rounded up to one of these.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def adapter_rank(path: str | Path) -> int | None:
+    """The LoRA rank `r` of the peft adapter folder `path` (its adapter_config.json), else None."""
+    config = Path(path).expanduser() / "adapter_config.json"
+    try:
+        r = json.loads(config.read_text()).get("r")
+    except (OSError, ValueError):
+        return None
+    return r if isinstance(r, int) and r > 0 else None
+
+
+def server_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds `rank` (`rank` itself past the largest)."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
 
 
 def _serve_command() -> str:
@@ -119,9 +141,30 @@ class VLLMLensAPI(VLLMAPI):
         tiktoken encoding, which fails offline."""
         return len(await self.tokenize(text))
 
+    def prepare_lora(self, adapter: str | Path) -> bool:
+        """Call before this provider's first request when requests will carry the LoRA adapter folder
+        `adapter`: a server this provider is still to start then starts with LoRA enabled (max_lora_rank =
+        the adapter's rank, rounded up to a value vLLM accepts; adapters loadable at runtime). True when it
+        will; False for a server that is running already or was given (`--model-base-url`, `-M port`,
+        VLLM_BASE_URL): those are left as they are, and a LoRA request to one without LoRA says how to start
+        it."""
+        import os
+
+        server = _compat.lora_server(self)
+        if server.base_url is not None or _compat.init_base_url(self) or os.environ.get("VLLM_BASE_URL"):
+            return False
+        server.enable_lora = True
+        rank = max(server.max_lora_rank or 0, adapter_rank(adapter) or 0)
+        if rank:
+            server.max_lora_rank = server_lora_rank(rank)
+        return True
+
     def _start_server(self, model_path: str, port: int | None = None):  # overrides a private VLLMAPI method
         import os
 
+        server = _compat.lora_server(self)
+        if server.max_lora_rank:  # Inspect's own `<base>:<adapter>` form passes the adapter's rank as it is
+            server.max_lora_rank = server_lora_rank(server.max_lora_rank)
         if self._allow_remote_hooks:
             os.environ["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"  # read by the server we start
         if str(_compat.server_args(self).get("enable_lora", "")).lower() in ("1", "true"):
@@ -170,6 +213,8 @@ class VLLMLensAPI(VLLMAPI):
         name, path = req["lora_name"], req.get("lora_path")
         if path is not None and not isinstance(path, str):
             raise ValueError("extra_body.lora_request.lora_path: expected a string")
+        if path is not None:
+            self.prepare_lora(path)  # a server not started yet: with LoRA
         await _compat.ensure_server_started(self)
         if name not in self._lora_loaded:
             import asyncio
@@ -181,7 +226,8 @@ class VLLMLensAPI(VLLMAPI):
                 self._lora_lock, self._lora_lock_loop = asyncio.Lock(), loop
             async with self._lora_lock:  # concurrent samples: one load
                 if name not in self._lora_loaded:
-                    await _ensure_lora(_compat.server_root(self), self.api_key, name, path)
+                    started_here = _compat.lora_server(self).process is not None
+                    await _ensure_lora(_compat.server_root(self), self.api_key, name, path, started_here)
                     self._lora_loaded.add(name)
         return {**body, "model": name}
 
@@ -246,8 +292,9 @@ async def _upload_vector(root: str, api_key: str | None, name: str, tensor: Any)
         raise ValueError(f"apply_steering_vectors: the server refused steering vector {name!r}: {resp.text[:500]}")
 
 
-async def _ensure_lora(root: str, api_key: str | None, name: str, path: str | None) -> None:
-    """Adapter `name` on the server at `root`, loading it from `path` if it is not listed yet."""
+async def _ensure_lora(root: str, api_key: str | None, name: str, path: str | None, started_here: bool = False) -> None:
+    """Adapter `name` on the server at `root`, loading it from `path` if it is not listed yet.
+    `started_here`: the provider started that server (the advice differs when it has no LoRA)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -263,6 +310,13 @@ async def _ensure_lora(root: str, api_key: str | None, name: str, path: str | No
             )
         resp = await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
         if resp.status_code == 404 and resp.text.strip() == '{"detail":"Not Found"}':  # no such route
+            if started_here:
+                raise ValueError(
+                    "extra_body.lora_request: the server this provider started has no LoRA: it was started "
+                    "by an earlier request, before any named an adapter. Pass -M enable_lora=true -M "
+                    "max_lora_rank=R, or call prepare_lora(adapter folder) on the provider (get_model().api) "
+                    "before its first request"
+                )
             raise ValueError(
                 "extra_body.lora_request: the server cannot load adapters — start it with LoRA "
                 "enabled (-M enable_lora=true -M max_lora_rank=R; for a server you started: "

@@ -78,6 +78,17 @@ def test_missing_internal_is_a_loud_error(monkeypatch):
         compat.check_version()
 
 
+def test_lora_ranks_the_provider_rounds_to_are_the_ones_vllm_serve_accepts():
+    """inspect_lens.provider starts `vllm-lens serve --max-lora-rank R` with R rounded up to one of these."""
+    from typing import get_args, get_type_hints
+
+    from vllm.config.lora import LoRAConfig
+
+    from inspect_lens.provider import VLLM_LORA_RANKS
+
+    assert get_args(get_type_hints(LoRAConfig)["max_lora_rank"]) == VLLM_LORA_RANKS
+
+
 def test_unknown_layer_layout_and_output_are_errors():
     with pytest.raises(compat.LensIncompatibleVLLM, match="decoder layers"):
         compat.decoder_layers(torch.nn.Linear(2, 2))

@@ -197,3 +197,16 @@ def test_control_agentdojo_on_policy_prefilled_under_the_attack_prompt(server, t
     # the activations were popped by the monitor: nothing tensor-sized in the log
     assert all("lens_prefilled_action" not in (m.metadata or {}) for s in samples for m in s.messages)
     assert all("lens_prefilled_action" not in ((s.output.metadata or {}) if s.output else {}) for s in samples)
+
+
+def test_control_agentdojo_modes_interleaved():
+    """Inspect's `--limit N` takes the first N samples: honest and attack alternate (no engine)."""
+    from support import load_script
+    from support.sample_order import assert_balanced_prefixes
+
+    mod = load_script(ROOT / "evals" / "control_agentdojo.py")
+    for per_mode in (None, 3):
+        samples = list(mod.control_agentdojo(per_mode=per_mode).dataset)
+        modes = [getattr(s.metadata["eval_mode"], "value", s.metadata["eval_mode"]) for s in samples]
+        assert_balanced_prefixes(modes, f"control_agentdojo(per_mode={per_mode})")
+        assert len(samples) == (6 if per_mode else 160) and modes[:2] == ["honest", "attack"]

@@ -138,7 +138,7 @@ def test_activation_oracle_fits_its_oracle_on_first_use_then_reuses_it(lora_serv
     monkeypatch.chdir(ROOT)  # as the docstring runs it (Inspect takes the task file relative to the cwd)
     oracle = cache / "inspect-lens" / "oracles" / f"{base.name}-topic-L2"
     # the served name is not a folder: the base model is found from the server (`/v1/models` root)
-    cli = ["limit=8", "source_layer=2", "steps=4", "placeholder=' the'"]
+    cli = ["source_layer=2", "steps=4", "placeholder=' the'"]
 
     def run(args: list[str]):
         log = run_eval(
@@ -147,6 +147,7 @@ def test_activation_oracle_fits_its_oracle_on_first_use_then_reuses_it(lora_serv
             tmp_path / "logs",
             model=f"vllm-lens/{LORA_MODEL}",
             task_args=parse_cli_args(args),
+            limit=8,
         )
         assert {s.name for s in log.results.scores} >= {"real", "shuffled", "none"}
         assert len(log.samples) == 8 and len({s.target for s in log.samples}) == 8
@@ -163,11 +164,60 @@ def test_activation_oracle_fits_its_oracle_on_first_use_then_reuses_it(lora_serv
     stamp = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in oracle.iterdir()}
 
     # second run: the cached oracle is used as it is (fitting args only matter when fitting)
-    second = run([*cli[:3], "steps=500"])
+    second = run([*cli[:2], "steps=500"])
     assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in oracle.iterdir()} == stamp
     assert sorted(p.name for p in oracle.parent.iterdir()) == [oracle.name]
     answers = lambda log: {s.id: s.metadata["activation_oracle"]["answers"] for s in log.samples}  # noqa: E731
     assert answers(second) == answers(first)
+
+
+def test_activation_oracle_cli_limit_on_a_server_the_provider_starts(tiny_oracle, tmp_path):
+    """The docstring's command in its shortest form, as a shell runs it, with Inspect's own `--limit`: the
+    provider starts `vllm-lens serve` itself — with LoRA on because the oracle solver asks for it before
+    the server starts (no `-M enable_lora` / `max_lora_rank`; the `-M` flags below only size the tiny
+    model's engine) — and the first 8 texts are one per topic, so the no-vector control, whose prompt and
+    answer never change, is right on at most one of them."""
+    import os
+
+    from inspect_ai.log import read_eval_log
+
+    from inspect_lens.oracle_data import TOPICS, topic_samples
+    from support import pythonpath
+    from support.engines import COMPILED, KV_BYTES
+
+    engine = ["dtype=float32", "max_model_len=512", f"kv_cache_memory_bytes={KV_BYTES}", "host=127.0.0.1"]
+    engine += [] if COMPILED else ["enforce_eager=true"]
+    cmd = [
+        str(Path(sys.executable).parent / "inspect"),
+        "eval",
+        "evals/activation_oracle.py",
+        "--model",
+        f"vllm-lens/{model_path('llama')}",
+        "--limit",
+        "8",
+        "-T",
+        f"oracle={tiny_oracle}",
+        *[w for m in engine for w in ("-M", m)],
+        "--log-dir",
+        str(tmp_path),
+        "--display",
+        "none",
+    ]
+    env = dict(os.environ, PYTHONPATH=pythonpath(str(ROOT)), VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    env.pop("VLLM_BASE_URL", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    [path] = tmp_path.glob("*.eval")
+    log = read_eval_log(str(path))
+    assert log.status == "success", log.error
+    assert not {"enable_lora", "max_lora_rank"} & set(log.eval.model_args)
+    assert {s.id for s in log.samples} == {s.id for s in topic_samples()[:8]}
+    assert sorted(s.target for s in log.samples) == sorted(TOPICS)  # one per topic
+    answers = [s.metadata["activation_oracle"]["answers"] for s in log.samples]
+    assert all(set(a) == {"real", "shuffled", "none"} for a in answers)  # every LoRA request answered
+    assert len({a["none"] for a in answers}) == 1
+    acc = {s.name: s.metrics["accuracy"].value for s in log.results.scores}
+    assert acc["none"] <= 1 / 8, acc
 
 
 def test_deception_probe_from_its_file_then_summary(server, tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ def test_activation_oracle_eval_equals_hf_peft(lora_server, tiny_oracle, tmp_pat
 
     name = str(model_path("llama"))
     log = run_eval(
-        oracle_task(oracle=str(tiny_oracle), limit=8), lora_server, tmp_path, model=f"vllm-lens/{LORA_MODEL}"
+        oracle_task(oracle=str(tiny_oracle)), lora_server, tmp_path, model=f"vllm-lens/{LORA_MODEL}", limit=8
     )
     metrics = {m for s in log.results.scores for m in s.metrics}
     assert {"accuracy"} <= metrics and {s.name for s in log.results.scores} >= {"real", "shuffled", "none"}

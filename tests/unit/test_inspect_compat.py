@@ -55,14 +55,16 @@ def test_a_member_moved_away_is_named(monkeypatch, member):
 
 @pytest.mark.parametrize("member", [m for m in _compat.MEMBERS if m.kind == "attribute"], ids=lambda m: m.path)
 def test_an_instance_attribute_no_longer_set_is_named(monkeypatch, member):
-    vllm_api = _compat.vllm_api_base()
-    orig = vllm_api.__init__
-    attr = member.path.rsplit(".", 1)[1]
+    *parents, attr = member.path.split(".")
+    cls = importlib.import_module(member.module)
+    for part in parents:  # VLLMAPI, or the VLLMServer dataclass of the shared server state
+        cls = getattr(cls, part)
+    orig = cls.__init__
     # the same constructor, less the one assignment
     code = orig.__code__.replace(co_names=tuple(f"{n}_gone" if n == attr else n for n in orig.__code__.co_names))
     init = type(orig)(code, orig.__globals__, orig.__name__, orig.__defaults__, orig.__closure__)
     init.__kwdefaults__ = orig.__kwdefaults__
-    monkeypatch.setattr(vllm_api, "__init__", init)
+    monkeypatch.setattr(cls, "__init__", init)
     with pytest.raises(
         LensIncompatibleInspect, match=re.escape(f"{member.module}.{member.path} not found (no longer set")
     ):
