@@ -174,3 +174,15 @@ def test_capture_admission_reads_the_model_config_and_vllm_maps_refusals_to_stat
     assert isinstance(err, ValueError) and err.http_status == HTTPStatus.SERVICE_UNAVAILABLE
     with pytest.raises(compat.LensIncompatibleVLLM, match="max_model_len"):
         compat.model_capture_limits(SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
+
+
+def test_offline_extract_internals(llama):
+    """`vllm-lens extract` builds its engine from `vllm serve` flags and reads the served model."""
+    from support.engines import model_path
+
+    path = str(model_path("llama"))
+    args = compat.engine_args_from_cli(path, ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager"])
+    assert (args.model, args.dtype, args.max_model_len, args.enforce_eager) == (path, "float32", 256, True)
+    name, dtype, max_len = compat.served_model(compat.processor_of_llm(llama))
+    assert name.endswith("tiny-llama") and dtype == torch.float32 and max_len == 512
+    assert compat.llm_busy(llama) is False

@@ -127,7 +127,7 @@ def _keep(tok: inp.Tokenized, out: Any, positions: str, points: dict, dtype: tor
         "start": start,
         "n_positions": n,
         "n_prompt": n_prompt,
-        "token_ids": list(tok.token_ids) + generated,
+        "token_ids": (list(tok.token_ids) + generated)[:n_run],  # the tokens of the positions that ran
     }
     return record, kept
 
@@ -224,8 +224,9 @@ def extract(
     t0 = time.perf_counter()
     todo = (r for r in inp.rows(input, positions, max_tokens) if inp._id_key(r.id) not in done)
     pending: inp.Row | None = None
+    bad: inp.ExtractInputError | None = None
     try:
-        while True:
+        while bad is None:
             chunk: list[inp.Tokenized] = []
             size = 0
             while len(chunk) < MAX_CHUNK_ROWS:
@@ -234,7 +235,11 @@ def extract(
                 if row is None:
                     break
                 tok = inp.tokenize(tokenizer, [row])[0]
-                _check_length(input, tok, max_tokens, max_len, row_bytes, per_request)
+                try:
+                    _check_length(input, tok, max_tokens, max_len, row_bytes, per_request)
+                except inp.ExtractInputError as e:
+                    bad = e  # the rows before it are extracted and written first: nothing done is lost
+                    break
                 need = row_bytes * (len(tok.token_ids) + max_tokens - 1)
                 if chunk and size + need > chunk_bytes:
                     pending = row  # starts the next chunk
@@ -251,7 +256,7 @@ def extract(
             for i, tok in enumerate(chunk):
                 record, kept = _keep(tok, outs[i], positions, wanted, out_dtype)
                 outs[i] = None  # this row's result memory goes back to the workers once `kept` is made
-                stats["tokens"] += len(record["token_ids"]) - 1
+                stats["tokens"] += len(record["token_ids"])
                 writer.add(record, kept)
                 stats["extracted"] += 1
             del outs
@@ -259,6 +264,8 @@ def extract(
             bar.set_postfix_str(f"{stats['tokens'] / max(elapsed, 1e-9):,.0f} tok/s, {writer.n} shards", refresh=False)
             bar.update(len(chunk))
         writer.flush()
+        if bad is not None:
+            raise bad
     except BaseException:
         # rows already copied out are complete: keep them (a resumed run skips them)
         try:
