@@ -206,3 +206,15 @@ def test_server_api_keys_are_read_where_vllm_reads_them(monkeypatch):
     assert compat.api_keys(SimpleNamespace(api_key=None)) == []
     with pytest.raises(compat.LensIncompatibleVLLM, match="api_key"):
         compat.api_keys(SimpleNamespace())
+
+
+def test_offline_extract_internals(llama):
+    """`vllm-lens extract` builds its engine from `vllm serve` flags and reads the served model."""
+    from support.engines import model_path
+
+    path = str(model_path("llama"))
+    args = compat.engine_args_from_cli(path, ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager"])
+    assert (args.model, args.dtype, args.max_model_len, args.enforce_eager) == (path, "float32", 256, True)
+    name, dtype, max_len = compat.served_model(compat.processor_of_llm(llama))
+    assert name.endswith("tiny-llama") and dtype == torch.float32 and max_len == 512
+    assert compat.llm_busy(llama) is False

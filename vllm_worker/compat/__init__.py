@@ -5,8 +5,9 @@ If vLLM moves something we rely on, `check()` (plugin load) and the worker's own
 `engine` (engine construction, plugins), `requests` (per-request frontend hooks, outputs, RPC), `errors`
 (exception classes vLLM maps to HTTP codes), `request_ids` (how vLLM names requests), `runner` (the
 worker's model runner and CUDA-graph dispatch), `model` (decoder-layer list, parameters across ranks), `layouts` (where each family's inner points are),
-`cpu_lora` (a vLLM-CPU LoRA fix), `data_parallel` (which of several engine cores ran a request, RPC to
-one or all of them). `tests/engine/test_adapter.py` exercises each against the installed vLLM.
+`offline` (what `vllm-lens extract` reads from and builds with vLLM), `cpu_lora` (a vLLM-CPU LoRA fix),
+`data_parallel` (which of several engine cores ran a request, RPC to one or all of them).
+`tests/core/test_adapter.py` exercises each against the installed vLLM.
 """
 
 from vllm_worker.compat.cpu_lora import (  # noqa: F401
@@ -54,6 +55,12 @@ from vllm_worker.compat.model import (  # noqa: F401
     layer_inputs,
     pp_share,
     residual_parts,
+)
+from vllm_worker.compat.offline import (  # noqa: F401
+    engine_args_from_cli,
+    llm_busy,
+    llm_from_engine_args,
+    served_model,
 )
 from vllm_worker.compat.request_ids import (  # noqa: F401
     child_index,

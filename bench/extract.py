@@ -1,0 +1,210 @@
+"""Bulk extraction at flat memory: N short prompts (default 10,000) through `vllm_worker.extract.extract`
+on one in-process engine, the process's RSS sampled every 0.2 s, against plain generation of the same
+prompts (`LLM.generate`, max_tokens=1, nothing captured) on the same engine; repeats interleaved.
+
+    .venv/bin/python bench/extract.py [--model tiny|smollm2|PATH] [--rows 10000] [--layers 2] \
+        [--positions all] [--max-ram-gb 0.25] [--repeats 2] [--out bench/results/F.json]
+
+Prints a markdown table (throughput, ratio, RSS at each tenth of the run, growth over the second half).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+WORDS = (
+    "the water of people will come down to the side how many first time was said each word "
+    "long make thing see him two has look more day could go come did number sound no most"
+).split()
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+
+
+class Sampler:
+    """RSS every `every` seconds in a thread, with the rows done so far (set by the caller)."""
+
+    def __init__(self, every: float = 0.2) -> None:
+        self.every, self.rows, self.samples = every, 0, []
+        self._stop = threading.Event()
+        self.t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter() - self.t0, self.rows, rss_mb()))
+            self._stop.wait(self.every)
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.perf_counter() - self.t0, self.rows, rss_mb()))
+        return self.samples
+
+
+def corpus(path: Path, n: int) -> None:
+    with path.open("w") as f:
+        for i in range(n):
+            k = 6 + i % 11
+            f.write(json.dumps({"id": i, "prompt": " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(k))}))
+            f.write("\n")
+
+
+def model_of(name: str) -> str:
+    if name == "tiny":
+        from support.engines import model_path
+
+        return str(model_path("llama"))
+    if name == "smollm2":
+        from vllm_worker.shipped_model import shipped_model_path
+
+        return str(shipped_model_path())
+    return name
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--rows", type=int, default=10000)
+    ap.add_argument("--layers", default="2")
+    ap.add_argument("--positions", default="all")
+    ap.add_argument("--max-ram-gb", type=float, default=0.25)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's compiled mode)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import conftest  # noqa: F401  (test models, offline settings)
+    from vllm import LLM, SamplingParams
+
+    from vllm_worker.extract import extract
+
+    work = Path(tempfile.mkdtemp(prefix="lens-extract-bench-"))
+    src = work / "prompts.jsonl"
+    corpus(src, args.rows)
+    lines = [json.loads(l) for l in src.read_text().splitlines()]
+    model = model_of(args.model)
+    t = time.perf_counter()
+    llm = LLM(
+        model, dtype="float32", max_model_len=512, seed=0, enforce_eager=args.eager, kv_cache_memory_bytes=256 << 20
+    )
+    start_s = time.perf_counter() - t
+    layers = [int(x) for x in args.layers.split(",")]
+    prompts = [r["prompt"] for r in lines]
+    sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+    llm.generate(prompts[:64], sp, use_tqdm=False)  # warm-up
+    runs: list[dict] = []
+    for rep in range(args.repeats):
+        sampler = Sampler()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        plain_s = time.perf_counter() - t
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        del outs
+        runs.append({"kind": "plain", "rep": rep, "s": plain_s, "tokens": tokens, "rss": sampler.stop()})
+
+        out = work / f"acts-{rep}"
+        shutil.rmtree(out, ignore_errors=True)
+        sampler = Sampler()
+
+        def on_shard(shard: int, rows: int, s: Sampler = sampler) -> None:
+            s.rows += rows
+
+        t = time.perf_counter()
+        stats = extract(
+            llm,
+            src,
+            out,
+            layers=layers,
+            positions=args.positions,
+            max_ram_gb=args.max_ram_gb,
+            progress=False,
+            on_shard=on_shard,
+        )
+        ext_s = time.perf_counter() - t
+        size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+        runs.append(
+            {
+                "kind": "extract",
+                "rep": rep,
+                "s": ext_s,
+                "tokens": stats["tokens"],
+                "stats": stats,
+                "bytes": size,
+                "rss": sampler.stop(),
+            }
+        )
+        print(
+            f"rep {rep}: plain {plain_s:.1f}s, extract {ext_s:.1f}s ({stats['chunks']} chunks, {stats['shards']} shards, {size / 2**20:.0f} MiB)",
+            file=sys.stderr,
+        )
+    shutil.rmtree(work, ignore_errors=True)
+
+    report = {
+        "model": model,
+        "rows": args.rows,
+        "layers": layers,
+        "positions": args.positions,
+        "max_ram_gb": args.max_ram_gb,
+        "engine_start_s": start_s,
+        "eager": args.eager,
+        "runs": runs,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    print(table(report))
+
+
+def table(report: dict) -> str:
+    runs = report["runs"]
+    plain = sorted(r["s"] for r in runs if r["kind"] == "plain")
+    ext = sorted(r["s"] for r in runs if r["kind"] == "extract")
+    tok = runs[0]["tokens"]
+    lines = [
+        f"{report['rows']:,} prompts ({tok:,} tokens), model {Path(report['model']).name}, layers {report['layers']}, "
+        f"positions {report['positions']}, --max-ram-gb {report['max_ram_gb']}",
+        "",
+        "| run | seconds (each repeat) | tokens/s (best) | vs plain |",
+        "|---|---|---|---|",
+        f"| plain `LLM.generate` (max_tokens=1) | {', '.join(f'{s:.1f}' for s in plain)} | {tok / plain[0]:,.0f} | 1.00x |",
+        f"| extract | {', '.join(f'{s:.1f}' for s in ext)} | {tok / ext[0]:,.0f} | {plain[0] / ext[0]:.2f}x |",
+        "",
+        "RSS (MiB) of the process during each extraction, at each tenth of the run's rows:",
+        "",
+        "| repeat | start | " + " | ".join(f"{10 * i}%" for i in range(1, 11)) + " | max | growth over 2nd half |",
+        "|---|---|" + "---|" * 12,
+    ]
+    for r in (r for r in runs if r["kind"] == "extract"):
+        s = r["rss"]
+        n = report["rows"]
+        at = []
+        for i in range(1, 11):
+            hit = [x for x in s if x[1] >= n * i / 10]
+            at.append(hit[0][2] if hit else s[-1][2])
+        half = [x[2] for x in s if x[1] >= n / 2]
+        growth = half[-1] - half[0] if half else 0.0
+        lines.append(
+            f"| {r['rep']} | {s[0][2]:.0f} | "
+            + " | ".join(f"{v:.0f}" for v in at)
+            + f" | {max(x[2] for x in s):.0f} | {growth:+.1f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

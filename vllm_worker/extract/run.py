@@ -1,0 +1,302 @@
+"""Bulk extraction on an offline `vllm.LLM`: the corpus goes through the engine in chunks whose captures,
+at their largest, fit a share of the RAM budget; each chunk's rows are cut to the positions kept,
+copied out of the shared-memory results (which then go back to the workers for reuse) and appended to
+the current shard, written when it reaches its share of the budget. So host memory stays bounded
+whatever the corpus size, and a crash or Ctrl-C loses at most the rows in flight (on Ctrl-C and on an
+error, rows already done are written first).
+
+Budget (`max_ram_gb` = B): captures in flight <= B/2 (also <= VLLM_LENS_MAX_STORED_GB), one shard being
+filled <= min(B/4, 1 GiB); the rest is headroom for the rows' token ids and Python objects. A single
+row larger than its share goes alone.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from vllm_worker import compat
+from vllm_worker.envs import limit
+from vllm_worker.extract import inputs as inp
+from vllm_worker.extract import shards as sh
+from vllm_worker.protocol.points import K, Q, Z
+from vllm_worker.protocol.spec import ACTIVATIONS_KEY, capture_points, capture_sites
+
+OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MAX_CHUNK_ROWS = 8192  # progress and tokenisation granularity; memory is bounded by bytes, not rows
+MAX_SHARD_BYTES = 1 << 30
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in OUT_DTYPES.items()}[dtype]
+
+
+def _row_width(points: dict[str, list[int]], shape: Any) -> int:
+    """Values per captured row (z / q / k are as wide as their heads)."""
+    width = shape.d_model
+    if Z in points or Q in points:
+        width = max(width, shape.n_heads * shape.d_head)
+    if K in points:
+        width = max(width, shape.n_kv_heads * shape.d_head)
+    return width
+
+
+class _Writer:
+    """The shard being filled and the ones already written."""
+
+    def __init__(self, out: Path, next_shard: int, shard_bytes: int, meta: dict, on_shard: Callable | None):
+        self.out, self.n, self.limit, self.meta, self.on_shard = out, next_shard, shard_bytes, meta, on_shard
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.rows: list[dict] = []
+        self.bytes = 0
+        self.written = 0
+
+    def add(self, record: dict, kept: dict[str, torch.Tensor]) -> None:
+        i = len(self.rows)
+        record["tensors"] = {}
+        for point, t in kept.items():
+            key = f"{i}.{point}"
+            self.tensors[key] = t
+            record["tensors"][point] = key
+            self.bytes += t.numel() * t.element_size()
+        self.rows.append(record)
+        if self.bytes >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        name = sh.shard_name(self.n)
+        sh.write_safetensors(self.out / f"{name}.safetensors", self.tensors, {"format": sh.FORMAT})
+        sh.write_json(self.out / f"{name}.json", {"rows": self.rows})  # written last: the shard is finished
+        done = len(self.rows)
+        self.tensors, self.rows, self.bytes = {}, [], 0
+        self.n += 1
+        self.written += 1
+        if self.on_shard is not None:
+            self.on_shard(self.n - 1, done)
+
+
+def _check_meta(out: Path, meta: dict) -> None:
+    path = out / sh.META
+    if not path.exists():
+        sh.write_json(path, meta)
+        return
+    import json
+
+    old = json.loads(path.read_text())
+    for key in ("format", "model", "points", "positions", "dtype", "max_tokens"):
+        if old.get(key) != meta.get(key):
+            raise ValueError(
+                f"{out} holds an extraction made with {key}={old.get(key)!r}, not {meta.get(key)!r}: "
+                "resume with the same settings, or write to another folder"
+            )
+
+
+def _keep(tok: inp.Tokenized, out: Any, positions: str, points: dict, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(row record, {point: kept tensor}) of one finished request; the tensors are copies, so the
+    shared-memory result they came from can go back to the workers."""
+    acts = out.activations
+    if acts is None:
+        raise RuntimeError(f"inspect-lens extract: no activations came back for id {tok.row.id!r}")
+    generated = list(out.outputs[0].token_ids)
+    n_prompt = len(tok.token_ids)
+    n_run = n_prompt + len(generated) - 1  # the last generated token is never fed back
+    if positions == "all":
+        start, n = 0, n_run
+    elif positions == "last":
+        start, n = n_run - 1, 1
+    else:
+        start = min(tok.answer_start, n_run)
+        n = n_run - start
+    kept = {}
+    for point in points:
+        t = acts[point]
+        if t.shape[1] != n_run:
+            raise RuntimeError(
+                f"inspect-lens extract: id {tok.row.id!r}: {point} has {t.shape[1]} positions, expected {n_run}"
+            )
+        src = t[:, start : start + n]
+        kept[point] = torch.empty(src.shape, dtype=dtype).copy_(src)
+    record = {
+        "id": tok.row.id,
+        "line": tok.row.line,
+        "start": start,
+        "n_positions": n,
+        "n_prompt": n_prompt,
+        "token_ids": (list(tok.token_ids) + generated)[:n_run],  # the tokens of the positions that ran
+    }
+    return record, kept
+
+
+def extract(
+    llm: Any,
+    input: inp.Source,
+    out: str | Path,
+    *,
+    layers: list[int] | str,
+    points: list[str] | tuple[str, ...] = ("resid_post",),
+    positions: str = "all",
+    dtype: str | None = None,
+    max_ram_gb: float = 4.0,
+    max_tokens: int = 1,
+    progress: bool = True,
+    on_shard: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Extract activations of every row of `input` (a JSONL path, or a list of `{"id", "prompt" |
+    "messages"}`) at `points` x `layers` into the folder `out`; resumes what a previous run there
+    finished. Returns a summary (rows, chunks, shards, tokens, seconds, budgets).
+
+    `positions`: "all" (every position that ran), "last" (the last one), "answer" (the assistant's reply:
+    the final assistant message's tokens and the generated ones — docs/extraction.md). `max_tokens` 1
+    reads the prompt only; more generates greedily and keeps the generated positions too. `dtype`: of the
+    stored tensors (default: the model's). `on_shard(shard, rows)` runs after each shard is written."""
+    if positions not in inp.POSITIONS:
+        raise ValueError(f"positions: expected one of {', '.join(inp.POSITIONS)}, got {positions!r}")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"max_tokens: expected a whole number >= 1, got {max_tokens!r}")
+    if not (isinstance(max_ram_gb, (int, float)) and max_ram_gb > 0):
+        raise ValueError(f"max_ram_gb: expected a positive number, got {max_ram_gb!r}")
+    if dtype is not None and dtype not in OUT_DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
+    if isinstance(points, str):
+        points = [p for p in points.split(",") if p]
+    if not points:
+        raise ValueError("points: expected at least one hook point")
+
+    from vllm import SamplingParams
+
+    from vllm_worker.frontend.requests import shape_of
+
+    if compat.llm_busy(llm):
+        raise ValueError("extract: this LLM still has unfinished requests (an interrupted generate?); use a fresh LLM")
+    processor = compat.processor_of_llm(llm)
+    shape = shape_of(processor)
+    wanted = capture_points({p: layers for p in points}, shape)  # ValueError naming the field
+    model, model_dtype, max_len = compat.served_model(processor)
+    out_dtype = OUT_DTYPES[dtype] if dtype else model_dtype
+    if out_dtype not in sh.DTYPES:
+        raise ValueError(f"dtype: the model's {model_dtype} cannot be stored; pass dtype")
+    n_sites = len(capture_sites(wanted))
+    row_bytes = _row_width(wanted, shape) * n_sites * torch.empty((), dtype=model_dtype).element_size()
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": sh.FORMAT,
+        "model": model,
+        "points": wanted,
+        "layers": sorted({l for ls in wanted.values() for l in ls}),
+        "positions": positions,
+        "dtype": _dtype_name(out_dtype),
+        "max_tokens": max_tokens,
+        "d_model": shape.d_model,
+    }
+    _check_meta(out, meta)
+
+    total = inp.scan(input, positions, max_tokens)  # every line checked before anything runs
+    sh.clean_unfinished(out)
+    done_shards = sh.finished_shards(out)
+    done = {inp._id_key(r["id"]) for r in sh.iter_rows(out)}
+
+    ram = int(max_ram_gb * (1 << 30))
+    chunk_bytes = max(1, min(ram // 2, int(limit("VLLM_LENS_MAX_STORED_GB") * 0.9)))
+    shard_bytes = max(1, min(ram // 4, MAX_SHARD_BYTES))
+    per_request = limit("VLLM_LENS_MAX_CAPTURE_GB")
+    writer = _Writer(out, (done_shards[-1] + 1) if done_shards else 0, shard_bytes, meta, on_shard)
+    tokenizer = llm.get_tokenizer()
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, extra_args={ACTIVATIONS_KEY: wanted})
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=len(done), unit="row", desc="extract", dynamic_ncols=True, disable=not progress)
+    stats: dict[str, Any] = {
+        "rows": total,
+        "skipped": len(done),
+        "extracted": 0,
+        "chunks": 0,
+        "tokens": 0,
+        "max_chunk_bytes": 0,
+    }
+    t0 = time.perf_counter()
+    todo = (r for r in inp.rows(input, positions, max_tokens) if inp._id_key(r.id) not in done)
+    pending: inp.Row | None = None
+    bad: inp.ExtractInputError | None = None
+    try:
+        while bad is None:
+            chunk: list[inp.Tokenized] = []
+            size = 0
+            while len(chunk) < MAX_CHUNK_ROWS:
+                row = pending if pending is not None else next(todo, None)
+                pending = None
+                if row is None:
+                    break
+                tok = inp.tokenize(tokenizer, [row])[0]
+                try:
+                    _check_length(input, tok, max_tokens, max_len, row_bytes, per_request)
+                except inp.ExtractInputError as e:
+                    bad = e  # the rows before it are extracted and written first: nothing done is lost
+                    break
+                need = row_bytes * (len(tok.token_ids) + max_tokens - 1)
+                if chunk and size + need > chunk_bytes:
+                    pending = row  # starts the next chunk
+                    break
+                chunk.append(tok)
+                size += need
+            if not chunk:
+                break
+            stats["chunks"] += 1
+            stats["max_chunk_bytes"] = max(stats["max_chunk_bytes"], size)
+            outs = llm.generate([{"prompt_token_ids": t.token_ids} for t in chunk], sp, use_tqdm=False)
+            if len(outs) != len(chunk) or any(list(o.prompt_token_ids) != t.token_ids for o, t in zip(outs, chunk)):
+                raise RuntimeError("inspect-lens extract: the LLM answered other requests than this chunk's")
+            for i, tok in enumerate(chunk):
+                record, kept = _keep(tok, outs[i], positions, wanted, out_dtype)
+                outs[i] = None  # this row's result memory goes back to the workers once `kept` is made
+                stats["tokens"] += len(record["token_ids"])
+                writer.add(record, kept)
+                stats["extracted"] += 1
+            del outs
+            elapsed = time.perf_counter() - t0
+            bar.set_postfix_str(f"{stats['tokens'] / max(elapsed, 1e-9):,.0f} tok/s, {writer.n} shards", refresh=False)
+            bar.update(len(chunk))
+        writer.flush()
+        if bad is not None:
+            raise bad
+    except BaseException:
+        # rows already copied out are complete: keep them (a resumed run skips them)
+        try:
+            writer.flush()
+        finally:
+            bar.close()
+        raise
+    bar.close()
+    stats["index_rows"] = sh.write_index(out, meta)
+    stats.update(
+        seconds=time.perf_counter() - t0,
+        shards=len(sh.finished_shards(out)),
+        shards_written=writer.written,
+        chunk_bytes=chunk_bytes,
+        shard_bytes=shard_bytes,
+        out=str(out),
+    )
+    return stats
+
+
+def _check_length(src: inp.Source, tok: inp.Tokenized, max_tokens: int, max_len: int, row_bytes: int, cap: int):
+    where = inp._where(src, tok.row.line)
+    n = len(tok.token_ids)
+    if n == 0:
+        raise inp.ExtractInputError(f"{where}: the prompt has no tokens")
+    if n + max_tokens > max_len:
+        raise inp.ExtractInputError(
+            f"{where}: {n} prompt tokens + max_tokens {max_tokens} exceed the engine's max_model_len {max_len}"
+        )
+    if row_bytes * (n + max_tokens - 1) > cap:
+        raise inp.ExtractInputError(
+            f"{where}: its capture needs {row_bytes * (n + max_tokens - 1) / 2**30:.2f} GiB, above "
+            f"VLLM_LENS_MAX_CAPTURE_GB ({cap / 2**30:.2f} GiB)"
+        )

@@ -1,0 +1,168 @@
+"""The output folder of an extraction: safetensors shards written atomically beside a JSON list of their
+rows, the run's settings (`meta.json`, checked when a run resumes) and the merged `index.json`.
+
+    DIR/meta.json                    settings of the run (model, points and layers, positions, dtype, ...)
+    DIR/shard-00000.safetensors      one tensor per row and point: "<row in shard>.<point>"
+    DIR/shard-00000.json             that shard's rows: id, line, tensors, start, n_positions, token ids
+    DIR/index.json                   every row, in input order, with its shard (written when the run ends)
+
+A shard counts as finished once its `.json` exists: it is written (temporary file, fsync, rename) after
+the tensors' file was renamed into place, so a crash at any moment leaves finished shards whole and at
+most an orphan that the next run removes. Shards are written here, not with the `safetensors` package,
+so no whole shard is ever serialised in memory twice; the files are standard safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+FORMAT = "inspect-lens-extract/1"
+META, INDEX = "meta.json", "index.json"
+DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+}
+TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+
+
+def shard_name(n: int) -> str:
+    return f"shard-{n:05d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, write: Any) -> None:
+    """`write(file)` into `path.tmp`, fsync, rename over `path`: readers see the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_atomic(path, lambda f: f.write(json.dumps(obj, separators=(",", ":")).encode()))
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+    """A standard safetensors file (little-endian header length, JSON header padded to 8 bytes, raw data),
+    written tensor by tensor; returns its size."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    off = 0
+    for name, t in tensors.items():
+        if t.dtype not in DTYPES:
+            raise ValueError(f"safetensors: unsupported dtype {t.dtype} for {name}")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+
+    def write(f: Any) -> None:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for t in tensors.values():
+            f.write(_bytes_of(t))
+
+    write_atomic(path, write)
+    return 8 + len(head) + off
+
+
+class MappedShard:
+    """A safetensors file mapped read-only (copy-on-write: tensors over it never change the file);
+    `tensor(name)` is a zero-copy view, read from disk only when touched."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            self.header: dict[str, Any] = json.loads(f.read(n))
+        self.metadata = self.header.pop("__metadata__", {})
+        self.data_start = 8 + n
+        self.map = np.memmap(path, dtype=np.uint8, mode="c")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        h = self.header[name]
+        b, e = h["data_offsets"]
+        raw = self.map[self.data_start + b : self.data_start + e]
+        dtype = TORCH_DTYPES[h["dtype"]]
+        if e == b:
+            return torch.empty(h["shape"], dtype=dtype)
+        return torch.from_numpy(raw).view(dtype).view(h["shape"])
+
+
+def finished_shards(out: Path) -> list[int]:
+    """Numbers of the shards whose rows file exists, ascending."""
+    found = []
+    for p in out.glob("shard-*.json"):
+        try:
+            found.append(int(p.stem.split("-", 1)[1]))
+        except ValueError:
+            continue
+    return sorted(found)
+
+
+def clean_unfinished(out: Path) -> list[str]:
+    """Remove what an interrupted run left half-written: temporary files and tensor files whose rows file
+    was never written. Returns the names removed."""
+    done = {shard_name(n) for n in finished_shards(out)}
+    gone = []
+    for p in list(out.glob("*.tmp")) + [p for p in out.glob("shard-*.safetensors") if p.stem not in done]:
+        p.unlink(missing_ok=True)
+        gone.append(p.name)
+    return gone
+
+
+def shard_rows(out: Path, n: int) -> list[dict]:
+    return json.loads((out / f"{shard_name(n)}.json").read_text())["rows"]
+
+
+def iter_rows(out: Path) -> Iterator[dict]:
+    """Every finished row, shard by shard (one shard's list in memory at a time)."""
+    for n in finished_shards(out):
+        for r in shard_rows(out, n):
+            yield {**r, "shard": f"{shard_name(n)}.safetensors"}
+
+
+def write_index(out: Path, meta: dict) -> int:
+    """`index.json` from the finished shards, streamed (never the whole corpus in memory); returns rows."""
+    count = 0
+
+    def write(f: Any) -> None:
+        nonlocal count
+        head = json.dumps({**meta, "complete": True}, separators=(",", ":"))
+        f.write(head[:-1].encode() + b',"rows":[')
+        for i, r in enumerate(iter_rows(out)):
+            f.write((b"," if i else b"") + json.dumps(r, separators=(",", ":")).encode())
+            count += 1
+        f.write(b"]}")
+
+    write_atomic(out / INDEX, write)
+    return count
