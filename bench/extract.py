@@ -4,6 +4,7 @@ prompts (`LLM.generate`, max_tokens=1, nothing captured) on the same engine; rep
 
     .venv/bin/python bench/extract.py [--model tiny|smollm2|PATH] [--rows 10000] [--layers 2] \
         [--positions all] [--max-ram-gb 0.25] [--repeats 2] [--out bench/results/F.json]
+    # the lent GPU (a model folder, random weights of its shape): --device cuda --dtype bfloat16 --dummy
 
 Prints a markdown table (throughput, ratio, RSS at each tenth of the run, growth over the second half).
 """
@@ -86,10 +87,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's compiled mode)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dummy", action="store_true", help="random weights of the model folder's shape")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    import conftest  # noqa: F401  (test models, offline settings)
+    if args.model in ("tiny", "smollm2"):
+        import conftest  # noqa: F401  (test models, offline settings)
     from vllm import LLM, SamplingParams
 
     from vllm_worker.extract import extract
@@ -100,9 +105,12 @@ def main() -> None:
     lines = [json.loads(l) for l in src.read_text().splitlines()]
     model = model_of(args.model)
     t = time.perf_counter()
-    llm = LLM(
-        model, dtype="float32", max_model_len=512, seed=0, enforce_eager=args.eager, kv_cache_memory_bytes=256 << 20
-    )
+    kw: dict = {"load_format": "dummy"} if args.dummy else {}
+    if args.device == "cpu":
+        kw["kv_cache_memory_bytes"] = 256 << 20
+    else:
+        kw["gpu_memory_utilization"] = 0.5
+    llm = LLM(model, dtype=args.dtype, max_model_len=512, seed=0, enforce_eager=args.eager, **kw)
     start_s = time.perf_counter() - t
     layers = [int(x) for x in args.layers.split(",")]
     prompts = [r["prompt"] for r in lines]
@@ -163,6 +171,8 @@ def main() -> None:
         "max_ram_gb": args.max_ram_gb,
         "engine_start_s": start_s,
         "eager": args.eager,
+        "device": args.device,
+        "dtype": args.dtype,
         "runs": runs,
     }
     if args.out:

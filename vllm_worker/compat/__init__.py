@@ -20,6 +20,7 @@ from vllm_worker.compat.data_parallel import (  # noqa: F401
     engines_of,
     forget_routes,
     patch_dp_routing,
+    routing_unavailable,
 )
 from vllm_worker.compat.engine import (  # noqa: F401
     add_llm_methods,

@@ -6,10 +6,16 @@ RPC to every engine with every engine's answers."""
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Callable
 
-from vllm_worker.compat.version import require, wrap
+from vllm_worker.compat.version import LensIncompatibleVLLM, require, wrap
+
+logger = logging.getLogger("vllm_worker")
+# why results cannot be routed between data-parallel engines on this vLLM (its client lacks what we use):
+# every other feature still loads, and a request that wants results from several engines is refused
+_UNAVAILABLE: list[str] = []
 
 # client -> {our request key: indices of the engines vLLM routed it to (the samples of an n > 1 request are
 # requests of their own, each routed)}; entries leave when fetched or aborted
@@ -26,7 +32,14 @@ def dp_client_cls() -> type:
 
 def patch_dp_routing(key_of: Callable[[Any], str | None]) -> None:
     """Remember the engine vLLM picks for every request whose results we will fetch (`key_of(request)`: our
-    key in its payload, or None)."""
+    key in its payload, or None). On a vLLM whose DP client lacks what this needs, nothing is patched and
+    results from several engines are refused (`routing_unavailable`), never a plugin that fails to load."""
+    try:
+        cls = dp_client_cls()
+    except (ImportError, LensIncompatibleVLLM) as e:
+        _UNAVAILABLE[:] = [str(e)]
+        logger.warning("inspect-lens: data-parallel result routing unavailable (%s)", e)
+        return
 
     def make(orig: Callable) -> Callable:
         def get_core_engine_for_request(self, request, *args, **kwargs):
@@ -41,7 +54,12 @@ def patch_dp_routing(key_of: Callable[[Any], str | None]) -> None:
 
         return get_core_engine_for_request
 
-    wrap(dp_client_cls(), "get_core_engine_for_request", make)
+    wrap(cls, "get_core_engine_for_request", make)
+
+
+def routing_unavailable() -> str | None:
+    """Why results cannot be fetched from several data-parallel engines on this vLLM; None when they can."""
+    return _UNAVAILABLE[0] if _UNAVAILABLE else None
 
 
 def _dp_client(engine_client: Any) -> Any:
@@ -50,9 +68,11 @@ def _dp_client(engine_client: Any) -> Any:
     client = getattr(engine_client, "engine_core", None)
     if client is None:
         return None
+    if _UNAVAILABLE:
+        return None
     try:
         cls = dp_client_cls()
-    except ImportError:
+    except (ImportError, LensIncompatibleVLLM):
         return None
     return client if isinstance(client, cls) else None
 

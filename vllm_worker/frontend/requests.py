@@ -130,6 +130,13 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
         raise compat.validation_error_cls()(str(e), parameter=f"vllm_xargs.{field}") from None
     if spec is None:
         return req
+    why = compat.routing_unavailable() if spec.wants_results else None
+    if why is not None and compat.engines_fed(processor) > 1:
+        raise compat.validation_error_cls()(
+            f"results from a data-parallel server are not supported on this vLLM ({why}); serve with "
+            "--data-parallel-size 1 or a vLLM inspect-lens supports for data parallelism",
+            parameter="vllm_xargs",
+        )
     payload = encode(spec)
     payload["n"] = int(sp.n)
     if spec.capture:  # a worker on this machine may prepare the result's shared memory while it runs
