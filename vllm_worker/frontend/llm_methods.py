@@ -10,10 +10,11 @@ llm.prefetch_params(["lm_head.weight"]) / llm.clear_prefetched()
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from vllm_worker import compat
 from vllm_worker.api.hooks import Hook
+from vllm_worker.frontend import saes
 from vllm_worker.frontend.requests import shape_of, state_of
 from vllm_worker.frontend.validation import parse_hooks
 
@@ -53,7 +54,8 @@ def clear_prefetched(self: Any) -> None:
     compat.rpc(self, "lens_clear_prefetched")
 
 
-METHODS = {
+METHODS: dict[str, Callable[..., Any]] = {
     f.__name__: f
     for f in (register_hooks, collect_hook_results, clear_hook_results, clear_hooks, prefetch_params, clear_prefetched)
 }
+METHODS.update(saes.METHODS)

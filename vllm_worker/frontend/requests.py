@@ -78,6 +78,7 @@ class FrontendState:
     shm_everywhere: bool | None = None  # every worker shares this machine (asked once)
     persistent_hooks: bool = False  # `llm.register_hooks` ran: every request's outputs may carry errors
     shape: ModelShape | None = None  # the served model's shape and points (fixed once the engine runs)
+    saes: dict[str, Any] = field(default_factory=dict)  # loaded SAEs by name (`frontend/saes.LoadedSae`)
 
 
 STATE_ATTR = "_inspect_lens"
@@ -115,7 +116,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     shape = shape_of(processor)
     d_model = shape.d_model
     try:
-        spec = parse_request(sp.extra_args, shape, compat.request_prompt_len(req))
+        spec = parse_request(sp.extra_args, shape, compat.request_prompt_len(req), state.saes)
     except PermissionError as e:
         raise compat.forbidden_error_cls()(str(e)) from None
     except ValueError as e:
@@ -135,8 +136,8 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     args = {k: v for k, v in sp.extra_args.items() if not has_lens_keys({k: v})}
     args[PAYLOAD_KEY] = payload
     sp.extra_args = args
-    if spec.capture or spec.hooks:
-        # Every captured / hooked position must run a forward pass: don't read cached KV.
+    if spec.wants_results:
+        # Every captured / hooked / SAE-read position must run a forward pass: don't read cached KV.
         sp.skip_reading_prefix_cache = True
     consumer = state.consumer
     if spec.wants_results or consumer is not None:
