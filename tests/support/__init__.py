@@ -18,7 +18,8 @@ GROUPS = ("unit", "core", "engine", "parallel", "http", "inspect")
 def pythonpath(*extra: str | None) -> str:
     """PYTHONPATH for processes our tests start (servers, worker processes): they import `support.*` and
     unpickle hooks defined in test modules (cloudpickle stores those by module name)."""
-    parts = [str(TESTS), *(str(TESTS / g) for g in GROUPS), *extra]
+    # the caller's own PYTHONPATH stays (a worktree run with PYTHONPATH=$PWD must start its own code)
+    parts = [str(TESTS), *(str(TESTS / g) for g in GROUPS), *extra, os.environ.get("PYTHONPATH")]
     return os.pathsep.join(p for p in parts if p)
 
 
