@@ -23,7 +23,7 @@ import torch
 def default_dir(layer: int, d_sae: int, k: int) -> Path:
     from vllm_worker.shipped_model import cache_root
 
-    return cache_root() / "saes" / f"smollm2-135m-L{layer}-topk{k}-{d_sae}"
+    return cache_root() / "saes" / f"smollm2-135m-L{layer}-topk{k}-{d_sae}-v2"
 
 
 def texts() -> list[str]:
@@ -41,11 +41,14 @@ def capture(llm, prompts: list[str], layer: int) -> list[tuple[list[int], torch.
 
 
 def train(x: torch.Tensor, layer: int, d_sae: int, k: int, steps: int, seed: int = 0):
-    """A TopK SAE (float32) on rows `x` (n, d): pre = (x - b_dec) @ W_enc + b_enc, keep the k largest."""
+    """A TopK SAE (float32) on rows `x` (n, d), each rescaled to norm sqrt(d) first (SAELens's
+    `constant_norm_rescale`: a few tokens of this model have norms ~50x the rest): pre = (x' - b_dec) @ W_enc
+    + b_enc, keep the k largest."""
     from vllm_worker.sae import Sae
 
     g = torch.Generator().manual_seed(seed)
     d = x.shape[1]
+    x = x * (d**0.5 / x.norm(dim=-1, keepdim=True))
     scale = x.norm(dim=-1).mean()
     W_dec = torch.randn(d_sae, d, generator=g)
     W_dec = (W_dec / W_dec.norm(dim=-1, keepdim=True)).requires_grad_()
@@ -54,7 +57,7 @@ def train(x: torch.Tensor, layer: int, d_sae: int, k: int, steps: int, seed: int
     b_dec = x.mean(0).clone().requires_grad_()
     opt = torch.optim.Adam([W_enc, b_enc, W_dec, b_dec], lr=1e-3)
     for step in range(steps):
-        batch = x[torch.randint(len(x), (512,), generator=g)]
+        batch = x[torch.randint(len(x), (256,), generator=g)]
         pre = (batch - b_dec) @ W_enc + b_enc
         top = pre.topk(k, dim=-1)
         f = torch.zeros_like(pre).scatter(-1, top.indices, top.values.relu())
@@ -64,9 +67,20 @@ def train(x: torch.Tensor, layer: int, d_sae: int, k: int, steps: int, seed: int
         opt.step()
         with torch.no_grad():
             W_dec /= W_dec.norm(dim=-1, keepdim=True)
-        if step % 500 == 0 or step == steps - 1:
+        if step % 250 == 0 or step == steps - 1:
             print(f"step {step:5d}  relative mse {loss.item():.4f}")
-    return Sae("resid_post", layer, "topk", W_enc.detach(), b_enc.detach(), W_dec.detach(), b_dec.detach(), None, k)
+    return Sae(
+        "resid_post",
+        layer,
+        "topk",
+        W_enc.detach(),
+        b_enc.detach(),
+        W_dec.detach(),
+        b_dec.detach(),
+        None,
+        k,
+        normalize="constant_norm_rescale",
+    )
 
 
 def ensure_sae(llm, layer: int, d_sae: int, k: int, steps: int, out: Path, retrain: bool = False) -> Path:
@@ -76,7 +90,7 @@ def ensure_sae(llm, layer: int, d_sae: int, k: int, steps: int, out: Path, retra
         print(f"SAE: {out} (cached)")
         return out
     t = time.time()
-    rows = torch.cat([a for _, a in capture(llm, texts(), layer)])
+    rows = torch.cat([a[1:] for _, a in capture(llm, texts(), layer)])  # not the first token (attention sink)
     print(f"captured {len(rows)} token activations at layer {layer} in {time.time() - t:.0f}s")
     t = time.time()
     sae = train(rows, layer, d_sae, k, steps)
@@ -101,9 +115,10 @@ def top_tokens(llm, tok, layer: int, n_features: int, per_feature: int) -> dict[
             for f, v in zip(fs, vs):
                 if v > 0:
                     hits.setdefault(f, []).append((v, context.replace("\n", " ")))
-    # features that fire often but not everywhere, ordered by how many tokens they fired on
-    busy = sorted(hits, key=lambda f: -len(hits[f]))
-    chosen = [f for f in busy if len({c for _, c in hits[f]}) >= per_feature][2 : 2 + n_features]
+    # specific features: firing on 0.3-3% of tokens, the most frequent of those first
+    n_tokens = sum(len(v) for v in hits.values()) / 8
+    busy = sorted((f for f in hits if 0.003 * n_tokens <= len(hits[f]) <= 0.03 * n_tokens), key=lambda f: -len(hits[f]))
+    chosen = [f for f in busy if len({c for _, c in hits[f]}) >= per_feature][:n_features]
     out = {}
     for f in chosen:
         seen, best = set(), []
@@ -139,9 +154,9 @@ def draw(features: dict[int, list[tuple[float, str]]], path: str, title: str) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layer", type=int, default=15)
-    ap.add_argument("--d-sae", type=int, default=2304)
+    ap.add_argument("--d-sae", type=int, default=1152)
     ap.add_argument("--k", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--out", type=Path, default=None, help="SAE folder (default: in the user cache)")
     ap.add_argument("--retrain", action="store_true")
     ap.add_argument("--out-png", default="sae_features.png")
@@ -152,7 +167,13 @@ def main() -> None:
 
     from vllm_worker.shipped_model import shipped_model_path
 
-    llm = LLM(str(shipped_model_path()), dtype="float32", max_model_len=512, enforce_eager=True)
+    llm = LLM(
+        str(shipped_model_path()),
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        kv_cache_memory_bytes=512 << 20,
+    )
     out = args.out or default_dir(args.layer, args.d_sae, args.k)
     ensure_sae(llm, args.layer, args.d_sae, args.k, args.steps, out, args.retrain)
     print("loaded:", llm.load_sae("demo", str(out)))
