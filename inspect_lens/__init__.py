@@ -6,6 +6,7 @@ capture and steer, linear probes, the deception- and coup-probe scorers and thei
 from .metrics import auroc_by, probe_auroc, recall_at_fpr
 from .oracle import activation_oracle, oracle_match
 from .probes import LinearProbe, auroc, recall_at_threshold, threshold_at_fpr
+from .sae_scorers import sae_feature
 from .scorers import coup_probe, deception_probe
 from .solvers import Captured, capture_activations, captured, steer
 from .steering import register_steering_vector
@@ -25,6 +26,7 @@ __all__ = [
     "recall_at_fpr",
     "recall_at_threshold",
     "register_steering_vector",
+    "sae_feature",
     "steer",
     "threshold_at_fpr",
 ]

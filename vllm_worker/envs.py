@@ -129,6 +129,14 @@ SETTINGS: dict[str, Setting] = {
             flag="--lens-points",
         ),
         Setting(
+            "VLLM_LENS_SAE_DIR",
+            str,
+            "",
+            "folder on the server whose SAEs (SAELens format, in sub-folders) `POST /v1/lens/saes` may load "
+            "(docs/saes.md); unset: loading SAEs over HTTP is refused (403)",
+            flag="--lens-sae-dir",
+        ),
+        Setting(
             "VLLM_LENS_GRAPH_PATH",
             bool,
             True,

@@ -19,8 +19,9 @@ GROUPS = ("unit", "core", "engine", "parallel", "http", "inspect")
 def pythonpath(*extra: str | None) -> str:
     """PYTHONPATH for processes our tests start (servers, worker processes): they import `support.*` and
     unpickle hooks defined in test modules (cloudpickle stores those by module name), and this checkout's
-    packages come first (a git worktree's, not those of the checkout the venv installed editable)."""
-    parts = [str(ROOT), str(TESTS), *(str(TESTS / g) for g in GROUPS), *extra]
+    packages come first (a git worktree's, not those of the checkout the venv installed editable); the
+    caller's own PYTHONPATH stays after them."""
+    parts = [str(ROOT), str(TESTS), *(str(TESTS / g) for g in GROUPS), *extra, os.environ.get("PYTHONPATH")]
     return os.pathsep.join(p for p in parts if p)
 
 

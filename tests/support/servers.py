@@ -87,10 +87,23 @@ def _serve(*flags: str, plain: bool = False, **env: str) -> str:
     raise RuntimeError(f"server did not start; see {log.name}")
 
 
+# the folder the session server may load SAEs from (`--lens-sae-dir`; tests/http/test_saes_http.py)
+SAE_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / f"lens-test-saes-{os.getpid()}"
+
+
 @pytest.fixture(scope="session")
 def server():
-    """Operator opted in to remote hooks; two API keys; 1 MiB payload limit."""
-    return _serve("--api-key", KEY, OTHER_KEY, "--allow-remote-hooks", VLLM_LENS_MAX_PAYLOAD_MB="1")
+    """Operator opted in to remote hooks and SAEs from SAE_DIR; two API keys; 1 MiB payload limit."""
+    SAE_DIR.mkdir(parents=True, exist_ok=True)
+    return _serve(
+        "--api-key",
+        KEY,
+        OTHER_KEY,
+        "--allow-remote-hooks",
+        "--lens-sae-dir",
+        str(SAE_DIR),
+        VLLM_LENS_MAX_PAYLOAD_MB="1",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -64,4 +64,4 @@ def test_one_parser_for_every_kind(monkeypatch):
 
 def test_serve_flags_come_from_the_table():
     assert cli.OUR_FLAGS == {"--allow-remote-hooks": "VLLM_LENS_ALLOW_REMOTE_HOOKS"}
-    assert set(cli.LIMIT_FLAGS.values()) == set(envs.limits()) | {"VLLM_LENS_POINTS"}
+    assert set(cli.LIMIT_FLAGS.values()) == set(envs.limits()) | {"VLLM_LENS_POINTS", "VLLM_LENS_SAE_DIR"}

@@ -178,6 +178,8 @@ def _activations(acts: dict) -> dict[str, Any]:
     out["points"] = {p: list(v) for p, v in points.items()}
     if "expert_ids" in acts:
         out["expert_ids"] = from_jsonable(acts["expert_ids"])
+    if "sae_features" in acts:
+        out["sae_features"] = from_jsonable(acts["sae_features"])
     return out
 
 

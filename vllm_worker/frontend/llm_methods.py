@@ -13,10 +13,11 @@ llm.delete_vector(name); then SteeringVector(name=name, layer_indices=[...], sca
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from vllm_worker import compat
 from vllm_worker.api.hooks import Hook
+from vllm_worker.frontend import saes
 from vllm_worker.frontend.requests import shape_of, state_of
 from vllm_worker.frontend.validation import parse_hooks
 
@@ -79,7 +80,7 @@ def delete_vector(self: Any, name: str) -> bool:
     return registry_of(compat.processor_of_llm(self)).delete("", name)
 
 
-METHODS = {
+METHODS: dict[str, Callable[..., Any]] = {
     f.__name__: f
     for f in (
         register_hooks,
@@ -93,3 +94,4 @@ METHODS = {
         delete_vector,
     )
 }
+METHODS.update(saes.METHODS)

@@ -86,6 +86,8 @@ class FrontendState:
         """Result pools of data-parallel engine `engine` (None: of every engine)."""
         return self.pools if engine is None else self.engine_pools.setdefault(engine, set())
 
+    saes: dict[str, Any] = field(default_factory=dict)  # loaded SAEs by name (`frontend/saes.LoadedSae`)
+
 
 STATE_ATTR = "_inspect_lens"
 
@@ -122,7 +124,9 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     shape = shape_of(processor)
     d_model = shape.d_model
     try:
-        spec = parse_request(resolve_vectors(sp.extra_args, state.vectors), shape, compat.request_prompt_len(req))
+        spec = parse_request(
+            resolve_vectors(sp.extra_args, state.vectors), shape, compat.request_prompt_len(req), state.saes
+        )
     except PermissionError as e:
         raise compat.forbidden_error_cls()(str(e)) from None
     except ValueError as e:
@@ -150,8 +154,8 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     args = {k: v for k, v in sp.extra_args.items() if not has_lens_keys({k: v})}
     args[PAYLOAD_KEY] = payload
     sp.extra_args = args
-    if spec.capture or spec.hooks:
-        # Every captured / hooked position must run a forward pass: don't read cached KV.
+    if spec.wants_results:
+        # Every captured / hooked / SAE-read position must run a forward pass: don't read cached KV.
         sp.skip_reading_prefix_cache = True
     consumer = state.consumer
     if spec.wants_results or consumer is not None:

@@ -226,9 +226,23 @@ def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict 
         discard_parts(parts)
         return None, None, errors[0]
     acts = by_point(_assemble(p, parts), p.layers, p.points, p.shape or ModelShape(0, 0)) if p.layers else None
+    features = sae_features(parts)
+    if features:
+        acts = {**(acts or {}), "sae_features": features}
     hook_parts = [part["hooks"] for part in parts if "hooks" in part]
     hooks = merge_stage_results([_unpickle(h) for h in hook_parts]) if hook_parts else None
     return acts, hooks, None
+
+
+def sae_features(parts: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
+    """`activations["sae_features"]`: {SAE name: {"positions": (n_pos,), "indices": (n_pos, k) int64,
+    "values": (n_pos, k) float32}} (`top_k`: the k strongest per position, strongest first; `features`:
+    `indices` is (n_features,), the ids asked for, and `values` (n_pos, n_features))."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for part in parts:
+        for name, got in (part.get("sae") or {}).items():  # one pipeline stage holds each SAE's layer
+            out[name] = {k: tensor_from_bytes(v, f"sae_features.{name}.{k}") for k, v in got.items()}
+    return out
 
 
 def attach_outputs(llm: Any, outputs: list) -> list:

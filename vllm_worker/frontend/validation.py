@@ -23,6 +23,7 @@ from vllm_worker.protocol.spec import (
     KNOWN_KEYS,
     MAX_PAYLOAD_BYTES,
     NAMESPACE_PREFIXES,
+    SAE_KEYS,
     STEER_KEY,
     HookSpec,
     ModelShape,
@@ -241,8 +242,11 @@ def parse_hooks(items: Any, shape: ModelShape) -> list[HookSpec]:
     return [_hook_item(it, i, shape) for i, it in enumerate(items)]
 
 
-def parse_request(extra_args: Mapping[str, Any], shape: ModelShape, prompt_len: int) -> RequestSpec | None:
-    """Validate our keys in `extra_args`; `None` when the request uses no feature."""
+def parse_request(
+    extra_args: Mapping[str, Any], shape: ModelShape, prompt_len: int, saes: Mapping[str, Any] | None = None
+) -> RequestSpec | None:
+    """Validate our keys in `extra_args`; `None` when the request uses no feature. `saes`: the loaded
+    SAEs by name (`frontend/saes`)."""
     ours = {k: v for k, v in extra_args.items() if isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES)}
     if not ours:
         return None
@@ -267,4 +271,8 @@ def parse_request(extra_args: Mapping[str, Any], shape: ModelShape, prompt_len: 
         spec.steers = [_steering_item(it, i, shape, prompt_len) for i, it in enumerate(items)]
     if HOOK_KEY in ours:
         spec.hooks = parse_hooks(ours[HOOK_KEY], shape)
+    if any(k in ours for k in SAE_KEYS):
+        from vllm_worker.frontend import saes as sae_keys
+
+        sae_keys.parse(ours, spec, shape, saes or {})
     return spec

@@ -21,9 +21,23 @@ ACTIVATIONS_KEY = "output_activations"  # {point: layers}
 STEER_KEY = "apply_steering_vectors"
 HOOK_KEY = "apply_hooks"
 PAYLOAD_KEY = "_inspect_lens"
-KNOWN_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, STEER_KEY, HOOK_KEY)
+# sparse autoencoders loaded with `llm.load_sae` / `POST /v1/lens/saes` (docs/saes.md)
+SAE_FEATURES_KEY = "output_sae_features"  # {"sae": name, "top_k": k} or {"sae": name, "features": [ids]}
+SAE_STEER_KEY = "apply_sae_steering"  # [{"sae": name, "features": [ids], "scale": s}]: + s * W_dec[f]
+SAE_CLAMP_KEY = "apply_sae_clamp"  # [{"sae": name, "features": [ids], "values": v}]: f set to v
+SAE_KEYS = (SAE_FEATURES_KEY, SAE_STEER_KEY, SAE_CLAMP_KEY)
+KNOWN_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, STEER_KEY, HOOK_KEY, *SAE_KEYS)
 # Keys with these prefixes belong to us: a typo (`output_residual_streams`) is an error, not ignored.
-NAMESPACE_PREFIXES = ("output_residual", "output_activation", "apply_steering", "apply_hook", "lens_", PAYLOAD_KEY)
+NAMESPACE_PREFIXES = (
+    "output_residual",
+    "output_activation",
+    "apply_steering",
+    "apply_hook",
+    "output_sae",
+    "apply_sae",
+    "lens_",
+    PAYLOAD_KEY,
+)
 # Largest structured payload accepted in one request (steering vectors, hooks), in bytes.
 MAX_PAYLOAD_BYTES = envs.limit("VLLM_LENS_MAX_PAYLOAD_MB")
 REMOTE_HOOKS_ENV = "VLLM_LENS_ALLOW_REMOTE_HOOKS"
@@ -98,10 +112,13 @@ class RequestSpec:
     points: dict[str, list[int]] = field(default_factory=dict)
     steers: list[Steer] = field(default_factory=list)
     hooks: list[HookSpec] = field(default_factory=list)
+    # SAE work in the workers, msgspec-safe dicts (`frontend/saes.parse`): {"sae", "site", "uid"} and
+    # "top_k" or "ids" (features returned) or "ids" + "values" with "clamp": true
+    sae: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def wants_results(self) -> bool:
-        return bool(self.capture or self.hooks)
+        return bool(self.capture or self.hooks or any(not u.get("clamp") for u in self.sae))
 
 
 def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
@@ -187,6 +204,7 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
             for s in spec.steers
         ],
         "hooks": [{"fn": h.fn, "layers": h.layers, "point": h.point, "batched": h.batched} for h in spec.hooks],
+        "sae": spec.sae,
     }
 
 
@@ -211,6 +229,7 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
             HookSpec(bytes(h["fn"]), list(h["layers"]), str(h["point"]), bool(h.get("batched", False)))
             for h in payload.get("hooks") or []
         ],
+        sae=[dict(u) for u in payload.get("sae") or []],
     )
 
 
@@ -219,11 +238,14 @@ def cache_salt(spec: RequestSpec) -> str | None:
     shared only with identically steered requests; KV computed under hooks (arbitrary code) never."""
     if spec.hooks:
         return "inspect-lens-hooks:" + spec.key
-    if not spec.steers:
+    clamps = [u for u in spec.sae if u.get("clamp")]
+    if not spec.steers and not clamps:
         return None
     import hashlib
 
     h = hashlib.sha256()
+    for u in clamps:  # the SAE's identity (`uid`: its file), its site, the features and values
+        h.update(repr((u["uid"], u["site"], u["ids"], u["values"])).encode())
     for s in spec.steers:
         h.update(repr((s.layers, s.positions, s.scale, s.norm_match, s.mul, tuple(s.vectors.shape))).encode())
         h.update(s.vectors.numpy().tobytes())

@@ -9,6 +9,7 @@ from vllm_worker import compat
 from vllm_worker.frontend.requests import mark_consumer
 from vllm_worker.server.middleware import LensMiddleware
 from vllm_worker.server.routes import info_router, router
+from vllm_worker.server.saes import router as saes_router
 from vllm_worker.server.state import LensState
 from vllm_worker.server.vectors import vectors_router
 
@@ -23,6 +24,7 @@ class LensEndpoints:
         app.include_router(router)
         app.include_router(info_router)
         app.include_router(vectors_router)
+        app.include_router(saes_router)
         app.add_middleware(LensMiddleware)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:

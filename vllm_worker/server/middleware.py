@@ -12,6 +12,8 @@ from vllm_worker.protocol.spec import (
     ALL_LAYERS,
     CAPTURE_KEY,
     HOOK_KEY,
+    SAE_FEATURES_KEY,
+    SAE_KEYS,
     ModelShape,
     capture_layers,
     has_lens_keys,
@@ -49,6 +51,9 @@ def _precheck(req: dict, xargs: dict, shape: ModelShape) -> None:
         )
     if isinstance(xargs.get(ACTIVATIONS_KEY), dict):  # raw JSON: vLLM takes only flat values, so a string
         xargs[ACTIVATIONS_KEY] = json.dumps(xargs[ACTIVATIONS_KEY])
+    for key in SAE_KEYS:  # objects / lists of objects: strings as well
+        if key in xargs and not isinstance(xargs[key], str):
+            xargs[key] = json.dumps(xargs[key])
     if CAPTURE_KEY in xargs:
         value = xargs[CAPTURE_KEY]
         if value is True:
@@ -108,7 +113,7 @@ class LensMiddleware:
         kind = "chat" if path == CHAT else "cmpl"
         n = int(req.get("n") or 1)
         # requests that asked for results must get them (steering-only ones have nothing to fetch)
-        expect = ours and any(k in xargs for k in (CAPTURE_KEY, ACTIVATIONS_KEY, HOOK_KEY))
+        expect = ours and any(k in xargs for k in (CAPTURE_KEY, ACTIVATIONS_KEY, HOOK_KEY, SAE_FEATURES_KEY))
         if req.get("stream"):
             return await self.app(scope, replay(body, receive), StreamInjector(send, state, kind, n, expect).send)
         await self._buffered(scope, replay(body, receive), send, state, kind, n, expect, dialect)

@@ -108,8 +108,10 @@ def decode_results(
 
 def activations_json(acts: dict[str, Any]) -> dict[str, Any]:
     """Each point's tensor once (`resid_post` travels as `residual_stream`, its original name)."""
-    out: dict[str, Any] = {"points": acts["points"]}
-    for point in acts["points"]:
+    out: dict[str, Any] = {"points": acts.get("points", {})}
+    if "sae_features" in acts:  # {SAE name: {"positions", "indices", "values"}}
+        out["sae_features"] = to_jsonable(acts["sae_features"], lazy=True)
+    for point in out["points"]:
         if point == RESID_POST:
             out["residual_stream"], out["layers"] = to_jsonable(acts[point], lazy=True), acts["layers"]
         else:

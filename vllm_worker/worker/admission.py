@@ -40,11 +40,13 @@ class Admission:
         graph_taps: Any,
         persistent: PersistentHooks,
         ctx: Callable[[dict, str], HookContext],
+        saes: Any = None,
     ) -> None:
         self.runner, self.device, self.dtype, self.d_model = runner, device, dtype, d_model
         self.local, self.capturing_rank, self.shm_host = local, capturing_rank, shm_host  # local: sites
         self.local_layers, self.missing = local_layers, missing
         self.store, self.graph, self.persistent, self.ctx = store, graph_taps, persistent, ctx
+        self.saes = saes  # `saes.WorkerSaes`
 
     def admit(self, req_id: str, payload: Any) -> RequestState:
         try:
@@ -73,7 +75,10 @@ class Admission:
         steers = []
         hooks: list[HookRun] = []
         store = None
+        sae_uses: list = []
         if spec is not None:
+            if spec.sae:
+                sae_uses = self.saes.uses(spec.sae)
             for s in spec.steers:
                 lut = None
                 if s.positions is not None:
@@ -125,13 +130,23 @@ class Admission:
             if got is not None:
                 entries, entry_ids = got
         return RequestState(
-            capture, {l: i for i, l in enumerate(capture)}, child, per_request, hooks, store, simple, entries, entry_ids
+            capture,
+            {l: i for i, l in enumerate(capture)},
+            child,
+            per_request,
+            hooks,
+            store,
+            simple,
+            entries,
+            entry_ids,
+            sae=sae_uses,
         )
 
     def _check_sites(self, spec: Any, hooks: list[HookRun], store: RequestResults | None) -> None:
         """A point this worker has no tap for (its layout could not be resolved here) fails the request with
         the reason — never a capture, steer or hook that silently does nothing."""
         wanted = set(spec.capture) | {s for st in spec.steers for s in st.layers} | {s for h in hooks for s, _ in h.at}
+        wanted |= {int(u["site"]) for u in spec.sae}
         lacking = sorted(s for s in wanted if site_layer(s) in self.local_layers and s not in self.local)
         if not lacking:
             return

@@ -74,7 +74,7 @@ class Unsupported:
     def _refuse(self, *args: Any) -> Any:
         raise ValueError(f"{self.model_class}: {self.reason}")
 
-    register_hooks = prefetch = get_parameter = _refuse
+    register_hooks = prefetch = get_parameter = load_sae = _refuse
 
 
 def _on_loaded(runner: Any) -> None:
@@ -149,6 +149,9 @@ class LensWorkerExtension:
 
     def lens_clear_hooks(self) -> None:
         self._lens_rt().clear_hooks()
+
+    def lens_load_sae(self, name: str, path: str, uid: str) -> dict:
+        return self._lens_rt().load_sae(str(name), str(path), str(uid))
 
     def lens_prefetch(self, names: list) -> list:
         return self._lens_rt().prefetch(list(names))

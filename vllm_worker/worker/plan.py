@@ -20,6 +20,7 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol.points import CODE, IN, OUT, RESID_PRE, site
 from vllm_worker.worker.graph import GraphTaps
 from vllm_worker.worker.results import CaptureLog, RequestResults, StepArena
+from vllm_worker.worker.saes import stage_features
 
 
 @dataclass
@@ -75,6 +76,7 @@ class RequestState:
     # None when the request steers and its entries did not fit the table
     entries: "dict[int, tuple[int, np.ndarray, np.ndarray]] | None" = field(default_factory=dict)
     entry_ids: list[int] = field(default_factory=list)  # to give back when the request leaves
+    sae: list = field(default_factory=list)  # `saes.SaeUse`s: features to return, clamps
 
     @property
     def failed(self) -> bool:
@@ -82,8 +84,8 @@ class RequestState:
 
     @property
     def graph_ok(self) -> bool:
-        """Everything this request asks for runs in the graph-safe kernel (no Python hooks)."""
-        return not self.hooks and self.entries is not None
+        """Everything this request asks for runs in the graph-safe kernel (no Python hooks, no SAE clamp)."""
+        return not self.hooks and self.entries is not None and not any(u.clamp for u in self.sae)
 
 
 Rows = list[tuple[RequestState, int, int]]  # (request, start row, end row)
@@ -110,6 +112,13 @@ class GraphPlan:
     st_cols: np.ndarray
     st_ents: np.ndarray  # ... and that entry
     st_pos: list[tuple[int, int, int, np.ndarray, np.ndarray, int]]  # (start, end, col, positions, entries, default)
+    n_extra: int = 0  # staged rows after the captures, read on the device only (SAE features)
+    sae: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `saes.stage_features`
+
+    @property
+    def n_capture(self) -> int:
+        """Staged rows that are captures (copied to the host)."""
+        return len(self.cap_rows) - self.n_extra
 
     @property
     def total(self) -> int:
@@ -181,6 +190,8 @@ class StepPlan:
     arena: StepArena | None = None  # host rows of this plan's steps
     graph: "GraphPlan | None" = None  # set: this composition runs on the graph-safe path
     requests: list = field(default_factory=list)  # the RequestStates it serves (failed together)
+    sae_feat: dict = field(default_factory=dict)  # site -> (row index on device, requests): SAE features
+    sae_clamp: dict = field(default_factory=dict)  # site -> requests clamping SAE features there
     broken: bool = False  # our code failed during this step: the taps do nothing more
     fired_sites: set = field(default_factory=set)  # sites whose tap ran from Python this step
     groups: dict[HookAt, list[HookGroup]] = field(default_factory=dict)  # batched hooks
@@ -201,6 +212,8 @@ class StepPlan:
             | frozenset(self.capture)
             | {s for s, _ in self.hooks}
             | {s for s, _ in self.groups}
+            | frozenset(self.sae_feat)
+            | frozenset(self.sae_clamp)
         )
 
 
@@ -232,8 +245,13 @@ def make_plan(
     cap_rows: dict[int, Rows] = {}
     hooks: dict[HookAt, Rows] = {}
     batched: dict[HookAt, dict[Any, list]] = {}
+    sae_feat: dict[int, Rows] = {}
+    sae_clamp: dict[int, Rows] = {}
     for item in active:
         r = item[0]
+        for u in r.sae:
+            if u.site in local and (u.clamp or capturing_rank):  # features: only the reporting rank
+                (sae_clamp if u.clamp else sae_feat).setdefault(u.site, []).append(item)
         for st in r.steers:
             for layer in st.layers:
                 steer.setdefault(layer, []).append(item)
@@ -257,6 +275,7 @@ def make_plan(
         and all(r.graph_ok for r, _, _ in active)
     ):
         gp = graph_plan(active, cap_rows, n_rows, graph.col)
+        stage_features(gp, cap_rows, {s: list(dict.fromkeys(v)) for s, v in sae_feat.items()}, graph.col)
         if gp.total <= graph.stage_rows:
             capture = {layer: (None, items) for layer, items in cap_rows.items()}
             return StepPlan(None, {}, {}, capture, {}, graph=gp, requests=[r for r, _, _ in active])
@@ -278,6 +297,7 @@ def make_plan(
     # a request is listed once per layer even if several of its vectors/hooks act there
     steer = {l: list(dict.fromkeys(v)) for l, v in steer.items()}
     hooks = {k: list(dict.fromkeys(v)) for k, v in hooks.items()}
+    feat = {s: list(dict.fromkeys(v)) for s, v in sae_feat.items()}
     groups = {
         at: [
             HookGroup(layer, members[0][1].point, members, on_device(group_rows(members)))
@@ -285,7 +305,17 @@ def make_plan(
         ]
         for at, by_key in batched.items()
     }
-    return StepPlan(None, steer, steer_batched, capture, hooks, requests=[r for r, _, _ in active], groups=groups)
+    return StepPlan(
+        None,
+        steer,
+        steer_batched,
+        capture,
+        hooks,
+        requests=[r for r, _, _ in active],
+        groups=groups,
+        sae_feat={s: (on_device(rows_of(items)), items) for s, items in feat.items()},
+        sae_clamp={s: list(dict.fromkeys(v)) for s, v in sae_clamp.items()},
+    )
 
 
 def group_rows(members: list) -> np.ndarray:

@@ -92,3 +92,4 @@ class RequestResults:
     error: errors.Failure | None = None
     nonfinite: dict = field(default_factory=dict)  # hook -> device flag: it returned NaN/inf (not applied)
     expected: int = 0  # bytes announced to the result pool when the request arrived (`ResultPool.expect`)
+    sae: dict = field(default_factory=dict)  # SAE name -> {"ids", "chunks": [(positions, values, indices)]}

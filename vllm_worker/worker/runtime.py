@@ -23,7 +23,7 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors, points
 from vllm_worker.protocol.spec import PAYLOAD_KEY
 from vllm_worker.transport import shm
-from vllm_worker.worker import edits, faults, graph, taps
+from vllm_worker.worker import edits, faults, graph, saes, taps
 from vllm_worker.worker import store as store_mod
 from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.params import Params
@@ -117,6 +117,7 @@ class LensRuntime:
         self._plan_key: tuple | None = None  # ... and that composition (request ids, row offsets)
         self.steps_with_features = 0
         self.persistent = PersistentHooks()  # hooks on every request, and their results
+        self.saes = saes.WorkerSaes(self.device, self._local_layers)  # `lens_load_sae`
         self.admission = Admission(
             runner,
             self.device,
@@ -131,6 +132,7 @@ class LensRuntime:
             self.graph,
             self.persistent,
             self._ctx,
+            self.saes,
         )
         logger.info(
             "inspect-lens: %d taps on %d decoder layers (%s..%s) of %s on TP rank %d%s",
@@ -171,7 +173,7 @@ class LensRuntime:
                 r.store = RequestResults([])
             if r.store.error is None:
                 r.store.error = msg
-            r.capture, r.capture_slot, r.steers, r.simple_add, r.hooks = [], {}, [], {}, []
+            r.capture, r.capture_slot, r.steers, r.simple_add, r.hooks, r.sae = [], {}, [], {}, [], []
             self._free_entries(r)
             r.entries = {}
         self._plan_key = None  # re-plan without them
@@ -335,12 +337,18 @@ class LensRuntime:
                 "called, nor recorded into the CUDA graph that was replayed)"
             )
         self.steps_with_features += 1
-        if gp.total:
+        if gp.sae:  # SAE features of staged rows, on the device, before they are copied or reused
+            try:
+                saes.features_from_stage(gp, g.stage, base, pos)
+            except Exception as e:  # noqa: BLE001
+                self._fail([r for r in plan.requests if r.sae], "encoding SAE features", e)
+        n_cap = gp.n_capture
+        if n_cap:
             try:
                 faults.check("file")
                 host, hpos = self.store.step_slot(plan, g.d, g.dtype)
-                hpos.numpy()[:] = pos[gp.cap_rows]
-                g.copy_out(base, gp.total, host)
+                hpos.numpy()[:] = pos[gp.cap_rows[:n_cap]]
+                g.copy_out(base, n_cap, host)
                 self.store.file_step(plan, host)
             except Exception as e:  # noqa: BLE001
                 self._fail([r for r in plan.requests if r.capture], "filing captures", e)
@@ -369,6 +377,8 @@ class LensRuntime:
         """At one site: steering, hooks at the point, capture, then the next layer's pre-hooks (the stream
         leaving layer i is the one entering layer i + 1)."""
         edits.steer(site, plan, hidden, residual)
+        if plan.sae_clamp:
+            saes.clamp_at(site, plan, hidden, residual)
         edits.run_hooks((site, False), plan, hidden, residual, self._hook_failed)
         cap = plan.capture.get(site)
         if cap is not None:
@@ -379,6 +389,8 @@ class LensRuntime:
             if rows.shape[1] < self._d_model:  # a narrower site (router logits) travels in d-wide rows
                 rows = torch.nn.functional.pad(rows, (0, self._d_model - rows.shape[1]))
             plan.captured.append((site, rows))
+        if plan.sae_feat:
+            saes.features_at(site, plan, hidden, residual)
         edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
 
     def _hook_failed(self, h: HookRun, msg: str) -> None:
@@ -427,10 +439,13 @@ class LensRuntime:
             if v is None:
                 continue
             v.hooks = [h for h in v.hooks if not h.persistent]
-            if v.capture or v.steers or v.simple_add or v.hooks:
+            if v.capture or v.steers or v.simple_add or v.hooks or v.sae:
                 kept[k] = v
         self._reqs = kept
         self._invalidate()
+
+    def load_sae(self, name: str, path: str, uid: str) -> dict[str, Any]:
+        return self.saes.load(name, path, uid)
 
     # ---------------------------------------------------------------- parameters and status
 
@@ -465,7 +480,7 @@ class LensRuntime:
 
 
 def _touches(r: RequestState, sites: frozenset) -> bool:
-    own = set(r.capture) | set(r.simple_add) | {s for st in r.steers for s in st.layers}
+    own = set(r.capture) | set(r.simple_add) | {s for st in r.steers for s in st.layers} | {u.site for u in r.sae}
     return bool(own & sites) or any(s in sites for h in r.hooks for s, _ in h.at)
 
 

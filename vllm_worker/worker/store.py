@@ -21,7 +21,7 @@ from vllm_worker.protocol import errors
 from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.transport import assembly, result_pool
 from vllm_worker.transport.result_pool import ResultPool
-from vllm_worker.worker import faults
+from vllm_worker.worker import faults, saes
 from vllm_worker.worker.plan import StepPlan
 from vllm_worker.worker.results import FETCH_TIMINGS, CaptureLog, RequestResults, Segment, StepArena
 
@@ -288,6 +288,8 @@ def _prelude(st: RequestResults, layer_ids: list[int], assemble_saved: Any) -> t
         payload["error"] = st.error
     if st.saved:
         payload["hooks"] = assemble_saved(st.saved)
+    if st.sae and st.error is None:
+        payload["sae"] = saes.payload(st.sae)
     if not st.layers:
         return payload, None, {}
     mine = [l for l in st.layers if l in layer_ids]

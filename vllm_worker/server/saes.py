@@ -1,0 +1,58 @@
+"""`POST /v1/lens/saes {"name", "path"}` (load an SAE in every worker; only from the folder the operator
+named with `--lens-sae-dir`, 403 otherwise) and `GET /v1/lens/saes` (what is loaded)."""
+
+from __future__ import annotations
+
+import os
+
+from fastapi import APIRouter, Request
+
+from vllm_worker import compat, envs
+from vllm_worker.frontend import saes
+from vllm_worker.frontend.requests import state_of as frontend_state_of
+from vllm_worker.server.responses import BadRequest
+from vllm_worker.server.routes import guard, json_body
+from vllm_worker.server.state import shape_of, state_of
+
+SAE_DIR_ENV = "VLLM_LENS_SAE_DIR"
+
+router = APIRouter(prefix="/v1/lens")
+
+
+def allowed_path(path: object) -> str:
+    """The SAE folder, resolved, when it lies inside the operator's `--lens-sae-dir`."""
+    root = str(envs.get(SAE_DIR_ENV) or "")
+    if not root:
+        raise PermissionError(
+            f"path: loading SAEs over HTTP is disabled; the operator must start the server with --lens-sae-dir DIR "
+            f"({SAE_DIR_ENV})"
+        )
+    if not isinstance(path, str) or not path:
+        raise BadRequest(400, f"path: expected a folder under the server's SAE folder, got {path!r}", "path")
+    root = os.path.realpath(root)
+    full = os.path.realpath(os.path.join(root, path))
+    if os.path.commonpath([root, full]) != root:
+        raise PermissionError(f"path: {path!r} is outside the server's SAE folder (--lens-sae-dir)")
+    return full
+
+
+@router.post("/saes")
+@guard
+async def load(request: Request):
+    state = state_of(request.app)
+    body = await json_body(request)
+    unknown = set(body) - {"name", "path"}
+    if unknown:
+        raise BadRequest(400, f"unknown fields {sorted(unknown)}", sorted(unknown)[0])
+    path = allowed_path(body.get("path"))
+    loaded = saes.prepare(body.get("name"), path, shape_of(state))
+    await compat.rpc_async(state.engine, "lens_load_sae", loaded.name, loaded.path, loaded.uid)
+    frontend_state_of(compat.processor_of_engine_client(state.engine)).saes[loaded.name] = loaded
+    return {"status": "ok", "sae": loaded.describe()}
+
+
+@router.get("/saes")
+@guard
+async def listing(request: Request):
+    got = frontend_state_of(compat.processor_of_engine_client(state_of(request.app).engine)).saes
+    return {"saes": [s.describe() for s in got.values()]}

@@ -1,0 +1,180 @@
+"""SAEs in a worker: loaded on the device (`lens_load_sae`), turned into per-request uses at admission,
+and run each step on the rows of the requests that use them.
+
+- Features (`output_sae_features`): encoded from rows the capture machinery already gathers at the SAE's
+  site. Graph-safe path: the kernel stages those rows in the device ring with the step's captures (after
+  them: `stage_features`), and after the step they are encoded there, on the device, before anything is
+  copied to the host (`features_from_stage`) — the step keeps its CUDA graphs. Python path: encoded from
+  the rows at the tap (`features_at`). Results stay on the device (a few bytes a token) until fetched.
+- Clamping (`apply_sae_clamp`): encode, set, decode the difference, added to the stream at the tap
+  (`clamp_at`): Python path only (it needs the encode inside the forward pass).
+- Steering with features never reaches here: the frontend made it an ordinary steering vector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_worker.protocol.wire import tensor_to_bytes
+from vllm_worker.sae import Sae, load
+
+
+@dataclass(eq=False)
+class SaeUse:
+    name: str
+    sae: Sae  # on this worker's device
+    site: int
+    top_k: int = 0  # > 0: the k strongest features per position
+    ids: torch.Tensor | None = None  # chosen features (returned, or clamped) on the device
+    values: torch.Tensor | None = None  # clamp values (float32, on the device)
+    clamp: bool = False
+
+
+class WorkerSaes:
+    """This worker's SAEs by name: (uid, weights on the device, or None when another pipeline stage holds
+    the SAE's layer)."""
+
+    def __init__(self, device: torch.device, local_layers: frozenset) -> None:
+        self.device, self.local_layers = device, local_layers
+        self.loaded: dict[str, tuple[str, Sae | None]] = {}
+
+    def load(self, name: str, path: str, uid: str) -> dict[str, Any]:
+        sae = load(path)
+        local = sae.layer in self.local_layers
+        self.loaded[name] = (uid, sae.to(self.device) if local else None)
+        return {"name": name, "layer": sae.layer, "local": local}
+
+    def uses(self, entries: list[dict[str, Any]]) -> list[SaeUse]:
+        """A request's `RequestSpec.sae` entries as device-side uses (those of this stage's layers)."""
+        out = []
+        for u in entries:
+            got = self.loaded.get(u["sae"])
+            if got is None:
+                raise ValueError(f"SAE {u['sae']!r} is not loaded in this worker")
+            if got[0] != u["uid"]:
+                raise ValueError(f"SAE {u['sae']!r} was replaced while this request was on its way; send it again")
+            sae = got[1]
+            if sae is None:
+                continue
+            ids = None if u.get("ids") is None else torch.tensor(u["ids"], dtype=torch.long, device=self.device)
+            values = None
+            if u.get("clamp"):
+                values = torch.tensor(u["values"], dtype=torch.float32, device=self.device)
+            out.append(
+                SaeUse(u["sae"], sae, int(u["site"]), int(u.get("top_k") or 0), ids, values, bool(u.get("clamp")))
+            )
+        return out
+
+
+# ---------------------------------------------------------------- per step
+
+
+def clamp_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """Python path, at a tap: each clamping request's rows get decode(f with f[ids] = values) - decode(f)."""
+    for r, s, e in plan.sae_clamp.get(site, ()):
+        for u in r.sae:
+            if u.clamp and u.site == site:
+                x = hidden[s:e] if residual is None else hidden[s:e] + residual[s:e]
+                hidden[s:e] += u.sae.clamp_delta(x, u.ids, u.values).to(hidden.dtype)
+
+
+def features_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """Python path, at a tap (after the site's edits, as captures): features of the rows there."""
+    got = plan.sae_feat.get(site)
+    if got is None:
+        return
+    idx, items = got
+    x = hidden.index_select(0, idx)
+    if residual is not None:
+        x = x + residual.index_select(0, idx)
+    file_features(site, x, plan.positions.index_select(0, idx), items)
+
+
+def features_from_stage(gp: Any, stage: torch.Tensor, base: int, positions: np.ndarray) -> None:
+    """Graph-safe path, after the step: features of the rows the kernel staged for them (on the device,
+    before the ring is reused: later steps' kernels come after these on the same stream)."""
+    for site, (slots, rows, items) in gp.sae.items():
+        idx = torch.from_numpy(base + slots).to(stage.device, non_blocking=True)
+        pos = torch.from_numpy(positions[rows])
+        file_features(site, stage.index_select(0, idx), pos, items)
+
+
+def file_features(site: int, x: torch.Tensor, pos: torch.Tensor, items: list) -> None:
+    """Encode rows `x` (the requests' rows of `items`, in order) once per SAE and file each request's part."""
+    encoded: dict[str, torch.Tensor] = {}
+    off = 0
+    for r, s, e in items:
+        n = e - s
+        for u in r.sae:
+            if u.clamp or u.site != site:
+                continue
+            f = encoded.get(u.name)
+            if f is None:
+                f = encoded[u.name] = u.sae.encode(x)[0]
+            rows = f[off : off + n]
+            if u.top_k:
+                top = rows.topk(u.top_k, dim=-1)
+                chunk = (pos[off : off + n], top.values, top.indices)
+            else:
+                chunk = (pos[off : off + n], rows.index_select(1, u.ids), None)
+            slot = r.store.sae.setdefault(u.name, {"ids": u.ids, "chunks": []})
+            slot["chunks"].append(chunk)
+        off += n
+
+
+def stage_features(gp: Any, cap_rows: dict, sae_feat: dict, col: dict[int, int]) -> None:
+    """Graph-safe plan: rows to encode are staged by the kernel like captures. A request that also captures
+    the site reads its capture slots; the others get slots after the step's captures (`gp.n_extra`, never
+    copied to the host)."""
+    if not sae_feat:
+        return
+    where: dict[tuple[int, int], int] = {}
+    off = 0
+    for site, items in cap_rows.items():  # the capture part's layout (`plan.graph_plan`)
+        for r, s, e in items:
+            where[(id(r), site)] = off
+            off += e - s
+    n_cap = off
+    extra_rows, extra_cols = [gp.cap_rows], [gp.cap_cols]
+    for site, items in sae_feat.items():
+        slots, rows = [], []
+        for r, s, e in items:
+            o = where.get((id(r), site))
+            if o is None:
+                o, off = off, off + e - s
+                extra_rows.append(np.arange(s, e))
+                extra_cols.append(np.full(e - s, col[site]))
+            slots.append(np.arange(o, o + e - s))
+            rows.append(np.arange(s, e))
+        gp.sae[site] = (np.concatenate(slots), np.concatenate(rows), items)
+    gp.cap_rows = np.concatenate(extra_rows).astype(np.int64)
+    gp.cap_cols = np.concatenate(extra_cols).astype(np.int64)
+    gp.n_extra = off - n_cap
+
+
+# ---------------------------------------------------------------- fetch
+
+
+def payload(got: dict[str, dict]) -> dict[str, dict]:
+    """A request's features as bytes, per SAE: positions sorted (a position run twice keeps its last run)."""
+    out = {}
+    for name, slot in got.items():
+        chunks = slot["chunks"]
+        pos = torch.cat([c[0].to("cpu", torch.int64) for c in chunks])
+        vals = torch.cat([c[1] for c in chunks]).cpu()
+        order = torch.sort(pos, stable=True).indices
+        pos, vals = pos[order], vals[order]
+        keep = torch.ones(len(pos), dtype=torch.bool)
+        keep[:-1] = pos[1:] != pos[:-1]
+        item = {"positions": tensor_to_bytes(pos[keep]), "values": tensor_to_bytes(vals[keep].contiguous())}
+        if slot["ids"] is None:  # top_k: ids per position
+            ind = torch.cat([c[2] for c in chunks]).cpu()[order]
+            item["indices"] = tensor_to_bytes(ind[keep].contiguous())
+        else:
+            item["indices"] = tensor_to_bytes(slot["ids"].cpu())
+        out[name] = item
+    return out
