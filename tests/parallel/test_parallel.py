@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from vllm import SamplingParams
 
-from support import pythonpath
-from support.engines import ENGINE_DEFAULTS, keep_alive, model_path
+from support.engines import parallel_engine
 from support.reference import greedy, hf_model, residuals, steer_edit, zero_dim_edit
 from vllm_worker import Hook, SteeringVector
 
@@ -19,35 +16,12 @@ PROMPT = "the water of people will come down to the side"
 
 @pytest.fixture(scope="session")
 def tp2():
-    return _parallel_engine(tensor_parallel_size=2)
+    return parallel_engine("llama", tensor_parallel_size=2)
 
 
 @pytest.fixture(scope="session")
 def pp2():
-    return _parallel_engine(pipeline_parallel_size=2)
-
-
-def _parallel_engine(**parallel):
-    from vllm import LLM
-
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH"))}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import vllm.envs
-
-    vllm.envs.disable_envs_cache()  # earlier engines froze env values; these settings must be read
-    try:
-        llm = LLM(
-            str(model_path("llama")),
-            **ENGINE_DEFAULTS,
-            distributed_executor_backend="mp",
-            enable_prefix_caching=False,
-            **parallel,
-        )
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    return keep_alive(llm)
+    return parallel_engine("llama", pipeline_parallel_size=2)
 
 
 def _ablate(dim):

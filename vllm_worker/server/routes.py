@@ -30,7 +30,8 @@ HOOKS_PREFIX = "/v1/hooks"
 router = APIRouter(prefix=HOOKS_PREFIX)
 
 
-async def json_body(request: Request) -> dict:
+async def json_body(request: Request, fields: frozenset[str] | None = None) -> dict:
+    """The body as a JSON object, bounded; with `fields`, any other key is a 400 naming it."""
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise BadRequest(
@@ -44,6 +45,9 @@ async def json_body(request: Request) -> dict:
         raise BadRequest(400, "request body is not valid JSON", "body") from None
     if not isinstance(obj, dict):
         raise BadRequest(400, "request body must be a JSON object", "body")
+    unknown = sorted(set(obj) - fields) if fields is not None else []
+    if unknown:
+        raise BadRequest(400, f"unknown fields {unknown} (fields: {', '.join(sorted(fields or ()))})", unknown[0])
     return obj
 
 
@@ -77,10 +81,7 @@ def param_names(obj: dict, key: str) -> list[str]:
 async def register(request: Request):
     state = state_of(request.app)
     require_remote_hooks("hooks")
-    body = await json_body(request)
-    unknown = set(body) - {"hooks", "prefetch_params"}
-    if unknown:
-        raise BadRequest(400, f"unknown fields {sorted(unknown)}", sorted(unknown)[0])
+    body = await json_body(request, frozenset({"hooks", "prefetch_params"}))
     hooks = body.get("hooks")
     if not isinstance(hooks, list) or not hooks:
         raise BadRequest(400, "hooks: expected a non-empty list", "hooks")

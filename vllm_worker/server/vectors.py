@@ -64,10 +64,7 @@ def _registry(state: LensState):
 @guard
 async def register(request: Request):
     state = state_of(request.app)
-    body = await json_body(request)
-    unknown = set(body) - {"name", "activations"}
-    if unknown:
-        raise BadRequest(400, f"unknown fields {sorted(unknown)} (fields: name, activations)", sorted(unknown)[0])
+    body = await json_body(request, frozenset({"name", "activations"}))
     name = check_name(body.get("name"), "name")
     obj = body.get("activations")
     if not isinstance(obj, dict):
