@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPS = ROOT / "bench" / ".deps"
 BASE = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5")
 POINTS = ("W6", "W7", "W8")  # hook points (issue #24): this project only
-ALL = BASE + POINTS
+ALL = BASE + ("W4b",) + POINTS  # W4b: this project only (batched hooks)
 NAMES = {
     "W0": "plain generation",
     "W1": "capture 1 middle layer",
@@ -31,6 +31,7 @@ NAMES = {
     "W3": "steer 1 layer",
     "W4": "Python hook 1 layer",
     "W4n": "Python hook 1 layer, result kept on the GPU",
+    "W4b": "W4n as one batched hook (one call per step)",
     "W5": "mixed batch (¼ capture, ¼ steer)",
     "W6": "capture attn_out + mlp_out, middle layer",
     "W7": "capture z (per head), middle layer",
@@ -374,6 +375,8 @@ def main() -> None:
         # hook points (issue #24): this project against plain vLLM with CUDA graphs, 8B-shaped and NeoX-shaped
         "gpu-points": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W3", "W6", "W7", "W8")},
         "neox": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W6", "W8")},
+        # Python hooks: one per request (W4n) against one batched hook for all requests (W4b)
+        "gpu-hooks": {"vllm-compiled": ("W0",), "lens": ("W0", "W4n", "W4b")},
         # the inner points as served: an engine tapping only the points W6-W8 use, beside the default engine
         "gpu-points2": {
             "vllm-compiled": ("W0",),

@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 
-WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5", "W6", "W7", "W8")
+WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W4n", "W4b", "W5", "W6", "W7", "W8")
 POINT_WORKLOADS = ("W6", "W7", "W8")  # hook points: this project only
 
 
@@ -134,6 +134,10 @@ class VLLMSystem:
             return {"apply_hooks": [Hook(fn=_norm_hook, layer_indices=[mid])]}
         if workload == "W4n":
             return {"apply_hooks": [Hook(fn=_norm_hook_on_device, layer_indices=[mid])]}
+        if workload == "W4b":  # W4n's reading as one batched hook: one call per step for every request
+            if not self.kind.startswith("lens"):
+                raise NotImplementedError("batched hooks (W4b) are this project's")
+            return {"apply_hooks": [Hook(fn=_norm_hook_batched, layer_indices=[mid], batched=True)]}
         if workload == "W6":
             return {"output_activations": {"attn_out": [mid], "mlp_out": [mid]}}
         if workload == "W7":
@@ -283,6 +287,10 @@ class VLLMSystem:
                 a, b = alone.activations["residual_stream"][:, 0].float(), acts[:, 0].float()
                 assert torch.allclose(a, b, rtol=0.05, atol=0.05 * float(a.abs().max())), "capture misaligned"
                 self._checked.add(workload)
+        if workload in ("W4n", "W4b") and self.kind.startswith("lens"):  # the hook really ran, per request
+            import torch
+
+            assert all(bool(torch.isfinite(torch.as_tensor(o.hook_results["0"]["norm"]))) for o in outs)
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         if workload in POINT_WORKLOADS:
             note = self._check_points(workload, outs, ps, sps, prompt_len, new)
@@ -293,6 +301,19 @@ class VLLMSystem:
 
 def _norm_hook(ctx, h):
     ctx.saved["norm"] = h.float().norm(dim=-1).mean().item() if h.numel() else 0.0
+    return None
+
+
+def _norm_hook_batched(ctx, h):
+    """W4b: W4n's per-request mean norm for every request of the step in one call (one segment sum on the
+    device; each request's value is a view of it)."""
+    import torch
+
+    counts = torch.tensor([e - s for _, s, e in ctx.rows], device=h.device)
+    seg = torch.repeat_interleave(torch.arange(len(ctx.rows), device=h.device), counts)
+    means = torch.zeros(len(ctx.rows), device=h.device).index_add_(0, seg, h.float().norm(dim=-1)) / counts
+    for i, (rid, _, _) in enumerate(ctx.rows):
+        ctx.saved[rid]["norm"] = means[i]
     return None
 
 
