@@ -309,7 +309,10 @@ async def _ensure_lora(root: str, api_key: str | None, name: str, path: str | No
                 "lora_path was given to load it from"
             )
         resp = await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
-        if resp.status_code == 404 and resp.text.strip() == '{"detail":"Not Found"}':  # no such route
+        no_route = resp.status_code == 404 and resp.text.strip() == '{"detail":"Not Found"}'
+        # the route exists (runtime updating allowed) but the engine was started without --enable-lora
+        no_lora = resp.status_code >= 400 and "LoRA is not enabled" in resp.text
+        if no_route or no_lora:
             if started_here:
                 raise ValueError(
                     "extra_body.lora_request: the server this provider started has no LoRA: it was started "

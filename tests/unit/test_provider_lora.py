@@ -42,7 +42,10 @@ class _Launched(Exception):
 
 def test_a_server_still_to_start_gets_lora_with_the_adapters_rank(fresh_api, tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_BASE_URL", raising=False)
-    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    # the provider sets it for the server it starts: restored after the test (later servers of this
+    # process must not inherit it)
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "False")
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     api = fresh_api()
     server = _compat.lora_server(api)
     assert (server.enable_lora, server.max_lora_rank) == (False, None)
