@@ -8,6 +8,7 @@ on the same machine (same boot id); otherwise the bytes travel over RPC. `VLLM_L
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 
@@ -18,11 +19,17 @@ PREFIX = "inspect-lens-"
 
 
 def host_id() -> str | None:
-    """This machine's identity (hostname + boot id), or None when shared memory is not usable here."""
+    """This machine's identity (hostname + boot id), or None when shared memory is not usable here. Asked
+    for every new request that captures: the identity is read once per process."""
     if not envs.get("VLLM_LENS_SHM"):
         return None
     if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
         return None
+    return _machine()
+
+
+@functools.cache
+def _machine() -> str | None:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
