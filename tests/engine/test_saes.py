@@ -10,6 +10,7 @@ import torch
 from vllm import SamplingParams
 
 from support.reference import greedy, hf_model, point_activations, residuals, steer_edit
+from support.saes import random_sae
 from vllm_worker.sae import Sae, save
 
 D, D_SAE = 128, 256
@@ -17,13 +18,7 @@ PROMPTS = ["the water of people will come down to the side", "a long thing to se
 
 
 def _random_sae(seed: int, point: str, layer: int, arch: str, k: int = 0) -> Sae:
-    g = torch.Generator().manual_seed(seed)
-    W_enc = torch.randn(D, D_SAE, generator=g) / D**0.5
-    W_dec = torch.randn(D_SAE, D, generator=g) / D**0.5
-    b_enc = torch.randn(D_SAE, generator=g) * 0.1 - 0.2
-    b_dec = torch.randn(D, generator=g) * 0.05
-    thr = torch.rand(D_SAE, generator=g) * 0.5 if arch == "jumprelu" else None
-    return Sae(point, layer, arch, W_enc, b_enc, W_dec, b_dec, thr, k)
+    return random_sae(seed, point, layer, arch, k, D_SAE)
 
 
 def _ref_encode(s: Sae, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 from vllm import SamplingParams
 
 from support.engines import model_path
+from support.saes import random_sae
 from support.servers import KEY, SAE_DIR
 from vllm_worker.api.client import decode_activations
 from vllm_worker.sae import Sae, save
@@ -15,16 +16,7 @@ PROMPT = "the water of people will come down to the side"
 
 
 def _sae() -> Sae:
-    g = torch.Generator().manual_seed(7)
-    return Sae(
-        "resid_post",
-        2,
-        "standard",
-        torch.randn(128, 64, generator=g) / 128**0.5,
-        torch.randn(64, generator=g) * 0.1,
-        torch.randn(64, 128, generator=g) / 128**0.5,
-        torch.zeros(128),
-    )
+    return random_sae(7, d_sae=64)
 
 
 def test_sae_features_over_http_equal_offline(server, locked_server, llama):

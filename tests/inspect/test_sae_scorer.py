@@ -4,8 +4,8 @@ server with the SAE loaded there, and its reading equals the SAE's encode of the
 from __future__ import annotations
 
 import httpx
-import torch
 
+from support.saes import random_sae
 from support.servers import KEY, SAE_DIR, run_eval
 from vllm_worker.api.client import LensClient
 from vllm_worker.sae import Sae, save
@@ -14,16 +14,7 @@ FEATURE = 5
 
 
 def _sae() -> Sae:
-    g = torch.Generator().manual_seed(11)
-    return Sae(
-        "resid_post",
-        2,
-        "standard",
-        torch.randn(128, 32, generator=g) / 128**0.5,
-        torch.randn(32, generator=g) * 0.1,
-        torch.randn(32, 128, generator=g) / 128**0.5,
-        torch.zeros(128),
-    )
+    return random_sae(11, d_sae=32)
 
 
 def test_sae_feature_scorer_reads_the_answer_through_the_engine(server, tmp_path):
