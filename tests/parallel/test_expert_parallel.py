@@ -13,6 +13,7 @@ import torch
 from vllm import SamplingParams
 
 from support.engines import make_engine, parallel_engine
+from support.hook_fns import ablate
 from support.reference import hf_model, point_activations
 from vllm_worker import Hook, SteeringVector
 
@@ -45,13 +46,6 @@ def engines(request):
     return request.param, ep, make_engine(request.param)
 
 
-def _ablate(ctx, h):
-    ctx.saved.setdefault("layers", []).append(ctx.layer_idx)
-    h = h.clone()
-    h[:, 3] = 0
-    return h
-
-
 def _moe_sums(ctx, h):
     """Reads the MoE block's output (a hook at mlp_out): its row sums, once per step."""
     ctx.saved.setdefault("sums", []).append(h.sum(-1).cpu())
@@ -69,7 +63,7 @@ def test_expert_parallel_capture_steer_hooks_router_equal_tp1_and_hf(engines):
         extra_args={
             "output_activations": want,
             "apply_steering_vectors": [SteeringVector(v, [1])],
-            "apply_hooks": [Hook(_ablate, [2]), Hook(_moe_sums, [3], point="mlp_out")],
+            "apply_hooks": [Hook(ablate(3), [2]), Hook(_moe_sums, [3], point="mlp_out")],
         },
     )
     out = ep.generate([PROMPT], sp, use_tqdm=False)[0]

@@ -8,10 +8,9 @@ import torch
 from vllm import SamplingParams
 
 from support.engines import parallel_engine
+from support.hook_fns import PROMPT, ablate, check_persistent_hooks, lens_top5
 from support.reference import greedy, hf_model, residuals, steer_edit, zero_dim_edit
 from vllm_worker import Hook, SteeringVector
-
-PROMPT = "the water of people will come down to the side"
 
 
 @pytest.fixture(scope="session")
@@ -22,16 +21,6 @@ def tp2():
 @pytest.fixture(scope="session")
 def pp2():
     return parallel_engine("llama", pipeline_parallel_size=2)
-
-
-def _ablate(dim):
-    def fn(ctx, h):
-        ctx.saved.setdefault("layers", []).append(ctx.layer_idx)
-        h = h.clone()
-        h[:, dim] = 0
-        return h
-
-    return fn
 
 
 def _equal_to_hf(out, v, steer_layer, dim, ablate_layers) -> torch.Tensor:
@@ -45,14 +34,6 @@ def _equal_to_hf(out, v, steer_layer, dim, ablate_layers) -> torch.Tensor:
     return ref
 
 
-def _lens(ctx, h):
-    w = ctx.get_parameter("lm_head.weight")
-    g = ctx.get_parameter("model.norm.weight")
-    x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * g
-    ctx.saved.setdefault("top", []).append((x @ w.T).topk(5, dim=-1).indices.cpu())
-    ctx.saved.setdefault("w_shape", tuple(w.shape))
-
-
 def test_tp2_capture_steer_hook_and_logit_lens_equal_hf(tp2):
     assert [s["tp_rank"] for s in tp2.collective_rpc("lens_status")] == [0, 1]
     v = torch.randn(1, 128, generator=torch.Generator().manual_seed(5)) * 4
@@ -63,7 +44,7 @@ def test_tp2_capture_steer_hook_and_logit_lens_equal_hf(tp2):
         extra_args={
             "output_residual_stream": [0, 1, 2, 3],
             "apply_steering_vectors": [SteeringVector(v, [1])],
-            "apply_hooks": [Hook(_ablate(3), [2]), Hook(_lens, [3])],
+            "apply_hooks": [Hook(ablate(3), [2]), Hook(lens_top5, [3])],
         },
     )
     out = tp2.generate([PROMPT], sp, use_tqdm=False)[0]
@@ -78,16 +59,7 @@ def test_tp2_capture_steer_hook_and_logit_lens_equal_hf(tp2):
 
 
 def test_tp2_persistent_hooks(tp2):
-    def record(ctx, h):
-        ctx.saved.setdefault("rows", []).append(ctx.seq_len)
-
-    tp2.clear_hooks()
-    tp2.register_hooks([Hook(record, [0])])
-    tp2.generate([PROMPT, PROMPT + " a"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
-    res = tp2.collect_hook_results()
-    assert len(res) == 2 and all(len(r["0"]["rows"]) == 3 for r in res.values())
-    tp2.clear_hooks()
-    assert all(s["stored_requests"] == 0 for s in tp2.collective_rpc("lens_status"))
+    check_persistent_hooks(tp2)
 
 
 def test_pp2_stages_merge_by_layer_and_equal_hf(pp2):
@@ -96,7 +68,7 @@ def test_pp2_stages_merge_by_layer_and_equal_hf(pp2):
     # a hook on stage 0 reading a parameter of the last stage needs a prefetch: a clear error first
     with pytest.raises(Exception, match="prefetch"):
         pp2.generate(
-            [PROMPT], SamplingParams(max_tokens=2, extra_args={"apply_hooks": [Hook(_lens, [0])]}), use_tqdm=False
+            [PROMPT], SamplingParams(max_tokens=2, extra_args={"apply_hooks": [Hook(lens_top5, [0])]}), use_tqdm=False
         )
     assert pp2.prefetch_params(["lm_head.weight", "model.norm.weight"]) == ["lm_head.weight", "model.norm.weight"]
     sp = SamplingParams(
@@ -106,7 +78,7 @@ def test_pp2_stages_merge_by_layer_and_equal_hf(pp2):
         extra_args={
             "output_residual_stream": [0, 1, 2, 3],
             "apply_steering_vectors": [SteeringVector(v, [2])],
-            "apply_hooks": [Hook(_ablate(5), [1, 3]), Hook(_lens, [0])],
+            "apply_hooks": [Hook(ablate(5), [1, 3]), Hook(lens_top5, [0])],
         },
     )
     out = pp2.generate([PROMPT], sp, use_tqdm=False)[0]

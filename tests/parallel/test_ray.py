@@ -15,12 +15,11 @@ from vllm import SamplingParams
 
 from support import pythonpath
 from support.engines import parallel_engine
+from support.hook_fns import PROMPT, ablate, check_persistent_hooks, lens_top5
 from support.reference import greedy, hf_model, point_activations, steer_edit, zero_dim_edit
 from vllm_worker import Hook, SteeringVector
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'inspect-lens[ray]'")
-
-PROMPT = "the water of people will come down to the side"
 
 
 @pytest.fixture(scope="module")
@@ -50,21 +49,6 @@ def ray_tp2():
         )
 
 
-def _ablate(ctx, h):
-    ctx.saved.setdefault("layers", []).append(ctx.layer_idx)
-    h = h.clone()
-    h[:, 3] = 0
-    return h
-
-
-def _lens(ctx, h):
-    w = ctx.get_parameter("lm_head.weight")
-    g = ctx.get_parameter("model.norm.weight")
-    x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * g
-    ctx.saved.setdefault("top", []).append((x @ w.T).topk(5, dim=-1).indices.cpu())
-    ctx.saved.setdefault("w_shape", tuple(w.shape))
-
-
 def test_ray_tp2_capture_steer_hook_and_parameter_equal_hf(ray_tp2):
     assert ray_tp2.llm_engine.vllm_config.parallel_config.distributed_executor_backend == "ray"
     assert [s["tp_rank"] for s in ray_tp2.collective_rpc("lens_status")] == [0, 1]
@@ -77,7 +61,7 @@ def test_ray_tp2_capture_steer_hook_and_parameter_equal_hf(ray_tp2):
         extra_args={
             "output_activations": want,
             "apply_steering_vectors": [SteeringVector(v, [1])],
-            "apply_hooks": [Hook(_ablate, [2]), Hook(_lens, [3])],
+            "apply_hooks": [Hook(ablate(3), [2]), Hook(lens_top5, [3])],
         },
     )
     out = ray_tp2.generate([PROMPT], sp, use_tqdm=False)[0]
@@ -108,13 +92,4 @@ def test_ray_tp2_capture_steer_hook_and_parameter_equal_hf(ray_tp2):
 
 
 def test_ray_tp2_persistent_hooks(ray_tp2):
-    def record(ctx, h):
-        ctx.saved.setdefault("rows", []).append(ctx.seq_len)
-
-    ray_tp2.clear_hooks()
-    ray_tp2.register_hooks([Hook(record, [0])])
-    ray_tp2.generate([PROMPT, PROMPT + " a"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
-    res = ray_tp2.collect_hook_results()
-    assert len(res) == 2 and all(len(r["0"]["rows"]) == 3 for r in res.values())
-    ray_tp2.clear_hooks()
-    assert all(s["stored_requests"] == 0 for s in ray_tp2.collective_rpc("lens_status"))
+    check_persistent_hooks(ray_tp2)
