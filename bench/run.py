@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPS = ROOT / "bench" / ".deps"
 BASE = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5")
 POINTS = ("W6", "W7", "W8")  # hook points (issue #24): this project only
-ALL = BASE + ("W4b",) + POINTS  # W4b: this project only (batched hooks)
+ALL = BASE + ("W4b", "W4m") + POINTS  # W4b: this project only (batched hooks)
 NAMES = {
     "W0": "plain generation",
     "W1": "capture 1 middle layer",
@@ -32,6 +32,7 @@ NAMES = {
     "W4": "Python hook 1 layer",
     "W4n": "Python hook 1 layer, result kept on the GPU",
     "W4b": "W4n as one batched hook (one call per step)",
+    "W4m": "W4n's hook on one request in the batch, the others plain",
     "W5": "mixed batch (¼ capture, ¼ steer)",
     "W6": "capture attn_out + mlp_out, middle layer",
     "W7": "capture z (per head), middle layer",
@@ -47,13 +48,15 @@ def system_env(system: str) -> dict[str, str]:
     env.pop("VLLM_LENS_DISABLE", None)
     if system in ("vllm-eager", "vllm-compiled"):
         env["VLLM_PLUGINS"] = "none-allowed"  # allow-list naming no plugin: plain vLLM
-    elif system in ("lens", "lens-eager", "lens-points"):
+    elif system in ("lens", "lens-eager", "lens-points", "lens-noseams"):
         env["VLLM_PLUGINS"] = "inspect_lens_worker"
         env["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"
         # "lens-points": the engine taps the inner points the point workloads use (BENCH_LENS_POINTS), as an
         # operator serving them would start it; "lens" keeps the caller's setting (unset: between layers only)
         if system == "lens-points":
             env["VLLM_LENS_POINTS"] = os.environ.get("BENCH_LENS_POINTS", "attn_out,mlp_out,z")
+        if system == "lens-noseams":  # steps with Python hooks off full graphs, every feature from Python (before #25)
+            env["VLLM_LENS_SEAMS"] = "0"
     elif system == "lens-before":
         # this project at an older commit (A/B): its package installed elsewhere (BENCH_LENS_BEFORE_PATH, e.g.
         # pip install --no-deps --target /root/lens-before <tree>) and first on the path; this tree and the
@@ -293,6 +296,7 @@ COLORS = {
     "lens-eager": "#98df8a",
     "lens-before": "#bcbd22",
     "lens-points": "#17becf",
+    "lens-noseams": "#ff7f0e",
     "vllm-lens": "#d62728",
     "hf": "#9467bd",
     "nnsight": "#8c564b",
@@ -377,6 +381,12 @@ def main() -> None:
         "neox": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W6", "W8")},
         # Python hooks: one per request (W4n) against one batched hook for all requests (W4b)
         "gpu-hooks": {"vllm-compiled": ("W0",), "lens": ("W0", "W4n", "W4b")},
+        # Python hooks in full CUDA graphs cut at the taps (seams), against the same engine without them
+        "gpu-seams": {
+            "vllm-compiled": ("W0",),
+            "lens": ("W0", "W1", "W3", "W4", "W4n", "W4b", "W4m"),
+            "lens-noseams": ("W0", "W4n", "W4b", "W4m"),
+        },
         # the inner points as served: an engine tapping only the points W6-W8 use, beside the default engine
         "gpu-points2": {
             "vllm-compiled": ("W0",),

@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 
-WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W4n", "W4b", "W5", "W6", "W7", "W8")
+WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W4n", "W4b", "W4m", "W5", "W6", "W7", "W8")
 POINT_WORKLOADS = ("W6", "W7", "W8")  # hook points: this project only
 
 
@@ -134,6 +134,8 @@ class VLLMSystem:
             return {"apply_hooks": [Hook(fn=_norm_hook, layer_indices=[mid])]}
         if workload == "W4n":
             return {"apply_hooks": [Hook(fn=_norm_hook_on_device, layer_indices=[mid])]}
+        if workload == "W4m":  # one request in the batch carries W4n's hook, the others nothing
+            return {"apply_hooks": [Hook(fn=_norm_hook_on_device, layer_indices=[mid])]} if i == 0 else {}
         if workload == "W4b":  # W4n's reading as one batched hook: one call per step for every request
             if not self.kind.startswith("lens"):
                 raise NotImplementedError("batched hooks (W4b) are this project's")
@@ -291,6 +293,10 @@ class VLLMSystem:
             import torch
 
             assert all(bool(torch.isfinite(torch.as_tensor(o.hook_results["0"]["norm"]))) for o in outs)
+        if workload == "W4m" and self.kind.startswith("lens"):
+            import torch
+
+            assert bool(torch.isfinite(torch.as_tensor(outs[0].hook_results["0"]["norm"])))
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         if workload in POINT_WORKLOADS:
             note = self._check_points(workload, outs, ps, sps, prompt_len, new)

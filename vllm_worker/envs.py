@@ -144,6 +144,15 @@ SETTINGS: dict[str, Setting] = {
             "feature takes the Python path, without graphs",
         ),
         Setting(
+            "VLLM_LENS_SEAMS",
+            bool,
+            True,
+            "steps with Python hooks keep capture and steering on the graph-safe kernel and run the hooks "
+            "at their taps only; on GPU they replay a copy of each full CUDA graph cut at the taps "
+            "(captured next to vLLM's own: start-up captures twice). 0: such steps run every feature from "
+            "Python, off full CUDA graphs",
+        ),
+        Setting(
             "VLLM_LENS_STAGE_MB",
             float,
             256.0,

@@ -222,3 +222,57 @@ def test_offline_extract_internals(llama):
     name, dtype, max_len = compat.served_model(compat.processor_of_llm(llama))
     assert name.endswith("tiny-llama") and dtype == torch.float32 and max_len == 512
     assert compat.llm_busy(llama) is False
+
+
+def test_full_graph_wrapper_replays_the_cut_graph_for_steps_with_hooks(llama, monkeypatch):
+    """vLLM's full-graph wrapper, with our patch (`compat.patch_full_graphs`, installed by the worker):
+    a step with Python hooks replays the graph cut at the taps (`worker.seams`) for its batch, or runs
+    eagerly when none was cut for it; other steps replay vLLM's own graph. CPU has no CUDA graphs, so
+    the graphs here are stand-ins with a `replay`; the routing, the forward context and the wrapper's
+    fields are vLLM's."""
+    from vllm.compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper
+    from vllm.config import CUDAGraphMode, VllmConfig
+    from vllm.forward_context import BatchDescriptor, set_forward_context
+    from vllm.platforms import current_platform
+
+    from vllm_worker import compat
+    from vllm_worker.worker import seams
+
+    assert compat.full_graphs_unsupported() is None
+    assert getattr(CUDAGraphWrapper.__call__, "__lens_wrapped__", False)  # the worker installed it
+    monkeypatch.setattr(type(current_platform), "get_global_graph_pool", lambda self: None)
+    calls: list[str] = []
+    cfg = VllmConfig()
+    w = CUDAGraphWrapper(lambda: calls.append("eager") or "eager-out", cfg, CUDAGraphMode.FULL)
+
+    class Replayed:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def replay(self) -> None:
+            calls.append(self.name)
+
+    bd = BatchDescriptor(num_tokens=8, uniform=True)
+    entry = CUDAGraphEntry(batch_descriptor=bd)
+    entry.cudagraph, entry.output = Replayed("vllm"), "vllm-out"
+    w.concrete_cudagraph_entries[bd] = entry
+    cut = seams.Segments(None)
+    cut.parts, cut.output = [(Replayed("cut-0"), 5, None, None), (Replayed("cut-1"), None, None, None)], "cut-out"
+    seen: list[int] = []
+    prev_handler = seams.taps.set_handler(lambda h, r, site: seen.append(site))
+    try:
+        with set_forward_context(None, cfg, cudagraph_runtime_mode=CUDAGraphMode.FULL, batch_descriptor=bd):
+            assert w() == "vllm-out" and calls == ["vllm"]  # no hooks in the step: vLLM's graph
+            prev = seams.set_wanted(frozenset({5}))
+            try:
+                calls.clear()
+                assert w() == "eager-out" and calls == ["eager"]  # hooks, nothing cut for this batch: eager
+                w.__dict__["_lens_cut"] = {bd: cut}
+                calls.clear()
+                assert w() == "cut-out" and calls == ["cut-0", "cut-1"] and seen == [5]
+            finally:
+                seams.set_wanted(prev)
+        w.clear_graphs()  # vLLM dropping its graphs drops ours
+        assert "_lens_cut" not in w.__dict__
+    finally:
+        seams.taps.set_handler(prev_handler)

@@ -78,6 +78,74 @@ def test_graph_and_python_paths_give_the_same_numbers(llama):
     assert (fast[0].activations["residual_stream"][1] - plain.activations["residual_stream"][0]).abs().max() > 0.5
 
 
+def _double(ctx, h):
+    ctx.saved["calls"] = ctx.saved.get("calls", 0) + 1
+    return h * 2
+
+
+def _batched_norm(ctx, h):
+    for rid, s, e in ctx.rows:
+        ctx.saved[rid].setdefault("norms", []).append(h[s:e].norm(dim=-1))
+    return None
+
+
+def test_hooks_on_the_graph_path_equal_the_python_path(llama, monkeypatch):
+    """Steps whose only Python is hooks keep capture and steering on the graph-safe kernel and run the hooks
+    at their sites after it (`worker.seams`; on GPU inside cut full graphs): same tokens, logprobs,
+    captures and hook results as the all-Python path (`VLLM_LENS_SEAMS=0`), with captured, steered and
+    plain batch-mates. A request hooking and capturing at the same site keeps the Python path's order
+    (steer, hook, capture), so such a batch runs on the Python path."""
+    v = _vec(4, (1, D))
+    extras = [
+        {"apply_hooks": [Hook(_double, [1])], "output_residual_stream": [0, 2, 3]},  # capture after the edit
+        {
+            "apply_steering_vectors": [SteeringVector(v, [2], scale=0.5, norm_match=True)],
+            "output_residual_stream": [1, 3],
+        },
+        {"apply_hooks": [Hook(_batched_norm, [2], batched=True)]},
+        None,
+        {"apply_hooks": [Hook(_batched_norm, [2], batched=True)], "output_residual_stream": [3]},
+    ]
+    prompts = PROMPTS + PROMPTS[:2]
+
+    def run(seams_on: bool, ex=extras):
+        monkeypatch.setenv("VLLM_LENS_SEAMS", "1" if seams_on else "0")
+        sps = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, extra_args=e) for e in ex]
+        before = dict(STEP_TIMINGS)
+        outs = llama.generate(prompts[: len(ex)], sps, use_tqdm=False)
+        return outs, {k: STEP_TIMINGS[k] - before[k] for k in ("graph_steps", "seam_steps", "python_steps")}
+
+    seam, seam_steps = run(True)
+    python, python_steps = run(False)
+    assert seam_steps["seam_steps"] >= 6 and seam_steps["python_steps"] == 0
+    assert python_steps["graph_steps"] == 0 and python_steps["python_steps"] >= 6
+    for a, b in zip(seam, python):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and max(abs(la[k].logprob - lb[k].logprob) for k in la) <= 1e-4
+        if a.activations is not None:
+            x, y = a.activations["residual_stream"], b.activations["residual_stream"]
+            assert x.shape == y.shape and (x - y).abs().max() <= 1e-4 * max(1.0, y.abs().max().item())
+    assert seam[0].hook_results["0"]["calls"] == python[0].hook_results["0"]["calls"] >= 6
+    for i in (2, 4):
+        x, y = seam[i].hook_results["0"]["norms"], python[i].hook_results["0"]["norms"]
+        assert len(x) == len(y) >= 6 and all(torch.allclose(p, q, rtol=1e-4) for p, q in zip(x, y))
+    # the edit reached what the same request captured after it (layer 2), and only that request
+    n = len(seam[0].prompt_token_ids)
+    alone = llama.generate(
+        PROMPTS[:2], SamplingParams(max_tokens=1, extra_args={"output_residual_stream": [1, 2]}), use_tqdm=False
+    )
+    assert (
+        seam[0].activations["residual_stream"][1, :n] - alone[0].activations["residual_stream"][1, :n]
+    ).abs().max() > 1e-2
+
+    # hook and capture at the same site of one request: the Python path, where the capture sees the edit
+    mixed, steps = run(True, [{"apply_hooks": [Hook(_double, [1])], "output_residual_stream": [1]}, None])
+    assert steps["seam_steps"] == 0 and steps["python_steps"] >= 6
+    got, want = mixed[0].activations["residual_stream"][0, :n], 2 * alone[0].activations["residual_stream"][0, :n]
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 def _graph_taps(monkeypatch, steer_mb: float = 1.0) -> graph.GraphTaps:
     monkeypatch.setattr(graph, "STEER_MB", steer_mb)
     return graph.GraphTaps([0, 1, 2], 8, torch.float32, torch.device("cpu"), 16, None)

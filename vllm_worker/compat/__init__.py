@@ -95,6 +95,7 @@ from vllm_worker.compat.runner import (  # noqa: F401
     batch_layout,
     ensure_pp_buffers,
     forward_replays_full_graph,
+    full_graphs_unsupported,
     graph_taps_unsupported,
     hf_config,
     hidden_size,
@@ -103,6 +104,7 @@ from vllm_worker.compat.runner import (  # noqa: F401
     live_request_ids,
     max_tokens,
     patch_cudagraph_dispatch,
+    patch_full_graphs,
     patch_runner,
     request_extra_args,
     request_max_positions,
@@ -111,6 +113,8 @@ from vllm_worker.compat.runner import (  # noqa: F401
     sequence_parallel_moe,
     tp_rank,
     tp_world_size,
+    weak_ref,
+    weak_refs,
 )
 from vllm_worker.compat.version import (  # noqa: F401
     SUPPORTED,

@@ -251,3 +251,96 @@ def graph_taps_unsupported() -> str | None:
     if "cudagraph_runtime_mode" not in getattr(ForwardContext, "__dataclass_fields__", {}):
         return "vLLM internal moved: ForwardContext has no cudagraph_runtime_mode"
     return None
+
+
+def weak_ref(t: Any) -> Any:
+    """A tensor aliasing `t`'s memory without keeping it alive (vLLM's own, for tensors of its graph pool)."""
+    from vllm.utils import torch_utils
+
+    return require(torch_utils, "weak_ref_tensor", "vllm.utils.torch_utils")(t) if t is not None else None
+
+
+def weak_refs(out: Any) -> Any:
+    from vllm.utils import torch_utils
+
+    return require(torch_utils, "weak_ref_tensors", "vllm.utils.torch_utils")(out)
+
+
+def patch_full_graphs(
+    capture: Callable[[Any, Callable[[], Any]], Any],
+    wanted: Callable[[], bool],
+    replay: Callable[[Any], Any],
+    fallback: Callable[[], None],
+) -> None:
+    """vLLM's full-graph wrapper (`CUDAGraphWrapper` in FULL mode): right after it captures its graph for a
+    batch, `capture(pool, forward)` captures ours (same inputs, pool, forward context); when it would
+    replay and `wanted()` (the step has Python hooks), `replay(ours)` runs instead, or — none captured for
+    this batch — the forward runs eagerly (`fallback()` counts it; the taps then run from Python)."""
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    def make_call(orig: Callable) -> Callable:
+        def __call__(self, *args, **kwargs):
+            if self.runtime_mode != CUDAGraphMode.FULL or not is_forward_context_available():
+                return orig(self, *args, **kwargs)
+            fc = get_forward_context()
+            if fc.cudagraph_runtime_mode != CUDAGraphMode.FULL:
+                return orig(self, *args, **kwargs)
+            bd = fc.batch_descriptor
+            entry = self.concrete_cudagraph_entries.get(bd)
+            ours = self.__dict__.setdefault("_lens_cut", {})
+            if entry is None or entry.cudagraph is None:  # vLLM captures now: so do we
+                out = orig(self, *args, **kwargs)
+                cut = capture(self.graph_pool, lambda: self.runnable(*args, **kwargs))
+                if cut is not None:
+                    ours[bd] = cut
+                return out
+            if wanted():
+                cut = ours.get(bd)
+                if cut is None:
+                    fallback()
+                    return self.runnable(*args, **kwargs)
+                return replay(cut)
+            return orig(self, *args, **kwargs)
+
+        return __call__
+
+    def make_clear(orig: Callable) -> Callable:
+        def clear_graphs(self, *args, **kwargs):
+            self.__dict__.pop("_lens_cut", None)
+            return orig(self, *args, **kwargs)
+
+        return clear_graphs
+
+    wrap(CUDAGraphWrapper, "__call__", make_call)
+    wrap(CUDAGraphWrapper, "clear_graphs", make_clear)
+
+
+def full_graphs_unsupported() -> str | None:
+    """Why full graphs cannot be cut at the taps on this vLLM (None: they can)."""
+    import inspect
+
+    try:
+        from vllm.compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper
+        from vllm.forward_context import ForwardContext
+        from vllm.utils import torch_utils
+    except ImportError as e:
+        return f"vLLM internal moved: {e}"
+    for obj, name in (
+        (CUDAGraphWrapper, "__call__"),
+        (CUDAGraphWrapper, "clear_graphs"),
+        (torch_utils, "weak_ref_tensor"),
+        (torch_utils, "weak_ref_tensors"),
+    ):
+        if not hasattr(obj, name):
+            return f"vLLM internal moved: {getattr(obj, '__qualname__', obj.__name__)}.{name} not found"
+    init = inspect.getsource(CUDAGraphWrapper.__init__)
+    for attr in ("self.runtime_mode", "self.graph_pool", "self.concrete_cudagraph_entries", "self.runnable"):
+        if attr not in init:
+            return f"vLLM internal moved: CUDAGraphWrapper sets no {attr[5:]}"
+    if "cudagraph" not in getattr(CUDAGraphEntry, "__dataclass_fields__", {}):
+        return "vLLM internal moved: CUDAGraphEntry has no cudagraph"
+    if "batch_descriptor" not in getattr(ForwardContext, "__dataclass_fields__", {}):
+        return "vLLM internal moved: ForwardContext has no batch_descriptor"
+    return None

@@ -17,7 +17,7 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors
 from vllm_worker.protocol.points import NAME, describe, site_layer, split_site
 from vllm_worker.protocol.spec import decode
-from vllm_worker.worker import faults, graph
+from vllm_worker.worker import faults, graph, seams
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, hook_at, split_steers
 from vllm_worker.worker.results import RequestResults
@@ -125,7 +125,9 @@ class Admission:
         capture = [] if spec is None else spec.capture
         entries = None
         entry_ids: list[int] = []
-        if self.graph is not None and not hooks and not any(st.mul for st in steers):  # multiplications: Python path
+        # hooks: on the graph path too when their steps can run them at seams (`plan.RequestState.seam_ok`)
+        graph_ok = not hooks or seams.enabled()
+        if self.graph is not None and graph_ok and not any(st.mul for st in steers):  # multiplications: Python path
             got = graph.request_entries(self.graph, steers) if steers else ({}, [])
             if got is not None:
                 entries, entry_ids = got

@@ -13,6 +13,7 @@ from typing import Any
 from vllm_worker import compat
 from vllm_worker.protocol import errors
 from vllm_worker.transport import shm
+from vllm_worker.worker import seams
 from vllm_worker.worker.runtime import LensRuntime
 
 logger = logging.getLogger("vllm_worker")
@@ -103,6 +104,11 @@ compat.check_version()
 compat.patch_runner(_on_loaded, _around_forward)
 if compat.graph_taps_unsupported() is None:  # else the frontend forced eager mode (with a warning)
     compat.patch_cudagraph_dispatch(_needs_python)
+    _why_not_cut = compat.full_graphs_unsupported()
+    if _why_not_cut is None:
+        compat.patch_full_graphs(seams.capture, seams.wanted, seams.replay, seams.fallback)
+    else:  # steps with Python hooks then stay off full graphs (piecewise graphs run them)
+        logger.warning("inspect-lens: full CUDA graphs cannot be cut at the taps: %s", _why_not_cut)
 
 
 class LensWorkerExtension:

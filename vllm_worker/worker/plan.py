@@ -87,6 +87,17 @@ class RequestState:
         """Everything this request asks for runs in the graph-safe kernel (no Python hooks, no SAE clamp)."""
         return not self.hooks and self.entries is not None and not any(u.clamp for u in self.sae)
 
+    @property
+    def seam_ok(self) -> bool:
+        """All but its Python hooks runs in the graph-safe kernel, and the hooks can run after the kernel at
+        their sites: the kernel steers and then captures in one go, so a hook the request runs at a site
+        *before* its own capture there (or its SAE features) would be seen too late. Such requests take the
+        Python path, where the order is steer, hooks, capture."""
+        if self.entries is None or any(u.clamp for u in self.sae):
+            return False
+        early = {s for h in self.hooks for s, late in h.at if not late}
+        return not (early & set(self.capture)) and not any(u.site in early for u in self.sae)
+
 
 Rows = list[tuple[RequestState, int, int]]  # (request, start row, end row)
 
@@ -196,6 +207,13 @@ class StepPlan:
     fired_sites: set = field(default_factory=set)  # sites whose tap ran from Python this step
     groups: dict[HookAt, list[HookGroup]] = field(default_factory=dict)  # batched hooks
 
+    @functools.cached_property
+    def seam_sites(self) -> frozenset:
+        """Sites where this plan runs Python hooks. With `graph` set, the only Python of the step: the
+        graph-safe kernel does the rest, and on GPU a full CUDA graph cut at these sites replays
+        (`worker.seams`)."""
+        return frozenset(s for s, _ in self.hooks) | frozenset(s for s, _ in self.groups)
+
     def begin_step(self, positions: torch.Tensor) -> None:
         self.positions = positions
         self.captured = []
@@ -237,9 +255,11 @@ def make_plan(
     local: frozenset,
     graph: GraphTaps | None = None,
     n_rows: int = 0,
+    seams: bool = False,
 ) -> StepPlan:
     """`local`: the sites this pipeline stage holds (captures of other stages' layers are theirs).
-    `graph`: when every request fits the graph-safe path, the plan is for it."""
+    `graph`: when every request fits the graph-safe path, the plan is for it; with `seams`, also when
+    some only add Python hooks the kernel can run before (`RequestState.seam_ok`)."""
     steer: dict[int, Rows] = {}
     simple: dict[int, Rows] = {}
     cap_rows: dict[int, Rows] = {}
@@ -268,20 +288,42 @@ def make_plan(
                 if layer in local:
                     cap_rows.setdefault(layer, []).append(item)
 
+    def on_device(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    # a request is listed once per layer even if several of its vectors/hooks act there
+    hooks = {k: list(dict.fromkeys(v)) for k, v in hooks.items()}
+
+    def hook_groups() -> dict[HookAt, list[HookGroup]]:
+        return {
+            at: [
+                HookGroup(layer, members[0][1].point, members, on_device(group_rows(members)))
+                for (_, layer), members in by_key.items()
+            ]
+            for at, by_key in batched.items()
+        }
+
     if (
         graph is not None
         and graph.broken is None
         and n_rows <= graph.max_rows
-        and all(r.graph_ok for r, _, _ in active)
+        and all(r.graph_ok or (seams and r.seam_ok) for r, _, _ in active)
     ):
         gp = graph_plan(active, cap_rows, n_rows, graph.col)
         stage_features(gp, cap_rows, {s: list(dict.fromkeys(v)) for s, v in sae_feat.items()}, graph.col)
         if gp.total <= graph.stage_rows:
             capture = {layer: (None, items) for layer, items in cap_rows.items()}
-            return StepPlan(None, {}, {}, capture, {}, graph=gp, requests=[r for r, _, _ in active])
-
-    def on_device(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
+            # Python hooks, if any, run at their sites after the kernel (`runtime.LensRuntime._seam_tap`)
+            return StepPlan(
+                None,
+                {},
+                {},
+                capture,
+                hooks,
+                graph=gp,
+                requests=[r for r, _, _ in active],
+                groups=hook_groups(),
+            )
 
     def rows_of(items: Rows) -> np.ndarray:
         return np.concatenate([np.arange(s, e) for _, s, e in items])
@@ -294,17 +336,8 @@ def make_plan(
         if len(rows) != len(items):  # prefill chunks: one add per row
             adds = adds.index_select(0, on_device(np.repeat(np.arange(len(items)), [e - s for _, s, e in items])))
         steer_batched[layer] = (on_device(rows), adds)
-    # a request is listed once per layer even if several of its vectors/hooks act there
     steer = {l: list(dict.fromkeys(v)) for l, v in steer.items()}
-    hooks = {k: list(dict.fromkeys(v)) for k, v in hooks.items()}
     feat = {s: list(dict.fromkeys(v)) for s, v in sae_feat.items()}
-    groups = {
-        at: [
-            HookGroup(layer, members[0][1].point, members, on_device(group_rows(members)))
-            for (_, layer), members in by_key.items()
-        ]
-        for at, by_key in batched.items()
-    }
     return StepPlan(
         None,
         steer,
@@ -312,7 +345,7 @@ def make_plan(
         capture,
         hooks,
         requests=[r for r, _, _ in active],
-        groups=groups,
+        groups=hook_groups(),
         sae_feat={s: (on_device(rows_of(items)), items) for s, items in feat.items()},
         sae_clamp={s: list(dict.fromkeys(v)) for s, v in sae_clamp.items()},
     )

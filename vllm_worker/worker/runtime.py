@@ -23,7 +23,7 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors, points
 from vllm_worker.protocol.spec import PAYLOAD_KEY
 from vllm_worker.transport import shm
-from vllm_worker.worker import edits, faults, graph, saes, taps
+from vllm_worker.worker import edits, faults, graph, saes, seams, taps
 from vllm_worker.worker import store as store_mod
 from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.params import Params
@@ -43,6 +43,7 @@ STEP_TIMINGS = {
     "python_steps": 0,
     "python_file_s": 0.0,
     "graphless_steps": 0,  # steps kept off every CUDA graph (Python at a tap inside a layer)
+    "seam_steps": 0,  # graph-path steps with Python hooks at some taps (`seams`)
 }
 
 
@@ -217,7 +218,15 @@ class LensRuntime:
                 plan = None
                 if active:
                     faults.check("plan")
-                    plan = make_plan(active, self.device, self.capturing_rank, self._local, self.graph, int(qsl[-1]))
+                    plan = make_plan(
+                        active,
+                        self.device,
+                        self.capturing_rank,
+                        self._local,
+                        self.graph,
+                        int(qsl[-1]),
+                        seams.enabled(),
+                    )
                     if plan.capture:
                         self.store.open_plan(plan)
                 self._cached_plan, self._plan_key = plan, key
@@ -233,12 +242,19 @@ class LensRuntime:
         the taps between layers (hooks, or more than the graph buffers hold): no full graph; 2 when it needs
         Python at a tap inside a layer (not a splitting op): no CUDA graph at all."""
         plan = self._current_plan()
-        if plan is None or plan.graph is not None:
+        if plan is None:
             return 0
-        if any(taps.is_inner(s) for s in plan.sites):
+        if plan.graph is not None:  # Python only at the hooks' sites, if any (`seams`)
+            python_at = plan.seam_sites
+            if not python_at:
+                return 0
+        else:
+            python_at = plan.sites
+        if any(taps.is_inner(s) for s in python_at):
             STEP_TIMINGS["graphless_steps"] += 1
             return 2
-        return 1
+        # full graphs cut at the taps replay the hooks (a batch without one runs eagerly)
+        return 0 if plan.graph is not None and seams.ready() else 1
 
     def _invalidate(self) -> None:
         """Request states changed outside a step (hooks registered / cleared): re-plan next step."""
@@ -322,12 +338,31 @@ class LensRuntime:
             g.clear()
             self._fail(plan.requests, "preparing the step", e)
             return orig(self.runner, *args, **kwargs)
+        hooked = plan.seam_sites
+        if hooked:  # Python hooks at these sites, after the kernel (`_tap`); cut full graphs replay them
+            dev_pos = kwargs.get("positions")
+            if dev_pos is None:
+                raise compat.LensIncompatibleVLLM("forward pass without `positions`")
+            plan.begin_step(dev_pos)
+            self._plan = plan
+            prev_handler, prev_wanted = taps.set_handler(self.on_tap), seams.set_wanted(hooked)
         t1 = time.perf_counter()
         try:
             out = orig(self.runner, *args, **kwargs)
         finally:
             g.active = False
+            if hooked:
+                taps.set_handler(prev_handler)
+                seams.set_wanted(prev_wanted)
+                self._plan = None
         t2 = time.perf_counter()
+        if hooked:
+            STEP_TIMINGS["seam_steps"] += 1
+            missed = (hooked & self._local) - plan.fired_sites
+            if missed and not plan.broken:  # never a silent no-op: the hooked requests there fail, loudly
+                names = ", ".join(points.describe(s) for s in sorted(missed))
+                hit = [r for r in plan.requests if _touches(r, missed)]
+                self._fail(hit, "running the step", RuntimeError(f"the hooks at {names} did not run"))
         if g.error is not None:  # the kernel raised inside the forward: these requests fail, nobody else
             self._fail(plan.requests, "running the graph-safe taps", RuntimeError(g.error))
             return out
@@ -375,7 +410,12 @@ class LensRuntime:
 
     def _tap(self, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
         """At one site: steering, hooks at the point, capture, then the next layer's pre-hooks (the stream
-        leaving layer i is the one entering layer i + 1)."""
+        leaving layer i is the one entering layer i + 1). With a graph plan the kernel already steered and
+        captured here (`plan.RequestState.seam_ok`): only the hooks run."""
+        if plan.graph is not None:
+            edits.run_hooks((site, False), plan, hidden, residual, self._hook_failed)
+            edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
+            return
         edits.steer(site, plan, hidden, residual)
         if plan.sae_clamp:
             saes.clamp_at(site, plan, hidden, residual)
@@ -473,6 +513,7 @@ class LensRuntime:
             "fetch_timings": dict(store_mod.FETCH_TIMINGS),
             "step_timings": dict(STEP_TIMINGS),
             "hook_timings": dict(edits.HOOK_TIMINGS),
+            "seams": dict(seams.SEAM_STATS),
             # shared-memory result regions handed to the frontend and not yet given back
             "result_regions": (pool or {}).get("regions_in_use", 0),
             "result_pool": pool,

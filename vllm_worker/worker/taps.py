@@ -10,8 +10,9 @@ The op does two things. (1) At a layer's output it runs the graph-safe kernel (`
 reads per-step device buffers: this is how capture and steering run inside full CUDA graphs (decode
 steps), with no Python in the step. (2) When called from Python it also calls the per-forward handler
 (`runtime.LensRuntime.on_tap`), which may do anything, per request (Python hooks). The op is one of
-vLLM's piecewise `splitting_ops`, so it is called from Python between piecewise graphs, and steps with
-Python hooks are kept off full graphs (`compat.patch_cudagraph_dispatch`); eager mode calls it always.
+vLLM's piecewise `splitting_ops`, so it is called from Python between piecewise graphs. Full graphs never
+call Python: steps with Python hooks replay a copy of the full graph cut at these taps (`seams`), or are
+kept off full graphs (`compat.patch_cudagraph_dispatch`); eager mode calls it always.
 
 Sites: `site = layer * SITES_PER_LAYER + code` (`protocol.points`): IN (the stream entering the first
 layer of a stage; for the others it is the previous layer's OUT), OUT (leaving a layer) and, where the
@@ -57,6 +58,7 @@ READ_OP = "vllm_lens::tap_read"
 Handler = Callable[[torch.Tensor, "torch.Tensor | None", int], None]
 _handler: Handler | None = None
 _graph: Any = None  # graph.GraphTaps of this process, if any
+_recorder: Any = None  # seams.Segments being captured: cut the graph after each tap between layers
 
 
 __all__ = ["IN", "OUT", "SITES_PER_LAYER", "site", "split_site", "install", "set_handler", "set_graph", "is_inner"]
@@ -81,6 +83,28 @@ def set_graph(g: Any) -> Any:
     return prev
 
 
+def set_recorder(rec: Any) -> Any:
+    """While vLLM captures a full graph, `rec.cut(hidden, residual, site)` after each tap between layers
+    (`seams.capture`); returns the previous recorder."""
+    global _recorder
+    prev, _recorder = _recorder, rec
+    return prev
+
+
+def run_handler(hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+    """The per-forward handler at `site`, as the tap calls it (from a replayed cut graph, `seams`)."""
+    h = _handler
+    if h is not None:
+        h(hidden, residual, site)
+
+
+def _tap_split_impl(hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+    _tap_impl(hidden, residual, site)
+    rec = _recorder
+    if rec is not None:
+        rec.cut(hidden, residual, site)
+
+
 def _tap_impl(hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
     g = _graph
     if g is not None:
@@ -102,7 +126,7 @@ def _tap_fake(hidden: torch.Tensor, residual: torch.Tensor | None, site: int) ->
 # called once per layer per step.
 _lib = torch.library.Library("vllm_lens", "FRAGMENT")
 _lib.define("tap(Tensor(a!) hidden, Tensor? residual, int site) -> ()")
-_lib.impl("tap", _tap_impl, "CompositeExplicitAutograd")
+_lib.impl("tap", _tap_split_impl, "CompositeExplicitAutograd")
 torch.library.register_fake(OP, _tap_fake, lib=_lib)
 _lib.define("tap_inner(Tensor(a!) hidden, Tensor? residual, int site) -> ()")
 _lib.impl("tap_inner", _tap_impl, "CompositeExplicitAutograd")
