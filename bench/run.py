@@ -387,6 +387,8 @@ def main() -> None:
             "lens": ("W0", "W1", "W3", "W4", "W4n", "W4b", "W4m"),
             "lens-noseams": ("W0", "W4n", "W4b", "W4m"),
         },
+        # capture and steering with and without the cut graphs captured (the seams' cost on steps without hooks)
+        "gpu-seams-ab": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W3"), "lens-noseams": ("W0", "W1", "W3")},
         # the inner points as served: an engine tapping only the points W6-W8 use, beside the default engine
         "gpu-points2": {
             "vllm-compiled": ("W0",),

@@ -328,9 +328,10 @@ def _noop(ctx, h):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "mixtral"])
-def test_inner_points_run_on_the_graph_safe_path_and_equal_the_python_path(family):
+def test_inner_points_run_on_the_graph_safe_path_and_equal_the_python_path(family, monkeypatch):
     """Capture and steering at every inner point fit the graph-safe kernel (steps counted there); the same
-    batch with a no-op hook (Python path) gives the same numbers; head scaling takes the Python path."""
+    batch with a no-op hook on the Python path (`VLLM_LENS_SEAMS=0`) gives the same numbers; head scaling
+    takes the Python path."""
     from vllm_worker.worker.runtime import STEP_TIMINGS
 
     llm = _engine(family)
@@ -352,7 +353,9 @@ def test_inner_points_run_on_the_graph_safe_path_and_equal_the_python_path(famil
         return out, STEP_TIMINGS["graph_steps"] - before[0], STEP_TIMINGS["python_steps"] - before[1]
 
     fast, g_fast, p_fast = run()
+    monkeypatch.setenv("VLLM_LENS_SEAMS", "0")
     slow, g_slow, p_slow = run(apply_hooks=[Hook(_noop, [3])])
+    monkeypatch.delenv("VLLM_LENS_SEAMS")
     assert g_fast >= 4 and p_fast == 0 and g_slow == 0 and p_slow >= 4
     for p in pts:
         _close(fast.activations[p], slow.activations[p], f"graph vs python {p}", family)
@@ -403,8 +406,9 @@ def test_queries_keys_and_the_pattern_helper_equal_hf_attentions(family):
 
 def test_python_at_an_inner_point_keeps_the_step_off_every_cuda_graph(llama):
     """The taps inside a layer are not splitting ops (a graph piece per point would multiply vLLM's compiled
-    pieces): a step that needs Python there must replay no graph at all; Python between layers only
-    excludes full graphs, and graph-safe work excludes nothing."""
+    pieces): a step that needs Python there must replay no graph at all (its capture and steering still
+    run on the graph-safe kernel); a hook between layers runs at a seam (`worker.seams`: excludes nothing
+    once cut graphs exist, full graphs until then), and graph-safe work excludes nothing."""
     from vllm_worker.worker.runtime import STEP_TIMINGS
 
     def steps(**extra):
@@ -415,10 +419,10 @@ def test_python_at_an_inner_point_keeps_the_step_off_every_cuda_graph(llama):
 
     assert steps(apply_hooks=[Hook(_noop, [1], point="attn_out")]) == {
         "graphless_steps": 3,
-        "python_steps": 3,
-        "graph_steps": 0,
+        "python_steps": 0,
+        "graph_steps": 3,
     }
-    assert steps(apply_hooks=[Hook(_noop, [1])]) == {"graphless_steps": 0, "python_steps": 3, "graph_steps": 0}
+    assert steps(apply_hooks=[Hook(_noop, [1])]) == {"graphless_steps": 0, "python_steps": 0, "graph_steps": 3}
     assert steps(output_activations={"mlp_out": [1]}) == {"graphless_steps": 0, "python_steps": 0, "graph_steps": 3}
 
 
