@@ -85,3 +85,10 @@ def ref_clamp(s: Sae, x: torch.Tensor, ids: list[int], values: list[float]) -> t
     g = f.clone()
     g[:, ids] = torch.tensor(values)
     return x + ref_decode(s, g, x) - ref_decode(s, f, x)
+
+
+def worker_sae_counts(worker) -> dict[str, int]:
+    """Run in a worker (`llm.collective_rpc(worker_sae_counts)`): the rows it encoded and clamped so far."""
+    from vllm_worker.worker import saes
+
+    return dict(saes.COUNTS)
