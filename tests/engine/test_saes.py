@@ -1,7 +1,9 @@
 """SAEs in the engine (tiny random SAEs in the SAELens format over the tiny llama): features equal a
 plain torch encode of the HF capture (ReLU, JumpReLU, TopK; graph-safe and Python paths), feature steering
-equals adding the decoder rows in HF, clamping equals encode -> set -> decode done by hand in HF, a
-batch-mate without SAE is unchanged, and bad input is a ValueError naming the field."""
+equals adding the decoder rows in HF, clamping equals encode -> set -> decode done by hand in HF — also for
+every cfg flag the loader implements (layer_norm, constant_norm_rescale, apply_b_dec_to_input false,
+JumpReLU thresholds < 0, TopK rescale_acts_by_decoder_norm) — a batch-mate without SAE is unchanged, and bad
+input is a ValueError naming the field."""
 
 from __future__ import annotations
 
@@ -10,26 +12,28 @@ import torch
 from vllm import SamplingParams
 
 from support.reference import greedy, hf_model, point_activations, residuals, steer_edit
-from support.saes import random_sae
+from support.saes import random_sae, ref_clamp, ref_encode, save_with
 from vllm_worker.sae import Sae, save
 
 D, D_SAE = 128, 256
 PROMPTS = ["the water of people will come down to the side", "a long thing to see him", "how many water did she"]
 
 
-def _random_sae(seed: int, point: str, layer: int, arch: str, k: int = 0) -> Sae:
-    return random_sae(seed, point, layer, arch, k, D_SAE)
+def _random_sae(seed: int, point: str, layer: int, arch: str, k: int = 0, **kw) -> Sae:
+    return random_sae(seed, point, layer, arch, k, D_SAE, **kw)
 
 
-def _ref_encode(s: Sae, x: torch.Tensor) -> torch.Tensor:
-    """The SAELens math written out again (independent of `Sae.encode`)."""
-    pre = (x.float() - s.b_dec) @ s.W_enc + s.b_enc
-    if s.architecture == "jumprelu":
-        return torch.where(pre > s.threshold, pre, torch.zeros_like(pre))
-    if s.architecture == "topk":
-        v, i = pre.topk(s.k, dim=-1)
-        return torch.zeros_like(pre).scatter(-1, i, v.clamp(min=0))
-    return pre.clamp(min=0)
+def _rescaled_topk() -> Sae:
+    """A TopK SAE trained with `rescale_acts_by_decoder_norm` (decoder rows of norms 0.3 .. 3)."""
+    s = _random_sae(7, "resid_post", 1, "topk", k=12)
+    s.W_dec = s.W_dec * torch.linspace(0.3, 3.0, D_SAE).unsqueeze(1)
+    return s
+
+
+def _jump_cn() -> Sae:
+    s = _random_sae(6, "resid_post", 3, "jumprelu", normalize="constant_norm_rescale", apply_b_dec_to_input=False)
+    s.threshold = s.threshold - 0.3  # some thresholds < 0: SAELens's relu still zeroes negative pre-activations
+    return s
 
 
 SAES = {
@@ -37,13 +41,22 @@ SAES = {
     "jump1": _random_sae(2, "mlp_out", 1, "jumprelu"),
     "topk3": _random_sae(3, "resid_post", 3, "topk", k=16),
 }
+# the cfg flags the loader implements: layer_norm, constant_norm_rescale, apply_b_dec_to_input false, JumpReLU
+# thresholds below 0, TopK with rescale_acts_by_decoder_norm
+NORMED = {
+    "ln2": _random_sae(5, "resid_post", 2, "standard", normalize="layer_norm"),
+    "cnj3": _jump_cn(),
+    "rsk1": _rescaled_topk(),
+}
+RESCALED = {"rsk1"}
 
 
 @pytest.fixture(scope="module")
 def llm(llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("saes")
-    for name, s in SAES.items():
-        info = llama.load_sae(name, str(save(s, root / name)))
+    for name, s in {**SAES, **NORMED}.items():
+        extra = {"rescale_acts_by_decoder_norm": True} if name in RESCALED else {}
+        info = llama.load_sae(name, save_with(s, root / name, **extra))
         assert (info["point"], info["layer"], info["d_sae"]) == (s.point, s.layer, D_SAE)
     assert {s["name"] for s in llama.list_saes()} >= set(SAES)
     return llama
@@ -75,15 +88,15 @@ def test_features_equal_a_torch_encode_of_the_hf_capture(llm):
         _sp(),
     ]
     outs = llm.generate(PROMPTS, sps, use_tqdm=False)
-    ref = _ref_encode(SAES["relu2"], _stream(outs[0], "resid_post", 2))
+    ref = ref_encode(SAES["relu2"], _stream(outs[0], "resid_post", 2))
     assert (ref > 0).any() and (ref == 0).any()
     _check_top_k(outs[0].activations["sae_features"]["relu2"], ref, 8)
     got = outs[1].activations["sae_features"]
-    ref = _ref_encode(SAES["jump1"], _stream(outs[1], "mlp_out", 1))
+    ref = ref_encode(SAES["jump1"], _stream(outs[1], "mlp_out", 1))
     assert (ref > 0).any() and (ref == 0).any()
     assert got["jump1"]["indices"].tolist() == [0, 5, 9, 200]
     assert (got["jump1"]["values"] - ref[:, [0, 5, 9, 200]]).abs().max() <= 1e-4
-    ref = _ref_encode(SAES["topk3"], _stream(outs[1], "resid_post", 3))
+    ref = ref_encode(SAES["topk3"], _stream(outs[1], "resid_post", 3))
     assert ((ref > 0).sum(-1) <= 16).all()
     _check_top_k(got["topk3"], ref, 16)
     assert outs[2].activations is None
@@ -116,7 +129,7 @@ def test_clamping_equals_encode_set_decode_and_spares_the_batch_mate(llm):
     def clamp(layer: int, h: torch.Tensor):
         if layer != 2:
             return None
-        f = _ref_encode(s, h[0])
+        f = ref_encode(s, h[0])
         return h + ((torch.tensor(values) - f[:, feats]) @ s.W_dec[feats]).unsqueeze(0)
 
     sps = [
@@ -135,8 +148,100 @@ def test_clamping_equals_encode_set_decode_and_spares_the_batch_mate(llm):
     assert list(outs[0].outputs[0].token_ids) == greedy(hf, prompt, 8, clamp)
     assert list(outs[0].outputs[0].token_ids) != greedy(hf, prompt, 8), "the clamp changed nothing"
     got = outs[0].activations["sae_features"]["relu2"]["values"]  # read from the clamped stream
-    ref = _ref_encode(s, _stream(outs[0], "resid_post", 2, clamp))[:, feats]
+    ref = ref_encode(s, _stream(outs[0], "resid_post", 2, clamp))[:, feats]
     assert (got - ref).abs().max() <= 1e-4
+    assert list(outs[1].outputs[0].token_ids) == greedy(hf, list(outs[1].prompt_token_ids), 8)
+    assert outs[1].activations is None
+
+
+def test_normalised_saes_features_and_steering_equal_hf(llm):
+    """Graph-safe path, every cfg flag the loader implements: layer_norm (ln2), constant_norm_rescale with
+    apply_b_dec_to_input false and JumpReLU thresholds below 0 (cnj3), TopK with rescale_acts_by_decoder_norm
+    (rsk1). Feature steering adds the decoder rows as loaded (rsk1's divided by their norms: the folded
+    decoder), in the stream's units."""
+    ln, cn, rs = NORMED["ln2"], NORMED["cnj3"], NORMED["rsk1"]
+    some = list(range(0, D_SAE, 8))
+    sps = [
+        _sp(
+            **{
+                "output_sae_features": [
+                    {"sae": "ln2", "top_k": 8},
+                    {"sae": "cnj3", "features": some},
+                    {"sae": "rsk1", "top_k": 12},
+                ]
+            }
+        ),
+        _sp(
+            8,
+            **{
+                "apply_sae_steering": [
+                    {"sae": "ln2", "features": [3, 7], "scale": [5.0, -3.0]},
+                    {"sae": "rsk1", "features": [10, 200], "scale": 4.0},
+                ],
+                "output_residual_stream": [1, 2, 3],
+            },
+        ),
+    ]
+    outs = llm.generate(PROMPTS[:2], sps, use_tqdm=False)
+    got = outs[0].activations["sae_features"]
+    ref = ref_encode(ln, _stream(outs[0], "resid_post", 2))
+    assert (ref > 0).any() and (ref == 0).any()
+    _check_top_k(got["ln2"], ref, 8)
+    x3 = _stream(outs[0], "resid_post", 3)
+    ref = ref_encode(cn, x3)[:, some]
+    assert (ref > 0).any() and (ref == 0).any()
+    assert got["cnj3"]["indices"].tolist() == some
+    assert (got["cnj3"]["values"] - ref).abs().max() <= 1e-4
+    x1 = _stream(outs[0], "resid_post", 1)
+    ref = ref_encode(rs, x1, rescale=True)
+    assert not torch.equal(ref.topk(12).indices, ref_encode(rs, x1).topk(12).indices), "the rescale changed nothing"
+    _check_top_k(got["rsk1"], ref, 12)
+
+    norms = rs.W_dec.norm(dim=-1)
+    edit = steer_edit(
+        {2: 5.0 * ln.W_dec[3] - 3.0 * ln.W_dec[7], 1: 4.0 * (rs.W_dec[10] / norms[10] + rs.W_dec[200] / norms[200])}
+    )
+    prompt = list(outs[1].prompt_token_ids)
+    assert list(outs[1].outputs[0].token_ids) == greedy(hf_model("llama"), prompt, 8, edit)
+    ref, _ = residuals(hf_model("llama"), prompt + list(outs[1].outputs[0].token_ids)[:-1], edit)
+    assert (outs[1].activations["residual_stream"] - ref[[1, 2, 3]]).abs().max() <= 1e-4
+
+
+def test_clamping_with_normalised_saes_equals_hf(llm):
+    """Python path: clamps through a layer_norm SAE (layer 2) and a constant_norm_rescale JumpReLU SAE (layer
+    3) in one request equal encode -> set -> decode with SAELens's normalisation undone, by hand in HF;
+    features come from the clamped streams; the batch-mate is untouched."""
+    ln, cn = NORMED["ln2"], NORMED["cnj3"]
+    clamps = {2: (ln, [3, 11], [20.0, 0.0]), 3: (cn, [1, 2], [15.0, 0.0])}
+
+    def clamp(layer: int, h: torch.Tensor):
+        if layer not in clamps:
+            return None
+        s, ids, values = clamps[layer]
+        return ref_clamp(s, h[0], ids, values).unsqueeze(0)
+
+    sps = [
+        _sp(
+            8,
+            **{
+                "apply_sae_clamp": [
+                    {"sae": "ln2", "features": [3, 11], "values": [20.0, 0.0]},
+                    {"sae": "cnj3", "features": [1, 2], "values": [15.0, 0.0]},
+                ],
+                "output_sae_features": [{"sae": "ln2", "features": [3, 11]}, {"sae": "cnj3", "top_k": 4}],
+            },
+        ),
+        _sp(8),
+    ]
+    outs = llm.generate(PROMPTS[1:3], sps, use_tqdm=False)
+    hf = hf_model("llama")
+    prompt = list(outs[0].prompt_token_ids)
+    assert list(outs[0].outputs[0].token_ids) == greedy(hf, prompt, 8, clamp)
+    assert list(outs[0].outputs[0].token_ids) != greedy(hf, prompt, 8), "the clamps changed nothing"
+    got = outs[0].activations["sae_features"]
+    ref = ref_encode(ln, _stream(outs[0], "resid_post", 2, clamp))[:, [3, 11]]
+    assert (got["ln2"]["values"] - ref).abs().max() <= 1e-4
+    _check_top_k(got["cnj3"], ref_encode(cn, _stream(outs[0], "resid_post", 3, clamp)), 4)
     assert list(outs[1].outputs[0].token_ids) == greedy(hf, list(outs[1].prompt_token_ids), 8)
     assert outs[1].activations is None
 

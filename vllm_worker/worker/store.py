@@ -290,9 +290,9 @@ def _prelude(st: RequestResults, layer_ids: list[int], assemble_saved: Any) -> t
         payload["hooks"] = assemble_saved(st.saved)
     if st.sae and st.error is None:
         payload["sae"] = saes.payload(st.sae)
-    if not st.layers:
-        return payload, None, {}
     mine = [l for l in st.layers if l in layer_ids]
+    if not mine:  # no captures, or (pipeline parallelism) all of them on other stages: theirs to report
+        return payload, None, {}
     return payload, mine, {st.layers.index(l): i for i, l in enumerate(mine)}
 
 
