@@ -99,6 +99,11 @@ class VLLMSystem:
             import vllm_worker
 
             self.engine_mode["package"] = os.path.dirname(vllm_worker.__file__)
+            try:  # V1 or V2 model runner (bench/gpu_v2_check.py); older builds lack the RPC
+                self.engine_mode["runner"] = self.llm.collective_rpc("lens_runner")[0]
+            except Exception as e:  # noqa: BLE001 - informative only
+                self.engine_mode["runner"] = f"unknown ({type(e).__name__})"
+        self.engine_mode["VLLM_USE_V2_MODEL_RUNNER"] = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
         import torch
 
         g = torch.Generator().manual_seed(0)

@@ -153,6 +153,14 @@ SETTINGS: dict[str, Setting] = {
             "Python, off full CUDA graphs",
         ),
         Setting(
+            "VLLM_LENS_V2_RUNNER",
+            bool,
+            False,
+            "0: the plugin keeps vLLM on its V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`); 1: vLLM's own "
+            "choice stands (V2 on GPU for most models since vLLM 0.26) and the plugin serves a V2 runner through "
+            "its V2 adapter (docs/scaling.md)",
+        ),
+        Setting(
             "VLLM_LENS_STAGE_MB",
             float,
             256.0,

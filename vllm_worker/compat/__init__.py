@@ -4,7 +4,7 @@ If vLLM moves something we rely on, `check()` (plugin load) and the worker's own
 `LensIncompatibleVLLM` naming it: the plugin never silently does nothing. One module per side of vLLM:
 `engine` (engine construction, plugins), `requests` (per-request frontend hooks, outputs, RPC), `errors`
 (exception classes vLLM maps to HTTP codes), `request_ids` (how vLLM names requests), `runner` (the
-worker's model runner and CUDA-graph dispatch), `model` (decoder-layer list, parameters across ranks), `layouts` (where each family's inner points are),
+worker's model runner and CUDA-graph dispatch; `runner_v2`: vLLM's V2 runner, when opted in), `model` (decoder-layer list, parameters across ranks), `layouts` (where each family's inner points are),
 `offline` (what `vllm-lens extract` reads from and builds with vLLM), `cpu_lora` (a vLLM-CPU LoRA fix),
 `data_parallel` (which of several engine cores ran a request, RPC to one or all of them).
 `tests/core/test_adapter.py` exercises each against the installed vLLM.
@@ -33,6 +33,7 @@ from vllm_worker.compat.engine import (  # noqa: F401
     patch_endpoint_plugins,
     patch_engine_args,
     patch_splitting_ops,
+    select_model_runner,
 )
 from vllm_worker.compat.errors import (  # noqa: F401
     capacity_error_cls,

@@ -1,4 +1,4 @@
-"""Engine construction: the engine args (our worker extension, the V1 runner), compilation (our tap op
+"""Engine construction: the engine args (our worker extension, the model runner: V1, or V2 when opted in), compilation (our tap op
 as a splitting op, the compile-cache key), the HTTP endpoint plugin under plain `vllm serve`, and the
 attributes and methods we add to vLLM's public objects. `check()` runs at plugin load."""
 
@@ -23,7 +23,8 @@ def engine_args_cls() -> type:
 def force_v1_model_runner() -> None:
     """Our worker patches live on the V1 `GPUModelRunner`. vLLM >= 0.26 on GPU defaults non-MoE models to
     the V2 runner (`vllm/v1/worker/gpu/`), where they would silently never run: select V1 through its
-    env switch (read when the engine config is built, inherited by worker processes), and refuse V2."""
+    env switch (read when the engine config is built, inherited by worker processes), and refuse V2.
+    The default; `VLLM_LENS_V2_RUNNER=1` serves V2 instead (`select_model_runner`)."""
     import os
 
     import vllm.envs as envs
@@ -34,10 +35,22 @@ def force_v1_model_runner() -> None:
     if value in ("1", "true"):
         raise LensIncompatibleVLLM(
             "inspect-lens hooks the V1 model runner; VLLM_USE_V2_MODEL_RUNNER=1 would make "
-            "every capture/steering request a silent no-op. Unset it, or set "
-            "VLLM_LENS_DISABLE=1 to run without the plugin."
+            "every capture/steering request a silent no-op. Unset it, set VLLM_LENS_V2_RUNNER=1 to "
+            "use the plugin's V2 adapter, or set VLLM_LENS_DISABLE=1 to run without the plugin."
         )
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def select_model_runner() -> None:
+    """Which model runner the engine may build: by default V1 (`force_v1_model_runner`); with
+    `VLLM_LENS_V2_RUNNER=1` vLLM's own choice stands (V2 on GPU for most models), and every V2 internal the
+    adapter uses is checked now (`runner_v2.internals`), so a moved one fails here, naming it."""
+    from vllm_worker.compat import runner_v2
+
+    if runner_v2.enabled():
+        runner_v2.check()
+    else:
+        force_v1_model_runner()
 
 
 def patch_engine_args(adjust: Callable[[Any], Any]) -> None:

@@ -1,6 +1,10 @@
 """The worker's model runner: patches around model loading and every forward pass, the per-step CUDA-graph
 mode choice, and what a step's batch looks like (request ids, row offsets, positions) read from vLLM's
-own host-side state."""
+own host-side state.
+
+Written for vLLM's V1 `GPUModelRunner` (`vllm/v1/worker/gpu_model_runner.py`; vLLM-CPU's runner is a
+subclass). With `VLLM_LENS_V2_RUNNER=1` the V2 runner is served too (`runner_v2`): the functions here
+that read a runner's state hand a V2 runner to it, by the class the worker built."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from vllm_worker.compat import runner_v2
 from vllm_worker.compat.model import decoder_layers
 from vllm_worker.compat.version import LensIncompatibleVLLM, require, wrap
 
@@ -34,8 +39,11 @@ def runner_classes() -> list[type]:
 
 def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[..., Any]) -> None:
     """`on_loaded(runner)` after the model is loaded; `around_forward(runner, orig, **kw)` wraps each
-    forward pass (the forward context is set; `kw` holds input_ids / positions / ...)."""
+    forward pass (V1: the forward context is set; `kw` holds input_ids / positions / ...; V2: the whole
+    `execute_model`, `kw` holds `positions`: see `runner_v2`)."""
     classes = runner_classes()
+    if runner_v2.enabled() and runner_v2.has_v2_runner():
+        runner_v2.patch_runner(on_loaded, around_forward)
 
     def make_load(orig: Callable) -> Callable:
         def load_model(self, *args, **kwargs):
@@ -98,6 +106,8 @@ def patch_cudagraph_dispatch(needs_python: Callable[[Any], int]) -> None:
 
     wrap(CudagraphDispatcher, "dispatch", make_dispatch)
     wrap(GPUModelRunner, "_determine_batch_execution_and_padding", make_determine)
+    if runner_v2.enabled() and runner_v2.has_v2_runner():
+        runner_v2.patch_cudagraph_dispatch(needs_python)
 
 
 def forward_replays_full_graph() -> bool:
@@ -106,12 +116,17 @@ def forward_replays_full_graph() -> bool:
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import get_forward_context
 
+    v2 = runner_v2.forward_replays_full_graph()  # V2 replays full graphs outside any forward context
+    if v2 is not None:
+        return v2
     return getattr(get_forward_context(), "cudagraph_runtime_mode", None) == CUDAGraphMode.FULL
 
 
 def host_positions(runner: Any, qsl: Any) -> np.ndarray:
     """Positions of the step's rows, computed on the host the way vLLM computes them (computed tokens
     of the request + offset in its chunk), without reading the device."""
+    if runner_v2.is_v2(runner):
+        return runner_v2.host_positions(runner, qsl)
     ib = require(runner, "input_batch", type(runner).__name__)
     start = require(ib, "num_computed_tokens_cpu", "InputBatch")[: len(qsl) - 1]
     counts = np.diff(qsl)
@@ -148,6 +163,8 @@ def batch_layout(runner: Any) -> tuple[list[str], Any]:
     """(request ids in batch order, host query_start_loc) for the forward pass being run.
 
     Rows of request j are `qsl[j]:qsl[j+1]`. Read fresh every step: vLLM reorders the batch."""
+    if runner_v2.is_v2(runner):
+        return runner_v2.batch_layout(runner)
     ib = require(runner, "input_batch", type(runner).__name__)
     req_ids = ib.req_ids
     n = len(req_ids)
@@ -164,6 +181,8 @@ def batch_layout(runner: Any) -> tuple[list[str], Any]:
 
 
 def request_extra_args(runner: Any, req_id: str) -> dict | None:
+    if runner_v2.is_v2(runner):
+        return runner_v2.request_extra_args(runner, req_id)
     reqs = require(runner, "requests", type(runner).__name__)
     st = reqs.get(req_id)
     sp = getattr(st, "sampling_params", None)
@@ -172,6 +191,8 @@ def request_extra_args(runner: Any, req_id: str) -> dict | None:
 
 def request_max_positions(runner: Any, req_id: str) -> int | None:
     """Most positions a request can reach (prompt + max_tokens - 1), or None if not known."""
+    if runner_v2.is_v2(runner):
+        return runner_v2.request_max_positions(runner, req_id)
     st = require(runner, "requests", type(runner).__name__).get(req_id)
     n_prompt = getattr(st, "num_prompt_tokens", None)
     max_tokens = getattr(getattr(st, "sampling_params", None), "max_tokens", None)
@@ -181,6 +202,8 @@ def request_max_positions(runner: Any, req_id: str) -> int | None:
 
 
 def live_request_ids(runner: Any) -> Any:
+    if runner_v2.is_v2(runner):
+        return runner_v2.live_request_ids(runner)
     return require(runner, "requests", type(runner).__name__).keys()
 
 

@@ -28,7 +28,7 @@ def _adjust_engine_args(args):
     global _warned_eager
     from vllm_worker import compat
 
-    compat.force_v1_model_runner()
+    compat.select_model_runner()
     new = copy.copy(args)
     user_ext = args.worker_extension_cls or ""
     if not user_ext:

@@ -130,6 +130,11 @@ class LensWorkerExtension:
     def lens_release(self, released: list) -> int:
         return self._lens_rt().release(released)
 
+    def lens_runner(self) -> str:
+        """The model runner class vLLM built for this worker (V1, or V2 under VLLM_LENS_V2_RUNNER=1)."""
+        cls = type(getattr(self, "model_runner", None))
+        return f"{cls.__module__}.{cls.__qualname__}"
+
     def lens_host_id(self) -> str | None:
         return shm.host_id()
 
