@@ -96,8 +96,8 @@ def main() -> None:
         out["capture_max_rel_diff"] = rel
         hr = []
         for i in (1, 2, 9, 10):
-            p = torch.stack([t.float().cpu() for t in a[i].hook_results["0"]["norm"][:3]])
-            q = torch.stack([t.float().cpu() for t in b[i].hook_results["0"]["norm"][:3]])
+            p = torch.cat([t.float().cpu().reshape(-1) for t in a[i].hook_results["0"]["norm"][:3]])
+            q = torch.cat([t.float().cpu().reshape(-1) for t in b[i].hook_results["0"]["norm"][:3]])
             hr.append(float((p - q).abs().max() / q.abs().max()))
         out["hook_reading_max_rel_diff"] = hr
         out["scale_calls"] = [a[0].hook_results["0"]["calls"], b[0].hook_results["0"]["calls"]]
