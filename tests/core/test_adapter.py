@@ -222,3 +222,7 @@ def test_offline_extract_internals(llama):
     name, dtype, max_len = compat.served_model(compat.processor_of_llm(llama))
     assert name.endswith("tiny-llama") and dtype == torch.float32 and max_len == 512
     assert compat.llm_busy(llama) is False
+    # the extractor's params are copied shallowly per request (vLLM's skip_clone), each request its own object
+    sp = compat.shared_sampling_params(max_tokens=1, extra_args={"output_activations": '{"resid_post":[1]}'})
+    copy = sp.clone()
+    assert copy is not sp and copy.extra_args is sp.extra_args and sp.max_tokens == 1
