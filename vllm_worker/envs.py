@@ -258,9 +258,23 @@ def parse(name: str, raw: str | None) -> Any:
     return value
 
 
+_parsed: dict[tuple[str, str | None], Any] = {}  # (name, text as set) -> value
+
+
 def get(name: str) -> Any:
-    """The setting's value now (from the environment, else its default)."""
-    return parse(name, os.environ.get(name))
+    """The setting's value now (from the environment, else its default). Read on every call, so a change
+    of the environment takes effect at once; only the parsing of a text already seen is remembered (a few
+    settings are read for every request)."""
+    raw = os.environ.get(name)
+    if not raw or raw.isspace():  # unset or blank: the default, maybe computed from other settings
+        return parse(name, raw)
+    key = (name, raw)
+    value = _parsed.get(key, _parsed)
+    if value is _parsed:
+        value = parse(name, raw)  # ValueError naming the setting: nothing remembered
+        if len(_parsed) < 1024:
+            _parsed[key] = value
+    return value
 
 
 def limit(name: str) -> int:

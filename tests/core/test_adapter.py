@@ -392,3 +392,7 @@ def test_v2_cuda_graph_dispatch_keeps_python_steps_off_the_graphs_they_cannot_us
     # the CPU engine's runner is V1: served by compat.runner, not the V2 adapter
     runner = llama.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     assert not runner_v2.is_v2(runner)
+    # the extractor's params are copied shallowly per request (vLLM's skip_clone), each request its own object
+    sp = compat.shared_sampling_params(max_tokens=1, extra_args={"output_activations": '{"resid_post":[1]}'})
+    copy = sp.clone()
+    assert copy is not sp and copy.extra_args is sp.extra_args and sp.max_tokens == 1

@@ -87,6 +87,38 @@ def test_only_some_requests_capture(llama):
             assert (out.activations["residual_stream"][0] - ref[0]).abs().max() <= 1e-4
 
 
+def test_requests_sharing_a_capture_spec_are_validated_once_and_stay_separate(llama):
+    """Thousands of requests with the same capture keys (an extraction) are validated once per engine
+    (`frontend/requests._capture_spec`); each still gets its own key, lists and results, the caller's
+    params are never changed, `True` is not `1`, and a bad value is refused every time."""
+    from vllm_worker import compat
+    from vllm_worker.frontend.requests import state_of
+
+    L = _n_layers(llama)
+    prompts = [PROMPT, "a long thing to see him", "how many water"]
+    sp = compat.shared_sampling_params(
+        max_tokens=1, temperature=0, extra_args={"output_activations": '{"resid_post":[1]}'}
+    )
+    outs = llama.generate(prompts, sp, use_tqdm=False)
+    assert sp.extra_args == {"output_activations": '{"resid_post":[1]}'}  # the caller's, untouched
+    assert state_of(llama).capture_specs  # remembered (immutable tuples; each request gets fresh lists)
+    ref, _ = residuals(hf_model("llama"), list(outs[1].prompt_token_ids))
+    assert (outs[1].activations["resid_post"][0] - ref[1]).abs().max() <= 1e-4
+    outs[0].activations["points"]["resid_post"].append(99)  # one request's objects are its own
+    outs[0].activations["layers"].append(98)
+    again = llama.generate(prompts[:1], sp, use_tqdm=False)[0].activations
+    assert outs[1].activations["points"] == again["points"] == {"resid_post": [1]} and again["layers"] == [1]
+    assert torch.equal(again["resid_post"], outs[0].activations["resid_post"])
+    for value, layers in ((True, list(range(L))), (1, [1]), ("all", list(range(L)))):
+        sp = SamplingParams(max_tokens=1, extra_args={"output_residual_stream": value})
+        assert llama.generate([PROMPT], sp, use_tqdm=False)[0].activations["layers"] == layers, value
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"output_activations.resid_post: layer 99 is out of range"):
+            llama.generate(
+                [PROMPT], SamplingParams(max_tokens=1, extra_args={"output_activations": '{"resid_post":[99]}'})
+            )
+
+
 def test_chat_capture(llama):
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [2]})
     out = llama.chat([{"role": "user", "content": "the people will come"}], sp, use_tqdm=False)[0]

@@ -142,7 +142,7 @@ def test_host_memory_is_bounded_by_chunks(llama, tmp_path):
         pool = status["result_pool"] or {}
         samples.append((status["result_regions"], pool.get("bytes", 0), pool.get("segments_made", 0)))
 
-    budget = 2 / 1024  # 2 MiB: chunks of <= 1 MiB of captures (~7 rows), shards of <= 512 KiB
+    budget = 2 / 1024  # 2 MiB: chunks of <= 1 MiB of captures (~7 rows), shards of <= 256 KiB
     points = ["resid_post", "attn_out", "resid_mid", "mlp_out"]
     stats = extract(
         llama, src, tmp_path / "x", layers="all", points=points, max_ram_gb=budget, progress=False, on_shard=sample

@@ -65,3 +65,30 @@ def test_one_parser_for_every_kind(monkeypatch):
 def test_serve_flags_come_from_the_table():
     assert cli.OUR_FLAGS == {"--allow-remote-hooks": "VLLM_LENS_ALLOW_REMOTE_HOOKS"}
     assert set(cli.LIMIT_FLAGS.values()) == set(envs.limits()) | {"VLLM_LENS_POINTS", "VLLM_LENS_SAE_DIR"}
+
+
+def test_settings_follow_the_environment_while_parsing_is_remembered(monkeypatch):
+    """`get` reads the environment on every call (tests and operators change limits at run time); only the
+    parsing of a text already seen is remembered, and a bad value is an error every time."""
+    monkeypatch.delenv("VLLM_LENS_MAX_STORED_GB", raising=False)
+    monkeypatch.delenv("VLLM_LENS_SHM_POOL_GB", raising=False)
+    assert envs.limit("VLLM_LENS_MAX_CAPTURE_GB") == 4 << 30
+    monkeypatch.setenv("VLLM_LENS_MAX_CAPTURE_GB", "2")
+    assert envs.limit("VLLM_LENS_MAX_CAPTURE_GB") == 2 << 30
+    monkeypatch.setenv("VLLM_LENS_MAX_CAPTURE_GB", "1")
+    assert envs.limit("VLLM_LENS_MAX_CAPTURE_GB") == 1 << 30
+    monkeypatch.setenv("VLLM_LENS_MAX_CAPTURE_GB", "2")
+    assert envs.limit("VLLM_LENS_MAX_CAPTURE_GB") == 2 << 30
+    monkeypatch.delenv("VLLM_LENS_MAX_CAPTURE_GB")
+    assert envs.limit("VLLM_LENS_MAX_CAPTURE_GB") == 4 << 30
+    for _ in range(2):
+        monkeypatch.setenv("VLLM_LENS_MAX_CAPTURE_GB", "-1")
+        with pytest.raises(ValueError, match="VLLM_LENS_MAX_CAPTURE_GB: must be positive"):
+            envs.get("VLLM_LENS_MAX_CAPTURE_GB")
+    # a computed default is computed each time (the pool's keep follows the stored limit, also when blank)
+    assert envs.limit("VLLM_LENS_SHM_POOL_GB") == 8 << 30
+    monkeypatch.setenv("VLLM_LENS_SHM_POOL_GB", " ")
+    monkeypatch.setenv("VLLM_LENS_MAX_STORED_GB", "3")
+    assert envs.limit("VLLM_LENS_SHM_POOL_GB") == 3 << 30
+    monkeypatch.setenv("VLLM_LENS_MAX_STORED_GB", "5")
+    assert envs.limit("VLLM_LENS_SHM_POOL_GB") == 5 << 30

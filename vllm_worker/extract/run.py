@@ -1,20 +1,27 @@
 """Bulk extraction on an offline `vllm.LLM`: the corpus goes through the engine in chunks whose captures,
 at their largest, fit a share of the RAM budget; each chunk's rows are cut to the positions kept,
 copied out of the shared-memory results (which then go back to the workers for reuse) and appended to
-the current shard, written when it reaches its share of the budget. So host memory stays bounded
-whatever the corpus size, and a crash or Ctrl-C loses at most the rows in flight (on Ctrl-C and on an
-error, rows already done are written first).
+the current shard, written (by a thread, while the next shard fills and the next chunk runs) when it
+reaches its share of the budget. So host memory stays bounded whatever the corpus size, and a crash or
+Ctrl-C loses at most the rows in flight (on Ctrl-C and on an error, rows already done are written first).
 
 Budget (`max_ram_gb` = B): captures in flight <= B/2 (also <= VLLM_LENS_MAX_STORED_GB), one shard being
-filled <= min(B/4, 1 GiB); the rest is headroom for the rows' token ids and Python objects. A single
-row larger than its share goes alone.
+filled and one being written, each <= min(B/8, 256 MiB); the rest is headroom for the rows' token ids and
+Python objects. A single row larger than its share goes alone.
+
+Host time per row matters: with short prompts plain generation is itself host-bound (~0.5-0.7 ms of
+Python per request), so the extractor tokenizes in batches, validates the one capture spec once (sent as
+its JSON text) and lets vLLM copy its SamplingParams shallowly (`compat.shared_sampling_params`).
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -27,7 +34,8 @@ from vllm_worker.protocol.spec import ACTIVATIONS_KEY, capture_points, capture_s
 
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_CHUNK_ROWS = 8192  # progress and tokenisation granularity; memory is bounded by bytes, not rows
-MAX_SHARD_BYTES = 1 << 30
+MAX_SHARD_BYTES = 256 << 20  # shards are written while the next fills: smaller ones overlap more
+TOKENIZE_ROWS = 256  # rows tokenized per batched tokenizer call
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -45,7 +53,10 @@ def _row_width(points: dict[str, list[int]], shape: Any) -> int:
 
 
 class _Writer:
-    """The shard being filled and the ones already written."""
+    """The shard being filled and the ones already written. A full shard is written by a thread while the
+    next one fills and the engine runs the next chunk (file writes and fsync release the GIL): at most
+    one shard is being written, so two shards' rows are held at most. `on_shard` runs in the caller's
+    thread once its shard is on disk; if it raises, nothing more is written (as if the run stopped there)."""
 
     def __init__(self, out: Path, next_shard: int, shard_bytes: int, meta: dict, on_shard: Callable | None):
         self.out, self.n, self.limit, self.meta, self.on_shard = out, next_shard, shard_bytes, meta, on_shard
@@ -53,6 +64,8 @@ class _Writer:
         self.rows: list[dict] = []
         self.bytes = 0
         self.written = 0
+        self.stopped = False
+        self._busy: tuple[threading.Thread, int, int, list[BaseException]] | None = None
 
     def add(self, record: dict, kept: dict[str, torch.Tensor]) -> None:
         i = len(self.rows)
@@ -67,17 +80,48 @@ class _Writer:
             self.flush()
 
     def flush(self) -> None:
-        if not self.rows:
+        """Hand the rows so far to the writing thread (after the previous shard is finished)."""
+        self.wait()
+        if not self.rows or self.stopped:
             return
-        name = sh.shard_name(self.n)
-        sh.write_safetensors(self.out / f"{name}.safetensors", self.tensors, {"format": sh.FORMAT})
-        sh.write_json(self.out / f"{name}.json", {"rows": self.rows})  # written last: the shard is finished
-        done = len(self.rows)
+        tensors, rows, n = self.tensors, self.rows, self.n
         self.tensors, self.rows, self.bytes = {}, [], 0
         self.n += 1
+        failed: list[BaseException] = []
+        thread = threading.Thread(target=self._write, args=(n, tensors, rows, failed), name="lens-extract-shard")
+        self._busy = (thread, n, len(rows), failed)
+        thread.start()
+
+    def _write(self, n: int, tensors: dict, rows: list, failed: list) -> None:
+        try:
+            name = sh.shard_name(n)
+            sh.write_safetensors(self.out / f"{name}.safetensors", tensors, {"format": sh.FORMAT})
+            sh.write_json(self.out / f"{name}.json", {"rows": rows})  # written last: the shard is finished
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread (`wait`)
+            failed.append(e)
+
+    def wait(self) -> None:
+        """Block until the shard being written is on disk; raise its error, or run `on_shard` for it."""
+        if self._busy is None:
+            return
+        thread, n, done, failed = self._busy
+        thread.join()
+        self._busy = None
+        if failed:
+            self.stopped = True
+            raise failed[0]
         self.written += 1
         if self.on_shard is not None:
-            self.on_shard(self.n - 1, done)
+            try:
+                self.on_shard(n, done)
+            except BaseException:
+                self.stopped = True  # the caller stops the run after this shard
+                raise
+
+    def close(self) -> None:
+        """Write what is left and wait for it."""
+        self.flush()
+        self.wait()
 
 
 def _check_meta(out: Path, meta: dict) -> None:
@@ -85,8 +129,6 @@ def _check_meta(out: Path, meta: dict) -> None:
     if not path.exists():
         sh.write_json(path, meta)
         return
-    import json
-
     old = json.loads(path.read_text())
     for key in ("format", "model", "points", "positions", "dtype", "max_tokens"):
         if old.get(key) != meta.get(key):
@@ -167,8 +209,6 @@ def extract(
     if not points:
         raise ValueError("points: expected at least one hook point")
 
-    from vllm import SamplingParams
-
     from vllm_worker.frontend.requests import shape_of
 
     if compat.llm_busy(llm):
@@ -204,11 +244,16 @@ def extract(
 
     ram = int(max_ram_gb * (1 << 30))
     chunk_bytes = max(1, min(ram // 2, int(limit("VLLM_LENS_MAX_STORED_GB") * 0.9)))
-    shard_bytes = max(1, min(ram // 4, MAX_SHARD_BYTES))
+    shard_bytes = max(1, min(ram // 8, MAX_SHARD_BYTES))
     per_request = limit("VLLM_LENS_MAX_CAPTURE_GB")
     writer = _Writer(out, (done_shards[-1] + 1) if done_shards else 0, shard_bytes, meta, on_shard)
     tokenizer = llm.get_tokenizer()
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, extra_args={ACTIVATIONS_KEY: wanted})
+    # the capture as its JSON string (a form the frontend takes): validated once for all the rows, as the
+    # same text (`frontend/requests._capture_spec`)
+    capture = json.dumps(wanted, separators=(",", ":"))
+    sp = compat.shared_sampling_params(
+        max_tokens=max_tokens, temperature=0.0, detokenize=False, extra_args={ACTIVATIONS_KEY: capture}
+    )
 
     from tqdm import tqdm
 
@@ -222,19 +267,18 @@ def extract(
         "max_chunk_bytes": 0,
     }
     t0 = time.perf_counter()
-    todo = (r for r in inp.rows(input, positions, max_tokens) if inp._id_key(r.id) not in done)
-    pending: inp.Row | None = None
+    todo = _tokenized(tokenizer, (r for r in inp.rows(input, positions, max_tokens) if inp._id_key(r.id) not in done))
+    pending: inp.Tokenized | None = None
     bad: inp.ExtractInputError | None = None
     try:
         while bad is None:
             chunk: list[inp.Tokenized] = []
             size = 0
             while len(chunk) < MAX_CHUNK_ROWS:
-                row = pending if pending is not None else next(todo, None)
+                tok = pending if pending is not None else next(todo, None)
                 pending = None
-                if row is None:
+                if tok is None:
                     break
-                tok = inp.tokenize(tokenizer, [row])[0]
                 try:
                     _check_length(input, tok, max_tokens, max_len, row_bytes, per_request)
                 except inp.ExtractInputError as e:
@@ -242,7 +286,7 @@ def extract(
                     break
                 need = row_bytes * (len(tok.token_ids) + max_tokens - 1)
                 if chunk and size + need > chunk_bytes:
-                    pending = row  # starts the next chunk
+                    pending = tok  # starts the next chunk
                     break
                 chunk.append(tok)
                 size += need
@@ -263,13 +307,13 @@ def extract(
             elapsed = time.perf_counter() - t0
             bar.set_postfix_str(f"{stats['tokens'] / max(elapsed, 1e-9):,.0f} tok/s, {writer.n} shards", refresh=False)
             bar.update(len(chunk))
-        writer.flush()
+        writer.close()
         if bad is not None:
             raise bad
     except BaseException:
         # rows already copied out are complete: keep them (a resumed run skips them)
         try:
-            writer.flush()
+            writer.close()
         finally:
             bar.close()
         raise
@@ -284,6 +328,15 @@ def extract(
         out=str(out),
     )
     return stats
+
+
+def _tokenized(tokenizer: Any, rows: Iterator[inp.Row]) -> Iterator[inp.Tokenized]:
+    """The rows' token ids, tokenized TOKENIZE_ROWS at a time (one batched tokenizer call each)."""
+    while True:
+        block = list(itertools.islice(rows, TOKENIZE_ROWS))
+        if not block:
+            return
+        yield from inp.tokenize(tokenizer, block)
 
 
 def _check_length(src: inp.Source, tok: inp.Tokenized, max_tokens: int, max_len: int, row_bytes: int, cap: int):

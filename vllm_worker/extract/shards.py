@@ -72,6 +72,21 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
+WRITEV_MAX = 512  # buffers per os.writev call (below IOV_MAX)
+
+
+def _writev_all(fd: int, views: list[memoryview]) -> None:
+    """`os.writev` until every byte is written (a call may write part of them)."""
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i:] if i else views)
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+
+
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
     """A standard safetensors file (little-endian header length, JSON header padded to 8 bytes, raw data),
     written tensor by tensor; returns its size."""
@@ -89,8 +104,10 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     def write(f: Any) -> None:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
-        for t in tensors.values():
-            f.write(_bytes_of(t))
+        f.flush()
+        views = [_bytes_of(t) for t in tensors.values()]
+        for i in range(0, len(views), WRITEV_MAX):  # a few system calls, not one per tensor (each drops the GIL)
+            _writev_all(f.fileno(), [v for v in views[i : i + WRITEV_MAX] if len(v)])
 
     write_atomic(path, write)
     return 8 + len(head) + off

@@ -4,6 +4,7 @@ and an entry in the pending map until its results are fetched (`results`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,9 +13,12 @@ from vllm_worker.envs import limit
 from vllm_worker.frontend.validation import parse_request
 from vllm_worker.frontend.vectors import resolve as resolve_vectors
 from vllm_worker.protocol.spec import (
+    ACTIVATIONS_KEY,
     CAPTURE_KEY,
+    NAMESPACE_PREFIXES,
     PAYLOAD_KEY,
     ModelShape,
+    RequestSpec,
     cache_salt,
     encode,
     has_lens_keys,
@@ -87,6 +91,12 @@ class FrontendState:
         return self.pools if engine is None else self.engine_pools.setdefault(engine, set())
 
     saes: dict[str, Any] = field(default_factory=dict)  # loaded SAEs by name (`frontend/saes.LoadedSae`)
+    # validated captures by the frozen form of the caller's keys (`_capture_spec`): an extraction sends
+    # thousands of requests with the same spec, validated once
+    capture_specs: dict[Any, tuple[tuple[tuple[str, tuple[int, ...]], ...], tuple[int, ...]]] = field(
+        default_factory=dict
+    )
+    capture_limits: tuple[int, int] | None = None  # (max_model_len, bytes per value), fixed once the engine runs
 
 
 STATE_ATTR = "_inspect_lens"
@@ -123,10 +133,11 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     state = state_of(processor)
     shape = shape_of(processor)
     d_model = shape.d_model
+    prompt_len = compat.request_prompt_len(req)
     try:
-        spec = parse_request(
-            resolve_vectors(sp.extra_args, state.vectors), shape, compat.request_prompt_len(req), state.saes
-        )
+        spec = _capture_spec(state, sp.extra_args, shape)
+        if spec is None:
+            spec = parse_request(resolve_vectors(sp.extra_args, state.vectors), shape, prompt_len, state.saes)
     except PermissionError as e:
         raise compat.forbidden_error_cls()(str(e)) from None
     except ValueError as e:
@@ -134,8 +145,9 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
         raise compat.validation_error_cls()(str(e), parameter=f"vllm_xargs.{field}") from None
     if spec is None:
         return req
-    why = compat.routing_unavailable() if spec.wants_results else None
-    if why is not None and compat.engines_fed(processor) > 1:
+    engines = compat.engines_fed(processor)
+    why = compat.routing_unavailable() if spec.wants_results and engines > 1 else None
+    if why is not None:
         raise compat.validation_error_cls()(
             f"results from a data-parallel server are not supported on this vLLM ({why}); serve with "
             "--data-parallel-size 1 or a vLLM inspect-lens supports for data parallelism",
@@ -148,10 +160,10 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
         # result memory the caller has let go of rides along: the worker reuses it for this request
         # instead of growing its pool (otherwise it goes back only with the next fetch)
         # (under data parallelism the engine is not chosen yet: each engine's regions go back with its fetches)
-        released = result_pool.take_released(state.pools) if compat.engines_fed(processor) == 1 else None
+        released = result_pool.take_released(state.pools) if engines == 1 else None
         if released:
             payload["release"] = released
-    args = {k: v for k, v in sp.extra_args.items() if not has_lens_keys({k: v})}
+    args = {k: v for k, v in sp.extra_args.items() if not (isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES))}
     args[PAYLOAD_KEY] = payload
     sp.extra_args = args
     if spec.wants_results:
@@ -170,7 +182,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
                 "`vllm-lens serve` (or set VLLM_PLUGINS=inspect_lens_worker,inspect_lens_http for `vllm serve`)",
                 parameter="vllm_xargs",
             )
-        reserved = _admit_capture(processor, state.pending, spec.capture, compat.request_prompt_len(req), sp, d_model)
+        reserved = _admit_capture(processor, state, spec.capture, prompt_len, sp, d_model, engines)
         state.pending[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model, reserved, spec.points, shape)
     salt = cache_salt(spec)
     if salt is not None:
@@ -179,14 +191,57 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     return req
 
 
+CAPTURE_SPECS_KEPT = 64  # distinct capture specs remembered per engine (then the memo starts over)
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable form of a JSON-like value that tells `True` from `1` and a list from a tuple; None for
+    anything else (tensors, ranges, objects: validated every time)."""
+    t = type(value)
+    if t is str or t is int or t is bool:
+        return (t, value)
+    if t is list or t is tuple:
+        items = tuple(_frozen(v) for v in value)
+        return None if None in items else (t, items)
+    if t is dict:
+        pairs = tuple((k, _frozen(v)) for k, v in value.items())
+        return None if any(type(k) is not str or v is None for k, v in pairs) else (t, pairs)
+    return None
+
+
+def _capture_spec(state: FrontendState, extra_args: Any, shape: ModelShape) -> RequestSpec | None:
+    """The spec of a request whose only inspect-lens keys are captures (`output_residual_stream`,
+    `output_activations`), validated once per distinct value and engine and remembered; None for any
+    other request (validated by `parse_request` every time). Each request gets its own spec and lists:
+    nothing cached is shared with a request, and no caller object is kept."""
+    ours = [k for k in extra_args if isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES)]
+    if not ours or any(k != CAPTURE_KEY and k != ACTIVATIONS_KEY for k in ours):
+        return None
+    key = tuple((k, _frozen(extra_args[k])) for k in ours)
+    if any(v is None for _, v in key):
+        return None
+    got = state.capture_specs.get(key)
+    if got is None:
+        spec = parse_request({k: extra_args[k] for k in ours}, shape, 0)  # ValueError naming the field
+        got = (tuple((p, tuple(ls)) for p, ls in spec.points.items()), tuple(spec.capture))
+        if len(state.capture_specs) >= CAPTURE_SPECS_KEPT:
+            state.capture_specs.clear()
+        state.capture_specs[key] = got
+    points, capture = got
+    # a fresh random key, as `parse_request` makes (32 hex digits; without building a UUID object)
+    return RequestSpec(key=os.urandom(16).hex(), capture=list(capture), points={p: list(ls) for p, ls in points})
+
+
 def _admit_capture(
-    processor: Any, pending: PendingMap, layers: list[int], prompt_len: int, sp: Any, d_model: int
+    processor: Any, state: FrontendState, layers: list[int], prompt_len: int, sp: Any, d_model: int, engines: int
 ) -> int:
     """Refuse a capture up front, before any compute, when at its largest it would pass the per-request
     limit or the in-flight total (instead of being dropped half-way by the workers' store cap)."""
     if not layers:
         return 0
-    max_len, itemsize = compat.model_capture_limits(processor)
+    if state.capture_limits is None:
+        state.capture_limits = compat.model_capture_limits(processor)
+    max_len, itemsize = state.capture_limits
     positions = prompt_len + (sp.max_tokens if sp.max_tokens is not None else max_len - prompt_len) - 1
     need = len(layers) * max(positions, 1) * d_model * itemsize * int(sp.n)
     per_request = limit("VLLM_LENS_MAX_CAPTURE_GB")
@@ -199,9 +254,8 @@ def _admit_capture(
             parameter=f"vllm_xargs.{CAPTURE_KEY}",
         )
     # the limit is per engine (each data-parallel engine's workers store their own requests' captures)
-    engines = compat.engines_fed(processor)
     total = limit("VLLM_LENS_MAX_STORED_GB") * engines
-    in_flight = pending.reserved
+    in_flight = state.pending.reserved
     if in_flight + need > total:
         per = f" ({engines} data-parallel engines x {total / engines / 2**30:.2f} GiB)" if engines > 1 else ""
         raise compat.capacity_error_cls()(

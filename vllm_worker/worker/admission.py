@@ -47,6 +47,7 @@ class Admission:
         self.local_layers, self.missing = local_layers, missing
         self.store, self.graph, self.persistent, self.ctx = store, graph_taps, persistent, ctx
         self.saes = saes  # `saes.WorkerSaes`
+        self.esize = torch.empty((), dtype=dtype).element_size()
 
     def admit(self, req_id: str, payload: Any) -> RequestState:
         try:
@@ -147,6 +148,8 @@ class Admission:
     def _check_sites(self, spec: Any, hooks: list[HookRun], store: RequestResults | None) -> None:
         """A point this worker has no tap for (its layout could not be resolved here) fails the request with
         the reason — never a capture, steer or hook that silently does nothing."""
+        if not spec.steers and not hooks and not spec.sae and self.local.issuperset(spec.capture):
+            return  # a capture of sites this worker taps (the common case, checked for every request)
         wanted = set(spec.capture) | {s for st in spec.steers for s in st.layers} | {s for h in hooks for s, _ in h.at}
         wanted |= {int(u["site"]) for u in spec.sae}
         lacking = sorted(s for s in wanted if site_layer(s) in self.local_layers and s not in self.local)
@@ -176,5 +179,4 @@ class Admission:
         local = [l for l in capture if l in self.local]
         n_pos = compat.request_max_positions(self.runner, req_id)
         if pool is not None and local and n_pos:
-            esize = torch.empty((), dtype=self.dtype).element_size()
-            store.expected = pool.expect(len(local) * n_pos * self.d_model * esize)
+            store.expected = pool.expect(len(local) * n_pos * self.d_model * self.esize)
