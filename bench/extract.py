@@ -90,6 +90,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--dummy", action="store_true", help="random weights of the model folder's shape")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="instead of timing: one plain generation and one extraction under cProfile; prints their Python "
+        "function calls (a measure the machine's load does not move) and writes both profiles' top entries to FILE (and FILE.plain.prof, FILE.extract.prof)",
+    )
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -116,6 +123,10 @@ def main() -> None:
     prompts = [r["prompt"] for r in lines]
     sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
     llm.generate(prompts[:64], sp, use_tqdm=False)  # warm-up
+    if args.profile:
+        profile(llm, prompts, sp, src, work, layers, args)
+        shutil.rmtree(work, ignore_errors=True)
+        return
     runs: list[dict] = []
     for rep in range(args.repeats):
         sampler = Sampler()
@@ -178,6 +189,42 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     print(table(report))
+
+
+def profile(llm, prompts: list[str], sp, src: Path, work: Path, layers: list[int], args) -> None:
+    """cProfile of one plain generation and one extraction of the same prompts (after a warm extraction
+    of a few rows, so one-off costs such as the first validation are out)."""
+    import cProfile
+    import io
+    import pstats
+
+    from vllm_worker.extract import extract
+
+    kw = dict(layers=layers, positions=args.positions, max_ram_gb=args.max_ram_gb, progress=False)
+    warm = work / "warm.jsonl"
+    warm.write_text("".join(src.read_text().splitlines(keepends=True)[:64]))
+    extract(llm, warm, work / "acts-warm", **kw)
+    report = io.StringIO()
+    calls = {}
+    for kind in ("plain", "extract"):
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        if kind == "plain":
+            prof.runcall(llm.generate, prompts, sp, use_tqdm=False)
+        else:
+            prof.runcall(extract, llm, src, work / "acts-prof", **kw)
+        s = time.perf_counter() - t
+        prof.dump_stats(f"{args.profile}.{kind}.prof")
+        st = pstats.Stats(prof, stream=report)
+        calls[kind] = st.total_calls
+        print(f"\n===== {kind}: {st.total_calls:,} calls, {s:.2f} s under the profiler", file=report)
+        st.sort_stats("tottime").print_stats(40)
+        st.sort_stats("cumulative").print_stats("vllm_worker", 60)
+    Path(args.profile).write_text(report.getvalue())
+    print(
+        f"{len(prompts):,} prompts: Python calls plain {calls['plain']:,}, extract {calls['extract']:,} "
+        f"({calls['extract'] / calls['plain'] - 1:+.1%}); profiles in {args.profile}"
+    )
 
 
 def table(report: dict) -> str:
