@@ -2,8 +2,8 @@
 at their largest, fit a share of the RAM budget; each chunk's rows are cut to the positions kept,
 copied out of the shared-memory results (which then go back to the workers for reuse) and appended to
 the current shard, written (by a thread, while the next shard fills and the next chunk runs) when it
-reaches its share of the budget. So host memory stays bounded whatever the corpus size, and a crash or
-Ctrl-C loses at most the rows in flight (on Ctrl-C and on an error, rows already done are written first).
+reaches its share of the budget, or at a chunk's end when no shard is being written. So host memory stays
+bounded whatever the corpus size, and a crash or Ctrl-C loses at most the rows in flight (on Ctrl-C and on an error, rows already done are written first).
 
 Budget (`max_ram_gb` = B): captures in flight <= B/2 (also <= VLLM_LENS_MAX_STORED_GB), one shard being
 filled and one being written, each <= min(B/8, 256 MiB); the rest is headroom for the rows' token ids and
