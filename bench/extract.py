@@ -90,6 +90,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--dummy", action="store_true", help="random weights of the model folder's shape")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="instead of timing: one plain generation and one extraction under cProfile; prints their Python "
+        "function calls (a measure the machine's load does not move) and writes both profiles' top entries to FILE (and FILE.plain.prof, FILE.extract.prof)",
+    )
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -116,15 +123,21 @@ def main() -> None:
     prompts = [r["prompt"] for r in lines]
     sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
     llm.generate(prompts[:64], sp, use_tqdm=False)  # warm-up
+    if args.profile:
+        profile(llm, prompts, sp, src, work, layers, args)
+        shutil.rmtree(work, ignore_errors=True)
+        return
     runs: list[dict] = []
     for rep in range(args.repeats):
         sampler = Sampler()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, sp, use_tqdm=False)
-        plain_s = time.perf_counter() - t
+        plain_s, plain_cpu = time.perf_counter() - t, time.process_time() - c
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         del outs
-        runs.append({"kind": "plain", "rep": rep, "s": plain_s, "tokens": tokens, "rss": sampler.stop()})
+        runs.append(
+            {"kind": "plain", "rep": rep, "s": plain_s, "cpu_s": plain_cpu, "tokens": tokens, "rss": sampler.stop()}
+        )
 
         out = work / f"acts-{rep}"
         shutil.rmtree(out, ignore_errors=True)
@@ -133,7 +146,7 @@ def main() -> None:
         def on_shard(shard: int, rows: int, s: Sampler = sampler) -> None:
             s.rows += rows
 
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         stats = extract(
             llm,
             src,
@@ -144,13 +157,14 @@ def main() -> None:
             progress=False,
             on_shard=on_shard,
         )
-        ext_s = time.perf_counter() - t
+        ext_s, ext_cpu = time.perf_counter() - t, time.process_time() - c
         size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
         runs.append(
             {
                 "kind": "extract",
                 "rep": rep,
                 "s": ext_s,
+                "cpu_s": ext_cpu,
                 "tokens": stats["tokens"],
                 "stats": stats,
                 "bytes": size,
@@ -180,19 +194,60 @@ def main() -> None:
     print(table(report))
 
 
+def profile(llm, prompts: list[str], sp, src: Path, work: Path, layers: list[int], args) -> None:
+    """cProfile of one plain generation and one extraction of the same prompts (after a warm extraction
+    of a few rows, so one-off costs such as the first validation are out)."""
+    import cProfile
+    import io
+    import pstats
+
+    from vllm_worker.extract import extract
+
+    kw = dict(layers=layers, positions=args.positions, max_ram_gb=args.max_ram_gb, progress=False)
+    warm = work / "warm.jsonl"
+    warm.write_text("".join(src.read_text().splitlines(keepends=True)[:64]))
+    extract(llm, warm, work / "acts-warm", **kw)
+    report = io.StringIO()
+    calls = {}
+    for kind in ("plain", "extract"):
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        if kind == "plain":
+            prof.runcall(llm.generate, prompts, sp, use_tqdm=False)
+        else:
+            prof.runcall(extract, llm, src, work / "acts-prof", **kw)
+        s = time.perf_counter() - t
+        prof.dump_stats(f"{args.profile}.{kind}.prof")
+        st = pstats.Stats(prof, stream=report)
+        calls[kind] = st.total_calls
+        print(f"\n===== {kind}: {st.total_calls:,} calls, {s:.2f} s under the profiler", file=report)
+        st.sort_stats("tottime").print_stats(40)
+        st.sort_stats("cumulative").print_stats("vllm_worker", 60)
+    Path(args.profile).write_text(report.getvalue())
+    print(
+        f"{len(prompts):,} prompts: Python calls plain {calls['plain']:,}, extract {calls['extract']:,} "
+        f"({calls['extract'] / calls['plain'] - 1:+.1%}); profiles in {args.profile}"
+    )
+
+
 def table(report: dict) -> str:
     runs = report["runs"]
     plain = sorted(r["s"] for r in runs if r["kind"] == "plain")
     ext = sorted(r["s"] for r in runs if r["kind"] == "extract")
+    # CPU seconds of the process (all its threads): moved less than wall time by other processes' load
+    plain_cpu = sorted(r.get("cpu_s", 0.0) for r in runs if r["kind"] == "plain")
+    ext_cpu = sorted(r.get("cpu_s", 0.0) for r in runs if r["kind"] == "extract")
     tok = runs[0]["tokens"]
     lines = [
         f"{report['rows']:,} prompts ({tok:,} tokens), model {Path(report['model']).name}, layers {report['layers']}, "
         f"positions {report['positions']}, --max-ram-gb {report['max_ram_gb']}",
         "",
-        "| run | seconds (each repeat) | tokens/s (best) | vs plain |",
-        "|---|---|---|---|",
-        f"| plain `LLM.generate` (max_tokens=1) | {', '.join(f'{s:.1f}' for s in plain)} | {tok / plain[0]:,.0f} | 1.00x |",
-        f"| extract | {', '.join(f'{s:.1f}' for s in ext)} | {tok / ext[0]:,.0f} | {plain[0] / ext[0]:.2f}x |",
+        "| run | seconds (each repeat) | tokens/s (best) | vs plain | CPU s (each repeat) | vs plain (CPU, best) |",
+        "|---|---|---|---|---|---|",
+        f"| plain `LLM.generate` (max_tokens=1) | {', '.join(f'{s:.1f}' for s in plain)} | {tok / plain[0]:,.0f} | 1.00x "
+        f"| {', '.join(f'{s:.1f}' for s in plain_cpu)} | 1.00x |",
+        f"| extract | {', '.join(f'{s:.1f}' for s in ext)} | {tok / ext[0]:,.0f} | {plain[0] / ext[0]:.2f}x "
+        f"| {', '.join(f'{s:.1f}' for s in ext_cpu)} | {plain_cpu[0] / max(ext_cpu[0], 1e-9):.2f}x |",
         "",
         "RSS (MiB) of the process during each extraction, at each tenth of the run's rows:",
         "",

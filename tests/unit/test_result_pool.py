@@ -131,3 +131,31 @@ def test_batch_assembly_in_threads_puts_every_row_in_its_place(monkeypatch):
             assert got.shape == want[r].shape and torch.equal(got, want[r]), r
     finally:
         pool.close()
+
+
+def test_new_requests_take_releases_without_unmapping_and_fetches_unmap_removed_segments(monkeypatch):
+    """`take_released(unmap=False)` (every new request) hands back released regions without a stat per mapped
+    segment; the next plain `take_released` (a fetch) unmaps a segment its worker removed. The shared-memory
+    directory is checked at most once per `shm.DIR_CHECK_S`; the VLLM_LENS_SHM setting on every call."""
+    pool = ResultPool()
+    try:
+        desc = _write(pool, torch.ones(2, 64))
+        got = result_pool.view(desc, torch.float32)
+        assert desc["path"] in result_pool._maps
+        del got
+        gc.collect()
+        pool.free(result_pool.take_released({pool.id}, unmap=False))
+        pool.trim(keep=0)  # the worker drops the segment (its file goes)
+        assert not os.path.exists(desc["path"])
+        assert result_pool.take_released({pool.id}, unmap=False) == [] and desc["path"] in result_pool._maps
+        assert result_pool.take_released({pool.id}) == [] and desc["path"] not in result_pool._maps
+    finally:
+        pool.close()
+    calls = []
+    real_isdir = os.path.isdir
+    monkeypatch.setattr(os.path, "isdir", lambda p: calls.append(p) or real_isdir(p))
+    monkeypatch.setattr(shm, "_dir_checked", [-1e9, False])
+    first = shm.host_id()
+    assert first is not None and shm.host_id() == first and len(calls) == 1
+    monkeypatch.setenv("VLLM_LENS_SHM", "0")
+    assert shm.host_id() is None

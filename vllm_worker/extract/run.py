@@ -2,8 +2,8 @@
 at their largest, fit a share of the RAM budget; each chunk's rows are cut to the positions kept,
 copied out of the shared-memory results (which then go back to the workers for reuse) and appended to
 the current shard, written (by a thread, while the next shard fills and the next chunk runs) when it
-reaches its share of the budget. So host memory stays bounded whatever the corpus size, and a crash or
-Ctrl-C loses at most the rows in flight (on Ctrl-C and on an error, rows already done are written first).
+reaches its share of the budget, or at a chunk's end when no shard is being written. So host memory stays
+bounded whatever the corpus size, and a crash or Ctrl-C loses at most the rows in flight (on Ctrl-C and on an error, rows already done are written first).
 
 Budget (`max_ram_gb` = B): captures in flight <= B/2 (also <= VLLM_LENS_MAX_STORED_GB), one shard being
 filled and one being written, each <= min(B/8, 256 MiB); the rest is headroom for the rows' token ids and
@@ -99,6 +99,13 @@ class _Writer:
             sh.write_json(self.out / f"{name}.json", {"rows": rows})  # written last: the shard is finished
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread (`wait`)
             failed.append(e)
+
+    def flush_if_idle(self) -> None:
+        """End of a chunk: if no shard is being written, hand over the rows so far now, so they are written
+        while the engine runs the next chunk instead of when the shard fills (for the last chunk's rows
+        after the run). Holds no more than before: still one shard written and one filling at most."""
+        if self._busy is None or not self._busy[0].is_alive():
+            self.flush()
 
     def wait(self) -> None:
         """Block until the shard being written is on disk; raise its error, or run `on_shard` for it."""
@@ -267,7 +274,8 @@ def extract(
         "max_chunk_bytes": 0,
     }
     t0 = time.perf_counter()
-    todo = _tokenized(tokenizer, (r for r in inp.rows(input, positions, max_tokens) if inp._id_key(r.id) not in done))
+    rows = inp.rows(input, positions, max_tokens)
+    todo = _tokenized(tokenizer, (r for r in rows if inp._id_key(r.id) not in done) if done else rows)
     pending: inp.Tokenized | None = None
     bad: inp.ExtractInputError | None = None
     try:
@@ -304,6 +312,7 @@ def extract(
                 writer.add(record, kept)
                 stats["extracted"] += 1
             del outs
+            writer.flush_if_idle()
             elapsed = time.perf_counter() - t0
             bar.set_postfix_str(f"{stats['tokens'] / max(elapsed, 1e-9):,.0f} tok/s, {writer.n} shards", refresh=False)
             bar.update(len(chunk))
@@ -340,16 +349,16 @@ def _tokenized(tokenizer: Any, rows: Iterator[inp.Row]) -> Iterator[inp.Tokenize
 
 
 def _check_length(src: inp.Source, tok: inp.Tokenized, max_tokens: int, max_len: int, row_bytes: int, cap: int):
-    where = inp._where(src, tok.row.line)
     n = len(tok.token_ids)
     if n == 0:
-        raise inp.ExtractInputError(f"{where}: the prompt has no tokens")
+        raise inp.ExtractInputError(f"{inp._where(src, tok.row.line)}: the prompt has no tokens")
     if n + max_tokens > max_len:
         raise inp.ExtractInputError(
-            f"{where}: {n} prompt tokens + max_tokens {max_tokens} exceed the engine's max_model_len {max_len}"
+            f"{inp._where(src, tok.row.line)}: {n} prompt tokens + max_tokens {max_tokens} exceed the engine's "
+            f"max_model_len {max_len}"
         )
     if row_bytes * (n + max_tokens - 1) > cap:
         raise inp.ExtractInputError(
-            f"{where}: its capture needs {row_bytes * (n + max_tokens - 1) / 2**30:.2f} GiB, above "
+            f"{inp._where(src, tok.row.line)}: its capture needs {row_bytes * (n + max_tokens - 1) / 2**30:.2f} GiB, above "
             f"VLLM_LENS_MAX_CAPTURE_GB ({cap / 2**30:.2f} GiB)"
         )

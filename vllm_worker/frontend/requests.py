@@ -97,6 +97,7 @@ class FrontendState:
         default_factory=dict
     )
     capture_limits: tuple[int, int] | None = None  # (max_model_len, bytes per value), fixed once the engine runs
+    engines_fed: int | None = None  # engine cores this frontend feeds (`compat.engines_fed`), fixed likewise
 
 
 STATE_ATTR = "_inspect_lens"
@@ -105,6 +106,9 @@ STATE_ATTR = "_inspect_lens"
 def state_of(obj: Any) -> FrontendState:
     """The plugin's state of the engine behind `obj` (an input processor, `LLM`, `LLMEngine`, `AsyncLLM` or
     API-server engine client), made on first use."""
+    st = getattr(obj, "__dict__", {}).get(STATE_ATTR)  # `obj` is the processor (every new request)
+    if st is not None:
+        return st
     proc = compat.input_processor_of(obj)
     st = proc.__dict__.get(STATE_ATTR)
     if st is None:
@@ -145,7 +149,9 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
         raise compat.validation_error_cls()(str(e), parameter=f"vllm_xargs.{field}") from None
     if spec is None:
         return req
-    engines = compat.engines_fed(processor)
+    engines = state.engines_fed
+    if engines is None:
+        engines = state.engines_fed = compat.engines_fed(processor)
     why = compat.routing_unavailable() if spec.wants_results and engines > 1 else None
     if why is not None:
         raise compat.validation_error_cls()(
@@ -160,7 +166,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
         # result memory the caller has let go of rides along: the worker reuses it for this request
         # instead of growing its pool (otherwise it goes back only with the next fetch)
         # (under data parallelism the engine is not chosen yet: each engine's regions go back with its fetches)
-        released = result_pool.take_released(state.pools) if engines == 1 else None
+        released = result_pool.take_released(state.pools, unmap=False) if engines == 1 else None
         if released:
             payload["release"] = released
     args = {k: v for k, v in sp.extra_args.items() if not (isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES))}

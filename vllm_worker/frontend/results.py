@@ -94,6 +94,9 @@ def _fetch_rounds(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> Ge
             found = result_pool.pools_of(got)
             pools |= found
             state.pools |= found
+            if not merged:  # the first (often the only) round trip: its answers are the merge so far
+                merged.update(got)
+                continue
             for key, per_child in got.items():
                 dst = merged.setdefault(key, {})
                 for child, parts in per_child.items():

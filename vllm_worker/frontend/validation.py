@@ -6,7 +6,7 @@ the field (`PermissionError` for remote hooks without opt-in), turned into the `
 from __future__ import annotations
 
 import base64
-import uuid
+import os
 from types import SimpleNamespace
 from typing import Any, Mapping
 
@@ -255,7 +255,7 @@ def parse_request(
             raise ValueError(
                 f"extra_args.{k}: unknown inspect-lens key{pts.closest(k, KNOWN_KEYS)} (known: {', '.join(KNOWN_KEYS)})"
             )
-    spec = RequestSpec(key=uuid.uuid4().hex)
+    spec = RequestSpec(key=os.urandom(16).hex())  # a random key, as uuid4().hex (without a UUID object)
     if ACTIVATIONS_KEY in ours:
         spec.points = capture_points(ours[ACTIVATIONS_KEY], shape)
     if CAPTURE_KEY in ours:

@@ -86,7 +86,8 @@ def assemble(
         path, off = region[0], region[1]
         dest = Dest(payload, mine, n_pos, path, off // row, region, d, dtype, nbytes)
         dests.append(dest)
-        rows_of.setdefault((path, dtype, d), pool.rows(path, dtype, d))
+        if (path, dtype, d) not in rows_of:
+            rows_of[(path, dtype, d)] = pool.rows(path, dtype, d)
         for seg in segs:
             for data, pos, f in seg.log.arena.chunks:
                 if f:

@@ -63,11 +63,19 @@ def _round(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
 
 
+_np_dtypes: dict[torch.dtype, np.dtype] = {}
+
+
 def np_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy type regions are written as (16-bit floats as int16: same bytes)."""
-    if dtype in (torch.bfloat16, torch.float16):
-        return np.dtype(np.int16)
-    return torch.empty((), dtype=dtype).numpy().dtype
+    got = _np_dtypes.get(dtype)
+    if got is None:
+        if dtype in (torch.bfloat16, torch.float16):
+            got = np.dtype(np.int16)
+        else:
+            got = torch.empty((), dtype=dtype).numpy().dtype
+        _np_dtypes[dtype] = got
+    return got
 
 
 # ---------------------------------------------------------------------------------------- worker side
@@ -343,9 +351,18 @@ _released: dict[str, list[tuple[str, int]]] = {}  # pool id -> regions to give b
 _front_lock = threading.RLock()
 
 
+_pool_ids: dict[str, str] = {}  # segment path -> pool id (a handful of segments, asked for every result)
+
+
 def pool_id(path: str) -> str:
     """The pool a segment file belongs to (from its name)."""
-    return os.path.basename(path).split(POOL_TAG, 1)[1].rsplit("-", 1)[0]
+    got = _pool_ids.get(path)
+    if got is None:
+        got = os.path.basename(path).split(POOL_TAG, 1)[1].rsplit("-", 1)[0]
+        if len(_pool_ids) >= 4096:
+            _pool_ids.clear()
+        _pool_ids[path] = got
+    return got
 
 
 def _mapping(path: str, size: int) -> _Mapping:
@@ -392,13 +409,18 @@ def discard(desc: dict) -> None:
         _released.setdefault(pool_id(desc["path"]), []).append((desc["path"], int(desc["offset"])))
 
 
-def take_released(pools: set[str]) -> list[tuple[str, int]]:
-    """Regions of these pools (one engine's workers) to give back; also unmaps segments their worker has
-    removed once nothing here uses them."""
+def take_released(pools: set[str], unmap: bool = True) -> list[tuple[str, int]]:
+    """Regions of these pools (one engine's workers) to give back; with `unmap`, also unmaps segments
+    their worker has removed once nothing here uses them (a stat per mapped segment: done with fetches
+    and explicit releases, not for every new request)."""
     out: list[tuple[str, int]] = []
     with _front_lock:
         for pid in pools:
-            out += _released.pop(pid, [])
+            got = _released.pop(pid, None)
+            if got:
+                out += got
+        if not unmap:
+            return out
         stale = [p for p, m in _maps.items() if m.views <= 0 and not os.path.exists(p)]
         for p in stale:
             try:

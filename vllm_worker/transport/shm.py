@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import time
 
 from vllm_worker import envs
 
@@ -18,12 +19,21 @@ SHM_DIR = envs.get("VLLM_LENS_SHM_DIR")
 PREFIX = "inspect-lens-"
 
 
+DIR_CHECK_S = 1.0  # how long a check that SHM_DIR is a writable directory is trusted
+_dir_checked: list = [-1e9, False]  # [time.monotonic() of the last check, its answer]
+
+
 def host_id() -> str | None:
     """This machine's identity (hostname + boot id), or None when shared memory is not usable here. Asked
-    for every new request that captures: the identity is read once per process."""
+    for every new request that captures: the identity is read once per process, the directory checked at
+    most once per DIR_CHECK_S (two system calls otherwise per request; a directory that goes away only
+    makes the worker fall back to RPC)."""
     if not envs.get("VLLM_LENS_SHM"):
         return None
-    if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
+    now = time.monotonic()
+    if now - _dir_checked[0] > DIR_CHECK_S:
+        _dir_checked[:] = [now, os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)]
+    if not _dir_checked[1]:
         return None
     return _machine()
 
