@@ -15,7 +15,7 @@ import torch
 
 from vllm_worker.compat import runner_v2
 from vllm_worker.compat.model import decoder_layers
-from vllm_worker.compat.version import LensIncompatibleVLLM, require, wrap
+from vllm_worker.compat.version import LensIncompatibleVLLM, require, then, wrap
 
 
 def runner_classes() -> list[type]:
@@ -45,14 +45,6 @@ def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[...,
     if runner_v2.enabled() and runner_v2.has_v2_runner():
         runner_v2.patch_runner(on_loaded, around_forward)
 
-    def make_load(orig: Callable) -> Callable:
-        def load_model(self, *args, **kwargs):
-            out = orig(self, *args, **kwargs)
-            on_loaded(self)
-            return out
-
-        return load_model
-
     def make_forward(orig: Callable) -> Callable:
         def _model_forward(self, *args, **kwargs):
             return around_forward(self, orig, *args, **kwargs)
@@ -61,7 +53,7 @@ def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[...,
 
     for c in classes:
         if "load_model" in c.__dict__:
-            wrap(c, "load_model", make_load)
+            wrap(c, "load_model", then(on_loaded))
     wrap(classes[0], "_model_forward", make_forward)
 
 

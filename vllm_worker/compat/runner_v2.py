@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vllm_worker.compat.version import LensIncompatibleVLLM, require, wrap
+from vllm_worker.compat.version import LensIncompatibleVLLM, require, then, wrap
 
 # the V2 runner class once its patches are installed (None: no runner is served by this adapter)
 _V2_CLS: type | None = None
@@ -187,14 +187,6 @@ def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[...,
     found = internals()
     cls, manager = found["GPUModelRunner"], found["CudaGraphManager"]
 
-    def make_load(orig: Callable) -> Callable:
-        def load_model(self, *args, **kwargs):
-            out = orig(self, *args, **kwargs)
-            on_loaded(self)
-            return out
-
-        return load_model
-
     def make_execute(orig: Callable) -> Callable:
         def execute_model(self, scheduler_output, *args, **kwargs):
             dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
@@ -231,7 +223,7 @@ def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[...,
 
         return run_fullgraph
 
-    wrap(cls, "load_model", make_load)
+    wrap(cls, "load_model", then(on_loaded))
     wrap(cls, "execute_model", make_execute)
     wrap(manager, "run_fullgraph", make_run_full)
     _V2_CLS = cls

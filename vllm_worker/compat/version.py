@@ -57,3 +57,17 @@ def wrap(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
     functools.update_wrapper(new, orig)
     new.__lens_wrapped__ = True  # type: ignore[attr-defined]
     setattr(cls, name, new)
+
+
+def then(hook: Callable[[Any], None]) -> Callable[[Callable], Callable]:
+    """A `wrap` maker: the original method, then `hook(self)` (e.g. after a runner loaded its model)."""
+
+    def make(orig: Callable) -> Callable:
+        def method(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            hook(self)
+            return out
+
+        return method
+
+    return make

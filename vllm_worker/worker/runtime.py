@@ -11,9 +11,10 @@ buffer empty: the kernel returns at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -280,17 +281,8 @@ class LensRuntime:
             g.clear()
         if plan is None:
             return orig(self.runner, *args, **kwargs)
-        positions = kwargs.get("positions")
-        if positions is None:
-            raise compat.LensIncompatibleVLLM("forward pass without `positions`")
-        plan.begin_step(positions)
-        self._plan = plan
-        prev = taps.set_handler(self.on_tap)
-        try:
+        with self._python_at(plan, kwargs):
             out = orig(self.runner, *args, **kwargs)
-        finally:
-            taps.set_handler(prev)
-            self._plan = None
         if plan.fired == 0:
             # The forward ran without reaching our taps (e.g. a CUDA graph replayed): the requests in the
             # plan would silently get nothing. Never let that pass.
@@ -298,13 +290,7 @@ class LensRuntime:
                 "inspect-lens taps did not run during a forward pass that needed them (was a CUDA graph "
                 "replayed for a step with Python hooks?)"
             )
-        missed = (plan.sites & self._local) - plan.fired_sites
-        if missed and not plan.broken:  # never a silent no-op: the requests at those sites fail, loudly
-            names = ", ".join(points.describe(s) for s in sorted(missed))
-            hit = [r for r in plan.requests if _touches(r, missed)]
-            self._fail(
-                hit, "running the step", RuntimeError(f"the taps at {names} did not run (a CUDA graph replayed?)")
-            )
+        self._fail_missed(plan, plan.sites, "the taps at {} did not run (a CUDA graph replayed?)")
         self.steps_with_features += 1
         STEP_TIMINGS["python_steps"] += 1
         if plan.captured and not plan.broken:
@@ -339,30 +325,18 @@ class LensRuntime:
             self._fail(plan.requests, "preparing the step", e)
             return orig(self.runner, *args, **kwargs)
         hooked = plan.seam_sites
-        if hooked:  # Python hooks at these sites, after the kernel (`_tap`); cut full graphs replay them
-            dev_pos = kwargs.get("positions")
-            if dev_pos is None:
-                raise compat.LensIncompatibleVLLM("forward pass without `positions`")
-            plan.begin_step(dev_pos)
-            self._plan = plan
-            prev_handler, prev_wanted = taps.set_handler(self.on_tap), seams.set_wanted(hooked)
+        # Python hooks at these sites, after the kernel (`_tap`); cut full graphs replay them
+        python = self._python_at(plan, kwargs, hooked) if hooked else contextlib.nullcontext()
         t1 = time.perf_counter()
-        try:
-            out = orig(self.runner, *args, **kwargs)
-        finally:
-            g.active = False
-            if hooked:
-                taps.set_handler(prev_handler)
-                seams.set_wanted(prev_wanted)
-                self._plan = None
+        with python:
+            try:
+                out = orig(self.runner, *args, **kwargs)
+            finally:
+                g.active = False
         t2 = time.perf_counter()
         if hooked:
             STEP_TIMINGS["seam_steps"] += 1
-            missed = (hooked & self._local) - plan.fired_sites
-            if missed and not plan.broken:  # never a silent no-op: the hooked requests there fail, loudly
-                names = ", ".join(points.describe(s) for s in sorted(missed))
-                hit = [r for r in plan.requests if _touches(r, missed)]
-                self._fail(hit, "running the step", RuntimeError(f"the hooks at {names} did not run"))
+            self._fail_missed(plan, hooked, "the hooks at {} did not run")
         if g.error is not None:  # the kernel raised inside the forward: these requests fail, nobody else
             self._fail(plan.requests, "running the graph-safe taps", RuntimeError(g.error))
             return out
@@ -392,6 +366,32 @@ class LensRuntime:
         STEP_TIMINGS["forward_s"] += t2 - t1
         STEP_TIMINGS["after_s"] += time.perf_counter() - t2
         return out
+
+    @contextlib.contextmanager
+    def _python_at(self, plan: StepPlan, kwargs: dict, wanted: frozenset = frozenset()) -> Iterator[None]:
+        """During the forward the taps call `on_tap` with `plan` (and cut full graphs replay the hooks at
+        `wanted`, `seams`)."""
+        positions = kwargs.get("positions")
+        if positions is None:
+            raise compat.LensIncompatibleVLLM("forward pass without `positions`")
+        plan.begin_step(positions)
+        self._plan = plan
+        prev_handler, prev_wanted = taps.set_handler(self.on_tap), seams.set_wanted(wanted)
+        try:
+            yield
+        finally:
+            taps.set_handler(prev_handler)
+            seams.set_wanted(prev_wanted)
+            self._plan = None
+
+    def _fail_missed(self, plan: StepPlan, sites: frozenset, message: str) -> None:
+        """Never a silent no-op: the requests acting at those of `sites` (on this stage) whose tap never
+        called `on_tap` this step fail, loudly (`message` names the sites at `{}`)."""
+        missed = (sites & self._local) - plan.fired_sites
+        if missed and not plan.broken:
+            names = ", ".join(points.describe(s) for s in sorted(missed))
+            hit = [r for r in plan.requests if _touches(r, missed)]
+            self._fail(hit, "running the step", RuntimeError(message.format(names)))
 
     def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
         plan = self._plan
