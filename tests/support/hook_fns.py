@@ -22,6 +22,22 @@ def ablate(dim: int):
     return fn
 
 
+def steer_then_ablate_edit(v, steer_layer: int = 1, ablate_layer: int = 2, dim: int = 3):
+    """The HF edit (`reference.point_activations`) equal to `SteeringVector(v, [steer_layer])` plus
+    `Hook(ablate(dim), [ablate_layer])`, both at resid_post."""
+
+    def edit(point, layer, h):
+        if (point, layer) == ("resid_post", steer_layer):
+            return h + v[0]
+        if (point, layer) == ("resid_post", ablate_layer):
+            h = h.clone()
+            h[..., dim] = 0
+            return h
+        return None
+
+    return edit
+
+
 def lens_top5(ctx, h):
     """A logit lens through `ctx.get_parameter`: the full (gathered) lm_head and final norm."""
     import torch
