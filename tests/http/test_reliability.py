@@ -16,6 +16,7 @@ import base64
 import json
 import os
 import pickle
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -514,6 +515,38 @@ def test_soak_1000_requests_at_32_concurrent(server):
 
 
 # ---------------------------------------------------------------- a large capture and the event loop
+
+
+def _get_on(sock: socket.socket, path: str) -> bytes:
+    """One HTTP/1.1 request on an open keep-alive connection; the status line and headers of its answer
+    (b"" when the server had closed the connection)."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    head = b""
+    try:
+        while b"\r\n\r\n" not in head:
+            part = sock.recv(65536)
+            if not part:
+                break
+            head += part
+    except ConnectionResetError:
+        return b""
+    return head
+
+
+def test_idle_keep_alive_connections_outlive_the_clients_expiry(server, locked_server):
+    """vLLM closes idle connections after 5 s, exactly httpx's own idle expiry: a client reusing one at
+    ~5 s raced the close and got `httpx.ReadError` for a request never read. With the plugin (`vllm-lens
+    serve` and plain `vllm serve`) a connection idle for 7 s still answers on the same socket."""
+    socks = []
+    for url in (server, locked_server):
+        host, port = url.removeprefix("http://").split(":")
+        s = socket.create_connection((host, int(port)), timeout=30)
+        assert _get_on(s, "/health").startswith(b"HTTP/1.1 200")
+        socks.append(s)
+    time.sleep(7)
+    for s in socks:
+        assert _get_on(s, "/health").startswith(b"HTTP/1.1 200")
+        s.close()
 
 
 def test_health_answers_within_a_second_while_a_1_gb_capture_is_returned(server):

@@ -3,6 +3,7 @@ routes and middleware, and to hand us its engine client."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm_worker import compat
@@ -13,6 +14,18 @@ from vllm_worker.server.saes import router as saes_router
 from vllm_worker.server.state import LensState
 from vllm_worker.server.vectors import vectors_router
 
+# Seconds an idle keep-alive connection stays open, unless the operator set VLLM_HTTP_TIMEOUT_KEEP_ALIVE.
+# vLLM's default (5 s) equals httpx's idle expiry (5 s, the OpenAI SDK's and our clients' transport): a
+# client reusing a connection idle for ~5 s races the server's close and gets a reset
+# (`httpx.ReadError`) for a request the server never read. A server timeout above the clients' own
+# expiry (httpx 5 s, aiohttp 15 s, load balancers 60 s) lets the client always close first.
+KEEP_ALIVE_S = "65"
+
+
+def default_keep_alive() -> None:
+    """Set vLLM's keep-alive timeout (read when its server starts, after the app is built)."""
+    os.environ.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", KEEP_ALIVE_S)
+
 
 class LensEndpoints:
     """The `vllm.endpoint_plugins` entry (`inspect_lens_http`); `vllm-lens serve` allow-lists it."""
@@ -21,6 +34,7 @@ class LensEndpoints:
     required_tasks = ("generate",)
 
     def attach_router(self, app: Any) -> None:
+        default_keep_alive()
         app.include_router(router)
         app.include_router(info_router)
         app.include_router(vectors_router)

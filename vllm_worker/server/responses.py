@@ -4,6 +4,7 @@ bodies bounded while they arrive, and large responses encoded and sent in pieces
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -14,6 +15,8 @@ from vllm_worker.protocol.spec import (
 from vllm_worker.protocol.wire import json_chunks
 
 MAX_BODY_BYTES = MAX_PAYLOAD_BYTES + (1 << 20)
+
+logger = logging.getLogger("vllm_worker")
 
 
 def error_body(status: int, message: str, param: str | None, kind: str) -> dict:
@@ -106,13 +109,18 @@ async def send_json(send: Any, status: int, obj: Any, headers: list | None = Non
 
 async def release(*objs: Any) -> None:
     """Drop a large answer's last references in a thread: freeing a GiB (unmapping shared-memory captures,
-    a million small objects) would otherwise hold the event loop for a third of a second."""
+    a million small objects) would otherwise hold the event loop for a third of a second. Runs after the
+    answer is complete, so it never raises: uvicorn closes the connection of an app that raises then, and
+    a keep-alive client may already have sent its next request on it (it would get a reset)."""
 
     def clear() -> None:
         for o in objs:
             o.clear()
 
-    await asyncio.to_thread(clear)
+    try:
+        await asyncio.to_thread(clear)
+    except Exception:  # noqa: BLE001
+        logger.exception("inspect-lens: releasing a sent answer failed")
 
 
 class BadRequest(Exception):
