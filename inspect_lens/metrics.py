@@ -15,7 +15,7 @@ GROUP_OF = {"deceptive": POSITIVE, "harmful": POSITIVE, "honest": NEGATIVE, "ben
 def _split(scores: list[SampleScore]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {POSITIVE: [], NEGATIVE: [], CONTROL: []}
     for s in scores:
-        group = GROUP_OF.get((s.score.metadata or {}).get("label"))
+        group = GROUP_OF.get(str((s.score.metadata or {}).get("label")))
         if group is not None:
             out[group].append(float(s.score.value))  # type: ignore[arg-type]
     return out

@@ -253,7 +253,7 @@ class VLLMLensAPI(VLLMAPI):
         return json.dumps(entries)
 
     async def generate(self, input, tools, tool_choice, config: GenerateConfig):
-        if "lora_request" in (config.extra_body or {}):
+        if config.extra_body and "lora_request" in config.extra_body:
             config = config.model_copy(update={"extra_body": await self._route_lora(dict(config.extra_body))})
         lens = self._lens_args(config)
         if lens is not None and not _encoded(lens.get("apply_steering_vectors")):

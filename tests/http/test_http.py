@@ -292,10 +292,27 @@ def _count(ctx, h):
     ctx.saved["rows"] = ctx.saved.get("rows", 0) + ctx.seq_len
 
 
+BAD_BODIES = (b"not json", b"[1, 2]", json.dumps({"model": "m", "prompt": "p", "n": "many"}).encode())
+
+
+def _raw_post(url: str, raw: bytes) -> tuple[int, str]:
+    r = httpx.post(
+        url + "/v1/completions",
+        content=raw,
+        headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"},
+    )
+    return r.status_code, r.json()["error"]["message"]
+
+
 def test_persistent_hooks_over_http(server):
     c = _client(server)
     c.clear_hooks()
+    plain = [_raw_post(server, raw) for raw in BAD_BODIES]
+    assert all(status == 400 for status, _ in plain), plain
     assert c.register_hooks([Hook(_count, [1])], prefetch_params=["lm_head.weight"]) == 1
+    # with persistent hooks on, every generation request passes through our middleware: a body that is not a
+    # JSON object, or an `n` vLLM refuses, still gets vLLM's own 400, the same as with no hooks registered
+    assert [_raw_post(server, raw) for raw in BAD_BODIES] == plain
     assert c.prefetch_params(["model.norm.weight"]) == ["lm_head.weight", "model.norm.weight"]
     c.clear_prefetched()
     prompts = [f"{PROMPT} {w}" for w in "the a of to and in is it that was".split()]

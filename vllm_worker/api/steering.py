@@ -194,6 +194,7 @@ class SteeringVector(BaseModel):
             and (self.activations is None) == (other.activations is None)
             and (
                 self.activations is None
+                or other.activations is None
                 or (
                     self.activations.shape == other.activations.shape
                     and torch.equal(self.activations.cpu(), other.activations.cpu())

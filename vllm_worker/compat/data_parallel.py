@@ -94,8 +94,9 @@ def engines_of(engine_client: Any, key: str) -> set[int] | None:
 def forget_routes(engine_client: Any, keys: list[str]) -> None:
     client = _dp_client(engine_client)
     routes = _ROUTES.get(client) if client is not None else None
-    for k in keys if routes is not None else ():
-        routes.pop(k, None)
+    if routes is not None:
+        for k in keys:
+            routes.pop(k, None)
 
 
 async def rpc_engines(engine_client: Any, method: str, args: tuple, engine: int | None = None) -> list | None:

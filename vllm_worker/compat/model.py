@@ -147,6 +147,7 @@ def pp_share(local: torch.Tensor | None, name: str) -> torch.Tensor:
         raise KeyError(name)
     src, (shape, dtype) = owner
     if pp.rank_in_group == src:
+        assert local is not None  # this rank announced it
         buf = local.contiguous()
     else:
         buf = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]), device=pp.device)

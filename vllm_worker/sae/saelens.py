@@ -142,11 +142,11 @@ def _architecture(cfg: dict) -> tuple[str, int]:
         raise ValueError(f"cfg.json: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     if arch == "standard" and act not in ("relu", None):
         raise ValueError(f"cfg.json: activation_fn {act!r} is not supported (relu, topk)")
-    k = 0
-    if arch == "topk":
-        k = cfg.get("k", kwargs.get("k"))
-        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-            raise ValueError(f"cfg.json: k: a TopK SAE needs a positive int k, got {k!r}")
+    if arch != "topk":
+        return arch, 0
+    k = cfg.get("k", kwargs.get("k"))
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        raise ValueError(f"cfg.json: k: a TopK SAE needs a positive int k, got {k!r}")
     return arch, k
 
 
@@ -213,7 +213,9 @@ def load(path: str | Path) -> Sae:
             raise ValueError(f"{WEIGHTS_FILE}: no tensor {name!r} (has: {', '.join(sorted(t))})")
     d_in, d_sae = cfg.get("d_in"), cfg.get("d_sae")
     if not isinstance(d_in, int) or not isinstance(d_sae, int):
-        d_in, d_sae = t["W_enc"].shape if t["W_enc"].ndim == 2 else (None, None)
+        if t["W_enc"].ndim != 2:
+            raise ValueError(f"{WEIGHTS_FILE}: W_enc has shape {tuple(t['W_enc'].shape)}, expected (d_in, d_sae)")
+        d_in, d_sae = t["W_enc"].shape
     want = {"W_enc": (d_in, d_sae), "b_enc": (d_sae,), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
     threshold = None
     if arch == "jumprelu":

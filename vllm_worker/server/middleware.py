@@ -65,6 +65,14 @@ def _precheck(req: dict, xargs: dict, shape: ModelShape) -> None:
             raise BadRequest(400, str(e), f"vllm_xargs.{CAPTURE_KEY}") from None
 
 
+def _n_of(req: dict) -> int:
+    """Choices per prompt; a value vLLM will refuse (its 400 is forwarded as it is) counts as 1."""
+    try:
+        return max(1, int(req.get("n") or 1))
+    except (TypeError, ValueError):
+        return 1
+
+
 class LensMiddleware:
     """Pure ASGI (streaming-safe) middleware on the two generation routes."""
 
@@ -90,9 +98,11 @@ class LensMiddleware:
             req = json.loads(body)
         except ValueError:
             req = None
-        xargs = req.get("vllm_xargs") if isinstance(req, dict) else None
-        ours = isinstance(xargs, dict) and has_lens_keys(xargs)
-        if not ours and not state.persistent_hooks:
+        raw_xargs = req.get("vllm_xargs") if isinstance(req, dict) else None
+        xargs: dict = raw_xargs if isinstance(raw_xargs, dict) else {}
+        ours = has_lens_keys(xargs)
+        # not a JSON object: vLLM's own 400 (with persistent hooks on, it reached the code below: a 500)
+        if not isinstance(req, dict) or (not ours and not state.persistent_hooks):
             return await self.app(scope, replay(body, receive), send)
         if ours and HOOK_KEY in xargs:
             try:
@@ -111,7 +121,7 @@ class LensMiddleware:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         scope = dict(scope, headers=headers + [(b"content-length", str(len(body)).encode())])
         kind = "chat" if path == CHAT else "cmpl"
-        n = int(req.get("n") or 1)
+        n = _n_of(req)
         # requests that asked for results must get them (steering-only ones have nothing to fetch)
         expect = ours and any(k in xargs for k in (CAPTURE_KEY, ACTIVATIONS_KEY, HOOK_KEY, SAE_FEATURES_KEY))
         if req.get("stream"):

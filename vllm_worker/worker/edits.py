@@ -47,6 +47,7 @@ def steer(site: int, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tenso
                 v = st.vectors[row].unsqueeze(0)  # (1, d)
                 mask = None
             else:
+                assert plan.positions is not None  # set by begin_step on the Python path
                 pos = plan.positions[s:e]
                 n = st.lut.shape[0]
                 vi = st.lut[pos.clamp(max=n - 1)]

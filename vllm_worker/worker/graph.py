@@ -193,6 +193,7 @@ class GraphTaps:
         if n == 0:
             return
         r = residual if residual is not None else hidden
+        assert self._kernel is not None  # CUDA only: the torch version runs elsewhere
         self._kernel[(n,)](
             hidden,
             r,

@@ -168,6 +168,7 @@ def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, i
         cc.append(np.full(len(rows), col[layer]))
     sr, sc, se, pos = [], [], [], []
     for r, s, e in active:
+        assert r.entries is not None, "a request whose entries did not fit the table is not graph-safe"
         for layer, (default, ps, ents) in r.entries.items():
             c = col.get(layer)
             if c is None:

@@ -87,7 +87,7 @@ class Segments:
     def replay(self, sites: frozenset) -> Any:
         for g, site, hidden, residual in self.parts:
             g.replay()
-            if site in sites:
+            if site is not None and site in sites:
                 taps.run_handler(hidden, residual, site)
         return self.output
 
