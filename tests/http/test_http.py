@@ -355,11 +355,14 @@ def test_batched_hooks_over_http(server):
     finally:
         c.clear_hooks()
     assert sorted(r["0"]["rows"] for r in res.values()) == sorted(len(o.prompt_token_ids) + 2 for o in outs)
-    one = c.generate(PROMPT, max_tokens=2, ignore_eos=True, hooks=[Hook(_count_batched, [1], batched=True)])
-    assert one.hook_results["0"]["rows"] == len(one.prompt_token_ids) + 1
+    for read_only in (False, True):  # read-only hooks (run after the forward) travel as "read_only": true
+        hook = Hook(_count_batched, [1], batched=True, read_only=read_only)
+        one = c.generate(PROMPT, max_tokens=2, ignore_eos=True, hooks=[hook])
+        assert one.hook_results["0"]["rows"] == len(one.prompt_token_ids) + 1
     fn = base64.b64encode(__import__("cloudpickle").dumps(_count_batched)).decode()
-    bad = _post(server, "/v1/hooks/register", {"hooks": [{"fn": fn, "layer_indices": [1], "batched": "yes"}]})
-    assert bad.status_code == 400 and "hooks[0].batched" in bad.text
+    for flag in ("batched", "read_only"):
+        bad = _post(server, "/v1/hooks/register", {"hooks": [{"fn": fn, "layer_indices": [1], flag: "yes"}]})
+        assert bad.status_code == 400 and f"hooks[0].{flag}" in bad.text
 
 
 def test_async_client_equals_sync_client(server):

@@ -110,6 +110,7 @@ def encode_hooks(hooks: Sequence[Hook]) -> list[dict]:
             "pre": h.pre,
             **({} if h.point is None else {"point": h.point}),
             **({"batched": True} if h.batched else {}),
+            **({"read_only": True} if h.read_only else {}),
         }
         for h in hooks
     ]

@@ -11,6 +11,12 @@ that carries this hook (the same function, point and layers; persistent hooks: e
 rows stacked in batch order; `ctx.rows` lists `(request_id, start, end)` into `h` and `ctx.saved` maps each
 request id to its own saved dict. One call instead of one per request: fewer launches and no per-request
 Python. A batched hook that raises fails every request it ran for in that call.
+
+`Hook(fn, layers, read_only=True)`: a promise that `fn` only reads `h` (returns None; returning a tensor
+fails the request). When every hook of a step is read-only (hooks at `q` / `k` always are), the taps keep a
+copy of the stream and the hooks run right after the step's forward pass has been sent to the device, so
+the GPU computes the rest of the step while their Python runs instead of waiting for it. What a hook sees
+is the same either way (the stream at its point); docs/hooks.md has the costs.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class Hook(BaseModel):
     pre: StrictBool = False
     point: Optional[Point] = None  # None: "resid_pre" with pre=True, else "resid_post"
     batched: StrictBool = False  # one call per step and layer for all requests carrying it (module docstring)
+    read_only: StrictBool = False  # fn returns None: it may run after the forward, on a copy (module docstring)
 
     def __init__(self, fn: Any = None, layer_indices: Any = None, pre: Any = False, **kwargs: Any) -> None:
         super().__init__(fn=fn, layer_indices=layer_indices, pre=pre, **kwargs)

@@ -27,7 +27,7 @@ def register_hooks(self: Any, hooks: Sequence[Hook], prefetch_params: Sequence[s
     specs = parse_hooks(list(hooks), shape_of(compat.processor_of_llm(self)))
     if prefetch_params:
         self.prefetch_params(prefetch_params)
-    counts = compat.rpc(self, "lens_register_hooks", [(h.fn, h.layers, h.point, h.batched) for h in specs])
+    counts = compat.rpc(self, "lens_register_hooks", [h.rpc() for h in specs])
     state_of(self).persistent_hooks = True
     return counts[0]
 

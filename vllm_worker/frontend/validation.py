@@ -154,7 +154,7 @@ def _head_scaling(item: Any, heads: list[int], f: str, shape: ModelShape) -> Ste
     return Steer(sites, mul.flatten(-2), None, 1.0, False, mul=True)
 
 
-HOOK_FIELDS = {"fn", "layer_indices", "pre", "point", "batched"}
+HOOK_FIELDS = {"fn", "layer_indices", "pre", "point", "batched", "read_only"}
 
 
 def hook_point(pre: Any, point: Any, f: str, shape: ModelShape) -> str:
@@ -180,7 +180,7 @@ def _hook_item(item: Any, i: int, shape: ModelShape) -> HookSpec:
         raise ValueError(f"{f}.fn: not callable")
     layers = layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
     point = hook_point(item.pre, item.point, f, shape)
-    return HookSpec(pickle_hook(item.fn, f), layers, point, item.batched)
+    return HookSpec(pickle_hook(item.fn, f), layers, point, item.batched, item.read_only)
 
 
 def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> HookSpec:
@@ -202,11 +202,12 @@ def _remote_hook_item(item: Mapping[str, Any], f: str, shape: ModelShape) -> Hoo
         raise ValueError(f"{f}.fn: not valid base64") from None
     layers = layer_list(item.get("layer_indices"), f"{f}.layer_indices", shape.n_layers, unique=True)
     point = hook_point(item.get("pre", False), item.get("point"), f, shape)
-    batched = item.get("batched", False)
-    if not isinstance(batched, bool):
-        raise ValueError(f"{f}.batched: expected a bool")
+    flags = {k: item.get(k, False) for k in ("batched", "read_only")}
+    for k, v in flags.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"{f}.{k}: expected a bool")
     _check_loads(raw, f"{f}.fn")
-    return HookSpec(raw, layers, point, batched)
+    return HookSpec(raw, layers, point, flags["batched"], flags["read_only"])
 
 
 def _check_loads(raw: bytes, field_name: str) -> None:

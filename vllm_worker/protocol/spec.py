@@ -100,6 +100,11 @@ class HookSpec:
     layers: list[int]  # the caller's layer indices (each worker maps them to its sites: `plan.hook_at`)
     point: str = pts.RESID_POST
     batched: bool = False  # one call for all requests of a step carrying the same hook (api.hooks)
+    read_only: bool = False  # returns None: may run after the forward, on a snapshot (api.hooks)
+
+    def rpc(self) -> tuple[bytes, list[int], str, bool, bool]:
+        """What `lens_register_hooks` takes (persistent hooks)."""
+        return (self.fn, self.layers, self.point, self.batched, self.read_only)
 
 
 @dataclass
@@ -203,7 +208,10 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
             }
             for s in spec.steers
         ],
-        "hooks": [{"fn": h.fn, "layers": h.layers, "point": h.point, "batched": h.batched} for h in spec.hooks],
+        "hooks": [
+            {"fn": h.fn, "layers": h.layers, "point": h.point, "batched": h.batched, "read_only": h.read_only}
+            for h in spec.hooks
+        ],
         "sae": spec.sae,
     }
 
@@ -226,7 +234,13 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
             for s in payload.get("steer") or []
         ],
         hooks=[
-            HookSpec(bytes(h["fn"]), list(h["layers"]), str(h["point"]), bool(h.get("batched", False)))
+            HookSpec(
+                bytes(h["fn"]),
+                list(h["layers"]),
+                str(h["point"]),
+                bool(h.get("batched", False)),
+                bool(h.get("read_only", False)),
+            )
             for h in payload.get("hooks") or []
         ],
         sae=[dict(u) for u in payload.get("sae") or []],

@@ -94,9 +94,7 @@ async def register(request: Request):
     names = param_names(body, "prefetch_params")
     if names:
         await prefetch_names(state, names, "prefetch_params")
-    counts = await compat.rpc_async(
-        state.engine, "lens_register_hooks", [(h.fn, h.layers, h.point, h.batched) for h in specs]
-    )
+    counts = await compat.rpc_async(state.engine, "lens_register_hooks", [h.rpc() for h in specs])
     state.persistent_hooks = True
     state.original_collect = mentions(hooks, '"cloudpickle"')
     return {"status": "ok", "registered": counts[0], "count": counts[0]}

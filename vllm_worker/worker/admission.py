@@ -15,7 +15,7 @@ import torch
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors
-from vllm_worker.protocol.points import NAME, describe, site_layer, split_site
+from vllm_worker.protocol.points import NAME, READ_ONLY, describe, site_layer, split_site
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph, seams
 from vllm_worker.worker.persistent_hooks import PersistentHooks
@@ -115,8 +115,13 @@ class Admission:
                     continue
                 at = hook_at(h.layers, h.point, self.local_layers)
                 # requests whose batched hooks are the same function (same bytes), point and layers share a call
-                key = (hashlib.blake2b(h.fn, digest_size=16).digest(), h.point, tuple(h.layers)) if h.batched else None
-                hooks.append(HookRun(fn, at, h.point, self.ctx(saved, external), i, False, h.batched, key))
+                key = (
+                    (hashlib.blake2b(h.fn, digest_size=16).digest(), h.point, tuple(h.layers), h.read_only)
+                    if h.batched
+                    else None
+                )
+                read_only = h.read_only or h.point in READ_ONLY
+                hooks.append(HookRun(fn, at, h.point, self.ctx(saved, external), i, False, h.batched, key, read_only))
             self._check_sites(spec, hooks, store)
         if self.persistent:
             if store is None:

@@ -103,7 +103,7 @@ def run_hooks(
                     new = h.fn(ctx, stream)
                 finally:
                     in_hooks += time.perf_counter() - t
-                new = _check_replacement(new, stream, h.point)
+                new = _check_replacement(new, stream, h.point, h.read_only)
                 if new is None:
                     continue
             except Exception:
@@ -137,11 +137,13 @@ def _hook_failed(r, h: HookRun, layer: int, on_error: Callable[[HookRun, str], N
     logger.warning("inspect-lens: %s", msg)
 
 
-def _check_replacement(new: object, stream: torch.Tensor, point: str) -> torch.Tensor | None:
+def _check_replacement(new: object, stream: torch.Tensor, point: str, read_only: bool = False) -> torch.Tensor | None:
     if new is None:
         return None
     if point in READ_ONLY:
         raise TypeError(f"hooks at {point!r} read it; they cannot replace it (return None)")
+    if read_only:
+        raise TypeError("a read_only hook returned a tensor; it may only read (return None)")
     if not isinstance(new, torch.Tensor):
         raise TypeError(f"hook returned {type(new).__name__}, expected a Tensor or None")
     if new.shape != stream.shape or new.dtype != stream.dtype or new.device != stream.device:
@@ -184,7 +186,7 @@ def _run_group(
             new = members[0][1].fn(ctx, stream)
         finally:
             spent = time.perf_counter() - t
-        new = _check_replacement(new, stream, g.point)
+        new = _check_replacement(new, stream, g.point, members[0][1].read_only)
     except Exception:
         for r, h, _, _ in members:  # one call for all of them: each of its requests fails
             _hook_failed(r, h, g.layer, on_error)

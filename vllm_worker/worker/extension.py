@@ -146,7 +146,7 @@ class LensWorkerExtension:
 
     def lens_register_hooks(self, hooks: list) -> int:
         return self._lens_rt().register_hooks(
-            [(bytes(h[0]), list(h[1]), str(h[2]), bool(h[3]) if len(h) > 3 else False) for h in hooks]
+            [(bytes(h[0]), list(h[1]), str(h[2]), bool(h[3]), bool(h[4])) for h in hooks]
         )
 
     def lens_collect_hook_results(self) -> bytes | None:

@@ -8,6 +8,7 @@ from typing import Any, Callable
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.envs import limit
 from vllm_worker.protocol.errors import Failure, failure
+from vllm_worker.protocol.points import READ_ONLY
 from vllm_worker.worker.plan import HookRun, hook_at
 from vllm_worker.worker.results import RequestResults
 
@@ -18,18 +19,20 @@ MAX_PERSISTENT_RESULTS = limit("VLLM_LENS_MAX_PERSISTENT_RESULTS")
 
 class PersistentHooks:
     def __init__(self) -> None:
-        self.hooks: list[tuple[Callable, dict, str, bool]] = []  # (fn, where it runs on this stage, point, batched)
+        # (fn, where it runs on this stage, point, batched, read_only)
+        self.hooks: list[tuple[Callable, dict, str, bool, bool]] = []
         self.results: dict[str, list[dict]] = {}  # caller request id -> one saved dict per hook
         self.errors: dict[str, Failure] = {}  # caller request id -> failure, until popped
 
     def __bool__(self) -> bool:
         return bool(self.hooks)
 
-    def register(self, hooks: list[tuple[bytes, list[int], str, bool]], local_layers: frozenset) -> int:
+    def register(self, hooks: list[tuple[bytes, list[int], str, bool, bool]], local_layers: frozenset) -> int:
         import cloudpickle
 
-        for fn, layers, point, batched in hooks:
-            self.hooks.append((cloudpickle.loads(fn), hook_at(list(layers), point, local_layers), point, batched))
+        for fn, layers, point, batched, read_only in hooks:
+            at = hook_at(list(layers), point, local_layers)
+            self.hooks.append((cloudpickle.loads(fn), at, point, batched, read_only or point in READ_ONLY))
         return len(self.hooks)
 
     def attach(
@@ -48,9 +51,9 @@ class PersistentHooks:
             return
         saved: list[dict] = [{} for _ in self.hooks]
         self.results[external] = saved
-        for i, (fn, at, point, batched) in enumerate(self.hooks):
+        for i, (fn, at, point, batched, read_only) in enumerate(self.hooks):
             # a persistent hook is one function for every request: batched, they share one call per step
-            runs.append(HookRun(fn, at, point, ctx(saved[i], external), i, True, batched, ("persistent", i)))
+            runs.append(HookRun(fn, at, point, ctx(saved[i], external), i, True, batched, ("persistent", i), read_only))
 
     def failed(self, request_id: str, msg: str) -> None:
         self.errors[request_id] = failure("hook", msg, "persistent hook")

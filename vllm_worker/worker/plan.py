@@ -59,6 +59,7 @@ class HookRun:
     persistent: bool
     batched: bool = False  # one call per step and site for every request carrying the same hook (`key`)
     key: Any = None
+    read_only: bool = False  # returns None (`Hook(read_only=True)`, or a read-only point): may run deferred
 
 
 @dataclass(eq=False)
@@ -207,6 +208,7 @@ class StepPlan:
     broken: bool = False  # our code failed during this step: the taps do nothing more
     fired_sites: set = field(default_factory=set)  # sites whose tap ran from Python this step
     groups: dict[HookAt, list[HookGroup]] = field(default_factory=dict)  # batched hooks
+    deferred: list = field(default_factory=list)  # (site, stream snapshot) whose read-only hooks run after the forward
 
     @functools.cached_property
     def seam_sites(self) -> frozenset:
@@ -215,12 +217,23 @@ class StepPlan:
         (`worker.seams`)."""
         return frozenset(s for s, _ in self.hooks) | frozenset(s for s, _ in self.groups)
 
+    @functools.cached_property
+    def defer_hooks(self) -> bool:
+        """Every hook of this plan only reads: the taps snapshot the stream and the hooks run after the
+        forward has been launched (`runtime.Runtime._run_deferred`), so the device computes the rest of the
+        step while their Python runs. One hook that may write keeps them all at their taps (a request's
+        hooks share `ctx.saved`: their order must not change)."""
+        runs = [h for items in self.hooks.values() for r, _, _ in items for h in r.hooks]
+        runs += [h for gs in self.groups.values() for g in gs for _, h, _, _ in g.members]
+        return bool(runs) and all(h.read_only for h in runs)
+
     def begin_step(self, positions: torch.Tensor) -> None:
         self.positions = positions
         self.captured = []
         self.fired = 0
         self.broken = False
         self.fired_sites = set()
+        self.deferred = []
 
     @functools.cached_property
     def sites(self) -> frozenset:

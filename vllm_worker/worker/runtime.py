@@ -45,7 +45,12 @@ STEP_TIMINGS = {
     "python_file_s": 0.0,
     "graphless_steps": 0,  # steps kept off every CUDA graph (Python at a tap inside a layer)
     "seam_steps": 0,  # graph-path steps with Python hooks at some taps (`seams`)
+    "deferred_sites": 0,  # taps whose read-only hooks ran after the forward (`StepPlan.defer_hooks`)
 }
+
+# Device memory the stream snapshots of deferred read-only hooks may hold within one step; past it the
+# hooks queued so far run at once (prefill steps with hooks at many layers).
+DEFER_MAX_BYTES = 256 << 20
 
 
 class LensRuntime:
@@ -379,6 +384,7 @@ class LensRuntime:
         prev_handler, prev_wanted = taps.set_handler(self.on_tap), seams.set_wanted(wanted)
         try:
             yield
+            self._run_deferred(plan)
         finally:
             taps.set_handler(prev_handler)
             seams.set_wanted(prev_wanted)
@@ -411,15 +417,25 @@ class LensRuntime:
     def _tap(self, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
         """At one site: steering, hooks at the point, capture, then the next layer's pre-hooks (the stream
         leaving layer i is the one entering layer i + 1). With a graph plan the kernel already steered and
-        captured here (`plan.RequestState.seam_ok`): only the hooks run."""
+        captured here (`plan.RequestState.seam_ok`): only the hooks run. Read-only hooks (`defer_hooks`)
+        get a snapshot of the stream here and run after the forward."""
+        defer = plan.defer_hooks and (
+            (site, False) in plan.hooks or (site, True) in plan.hooks or self._grouped(plan, site)
+        )
         if plan.graph is not None:
+            if defer:
+                self._defer(plan, hidden, residual, site)
+                return
             edits.run_hooks((site, False), plan, hidden, residual, self._hook_failed)
             edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
             return
         edits.steer(site, plan, hidden, residual)
         if plan.sae_clamp:
             saes.clamp_at(site, plan, hidden, residual)
-        edits.run_hooks((site, False), plan, hidden, residual, self._hook_failed)
+        if defer:  # nothing below writes to the stream: one snapshot serves both hook positions
+            self._defer(plan, hidden, residual, site)
+        else:
+            edits.run_hooks((site, False), plan, hidden, residual, self._hook_failed)
         cap = plan.capture.get(site)
         if cap is not None:
             idx = cap[0]
@@ -431,7 +447,35 @@ class LensRuntime:
             plan.captured.append((site, rows))
         if plan.sae_feat:
             saes.features_at(site, plan, hidden, residual)
-        edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
+        if not defer:
+            edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
+
+    @staticmethod
+    def _grouped(plan: StepPlan, site: int) -> bool:
+        return (site, False) in plan.groups or (site, True) in plan.groups
+
+    def _defer(self, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        """The stream at `site` as it is now (a copy: later layers reuse these buffers), for the read-only
+        hooks there to run after the forward."""
+        snap = hidden + residual if residual is not None else hidden.clone()
+        held = sum(s.numel() * s.element_size() for _, s in plan.deferred)
+        if plan.deferred and held + snap.numel() * snap.element_size() > DEFER_MAX_BYTES:
+            self._run_deferred(plan)
+        plan.deferred.append((site, snap))
+
+    def _run_deferred(self, plan: StepPlan) -> None:
+        """The read-only hooks queued by `_defer`, in tap order, on their snapshots."""
+        queued, plan.deferred = plan.deferred, []
+        if plan.broken:
+            return
+        try:
+            for site, snap in queued:
+                edits.run_hooks((site, False), plan, snap, None, self._hook_failed)
+                edits.run_hooks((site, True), plan, snap, None, self._hook_failed)
+                STEP_TIMINGS["deferred_sites"] += 1
+        except Exception as e:  # noqa: BLE001 - as at a tap: the plan's requests fail, batch-mates go on
+            plan.broken = True
+            self._fail(plan.requests, "running deferred read-only hooks", e)
 
     def _hook_failed(self, h: HookRun, msg: str) -> None:
         if h.persistent:
@@ -456,7 +500,7 @@ class LensRuntime:
 
     # ---------------------------------------------------------------- persistent hooks (RPC)
 
-    def register_hooks(self, hooks: list[tuple[bytes, list[int], str, bool]]) -> int:
+    def register_hooks(self, hooks: list[tuple[bytes, list[int], str, bool, bool]]) -> int:
         n = self.persistent.register(hooks, self._local_layers)
         # plain requests cached as "nothing to do" must be re-planned
         self._reqs = {k: v for k, v in self._reqs.items() if v is not None}
