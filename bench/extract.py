@@ -35,6 +35,36 @@ def rss_mb() -> float:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
 
 
+class GcCount:
+    """Garbage collections (per generation) and seconds spent in them, while counting (`gc.callbacks`)."""
+
+    def __init__(self) -> None:
+        self.n = [0, 0, 0]
+        self.gen_s = [0.0, 0.0, 0.0]
+        self._t = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.n[info["generation"]] += 1
+            self.gen_s[info["generation"]] += time.perf_counter() - self._t
+
+    def __enter__(self) -> "GcCount":
+        import gc
+
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self._cb)
+
+    def as_dict(self) -> dict:
+        return {"collections": list(self.n), "gc_s": sum(self.gen_s), "gen_s": list(self.gen_s)}
+
+
 class Sampler:
     """RSS every `every` seconds in a thread, with the rows done so far (set by the caller)."""
 
@@ -130,13 +160,22 @@ def main() -> None:
     runs: list[dict] = []
     for rep in range(args.repeats):
         sampler = Sampler()
-        t, c = time.perf_counter(), time.process_time()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        plain_s, plain_cpu = time.perf_counter() - t, time.process_time() - c
+        with GcCount() as gcs:
+            t, c = time.perf_counter(), time.process_time()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            plain_s, plain_cpu = time.perf_counter() - t, time.process_time() - c
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         del outs
         runs.append(
-            {"kind": "plain", "rep": rep, "s": plain_s, "cpu_s": plain_cpu, "tokens": tokens, "rss": sampler.stop()}
+            {
+                "kind": "plain",
+                "rep": rep,
+                "s": plain_s,
+                "cpu_s": plain_cpu,
+                "tokens": tokens,
+                "gc": gcs.as_dict(),
+                "rss": sampler.stop(),
+            }
         )
 
         out = work / f"acts-{rep}"
@@ -146,18 +185,19 @@ def main() -> None:
         def on_shard(shard: int, rows: int, s: Sampler = sampler) -> None:
             s.rows += rows
 
-        t, c = time.perf_counter(), time.process_time()
-        stats = extract(
-            llm,
-            src,
-            out,
-            layers=layers,
-            positions=args.positions,
-            max_ram_gb=args.max_ram_gb,
-            progress=False,
-            on_shard=on_shard,
-        )
-        ext_s, ext_cpu = time.perf_counter() - t, time.process_time() - c
+        with GcCount() as gcs:
+            t, c = time.perf_counter(), time.process_time()
+            stats = extract(
+                llm,
+                src,
+                out,
+                layers=layers,
+                positions=args.positions,
+                max_ram_gb=args.max_ram_gb,
+                progress=False,
+                on_shard=on_shard,
+            )
+            ext_s, ext_cpu = time.perf_counter() - t, time.process_time() - c
         size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
         runs.append(
             {
@@ -168,6 +208,7 @@ def main() -> None:
                 "tokens": stats["tokens"],
                 "stats": stats,
                 "bytes": size,
+                "gc": gcs.as_dict(),
                 "rss": sampler.stop(),
             }
         )
@@ -209,13 +250,15 @@ def profile(llm, prompts: list[str], sp, src: Path, work: Path, layers: list[int
     extract(llm, warm, work / "acts-warm", **kw)
     report = io.StringIO()
     calls = {}
+    gcs = {}
     for kind in ("plain", "extract"):
         prof = cProfile.Profile()
         t = time.perf_counter()
-        if kind == "plain":
-            prof.runcall(llm.generate, prompts, sp, use_tqdm=False)
-        else:
-            prof.runcall(extract, llm, src, work / "acts-prof", **kw)
+        with GcCount() as gcs[kind]:
+            if kind == "plain":
+                prof.runcall(llm.generate, prompts, sp, use_tqdm=False)
+            else:
+                prof.runcall(extract, llm, src, work / "acts-prof", **kw)
         s = time.perf_counter() - t
         prof.dump_stats(f"{args.profile}.{kind}.prof")
         st = pstats.Stats(prof, stream=report)
@@ -226,8 +269,16 @@ def profile(llm, prompts: list[str], sp, src: Path, work: Path, layers: list[int
     Path(args.profile).write_text(report.getvalue())
     print(
         f"{len(prompts):,} prompts: Python calls plain {calls['plain']:,}, extract {calls['extract']:,} "
-        f"({calls['extract'] / calls['plain'] - 1:+.1%}); profiles in {args.profile}"
+        f"({calls['extract'] / calls['plain'] - 1:+.1%}); garbage collections (gen 0/1/2) plain "
+        f"{'/'.join(map(str, gcs['plain'].n))}, extract {'/'.join(map(str, gcs['extract'].n))}; profiles in {args.profile}"
     )
+
+
+def _gc_text(run: dict) -> str:
+    g = run.get("gc")
+    if not g:
+        return "-"
+    return "/".join(map(str, g["collections"])) + f" ({'/'.join(f'{x:.2f}' for x in g['gen_s'])} s)"
 
 
 def table(report: dict) -> str:
@@ -248,6 +299,11 @@ def table(report: dict) -> str:
         f"| {', '.join(f'{s:.1f}' for s in plain_cpu)} | 1.00x |",
         f"| extract | {', '.join(f'{s:.1f}' for s in ext)} | {tok / ext[0]:,.0f} | {plain[0] / ext[0]:.2f}x "
         f"| {', '.join(f'{s:.1f}' for s in ext_cpu)} | {plain_cpu[0] / max(ext_cpu[0], 1e-9):.2f}x |",
+        "",
+        "Garbage collections (generation 0/1/2) and seconds in each generation's, each repeat: plain "
+        + ", ".join(_gc_text(r) for r in runs if r["kind"] == "plain")
+        + "; extract "
+        + ", ".join(_gc_text(r) for r in runs if r["kind"] == "extract"),
         "",
         "RSS (MiB) of the process during each extraction, at each tenth of the run's rows:",
         "",

@@ -28,6 +28,9 @@ class Setting:
     flag: str | None = None  # `vllm-lens serve` flag (a bool flag takes no value)
     unit: str = ""  # "MB" / "GB" (limit() returns bytes), "s", or "" for a count / plain value
     limit: bool = False  # an operator limit: reported by /v1/lens/info, must be positive
+    # a computed default that depends only on these settings: remembered per their texts (other computed
+    # defaults are computed at every read)
+    after: tuple[str, ...] | None = None
 
     def default_value(self) -> Any:
         return self.default() if callable(self.default) else self.default
@@ -195,6 +198,7 @@ SETTINGS: dict[str, Setting] = {
             _stored_gb,
             "free result-pool memory kept for reuse; beyond it free segments are given back",
             unit="GB",
+            after=("VLLM_LENS_MAX_STORED_GB",),
         ),
         Setting(
             "VLLM_LENS_SHM_POOL_IDLE_S",
@@ -258,28 +262,63 @@ def parse(name: str, raw: str | None) -> Any:
     return value
 
 
-_parsed: dict[tuple[str, str | None], Any] = {}  # (name, text as set) -> value
+_MISSING = object()
+_UNKEPT = object()  # memo key of a value never remembered
+# name -> {its text as set (None: unset) or, for a default computed from other settings, their texts ->
+# value}; a default computed from anything else is never remembered
+_parsed: dict[str, dict[Any, Any]] = {}
+_limits: dict[str, dict[Any, int]] = {}  # the same for `limit()`'s bytes
+_NONE: dict = {}  # (never written)
+KEPT_TEXTS = 64  # texts remembered per setting (then its memo starts over)
+# name -> `after` of the settings whose default is computed
+_COMPUTED: dict[str, tuple[str, ...] | None] = {s.name: s.after for s in SETTINGS.values() if callable(s.default)}
+
+
+def _key(name: str, raw: str | None) -> Any:
+    """The memo key of a setting's value: its text, or for its default (unset or blank) None, the texts
+    of the settings a computed default depends on (`Setting.after`), or `_UNKEPT`."""
+    if raw and not raw.isspace():
+        return raw
+    if name not in _COMPUTED:
+        return None
+    after = _COMPUTED[name]
+    return _UNKEPT if after is None else tuple(os.environ.get(n) for n in after)
+
+
+def _remember(memo: dict[str, dict[Any, Any]], name: str, key: Any, value: Any) -> None:
+    if key is _UNKEPT:
+        return
+    texts = memo.setdefault(name, {})
+    if len(texts) >= KEPT_TEXTS:
+        texts.clear()
+    texts[key] = value
+
+
+def _value(name: str, raw: str | None) -> Any:
+    key = _key(name, raw)
+    value = _parsed.get(name, _NONE).get(key, _MISSING)
+    if value is _MISSING:
+        value = parse(name, raw)  # ValueError naming the setting: nothing remembered
+        _remember(_parsed, name, key, value)
+    return value
 
 
 def get(name: str) -> Any:
     """The setting's value now (from the environment, else its default). Read on every call, so a change
-    of the environment takes effect at once; only the parsing of a text already seen is remembered (a few
-    settings are read for every request)."""
-    raw = os.environ.get(name)
-    if not raw or raw.isspace():  # unset or blank: the default, maybe computed from other settings
-        return parse(name, raw)
-    key = (name, raw)
-    value = _parsed.get(key, _parsed)
-    if value is _parsed:
-        value = parse(name, raw)  # ValueError naming the setting: nothing remembered
-        if len(_parsed) < 1024:
-            _parsed[key] = value
-    return value
+    of the environment takes effect at once; only the value of a text already seen is remembered (a few
+    settings are read for every request: an environment read and two dictionary look-ups)."""
+    return _value(name, os.environ.get(name))
 
 
 def limit(name: str) -> int:
     """A size setting in bytes (MB / GB settings), or a count, as an int."""
-    return int(get(name) * UNITS.get(SETTINGS[name].unit, 1))
+    raw = os.environ.get(name)
+    key = _key(name, raw)
+    value = _limits.get(name, _NONE).get(key, _MISSING)
+    if value is _MISSING:
+        value = int(_value(name, raw) * UNITS.get(SETTINGS[name].unit, 1))
+        _remember(_limits, name, key, value)
+    return value
 
 
 def limits() -> dict[str, int]:

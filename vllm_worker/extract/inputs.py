@@ -142,7 +142,9 @@ def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     ~40% less host time per row on CPU); the ids are the same."""
     if len(prompts) > 1:
         try:
-            ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+            # only the ids: no attention masks or type ids (lists the garbage collector would walk)
+            kw = {"add_special_tokens": True, "return_attention_mask": False, "return_token_type_ids": False}
+            ids = tokenizer(prompts, **kw)["input_ids"]
         except (TypeError, KeyError, AttributeError, NotImplementedError):
             ids = None  # not a batching HF tokenizer: one prompt at a time
         if isinstance(ids, list) and len(ids) == len(prompts):

@@ -53,30 +53,52 @@ def _row_width(points: dict[str, list[int]], shape: Any) -> int:
 
 
 class _Writer:
-    """The shard being filled and the ones already written. A full shard is written by a thread while the
-    next one fills and the engine runs the next chunk (file writes and fsync release the GIL): at most
-    one shard is being written, so two shards' rows are held at most. `on_shard` runs in the caller's
-    thread once its shard is on disk; if it raises, nothing more is written (as if the run stopped there)."""
+    """The shard being filled and the ones already written. Rows are copied into one flat buffer per shard
+    (the safetensors file's data section, written with one system call) and kept as tuples of plain values:
+    a chunk's thousands of rows leave no tensor or dict per row alive for the garbage collector to walk.
+    A full shard is written by a thread while the next one fills and the engine runs the next chunk (file
+    writes and fsync release the GIL): at most one shard is being written, so two shards' rows are held at
+    most, and the written shard's buffer is reused by the next. `on_shard` runs in the caller's thread
+    once its shard is on disk; if it raises, nothing more is written (as if the run stopped there)."""
 
-    def __init__(self, out: Path, next_shard: int, shard_bytes: int, meta: dict, on_shard: Callable | None):
-        self.out, self.n, self.limit, self.meta, self.on_shard = out, next_shard, shard_bytes, meta, on_shard
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.rows: list[dict] = []
-        self.bytes = 0
+    def __init__(
+        self,
+        out: Path,
+        next_shard: int,
+        shard_bytes: int,
+        meta: dict,
+        on_shard: Callable | None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.out, self.n, self.meta, self.on_shard, self.dtype = out, next_shard, meta, on_shard, dtype
+        self.esize = torch.empty((), dtype=dtype).element_size()
+        self.limit = max(1, shard_bytes // self.esize)  # values per shard buffer
+        self.buf: torch.Tensor | None = None
+        self.spare: torch.Tensor | None = None  # the buffer of the shard last written, for the next one
+        self.used = 0  # values filled in `buf`
+        self.rows: list[tuple] = []  # (id, line, start, n_positions, n_prompt, token ids, ((point, shape), ...))
         self.written = 0
         self.stopped = False
-        self._busy: tuple[threading.Thread, int, int, list[BaseException]] | None = None
+        self._busy: tuple[threading.Thread, int, int, list[BaseException], torch.Tensor] | None = None
 
-    def add(self, record: dict, kept: dict[str, torch.Tensor]) -> None:
-        i = len(self.rows)
-        record["tensors"] = {}
-        for point, t in kept.items():
-            key = f"{i}.{point}"
-            self.tensors[key] = t
-            record["tensors"][point] = key
-            self.bytes += t.numel() * t.element_size()
-        self.rows.append(record)
-        if self.bytes >= self.limit:
+    def take(self, n: int) -> torch.Tensor:
+        """`n` values of the shard being filled, to copy one row into (after `add`-ing the rows before it);
+        a shard the row does not fit is handed over first, and a row larger than a shard goes alone."""
+        if self.rows and self.used + n > self.limit:
+            self.flush()
+        if self.buf is None or self.used + n > self.buf.numel():
+            size = max(n, self.limit)
+            if self.spare is not None and self.spare.numel() >= size:
+                self.buf, self.spare = self.spare, None
+            else:
+                self.buf = torch.empty(size, dtype=self.dtype)
+        return self.buf[self.used : self.used + n]
+
+    def add(self, row: tuple, n: int) -> None:
+        """The row whose `n` values were copied into the last `take`."""
+        self.rows.append(row)
+        self.used += n
+        if self.used >= self.limit:
             self.flush()
 
     def flush(self) -> None:
@@ -84,19 +106,21 @@ class _Writer:
         self.wait()
         if not self.rows or self.stopped:
             return
-        tensors, rows, n = self.tensors, self.rows, self.n
-        self.tensors, self.rows, self.bytes = {}, [], 0
+        buf, used, rows, n = self.buf, self.used, self.rows, self.n
+        assert buf is not None
+        self.buf, self.used, self.rows = None, 0, []
         self.n += 1
         failed: list[BaseException] = []
-        thread = threading.Thread(target=self._write, args=(n, tensors, rows, failed), name="lens-extract-shard")
-        self._busy = (thread, n, len(rows), failed)
+        thread = threading.Thread(target=self._write, args=(n, buf[:used], rows, failed), name="lens-extract-shard")
+        self._busy = (thread, n, len(rows), failed, buf)
         thread.start()
 
-    def _write(self, n: int, tensors: dict, rows: list, failed: list) -> None:
+    def _write(self, n: int, data: torch.Tensor, rows: list, failed: list) -> None:
         try:
             name = sh.shard_name(n)
-            sh.write_safetensors(self.out / f"{name}.safetensors", tensors, {"format": sh.FORMAT})
-            sh.write_json(self.out / f"{name}.json", {"rows": rows})  # written last: the shard is finished
+            layout = sh.row_layout(rows, sh.DTYPES[self.dtype], self.esize)
+            sh.write_safetensors_flat(self.out / f"{name}.safetensors", layout, data, {"format": sh.FORMAT})
+            sh.write_rows(self.out / f"{name}.json", rows)  # written last: the shard is finished
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread (`wait`)
             failed.append(e)
 
@@ -111,9 +135,11 @@ class _Writer:
         """Block until the shard being written is on disk; raise its error, or run `on_shard` for it."""
         if self._busy is None:
             return
-        thread, n, done, failed = self._busy
+        thread, n, done, failed, buf = self._busy
         thread.join()
         self._busy = None
+        if buf.numel() == self.limit:  # (a buffer made for one larger row is not kept)
+            self.spare = buf
         if failed:
             self.stopped = True
             raise failed[0]
@@ -129,6 +155,7 @@ class _Writer:
         """Write what is left and wait for it."""
         self.flush()
         self.wait()
+        self.buf = self.spare = None
 
 
 def _check_meta(out: Path, meta: dict) -> None:
@@ -145,13 +172,13 @@ def _check_meta(out: Path, meta: dict) -> None:
             )
 
 
-def _keep(tok: inp.Tokenized, out: Any, positions: str, points: dict, dtype: torch.dtype) -> tuple[dict, dict]:
-    """(row record, {point: kept tensor}) of one finished request; the tensors are copies, so the
-    shared-memory result they came from can go back to the workers."""
+def _keep(tok: inp.Tokenized, out: Any, positions: str, points: dict, writer: _Writer) -> int:
+    """Copy one finished request's kept positions into the shard being filled (so the shared-memory result
+    they came from can go back to the workers) and add its row; returns the row's tokens."""
     acts = out.activations
     if acts is None:
         raise RuntimeError(f"inspect-lens extract: no activations came back for id {tok.row.id!r}")
-    generated = list(out.outputs[0].token_ids)
+    generated = out.outputs[0].token_ids
     n_prompt = len(tok.token_ids)
     n_run = n_prompt + len(generated) - 1  # the last generated token is never fed back
     if positions == "all":
@@ -161,7 +188,8 @@ def _keep(tok: inp.Tokenized, out: Any, positions: str, points: dict, dtype: tor
     else:
         start = min(tok.answer_start, n_run)
         n = n_run - start
-    kept = {}
+    srcs = []
+    size = 0
     for point in points:
         t = acts[point]
         if t.shape[1] != n_run:
@@ -169,16 +197,21 @@ def _keep(tok: inp.Tokenized, out: Any, positions: str, points: dict, dtype: tor
                 f"inspect-lens extract: id {tok.row.id!r}: {point} has {t.shape[1]} positions, expected {n_run}"
             )
         src = t[:, start : start + n]
-        kept[point] = torch.empty(src.shape, dtype=dtype).copy_(src)
-    record = {
-        "id": tok.row.id,
-        "line": tok.row.line,
-        "start": start,
-        "n_positions": n,
-        "n_prompt": n_prompt,
-        "token_ids": (list(tok.token_ids) + generated)[:n_run],  # the tokens of the positions that ran
-    }
-    return record, kept
+        srcs.append(src)
+        size += src.numel()
+    flat = writer.take(size)
+    at = 0
+    shapes = []
+    for point, src in zip(points, srcs):
+        k = src.numel()
+        flat[at : at + k].view(src.shape).copy_(src)
+        shapes.append((point, tuple(src.shape)))
+        at += k
+    # the tokens of the positions that ran (a tuple of ints, like the rest of the row: nothing the garbage
+    # collector keeps walking)
+    ids = tuple(tok.token_ids) if len(generated) == 1 else tuple((list(tok.token_ids) + list(generated))[:n_run])
+    writer.add((tok.row.id, tok.row.line, start, n, n_prompt, ids, tuple(shapes)), size)
+    return len(ids)
 
 
 def extract(
@@ -253,7 +286,7 @@ def extract(
     chunk_bytes = max(1, min(ram // 2, int(limit("VLLM_LENS_MAX_STORED_GB") * 0.9)))
     shard_bytes = max(1, min(ram // 8, MAX_SHARD_BYTES))
     per_request = limit("VLLM_LENS_MAX_CAPTURE_GB")
-    writer = _Writer(out, (done_shards[-1] + 1) if done_shards else 0, shard_bytes, meta, on_shard)
+    writer = _Writer(out, (done_shards[-1] + 1) if done_shards else 0, shard_bytes, meta, on_shard, out_dtype)
     tokenizer = llm.get_tokenizer()
     # the capture as its JSON string (a form the frontend takes): validated once for all the rows, as the
     # same text (`frontend/requests._capture_spec`)
@@ -306,10 +339,8 @@ def extract(
             if len(outs) != len(chunk) or any(list(o.prompt_token_ids) != t.token_ids for o, t in zip(outs, chunk)):
                 raise RuntimeError("inspect-lens extract: the LLM answered other requests than this chunk's")
             for i, tok in enumerate(chunk):
-                record, kept = _keep(tok, outs[i], positions, wanted, out_dtype)
-                outs[i] = None  # this row's result memory goes back to the workers once `kept` is made
-                stats["tokens"] += len(record["token_ids"])
-                writer.add(record, kept)
+                stats["tokens"] += _keep(tok, outs[i], positions, wanted, writer)
+                outs[i] = None  # this row's result memory goes back to the workers once copied out
                 stats["extracted"] += 1
             del outs
             writer.flush_if_idle()

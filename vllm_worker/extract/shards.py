@@ -9,7 +9,8 @@ rows, the run's settings (`meta.json`, checked when a run resumes) and the merge
 A shard counts as finished once its `.json` exists: it is written (temporary file, fsync, rename) after
 the tensors' file was renamed into place, so a crash at any moment leaves finished shards whole and at
 most an orphan that the next run removes. Shards are written here, not with the `safetensors` package,
-so no whole shard is ever serialised in memory twice; the files are standard safetensors.
+straight from the buffer their rows were copied into (never serialised in memory a second time); the
+files are standard safetensors.
 """
 
 from __future__ import annotations
@@ -72,9 +73,6 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-WRITEV_MAX = 512  # buffers per os.writev call (below IOV_MAX)
-
-
 def _writev_all(fd: int, views: list[memoryview]) -> None:
     """`os.writev` until every byte is written (a call may write part of them)."""
     i = 0
@@ -87,30 +85,67 @@ def _writev_all(fd: int, views: list[memoryview]) -> None:
             views[i] = views[i][n:]
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
-    """A standard safetensors file (little-endian header length, JSON header padded to 8 bytes, raw data),
-    written tensor by tensor; returns its size."""
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+def row_layout(rows: list[tuple], dtype: str, esize: int) -> list[str]:
+    """The safetensors header entries (JSON text, `"<row>.<point>": {dtype, shape, data_offsets}`) of rows
+    whose values lie one after another in a shard's data, rows in order and each row's points in order;
+    a row is `(..., ((point, shape), ...))` as `run._Writer` keeps it."""
+    entries = []
     off = 0
-    for name, t in tensors.items():
-        if t.dtype not in DTYPES:
-            raise ValueError(f"safetensors: unsupported dtype {t.dtype} for {name}")
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
-        off += n
-    head = json.dumps(header, separators=(",", ":")).encode()
+    names: dict[str, str] = {}
+    for i, row in enumerate(rows):
+        for point, shape in row[-1]:
+            name = names.get(point)
+            if name is None:
+                name = names[point] = json.dumps("." + point)[1:-1]
+            n = esize
+            for d in shape:
+                n *= d
+            dims = ",".join(map(str, shape))
+            entries.append(f'"{i}{name}":{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":[{off},{off + n}]}}')
+            off += n
+    return entries
+
+
+def write_safetensors_flat(path: Path, entries: list[str], data: torch.Tensor, metadata: dict[str, str]) -> int:
+    """A standard safetensors file (little-endian header length, JSON header padded to 8 bytes, raw data)
+    from its header entries (`row_layout`) and its whole data section as one tensor, written with one
+    system call; returns its size."""
+    meta = '"__metadata__":' + json.dumps(metadata, separators=(",", ":")) if metadata else ""
+    head = ("{" + meta + ("," if meta and entries else "") + ",".join(entries) + "}").encode()
     head += b" " * (-len(head) % 8)
+    view = _bytes_of(data)
 
     def write(f: Any) -> None:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
         f.flush()
-        views = [_bytes_of(t) for t in tensors.values()]
-        for i in range(0, len(views), WRITEV_MAX):  # a few system calls, not one per tensor (each drops the GIL)
-            _writev_all(f.fileno(), [v for v in views[i : i + WRITEV_MAX] if len(v)])
+        if len(view):
+            _writev_all(f.fileno(), [view])  # drops the GIL
 
     write_atomic(path, write)
-    return 8 + len(head) + off
+    return 8 + len(head) + len(view)
+
+
+def write_rows(path: Path, rows: list[tuple]) -> None:
+    """A shard's `.json`, `{"rows": [{"id", "line", "start", "n_positions", "n_prompt", "token_ids",
+    "tensors": {point: "<row>.<point>"}}, ...]}` — the text `json.dumps(..., separators=(",", ":"))` gives,
+    made row by row (no dict per row) — written atomically. A row is `(id, line, start, n_positions,
+    n_prompt, token ids, ((point, shape), ...))` as `run._Writer` keeps it."""
+    quoted: dict[str, tuple[str, str]] = {}
+    parts = []
+    for i, (rid, line, start, n, n_prompt, ids, shapes) in enumerate(rows):
+        tensors = []
+        for point, _ in shapes:
+            q = quoted.get(point)
+            if q is None:
+                q = quoted[point] = (json.dumps(point), json.dumps("." + point)[1:-1])
+            tensors.append(f'{q[0]}:"{i}{q[1]}"')
+        parts.append(
+            f'{{"id":{json.dumps(rid)},"line":{line},"start":{start},"n_positions":{n},"n_prompt":{n_prompt},'
+            f'"token_ids":[{",".join(map(str, ids))}],"tensors":{{{",".join(tensors)}}}}}'
+        )
+    text = '{"rows":[' + ",".join(parts) + "]}"
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
 class MappedShard:

@@ -93,9 +93,7 @@ class FrontendState:
     saes: dict[str, Any] = field(default_factory=dict)  # loaded SAEs by name (`frontend/saes.LoadedSae`)
     # validated captures by the frozen form of the caller's keys (`_capture_spec`): an extraction sends
     # thousands of requests with the same spec, validated once
-    capture_specs: dict[Any, tuple[tuple[tuple[str, tuple[int, ...]], ...], tuple[int, ...]]] = field(
-        default_factory=dict
-    )
+    capture_specs: dict[Any, tuple[dict[str, list[int]], list[int]]] = field(default_factory=dict)
     capture_limits: tuple[int, int] | None = None  # (max_model_len, bytes per value), fixed once the engine runs
     engines_fed: int | None = None  # engine cores this frontend feeds (`compat.engines_fed`), fixed likewise
 
@@ -218,8 +216,11 @@ def _frozen(value: Any) -> Any:
 def _capture_spec(state: FrontendState, extra_args: Any, shape: ModelShape) -> RequestSpec | None:
     """The spec of a request whose only inspect-lens keys are captures (`output_residual_stream`,
     `output_activations`), validated once per distinct value and engine and remembered; None for any
-    other request (validated by `parse_request` every time). Each request gets its own spec and lists:
-    nothing cached is shared with a request, and no caller object is kept."""
+    other request (validated by `parse_request` every time). No caller object is kept. The spec's
+    `points` and `capture` are the remembered ones, shared by every request of that capture and never
+    changed: they are only read (`Pending`, `results.by_point`, which copies what it hands to callers; the
+    workers `decode` their own copy), so a request costs no new lists, which the garbage collector would
+    otherwise walk while thousands of requests are in flight."""
     ours = [k for k in extra_args if isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES)]
     if not ours or any(k != CAPTURE_KEY and k != ACTIVATIONS_KEY for k in ours):
         return None
@@ -229,13 +230,13 @@ def _capture_spec(state: FrontendState, extra_args: Any, shape: ModelShape) -> R
     got = state.capture_specs.get(key)
     if got is None:
         spec = parse_request({k: extra_args[k] for k in ours}, shape, 0)  # ValueError naming the field
-        got = (tuple((p, tuple(ls)) for p, ls in spec.points.items()), tuple(spec.capture))
+        got = (spec.points, spec.capture)
         if len(state.capture_specs) >= CAPTURE_SPECS_KEPT:
             state.capture_specs.clear()
         state.capture_specs[key] = got
     points, capture = got
     # a fresh random key, as `parse_request` makes (32 hex digits; without building a UUID object)
-    return RequestSpec(key=os.urandom(16).hex(), capture=list(capture), points={p: list(ls) for p, ls in points})
+    return RequestSpec(key=os.urandom(16).hex(), capture=capture, points=points)
 
 
 def _admit_capture(

@@ -177,7 +177,8 @@ def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
         if "tensor" not in part and "pool" not in part:
             continue
         t = _part_tensor(part)
-        if list(part["layers"]) == list(p.layers):  # one stage holds every layer: no re-stacking copy
+        layers = part["layers"]
+        if layers == p.layers or list(layers) == list(p.layers):  # one stage holds every layer: no re-stacking
             return t
         for i, layer in enumerate(part["layers"]):
             by_layer.setdefault(layer, t[i])
@@ -197,8 +198,9 @@ def by_point(t: torch.Tensor, sites: list[int], points: dict[str, list[int]], sh
     acts: dict[str, Any] = {}
     for point, layers in points.items():
         idx = [row[canonical_site(point, l)] for l in layers]
-        if idx == list(range(idx[0], idx[0] + len(idx))):
-            acts[point] = t[idx[0] : idx[0] + len(idx)]
+        if len(idx) == 1 or idx == list(range(idx[0], idx[0] + len(idx))):
+            # (every row of `t`: `t` itself, one tensor fewer per request)
+            acts[point] = t if idx[0] == 0 and len(idx) == t.shape[0] else t[idx[0] : idx[0] + len(idx)]
         else:
             acts[point] = t[idx]
         if point in (Z, Q):
@@ -224,11 +226,15 @@ def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict 
     parts = got.get(child)
     if not parts:
         return None, None, failure("internal", "no results came back from the workers", "fetch")
-    errors = [part["error"] for part in parts if "error" in part]
-    if errors:
-        discard_parts(parts)
-        return None, None, errors[0]
+    more = False  # SAE features or hook state in some part
+    for part in parts:
+        if "error" in part:  # the first stage's failure
+            discard_parts(parts)
+            return None, None, part["error"]
+        more = more or "sae" in part or "hooks" in part
     acts = by_point(_assemble(p, parts), p.layers, p.points, p.shape or ModelShape(0, 0)) if p.layers else None
+    if not more:  # captures only (most requests)
+        return acts, None, None
     features = sae_features(parts)
     if features:
         acts = {**(acts or {}), "sae_features": features}

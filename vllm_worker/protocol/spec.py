@@ -192,12 +192,11 @@ def capture_sites(points: Mapping[str, list[int]]) -> list[int]:
 
 
 def encode(spec: RequestSpec) -> dict[str, Any]:
-    """msgspec-safe payload for the engine core and workers (no pickle, no tensors)."""
-    return {
-        "v": 1,
-        "key": spec.key,
-        "capture": spec.capture,
-        "steer": [
+    """msgspec-safe payload for the engine core and workers (no pickle, no tensors). Steering, hooks and
+    SAE work are left out when there are none (a capture-only request: one dict and its capture list)."""
+    payload: dict[str, Any] = {"v": 1, "key": spec.key, "capture": spec.capture}
+    if spec.steers:
+        payload["steer"] = [
             {
                 "layers": s.layers,
                 "vec": tensor_to_bytes(s.vectors),
@@ -207,21 +206,27 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
                 "mul": s.mul,
             }
             for s in spec.steers
-        ],
-        "hooks": [
+        ]
+    if spec.hooks:
+        payload["hooks"] = [
             {"fn": h.fn, "layers": h.layers, "point": h.point, "batched": h.batched, "read_only": h.read_only}
             for h in spec.hooks
-        ],
-        "sae": spec.sae,
-    }
+        ]
+    if spec.sae:
+        payload["sae"] = spec.sae
+    return payload
 
 
 def decode(payload: Mapping[str, Any]) -> RequestSpec:
     if payload.get("v") != 1:
         raise ValueError(f"{PAYLOAD_KEY}: unsupported payload version {payload.get('v')!r}")
+    capture = list(payload.get("capture") or ())
+    steer, hooks, sae = payload.get("steer"), payload.get("hooks"), payload.get("sae")
+    if not (steer or hooks or sae):  # a capture-only request (most of them)
+        return RequestSpec(payload["key"], capture)
     return RequestSpec(
         key=payload["key"],
-        capture=list(payload.get("capture") or []),
+        capture=capture,
         steers=[
             Steer(
                 list(s["layers"]),
@@ -231,7 +236,7 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
                 bool(s["norm_match"]),
                 bool(s.get("mul", False)),
             )
-            for s in payload.get("steer") or []
+            for s in steer or ()
         ],
         hooks=[
             HookSpec(
@@ -241,9 +246,9 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
                 bool(h.get("batched", False)),
                 bool(h.get("read_only", False)),
             )
-            for h in payload.get("hooks") or []
+            for h in hooks or ()
         ],
-        sae=[dict(u) for u in payload.get("sae") or []],
+        sae=[dict(u) for u in sae or ()],
     )
 
 

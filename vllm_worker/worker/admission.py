@@ -51,7 +51,8 @@ class Admission:
 
     def admit(self, req_id: str, payload: Any) -> RequestState:
         try:
-            faults.check("admission")
+            if faults.STAGE is not None:  # (set by tests only; read at each call)
+                faults.check("admission")
             return self._new(req_id, payload)
         except Exception as e:  # noqa: BLE001 - our bug fails this request, never the engine
             return self._failed(req_id, payload, e)
