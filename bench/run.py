@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPS = ROOT / "bench" / ".deps"
 BASE = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5")
 POINTS = ("W6", "W7", "W8")  # hook points (issue #24): this project only
-ALL = BASE + ("W4b", "W4m") + POINTS  # W4b: this project only (batched hooks)
+ALL = BASE + ("W4b", "W4m", "W4r", "W4rb") + POINTS  # W4b, W4r, W4rb: this project only
 NAMES = {
     "W0": "plain generation",
     "W1": "capture 1 middle layer",
@@ -33,6 +33,8 @@ NAMES = {
     "W4n": "Python hook 1 layer, result kept on the GPU",
     "W4b": "W4n as one batched hook (one call per step)",
     "W4m": "W4n's hook on one request in the batch, the others plain",
+    "W4r": "W4n declared read_only (runs after the forward)",
+    "W4rb": "W4b declared read_only (runs after the forward)",
     "W5": "mixed batch (¼ capture, ¼ steer)",
     "W6": "capture attn_out + mlp_out, middle layer",
     "W7": "capture z (per head), middle layer",
@@ -387,6 +389,8 @@ def main() -> None:
             "lens": ("W0", "W1", "W3", "W4", "W4n", "W4b", "W4m"),
             "lens-noseams": ("W0", "W4n", "W4b", "W4m"),
         },
+        # read-only hooks (run after the forward, overlapping the device) against the same hooks at their taps
+        "gpu-readonly": {"vllm-compiled": ("W0",), "lens": ("W0", "W4n", "W4r", "W4b", "W4rb", "W4m")},
         # capture and steering with and without the cut graphs captured (the seams' cost on steps without hooks)
         "gpu-seams-ab": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W3"), "lens-noseams": ("W0", "W1", "W3")},
         # the inner points as served: an engine tapping only the points W6-W8 use, beside the default engine

@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 
-WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W4n", "W4b", "W4m", "W5", "W6", "W7", "W8")
+WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W4n", "W4b", "W4m", "W4r", "W4rb", "W5", "W6", "W7", "W8")
 POINT_WORKLOADS = ("W6", "W7", "W8")  # hook points: this project only
 
 
@@ -145,6 +145,12 @@ class VLLMSystem:
             if not self.kind.startswith("lens"):
                 raise NotImplementedError("batched hooks (W4b) are this project's")
             return {"apply_hooks": [Hook(fn=_norm_hook_batched, layer_indices=[mid], batched=True)]}
+        if workload in ("W4r", "W4rb"):  # W4n / W4b declared read-only: they run after the step's forward
+            if not self.kind.startswith("lens"):
+                raise NotImplementedError("read-only hooks (W4r, W4rb) are this project's")
+            if workload == "W4r":
+                return {"apply_hooks": [Hook(fn=_norm_hook_on_device, layer_indices=[mid], read_only=True)]}
+            return {"apply_hooks": [Hook(fn=_norm_hook_batched, layer_indices=[mid], batched=True, read_only=True)]}
         if workload == "W6":
             return {"output_activations": {"attn_out": [mid], "mlp_out": [mid]}}
         if workload == "W7":
@@ -294,7 +300,7 @@ class VLLMSystem:
                 a, b = alone.activations["residual_stream"][:, 0].float(), acts[:, 0].float()
                 assert torch.allclose(a, b, rtol=0.05, atol=0.05 * float(a.abs().max())), "capture misaligned"
                 self._checked.add(workload)
-        if workload in ("W4n", "W4b") and self.kind.startswith("lens"):  # the hook really ran, per request
+        if workload in ("W4n", "W4b", "W4r", "W4rb") and self.kind.startswith("lens"):  # the hook really ran
             import torch
 
             assert all(bool(torch.isfinite(torch.as_tensor(o.hook_results["0"]["norm"]))) for o in outs)
