@@ -85,7 +85,7 @@ def test_settings_follow_the_environment_while_parsing_is_remembered(monkeypatch
         monkeypatch.setenv("VLLM_LENS_MAX_CAPTURE_GB", "-1")
         with pytest.raises(ValueError, match="VLLM_LENS_MAX_CAPTURE_GB: must be positive"):
             envs.get("VLLM_LENS_MAX_CAPTURE_GB")
-    # a computed default is computed each time (the pool's keep follows the stored limit, also when blank)
+    # a computed default follows the setting it is computed from (the pool keeps what may be stored, also when blank)
     assert envs.limit("VLLM_LENS_SHM_POOL_GB") == 8 << 30
     monkeypatch.setenv("VLLM_LENS_SHM_POOL_GB", " ")
     monkeypatch.setenv("VLLM_LENS_MAX_STORED_GB", "3")
