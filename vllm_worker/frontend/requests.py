@@ -230,6 +230,7 @@ def _capture_spec(state: FrontendState, extra_args: Any, shape: ModelShape) -> R
     got = state.capture_specs.get(key)
     if got is None:
         spec = parse_request({k: extra_args[k] for k in ours}, shape, 0)  # ValueError naming the field
+        assert spec is not None  # `ours` is not empty
         got = (spec.points, spec.capture)
         if len(state.capture_specs) >= CAPTURE_SPECS_KEPT:
             state.capture_specs.clear()

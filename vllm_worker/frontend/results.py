@@ -263,7 +263,7 @@ def attach_outputs(llm: Any, outputs: list) -> list:
         for rank_errors in compat.rpc(llm, "lens_pop_persistent_errors", ids):
             failures.update(rank_errors or {})
         for o in outputs:
-            f = failures.get(getattr(o, "request_id", None))
+            f = failures.get(getattr(o, "request_id", ""))
             if f is not None:
                 o.hook_error = f["message"]
     todo = _todo(pending, outputs)
@@ -279,7 +279,7 @@ def _todo(pending: dict[str, Pending], outputs: list) -> list:
     outputs that wait for results."""
     todo = []
     for out in outputs:
-        p = pending.pop(getattr(out, "request_id", None), None)
+        p = pending.pop(getattr(out, "request_id", ""), None)
         if p is None or not hasattr(out, "outputs"):
             continue
         samples = {c.index: c for c in out.outputs}
@@ -346,7 +346,9 @@ async def attach_async_output(
     import asyncio
 
     pending = pending_of(compat.processor_of_engine_client(engine_client))
-    p = pending.pop(getattr(out, "request_id", None), None) or pending.pop(request_id, None)
+    p = pending.pop(getattr(out, "request_id", ""), None) or (
+        None if request_id is None else pending.pop(request_id, None)
+    )
     if p is None:
         return
     samples = dict(last) or {c.index: c for c in out.outputs}

@@ -105,6 +105,7 @@ class Admission:
                 self._announce_result(req_id, payload, spec.capture, store)
                 self.store.add(spec.key, child, store)
             for i, h in enumerate(spec.hooks):
+                assert store is not None  # a request with hooks wants results (`spec.wants_results`)
                 saved: dict = {}
                 store.saved.append(saved)
                 try:
