@@ -103,13 +103,25 @@ class _Segment:
 
     def give(self, off: int) -> int:
         n = self.used.pop(off)
+        self._free_range(off, n)
+        return n
+
+    def shrink(self, off: int, n: int) -> int:
+        """Keep the first `n` bytes of the region at `off`; returns the bytes given back."""
+        old = self.used[off]
+        if n >= old:
+            return 0
+        self.used[off] = n
+        self._free_range(off + n, old - n)
+        return old - n
+
+    def _free_range(self, off: int, n: int) -> None:
         i = bisect.bisect_left(self.free, [off, 0])
         self.free.insert(i, [off, n])
         if i + 1 < len(self.free) and self.free[i][0] + self.free[i][1] == self.free[i + 1][0]:
             self.free[i][1] += self.free.pop(i + 1)[1]
         if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == self.free[i][0]:
             self.free[i - 1][1] += self.free.pop(i)[1]
-        return n
 
     def close(self) -> None:
         """Give the pages back and remove the file. Only called when no region is in use; punching the
@@ -264,6 +276,17 @@ class ResultPool:
         nd = np_dtype(dtype)
         n = seg.size // (d * nd.itemsize)
         return seg.buf[: n * d * nd.itemsize].view(nd).reshape(n, d)
+
+    def shrink(self, path: str, off: int, nbytes: int) -> None:
+        """A region's result turned out smaller than taken: its tail (whole pages) goes back."""
+        with self._lock:
+            seg = self._segments.get(path)
+            if seg is not None and off in seg.used:
+                self.free_bytes += seg.shrink(off, _round(max(1, nbytes)))
+
+    def segment_paths(self) -> set[str]:
+        with self._lock:
+            return set(self._segments)
 
     def free(self, released: list) -> int:
         """Regions the frontend is done with (`(path, offset)`, as they came over RPC; other pools' entries
