@@ -151,3 +151,24 @@ def test_an_aborted_request_gives_its_region_back(llama, monkeypatch):
     # and the engine goes on: a new request's captures are complete
     out = _run(llama, [_prompt(50, 1)], [sp.clone()])[0]
     assert out.activations["residual_stream"].shape[1] == len(out.prompt_token_ids) + 149
+
+
+def test_a_release_that_arrives_twice_never_frees_a_later_allocation():
+    """The n samples of a request share one payload, so the regions it gives back are released once per
+    sample; with early assembly a region may be taken again between the two (measured: two samples then
+    shared one region). Releases carry the allocation's serial: the late duplicate is ignored."""
+    from vllm_worker.transport.result_pool import ResultPool
+
+    pool = ResultPool()
+    try:
+        path, off, _, _ = pool.alloc(4096)
+        first = (path, off, pool.serial(path, off))
+        assert pool.free([first]) == 1
+        path2, off2, _, _ = pool.alloc(4096)
+        assert (path2, off2) == (path, off)  # the same place, a later allocation
+        assert pool.free([first]) == 0 and pool.status()["stale_releases"] == 1
+        assert pool.status()["regions_in_use"] == 1
+        assert pool.free([(path, off, pool.serial(path, off))]) == 1
+        assert pool.free([(path, off)]) == 0  # an old-style entry of a free region: ignored as before
+    finally:
+        pool.close()

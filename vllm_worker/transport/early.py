@@ -218,6 +218,7 @@ class EarlyAssembler:
                     "nbytes": nbytes,
                     "dtype": dtype_name(dest.dtype),
                     "shape": [L, n_pos, d],
+                    "serial": pool.serial(path, off),
                 },
             }
         )
