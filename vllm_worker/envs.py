@@ -222,6 +222,13 @@ SETTINGS: dict[str, Setting] = {
             "most threads copying one fetch's captures into the result pool",
         ),
         Setting(
+            "VLLM_LENS_EARLY_ASSEMBLY",
+            bool,
+            True,
+            "copy captures into their shared-memory result regions while requests run (a worker thread, as "
+            "each step's copy lands), so a fetch only finishes the last steps (0: all at fetch)",
+        ),
+        Setting(
             "VLLM_LENS_INJECT_FAULT",
             str,
             None,

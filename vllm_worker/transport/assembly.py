@@ -185,6 +185,7 @@ def assemble(
                     "nbytes": dest.nbytes,
                     "dtype": dtype_name(dtype),
                     "shape": [len(mine), n_pos, d],
+                    "serial": pool.serial(path, off),
                 },
             }
         )

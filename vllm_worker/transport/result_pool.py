@@ -82,13 +82,14 @@ def np_dtype(dtype: torch.dtype) -> np.dtype:
 
 
 class _Segment:
-    __slots__ = ("path", "size", "mm", "buf", "free", "used")
+    __slots__ = ("path", "size", "mm", "buf", "free", "used", "serial")
 
     def __init__(self, path: str, size: int, mm: mmap.mmap) -> None:
         self.path, self.size, self.mm = path, size, mm
         self.buf = np.frombuffer(mm, dtype=np.uint8)
         self.free: list[list[int]] = [[0, size]]  # sorted [offset, length]
         self.used: dict[int, int] = {}  # offset -> length
+        self.serial: dict[int, int] = {}  # offset -> which allocation of the pool holds it (`ResultPool.free`)
 
     def take(self, n: int, align: int = PAGE) -> int | None:
         """First fit of `n` bytes starting at a multiple of `align` (what is skipped stays free)."""
@@ -103,13 +104,26 @@ class _Segment:
 
     def give(self, off: int) -> int:
         n = self.used.pop(off)
+        self.serial.pop(off, None)
+        self._free_range(off, n)
+        return n
+
+    def shrink(self, off: int, n: int) -> int:
+        """Keep the first `n` bytes of the region at `off`; returns the bytes given back."""
+        old = self.used[off]
+        if n >= old:
+            return 0
+        self.used[off] = n
+        self._free_range(off + n, old - n)
+        return old - n
+
+    def _free_range(self, off: int, n: int) -> None:
         i = bisect.bisect_left(self.free, [off, 0])
         self.free.insert(i, [off, n])
         if i + 1 < len(self.free) and self.free[i][0] + self.free[i][1] == self.free[i + 1][0]:
             self.free[i][1] += self.free.pop(i + 1)[1]
         if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == self.free[i][0]:
             self.free[i - 1][1] += self.free.pop(i)[1]
-        return n
 
     def close(self) -> None:
         """Give the pages back and remove the file. Only called when no region is in use; punching the
@@ -140,6 +154,7 @@ class ResultPool:
         self._growing = False
         self._last_use = time.monotonic()
         self._closed = False
+        self._serial = 0
         self.stats = {
             "segments_made": 0,
             "segments_dropped": 0,
@@ -147,6 +162,7 @@ class ResultPool:
             "frees": 0,
             "sync_grows": 0,
             "grow_s": 0.0,
+            "stale_releases": 0,
         }
         threading.Thread(target=self._idle_loop, name="lens-pool-idle", daemon=True).start()
         atexit.register(self.close)
@@ -241,6 +257,8 @@ class ResultPool:
                 for seg in self._segments.values():
                     off = seg.take(need, align)
                     if off is not None:
+                        self._serial += 1
+                        seg.serial[off] = self._serial
                         self.free_bytes -= need
                         self.stats["allocs"] += 1
                         self._last_use = time.monotonic()
@@ -265,16 +283,39 @@ class ResultPool:
         n = seg.size // (d * nd.itemsize)
         return seg.buf[: n * d * nd.itemsize].view(nd).reshape(n, d)
 
+    def shrink(self, path: str, off: int, nbytes: int) -> None:
+        """A region's result turned out smaller than taken: its tail (whole pages) goes back."""
+        with self._lock:
+            seg = self._segments.get(path)
+            if seg is not None and off in seg.used:
+                self.free_bytes += seg.shrink(off, _round(max(1, nbytes)))
+
+    def segment_paths(self) -> set[str]:
+        with self._lock:
+            return set(self._segments)
+
+    def serial(self, path: str, off: int) -> int:
+        """Which allocation holds the region at (path, off): its result's descriptor carries it, and so
+        does its release, so a release that arrives twice (one payload shared by the n samples of a
+        request is admitted once per sample) can never free a later allocation of the same place."""
+        with self._lock:
+            return self._segments[path].serial.get(off, 0)
+
     def free(self, released: list) -> int:
-        """Regions the frontend is done with (`(path, offset)`, as they came over RPC; other pools' entries
-        are ignored)."""
+        """Regions the frontend is done with (`(path, offset[, serial])`, as they came over RPC; other
+        pools' entries, and releases of an earlier allocation of the same place, are ignored)."""
         n = 0
         with self._lock:
-            for path, off in released:
-                seg = self._segments.get(str(path))
-                if seg is not None and int(off) in seg.used:
-                    self.free_bytes += seg.give(int(off))
-                    n += 1
+            for entry in released:
+                path, off = str(entry[0]), int(entry[1])
+                seg = self._segments.get(path)
+                if seg is None or off not in seg.used:
+                    continue
+                if len(entry) > 2 and entry[2] is not None and int(entry[2]) != seg.serial.get(off):
+                    self.stats["stale_releases"] += 1
+                    continue
+                self.free_bytes += seg.give(off)
+                n += 1
             self.stats["frees"] += n
             self._last_use = time.monotonic()
         self.trim()
@@ -391,13 +432,17 @@ def view(desc: dict, dtype: torch.dtype) -> torch.Tensor:
         m = _mapping(path, int(desc["size"]))
         m.views += 1
     arr = np.frombuffer(m.mm, dtype=np.uint8, count=nbytes, offset=off)
-    weakref.finalize(arr, _release, path, off)
+    weakref.finalize(arr, _release, path, off, desc.get("serial"))
     return torch.from_numpy(arr).view(dtype).view(list(desc["shape"]))
 
 
-def _release(path: str, off: int) -> None:
+def _entry(path: str, off: int, serial: int | None) -> tuple:
+    return (path, off) if serial is None else (path, off, serial)
+
+
+def _release(path: str, off: int, serial: int | None = None) -> None:
     with _front_lock:
-        _released.setdefault(pool_id(path), []).append((path, off))
+        _released.setdefault(pool_id(path), []).append(_entry(path, off, serial))
         m = _maps.get(path)
         if m is not None:
             m.views -= 1
@@ -406,14 +451,16 @@ def _release(path: str, off: int) -> None:
 def discard(desc: dict) -> None:
     """A region that will not be read: give it back with the next fetch."""
     with _front_lock:
-        _released.setdefault(pool_id(desc["path"]), []).append((desc["path"], int(desc["offset"])))
+        _released.setdefault(pool_id(desc["path"]), []).append(
+            _entry(desc["path"], int(desc["offset"]), desc.get("serial"))
+        )
 
 
-def take_released(pools: set[str], unmap: bool = True) -> list[tuple[str, int]]:
+def take_released(pools: set[str], unmap: bool = True) -> list[tuple]:
     """Regions of these pools (one engine's workers) to give back; with `unmap`, also unmaps segments
     their worker has removed once nothing here uses them (a stat per mapped segment: done with fetches
     and explicit releases, not for every new request)."""
-    out: list[tuple[str, int]] = []
+    out: list[tuple] = []
     with _front_lock:
         for pid in pools:
             got = _released.pop(pid, None)

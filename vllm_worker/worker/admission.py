@@ -187,3 +187,4 @@ class Admission:
         n_pos = compat.request_max_positions(self.runner, req_id)
         if pool is not None and local and n_pos:
             store.expected = pool.expect(len(local) * n_pos * self.d_model * self.esize)
+            store.mine, store.max_pos = local, n_pos  # early assembly's region shape (`transport.early`)

@@ -19,8 +19,21 @@ FETCH_TIMINGS = {
     "alloc_s": 0.0,
     "index_s": 0.0,
     "copy_s": 0.0,
-    "arena_alloc_s": 0.0,
-}  # host memory for steps' captures, allocated in the step
+    "arena_alloc_s": 0.0,  # host memory for steps' captures, allocated in the step
+    # early assembly (`transport.early`): requests whose result was written while they ran, requests that
+    # wanted it and were assembled at fetch instead, the fetch's wait for the copies not yet done, and the
+    # background thread's work (batches of filed steps, bytes, index building, copies, regions of dropped
+    # requests freed, layers moved together for requests that stopped early)
+    "early_requests": 0,
+    "early_fallbacks": 0,
+    "early_flush_s": 0.0,
+    "early_batches": 0,
+    "early_bytes": 0,
+    "early_index_s": 0.0,
+    "early_copy_s": 0.0,
+    "early_freed": 0,
+    "early_compact_s": 0.0,
+}
 
 
 class StepArena:
@@ -30,13 +43,18 @@ class StepArena:
     they are pinned (device copies land in them asynchronously) and come from torch's caching host
     allocator, so a steady workload stops allocating."""
 
-    __slots__ = ("rows", "pinned", "chunks")
+    __slots__ = ("rows", "pinned", "chunks", "users", "done", "early")
     MAX_CHUNK_STEPS = 64
 
     def __init__(self, rows: int, pinned: bool) -> None:
         self.rows = rows
         self.pinned = pinned
         self.chunks: list[list] = []  # [data (steps, rows, d), positions (steps, rows), steps filled]
+        # early assembly (`transport.early`): (first column, columns, RequestResults, slot) of every
+        # segment, steps copied per chunk, and the cached column map
+        self.users: list[tuple] = []
+        self.done: list[int] = []
+        self.early: tuple | None = None
 
     def next(self, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, d) and (rows,) host views for the next step."""
@@ -93,3 +111,8 @@ class RequestResults:
     nonfinite: dict = field(default_factory=dict)  # hook -> device flag: it returned NaN/inf (not applied)
     expected: int = 0  # bytes announced to the result pool when the request arrived (`ResultPool.expect`)
     sae: dict = field(default_factory=dict)  # SAE name -> {"ids", "chunks": [(positions, values, indices)]}
+    # set with `expected` at admission: the sites this rank captures (in `layers` order) and the most
+    # positions the request can reach (prompt + max_tokens - 1): the early-assembly region's shape
+    mine: list[int] = field(default_factory=list)
+    max_pos: int = 0
+    early: object = None  # early-assembly state (`transport.early`): None until the request's first plan

@@ -19,7 +19,7 @@ import torch
 from vllm_worker.envs import get, limit
 from vllm_worker.protocol import errors
 from vllm_worker.protocol.wire import tensor_to_bytes
-from vllm_worker.transport import assembly, result_pool
+from vllm_worker.transport import assembly, early, result_pool
 from vllm_worker.transport.result_pool import ResultPool
 from vllm_worker.worker import faults, saes
 from vllm_worker.worker.plan import StepPlan
@@ -60,6 +60,9 @@ class CaptureStore:
         self.lock = threading.Lock()
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pool: ResultPool | None = None
+        # copies captures into their pool regions while requests run (`transport.early`)
+        self.early = early.EarlyAssembler(lambda: self._pool, FETCH_TIMINGS, _pool)
+        self.early.threads = ASSEMBLY_THREADS
 
     @property
     def pool(self) -> ResultPool | None:
@@ -91,13 +94,21 @@ class CaptureStore:
         total = sum(e - s for _, items in plan.capture.values() for _, s, e in items)
         plan.arena = StepArena(total, self.side is not None)
         col = 0
+        users = plan.arena.users
+        on = bool(get("VLLM_LENS_EARLY_ASSEMBLY")) and not self.early.broken
         with self.lock:
             for layer, (_, items) in plan.capture.items():
                 log = plan.logs[layer] = CaptureLog(plan.arena, col)
                 off = 0
                 for r, s, e in items:
-                    r.store.segments.append(Segment(log, r.capture_slot[layer], off, e - s))
+                    st = r.store
+                    slot = r.capture_slot[layer]
+                    st.segments.append(Segment(log, slot, off, e - s))
                     log.refs += 1
+                    if st.early is None:  # decided once, at the request's first plan
+                        st.early = early.WANTED if on and st.expected and st.max_pos and st.mine else early.OFF
+                    if st.early is not early.OFF:
+                        users.append((col + off, e - s, st, slot))
                     off += e - s
                 col += off
 
@@ -128,17 +139,25 @@ class CaptureStore:
     def file_step(self, plan: StepPlan, host: torch.Tensor) -> None:
         """Account a step whose rows are (or are being copied) in `host` (`fetch` waits for copies)."""
         row = host.shape[-1] * host.element_size()
+        event = None
+        if plan.arena.users and self.side is not None:  # early assembly copies the step once this is done
+            event = torch.cuda.Event()
+            event.record(self.side)
         with self.lock:
             for layer, (_, items) in plan.capture.items():
                 nb = sum(e - s for _, s, e in items) * row
                 plan.logs[layer].nbytes += nb
                 self.stored_bytes += nb
             self._evict_if_needed()
+            if plan.arena.users:
+                self.early.filed(plan.arena, event)
 
     def _release(self, st: RequestResults) -> None:
-        if st.expected and self._pool is not None:
-            self._pool.unexpect(st.expected)
-            st.expected = 0
+        if st.early is not None and st.early is not early.OFF:
+            self.early.kill(st)  # its early region, if any, goes back to the pool
+        expected = self.early.take_expected(st)
+        if expected and self._pool is not None:
+            self._pool.unexpect(expected)
         for seg in st.segments:
             seg.log.refs -= 1
             if seg.log.refs == 0:
@@ -175,6 +194,10 @@ class CaptureStore:
             self.side.synchronize()
         t1 = time.perf_counter()
         FETCH_TIMINGS["wait_copies_s"] += t1 - t0
+        # the copies of steps the early-assembly thread has not done yet: every step of a finished
+        # request was filed before its fetch
+        FETCH_TIMINGS["early_flush_s"] += self.early.flush()
+        t1 = time.perf_counter()
         try:
             return self._fetch(wanted, reporting, layer_ids, assemble_saved, use_shm, out)
         finally:
@@ -201,8 +224,15 @@ class CaptureStore:
                     st = self._stores.pop((key, int(child)), None)
                     if st is not None:
                         todo.append((key, int(child), st, int(n_pos)))
+            claimed: dict[int, early.Dest] = {}
+            if reporting and use_shm:
+                claimed = self.early.claim([st for _, _, st, _ in todo])
+                if claimed:
+                    self.early.quiesce()  # no copy into the claimed regions is in flight any more
             if reporting:
-                payloads = self._assemble_all(todo, layer_ids, assemble_saved, self.pool if use_shm else None)
+                payloads = self._assemble_all(
+                    todo, layer_ids, assemble_saved, self.pool if use_shm else None, self.early, claimed
+                )
                 for (key, child, _, _), payload in zip(todo, payloads):
                     out.setdefault(key, {})[child] = payload
             for _, _, st, _ in todo:
@@ -210,23 +240,49 @@ class CaptureStore:
         return out
 
     @staticmethod
-    def _assemble_all(todo: list, layer_ids: list[int], assemble_saved: Any, pool: ResultPool | None) -> list:
-        """Into the result pool: all requests at once (`assembly`), in a few threads for large fetches.
-        As bytes (no pool: another machine, or no room): one request at a time."""
-        threads = assembly_threads(sum(_result_bytes(st, n) for _, _, st, n in todo))
+    def _assemble_all(
+        todo: list,
+        layer_ids: list[int],
+        assemble_saved: Any,
+        pool: ResultPool | None,
+        early_asm: early.EarlyAssembler | None = None,
+        claimed: dict[int, early.Dest] | None = None,
+    ) -> list:
+        """Into the result pool: requests assembled early (`early`) are finished in place, the others all
+        at once (`assembly`), in a few threads for large fetches. As bytes (no pool: another machine, or
+        no room): one request at a time."""
+        claimed = claimed or {}
         out: list[dict | None] = [None] * len(todo)
         items, where = [], []
         for i, (_, _, st, n) in enumerate(todo if pool is not None else ()):
+            dest = claimed.pop(id(st), None)
+            used = False
             try:
                 payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved)
+                if dest is not None and early_asm is not None and mine is not None:
+                    got = early_asm.finish(payload, st, n, mine, dest)
+                    if got is not None:
+                        used = True
+                        FETCH_TIMINGS["early_requests"] += 1
+                        out[i] = got
             except Exception as e:  # noqa: BLE001
                 out[i] = _internal(e)
+            if dest is not None and not used and early_asm is not None:
+                early_asm.free_now(dest)  # not used: assembled below from the arenas
+            if out[i] is not None:
                 continue
+            if mine is not None and (dest is not None or st.early is early.FAILED):
+                FETCH_TIMINGS["early_fallbacks"] += 1
             if mine is None:
                 out[i] = payload
             else:
                 items.append((payload, st, n, mine, out_of_slot))
                 where.append(i)
+        for dest in claimed.values():  # fetched without the pool: assembled as bytes
+            if early_asm is not None:
+                early_asm.free_now(dest)
+            FETCH_TIMINGS["early_fallbacks"] += 1
+        threads = assembly_threads(sum(_result_bytes(it[1], it[2]) for it in items))
         if items:
             try:
                 for i, item, payload in zip(

@@ -1,0 +1,174 @@
+"""Early assembly (`VLLM_LENS_EARLY_ASSEMBLY`, `vllm_worker/transport/early.py`): captures are copied into
+their result-pool regions by a worker thread while generation runs. W2-sized captures (every layer, long
+prompts, a small pool limit) come back exactly as the fetch-time path assembles them (and as HF computes
+them), the background path really ran, requests that stop early get the right layout, and a request
+aborted mid-generation gives its region back."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from support.reference import held_results, hf_model, residuals
+
+WORDS = "the water of people will come down to the side and then a house of stone stood by the old road".split()
+
+
+def _prompt(n_words: int, shift: int) -> str:
+    return " ".join(WORDS[(i * 7 + shift) % len(WORDS)] for i in range(n_words))
+
+
+def _n_layers(llm) -> int:
+    return llm.llm_engine.model_config.get_total_num_hidden_layers()
+
+
+def _timings(llm) -> dict:
+    return dict(llm.collective_rpc("lens_status")[0]["fetch_timings"])
+
+
+def _run(llm, prompts: list[str], sps: list[SamplingParams]) -> list:
+    return llm.generate(prompts, sps, use_tqdm=False)
+
+
+def _batch(llm, stop_token: int | None = None) -> tuple[list[str], list[SamplingParams]]:
+    """Six long prompts (~90-330 tokens) capturing every layer; the last one stops at `stop_token` (before
+    its max_tokens: its result is smaller than the region it was given)."""
+    L = _n_layers(llm)
+    prompts = [_prompt(n, i) for i, n in enumerate((300, 90, 220, 160, 260, 120))]
+    sps = [
+        SamplingParams(
+            max_tokens=m, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": list(range(L))}
+        )
+        for m in (12, 30, 7, 20, 16, 24)
+    ]
+    if stop_token is not None:
+        sps[-1] = SamplingParams(
+            max_tokens=24,
+            temperature=0,
+            stop_token_ids=[stop_token],
+            extra_args={"output_residual_stream": list(range(L))},
+        )
+    return prompts, sps
+
+
+def _same(a: list, b: list) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert list(x.outputs[0].token_ids) == list(y.outputs[0].token_ids)
+        ax, ay = x.activations["residual_stream"], y.activations["residual_stream"]
+        assert ax.shape == ay.shape and ax.dtype == ay.dtype
+        assert torch.equal(ax, ay)  # byte for byte (float32: equal values are equal bytes, no NaN here)
+        assert x.activations["layers"] == y.activations["layers"]
+
+
+@pytest.mark.parametrize("pool_gb", [None, "0.002", "0.000001"])
+def test_all_layer_long_prompt_captures_equal_the_fetch_time_path(llama, monkeypatch, pool_gb):
+    """None: the pool's default limit (every request assembled early); 0.002 GB: the pool accepts the
+    announcements of only a few requests at a time (the others are assembled at fetch); ~0: none."""
+    base, _ = held_results(llama)
+    # the stop token: the 3rd token the last request generates without a stop
+    probe = _run(llama, *_batch(llama))
+    stop = probe[-1].outputs[0].token_ids[2]
+    prompts, sps = _batch(llama, stop_token=stop)
+    if pool_gb is not None:
+        monkeypatch.setenv("VLLM_LENS_SHM_POOL_GB", pool_gb)
+    monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "0")
+    before = _timings(llama)
+    off = _run(llama, prompts, sps)
+    mid = _timings(llama)
+    assert mid["early_requests"] == before["early_requests"]  # the setting turns it off
+    monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "1")
+    on = _run(llama, prompts, sps)
+    after = _timings(llama)
+    _same(on, off)
+    assert len(on[-1].outputs[0].token_ids) < 24  # it stopped early: its region was compacted
+    early = after["early_requests"] - mid["early_requests"]
+    if pool_gb is None:
+        assert early == len(prompts) and after["early_bytes"] > mid["early_bytes"]
+        assert after["early_compact_s"] > mid["early_compact_s"]
+    elif pool_gb == "0.000001":
+        assert early == 0
+    else:  # the pool took the announcements of some (which ones depends on when regions were taken)
+        assert 1 <= early <= len(prompts)
+    # and the numbers are the model's: HF's residual stream at every position of two of them
+    hf = hf_model("llama")
+    for out in (on[0], on[-1]):
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        acts = out.activations["residual_stream"]
+        assert acts.shape[1] == len(ids) - 1
+        ref, _ = residuals(hf, ids[:-1])
+        assert (acts - ref).abs().max() <= 1e-4
+    del on, off, probe, out, acts
+    assert held_results(llama) == (base, 0)  # every region came back, nothing stays announced
+
+
+def test_the_background_path_ran_while_generating(llama, monkeypatch):
+    """The copies happen during generation: after the fetch most bytes were copied by the thread's
+    batches, and the fetch's own copy (fetch-time assembly) did not run for these requests."""
+    monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "1")
+    prompts, sps = _batch(llama)
+    before = _timings(llama)
+    outs = _run(llama, prompts, sps)
+    after = _timings(llama)
+    assert after["early_requests"] - before["early_requests"] == len(prompts)
+    assert after["early_batches"] > before["early_batches"]
+    L, d = _n_layers(llama), outs[0].activations["residual_stream"].shape[-1]
+    result_bytes = sum(L * o.activations["residual_stream"].shape[1] * d * 4 for o in outs)
+    assert after["early_bytes"] - before["early_bytes"] >= result_bytes
+    assert after["copy_s"] == before["copy_s"]  # nothing was assembled at fetch
+    assert after["early_fallbacks"] == before["early_fallbacks"]
+
+
+def test_an_aborted_request_gives_its_region_back(llama, monkeypatch):
+    monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "1")
+    held, _ = held_results(llama)
+    before = _timings(llama)
+    engine = llama.llm_engine
+    sp = SamplingParams(
+        max_tokens=150,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"output_residual_stream": list(range(_n_layers(llama)))},
+    )
+    engine.add_request("early-abort", _prompt(200, 3), sp)
+    for _ in range(4):
+        engine.step()
+    deadline = time.monotonic() + 10
+    while held_results(llama)[0] == held and time.monotonic() < deadline:  # its region, taken by the thread
+        time.sleep(0.05)
+    assert held_results(llama)[0] == held + 1
+    engine.abort_request(["early-abort"])
+    assert not engine.has_unfinished_requests()
+    deadline = time.monotonic() + 10
+    while held_results(llama) != (held, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert held_results(llama) == (held, 0)
+    after = _timings(llama)
+    assert after["early_freed"] == before["early_freed"] + 1
+    assert llama.collective_rpc("lens_status")[0]["stored_requests"] == 0
+    # and the engine goes on: a new request's captures are complete
+    out = _run(llama, [_prompt(50, 1)], [sp.clone()])[0]
+    assert out.activations["residual_stream"].shape[1] == len(out.prompt_token_ids) + 149
+
+
+def test_a_release_that_arrives_twice_never_frees_a_later_allocation():
+    """The n samples of a request share one payload, so the regions it gives back are released once per
+    sample; with early assembly a region may be taken again between the two (measured: two samples then
+    shared one region). Releases carry the allocation's serial: the late duplicate is ignored."""
+    from vllm_worker.transport.result_pool import ResultPool
+
+    pool = ResultPool()
+    try:
+        path, off, _, _ = pool.alloc(4096)
+        first = (path, off, pool.serial(path, off))
+        assert pool.free([first]) == 1
+        path2, off2, _, _ = pool.alloc(4096)
+        assert (path2, off2) == (path, off)  # the same place, a later allocation
+        assert pool.free([first]) == 0 and pool.status()["stale_releases"] == 1
+        assert pool.status()["regions_in_use"] == 1
+        assert pool.free([(path, off, pool.serial(path, off))]) == 1
+        assert pool.free([(path, off)]) == 0  # an old-style entry of a free region: ignored as before
+    finally:
+        pool.close()

@@ -1,0 +1,430 @@
+"""Early assembly: captures copied into their result-pool regions while generation still runs, so that a
+fetch only finishes what the last steps left (`VLLM_LENS_EARLY_ASSEMBLY`).
+
+Without it, every captured row is copied from the step arenas into the pool at fetch time
+(`assembly.assemble`): for an all-layer batch that is the whole result (GBs) after the last step. Here a
+background thread in the worker copies each filed step as soon as its device->host copy has landed (an
+event recorded on the side stream after the step's copy; on CPU the copy is synchronous) into the final
+place of each request's rows:
+
+- **Region**: a request gets one region of the result pool sized for its largest result, `layers x
+  (prompt + max_tokens - 1) x d` — the size it announced at admission (`ResultPool.expect`), so the pool
+  has already grown for it and memory stays bounded by the pool's limit. It is taken by the background
+  thread when the request's first rows are copied (never in the step). A request whose announcement the
+  pool refused (over `VLLM_LENS_SHM_POOL_GB`), or whose region cannot be taken, is assembled at fetch as
+  before; so is every request of a fetch without shared memory.
+- **Layout**: rows go to `base + layer * max_positions + position`. At fetch the frontend's number of
+  positions is known; when it is smaller (a request stopped early) the layers are moved together in place
+  and the region's tail is given back, so the result has exactly the layout `assemble` writes.
+- **Arenas stay** until the fetch (as before): a request the background path could not finish is
+  assembled from them at fetch, so early assembly never decides what a result contains.
+- **Safety**: the thread never takes the store's lock. A request dropped / evicted while its rows are
+  being copied is marked dead and its region freed by the thread between batches (never under a copy);
+  a fetch first waits for the copies of every step filed so far (`flush`), then claims its requests'
+  regions and waits for any batch in flight (`quiesce`), so nothing writes a region once it is handed out.
+- Any failure of the thread turns early assembly off for the worker's life: every request then takes the
+  fetch-time path (counted, logged), never a silent gap.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from vllm_worker.protocol import errors
+from vllm_worker.protocol.wire import dtype_name
+from vllm_worker.transport.assembly import BLOCK_BYTES, _runs
+from vllm_worker.transport.result_pool import ResultPool
+
+logger = logging.getLogger("vllm_worker")
+
+# A request's early state (`RequestResults.early`): one of these, or its `Dest`.
+OFF = "off"  # not assembled early (decided at its first plan)
+WANTED = "wanted"  # will get a region when its first rows are copied
+PENDING = "pending"  # its region is being taken
+DEAD = "dead"  # dropped / evicted while pending: the region goes back as soon as it is taken
+CLAIMED = "claimed"  # handed to a fetch
+FAILED = "failed"  # no region (pool full) or the thread failed: assembled at fetch
+
+IDLE_EXIT_S = 2.0  # the thread ends after this long without work (started again by the next step)
+
+
+class Dest:
+    """Where one request's captured rows go: row `base + out * n_max + position` of `rows` (its segment)."""
+
+    __slots__ = ("region", "base", "n_max", "d", "dtype", "row", "rows", "fill", "mine", "out_of_slot", "dead")
+
+    def __init__(self, region: tuple, row: int, n_max: int, d: int, dtype: torch.dtype, mine: list, out_of_slot: dict):
+        self.region = region
+        self.base = region[1] // row
+        self.n_max, self.d, self.dtype, self.row = n_max, d, dtype, row
+        self.mine, self.out_of_slot = mine, out_of_slot
+        self.rows: np.ndarray | None = None
+        self.fill: np.ndarray | None = None
+        self.dead = False
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.mine) * self.n_max * self.row
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.int16)
+    return t.numpy()
+
+
+class EarlyAssembler:
+    """One per capture store. `filed` (the step thread, under the store's lock) queues a step; the
+    background thread copies it; `flush` / `claim` / `quiesce` / `finish` serve a fetch."""
+
+    def __init__(self, pool: Callable[[], ResultPool | None], timings: dict, executor: Callable[[int], Any]) -> None:
+        self._pool = pool
+        self._timings = timings
+        self._executor = executor  # threads -> ThreadPoolExecutor (for large batches)
+        self._cv = threading.Condition()
+        self._queue: list[tuple[Any, int, int, Any]] = []  # (arena, chunk, steps filled, event or None)
+        self._seq = 0  # steps queued ...
+        self._done = 0  # ... and copied (or given up)
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._free: list[Dest] = []  # dead regions, freed by the thread between batches
+        self.gen = 0  # bumped when a region is created, claimed or dies: arenas rebuild their maps
+        self.broken = False
+        self._rows: dict[tuple, np.ndarray] = {}  # (path, dtype, d) -> the segment as rows
+        self._fills: dict[tuple, np.ndarray] = {}  # (path, row bytes) -> rows written (per segment row)
+        self.threads = 1  # copy threads for one batch (set by the store)
+
+    # ------------------------------------------------------------ step side (store lock held)
+
+    def filed(self, arena: Any, event: Any) -> None:
+        """A step was filed into `arena`'s last chunk (its copy done, or done when `event` is)."""
+        with self._cv:
+            self._queue.append((arena, len(arena.chunks) - 1, arena.chunks[-1][2], event))
+            self._seq += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="lens-early-assembly", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def kill(self, st: Any) -> None:
+        """The request is gone (dropped, evicted, or fetched without its region): its region is freed."""
+        with self._cv:
+            e = st.early
+            if isinstance(e, Dest):
+                e.dead = True
+                self._free.append(e)
+                self.gen += 1
+                st.early = DEAD
+                if self._thread is None:  # nothing is copying: free it now
+                    self._free_dead()
+                self._cv.notify_all()
+            elif e == PENDING:
+                st.early = DEAD
+            elif e in (WANTED, FAILED):
+                st.early = OFF
+
+    def take_expected(self, st: Any) -> int:
+        """The request's pool announcement, once (the region's taker and the store's release race)."""
+        with self._cv:
+            exp, st.expected = st.expected, 0
+            return exp
+
+    # ------------------------------------------------------------ fetch side
+
+    def flush(self) -> float:
+        """Wait until every step queued so far is copied (the tail: what the thread had not done yet)."""
+        t = time.perf_counter()
+        with self._cv:
+            target = self._seq
+            while self._done < target:
+                if self._thread is None:  # cannot happen (a queue starts the thread); never hang on it
+                    break
+                self._cv.wait(0.5)
+        return time.perf_counter() - t
+
+    def claim(self, stores: list) -> dict[int, Dest]:
+        """These requests' regions are the fetch's now (id(store) -> region): the thread will not start
+        another copy into them; `quiesce` waits for one in flight."""
+        got = {}
+        with self._cv:
+            for st in stores:
+                e = st.early
+                if isinstance(e, Dest):
+                    got[id(st)] = e
+                    st.early = CLAIMED
+                elif e in (WANTED, PENDING, FAILED):
+                    st.early = FAILED  # counted when its fetch falls back
+            if got:
+                self.gen += 1
+        return got
+
+    def quiesce(self) -> None:
+        with self._cv:
+            while self._busy:
+                self._cv.wait(0.5)
+
+    def free_now(self, dest: Dest) -> None:
+        """A claimed region the fetch does not use (after `quiesce`)."""
+        pool = self._pool()
+        if pool is not None:
+            pool.free([(dest.region[0], dest.region[1])])
+
+    def finish(self, payload: dict, st: Any, n_pos: int, mine: list[int], dest: Dest) -> dict | None:
+        """The claimed region as the request's result (the layout `assembly.assemble` writes), or None:
+        not usable (the caller frees it and assembles the request at fetch)."""
+        pool = self._pool()
+        if pool is None or dest.mine != mine or not 0 < n_pos <= dest.n_max or dest.rows is None or dest.fill is None:
+            return None
+        segs = [s for s in st.segments if s.log.arena is not None and s.slot in dest.out_of_slot]
+        if not any(ch[2] for s in segs for ch in s.log.arena.chunks):
+            payload.setdefault("error", errors.failure("internal", "no positions were captured", "assembling results"))
+            self.free_now(dest)
+            return payload
+        t = time.perf_counter()
+        L, N, d = len(mine), dest.n_max, dest.d
+        block = dest.rows[dest.base : dest.base + L * N]
+        got = dest.fill[dest.base : dest.base + L * N].reshape(L, N)[:, :n_pos]
+        if not got.all():
+            missing = [(l, int(np.flatnonzero(~got[i])[0])) for i, l in enumerate(mine) if not got[i].all()]
+            block.reshape(L, N, d)[:, :n_pos][~got] = 0  # never another request's old rows
+            payload.setdefault(
+                "error",
+                errors.failure(
+                    "internal",
+                    f"positions never ran a forward pass (layer, first missing position): {missing}",
+                    "assembling results",
+                ),
+            )
+        nbytes = L * n_pos * dest.row
+        if n_pos < N:  # stopped before max_tokens: layers moved together (numpy copes with the overlap)
+            for i in range(1, L):
+                block[i * n_pos : (i + 1) * n_pos] = block[i * N : i * N + n_pos]
+            pool.shrink(dest.region[0], dest.region[1], nbytes)
+            self._timings["early_compact_s"] += time.perf_counter() - t
+        path, off, size, _ = dest.region
+        payload.update(
+            {
+                "layers": mine,
+                "pool": {
+                    "path": path,
+                    "offset": off,
+                    "size": size,
+                    "nbytes": nbytes,
+                    "dtype": dtype_name(dest.dtype),
+                    "shape": [L, n_pos, d],
+                    "serial": pool.serial(path, off),
+                },
+            }
+        )
+        return payload
+
+    # ------------------------------------------------------------ the thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                timed_out = False
+                if not self._queue and not self._free:
+                    timed_out = not self._cv.wait(IDLE_EXIT_S)
+                self._free_dead()
+                if not self._queue:
+                    if timed_out:
+                        self._thread = None
+                        self._cv.notify_all()
+                        return
+                    continue
+                items, self._queue = self._queue, []
+                self._free_dead()
+                self._busy = True
+            try:
+                if not self.broken:
+                    self._batch(items)
+            except Exception as e:  # noqa: BLE001 - every request falls back to the fetch-time path
+                self._break(e)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._done += len(items)
+                    self._cv.notify_all()
+
+    def _free_dead(self) -> None:
+        """(cv held, no batch in flight.)"""
+        if self._free:
+            pool = self._pool()
+            if pool is not None:
+                pool.free([(e.region[0], e.region[1]) for e in self._free])
+            self._timings["early_freed"] += len(self._free)
+            self._free = []
+
+    def _break(self, e: Exception) -> None:
+        logger.error(
+            "inspect-lens: early assembly failed (%s: %s); results are assembled at fetch from now on",
+            type(e).__name__,
+            e,
+        )
+        with self._cv:
+            self.broken = True
+            self.gen += 1
+
+    def _batch(self, items: list) -> None:
+        t0 = time.perf_counter()
+        last = items[-1][3]
+        if last is not None:
+            last.synchronize()  # the side stream runs in order: every queued step's copy has landed
+        upto: dict[tuple[int, int], int] = {}
+        arenas: dict[int, Any] = {}
+        for arena, c, f, _ in items:
+            arenas[id(arena)] = arena
+            upto[(id(arena), c)] = max(upto.get((id(arena), c), 0), f)
+        jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        nbytes = 0
+        for aid, arena in arenas.items():
+            self._regions(arena)
+            runs, base, npos = self._map(arena)
+            while len(arena.done) < len(arena.chunks):
+                arena.done.append(0)
+            for c in range(len(arena.chunks)):
+                f = upto.get((aid, c))
+                if f is None or f <= arena.done[c]:
+                    continue
+                s0, arena.done[c] = arena.done[c], f
+                if runs:
+                    nbytes += self._jobs(arena.chunks[c], s0, f, runs, base, npos, jobs)
+        t1 = time.perf_counter()
+        threads = max(1, min(self.threads, nbytes // (128 << 20)))
+        if threads > 1 and len(jobs) > 1:
+            with self._executor(threads) as ex:
+                list(ex.map(_run, jobs))
+        else:
+            for job in jobs:
+                _run(job)
+        t2 = time.perf_counter()
+        self._timings["early_batches"] += 1
+        self._timings["early_bytes"] += nbytes
+        self._timings["early_index_s"] += t1 - t0
+        self._timings["early_copy_s"] += t2 - t1
+
+    def _regions(self, arena: Any) -> None:
+        """Regions for the arena's requests that want one and have none yet (before any of their rows is
+        copied: a request's rows are all in arenas, and each arena is mapped after this)."""
+        with self._cv:
+            todo = []
+            for _, _, st, _ in arena.users:
+                if st.early == WANTED:
+                    st.early = PENDING
+                    exp, st.expected = st.expected, 0
+                    todo.append((st, exp))
+        if not todo:
+            return
+        pool = self._pool()
+        data = arena.chunks[0][0]
+        d, dtype = data.shape[-1], data.dtype
+        row = d * data.element_size()
+        for st, exp in todo:
+            mine = list(st.mine)
+            out_of_slot = {st.layers.index(l): i for i, l in enumerate(mine)}
+            region = None
+            if pool is not None:
+                region = pool.alloc(len(mine) * st.max_pos * row, exp, align=row)
+            with self._cv:
+                if region is None:
+                    st.early = FAILED if st.early == PENDING else OFF
+                    continue
+                dest = Dest(region, row, st.max_pos, d, dtype, mine, out_of_slot)
+                if st.early != PENDING:  # dropped meanwhile
+                    dest.dead = True
+                    self._free.append(dest)
+                    continue
+                assert pool is not None
+                key = (region[0], dtype, d)
+                if key not in self._rows:
+                    live = pool.segment_paths()
+                    for k in [k for k in self._rows if k[0] not in live]:
+                        del self._rows[k]
+                    for k in [k for k in self._fills if k[0] not in live]:
+                        del self._fills[k]
+                    self._rows[key] = pool.rows(region[0], dtype, d)
+                dest.rows = self._rows[key]
+                fill = self._fills.get((region[0], row))
+                if fill is None:
+                    fill = self._fills[(region[0], row)] = np.zeros(dest.rows.shape[0], dtype=bool)
+                fill[dest.base : dest.base + len(mine) * st.max_pos] = False
+                dest.fill = fill
+                st.early = dest
+                self.gen += 1
+
+    def _map(self, arena: Any) -> tuple[list, np.ndarray, np.ndarray]:
+        """The arena's columns that go to live regions, as runs (first index, end, first column, end
+        column, destination rows, written flags) with each column's destination row of position 0 and its
+        positions' bound; cached on the arena until a region is made, claimed or dies."""
+        with self._cv:
+            cached = arena.early
+            if cached is not None and cached[0] == self.gen:
+                return cached[1]
+            uses, dests = [], []
+            for col, n, st, slot in arena.users:
+                e = st.early
+                if isinstance(e, Dest) and not e.dead and slot in e.out_of_slot:
+                    uses.append((col, n, e.base + e.out_of_slot[slot] * e.n_max, e.n_max))
+                    dests.append(e)
+            gen = self.gen
+        if not uses:
+            got: tuple[list, np.ndarray, np.ndarray] = ([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+            arena.early = (gen, got)
+            return got
+        u = np.array(uses, dtype=np.int64).reshape(-1, 4)
+        order = np.argsort(u[:, 0], kind="stable")
+        u = u[order]
+        dests = [dests[i] for i in order.tolist()]
+        keys: dict[int, int] = {}
+        code = np.array([keys.setdefault(id(e.rows), len(keys)) for e in dests], dtype=np.int64)
+        by_code = {keys[id(e.rows)]: e for e in dests}
+        lens = u[:, 1]
+        starts = np.cumsum(lens) - lens
+        cols = np.arange(int(lens.sum())) + np.repeat(u[:, 0] - starts, lens)
+        base = np.repeat(u[:, 2], lens)
+        npos = np.repeat(u[:, 3], lens)
+        seg_code = np.repeat(code, lens)
+        runs = []
+        for a, b in _runs(cols, seg_code):
+            e = by_code[int(seg_code[a])]
+            runs.append((a, b, int(cols[a]), int(cols[b - 1]) + 1, e.rows, e.fill))
+        got = (runs, base, npos)
+        arena.early = (gen, got)
+        return got
+
+    @staticmethod
+    def _jobs(chunk: list, s0: int, s1: int, runs: list, base: np.ndarray, npos: np.ndarray, jobs: list) -> int:
+        """Copy jobs for steps s0:s1 of one arena chunk; returns their bytes."""
+        data, pos = chunk[0], chunk[1]
+        src_np = _np(data)
+        pos_np = pos.numpy()
+        row = data.shape[-1] * data.element_size()
+        total = 0
+        for a, b, c0, c1, rows, fill in runs:
+            p = pos_np[s0:s1, c0:c1]
+            dst = base[None, a:b] + p
+            ok = (p >= 0) & (p < npos[None, a:b])
+            src = src_np[s0:s1, c0:c1]
+            if ok.all():
+                fill[dst] = True
+                width = max(1, BLOCK_BYTES // max(1, (s1 - s0) * row))  # columns per job
+                for k in range(0, c1 - c0, width):
+                    jobs.append((rows, dst[:, k : k + width], src[:, k : k + width]))
+                total += dst.size * row
+            else:  # positions outside the result (never expected): only the others
+                fill[dst[ok]] = True
+                jobs.append((rows, dst[ok], src[ok]))
+                total += int(ok.sum()) * row
+        return total
+
+
+def _run(job: tuple) -> None:
+    rows, idx, values = job
+    rows[idx] = values
