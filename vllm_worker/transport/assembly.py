@@ -158,10 +158,10 @@ def assemble(
         dest = got_dest
         path, off, size, arr = dest.region
         d, dtype = dest.d, dest.dtype
-        fill = filled.get(path)
+        done = filled.get(path)
         got = (
-            fill[dest.base : dest.base + len(mine) * n_pos].reshape(len(mine), n_pos)
-            if fill is not None
+            done[dest.base : dest.base + len(mine) * n_pos].reshape(len(mine), n_pos)
+            if done is not None
             else np.zeros((len(mine), n_pos), dtype=bool)
         )
         if not got.all():

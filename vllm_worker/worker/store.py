@@ -102,6 +102,7 @@ class CaptureStore:
                 off = 0
                 for r, s, e in items:
                     st = r.store
+                    assert st is not None  # a capturing request has a store (admission)
                     slot = r.capture_slot[layer]
                     st.segments.append(Segment(log, slot, off, e - s))
                     log.refs += 1
@@ -114,6 +115,7 @@ class CaptureStore:
 
     def step_slot(self, plan: StepPlan, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Host (rows, d) / (rows,) views where this step's captures go (`file_step` once written)."""
+        assert plan.arena is not None  # `open_plan` made it
         return plan.arena.next(d, dtype)
 
     def finish_step(self, plan: StepPlan) -> None:
@@ -121,6 +123,7 @@ class CaptureStore:
         by_layer = dict(plan.captured)
         dev = torch.cat([by_layer[layer] for layer in plan.capture])
         all_idx = torch.cat([plan.capture[layer][0] for layer in plan.capture])
+        assert plan.positions is not None  # set by begin_step on the Python path
         pos = plan.positions.index_select(0, all_idx)
         host, hpos = self.step_slot(plan, dev.shape[-1], dev.dtype)
         if self.side is None:
@@ -140,7 +143,9 @@ class CaptureStore:
         """Account a step whose rows are (or are being copied) in `host` (`fetch` waits for copies)."""
         row = host.shape[-1] * host.element_size()
         event = None
-        if plan.arena.users and self.side is not None:  # early assembly copies the step once this is done
+        arena = plan.arena
+        assert arena is not None  # `open_plan` made it
+        if arena.users and self.side is not None:  # early assembly copies the step once this is done
             event = torch.cuda.Event()
             event.record(self.side)
         with self.lock:
@@ -149,8 +154,8 @@ class CaptureStore:
                 plan.logs[layer].nbytes += nb
                 self.stored_bytes += nb
             self._evict_if_needed()
-            if plan.arena.users:
-                self.early.filed(plan.arena, event)
+            if arena.users:
+                self.early.filed(arena, event)
 
     def _release(self, st: RequestResults) -> None:
         if st.early is not None and st.early is not early.OFF:
@@ -284,12 +289,13 @@ class CaptureStore:
             FETCH_TIMINGS["early_fallbacks"] += 1
         threads = assembly_threads(sum(_result_bytes(it[1], it[2]) for it in items))
         if items:
+            assert pool is not None  # items are gathered only with a pool
             try:
-                for i, item, payload in zip(
+                for i, item, assembled in zip(
                     where, items, assembly.assemble(items, pool, threads, _pool, FETCH_TIMINGS)
                 ):
                     # None: no room in the pool, so as bytes (its prelude is done)
-                    out[i] = payload if payload is not None else _guarded(_as_bytes, *item)
+                    out[i] = assembled if assembled is not None else _guarded(_as_bytes, *item)
             except Exception as e:  # noqa: BLE001 - our own failure: these requests' error, not the fetch's
                 for i in where:
                     out[i] = _internal(e)
