@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -28,37 +27,17 @@ NAME = "bench-llama-tiny-early-v1"
 
 
 def model_path() -> Path:
-    from vllm_worker.shipped_model import cache_root, shipped_model_path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python bench/early_assembly.py`
+    from bench.make_model import random_llama
 
-    dst = cache_root() / NAME
-    if (dst / "config.json").exists():
-        return dst
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
+    return random_llama(
+        NAME,
         hidden_size=512,
         intermediate_size=1024,
         num_hidden_layers=16,
         num_attention_heads=8,
         num_key_value_heads=8,
-        vocab_size=49152,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="float32",
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    tmp = dst.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    for f in shipped_model_path().iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
-            shutil.copy(f, tmp / f.name)
-    tmp.rename(dst)
-    return dst
 
 
 def main() -> None:

@@ -42,6 +42,43 @@ class Dest:
     nbytes: int
 
 
+def note_missing(payload: dict, mine: list[int], filled: np.ndarray) -> None:
+    """Positions of a request that never ran a forward pass (`filled[layer, position]` False): its error,
+    never a silent hole in its tensor."""
+    missing = [(l, int(np.flatnonzero(~filled[i])[0])) for i, l in enumerate(mine) if not filled[i].all()]
+    if missing:
+        payload.setdefault(
+            "error",
+            errors.failure(
+                "internal",
+                f"positions never ran a forward pass (layer, first missing position): {missing}",
+                "assembling results",
+            ),
+        )
+
+
+def pool_result(
+    payload: dict, pool: ResultPool, region: tuple, nbytes: int, dtype: torch.dtype, shape: list[int], mine: list[int]
+) -> dict:
+    """`payload` pointing at a request's captures in the result pool (the frontend maps them there)."""
+    path, off, size = region[0], region[1], region[2]
+    payload.update(
+        {
+            "layers": mine,
+            "pool": {
+                "path": path,
+                "offset": off,
+                "size": size,
+                "nbytes": nbytes,
+                "dtype": dtype_name(dtype),
+                "shape": shape,
+                "serial": pool.serial(path, off),
+            },
+        }
+    )
+    return payload
+
+
 def _runs(cols: np.ndarray, code: np.ndarray) -> list[tuple[int, int]]:
     """[start, end) index ranges of `cols` (sorted) whose values are consecutive and whose `code` (the
     segment their request's region is in) is the same."""
@@ -165,29 +202,7 @@ def assemble(
             else np.zeros((len(mine), n_pos), dtype=bool)
         )
         if not got.all():
-            missing = [(l, int(np.flatnonzero(~got[i])[0])) for i, l in enumerate(mine) if not got[i].all()]
             arr.view(np_dtype(dtype)).reshape(len(mine), n_pos, d)[~got] = 0  # never another request's old rows
-            payload.setdefault(
-                "error",
-                errors.failure(
-                    "internal",
-                    f"positions never ran a forward pass (layer, first missing position): {missing}",
-                    "assembling results",
-                ),
-            )
-        payload.update(
-            {
-                "layers": mine,
-                "pool": {
-                    "path": path,
-                    "offset": off,
-                    "size": size,
-                    "nbytes": dest.nbytes,
-                    "dtype": dtype_name(dtype),
-                    "shape": [len(mine), n_pos, d],
-                    "serial": pool.serial(path, off),
-                },
-            }
-        )
-        out.append(payload)
+            note_missing(payload, mine, got)
+        out.append(pool_result(payload, pool, dest.region, dest.nbytes, dtype, [len(mine), n_pos, d], mine))
     return out

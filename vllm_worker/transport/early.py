@@ -37,8 +37,7 @@ import numpy as np
 import torch
 
 from vllm_worker.protocol import errors
-from vllm_worker.protocol.wire import dtype_name
-from vllm_worker.transport.assembly import BLOCK_BYTES, _runs
+from vllm_worker.transport.assembly import BLOCK_BYTES, _runs, note_missing, pool_result
 from vllm_worker.transport.result_pool import ResultPool
 
 logger = logging.getLogger("vllm_worker")
@@ -191,38 +190,15 @@ class EarlyAssembler:
         block = dest.rows[dest.base : dest.base + L * N]
         got = dest.fill[dest.base : dest.base + L * N].reshape(L, N)[:, :n_pos]
         if not got.all():
-            missing = [(l, int(np.flatnonzero(~got[i])[0])) for i, l in enumerate(mine) if not got[i].all()]
             block.reshape(L, N, d)[:, :n_pos][~got] = 0  # never another request's old rows
-            payload.setdefault(
-                "error",
-                errors.failure(
-                    "internal",
-                    f"positions never ran a forward pass (layer, first missing position): {missing}",
-                    "assembling results",
-                ),
-            )
+            note_missing(payload, mine, got)
         nbytes = L * n_pos * dest.row
         if n_pos < N:  # stopped before max_tokens: layers moved together (numpy copes with the overlap)
             for i in range(1, L):
                 block[i * n_pos : (i + 1) * n_pos] = block[i * N : i * N + n_pos]
             pool.shrink(dest.region[0], dest.region[1], nbytes)
             self._timings["early_compact_s"] += time.perf_counter() - t
-        path, off, size, _ = dest.region
-        payload.update(
-            {
-                "layers": mine,
-                "pool": {
-                    "path": path,
-                    "offset": off,
-                    "size": size,
-                    "nbytes": nbytes,
-                    "dtype": dtype_name(dest.dtype),
-                    "shape": [L, n_pos, d],
-                    "serial": pool.serial(path, off),
-                },
-            }
-        )
-        return payload
+        return pool_result(payload, pool, dest.region, nbytes, dest.dtype, [L, n_pos, d], mine)
 
     # ------------------------------------------------------------ the thread
 

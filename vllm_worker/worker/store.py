@@ -422,15 +422,6 @@ def _as_bytes(payload: dict, st: RequestResults, n_pos: int, mine: list[int], ou
         dst[slot, p] = src
         filled[slot, p] = True
     FETCH_TIMINGS["copy_s"] += time.perf_counter() - t2
-    missing = [(l, int(np.flatnonzero(~filled[i])[0])) for i, l in enumerate(mine) if not filled[i].all()]
-    if missing:
-        payload.setdefault(
-            "error",
-            errors.failure(
-                "internal",
-                f"positions never ran a forward pass (layer, first missing position): {missing}",
-                "assembling results",
-            ),
-        )
+    assembly.note_missing(payload, mine, filled)
     payload.update({"layers": mine, "tensor": tensor_to_bytes(t)})
     return payload
