@@ -50,7 +50,7 @@ def system_env(system: str) -> dict[str, str]:
     env.pop("VLLM_LENS_DISABLE", None)
     if system in ("vllm-eager", "vllm-compiled"):
         env["VLLM_PLUGINS"] = "none-allowed"  # allow-list naming no plugin: plain vLLM
-    elif system in ("lens", "lens-eager", "lens-points", "lens-noseams"):
+    elif system in ("lens", "lens-eager", "lens-points", "lens-noseams", "lens-noearly"):
         env["VLLM_PLUGINS"] = "inspect_lens_worker"
         env["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"
         # "lens-points": the engine taps the inner points the point workloads use (BENCH_LENS_POINTS), as an
@@ -59,6 +59,8 @@ def system_env(system: str) -> dict[str, str]:
             env["VLLM_LENS_POINTS"] = os.environ.get("BENCH_LENS_POINTS", "attn_out,mlp_out,z")
         if system == "lens-noseams":  # steps with Python hooks off full graphs, every feature from Python (before #25)
             env["VLLM_LENS_SEAMS"] = "0"
+        if system == "lens-noearly":  # captures assembled at fetch, after generation (before early assembly)
+            env["VLLM_LENS_EARLY_ASSEMBLY"] = "0"
     elif system == "lens-before":
         # this project at an older commit (A/B): its package installed elsewhere (BENCH_LENS_BEFORE_PATH, e.g.
         # pip install --no-deps --target /root/lens-before <tree>) and first on the path; this tree and the
@@ -299,6 +301,7 @@ COLORS = {
     "lens-before": "#bcbd22",
     "lens-points": "#17becf",
     "lens-noseams": "#ff7f0e",
+    "lens-noearly": "#bcbd22",
     "vllm-lens": "#d62728",
     "hf": "#9467bd",
     "nnsight": "#8c564b",
@@ -391,6 +394,10 @@ def main() -> None:
         },
         # read-only hooks (run after the forward, overlapping the device) against the same hooks at their taps
         "gpu-readonly": {"vllm-compiled": ("W0",), "lens": ("W0", "W4n", "W4r", "W4b", "W4rb", "W4m")},
+        # captures copied into their results during generation (early assembly) against at fetch
+        "gpu-early": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2"), "lens-noearly": ("W0", "W1", "W2")},
+        # the peers on W1 in the same call (nnsight 0.8.1 with its taps: bench/.deps/nnsight, carried)
+        "gpu-peers": {"vllm-compiled": ("W0",), "lens": ("W0", "W1"), "vllm-lens": ("W1",), "nnsight": ("W1",)},
         # capture and steering with and without the cut graphs captured (the seams' cost on steps without hooks)
         "gpu-seams-ab": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W3"), "lens-noseams": ("W0", "W1", "W3")},
         # the inner points as served: an engine tapping only the points W6-W8 use, beside the default engine
