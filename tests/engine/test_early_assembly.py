@@ -172,3 +172,46 @@ def test_a_release_that_arrives_twice_never_frees_a_later_allocation():
         assert pool.free([(path, off)]) == 0  # an old-style entry of a free region: ignored as before
     finally:
         pool.close()
+
+
+def _early_of(worker):
+    return worker.model_runner._lens_runtime.store.early
+
+
+@pytest.mark.parametrize("when", ["first batch", "after regions were taken"])
+def test_a_failing_early_assembly_thread_falls_back_to_the_fetch_time_path(llama, monkeypatch, when):
+    """Our background copy fails (injected at its first batch, or after some requests' regions were
+    taken and half written): no request fails and none waits for the thread — every result is assembled at
+    fetch from the arenas, exactly as with early assembly off; early assembly stays off for the worker
+    (reset here for the other tests)."""
+    from vllm_worker.transport import early
+    from vllm_worker.worker import faults
+
+    prompts, sps = _batch(llama)
+    monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "0")
+    want = _run(llama, prompts, sps)
+    monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "1")
+    before = _timings(llama)
+    if when == "first batch":
+        monkeypatch.setattr(faults, "STAGE", "early")
+    else:
+        real, calls = early.EarlyAssembler._batch, []
+
+        def second_fails(self, items):
+            calls.append(len(items))
+            if len(calls) > 1:
+                raise RuntimeError("injected: the early-assembly thread fails after its first batch")
+            return real(self, items)
+
+        monkeypatch.setattr(early.EarlyAssembler, "_batch", second_fails)
+    try:
+        got = _run(llama, prompts, sps)
+        assert llama.collective_rpc(lambda w: _early_of(w).broken) == [True]
+    finally:
+        monkeypatch.undo()
+        llama.collective_rpc(lambda w: setattr(_early_of(w), "broken", False))
+    after = _timings(llama)
+    _same(got, want)
+    assert after["early_requests"] == before["early_requests"]  # none was served from a half-written region
+    if when != "first batch":
+        assert after["early_bytes"] > before["early_bytes"]  # the first batch did write into regions

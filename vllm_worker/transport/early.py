@@ -142,7 +142,7 @@ class EarlyAssembler:
         with self._cv:
             target = self._seq
             while self._done < target:
-                if self._thread is None:  # cannot happen (a queue starts the thread); never hang on it
+                if self._thread is None or self.broken:  # never hang on a thread that stopped copying
                     break
                 self._cv.wait(0.5)
         return time.perf_counter() - t
@@ -154,13 +154,18 @@ class EarlyAssembler:
         with self._cv:
             for st in stores:
                 e = st.early
-                if isinstance(e, Dest):
+                if isinstance(e, Dest) and self.broken:  # maybe half written: assembled at fetch instead
+                    self._free.append(e)
+                    st.early = FAILED
+                elif isinstance(e, Dest):
                     got[id(st)] = e
                     st.early = CLAIMED
                 elif e in (WANTED, PENDING, FAILED):
                     st.early = FAILED  # counted when its fetch falls back
             if got:
                 self.gen += 1
+            if self.broken and not self._busy:  # the thread copies nothing more: free them now
+                self._free_dead()
         return got
 
     def quiesce(self) -> None:
@@ -203,6 +208,19 @@ class EarlyAssembler:
     # ------------------------------------------------------------ the thread
 
     def _loop(self) -> None:
+        """The thread: `_serve`, and if our own code fails outside a batch, early assembly off (never a
+        fetch waiting for a thread that is gone)."""
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001
+            self._break(e)
+            with self._cv:
+                self._thread = None
+                self._busy = False
+                self._done = self._seq
+                self._cv.notify_all()
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 timed_out = False
@@ -238,7 +256,7 @@ class EarlyAssembler:
             self._timings["early_freed"] += len(self._free)
             self._free = []
 
-    def _break(self, e: Exception) -> None:
+    def _break(self, e: BaseException) -> None:
         logger.error(
             "inspect-lens: early assembly failed (%s: %s); results are assembled at fetch from now on",
             type(e).__name__,
@@ -249,6 +267,9 @@ class EarlyAssembler:
             self.gen += 1
 
     def _batch(self, items: list) -> None:
+        from vllm_worker.worker import faults  # (transport does not import the worker at load)
+
+        faults.check("early")
         t0 = time.perf_counter()
         last = items[-1][3]
         if last is not None:
