@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=0, help="capture the middle K layers (0: all, a W2; 1: a W1)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -72,14 +73,17 @@ def main() -> None:
         kv_cache_memory_bytes=1 << 30,
         max_num_seqs=max(64, args.requests),
     )
-    L = llm.llm_engine.model_config.get_total_num_hidden_layers()
+    n_layers = llm.llm_engine.model_config.get_total_num_hidden_layers()
+    k = args.layers or n_layers
+    captured = list(range((n_layers - k) // 2, (n_layers - k) // 2 + k))
+    L = len(captured)
     d = llm.llm_engine.model_config.get_hidden_size()
     prompts = [
         TokensPrompt(prompt_token_ids=[(i * 131 + j * 17) % 40000 + 100 for j in range(args.prompt)])
         for i in range(args.requests)
     ]
     sp = SamplingParams(
-        max_tokens=args.new, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": list(range(L))}
+        max_tokens=args.new, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": captured}
     )
     plain = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     n_pos = args.prompt + args.new - 1
