@@ -15,7 +15,7 @@ import torch
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors
-from vllm_worker.protocol.points import NAME, READ_ONLY, describe, site_layer, split_site
+from vllm_worker.protocol.points import NAME, describe, site_layer, split_site
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph, seams
 from vllm_worker.worker.persistent_hooks import PersistentHooks
@@ -51,8 +51,7 @@ class Admission:
 
     def admit(self, req_id: str, payload: Any) -> RequestState:
         try:
-            if faults.STAGE is not None:  # (set by tests only; read at each call)
-                faults.check("admission")
+            faults.check("admission")
             return self._new(req_id, payload)
         except Exception as e:  # noqa: BLE001 - our bug fails this request, never the engine
             return self._failed(req_id, payload, e)
@@ -122,8 +121,7 @@ class Admission:
                     if h.batched
                     else None
                 )
-                read_only = h.read_only or h.point in READ_ONLY
-                hooks.append(HookRun(fn, at, h.point, self.ctx(saved, external), i, False, h.batched, key, read_only))
+                hooks.append(HookRun(fn, at, h.point, self.ctx(saved, external), i, False, h.batched, key, h.read_only))
             self._check_sites(spec, hooks, store)
         if self.persistent:
             if store is None:

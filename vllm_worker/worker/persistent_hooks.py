@@ -8,7 +8,6 @@ from typing import Any, Callable
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.envs import limit
 from vllm_worker.protocol.errors import Failure, failure
-from vllm_worker.protocol.points import READ_ONLY
 from vllm_worker.worker.plan import HookRun, hook_at
 from vllm_worker.worker.results import RequestResults
 
@@ -32,7 +31,7 @@ class PersistentHooks:
 
         for fn, layers, point, batched, read_only in hooks:
             at = hook_at(list(layers), point, local_layers)
-            self.hooks.append((cloudpickle.loads(fn), at, point, batched, read_only or point in READ_ONLY))
+            self.hooks.append((cloudpickle.loads(fn), at, point, batched, read_only))
         return len(self.hooks)
 
     def attach(

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from vllm_worker.api.hooks import HookContext
-from vllm_worker.protocol.points import CODE, IN, OUT, RESID_PRE, site
+from vllm_worker.protocol.points import CODE, IN, OUT, READ_ONLY, RESID_PRE, site
 from vllm_worker.worker.graph import GraphTaps
 from vllm_worker.worker.results import CaptureLog, RequestResults, StepArena
 from vllm_worker.worker.saes import stage_features
@@ -60,6 +60,9 @@ class HookRun:
     batched: bool = False  # one call per step and site for every request carrying the same hook (`key`)
     key: Any = None
     read_only: bool = False  # returns None (`Hook(read_only=True)`, or a read-only point): may run deferred
+
+    def __post_init__(self) -> None:
+        self.read_only = self.read_only or self.point in READ_ONLY
 
 
 @dataclass(eq=False)

@@ -419,9 +419,7 @@ class LensRuntime:
         leaving layer i is the one entering layer i + 1). With a graph plan the kernel already steered and
         captured here (`plan.RequestState.seam_ok`): only the hooks run. Read-only hooks (`defer_hooks`)
         get a snapshot of the stream here and run after the forward."""
-        defer = plan.defer_hooks and (
-            (site, False) in plan.hooks or (site, True) in plan.hooks or self._grouped(plan, site)
-        )
+        defer = plan.defer_hooks and site in plan.seam_sites
         if plan.graph is not None:
             if defer:
                 self._defer(plan, hidden, residual, site)
@@ -449,10 +447,6 @@ class LensRuntime:
             saes.features_at(site, plan, hidden, residual)
         if not defer:
             edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
-
-    @staticmethod
-    def _grouped(plan: StepPlan, site: int) -> bool:
-        return (site, False) in plan.groups or (site, True) in plan.groups
 
     def _defer(self, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
         """The stream at `site` as it is now (a copy: later layers reuse these buffers), for the read-only
