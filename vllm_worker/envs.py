@@ -274,7 +274,6 @@ _UNKEPT = object()  # memo key of a value never remembered
 # name -> {its text as set (None: unset) or, for a default computed from other settings, their texts ->
 # value}; a default computed from anything else is never remembered
 _parsed: dict[str, dict[Any, Any]] = {}
-_limits: dict[str, dict[Any, int]] = {}  # the same for `limit()`'s bytes
 _NONE: dict = {}  # (never written)
 KEPT_TEXTS = 64  # texts remembered per setting (then its memo starts over)
 # name -> `after` of the settings whose default is computed
@@ -319,13 +318,7 @@ def get(name: str) -> Any:
 
 def limit(name: str) -> int:
     """A size setting in bytes (MB / GB settings), or a count, as an int."""
-    raw = os.environ.get(name)
-    key = _key(name, raw)
-    value = _limits.get(name, _NONE).get(key, _MISSING)
-    if value is _MISSING:
-        value = int(_value(name, raw) * UNITS.get(SETTINGS[name].unit, 1))
-        _remember(_limits, name, key, value)
-    return value
+    return int(get(name) * UNITS.get(SETTINGS[name].unit, 1))
 
 
 def limits() -> dict[str, int]:
