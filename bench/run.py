@@ -392,8 +392,13 @@ def main() -> None:
             "lens": ("W0", "W1", "W3", "W4", "W4n", "W4b", "W4m"),
             "lens-noseams": ("W0", "W4n", "W4b", "W4m"),
         },
-        # read-only hooks (run after the forward, overlapping the device) against the same hooks at their taps
-        "gpu-readonly": {"vllm-compiled": ("W0",), "lens": ("W0", "W4n", "W4r", "W4b", "W4rb", "W4m")},
+        # read-only hooks (run after the forward, overlapping the device) against the same hooks at their taps;
+        # lens-noseams starts the same engine without the cut graphs (their memory: bench/ab_logs.py on the logs)
+        "gpu-readonly": {
+            "vllm-compiled": ("W0",),
+            "lens": ("W0", "W4n", "W4r", "W4b", "W4rb", "W4m"),
+            "lens-noseams": ("W0",),
+        },
         # captures copied into their results during generation (early assembly) against at fetch
         "gpu-early": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2"), "lens-noearly": ("W0", "W1", "W2")},
         # the peers on W1 in the same call (nnsight 0.8.1 with its taps: bench/.deps/nnsight, carried)
