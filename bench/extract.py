@@ -121,6 +121,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--dummy", action="store_true", help="random weights of the model folder's shape")
     ap.add_argument(
+        "--chunk-rows",
+        type=int,
+        default=None,
+        help="rows per generate call (vllm_worker.extract.run.MAX_CHUNK_ROWS; default: the shipped value)",
+    )
+    ap.add_argument(
         "--profile",
         default=None,
         metavar="FILE",
@@ -134,8 +140,10 @@ def main() -> None:
         import conftest  # noqa: F401  (test models, offline settings)
     from vllm import LLM, SamplingParams
 
-    from vllm_worker.extract import extract
+    from vllm_worker.extract import extract, run as extract_run
 
+    if args.chunk_rows:  # fewer rows in flight per call: fewer live objects at each collection, more calls
+        extract_run.MAX_CHUNK_ROWS = args.chunk_rows
     work = Path(tempfile.mkdtemp(prefix="lens-extract-bench-"))
     src = work / "prompts.jsonl"
     corpus(src, args.rows)
@@ -226,6 +234,7 @@ def main() -> None:
         "max_ram_gb": args.max_ram_gb,
         "engine_start_s": start_s,
         "eager": args.eager,
+        "chunk_rows": extract_run.MAX_CHUNK_ROWS,
         "device": args.device,
         "dtype": args.dtype,
         "runs": runs,
