@@ -140,7 +140,8 @@ def main() -> None:
         import conftest  # noqa: F401  (test models, offline settings)
     from vllm import LLM, SamplingParams
 
-    from vllm_worker.extract import extract, run as extract_run
+    from vllm_worker.extract import extract
+    from vllm_worker.extract import run as extract_run
 
     if args.chunk_rows:  # fewer rows in flight per call: fewer live objects at each collection, more calls
         extract_run.MAX_CHUNK_ROWS = args.chunk_rows
