@@ -76,6 +76,15 @@ def system_env(system: str) -> dict[str, str]:
         env["PYTHONPATH"] = f"{os.environ.get('BENCH_VLLM_LENS_PATH', DEPS / 'vllm_lens')}:{env['PYTHONPATH']}"
     elif system == "nnsight":
         env["PYTHONPATH"] = f"{DEPS / 'nnsight'}:{env['PYTHONPATH']}"
+    elif system == "nnsight-vllm":
+        # nnsight 0.8.1 on vLLM, for the device's Python 3.12 (bench/peers_deps.sh; BENCH_NNSIGHT_PATH elsewhere);
+        # no plugin (nnsight's engine alone; this project's must not load here); spawned workers: nnsight sets up
+        # torch.distributed (and on a GPU host touches CUDA) before vLLM starts its processes
+        path = os.environ.get("BENCH_NNSIGHT_PATH", str(DEPS / "nnsight312"))
+        env["PYTHONPATH"] = f"{path}:{env['PYTHONPATH']}"
+        env["VLLM_PLUGINS"] = "none-allowed"
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        env.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # nnsight refuses the V2 runner; it asks for V1 itself
     elif system == "transformer-lens":
         env["PYTHONPATH"] = f"{DEPS / 'transformer_lens'}:{DEPS / 'tl_extra'}:{env['PYTHONPATH']}"
     return env
@@ -155,7 +164,7 @@ def bench_model(
             p.close()
             continue
         warm = p.ask(workload=plan[system][0], **size)  # warm-up (not recorded)
-        if system.startswith("lens") and "W1" in plan[system] and "error" not in warm:
+        if (system.startswith("lens") or system == "nnsight-vllm") and "W1" in plan[system] and "error" not in warm:
             warm = p.ask(workload="W1", **size)  # also checks the capture once
         if (
             system.startswith("lens")
@@ -305,6 +314,7 @@ COLORS = {
     "vllm-lens": "#d62728",
     "hf": "#9467bd",
     "nnsight": "#8c564b",
+    "nnsight-vllm": "#c49c94",
     "transformer-lens": "#e377c2",
 }
 
@@ -401,8 +411,14 @@ def main() -> None:
         },
         # captures copied into their results during generation (early assembly) against at fetch
         "gpu-early": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2"), "lens-noearly": ("W0", "W1", "W2")},
-        # the peers on W1 in the same call (nnsight 0.8.1 with its taps: bench/.deps/nnsight, carried)
-        "gpu-peers": {"vllm-compiled": ("W0",), "lens": ("W0", "W1"), "vllm-lens": ("W1",), "nnsight": ("W1",)},
+        # the peers on W1 in the same call: the original vllm-lens and nnsight 0.8.1 on vLLM with its CUDA-graph
+        # taps (bench/peers_deps.sh makes bench/.deps/{vllm_lens,nnsight312}, carried), nnsight's W0 beside it
+        "gpu-peers": {
+            "vllm-compiled": ("W0",),
+            "lens": ("W0", "W1"),
+            "vllm-lens": ("W1",),
+            "nnsight-vllm": ("W0", "W1"),
+        },
         # capture and steering with and without the cut graphs captured (the seams' cost on steps without hooks)
         "gpu-seams-ab": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W3"), "lens-noseams": ("W0", "W1", "W3")},
         # the inner points as served: an engine tapping only the points W6-W8 use, beside the default engine
