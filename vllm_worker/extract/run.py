@@ -33,7 +33,9 @@ from vllm_worker.protocol.points import K, Q, Z
 from vllm_worker.protocol.spec import ACTIVATIONS_KEY, capture_points, capture_sites
 
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-MAX_CHUNK_ROWS = 8192  # progress and tokenisation granularity; memory is bounded by bytes, not rows
+# rows per generate call (memory is bounded by bytes, not rows): fewer rows in flight keep fewer objects alive
+# at each garbage collection; 2048 measured faster than 8192 on the H200 (docs/extraction.md)
+MAX_CHUNK_ROWS = 2048
 MAX_SHARD_BYTES = 256 << 20  # shards are written while the next fills: smaller ones overlap more
 TOKENIZE_ROWS = 256  # rows tokenized per batched tokenizer call
 
