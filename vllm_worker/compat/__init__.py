@@ -27,6 +27,7 @@ from vllm_worker.compat.engine import (  # noqa: F401
     add_output_defaults,
     api_keys,
     check,
+    declare_settings,
     engine_args_cls,
     force_v1_model_runner,
     patch_compile_hash,

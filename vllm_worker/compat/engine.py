@@ -140,6 +140,29 @@ def patch_compile_hash(marker: Callable[[], str]) -> None:
     wrap(CompilationConfig, "compute_hash", make)
 
 
+def declare_settings(names: list[str]) -> int:
+    """Our `VLLM_LENS_*` settings entered in vLLM's table of its environment variables
+    (`vllm.envs.environment_variables`): vLLM warns at every engine start about each `VLLM_*` variable it
+    does not know, and refuses to start on one with `--fail-on-environ-validation`. The entries return the
+    raw text (ours are read through `vllm_worker.envs`). Returns how many were added."""
+    import os
+
+    import vllm.envs as venvs
+
+    table = getattr(venvs, "environment_variables", None)
+    if not isinstance(table, dict):
+        raise LensIncompatibleVLLM(
+            "vllm.envs.environment_variables (vLLM's table of its settings) is missing or not a dict; "
+            "inspect-lens declares its VLLM_LENS_* settings there"
+        )
+    added = 0
+    for name in names:
+        if name not in table:
+            table[name] = functools.partial(os.environ.get, name)
+            added += 1
+    return added
+
+
 def add_output_defaults() -> None:
     """`RequestOutput.activations` / `CompletionOutput.activations` exist (None) on every output."""
     from vllm.outputs import CompletionOutput, RequestOutput

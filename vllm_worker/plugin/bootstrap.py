@@ -76,9 +76,26 @@ def _compile_marker() -> str:
     return f"inspect-lens: taps v3, {SITES_PER_LAYER} sites/layer, inner={','.join(sorted(enabled_inner()))}"
 
 
+def _declare_settings(quiet: bool) -> None:
+    """Our settings in vLLM's table of environment variables (no warning per `VLLM_LENS_*` at each start,
+    none fatal under `--fail-on-environ-validation`) — also when the plugin is disabled, since
+    `VLLM_LENS_DISABLE` is one of them; then a vLLM that moved the table is not our concern."""
+    from vllm_worker.compat.engine import declare_settings
+    from vllm_worker.envs import SETTINGS
+
+    try:
+        declare_settings(list(SETTINGS))
+    except Exception:
+        if not quiet:
+            raise
+
+
 def register() -> None:
     global _registered
-    if _registered or disabled():
+    if _registered:
+        return
+    _declare_settings(quiet=disabled())
+    if disabled():
         return
     from vllm_worker import compat, frontend
     from vllm_worker.frontend import llm_methods
