@@ -231,11 +231,18 @@ class VLLMLensAPI(VLLMAPI):
                     self._lora_loaded.add(name)
         return {**body, "model": name}
 
+    def _vector_lock_here(self) -> Any:
+        """The vector uploads' lock of the running event loop (one per loop; see _route_lora)."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        if getattr(self, "_vector_lock_loop", None) is not loop:
+            self._vector_lock, self._vector_lock_loop = asyncio.Lock(), loop
+        return self._vector_lock
+
     async def _named_steering(self, vectors: Any) -> str:
         """Steering entries as JSON naming their vectors; each tensor of this process is uploaded to the
         server once (by content name), so requests and logs carry names, not tensors."""
-        import asyncio
-
         from .steering import local_tensor, named_entries
 
         entries = named_entries(vectors)
@@ -243,14 +250,28 @@ class VLLMLensAPI(VLLMAPI):
         todo -= self._vectors_uploaded
         if todo:
             await _compat.ensure_server_started(self)
-            loop = asyncio.get_running_loop()  # one lock per event loop (see _route_lora)
-            if getattr(self, "_vector_lock_loop", None) is not loop:
-                self._vector_lock, self._vector_lock_loop = asyncio.Lock(), loop
-            async with self._vector_lock:  # concurrent samples steering with the same vector: one upload
+            async with self._vector_lock_here():  # concurrent samples steering with the same vector: one upload
                 for name in sorted(todo - self._vectors_uploaded):
                     await _upload_vector(_compat.server_root(self), self.api_key, name, local_tensor(name))
                     self._vectors_uploaded.add(name)
         return json.dumps(entries)
+
+    async def _reupload_forgotten(self, error: Exception) -> bool:
+        """A server that lost vectors this process uploaded (restarted, or deleted by someone) answers
+        "unknown vector 'NAME'": upload those again (concurrent samples may both do it: the same content
+        under the same name). True when something was re-uploaded."""
+        import re
+
+        from .steering import local_tensor
+
+        lost = {n for n in re.findall(r"unknown vector '([^']+)'", str(error)) if local_tensor(n) is not None}
+        if not lost:
+            return False
+        async with self._vector_lock_here():
+            for name in sorted(lost):
+                await _upload_vector(_compat.server_root(self), self.api_key, name, local_tensor(name))
+                self._vectors_uploaded.add(name)
+        return True
 
     async def generate(self, input, tools, tool_choice, config: GenerateConfig):
         if config.extra_body and "lora_request" in config.extra_body:
@@ -264,6 +285,10 @@ class VLLMLensAPI(VLLMAPI):
             body["return_token_ids"] = True
             config = config.model_copy(update={"extra_body": body})
         result = await super().generate(input, tools, tool_choice, config)
+        # Inspect's provider returns a refused request's error as its output (raised above it)
+        failed = result[0] if isinstance(result, tuple) else result
+        if isinstance(failed, Exception) and await self._reupload_forgotten(failed):
+            result = await super().generate(input, tools, tool_choice, config)  # once: the names are back
         if lens is None:
             return result
         output, call = result if isinstance(result, tuple) else (result, None)
