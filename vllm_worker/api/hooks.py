@@ -10,7 +10,9 @@ replaces the stream for those rows; `None` leaves it.
 that carries this hook (the same function, point and layers; persistent hooks: every request), on their
 rows stacked in batch order; `ctx.rows` lists `(request_id, start, end)` into `h` and `ctx.saved` maps each
 request id to its own saved dict. One call instead of one per request: fewer launches and no per-request
-Python. A batched hook that raises fails every request it ran for in that call.
+Python. A batched hook that raises fails every request it ran for in that call. `ctx.segment_ids`,
+`ctx.counts` and `ctx.save_rows(name, values)` give per-request reductions and results without per-request
+Python or a device sync.
 
 `Hook(fn, layers, read_only=True)`: a promise that `fn` only reads `h` (returns None; returning a tensor
 fails the request). When every hook of a step is read-only (hooks at `q` / `k` always are), the taps keep a
