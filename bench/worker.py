@@ -323,8 +323,20 @@ def _norm_hook(ctx, h):
 
 
 def _norm_hook_batched(ctx, h):
-    """W4b: W4n's per-request mean norm for every request of the step in one call (one segment sum on the
-    device; each request's value is a view of it)."""
+    """W4b: W4n's per-request mean norm for every request of the step in one call: one segment sum on the
+    device over `ctx.segment_ids` / `ctx.counts` (made by the plugin without a device sync) and one
+    `ctx.save_rows` (each request's value is split off when results leave the worker). No per-request
+    Python. An older plugin without those helpers (lens-before) gets the former per-request form."""
+    import torch
+
+    if not hasattr(ctx, "save_rows"):
+        return _norm_hook_batched_v1(ctx, h)
+    sums = torch.zeros(len(ctx.rows), device=h.device).index_add_(0, ctx.segment_ids, h.float().norm(dim=-1))
+    ctx.save_rows("norm", sums / ctx.counts)
+    return None
+
+
+def _norm_hook_batched_v1(ctx, h):
     import torch
 
     counts = torch.tensor([e - s for _, s, e in ctx.rows], device=h.device)

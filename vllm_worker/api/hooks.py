@@ -10,7 +10,9 @@ replaces the stream for those rows; `None` leaves it.
 that carries this hook (the same function, point and layers; persistent hooks: every request), on their
 rows stacked in batch order; `ctx.rows` lists `(request_id, start, end)` into `h` and `ctx.saved` maps each
 request id to its own saved dict. One call instead of one per request: fewer launches and no per-request
-Python. A batched hook that raises fails every request it ran for in that call.
+Python. A batched hook that raises fails every request it ran for in that call. `ctx.segment_ids`,
+`ctx.counts` and `ctx.save_rows(name, values)` give per-request reductions and results without per-request
+Python or a device sync.
 
 `Hook(fn, layers, read_only=True)`: a promise that `fn` only reads `h` (returns None; returning a tensor
 fails the request). When every hook of a step is read-only (hooks at `q` / `k` always are), the taps keep a
@@ -97,6 +99,33 @@ class HookContext:
     _params: Any = field(default=None, repr=False)
     _rows: Any = field(default=None, repr=False)  # (step positions, start, end) or (positions, row index)
     rows: list[tuple[str, int, int]] | None = None  # batched hooks: (request id, start, end) into `h`
+    _batch: Any = field(default=None, repr=False)  # batched hooks: the step's helpers (`edits.Batch`)
+
+    def _batched(self, what: str) -> Any:
+        if self._batch is None:
+            raise TypeError(f"ctx.{what} is for batched hooks (Hook(..., batched=True))")
+        return self._batch
+
+    @property
+    def segment_ids(self) -> torch.Tensor:
+        """Batched hooks: for each row of `h`, the index in `rows` of the request it belongs to — a device
+        LongTensor of shape `(rows of h,)`, for one-kernel per-request reductions (`index_add_`). Made once
+        per batch composition with no device sync (a non-blocking copy from pinned memory); read-only."""
+        return self._batched("segment_ids").segment_ids
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Batched hooks: rows of each request of `rows`, a device LongTensor of shape `(len(rows),)`
+        (as `segment_ids`: made once per batch composition, no device sync; read-only)."""
+        return self._batched("counts").counts
+
+    def save_rows(self, name: Any, values: torch.Tensor) -> None:
+        """Batched hooks: `values[i]` is request `rows[i]`'s value: the same as
+        `for i, (rid, _, _) in enumerate(ctx.rows): ctx.saved[rid][name] = values[i]`, without the
+        per-request Python (one call per step; each request's value is split off when its results leave
+        the worker). Inside the hook, `ctx.saved[rid][name]` then reads back as a `SavedRow`
+        (`.value` gives the tensor); do not also write `name` per request in the same hook."""
+        self._batched("save_rows").save_rows(name, values)
 
     @property
     def positions(self) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ import time
 import traceback
 from typing import Callable
 
+import numpy as np
 import torch
 
 from vllm_worker.protocol.errors import failure
@@ -72,6 +73,35 @@ def _where(h: HookRun, layer: int) -> str:
     return f"{kind} {h.index} ({what} at layer {layer})"
 
 
+def _per_request_runs(plan: StepPlan, at: HookAt, items: Rows) -> tuple:
+    """The per-request hook calls at `at`, flattened once per plan (decode steps with the same batch reuse
+    it): `(runs, lo, hi)` with runs `(request, run, layer, start, end, first)` (`first`: the request's first
+    hook here, which may read the tap's shared stream sum); `lo < hi` when the step's stream is summed once
+    for rows `lo:hi` (every hooked row there, and not much else) instead of once per request."""
+    cache = vars(plan).setdefault("_lens_hook_runs", {})
+    hit = cache.get(at)
+    if hit is not None:
+        return hit
+    runs = []
+    rows = 0
+    for r, s, e in items:
+        first = True
+        for h in r.hooks:
+            layer = h.at.get(at)
+            if layer is None or h.batched:
+                continue
+            runs.append((r, h, layer, s, e, first))
+            if first:
+                rows += e - s
+            first = False
+    lo = min((s for _, _, _, s, _, _ in runs), default=0)
+    hi = max((e for _, _, _, _, e, _ in runs), default=0)
+    if len(runs) < 2 or hi - lo > 2 * rows:  # one request, or far apart: sum per request
+        lo = hi = 0
+    cache[at] = hit = (runs, lo, hi)
+    return hit
+
+
 def run_hooks(
     at: HookAt,
     plan: StepPlan,
@@ -80,7 +110,12 @@ def run_hooks(
     on_error: Callable[[HookRun, str], None],
 ) -> None:
     """Run each request's hooks on its own rows, then the batched hooks there (one call each for all their
-    requests). `on_error(hook_run, message)` records a failure."""
+    requests). `on_error(hook_run, message)` records a failure.
+
+    Per call, only what differs between requests is done here: the plan's calls at `at` are flattened once
+    per batch composition, and the stream `hidden + residual` of the hooked rows is summed once per tap,
+    each request's first hook getting a view of its own rows (a fresh tensor no other request's hook sees).
+    A request's later hooks at the same tap read the stream again (an earlier one may have changed it)."""
     items: Rows = plan.hooks.get(at, [])
     groups = plan.groups.get(at, ())
     if not items and not groups:
@@ -88,36 +123,49 @@ def run_hooks(
     t_start = time.perf_counter()
     in_hooks = 0.0
     calls = 0
-    for r, s, e in items:
-        for h in r.hooks:
-            layer = h.at.get(at)
-            if layer is None or r.failed or h.batched:
+    if items:
+        runs, lo, hi = _per_request_runs(plan, at, items)
+        full = None
+        if hi > lo:
+            full = hidden[lo:hi] + residual[lo:hi] if residual is not None else hidden[lo:hi].clone()
+        positions = plan.positions
+        perf = time.perf_counter
+        for r, h, layer, s, e, first in runs:
+            store = r.store
+            if store is not None and store.error is not None:  # failed (maybe by an earlier hook here)
                 continue
-            stream = hidden[s:e] + residual[s:e] if residual is not None else hidden[s:e].clone()
+            if first and full is not None:
+                stream = full[s - lo : e - lo]
+            else:
+                stream = hidden[s:e] + residual[s:e] if residual is not None else hidden[s:e].clone()
             ctx = h.ctx
-            ctx.layer_idx, ctx.point, ctx.seq_len, ctx._rows = layer, h.point, e - s, (plan.positions, s, e)
+            ctx.layer_idx, ctx.point, ctx.seq_len, ctx._rows = layer, h.point, e - s, (positions, s, e)
+            calls += 1
+            t = perf()
             try:
-                calls += 1
-                t = time.perf_counter()
-                try:
-                    new = h.fn(ctx, stream)
-                finally:
-                    in_hooks += time.perf_counter() - t
+                new = h.fn(ctx, stream)
+            except Exception:
+                in_hooks += perf() - t
+                _hook_failed(r, h, layer, on_error)
+                continue
+            in_hooks += perf() - t
+            if new is None:
+                continue
+            try:
                 new = _check_replacement(new, stream, h.point, h.read_only)
-                if new is None:
-                    continue
             except Exception:
                 _hook_failed(r, h, layer, on_error)
-                break
+                continue
+            assert new is not None
             # NaN / inf never enter the stream: on some backends (vLLM's CPU attention) they would reach
             # batch-mates. Checked on the device (no sync here); the request fails at fetch if it happened.
             finite = torch.isfinite(new).all()
             target = new - residual[s:e] if residual is not None else new
             hidden[s:e] = torch.where(finite, target, hidden[s:e])
-            if r.store is not None:
+            if store is not None:
                 where = _where(h, layer)
-                seen = r.store.nonfinite.get(where)
-                r.store.nonfinite[where] = ~finite if seen is None else seen | ~finite
+                seen = store.nonfinite.get(where)
+                store.nonfinite[where] = ~finite if seen is None else seen | ~finite
     for g in groups:
         calls += 1
         in_hooks += _run_group(g, plan, hidden, residual, on_error)
@@ -128,6 +176,7 @@ def run_hooks(
 
 def _hook_failed(r, h: HookRun, layer: int, on_error: Callable[[HookRun, str], None]) -> None:
     """The hook raised or returned something invalid (the exception being handled): its request fails."""
+    _FAILURES[0] += 1
     where = _where(h, layer)
     msg = f"{where} failed:\n" + traceback.format_exc()
     if r.store is None:
@@ -154,32 +203,139 @@ def _check_replacement(new: object, stream: torch.Tensor, point: str, read_only:
     return new
 
 
+class _Cell:
+    """The values a batched hook last gave `ctx.save_rows` under one name, for one set of requests."""
+
+    __slots__ = ("values", "_cpu")
+
+    def __init__(self) -> None:
+        self.values: torch.Tensor | None = None
+        self._cpu: tuple | None = None  # (values, their host copy): one copy for every request's row
+
+    def cpu(self) -> torch.Tensor:
+        values = self.values
+        assert values is not None
+        if self._cpu is None or self._cpu[0] is not values:
+            self._cpu = (values, values.detach().to("cpu"))
+        return self._cpu[1]
+
+
+class SavedRow:
+    """What `ctx.save_rows(name, values)` leaves in one request's saved dict: row `i` of the values last
+    saved under `name` for that request's batch. Split off when the results leave the worker
+    (`runtime._to_cpu`: a tensor of its own); `.value` reads it inside a hook."""
+
+    __slots__ = ("cell", "i")
+
+    def __init__(self, cell: _Cell, i: int) -> None:
+        self.cell, self.i = cell, i
+
+    @property
+    def value(self) -> torch.Tensor:
+        assert self.cell.values is not None
+        return self.cell.values[self.i]
+
+    def to_cpu(self) -> torch.Tensor:
+        return self.cell.cpu()[self.i].clone()
+
+    def __repr__(self) -> str:
+        return f"SavedRow({self.i})"
+
+
+_FAILURES = [0]  # hook failures so far: a batched hook's cached members are checked again when it moves
+
+
+class Batch:
+    """A batched hook's requests for one batch composition (cached on its `HookGroup`, so decode steps with
+    the same batch reuse it): `ctx.rows`, `ctx.saved`, the context, and the helpers of `HookContext`
+    (`segment_ids`, `counts`: made on first use from host numbers, one non-blocking copy, no device sync;
+    `save_rows`)."""
+
+    def __init__(self, members: list, idx: torch.Tensor, cells: dict) -> None:
+        self.members, self.idx, self.epoch = members, idx, _FAILURES[0]
+        self.sizes = np.array([e - s for _, _, s, e in members], dtype=np.int64)
+        ends = np.cumsum(self.sizes)
+        self.rows = [(h.ctx.request_id, int(b - n), int(b)) for (_, h, _, _), n, b in zip(members, self.sizes, ends)]
+        dicts = [h.ctx.saved for _, h, _, _ in members]
+        self._dicts = dicts
+        self._key = tuple(map(id, dicts))  # the same requests' dicts: the same cells (every layer of the hook)
+        self._cells = cells
+        self._dev: dict[str, torch.Tensor] = {}
+        self.ctx = (
+            dataclasses.replace(
+                members[0][1].ctx,
+                saved={h.ctx.request_id: h.ctx.saved for _, h, _, _ in members},
+                seq_len=int(ends[-1]),
+                request_id="",
+                rows=self.rows,
+                _batch=self,
+            )
+            if members
+            else None
+        )
+
+    def _upload(self, name: str, host: np.ndarray) -> torch.Tensor:
+        t = self._dev.get(name)
+        if t is None:
+            t = torch.from_numpy(host)
+            dev = self.idx.device
+            if dev.type == "cuda":  # pinned: the copy runs in the stream's order, no sync
+                t = t.pin_memory().to(dev, non_blocking=True)
+            elif dev.type != "cpu":
+                t = t.to(dev)
+            self._dev[name] = t
+        return t
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self._upload("counts", self.sizes)
+
+    @property
+    def segment_ids(self) -> torch.Tensor:
+        return self._upload("segment_ids", np.repeat(np.arange(len(self.sizes), dtype=np.int64), self.sizes))
+
+    def save_rows(self, name: object, values: torch.Tensor) -> None:
+        if not isinstance(values, torch.Tensor) or values.dim() == 0 or values.shape[0] != len(self.rows):
+            got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+            raise ValueError(
+                f"save_rows({name!r}, values): values needs one row per request ({len(self.rows)}), got {got}"
+            )
+        cell = self._cells.get((self._key, name))
+        if cell is None:  # first save under `name` for these requests in this batch: point their dicts here
+            cell = self._cells[(self._key, name)] = _Cell()
+            for i, d in enumerate(self._dicts):
+                d[name] = SavedRow(cell, i)
+        cell.values = values
+
+
+def _batch(g: HookGroup, plan: StepPlan) -> Batch:
+    """`g`'s `Batch` for this step: the cached one unless one of its requests failed since."""
+    b: Batch | None = vars(g).get("_lens_batch")
+    if b is not None and b.epoch == _FAILURES[0]:
+        return b
+    members = [m for m in g.members if not m[0].failed]
+    if b is not None and len(members) == len(b.members):
+        b.epoch = _FAILURES[0]
+        return b
+    idx = g.idx if len(members) == len(g.members) else torch.from_numpy(group_rows(members)).to(g.idx.device)
+    b = Batch(members, idx, vars(plan).setdefault("_lens_row_cells", {}))
+    vars(g)["_lens_batch"] = b
+    return b
+
+
 def _run_group(
     g: HookGroup, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, on_error: Callable
 ) -> float:
     """One call of a batched hook on its requests' rows (gathered with one index, written back with one);
-    no per-request Python beyond building `ctx.rows`. Returns the seconds spent inside the hook."""
-    members = [m for m in g.members if not m[0].failed]
-    if not members:
+    no per-request Python in the steady state (`Batch` is made once per batch composition). Returns the
+    seconds spent inside the hook."""
+    b = _batch(g, plan)
+    members, idx, ctx = b.members, b.idx, b.ctx
+    if ctx is None:
         return 0.0
-    idx = g.idx if len(members) == len(g.members) else torch.from_numpy(group_rows(members)).to(hidden.device)
     before = hidden.index_select(0, idx)
     stream = before + residual.index_select(0, idx) if residual is not None else before.clone()
-    rows, off = [], 0
-    for _, h, s, e in members:
-        rows.append((h.ctx.request_id, off, off + e - s))
-        off += e - s
-    first = members[0][1].ctx
-    ctx = dataclasses.replace(
-        first,
-        saved={h.ctx.request_id: h.ctx.saved for _, h, _, _ in members},
-        layer_idx=g.layer,
-        point=g.point,
-        seq_len=off,
-        request_id="",
-        rows=rows,
-        _rows=(plan.positions, idx),
-    )
+    ctx.layer_idx, ctx.point, ctx._rows = g.layer, g.point, (plan.positions, idx)
     t = time.perf_counter()
     try:
         try:
@@ -197,7 +353,7 @@ def _run_group(
     finite = torch.isfinite(new).all(dim=-1)
     target = new - residual.index_select(0, idx) if residual is not None else new
     hidden.index_copy_(0, idx, torch.where(finite.unsqueeze(1), target, before))
-    for (r, h, _, _), (_, s, e) in zip(members, rows):
+    for (r, h, _, _), (_, s, e) in zip(members, b.rows):
         if r.store is not None:
             where = _where(h, g.layer)
             bad = ~finite[s:e].all()

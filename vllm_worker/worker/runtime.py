@@ -565,7 +565,11 @@ def _touches(r: RequestState, sites: frozenset) -> bool:
 
 def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu")
+        t = obj.detach().to("cpu")
+        # a view of a larger tensor (a hook's `h` is one of the tap's stream sum) would pickle all of it
+        return t.clone() if t.untyped_storage().nbytes() > t.nbytes else t
+    if isinstance(obj, edits.SavedRow):  # `ctx.save_rows`: this request's row, split off here
+        return obj.to_cpu()
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
