@@ -184,6 +184,11 @@ def bench_model(
                     warm = r
         if p.start.get("engine"):
             entry["engine"] = p.start["engine"]
+            need = args.n * (args.prompt_len + args.new)
+            kv = p.start["engine"].get("kv_cache_tokens")
+            if kv is not None and kv < need:  # fewer requests run at once: its throughput is not comparable
+                entry["kv_starved"] = f"KV cache {kv:,} tokens < {need:,} for the whole batch"
+                print(f"[{label}] WARNING {system}: {entry['kv_starved']}", flush=True)
         if "error" in warm:
             entry["error"] = warm["error"]
         procs[system] = p
@@ -288,6 +293,8 @@ def write_results(results: list[dict], args, started: float) -> Path:
         for s, e in res["systems"].items():
             if e.get("engine"):
                 lines.append(f"- engine of {s}: {e['engine']}")
+            if e.get("kv_starved"):
+                lines.append(f"- **{s} is not comparable**: {e['kv_starved']} (engines started side by side?)")
             for w, c in e.get("checks", {}).items():
                 lines.append(f"- check {s} {w}: {c}")
         lines.append("")

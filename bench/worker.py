@@ -94,6 +94,9 @@ class VLLMSystem:
                 "cudagraph_mode": str(comp.cudagraph_mode),
                 "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
             }
+            cc = self.llm.llm_engine.vllm_config.cache_config
+            if cc.num_gpu_blocks:  # engines started side by side can starve one of KV cache (run.py checks)
+                self.engine_mode["kv_cache_tokens"] = int(cc.num_gpu_blocks) * int(cc.block_size)
         except Exception as e:  # informative only
             self.engine_mode = {"error": f"{type(e).__name__}: {e}"}
         if kind.startswith("lens"):  # which build of this project this process runs (A/B: lens vs lens-before)
@@ -566,6 +569,9 @@ class NNsightVLLMSystem:
                 "VLLM_USE_BREAKABLE_CUDAGRAPH": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH"),
                 "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
             }
+            cc = self.llm.llm_engine.vllm_config.cache_config
+            if cc.num_gpu_blocks:  # engines started side by side can starve one of KV cache (run.py checks)
+                self.engine_mode["kv_cache_tokens"] = int(cc.num_gpu_blocks) * int(cc.block_size)
         except Exception as e:  # noqa: BLE001 - informative only
             self.engine_mode = {"error": f"{type(e).__name__}: {e}"}
         self._checked: set[str] = set()
