@@ -131,3 +131,26 @@ def test_helpers_are_for_batched_hooks(llama):
     with pytest.raises(HookError) as exc:
         llama.generate([SHORT, OTHER], _sp(2, apply_hooks=[Hook(wrong, [0], batched=True)]), use_tqdm=False)
     assert "one row per request (2)" in str(exc.value) and len(exc.value.failures) == 2
+
+
+def test_save_rows_of_a_persistent_batched_hook_reach_collect_hook_results(llama):
+    """A persistent batched hook's `save_rows` values come back from `collect_hook_results` as each
+    request's own tensor (the last write: the last step), equal to its capture."""
+
+    def last_norm(ctx, h):
+        last = torch.cumsum(ctx.counts, 0) - 1  # each request's last row in this call
+        ctx.save_rows("last", h.norm(dim=-1)[last])
+
+    llama.clear_hooks()
+    llama.register_hooks([Hook(last_norm, [2], batched=True)])
+    try:
+        outs = llama.generate([SHORT, OTHER], [_sp(3, output_residual_stream=[2])] * 2, use_tqdm=False)
+        results = llama.collect_hook_results()
+    finally:
+        llama.clear_hooks()
+    for out in outs:
+        got = results[out.request_id]["0"]["last"]
+        acts = out.activations["residual_stream"][0]
+        n = len(out.prompt_token_ids)
+        assert isinstance(got, torch.Tensor) and got.shape == () and got.device.type == "cpu"
+        assert torch.allclose(got, acts[n + 1].norm(), atol=1e-4)  # prefill, then 2 decode steps
