@@ -78,7 +78,7 @@ def _per_request_runs(plan: StepPlan, at: HookAt, items: Rows) -> tuple:
     it): `(runs, lo, hi)` with runs `(request, run, layer, start, end, first)` (`first`: the request's first
     hook here, which may read the tap's shared stream sum); `lo < hi` when the step's stream is summed once
     for rows `lo:hi` (every hooked row there, and not much else) instead of once per request."""
-    cache = vars(plan).setdefault("_lens_hook_runs", {})
+    cache = plan.hook_runs
     hit = cache.get(at)
     if hit is not None:
         return hit
@@ -310,7 +310,7 @@ class Batch:
 
 def _batch(g: HookGroup, plan: StepPlan) -> Batch:
     """`g`'s `Batch` for this step: the cached one unless one of its requests failed since."""
-    b: Batch | None = vars(g).get("_lens_batch")
+    b: Batch | None = g.batch
     if b is not None and b.epoch == _FAILURES[0]:
         return b
     members = [m for m in g.members if not m[0].failed]
@@ -318,8 +318,7 @@ def _batch(g: HookGroup, plan: StepPlan) -> Batch:
         b.epoch = _FAILURES[0]
         return b
     idx = g.idx if len(members) == len(g.members) else torch.from_numpy(group_rows(members)).to(g.idx.device)
-    b = Batch(members, idx, vars(plan).setdefault("_lens_row_cells", {}))
-    vars(g)["_lens_batch"] = b
+    b = g.batch = Batch(members, idx, plan.row_cells)
     return b
 
 

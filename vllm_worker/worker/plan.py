@@ -114,6 +114,7 @@ class HookGroup:
     point: str
     members: list[tuple[RequestState, HookRun, int, int]]  # (request, its run, start row, end row)
     idx: torch.Tensor  # the members' rows on the device, in member order
+    batch: Any = None  # `edits.Batch`: its context, rows and helpers, made on its first call
 
 
 @dataclass
@@ -212,6 +213,8 @@ class StepPlan:
     fired_sites: set = field(default_factory=set)  # sites whose tap ran from Python this step
     groups: dict[HookAt, list[HookGroup]] = field(default_factory=dict)  # batched hooks
     deferred: list = field(default_factory=list)  # (site, stream snapshot) whose read-only hooks run after the forward
+    hook_runs: dict = field(default_factory=dict)  # HookAt -> per-request hook calls there (`edits._per_request_runs`)
+    row_cells: dict = field(default_factory=dict)  # batched hooks' `ctx.save_rows` values (`edits.Batch`)
 
     @functools.cached_property
     def seam_sites(self) -> frozenset:
