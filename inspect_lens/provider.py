@@ -260,11 +260,11 @@ class VLLMLensAPI(VLLMAPI):
         """A server that lost vectors this process uploaded (restarted, or deleted by someone) answers
         "unknown vector 'NAME'": upload those again (concurrent samples may both do it: the same content
         under the same name). True when something was re-uploaded."""
-        import re
+        from vllm_worker.protocol.checks import unknown_vectors
 
         from .steering import local_tensor
 
-        lost = {n for n in re.findall(r"unknown vector '([^']+)'", str(error)) if local_tensor(n) is not None}
+        lost = {n for n in unknown_vectors(str(error)) if local_tensor(n) is not None}
         if not lost:
             return False
         async with self._vector_lock_here():

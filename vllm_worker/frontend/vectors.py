@@ -27,7 +27,7 @@ import torch
 
 from vllm_worker import envs
 from vllm_worker.api.steering import SteeringVector
-from vllm_worker.protocol.checks import vector_name
+from vllm_worker.protocol.checks import unknown_vector, vector_name
 from vllm_worker.protocol.spec import STEER_KEY, ModelShape, from_json_string
 
 SCOPE_KEY = "lens_vector_scope"  # in extra_args: the request's scope (set by the HTTP middleware only)
@@ -111,12 +111,7 @@ class VectorRegistry:
     def get(self, scope: str, name: str, field: str) -> torch.Tensor:
         entry = self._scopes.get(scope, {}).get(name)
         if entry is None:
-            known = sorted(self._scopes.get(scope, {}))
-            listed = ", ".join(repr(n) for n in known[:20]) + (", ..." if len(known) > 20 else "")
-            raise ValueError(
-                f"{field}: unknown vector {name!r} (registered: {listed or 'none'}); register it first "
-                "(POST /v1/lens/vectors, or llm.register_vector offline)"
-            )
+            raise unknown_vector(field, name, sorted(self._scopes.get(scope, {})))
         return entry.tensor
 
     def list(self, scope: str) -> list[dict[str, Any]]:

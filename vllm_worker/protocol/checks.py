@@ -44,3 +44,21 @@ def vector_name(value: Any, field: str) -> str:
             f"letter or digit), got {str(value)[:60]!r}"
         )
     return value
+
+
+def unknown_vector(field: str, name: str, known: list[str]) -> ValueError:
+    """The error for a steering entry naming a vector nobody registered (in this key's scope). Its wording
+    is read back by `unknown_vectors` (a client seeing it in an HTTP 400 can upload the vector again)."""
+    listed = ", ".join(repr(n) for n in known[:20]) + (", ..." if len(known) > 20 else "")
+    return ValueError(
+        f"{field}: unknown vector {name!r} (registered: {listed or 'none'}); register it first "
+        "(POST /v1/lens/vectors, or llm.register_vector offline)"
+    )
+
+
+_UNKNOWN_VECTOR = re.compile(f"unknown vector '({_VECTOR_NAME.pattern})'")
+
+
+def unknown_vectors(text: str) -> list[str]:
+    """The names an `unknown_vector` error (anywhere in `text`) says are not registered."""
+    return _UNKNOWN_VECTOR.findall(text)
