@@ -131,8 +131,7 @@ def run_hooks(
         positions = plan.positions
         perf = time.perf_counter
         for r, h, layer, s, e, first in runs:
-            store = r.store
-            if store is not None and store.error is not None:  # failed (maybe by an earlier hook here)
+            if r.failed:  # (maybe by an earlier hook here)
                 continue
             if first and full is not None:
                 stream = full[s - lo : e - lo]
@@ -162,10 +161,10 @@ def run_hooks(
             finite = torch.isfinite(new).all()
             target = new - residual[s:e] if residual is not None else new
             hidden[s:e] = torch.where(finite, target, hidden[s:e])
-            if store is not None:
+            if r.store is not None:
                 where = _where(h, layer)
-                seen = store.nonfinite.get(where)
-                store.nonfinite[where] = ~finite if seen is None else seen | ~finite
+                seen = r.store.nonfinite.get(where)
+                r.store.nonfinite[where] = ~finite if seen is None else seen | ~finite
     for g in groups:
         calls += 1
         in_hooks += _run_group(g, plan, hidden, residual, on_error)
