@@ -62,6 +62,24 @@ def send(obj: dict) -> None:
 # ------------------------------------------------------------------------------------------ vLLM family
 
 
+def _engine_room(device: str) -> dict:
+    """Engine arguments every vLLM-based system shares: memory (engines run side by side), batch size, and
+    the weights' format (BENCH_LOAD_FORMAT=dummy: random weights of the real shape)."""
+    if device == "cpu":
+        kw: dict = {"kv_cache_memory_bytes": int(os.environ.get("BENCH_KV_BYTES", str(2 << 30)))}
+    else:
+        kw = {"gpu_memory_utilization": float(os.environ.get("BENCH_GPU_UTIL", "0.2")), "max_num_seqs": 256}
+    if os.environ.get("BENCH_LOAD_FORMAT"):
+        kw["load_format"] = os.environ["BENCH_LOAD_FORMAT"]
+    return kw
+
+
+def _kv_cache_tokens(llm) -> dict:
+    """The engine's KV cache in tokens: engines started side by side can starve one of it (run.py checks)."""
+    cc = llm.llm_engine.vllm_config.cache_config
+    return {"kv_cache_tokens": int(cc.num_gpu_blocks) * int(cc.block_size)} if cc.num_gpu_blocks else {}
+
+
 class VLLMSystem:
     def __init__(self, kind: str, model: str, device: str, dtype: str) -> None:
         from vllm import LLM
@@ -73,13 +91,7 @@ class VLLMSystem:
         kw: dict = dict(
             model=model, dtype=dtype, seed=0, max_model_len=1024, enforce_eager=eager, enable_prefix_caching=False
         )
-        if device == "cpu":
-            kw["kv_cache_memory_bytes"] = int(os.environ.get("BENCH_KV_BYTES", str(2 << 30)))
-        else:
-            kw["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_UTIL", "0.2"))  # 4 engines side by side
-            kw["max_num_seqs"] = 256
-        if os.environ.get("BENCH_LOAD_FORMAT"):
-            kw["load_format"] = os.environ["BENCH_LOAD_FORMAT"]  # "dummy": random weights of the real shape
+        kw.update(_engine_room(device))
         self.llm = LLM(**kw)
         cfg = self.llm.llm_engine.model_config.hf_config
         self.n_layers, self.d = cfg.num_hidden_layers, cfg.hidden_size
@@ -94,9 +106,7 @@ class VLLMSystem:
                 "cudagraph_mode": str(comp.cudagraph_mode),
                 "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
             }
-            cc = self.llm.llm_engine.vllm_config.cache_config
-            if cc.num_gpu_blocks:  # engines started side by side can starve one of KV cache (run.py checks)
-                self.engine_mode["kv_cache_tokens"] = int(cc.num_gpu_blocks) * int(cc.block_size)
+            self.engine_mode.update(_kv_cache_tokens(self.llm))
         except Exception as e:  # informative only
             self.engine_mode = {"error": f"{type(e).__name__}: {e}"}
         if kind.startswith("lens"):  # which build of this project this process runs (A/B: lens vs lens-before)
@@ -548,13 +558,7 @@ class NNsightVLLMSystem:
             want, [t for t in want.split(",") if t]
         )
         kw: dict = dict(dtype=dtype, seed=0, max_model_len=1024, enable_prefix_caching=False)
-        if device == "cpu":
-            kw["kv_cache_memory_bytes"] = int(os.environ.get("BENCH_KV_BYTES", str(2 << 30)))
-        else:
-            kw["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_UTIL", "0.2"))
-            kw["max_num_seqs"] = 256
-        if os.environ.get("BENCH_LOAD_FORMAT"):
-            kw["load_format"] = os.environ["BENCH_LOAD_FORMAT"]
+        kw.update(_engine_room(device))
         self.nn = VLLM(model, dispatch=True, taps=taps, **kw)
         llm = self.nn.vllm_entrypoint
         try:  # what the engine really runs, for the results' start-up line
@@ -569,9 +573,7 @@ class NNsightVLLMSystem:
                 "VLLM_USE_BREAKABLE_CUDAGRAPH": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH"),
                 "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
             }
-            cc = self.llm.llm_engine.vllm_config.cache_config
-            if cc.num_gpu_blocks:  # engines started side by side can starve one of KV cache (run.py checks)
-                self.engine_mode["kv_cache_tokens"] = int(cc.num_gpu_blocks) * int(cc.block_size)
+            self.engine_mode.update(_kv_cache_tokens(llm))
         except Exception as e:  # noqa: BLE001 - informative only
             self.engine_mode = {"error": f"{type(e).__name__}: {e}"}
         self._checked: set[str] = set()
