@@ -50,7 +50,7 @@ def system_env(system: str) -> dict[str, str]:
     env.pop("VLLM_LENS_DISABLE", None)
     if system in ("vllm-eager", "vllm-compiled"):
         env["VLLM_PLUGINS"] = "none-allowed"  # allow-list naming no plugin: plain vLLM
-    elif system in ("lens", "lens-eager", "lens-points", "lens-noseams", "lens-noearly"):
+    elif system in ("lens", "lens-eager", "lens-points", "lens-noseams", "lens-noearly", "lens-x"):
         env["VLLM_PLUGINS"] = "inspect_lens_worker"
         env["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"
         # "lens-points": the engine taps the inner points the point workloads use (BENCH_LENS_POINTS), as an
@@ -61,6 +61,12 @@ def system_env(system: str) -> dict[str, str]:
             env["VLLM_LENS_SEAMS"] = "0"
         if system == "lens-noearly":  # captures assembled at fetch, after generation (before early assembly)
             env["VLLM_LENS_EARLY_ASSEMBLY"] = "0"
+        if system == "lens-x":  # this project with the settings in BENCH_LENS_X_ENV ("NAME=value,NAME=value")
+            for item in filter(None, os.environ.get("BENCH_LENS_X_ENV", "").split(",")):
+                name, _, value = item.partition("=")
+                if not name.startswith("VLLM_LENS_"):
+                    raise SystemExit(f"BENCH_LENS_X_ENV: {name!r} is not a VLLM_LENS_ setting")
+                env[name] = value
     elif system == "lens-before":
         # this project at an older commit (A/B): its package installed elsewhere (BENCH_LENS_BEFORE_PATH, e.g.
         # pip install --no-deps --target /root/lens-before <tree>) and first on the path; this tree and the
@@ -318,6 +324,7 @@ COLORS = {
     "lens-points": "#17becf",
     "lens-noseams": "#ff7f0e",
     "lens-noearly": "#bcbd22",
+    "lens-x": "#17becf",
     "vllm-lens": "#d62728",
     "hf": "#9467bd",
     "nnsight": "#8c564b",
@@ -418,6 +425,8 @@ def main() -> None:
         },
         # captures copied into their results during generation (early assembly) against at fetch
         "gpu-early": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2"), "lens-noearly": ("W0", "W1", "W2")},
+        # all-layer capture, diagnosed: BENCH_PYSPY profiles the W2 runs; lens-x = a setting to try (BENCH_LENS_X_ENV)
+        "gpu-w2": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2"), "lens-x": ("W0", "W1", "W2")},
         # the peers on W1 in the same call: the original vllm-lens and nnsight 0.8.1 on vLLM with its CUDA-graph
         # taps (bench/peers_deps.sh makes bench/.deps/{vllm_lens,nnsight312}, carried), nnsight's W0 beside it
         "gpu-peers": {

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -52,6 +54,27 @@ def gpu_mem_mb() -> float | None:
 def prompts(n: int, length: int) -> list[list[int]]:
     """Deterministic token-id prompts (distinct per index: no prefix-cache sharing between them)."""
     return [[(1000 + 37 * i + 101 * j) % 30000 + 100 for j in range(length)] for i in range(n)]
+
+
+_SPY_RUNS: dict[str, int] = {}
+
+
+def profiler(system: str, workload: str) -> subprocess.Popen | None:
+    """py-spy sampling this process and its children (vLLM's engine core) during one timed run, when
+    BENCH_PYSPY (an output folder) is set and the workload is in BENCH_PYSPY_WORKLOADS (default W2). Host-side
+    profile of where a step's time goes; non-blocking sampling, so the run is not paused."""
+    out = os.environ.get("BENCH_PYSPY")
+    wanted = os.environ.get("BENCH_PYSPY_WORKLOADS", "W2").split(",")
+    if not out or workload not in wanted:
+        return None
+    k = _SPY_RUNS[workload] = _SPY_RUNS.get(workload, -1) + 1
+    path = os.path.join(out, f"pyspy-{system}-{workload}-{k}.txt")
+    exe = os.environ.get("BENCH_PYSPY_BIN", "py-spy")
+    cmd = [exe, "record", "--pid", str(os.getpid()), "--subprocesses", "--threads", "--idle", "--nonblocking"]
+    cmd += ["--rate", "200", "--format", "raw", "--output", path]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(path + ".log", "w"))
+    time.sleep(1.0)  # py-spy attaches before the run starts
+    return p
 
 
 def send(obj: dict) -> None:
@@ -99,6 +122,7 @@ class VLLMSystem:
         self.d_head = getattr(cfg, "head_dim", None) or self.d // self.n_heads
         self.z_refused: str | None = None  # why the plugin refused point "z" (W7), once probed
         self._checked: set[str] = set()
+        self._last_status: dict = {}
         try:  # what the engine really runs (CUDA graphs or not), for the results' start-up line
             comp = self.llm.llm_engine.vllm_config.compilation_config
             self.engine_mode = {
@@ -300,8 +324,14 @@ class VLLMSystem:
             from vllm_worker import frontend
 
             self.timings = dict(frontend.TIMINGS)
-            try:  # the worker's cumulative host seconds around graph-path steps (plan / forward / after)
-                self.timings["step"] = self.llm.collective_rpc("lens_status")[0]["step_timings"]
+            try:  # the worker's host seconds around graph-path steps (plan / forward / after) and in fetches
+                st = self.llm.collective_rpc("lens_status")[0]
+                now = {"step": st["step_timings"], "fetch": st["fetch_timings"]}
+                # cumulative in the worker: this run's share is the difference from the last run
+                for k, v in now.items():
+                    last = self._last_status.get(k, {})
+                    self.timings[k] = {x: round(y - last.get(x, 0), 4) for x, y in v.items()}
+                self._last_status = now
             except Exception as e:  # noqa: BLE001 - diagnostics only
                 self.timings["step"] = f"{type(e).__name__}: {e}"
         if workload in ("W1", "W2"):  # results must really be there (no silent no-op)
@@ -652,11 +682,17 @@ def main() -> None:
                 import torch
 
                 torch.cuda.synchronize()
+            spy = profiler(kind, cmd["workload"])
             t = time.perf_counter()
-            got = system.run(cmd["workload"], cmd["n"], cmd["new"], cmd["prompt_len"])
-            if device == "cuda":
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t
+            try:
+                got = system.run(cmd["workload"], cmd["n"], cmd["new"], cmd["prompt_len"])
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - t
+            finally:
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(timeout=60)
             rss, hwm = mem_mb()
             extra = got if isinstance(got, dict) else {"out_tokens": got}
             timings = getattr(system, "timings", None)
