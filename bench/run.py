@@ -199,8 +199,12 @@ def bench_model(
             entry["error"] = warm["error"]
         procs[system] = p
         print(f"[{label}] {system} ready in {time.time() - t:.0f}s", flush=True)
+    # BENCH_ORDER: the workloads' order within a round (e.g. W2 last: a round's other workloads run after
+    # a 10 GB all-layer batch was released otherwise)
+    order_w = [w for w in os.environ.get("BENCH_ORDER", "").split(",") if w in ALL]
+    rounds = order_w + [w for w in ALL if w not in order_w]
     for rep in range(args.repeats):
-        for w in ALL:
+        for w in rounds:
             order = [s for s in procs if w in plan[s]]
             order = order[rep % max(len(order), 1) :] + order[: rep % max(len(order), 1)]  # rotate: drift cancels
             for s in order:
@@ -427,6 +431,12 @@ def main() -> None:
         "gpu-early": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2"), "lens-noearly": ("W0", "W1", "W2")},
         # all-layer capture, diagnosed: BENCH_PYSPY profiles the W2 runs; lens-x = a setting to try (BENCH_LENS_X_ENV)
         "gpu-w2": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2"), "lens-x": ("W0", "W1", "W2")},
+        # every target of #25 in one call, with this project at an earlier commit (BENCH_LENS_BEFORE_SRC) beside it
+        "gpu-table": {
+            "vllm-compiled": ("W0",),
+            "lens": ("W0", "W1", "W2", "W3", "W4", "W4n", "W4b", "W4m", "W5"),
+            "lens-before": ("W0", "W1", "W2", "W3"),
+        },
         # the peers on W1 in the same call: the original vllm-lens and nnsight 0.8.1 on vLLM with its CUDA-graph
         # taps (bench/peers_deps.sh makes bench/.deps/{vllm_lens,nnsight312}, carried), nnsight's W0 beside it
         "gpu-peers": {

@@ -25,11 +25,14 @@ def main() -> None:
         if not stack:
             continue
         frames = stack.split(";")
-        proc = re.sub(r"^process \d+:", "", frames[0])[:70]
-        thread = frames[1] if len(frames) > 1 and frames[1].startswith("thread") else "?"
+        k = 0  # a child process's samples start with its parents' process frames: keep the innermost
+        while k + 1 < len(frames) and frames[k + 1].startswith("process "):
+            k += 1
+        proc = re.sub(r"^process \d+:", "", frames[k])[:70]
+        thread = frames[k + 1] if len(frames) > k + 1 and frames[k + 1].startswith("thread") else "?"
         if a.thread and a.thread not in thread:
             continue
-        per[(proc, thread)].append((frames[2:], int(n)))
+        per[(proc, thread)].append((frames[k + 2 :], int(n)))
     for (proc, thread), stacks in sorted(per.items(), key=lambda kv: -sum(n for _, n in kv[1])):
         total = sum(n for _, n in stacks)
         if total < 20:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from vllm import SamplingParams
@@ -188,6 +189,25 @@ def test_a_step_resets_what_the_step_before_used_and_touches_no_other_column(mon
     assert bool((g.ctl[1] == -1).all()) and g.ctl[2, :2, 1].tolist() == [7, 7] and bool((g.ctl[2, 2:] == -1).all())
     g.clear()  # a step off this path: nothing may still point anywhere
     assert bool((g.ctl == -1).all()) and g.dirty_cols == frozenset()
+
+
+def test_steps_over_changing_columns_leave_exactly_each_steps_table(monkeypatch):
+    """Steps that use several columns upload them as one block scattered on the device: after any sequence
+    of steps (columns and row counts changing), the device table is the step's own table and -1 elsewhere."""
+    rng = np.random.default_rng(0)
+    g = graph.GraphTaps([0, 1, 2, 3, 4], 8, torch.float32, torch.device("cpu"), 16, None)
+    for step in range(60):
+        n = int(rng.integers(1, 17))
+        live = frozenset(int(c) for c in rng.choice(5, size=int(rng.integers(0, 6)), replace=False))
+        ctl = g.host_ctl(n, live)
+        want = np.full((5, 16, 2), -1, dtype=np.int32)
+        for c in live:
+            rows = rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)
+            vals = rng.integers(0, 100, size=(len(rows), 2)).astype(np.int32)
+            ctl[c, rows] = vals
+            want[c, rows] = vals
+        g.upload(n, live)
+        assert np.array_equal(g.ctl.numpy(), want), f"step {step}: columns {sorted(live)}, {n} rows"
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton not installed")

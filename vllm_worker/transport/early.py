@@ -3,9 +3,9 @@ fetch only finishes what the last steps left (`VLLM_LENS_EARLY_ASSEMBLY`).
 
 Without it, every captured row is copied from the step arenas into the pool at fetch time
 (`assembly.assemble`): for an all-layer batch that is the whole result (GBs) after the last step. Here a
-background thread in the worker copies each filed step as soon as its device->host copy has landed (an
-event recorded on the side stream after the step's copy; on CPU the copy is synchronous) into the final
-place of each request's rows:
+background thread in the worker copies the filed steps once their device->host copies have landed (an
+event recorded on the side stream after the step's copy; on CPU the copy is synchronous), a few steps per
+wake-up (`INTERVAL_S`; at once when a fetch waits), into the final place of each request's rows:
 
 - **Region**: a request gets one region of the result pool sized for its largest result, `layers x
   (prompt + max_tokens - 1) x d` — the size it announced at admission (`ResultPool.expect`), so the pool
@@ -51,6 +51,10 @@ CLAIMED = "claimed"  # handed to a fetch
 FAILED = "failed"  # no region (pool full) or the thread failed: assembled at fetch
 
 IDLE_EXIT_S = 2.0  # the thread ends after this long without work (started again by the next step)
+# The thread takes the queued steps at most this often (unless a fetch waits): its Python (the copies' index
+# building) shares the GIL with the step loop, which is the bottleneck of a host-bound decode; several steps
+# per wake-up cost about what one does.
+INTERVAL_S = 0.02
 
 
 class Dest:
@@ -91,6 +95,8 @@ class EarlyAssembler:
         self._seq = 0  # steps queued ...
         self._done = 0  # ... and copied (or given up)
         self._busy = False
+        self._hurry = 0  # fetches waiting in `flush`: the thread copies now, not at its next interval
+        self._last = 0.0  # when the thread last took the queue
         self._thread: threading.Thread | None = None
         self._free: list[Dest] = []  # dead regions, freed by the thread between batches
         self.gen = 0  # bumped when a region is created, claimed or dies: arenas rebuild their maps
@@ -141,10 +147,15 @@ class EarlyAssembler:
         t = time.perf_counter()
         with self._cv:
             target = self._seq
-            while self._done < target:
-                if self._thread is None or self.broken:  # never hang on a thread that stopped copying
-                    break
-                self._cv.wait(0.5)
+            self._hurry += 1
+            self._cv.notify_all()
+            try:
+                while self._done < target:
+                    if self._thread is None or self.broken:  # never hang on a thread that stopped copying
+                        break
+                    self._cv.wait(0.5)
+            finally:
+                self._hurry -= 1
         return time.perf_counter() - t
 
     def claim(self, stores: list) -> dict[int, Dest]:
@@ -226,6 +237,11 @@ class EarlyAssembler:
                 timed_out = False
                 if not self._queue and not self._free:
                     timed_out = not self._cv.wait(IDLE_EXIT_S)
+                while self._queue and not self._hurry and not self._free:  # let a few steps gather
+                    left = self._last + INTERVAL_S - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
                 self._free_dead()
                 if not self._queue:
                     if timed_out:
@@ -236,6 +252,7 @@ class EarlyAssembler:
                 items, self._queue = self._queue, []
                 self._free_dead()
                 self._busy = True
+                self._last = time.perf_counter()
             try:
                 if not self.broken:
                     self._batch(items)

@@ -127,6 +127,11 @@ class GraphTaps:
         # double-buffered host copies of ctl (pinned on CUDA: the upload is asynchronous)
         self._host = [torch.full((self.n_cols, max_rows, 2), -1, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self._host_ev: list[Any] = [None, None]
+        # a step using several columns uploads them as one block (gathered from the host table, one copy,
+        # one scatter into `ctl` on the device) instead of one copy per column
+        self._blk = [torch.empty(self.n_cols * max_rows * 2, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._blk_dev = torch.empty(self.n_cols * max_rows * 2, dtype=torch.int32, device=device)
+        self._col_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._turn = 0
         self.dirty = 0  # rows of ctl that may hold something other than -1 ...
         self.dirty_cols: frozenset = frozenset()  # ... in these columns
@@ -277,16 +282,25 @@ class GraphTaps:
         m = max(n, self.dirty)
         h = self._host[k].numpy()
         self._fill_cols = sorted(live_cols | self.dirty_cols)
-        for c in self._fill_cols:
-            h[c, :m].fill(-1)
+        if self._fill_cols:
+            h[self._fill_cols, :m] = -1
         self._fill_rows = m
         return h
 
     def upload(self, n: int, live_cols: frozenset = frozenset()) -> None:
         k = self._turn
         m = self._fill_rows
-        for c in self._fill_cols:
-            self.ctl[c, :m].copy_(self._host[k][c, :m], non_blocking=True)
+        cols = self._fill_cols
+        if len(cols) > 1 and m:
+            c = len(cols)
+            blk = self._blk[k][: c * m * 2].view(c, m, 2)
+            blk.numpy()[...] = self._host[k].numpy()[cols, :m]
+            dev = self._blk_dev[: c * m * 2].view(c, m, 2)
+            dev.copy_(blk, non_blocking=True)
+            self.ctl[:, :m].index_copy_(0, self._cols_index(cols), dev)
+        else:
+            for c in cols:
+                self.ctl[c, :m].copy_(self._host[k][c, :m], non_blocking=True)
         if self.device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record()
@@ -298,6 +312,16 @@ class GraphTaps:
         self.fired = 0
         self.error = None
         self.live_cols = live_cols
+
+    def _cols_index(self, cols: list[int]) -> torch.Tensor:
+        """The columns as a device index (made once per set of columns: steps of a plan share it)."""
+        key = tuple(cols)
+        got = self._col_index.get(key)
+        if got is None:
+            if len(self._col_index) >= 256:
+                self._col_index.clear()
+            got = self._col_index[key] = torch.tensor(cols, dtype=torch.long, device=self.device)
+        return got
 
     def clear(self) -> None:
         """Before a step that does not use this path: no row may still point anywhere."""

@@ -162,10 +162,19 @@ class GraphPlan:
             ctl[col, s:e, 1] = np.where(pos[i] == ps, ents[i], default)
 
 
-def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, int]) -> GraphPlan:
-    def rows_of(items: Rows) -> np.ndarray:
-        return np.concatenate([np.arange(s, e) for _, s, e in items])
+def rows_of(items: Rows) -> np.ndarray:
+    """The batch rows of (request, start row, end row) items, in order (int64; vectorised: a plan of every
+    layer of 256 requests is 8k items)."""
+    if not items:
+        return np.zeros(0, dtype=np.int64)
+    se = np.array([(s, e) for _, s, e in items], dtype=np.int64).reshape(-1, 2)
+    lens = se[:, 1] - se[:, 0]
+    if bool((lens == 1).all()):  # decode: one row each
+        return se[:, 0].copy()
+    return np.repeat(se[:, 0] - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
 
+
+def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, int]) -> GraphPlan:
     cr, cc = [], []
     for layer, items in cap_rows.items():
         rows = rows_of(items)
@@ -344,9 +353,6 @@ def make_plan(
                 requests=[r for r, _, _ in active],
                 groups=hook_groups(),
             )
-
-    def rows_of(items: Rows) -> np.ndarray:
-        return np.concatenate([np.arange(s, e) for _, s, e in items])
 
     capture = {layer: (on_device(rows_of(items)), items) for layer, items in cap_rows.items()}
     steer_batched = {}

@@ -83,13 +83,14 @@ class CaptureLog:
     """One layer's columns of a plan's arena: shared by the plan's requests, each reading its own row
     range (`Segment`). Filing a step is O(layers), not O(requests)."""
 
-    __slots__ = ("arena", "col", "refs", "nbytes")
+    __slots__ = ("arena", "col", "refs", "nbytes", "rows")
 
     def __init__(self, arena: StepArena, col: int) -> None:
         self.arena: StepArena | None = arena
         self.col = col  # first column of this layer in the arena's rows
         self.refs = 0  # segments still to be fetched or dropped
         self.nbytes = 0
+        self.rows = 0  # columns (captured rows per step) of this layer: its requests' rows, summed
 
 
 @dataclass

@@ -111,6 +111,7 @@ class CaptureStore:
                     if st.early is not early.OFF:
                         users.append((col + off, e - s, st, slot))
                     off += e - s
+                log.rows = off
                 col += off
 
     def step_slot(self, plan: StepPlan, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,9 +150,9 @@ class CaptureStore:
             event = torch.cuda.Event()
             event.record(self.side)
         with self.lock:
-            for layer, (_, items) in plan.capture.items():
-                nb = sum(e - s for _, s, e in items) * row
-                plan.logs[layer].nbytes += nb
+            for log in plan.logs.values():
+                nb = log.rows * row
+                log.nbytes += nb
                 self.stored_bytes += nb
             self._evict_if_needed()
             if arena.users:
