@@ -4,10 +4,6 @@
 worker when a batch is planned), compiled with CUDA graphs, the model given on the command line.
 
     python bench/direct_check.py MODEL [--n 64] [--new 32] [--dtype bfloat16]
-
-With vLLM's own engine process (a setting reaches it only at start): run once per setting with `--save`,
-then compare: `VLLM_ENABLE_V1_MULTIPROCESSING=1 VLLM_LENS_DIRECT_COPY=1 ... --save a.pt`, the same with 0 and
-`--save b.pt`, then `python bench/direct_check.py --compare a.pt b.pt` (dummy weights are seeded).
 """
 
 from __future__ import annotations
@@ -22,19 +18,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker reads
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--compare"]:
-        import torch
-
-        a, b = torch.load(sys.argv[2]), torch.load(sys.argv[3])
-        same = len(a["acts"]) == len(b["acts"]) and all(
-            torch.equal(x, y) for x, y in zip(a["acts"], b["acts"], strict=True)
-        )
-        same = same and a["tokens"] == b["tokens"]
-        print("DIRECT_COMPARE " + json.dumps({"byte_equal": same, "a": a["report"], "b": b["report"]}))
-        sys.exit(0 if same else 1)
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
-    ap.add_argument("--save", default="")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=30)
@@ -52,24 +37,13 @@ def main() -> None:
     llm = LLM(**kw, max_model_len=a.prompt_len + a.new + 8)
     layers = list(range(llm.llm_engine.model_config.get_total_num_hidden_layers()))
     ps = [{"prompt_token_ids": p} for p in prompts(a.n, a.prompt_len)]
-    sp = SamplingParams(max_tokens=a.new, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": layers})
+    sp = SamplingParams(
+        max_tokens=a.new, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": layers}
+    )
 
     def status() -> dict:
         return dict(llm.collective_rpc("lens_status")[0]["fetch_timings"])
 
-    if a.save:  # one run with this process's setting, its results saved for `--compare`
-        before = status()
-        got = llm.generate(ps, sp, use_tqdm=False)
-        after = status()
-        rep = {
-            "direct_steps": after["direct_steps"] - before["direct_steps"],
-            "thread_bytes": after["early_bytes"] - before["early_bytes"],
-            "worker": llm.collective_rpc("lens_status")[0].get("direct"),
-        }
-        acts = [o.activations["residual_stream"].clone() for o in got]
-        torch.save({"acts": acts, "tokens": [list(o.outputs[0].token_ids) for o in got], "report": rep}, a.save)
-        print("DIRECT_SAVED " + json.dumps(rep))
-        return
     report: dict = {}
     outs = {}
     for mode in ("1", "0", "1"):
@@ -95,7 +69,6 @@ def main() -> None:
     )
     acts = outs["1"][0].activations["residual_stream"]
     report["byte_equal"] = same
-    report["worker"] = llm.collective_rpc("lens_status")[0].get("direct")
     report["shape"] = list(acts.shape)
     report["finite_nonzero"] = bool(acts.float().isfinite().all()) and float(acts.float().abs().sum()) > 0
     print("DIRECT_CHECK " + json.dumps(report))

@@ -108,8 +108,6 @@ class DirectRows:
         self._views: dict[tuple, torch.Tensor] = {}
         self._registered: dict[str, int] = {}  # segment path -> its registered address
         self._tested = not self.cuda
-        # steps that could not be written directly, by reason (diagnostics, `lens_status`)
-        self.misses = {"no_region": 0, "no_view": 0, "position_out_of_range": 0}
 
     def get(self, path: str, dtype: torch.dtype, d: int) -> torch.Tensor | None:
         return None if self.broken else self._views.get((path, dtype, d))
@@ -144,9 +142,6 @@ class DirectRows:
         with self._lock:
             self._views[key] = t
         return t
-
-    def status(self) -> dict[str, Any]:
-        return {"broken": self.broken, "views": len(self._views), "segments": len(self._registered), **self.misses}
 
     def forget(self, path: str) -> None:
         """The pool closes this segment (no region of it in use): its views go, and its registration."""

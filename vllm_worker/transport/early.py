@@ -502,10 +502,6 @@ class EarlyAssembler:
                 dev.append((c0, c1, t))
             if dev:
                 got = (base, npos, dev)
-            else:
-                views.misses["no_view"] += 1
-        else:
-            views.misses["no_region"] += 1
         with self._cv:
             arena.direct = (arena.early[0] if arena.early is not None else self.gen, got)
         return got

@@ -552,7 +552,6 @@ class LensRuntime:
             "step_timings": dict(STEP_TIMINGS),
             "hook_timings": dict(edits.HOOK_TIMINGS),
             "seams": dict(seams.SEAM_STATS),
-            "direct": self.store.direct.status(),
             # shared-memory result regions handed to the frontend and not yet given back
             "result_regions": (pool or {}).get("regions_in_use", 0),
             "result_pool": pool,

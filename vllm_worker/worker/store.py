@@ -161,7 +161,6 @@ class CaptureStore:
         base, npos, runs = got
         p = hpos.numpy()
         if len(p) != len(base) or not bool(((p >= 0) & (p < npos)).all()):
-            self.direct.misses["position_out_of_range"] += 1
             return None
         dst = base + p
 
