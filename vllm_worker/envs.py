@@ -229,15 +229,6 @@ SETTINGS: dict[str, Setting] = {
             "each step's copy lands), so a fetch only finishes the last steps (0: all at fetch)",
         ),
         Setting(
-            "VLLM_LENS_DIRECT_COPY",
-            str,
-            "auto",
-            "with early assembly: once every request of a batch has its result region, each step's captured "
-            "rows are written from the device straight into those regions (the pool's shared memory, "
-            "registered with CUDA), so no host thread copies them; auto: on GPUs, 1: also on CPU (the step "
-            "copies), 0: off (the early-assembly thread copies)",
-        ),
-        Setting(
             "VLLM_LENS_INJECT_FAULT",
             str,
             None,

@@ -215,39 +215,3 @@ def test_a_failing_early_assembly_thread_falls_back_to_the_fetch_time_path(llama
     assert after["early_requests"] == before["early_requests"]  # none was served from a half-written region
     if when != "first batch":
         assert after["early_bytes"] > before["early_bytes"]  # the first batch did write into regions
-
-
-def test_direct_copies_equal_the_thread_copies(llama, monkeypatch):
-    """`VLLM_LENS_DIRECT_COPY=1` (on CPU: the step itself writes; on a GPU the device writes into the
-    registered regions): once every request of a batch has its region, steps write their rows straight
-    into the regions and the thread only marks them. Same bytes as the thread's copies, for requests of
-    different lengths and one that stops early (its region compacted), and every region comes back."""
-    base, _ = held_results(llama)
-    monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "1")
-    probe = _run(llama, *_batch(llama))
-    stop = probe[-1].outputs[0].token_ids[2]
-    prompts, sps = _batch(llama, stop_token=stop)
-    monkeypatch.setenv("VLLM_LENS_DIRECT_COPY", "0")
-    before = _timings(llama)
-    copied = _run(llama, prompts, sps)
-    mid = _timings(llama)
-    assert mid["direct_steps"] == before["direct_steps"]  # off: the thread copied everything
-    monkeypatch.setenv("VLLM_LENS_DIRECT_COPY", "1")
-    direct = _run(llama, prompts, sps)
-    after = _timings(llama)
-    _same(direct, copied)
-    assert len(direct[-1].outputs[0].token_ids) < 24
-    steps = after["direct_steps"] - mid["direct_steps"]
-    assert steps >= 10  # the decode steps once every request had its region (the first ones are copied)
-    assert after["early_requests"] - mid["early_requests"] == len(prompts)
-    # the thread copied less: nothing of the direct steps (each at least one request's rows at every layer)
-    L, d = _n_layers(llama), direct[0].activations["residual_stream"].shape[-1]
-    saved = (mid["early_bytes"] - before["early_bytes"]) - (after["early_bytes"] - mid["early_bytes"])
-    assert saved >= steps * L * d * 4
-    hf = hf_model("llama")
-    out = direct[1]
-    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-    ref, _ = residuals(hf, ids[:-1])
-    assert (out.activations["residual_stream"] - ref).abs().max() <= 1e-4
-    del direct, copied, probe, out
-    assert held_results(llama) == (base, 0)

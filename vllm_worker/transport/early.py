@@ -104,10 +104,6 @@ class EarlyAssembler:
         self._rows: dict[tuple, np.ndarray] = {}  # (path, dtype, d) -> the segment as rows
         self._fills: dict[tuple, np.ndarray] = {}  # (path, row bytes) -> rows written (per segment row)
         self.threads = 1  # copy threads for one batch (set by the store)
-        # direct copies (`transport.direct`, set by the store on a worker that uses them): the pool's
-        # segments as device rows, and a wait for the side stream's writes before a region is freed
-        self.views: Any = None
-        self.drain: Callable[[], None] | None = None
 
     # ------------------------------------------------------------ step side (store lock held)
 
@@ -271,8 +267,6 @@ class EarlyAssembler:
     def _free_dead(self) -> None:
         """(cv held, no batch in flight.)"""
         if self._free:
-            if self.drain is not None:  # a step may still be writing into one of them from the device
-                self.drain()
             pool = self._pool()
             if pool is not None:
                 pool.free([(e.region[0], e.region[1]) for e in self._free])
@@ -315,8 +309,7 @@ class EarlyAssembler:
                     continue
                 s0, arena.done[c] = arena.done[c], f
                 if runs:
-                    direct = arena.direct_steps[c] if c < len(arena.direct_steps) else None
-                    nbytes += self._jobs(arena.chunks[c], s0, f, runs, base, npos, jobs, direct)
+                    nbytes += self._jobs(arena.chunks[c], s0, f, runs, base, npos, jobs)
         t1 = time.perf_counter()
         threads = max(1, min(self.threads, nbytes // (128 << 20)))
         if threads > 1 and len(jobs) > 1:
@@ -353,8 +346,6 @@ class EarlyAssembler:
             region = None
             if pool is not None:
                 region = pool.alloc(len(mine) * st.max_pos * row, exp, align=row)
-            if region is not None and self.views is not None and arena.direct_on:  # before the region is
-                self.views.prepare(pool, region[0], dtype, d)  # published: the step only looks views up
             with self._cv:
                 if region is None:
                     st.early = FAILED if st.early == PENDING else OFF
@@ -407,7 +398,7 @@ class EarlyAssembler:
         dests = [dests[i] for i in order.tolist()]
         keys: dict[int, int] = {}
         code = np.array([keys.setdefault(id(e.rows), len(keys)) for e in dests], dtype=np.int64)
-        by_code = {keys[id(e.rows)]: e for e in dests}  # (one region of each segment: its path)
+        by_code = {keys[id(e.rows)]: e for e in dests}
         lens = u[:, 1]
         starts = np.cumsum(lens) - lens
         cols = np.arange(int(lens.sum())) + np.repeat(u[:, 0] - starts, lens)
@@ -417,41 +408,20 @@ class EarlyAssembler:
         runs = []
         for a, b in _runs(cols, seg_code):
             e = by_code[int(seg_code[a])]
-            runs.append((a, b, int(cols[a]), int(cols[b - 1]) + 1, e.rows, e.fill, e.region[0]))
+            runs.append((a, b, int(cols[a]), int(cols[b - 1]) + 1, e.rows, e.fill))
         got = (runs, base, npos)
         arena.early = (gen, got)
         return got
 
-    @classmethod
-    def _jobs(
-        cls,
-        chunk: list,
-        s0: int,
-        s1: int,
-        runs: list,
-        base: np.ndarray,
-        npos: np.ndarray,
-        jobs: list,
-        direct: np.ndarray | None = None,
-    ) -> int:
-        """Copy jobs for steps s0:s1 of one arena chunk; returns their bytes. Steps the device already wrote
-        into the regions (`direct`) only get their rows marked."""
-        if direct is not None and direct[s0:s1].any():
-            total = 0
-            flags = direct[s0:s1]
-            edges = [0, *(np.flatnonzero(flags[1:] != flags[:-1]) + 1).tolist(), s1 - s0]
-            for a, b in zip(edges[:-1], edges[1:]):
-                if flags[a]:
-                    cls._mark(chunk, s0 + a, s0 + b, runs, base)
-                else:
-                    total += cls._jobs(chunk, s0 + a, s0 + b, runs, base, npos, jobs)
-            return total
+    @staticmethod
+    def _jobs(chunk: list, s0: int, s1: int, runs: list, base: np.ndarray, npos: np.ndarray, jobs: list) -> int:
+        """Copy jobs for steps s0:s1 of one arena chunk; returns their bytes."""
         data, pos = chunk[0], chunk[1]
         src_np = _np(data)
         pos_np = pos.numpy()
         row = data.shape[-1] * data.element_size()
         total = 0
-        for a, b, c0, c1, rows, fill, _ in runs:
+        for a, b, c0, c1, rows, fill in runs:
             p = pos_np[s0:s1, c0:c1]
             dst = base[None, a:b] + p
             ok = (p >= 0) & (p < npos[None, a:b])
@@ -467,44 +437,6 @@ class EarlyAssembler:
                 jobs.append((rows, dst[ok], src[ok]))
                 total += int(ok.sum()) * row
         return total
-
-    @staticmethod
-    def _mark(chunk: list, s0: int, s1: int, runs: list, base: np.ndarray) -> None:
-        """Steps s0:s1 were written into the regions on the device (every position in range: checked
-        by the step): their rows are marked written."""
-        pos_np = chunk[1].numpy()
-        for a, b, c0, c1, _, fill, _ in runs:
-            fill[base[None, a:b] + pos_np[s0:s1, c0:c1]] = True
-
-    # ------------------------------------------------------------ direct copies (step side)
-
-    def direct_map(self, arena: Any) -> tuple | None:
-        """(destination row of position 0, positions' bound, [(first column, end column, device rows)])
-        for every column of the arena, when each has a live region on a device-mapped segment; else None.
-        Cached on the arena until a region is made, claimed or dies (the step thread; never makes views)."""
-        views = self.views
-        if views is None or self.broken or not arena.direct_on:
-            return None
-        with self._cv:
-            cached = arena.direct
-            if cached is not None and cached[0] == self.gen:
-                return cached[1]
-        runs, base, npos = self._map(arena)
-        got = None
-        if runs and len(base) == arena.rows and all(c1 - c0 == b - a and c0 == a for a, b, c0, c1, *_ in runs):
-            data = arena.chunks[0][0] if arena.chunks else None
-            dev: list[tuple[int, int, Any]] = []
-            for a, b, c0, c1, _, _, path in runs:
-                t = views.get(path, data.dtype, data.shape[-1]) if data is not None else None
-                if t is None:  # a segment not (yet) mapped: the thread copies
-                    dev = []
-                    break
-                dev.append((c0, c1, t))
-            if dev:
-                got = (base, npos, dev)
-        with self._cv:
-            arena.direct = (arena.early[0] if arena.early is not None else self.gen, got)
-        return got
 
 
 def _run(job: tuple) -> None:

@@ -155,7 +155,6 @@ class ResultPool:
         self._last_use = time.monotonic()
         self._closed = False
         self._serial = 0
-        self.on_close: Any = None  # called with a segment's path before it is closed (`direct.DirectRows.forget`)
         self.stats = {
             "segments_made": 0,
             "segments_dropped": 0,
@@ -338,7 +337,6 @@ class ResultPool:
                     self.free_bytes -= seg.size
                     self.stats["segments_dropped"] += 1
         for seg in gone:
-            self._closing(seg.path)
             seg.close()
 
     def _idle_loop(self) -> None:
@@ -363,20 +361,7 @@ class ResultPool:
                         pass
                 shm.discard(seg.path)
             else:
-                self._closing(seg.path)
                 seg.close()
-
-    def _closing(self, path: str) -> None:
-        if self.on_close is not None:
-            try:
-                self.on_close(path)
-            except Exception as e:  # noqa: BLE001 - the segment goes anyway
-                logger.warning("inspect-lens: closing result segment %s: %s", path, e)
-
-    def span(self, path: str) -> tuple[int, int]:
-        """(address, bytes) of segment `path` in this process (to register it with CUDA)."""
-        seg = self._segments[path]
-        return int(seg.buf.ctypes.data), seg.size
 
     def status(self) -> dict[str, Any]:
         with self._lock:

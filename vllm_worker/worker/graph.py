@@ -332,35 +332,20 @@ class GraphTaps:
             self.dirty_cols = frozenset()
         self.active = False
 
-    def copy_out(self, base: int, n: int, dst: torch.Tensor, also: Any = None) -> bool:
+    def copy_out(self, base: int, n: int, dst: torch.Tensor) -> None:
         """The step's captured rows into `dst` (pinned host memory on CUDA: asynchronously, on the side
-        stream after the step's kernels; their staging rows are reused once the copy is done), and to
-        `also(rows)` if given (the direct copies into result regions, same stream). Returns whether `also`
-        ran (it failing is logged; the rows in `dst` are complete either way)."""
+        stream after the step's kernels; their staging rows are reused once the copy is done)."""
         src = self.stage[base : base + n]
         if self._side is None:
             dst.copy_(src)
-            return _also(also, src)
+            return
         side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
-            ok = _also(also, src)
             ev = torch.cuda.Event()
             ev.record(side)
         self._pending.append((base, base + n, ev))
-        return ok
-
-
-def _also(fn: Any, src: torch.Tensor) -> bool:
-    if fn is None:
-        return False
-    try:
-        fn(src)
-        return True
-    except Exception as e:  # noqa: BLE001 - the arena copy is complete: the early-assembly thread copies
-        logger.warning("inspect-lens: a direct copy into result memory failed (%s: %s)", type(e).__name__, e)
-        return False
 
 
 def request_entries(g: GraphTaps, steers: list) -> tuple[dict, list[int]] | None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from vllm_worker.protocol import errors
@@ -34,7 +33,6 @@ FETCH_TIMINGS = {
     "early_copy_s": 0.0,
     "early_freed": 0,
     "early_compact_s": 0.0,
-    "direct_steps": 0,  # steps whose captures the device wrote into their result regions (`transport.direct`)
 }
 
 
@@ -45,7 +43,7 @@ class StepArena:
     they are pinned (device copies land in them asynchronously) and come from torch's caching host
     allocator, so a steady workload stops allocating."""
 
-    __slots__ = ("rows", "pinned", "chunks", "users", "done", "early", "direct_on", "direct", "direct_steps")
+    __slots__ = ("rows", "pinned", "chunks", "users", "done", "early")
     MAX_CHUNK_STEPS = 64
 
     def __init__(self, rows: int, pinned: bool) -> None:
@@ -57,12 +55,6 @@ class StepArena:
         self.users: list[tuple] = []
         self.done: list[int] = []
         self.early: tuple | None = None
-        # direct copies (`transport.direct`): wanted for this plan (the setting when it was made), the cached
-        # map of columns to device-mapped regions, and per chunk which steps were written into the regions
-        # on the device (the thread then only marks them)
-        self.direct_on = False
-        self.direct: tuple | None = None
-        self.direct_steps: list[np.ndarray] = []
 
     def next(self, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, d) and (rows,) host views for the next step."""
@@ -76,7 +68,6 @@ class StepArena:
                     0,
                 ]
             )
-            self.direct_steps.append(np.zeros(c, dtype=bool))
             FETCH_TIMINGS["arena_alloc_s"] += time.perf_counter() - t
         ch = self.chunks[-1]
         k = ch[2]

@@ -19,7 +19,7 @@ import torch
 from vllm_worker.envs import get, limit
 from vllm_worker.protocol import errors
 from vllm_worker.protocol.wire import tensor_to_bytes
-from vllm_worker.transport import assembly, direct, early, result_pool
+from vllm_worker.transport import assembly, early, result_pool
 from vllm_worker.transport.result_pool import ResultPool
 from vllm_worker.worker import faults, saes
 from vllm_worker.worker.plan import StepPlan
@@ -63,19 +63,12 @@ class CaptureStore:
         # copies captures into their pool regions while requests run (`transport.early`)
         self.early = early.EarlyAssembler(lambda: self._pool, FETCH_TIMINGS, _pool)
         self.early.threads = ASSEMBLY_THREADS
-        # steps write their rows into the result regions from the device (`transport.direct`; whether a
-        # plan does is decided when it is made, `VLLM_LENS_DIRECT_COPY`)
-        self.device = device
-        self.direct = direct.DirectRows(device)
-        self.early.views = self.direct
-        self.early.drain = self.side.synchronize if self.side is not None else None
 
     @property
     def pool(self) -> ResultPool | None:
         """This worker's shared-memory result pool (made on first use; None when turned off)."""
         if self._pool is None and result_pool.enabled():
             self._pool = ResultPool()
-            self._pool.on_close = self.direct.forget
         return self._pool
 
     def release(self, released: list | None) -> int:
@@ -100,7 +93,6 @@ class CaptureStore:
         plan.logs = {}
         total = sum(e - s for _, items in plan.capture.values() for _, s, e in items)
         plan.arena = StepArena(total, self.side is not None)
-        plan.arena.direct_on = direct.enabled(self.device)
         col = 0
         users = plan.arena.users
         on = bool(get("VLLM_LENS_EARLY_ASSEMBLY")) and not self.early.broken
@@ -148,43 +140,12 @@ class CaptureStore:
             pos.record_stream(side)
         self.file_step(plan, host)
 
-    def direct_writer(self, plan: StepPlan, hpos: torch.Tensor) -> Any:
-        """When every capture of the step has a device-mapped result region: a function that writes the
-        step's staged rows (in filing order) into the regions from the device (`copy_out` calls it on the
-        side stream, after the step's kernels); else None (the early-assembly thread copies them)."""
-        arena = plan.arena
-        if arena is None or not arena.direct_on or not arena.users:
-            return None
-        got = self.early.direct_map(arena)
-        if got is None:
-            return None
-        base, npos, runs = got
-        p = hpos.numpy()
-        if len(p) != len(base) or not bool(((p >= 0) & (p < npos)).all()):
-            return None
-        dst = base + p
-
-        def write(src: torch.Tensor) -> None:
-            idx = torch.from_numpy(dst)
-            if src.is_cuda:  # pinned: the upload is asynchronous (the caching host allocator keeps the block
-                idx = idx.pin_memory().to(src.device, non_blocking=True)  # until the copy is done)
-            src = direct.words(src)
-            for c0, c1, rows in runs:
-                rows.index_copy_(0, idx[c0:c1], src[c0:c1])
-
-        return write
-
-    def file_step(self, plan: StepPlan, host: torch.Tensor, wrote: bool = False) -> None:
-        """Account a step whose rows are (or are being copied) in `host` (`fetch` waits for copies);
-        `wrote`: they are also being written into their result regions from the device."""
+    def file_step(self, plan: StepPlan, host: torch.Tensor) -> None:
+        """Account a step whose rows are (or are being copied) in `host` (`fetch` waits for copies)."""
         row = host.shape[-1] * host.element_size()
         event = None
         arena = plan.arena
         assert arena is not None  # `open_plan` made it
-        if wrote:
-            ch = arena.chunks[-1]
-            arena.direct_steps[-1][ch[2] - 1] = True
-            FETCH_TIMINGS["direct_steps"] += 1
         if arena.users and self.side is not None:  # early assembly copies the step once this is done
             event = torch.cuda.Event()
             event.record(self.side)
