@@ -431,6 +431,14 @@ def main() -> None:
         "gpu-early": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2"), "lens-noearly": ("W0", "W1", "W2")},
         # all-layer capture, diagnosed: BENCH_PYSPY profiles the W2 runs; lens-x = a setting to try (BENCH_LENS_X_ENV)
         "gpu-w2": {"vllm-compiled": ("W0",), "lens": ("W0", "W1", "W2"), "lens-x": ("W0", "W1", "W2")},
+        # capture (one layer, all layers) and steering against an earlier commit (BENCH_LENS_BEFORE_SRC) and with
+        # early assembly off; each lens run's wall split around its step loop (`lens_timings.span`)
+        "gpu-w2b": {
+            "vllm-compiled": ("W0",),
+            "lens": ("W0", "W1", "W3", "W2"),
+            "lens-before": ("W0", "W1", "W3", "W2"),
+            "lens-noearly": ("W0", "W2"),
+        },
         # every target of #25 in one call, with this project at an earlier commit (BENCH_LENS_BEFORE_SRC) beside it
         "gpu-table": {
             "vllm-compiled": ("W0",),

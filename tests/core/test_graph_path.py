@@ -79,6 +79,38 @@ def test_graph_and_python_paths_give_the_same_numbers(llama):
     assert (fast[0].activations["residual_stream"][1] - plain.activations["residual_stream"][0]).abs().max() > 0.5
 
 
+def test_decode_steps_that_reuse_their_table_equal_the_python_path(llama):
+    """Without position-indexed vectors a batch's table is the same every decode step: it stays on the
+    device and only the ring's base moves (`GraphTaps.reuse`). Captures and steering of those steps equal
+    the Python path's, request by request, with a plain batch-mate."""
+    steer = [SteeringVector(_vec(5, (1, D)), [1], scale=1.5), SteeringVector(_vec(6, (2, D)), [2, 0], norm_match=True)]
+    extras = [
+        {"apply_steering_vectors": steer, "output_residual_stream": [0, 1, 2, 3]},
+        {"output_residual_stream": [1, 3]},
+        None,
+    ]
+
+    def run(hook: bool):
+        sps = []
+        for e in extras:
+            e = dict(e or {})
+            if hook:
+                e["apply_hooks"] = [Hook(_noop, [3])]
+            sps.append(SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=e or None))
+        before = STEP_TIMINGS["reused_tables"]
+        return llama.generate(PROMPTS, sps, use_tqdm=False), STEP_TIMINGS["reused_tables"] - before
+
+    fast, reused = run(False)
+    slow, reused_slow = run(True)
+    assert reused >= 5 and reused_slow == 0
+    for a, b in zip(fast, slow):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        if a.activations is not None:
+            x, y = a.activations["residual_stream"], b.activations["residual_stream"]
+            assert x.shape == y.shape and x.shape[1] == len(a.prompt_token_ids) + 7
+            assert (x - y).abs().max() <= 1e-4 * max(1.0, y.abs().max().item())
+
+
 def _double(ctx, h):
     ctx.saved["calls"] = ctx.saved.get("calls", 0) + 1
     return h * 2
@@ -210,6 +242,35 @@ def test_steps_over_changing_columns_leave_exactly_each_steps_table(monkeypatch)
         assert np.array_equal(g.ctl.numpy(), want), f"step {step}: columns {sorted(live)}, {n} rows"
 
 
+def test_a_steady_plan_reuses_its_table_and_only_the_base_moves(monkeypatch):
+    """A decode step of an unchanged batch uploads nothing: the table already on the device serves it, with
+    captures landing at the step's ring base. Any other table in between (another plan, a step off this
+    path) makes the next step upload again."""
+    g = graph.GraphTaps([0, 1, 2], 8, torch.float32, torch.device("cpu"), 16, None)
+    plan_a, plan_b = object(), object()
+    assert not g.reuse(plan_a, frozenset({1}))  # nothing uploaded yet
+    ctl = g.host_ctl(4, frozenset({1}))
+    ctl[1, :4, 0] = range(4)
+    g.upload(4, frozenset({1}), plan_a)
+    h = torch.arange(32, dtype=torch.float32).view(4, 8)
+    for base in (0, 5, 9):
+        assert g.reuse(plan_a, frozenset({1})) and g.active and g.fired == 0
+        g.set_base(base)
+        g.stage.zero_()
+        g.apply(h.clone(), None, 1)
+        assert torch.equal(g.stage[base : base + 4], h) and float(g.stage.abs().sum()) == float(h.abs().sum())
+    assert not g.reuse(plan_b, frozenset({1}))
+    ctl = g.host_ctl(2, frozenset({2}))
+    ctl[2, :2, 0] = range(2)
+    g.upload(2, frozenset({2}))  # a table of no plan (positions-dependent): never reused
+    assert not g.reuse(plan_a, frozenset({1})) and not g.reuse(None, frozenset({2}))
+    ctl = g.host_ctl(4, frozenset({1}))
+    ctl[1, :4, 0] = range(4)
+    g.upload(4, frozenset({1}), plan_a)
+    g.clear()
+    assert not g.reuse(plan_a, frozenset({1})) and bool((g.ctl == -1).all())
+
+
 @pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_kernel_matches_the_torch_semantics():
     """The CUDA kernel, run by Triton's interpreter on CPU tensors, against the torch implementation
@@ -222,14 +283,16 @@ def test_triton_kernel_matches_the_torch_semantics():
         g.A[:5] = torch.randn(5, 96); g.B[:5] = torch.randn(5, 96); g.bflag[:5] = torch.tensor([0, 1, 0, 1, 0])
         g.ctl[1, 1] = torch.tensor([3, 1]); g.ctl[1, 2] = torch.tensor([-1, 2]); g.ctl[1, 4] = torch.tensor([7, -1])
         g.ctl[0, 5] = torch.tensor([9, 3]); g.active = True; g.live_cols = frozenset({0, 1})
+        g.set_base(2)  # slots count from the step's base
         kernel = graph._triton_kernel()
         worst = 0.0
         for has_r in (True, False):
             h = torch.randn(7, 96); r = torch.randn(7, 96) if has_r else None
             h1 = h.clone(); g.stage.zero_(); g._kernel = None
-            g.apply(h1, r, 1); g.apply(h1, r, 0); s1 = g.stage[:10].clone()
+            g.apply(h1, r, 1); g.apply(h1, r, 0); s1 = g.stage[:12].clone()
+            assert s1[:2].abs().sum() == 0 and s1[11].abs().sum() > 0  # rows 3, 7, 9 land at 5, 9, 11
             h2 = h.clone(); g.stage.zero_(); g._kernel = kernel
-            g.apply(h2, r, 1); g.apply(h2, r, 0); s2 = g.stage[:10].clone()
+            g.apply(h2, r, 1); g.apply(h2, r, 0); s2 = g.stage[:12].clone()
             assert (h1 - h).abs().max() > 1 and s1.abs().sum() > 1
             worst = max(worst, (h1 - h2).abs().max().item(), (s1 - s2).abs().max().item())
         print("WORST", worst)

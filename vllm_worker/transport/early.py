@@ -104,6 +104,7 @@ class EarlyAssembler:
         self._rows: dict[tuple, np.ndarray] = {}  # (path, dtype, d) -> the segment as rows
         self._fills: dict[tuple, np.ndarray] = {}  # (path, row bytes) -> rows written (per segment row)
         self.threads = 1  # copy threads for one batch (set by the store)
+        self._copiers: Any = None  # their executor, kept while the thread runs (not one per batch)
 
     # ------------------------------------------------------------ step side (store lock held)
 
@@ -227,6 +228,7 @@ class EarlyAssembler:
             self._break(e)
             with self._cv:
                 self._thread = None
+                self._stop_copiers()
                 self._busy = False
                 self._done = self._seq
                 self._cv.notify_all()
@@ -246,6 +248,7 @@ class EarlyAssembler:
                 if not self._queue:
                     if timed_out:
                         self._thread = None
+                        self._stop_copiers()
                         self._cv.notify_all()
                         return
                     continue
@@ -263,6 +266,12 @@ class EarlyAssembler:
                     self._busy = False
                     self._done += len(items)
                     self._cv.notify_all()
+
+    def _stop_copiers(self) -> None:
+        """(The thread is ending.) Its copy threads go with it."""
+        if self._copiers is not None:
+            self._copiers.shutdown(wait=False)
+            self._copiers = None
 
     def _free_dead(self) -> None:
         """(cv held, no batch in flight.)"""
@@ -313,8 +322,9 @@ class EarlyAssembler:
         t1 = time.perf_counter()
         threads = max(1, min(self.threads, nbytes // (128 << 20)))
         if threads > 1 and len(jobs) > 1:
-            with self._executor(threads) as ex:
-                list(ex.map(_run, jobs))
+            if self._copiers is None:
+                self._copiers = self._executor(self.threads)
+            list(self._copiers.map(_run, jobs))
         else:
             for job in jobs:
                 _run(job)

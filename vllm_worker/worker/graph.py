@@ -5,9 +5,10 @@ graph, must do its work from buffers whose addresses never change and whose *con
 fills before the forward runs:
 
 - `ctl[col, row] = (slot, entry)` for every tap site (`taps`: a point of a layer) this stage holds and
-  every row of the batch: `slot` is
-  where the row's stream goes in the staging ring (capture), `entry` which steering entry is added to it;
-  -1 = nothing. Rows beyond the step's tokens (a graph's padding) are always -1. Column-major, so a
+  every row of the batch: `slot` is where the row's stream goes in the staging ring (capture), counted
+  from `base` (the step's first ring row, one device scalar), `entry` which steering entry is added to
+  it; -1 = nothing. Relative slots make a decode step of an unchanged batch find its table already on
+  the device: only `base` moves (`reuse`), so an all-layer step uploads one scalar, not 32 columns. Rows beyond the step's tokens (a graph's padding) are always -1. Column-major, so a
   step resets and uploads only the columns it or the step before used: the host work per step follows
   what is requested, not how many sites are tapped (every inner point of every layer is ~10 per layer).
 - `stage`: the staging ring the captured rows are written to; after the step they are copied to pinned
@@ -56,6 +57,7 @@ def _triton_kernel() -> Any:
         h_ptr,
         r_ptr,
         ctl_ptr,
+        base_ptr,
         stage_ptr,
         a_ptr,
         b_ptr,
@@ -93,7 +95,8 @@ def _triton_kernel() -> Any:
                 tl.store(hp, h, mask=m)
             if slot >= 0:
                 out = (h.to(tl.float32) + r).to(stage_ptr.dtype.element_ty)
-                tl.store(stage_ptr + slot.to(tl.int64) * d + offs, out, mask=m)
+                at = slot.to(tl.int64) + tl.load(base_ptr).to(tl.int64)
+                tl.store(stage_ptr + at * d + offs, out, mask=m)
 
     return tap_kernel
 
@@ -119,6 +122,8 @@ class GraphTaps:
         n_entries = max(1, int(STEER_MB * (1 << 20)) // (2 * d * esize))
         cuda = device.type == "cuda"
         self.ctl = torch.full((self.n_cols, max_rows, 2), -1, dtype=torch.int32, device=device)
+        self.base = torch.zeros(1, dtype=torch.int32, device=device)  # the running step's first ring row
+        self._base = 0  # ... as last set from the host
         self.stage = torch.empty((self.stage_rows, d), dtype=dtype, device=device)
         self.A = torch.zeros((n_entries, d), dtype=dtype, device=device)
         self.B = torch.zeros((n_entries, d), dtype=dtype, device=device)
@@ -140,6 +145,7 @@ class GraphTaps:
         self.fired = 0  # kernel calls outside graph capture during the running step
         self.launches_in_capture = 0  # kernel calls recorded into CUDA graphs
         self.live_cols: frozenset = frozenset()  # site columns the running step uses
+        self.holds: Any = None  # the plan (`plan.GraphPlan`) whose table `ctl` holds now, if any
         self.error: str | None = None  # the kernel raised during the running step (its requests fail)
         self.broken: str | None = None  # it raised while vLLM captured a graph: the path is off for good
         self._side = side
@@ -203,6 +209,7 @@ class GraphTaps:
             hidden,
             r,
             self.ctl,
+            self.base,
             self.stage,
             self.A,
             self.B,
@@ -235,7 +242,7 @@ class GraphTaps:
         rows = torch.nonzero(slot >= 0).squeeze(1)
         if rows.numel():
             v = hidden[rows] if residual is None else hidden[rows] + residual[rows]
-            self.stage[slot[rows].long(), : v.shape[1]] = v.to(self.dtype)
+            self.stage[slot[rows].long() + self.base.long(), : v.shape[1]] = v.to(self.dtype)
 
     # ------------------------------------------------------------ steering entries (per request)
 
@@ -287,7 +294,9 @@ class GraphTaps:
         self._fill_rows = m
         return h
 
-    def upload(self, n: int, live_cols: frozenset = frozenset()) -> None:
+    def upload(self, n: int, live_cols: frozenset = frozenset(), owner: Any = None) -> None:
+        """Send the table `host_ctl` handed out (its columns to reset and fill); `owner`: the plan it is
+        the table of (`reuse` then serves that plan's next steps without an upload)."""
         k = self._turn
         m = self._fill_rows
         cols = self._fill_cols
@@ -308,6 +317,23 @@ class GraphTaps:
         self._turn = 1 - k
         self.dirty = n
         self.dirty_cols = live_cols
+        self.holds = owner
+        self._start(live_cols)
+
+    def reuse(self, owner: Any, live_cols: frozenset) -> bool:
+        """The next step of `owner`, whose table `ctl` still holds (nothing uploaded); False: it does not."""
+        if owner is None or self.holds is not owner:
+            return False
+        self._start(live_cols)
+        return True
+
+    def set_base(self, base: int) -> None:
+        """The step's first staging row (a scalar written on the device's stream, in order with the steps)."""
+        if base != self._base:
+            self.base.fill_(base)
+            self._base = base
+
+    def _start(self, live_cols: frozenset) -> None:
         self.active = True
         self.fired = 0
         self.error = None
@@ -330,6 +356,7 @@ class GraphTaps:
                 self.ctl[c, : self.dirty].fill_(-1)
             self.dirty = 0
             self.dirty_cols = frozenset()
+        self.holds = None
         self.active = False
 
     def copy_out(self, base: int, n: int, dst: torch.Tensor) -> None:

@@ -149,11 +149,17 @@ class GraphPlan:
             | frozenset(c for _, _, c, _, _, _ in self.st_pos)
         )
 
-    def fill(self, ctl: np.ndarray, base: int, positions: np.ndarray) -> None:
-        """Write this step into the host table (`ctl[col, row]`, the live columns' rows already -1);
-        `positions`: host positions."""
+    @property
+    def steady(self) -> bool:
+        """Every step of this plan has the same table (no entry depends on the position): once uploaded it
+        serves the plan's next steps as it is (`GraphTaps.reuse`)."""
+        return not self.st_pos
+
+    def fill(self, ctl: np.ndarray, positions: np.ndarray) -> None:
+        """Write this step into the host table (`ctl[col, row]`, the live columns' rows already -1; staging
+        slots relative to the step's base); `positions`: host positions."""
         if len(self.cap_rows):
-            ctl[self.cap_cols, self.cap_rows, 0] = base + np.arange(len(self.cap_rows), dtype=np.int32)
+            ctl[self.cap_cols, self.cap_rows, 0] = np.arange(len(self.cap_rows), dtype=np.int32)
         if len(self.st_rows):
             ctl[self.st_cols, self.st_rows, 1] = self.st_ents
         for s, e, col, pos, ents, default in self.st_pos:
