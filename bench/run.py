@@ -50,7 +50,7 @@ def system_env(system: str) -> dict[str, str]:
     env.pop("VLLM_LENS_DISABLE", None)
     if system in ("vllm-eager", "vllm-compiled"):
         env["VLLM_PLUGINS"] = "none-allowed"  # allow-list naming no plugin: plain vLLM
-    elif system in ("lens", "lens-eager", "lens-points", "lens-noseams", "lens-noearly", "lens-x"):
+    elif system in ("lens", "lens-eager", "lens-points", "lens-noseams", "lens-noearly", "lens-x", "lens-x2"):
         env["VLLM_PLUGINS"] = "inspect_lens_worker"
         env["VLLM_LENS_ALLOW_REMOTE_HOOKS"] = "1"
         # "lens-points": the engine taps the inner points the point workloads use (BENCH_LENS_POINTS), as an
@@ -61,11 +61,12 @@ def system_env(system: str) -> dict[str, str]:
             env["VLLM_LENS_SEAMS"] = "0"
         if system == "lens-noearly":  # captures assembled at fetch, after generation (before early assembly)
             env["VLLM_LENS_EARLY_ASSEMBLY"] = "0"
-        if system == "lens-x":  # this project with the settings in BENCH_LENS_X_ENV ("NAME=value,NAME=value")
-            for item in filter(None, os.environ.get("BENCH_LENS_X_ENV", "").split(",")):
+        if system in ("lens-x", "lens-x2"):  # this project with the settings in BENCH_LENS_X_ENV / BENCH_LENS_X2_ENV
+            var = "BENCH_LENS_X_ENV" if system == "lens-x" else "BENCH_LENS_X2_ENV"  # ("NAME=value,NAME=value")
+            for item in filter(None, os.environ.get(var, "").split(",")):
                 name, _, value = item.partition("=")
                 if not name.startswith("VLLM_LENS_"):
-                    raise SystemExit(f"BENCH_LENS_X_ENV: {name!r} is not a VLLM_LENS_ setting")
+                    raise SystemExit(f"{var}: {name!r} is not a VLLM_LENS_ setting")
                 env[name] = value
     elif system == "lens-before":
         # this project at an older commit (A/B): its package installed elsewhere (BENCH_LENS_BEFORE_PATH, e.g.
@@ -329,6 +330,7 @@ COLORS = {
     "lens-noseams": "#ff7f0e",
     "lens-noearly": "#bcbd22",
     "lens-x": "#17becf",
+    "lens-x2": "#7f7f7f",
     "vllm-lens": "#d62728",
     "hf": "#9467bd",
     "nnsight": "#8c564b",
@@ -437,6 +439,14 @@ def main() -> None:
             "vllm-compiled": ("W0",),
             "lens": ("W0", "W1", "W3", "W2"),
             "lens-before": ("W0", "W1", "W3", "W2"),
+            "lens-noearly": ("W0", "W2"),
+        },
+        # early assembly beside the step loop: two settings to try (BENCH_LENS_X_ENV, BENCH_LENS_X2_ENV) and off
+        "gpu-w2c": {
+            "vllm-compiled": ("W0",),
+            "lens": ("W0", "W1", "W3", "W2"),
+            "lens-x": ("W0", "W2"),
+            "lens-x2": ("W0", "W2"),
             "lens-noearly": ("W0", "W2"),
         },
         # every target of #25 in one call, with this project at an earlier commit (BENCH_LENS_BEFORE_SRC) beside it

@@ -26,7 +26,7 @@ class Setting:
     default: Any  # a value, or a callable giving it (a default that depends on the machine or another setting)
     what: str
     flag: str | None = None  # `vllm-lens serve` flag (a bool flag takes no value)
-    unit: str = ""  # "MB" / "GB" (limit() returns bytes), "s", or "" for a count / plain value
+    unit: str = ""  # "MB" / "GB" (limit() returns bytes), "s", "ms", or "" for a count / plain value
     limit: bool = False  # an operator limit: reported by /v1/lens/info, must be positive
     # a computed default that depends only on these settings: remembered per their texts (other computed
     # defaults are computed at every read)
@@ -227,6 +227,14 @@ SETTINGS: dict[str, Setting] = {
             True,
             "copy captures into their shared-memory result regions while requests run (a worker thread, as "
             "each step's copy lands), so a fetch only finishes the last steps (0: all at fetch)",
+        ),
+        Setting(
+            "VLLM_LENS_EARLY_INTERVAL_MS",
+            float,
+            20.0,
+            "early assembly takes the steps filed since its last wake-up at most this often (its Python shares "
+            "the engine's interpreter lock with the step loop; a fetch waiting for it wakes it at once)",
+            unit="ms",
         ),
         Setting(
             "VLLM_LENS_INJECT_FAULT",

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from vllm_worker.envs import get
 from vllm_worker.protocol import errors
 from vllm_worker.transport.assembly import BLOCK_BYTES, _runs, note_missing, pool_result
 from vllm_worker.transport.result_pool import ResultPool
@@ -54,7 +55,7 @@ IDLE_EXIT_S = 2.0  # the thread ends after this long without work (started again
 # The thread takes the queued steps at most this often (unless a fetch waits): its Python (the copies' index
 # building) shares the GIL with the step loop, which is the bottleneck of a host-bound decode; several steps
 # per wake-up cost about what one does.
-INTERVAL_S = 0.02
+INTERVAL_S = get("VLLM_LENS_EARLY_INTERVAL_MS") / 1000
 
 
 class Dest:

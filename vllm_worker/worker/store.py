@@ -147,7 +147,9 @@ class CaptureStore:
         arena = plan.arena
         assert arena is not None  # `open_plan` made it
         if arena.users and self.side is not None:  # early assembly copies the step once this is done
-            event = torch.cuda.Event()
+            # (a blocking-sync event: the thread waiting on it sleeps instead of spinning in the driver
+            # beside the step loop's launches)
+            event = torch.cuda.Event(blocking=True)
             event.record(self.side)
         with self.lock:
             for log in plan.logs.values():
