@@ -34,6 +34,20 @@ def _vec(seed: int, shape) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3
 
 
+def _run_paths(llama, extras: list, hook: bool, counter: str, **sampling):
+    """The batch greedily (`hook`: each request also carries a no-op hook, which moves its steps to the
+    Python path); returns the outputs and how much `STEP_TIMINGS[counter]` grew."""
+    sps = []
+    for e in extras:
+        e = dict(e or {})
+        if hook:
+            e["apply_hooks"] = [Hook(_noop, [3])]
+        sps.append(SamplingParams(temperature=0, ignore_eos=True, extra_args=e or None, **sampling))
+    before = STEP_TIMINGS[counter]
+    outs = llama.generate(PROMPTS, sps, use_tqdm=False)
+    return outs, STEP_TIMINGS[counter] - before
+
+
 def test_graph_and_python_paths_give_the_same_numbers(llama):
     """Several vectors at one layer (2-D plain + 3-D norm-matched at positions), norm-matched 2-D at
     another, captures at steered and unsteered layers, a capture-only and a plain batch-mate."""
@@ -48,19 +62,8 @@ def test_graph_and_python_paths_give_the_same_numbers(llama):
         None,
     ]
 
-    def run(hook: bool):
-        sps = []
-        for e in extras:
-            e = dict(e or {})
-            if hook:
-                e["apply_hooks"] = [Hook(_noop, [3])]
-            sps.append(SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, extra_args=e or None))
-        before = STEP_TIMINGS["graph_steps"]
-        outs = llama.generate(PROMPTS, sps, use_tqdm=False)
-        return outs, STEP_TIMINGS["graph_steps"] - before
-
-    fast, fast_steps = run(False)
-    slow, slow_steps = run(True)
+    fast, fast_steps = _run_paths(llama, extras, False, "graph_steps", max_tokens=6, logprobs=2)
+    slow, slow_steps = _run_paths(llama, extras, True, "graph_steps", max_tokens=6, logprobs=2)
     assert fast_steps >= 6 and slow_steps == 0  # each run took the path it was meant to
     for a, b in zip(fast, slow):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
@@ -90,18 +93,8 @@ def test_decode_steps_that_reuse_their_table_equal_the_python_path(llama):
         None,
     ]
 
-    def run(hook: bool):
-        sps = []
-        for e in extras:
-            e = dict(e or {})
-            if hook:
-                e["apply_hooks"] = [Hook(_noop, [3])]
-            sps.append(SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=e or None))
-        before = STEP_TIMINGS["reused_tables"]
-        return llama.generate(PROMPTS, sps, use_tqdm=False), STEP_TIMINGS["reused_tables"] - before
-
-    fast, reused = run(False)
-    slow, reused_slow = run(True)
+    fast, reused = _run_paths(llama, extras, False, "reused_tables", max_tokens=8)
+    slow, reused_slow = _run_paths(llama, extras, True, "reused_tables", max_tokens=8)
     assert reused >= 5 and reused_slow == 0
     for a, b in zip(fast, slow):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
