@@ -337,7 +337,7 @@ class VLLMSystem:
                     last = self._last_status.get(k, {})
                     self.timings[k] = {x: round(y - last.get(x, 0), 4) for x, y in v.items()}
                 self._last_status = now
-                span = split_wall(st.get("forward_clock") or [], t_gen, t_end)
+                span = split_wall(self.llm.collective_rpc("lens_forward_clock")[0], t_gen, t_end)
                 if span:
                     self.timings["span"] = span
             except Exception as e:  # noqa: BLE001 - diagnostics only

@@ -241,27 +241,27 @@ def test_a_steady_plan_reuses_its_table_and_only_the_base_moves(monkeypatch):
     path) makes the next step upload again."""
     g = graph.GraphTaps([0, 1, 2], 8, torch.float32, torch.device("cpu"), 16, None)
     plan_a, plan_b = object(), object()
-    assert not g.reuse(plan_a, frozenset({1}))  # nothing uploaded yet
+    assert not g.reuse(plan_a)  # nothing uploaded yet
     ctl = g.host_ctl(4, frozenset({1}))
     ctl[1, :4, 0] = range(4)
     g.upload(4, frozenset({1}), plan_a)
     h = torch.arange(32, dtype=torch.float32).view(4, 8)
     for base in (0, 5, 9):
-        assert g.reuse(plan_a, frozenset({1})) and g.active and g.fired == 0
+        assert g.reuse(plan_a) and g.active and g.fired == 0 and g.live_cols == frozenset({1})
         g.set_base(base)
         g.stage.zero_()
         g.apply(h.clone(), None, 1)
         assert torch.equal(g.stage[base : base + 4], h) and float(g.stage.abs().sum()) == float(h.abs().sum())
-    assert not g.reuse(plan_b, frozenset({1}))
+    assert not g.reuse(plan_b)
     ctl = g.host_ctl(2, frozenset({2}))
     ctl[2, :2, 0] = range(2)
     g.upload(2, frozenset({2}))  # a table of no plan (positions-dependent): never reused
-    assert not g.reuse(plan_a, frozenset({1})) and not g.reuse(None, frozenset({2}))
+    assert not g.reuse(plan_a) and not g.reuse(None)
     ctl = g.host_ctl(4, frozenset({1}))
     ctl[1, :4, 0] = range(4)
     g.upload(4, frozenset({1}), plan_a)
     g.clear()
-    assert not g.reuse(plan_a, frozenset({1})) and bool((g.ctl == -1).all())
+    assert not g.reuse(plan_a) and bool((g.ctl == -1).all())
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton not installed")

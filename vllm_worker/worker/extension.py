@@ -14,7 +14,7 @@ from vllm_worker import compat
 from vllm_worker.protocol import errors
 from vllm_worker.transport import shm
 from vllm_worker.worker import seams
-from vllm_worker.worker.runtime import LensRuntime
+from vllm_worker.worker.runtime import FORWARD_CLOCK, LensRuntime
 
 logger = logging.getLogger("vllm_worker")
 
@@ -143,6 +143,10 @@ class LensWorkerExtension:
 
     def lens_status(self) -> dict:
         return self._lens_rt().status()
+
+    def lens_forward_clock(self) -> list:
+        """(start, end) of the latest forward passes (diagnostics: `runtime.FORWARD_CLOCK`)."""
+        return list(FORWARD_CLOCK)
 
     def lens_register_hooks(self, hooks: list) -> int:
         return self._lens_rt().register_hooks(

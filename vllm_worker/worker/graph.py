@@ -8,8 +8,9 @@ fills before the forward runs:
   every row of the batch: `slot` is where the row's stream goes in the staging ring (capture), counted
   from `base` (the step's first ring row, one device scalar), `entry` which steering entry is added to
   it; -1 = nothing. Relative slots make a decode step of an unchanged batch find its table already on
-  the device: only `base` moves (`reuse`), so an all-layer step uploads one scalar, not 32 columns. Rows beyond the step's tokens (a graph's padding) are always -1. Column-major, so a
-  step resets and uploads only the columns it or the step before used: the host work per step follows
+  the device: only `base` moves (`reuse`), so an all-layer step uploads one scalar, not 32 columns.
+  Rows beyond the step's tokens (a graph's padding) are always -1. Column-major, so a step resets and
+  uploads only the columns it or the step before used: the host work per step follows
   what is requested, not how many sites are tapped (every inner point of every layer is ~10 per layer).
 - `stage`: the staging ring the captured rows are written to; after the step they are copied to pinned
   host memory on a side stream (no synchronisation in the step).
@@ -320,11 +321,12 @@ class GraphTaps:
         self.holds = owner
         self._start(live_cols)
 
-    def reuse(self, owner: Any, live_cols: frozenset) -> bool:
-        """The next step of `owner`, whose table `ctl` still holds (nothing uploaded); False: it does not."""
+    def reuse(self, owner: Any) -> bool:
+        """The next step of `owner`, whose table `ctl` still holds (nothing uploaded; its columns are the
+        ones that upload used); False: it does not."""
         if owner is None or self.holds is not owner:
             return False
-        self._start(live_cols)
+        self._start(self.dirty_cols)
         return True
 
     def set_base(self, base: int) -> None:

@@ -152,7 +152,7 @@ class GraphPlan:
     @property
     def steady(self) -> bool:
         """Every step of this plan has the same table (no entry depends on the position): once uploaded it
-        serves the plan's next steps as it is (`GraphTaps.reuse`)."""
+        serves the plan's next steps as it is (uploaded as their owner: `GraphTaps.reuse`)."""
         return not self.st_pos
 
     def fill(self, ctl: np.ndarray, positions: np.ndarray) -> None:
