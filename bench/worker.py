@@ -154,6 +154,16 @@ class VLLMSystem:
             from vllm_worker import Hook, SteeringVector
         return Hook, SteeringVector
 
+    def _rusage(self) -> dict | None:
+        """The worker's cumulative CPU use and result-pool growth (`lens_rusage`; None: not a lens build
+        that has it)."""
+        if not self.kind.startswith("lens"):
+            return None
+        try:
+            return self.llm.collective_rpc("lens_rusage")[0]
+        except Exception:  # noqa: BLE001 - diagnostics only (an older tree, e.g. lens-before)
+            return None
+
     def extra(self, workload: str, i: int, n: int) -> dict:
         mid = self.n_layers // 2
         if workload == "W0":
@@ -316,6 +326,7 @@ class VLLMSystem:
         # when one engine->frontend message passes 4 GiB)
         chunk = int(os.environ.get("BENCH_W2_CHUNK", "0")) if workload == "W2" and self.kind == "vllm-lens" else 0
         outs = []
+        use0 = self._rusage()
         t_gen = time.monotonic()
         for s in range(0, n, chunk or n):
             outs += self.llm.generate(
@@ -340,6 +351,9 @@ class VLLMSystem:
                 span = split_wall(self.llm.collective_rpc("lens_forward_clock")[0], t_gen, t_end)
                 if span:
                     self.timings["span"] = span
+                use1 = self._rusage()
+                if use0 and use1:
+                    self.timings["rusage"] = _delta(use0, use1)
             except Exception as e:  # noqa: BLE001 - diagnostics only
                 self.timings["step"] = f"{type(e).__name__}: {e}"
         if workload in ("W1", "W2"):  # results must really be there (no silent no-op)
@@ -368,22 +382,38 @@ class VLLMSystem:
         return out_tokens
 
 
+def _delta(a: dict, b: dict) -> dict:
+    """b - a for nested dicts of numbers (cumulative counters read before and after a run)."""
+    out: dict = {}
+    for k, v in b.items():
+        if isinstance(v, dict):
+            out[k] = _delta(a.get(k, {}), v)
+        elif isinstance(v, (int, float)):
+            out[k] = round(v - a.get(k, 0), 4)
+    return out
+
+
 def split_wall(clock: list, t0: float, t1: float) -> dict | None:
     """A generate call's wall time (`time.monotonic` t0..t1) split by the worker's forward passes (their
     (start, end) on the same clock): before the first forward (requests admitted, scheduled), the step loop
     (first forward's start to the last one's end) with the host seconds inside forwards, and after the last
     forward (outputs processed, results fetched)."""
-    mine = [(a, b) for a, b in clock if t0 <= a and b <= t1]
+    mine = [tuple(c) for c in clock if t0 <= c[0] and c[1] <= t1]
     if not mine:
         return None
     first, last = mine[0][0], mine[-1][1]
-    return {
+    out = {
         "steps": len(mine),
         "lead_s": round(first - t0, 4),
         "loop_s": round(last - first, 4),
-        "in_forward_s": round(sum(b - a for a, b in mine), 4),
+        "in_forward_s": round(sum(c[1] - c[0] for c in mine), 4),
         "tail_s": round(t1 - last, 4),
     }
+    if len(mine) > 1 and len(mine[0]) > 2:  # the step thread's CPU seconds from the first step's start to the
+        # last one's (against the same stretch of wall): below it, that thread waited (GIL, device, queue)
+        out["loop_cpu_s"] = round(mine[-1][2] - mine[0][2], 4)
+        out["loop_to_last_start_s"] = round(mine[-1][0] - first, 4)
+    return out
 
 
 def _norm_hook(ctx, h):

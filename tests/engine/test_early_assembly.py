@@ -215,3 +215,21 @@ def test_a_failing_early_assembly_thread_falls_back_to_the_fetch_time_path(llama
     assert after["early_requests"] == before["early_requests"]  # none was served from a half-written region
     if when != "first batch":
         assert after["early_bytes"] > before["early_bytes"]  # the first batch did write into regions
+
+
+def test_diagnostics_split_a_run_and_count_its_cpu(llama):
+    """The benchmark's diagnostics (`lens_forward_clock`, `lens_rusage`) read real numbers: every forward of a
+    run is on the clock with the step thread's CPU seconds, and the worker's CPU use and result pool grow."""
+    t0 = time.monotonic()
+    u0 = llama.collective_rpc("lens_rusage")[0]
+    _run(llama, *_batch(llama))
+    u1 = llama.collective_rpc("lens_rusage")[0]
+    t1 = time.monotonic()
+    mine = [c for c in llama.collective_rpc("lens_forward_clock")[0] if t0 <= c[0] and c[1] <= t1]
+    assert len(mine) >= 30  # prefill chunks and the longest request's decode steps
+    assert all(len(c) == 3 and c[0] <= c[1] for c in mine)
+    cpus = [c[2] for c in mine]
+    assert cpus == sorted(cpus) and cpus[-1] > cpus[0]  # the step thread computed between its first and last step
+    assert u1["process"]["user_s"] + u1["process"]["sys_s"] > u0["process"]["user_s"] + u0["process"]["sys_s"]
+    assert u1["step_thread"]["user_s"] >= u0["step_thread"]["user_s"]
+    assert u1["pool"]["bytes"] > 0 and u1["pool"]["allocs"] > u0["pool"].get("allocs", 0)

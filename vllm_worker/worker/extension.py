@@ -145,8 +145,32 @@ class LensWorkerExtension:
         return self._lens_rt().status()
 
     def lens_forward_clock(self) -> list:
-        """(start, end) of the latest forward passes (diagnostics: `runtime.FORWARD_CLOCK`)."""
+        """(start, end, thread CPU at start) of the latest forward passes (diagnostics: `runtime.FORWARD_CLOCK`)."""
         return list(FORWARD_CLOCK)
+
+    def lens_rusage(self) -> dict:
+        """Cumulative CPU use of this worker (diagnostics for benchmarks): the process, the thread that runs
+        the steps (RPCs run on it), and the result pool's growth."""
+        import resource
+
+        def use(who: int) -> dict:
+            r = resource.getrusage(who)
+            return {
+                "user_s": r.ru_utime,
+                "sys_s": r.ru_stime,
+                "minflt": r.ru_minflt,
+                "majflt": r.ru_majflt,
+                "vcsw": r.ru_nvcsw,
+                "ivcsw": r.ru_nivcsw,
+            }
+
+        out = {"process": use(resource.RUSAGE_SELF)}
+        if hasattr(resource, "RUSAGE_THREAD"):
+            out["step_thread"] = use(resource.RUSAGE_THREAD)
+        pool = self._lens_rt().store.pool_status()
+        if pool is not None:
+            out["pool"] = {k: v for k, v in pool.items() if isinstance(v, (int, float))}
+        return out
 
     def lens_register_hooks(self, hooks: list) -> int:
         return self._lens_rt().register_hooks(

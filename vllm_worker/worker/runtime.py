@@ -50,9 +50,10 @@ STEP_TIMINGS = {
     "reused_tables": 0,  # graph-path steps whose table was already on the device (`GraphTaps.reuse`)
 }
 
-# Diagnostics (`lens_forward_clock`, read by benchmarks): (start, end) of the latest forward passes on the
-# `time.monotonic` clock (one clock for every process of the machine), so a benchmark can split a call's wall
-# time into before the first step, the step loop and after the last step.
+# Diagnostics (`lens_forward_clock`, read by benchmarks): (start, end, CPU seconds of the calling thread at
+# start) of the latest forward passes on the `time.monotonic` clock (one clock for every process of the
+# machine), so a benchmark can split a call's wall time into before the first step, the step loop and after
+# the last step, and tell a step loop that computes from one that waits (for the GIL, for the device).
 FORWARD_CLOCK: collections.deque = collections.deque(maxlen=4096)
 
 # Device memory the stream snapshots of deferred read-only hooks may hold within one step; past it the
@@ -279,12 +280,12 @@ class LensRuntime:
         # several engines may share a process (tests, notebooks): the taps act for the one running now;
         # outside forwards (vLLM capturing graphs right after load) they act for the latest loaded
         prev_graph = taps.set_graph(self.graph)
-        t = time.monotonic()
+        t, cpu = time.monotonic(), time.thread_time()
         try:
             return self._forward(orig, args, kwargs)
         finally:
             taps.set_graph(prev_graph)
-            FORWARD_CLOCK.append((t, time.monotonic()))
+            FORWARD_CLOCK.append((t, time.monotonic(), cpu))
 
     def _forward(self, orig: Any, args: tuple, kwargs: dict) -> Any:
         plan = self._current_plan()

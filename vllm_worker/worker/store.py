@@ -120,23 +120,32 @@ class CaptureStore:
         return plan.arena.next(d, dtype)
 
     def finish_step(self, plan: StepPlan) -> None:
-        """Python path: the step's captured rows (kept per layer by the taps) to the host, then filed."""
+        """Python path: the step's captured rows (kept per layer by the taps) to the host, then filed.
+        Layer by layer into the step's host rows: an all-layer prefill holds GBs of rows on the device
+        already, and gathering them into one tensor first would need as much again."""
         by_layer = dict(plan.captured)
-        dev = torch.cat([by_layer[layer] for layer in plan.capture])
+        parts = [by_layer[layer] for layer in plan.capture]
         all_idx = torch.cat([plan.capture[layer][0] for layer in plan.capture])
         assert plan.positions is not None  # set by begin_step on the Python path
         pos = plan.positions.index_select(0, all_idx)
-        host, hpos = self.step_slot(plan, dev.shape[-1], dev.dtype)
+        host, hpos = self.step_slot(plan, parts[0].shape[-1], parts[0].dtype)
         if self.side is None:
-            host.copy_(dev)
+            o = 0
+            for t in parts:
+                host[o : o + t.shape[0]].copy_(t)
+                o += t.shape[0]
             hpos.copy_(pos)
         else:
             side = self.side
-            side.wait_stream(torch.cuda.current_stream(dev.device))
+            side.wait_stream(torch.cuda.current_stream(pos.device))
             with torch.cuda.stream(side):
-                host.copy_(dev, non_blocking=True)
+                o = 0
+                for t in parts:
+                    host[o : o + t.shape[0]].copy_(t, non_blocking=True)
+                    o += t.shape[0]
                 hpos.copy_(pos, non_blocking=True)
-            dev.record_stream(side)
+            for t in parts:
+                t.record_stream(side)
             pos.record_stream(side)
         self.file_step(plan, host)
 
