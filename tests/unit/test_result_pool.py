@@ -204,3 +204,67 @@ def test_pinned_cache_reuses_a_finished_arenas_buffers_whatever_its_shape(monkey
     del b
     gc.collect()
     assert cache.free_bytes <= 10000  # the largest went back
+
+
+def test_early_assembly_blocks_copy_every_row_to_its_place():
+    """The early-assembly thread's copy plan (`EarlyAssembler._map` / `_jobs` / `_split`): requests of one
+    destination segment at every layer make one strided block; two segments, a request without a region,
+    a position outside its result and pieces cut for several threads all land each (request, layer,
+    position) row exactly where the fetch-time layout puts it, and nothing else is written."""
+    import threading
+
+    import numpy as np
+
+    from vllm_worker.transport import early
+
+    L, R, S, d, n_max = 3, 5, 4, 16, 6
+    seg = {0: np.zeros((200, d), np.int16), 1: np.zeros((200, d), np.int16)}
+    fills = {k: np.zeros(200, dtype=bool) for k in seg}
+    where = {0: (0, 10), 1: (0, 40), 2: (1, 0), 3: (1, 30)}  # request -> (segment, first row); 4: no region
+
+    class St:
+        pass
+
+    sts = []
+    for r in range(R):
+        st = St()
+        if r in where:
+            k, first = where[r]
+            dest = early.Dest(("seg%d" % k, first * d * 2, 0), d * 2, n_max, d, torch.bfloat16, [0, 1, 2], {})
+            dest.out_of_slot = {0: 0, 1: 1, 2: 2}
+            dest.rows, dest.fill = seg[k], fills[k]
+            st.early = dest
+        else:
+            st.early = early.OFF
+        sts.append(st)
+
+    class Arena:
+        rows = L * R
+        users = [(l * R + r, 1, sts[r], l) for l in range(L) for r in range(R)]
+        early = None
+
+    data = torch.arange(S * L * R * d, dtype=torch.int16).reshape(S, L * R, d).view(torch.bfloat16)
+    pos = torch.arange(S).repeat_interleave(L * R).reshape(S, L * R).clone()
+    pos[3, 1 * R + 3] = n_max  # request 3, layer 1, last step: outside its result
+    asm = early.EarlyAssembler(lambda: None, {}, lambda n: None)
+    asm._cv = threading.Condition()
+    cmap = asm._map(Arena)
+    assert cmap is not None and [b[0] for b in cmap[3]] == [0, 1] and all(b[4] == L for b in cmap[3])
+    jobs: list = []
+    nbytes = asm._jobs([data, pos, S], 0, S, cmap, jobs)
+    assert nbytes == (4 * L * S - 1) * d * 2
+    parts = early._split(jobs, 3)
+    assert len(parts) >= 3
+    for part in parts:
+        early._run(part)
+    src = data.view(torch.int16).numpy()
+    want = {k: np.zeros((200, d), np.int16) for k in seg}
+    for r, (k, first) in where.items():
+        for l in range(L):
+            for s in range(S):
+                if (r, l, s) != (3, 1, 3):
+                    want[k][first + l * n_max + s] = src[s, l * R + r]
+                    assert fills[k][first + l * n_max + s]
+    for k in seg:
+        assert np.array_equal(seg[k], want[k])
+    assert fills[0].sum() + fills[1].sum() == 4 * L * S - 1

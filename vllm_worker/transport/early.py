@@ -390,11 +390,15 @@ class EarlyAssembler:
                 st.early = dest
                 self.gen += 1
 
-    def _map(self, arena: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, list] | None:
-        """Per arena column: which destination its rows go to (an index into the list, -1: none), the
-        destination row of position 0 and its positions' bound; the destinations as (segment rows, written
-        flags). None: no column goes to a live region. Cached on the arena until a region is made, claimed
-        or dies."""
+    def _map(self, arena: Any) -> tuple | None:
+        """Where the arena's columns go, cached on the arena until a region is made, claimed or dies: per
+        column the destination row of position 0 and its positions' bound, and the columns as *blocks*
+        (None: no column goes to a live region).
+
+        A block is `m` runs of `w` adjacent columns, `gap` columns apart, all going to one destination
+        segment: in a batch where every request captures the same layers, one segment's requests are the
+        same run at every layer, so one block covers them all and the chunk's rows for it are one strided
+        view (no gather, no temporary), copied with one numpy call per copy thread."""
         with self._cv:
             cached = arena.early
             if cached is not None and cached[0] == self.gen:
@@ -417,58 +421,88 @@ class EarlyAssembler:
                     base[col : col + n] = e.base + e.out_of_slot[slot] * e.n_max
                     npos[col : col + n] = e.n_max
             gen = self.gen
-        got = (key, base, npos, targets) if targets else None
+        got = None
+        if targets:
+            edges = np.flatnonzero(np.diff(key)) + 1
+            starts = np.concatenate([[0], edges]).tolist()
+            ends = np.concatenate([edges, [n_cols]]).tolist()
+            blocks: list[list[int]] = []  # [target, first column, w, gap, m]
+            latest: dict[int, list[int]] = {}
+            for a, b in zip(starts, ends):
+                k = int(key[a])
+                if k < 0:
+                    continue
+                last = latest.get(k)  # this target's latest block (targets interleave within a layer)
+                if last is not None and last[2] == b - a:
+                    if last[4] == 1 and a > last[1]:
+                        last[3], last[4] = a - last[1], 2
+                        continue
+                    if a == last[1] + last[4] * last[3]:
+                        last[4] += 1
+                        continue
+                blocks.append([k, a, b - a, 0, 1])
+                latest[k] = blocks[-1]
+            got = (base, npos, targets, [tuple(b) for b in blocks])
         arena.early = (gen, got)
         return got
 
     @staticmethod
     def _jobs(chunk: list, s0: int, s1: int, cmap: tuple, jobs: list) -> int:
-        """Copy jobs for steps s0:s1 of one arena chunk (one per destination segment); returns their bytes.
-        A job is (segment rows, destination rows, the steps' rows flattened, which of them or None: all)."""
-        key, base, npos, targets = cmap
+        """Copy jobs for steps s0:s1 of one arena chunk, one per block; returns their bytes. A job is
+        (segment rows, destination rows (steps, m, w), the source rows (steps, m, w, d): a strided view)."""
+        base, npos, targets, blocks = cmap
         data, pos = chunk[0], chunk[1]
-        src = _np(data)[s0:s1].reshape(-1, data.shape[-1])  # (steps x columns, d): a view, steps are contiguous
+        a3 = _np(data)[s0:s1]  # (steps, columns, d)
         p = pos.numpy()[s0:s1]
         row = data.shape[-1] * data.element_size()
-        dst = (base + p).ravel()
-        ok = ((p >= 0) & (p < npos)).ravel()
-        flat_key = np.broadcast_to(key, p.shape).ravel()
+        S, _, d = a3.shape
+        es = a3.itemsize
         total = 0
-        if len(targets) == 1 and bool(ok.all()) and bool((key == 0).all()):
-            rows, fill = targets[0]
-            fill[dst] = True  # every column, every position: no selection
-            jobs.append((rows, dst, src, None))
-            return dst.size * row
-        for k, (rows, fill) in enumerate(targets):
-            sel = np.flatnonzero(ok & (flat_key == k))
-            if not sel.size:
-                continue
-            idx = dst[sel]
-            fill[idx] = True
-            jobs.append((rows, idx, src, sel))
-            total += sel.size * row
+        for k, c0, w, gap, m in blocks:
+            rows, fill = targets[k]
+            span = (m - 1) * gap + w
+            pb = p[:, c0 : c0 + span]
+            bb = base[c0 : c0 + span]
+            nb = npos[c0 : c0 + span]
+            if m > 1:  # the block's columns only (gaps dropped): (steps, m, w)
+                pb = np.lib.stride_tricks.as_strided(pb, (S, m, w), (pb.strides[0], gap * pb.strides[1], pb.strides[1]))
+                bb = np.lib.stride_tricks.as_strided(bb, (m, w), (gap * bb.strides[0], bb.strides[0]))
+                nb = np.lib.stride_tricks.as_strided(nb, (m, w), (gap * nb.strides[0], nb.strides[0]))
+            else:
+                pb, bb, nb = pb.reshape(S, 1, w), bb.reshape(1, w), nb.reshape(1, w)
+            src = np.lib.stride_tricks.as_strided(a3[:, c0:], (S, m, w, d), (a3.strides[0], gap * d * es, d * es, es))
+            dst = bb + pb  # (steps, m, w)
+            ok = (pb >= 0) & (pb < nb)
+            if ok.all():
+                fill[dst] = True
+                jobs.append((rows, dst, src))
+                total += dst.size * row
+            else:  # positions outside the result (never expected): only the others
+                fill[dst[ok]] = True
+                jobs.append((rows, dst[ok], src[ok]))
+                total += int(ok.sum()) * row
         return total
 
 
 def _split(jobs: list, parts: int) -> list[tuple]:
-    """The jobs cut into pieces of about equal rows, `parts` pieces in all (a thread each)."""
-    total = sum(len(j[1]) for j in jobs)
+    """The jobs cut into about `parts` pieces in all (a thread each), along their longest leading axis."""
+    total = sum(j[1].size for j in jobs)
     if not total:
         return []
     per = max(1, -(-total // parts))
     out = []
-    for rows, idx, src, sel in jobs:
-        for a in range(0, len(idx), per):
-            b = min(len(idx), a + per)
-            out.append((rows, idx[a:b], src, (a, b) if sel is None else sel[a:b]))
+    for rows, idx, src in jobs:
+        n = max(1, -(-idx.size // per))  # pieces for this job
+        axis = int(np.argmax(idx.shape))  # (steps, m, w) or, for the rare partial job, (rows,)
+        length = idx.shape[axis]
+        step = max(1, -(-length // n))
+        for a in range(0, length, step):
+            sl = (slice(None),) * axis + (slice(a, a + step),)
+            out.append((rows, idx[sl], src[sl]))
     return out
 
 
 def _run(part: tuple) -> None:
-    """One piece: two numpy calls at most (a gather of its rows when they are not one slice, the index
-    copy), each releasing the GIL for its whole length."""
-    rows, idx, src, which = part
-    if isinstance(which, tuple):
-        rows[idx] = src[which[0] : which[1]]
-    else:
-        rows[idx] = np.take(src, which, axis=0)
+    """One piece: one numpy index copy from a view (no temporary), which releases the GIL for its length."""
+    rows, idx, src = part
+    rows[idx] = src
