@@ -451,6 +451,8 @@ def main() -> None:
         },
         # the same, all-layer capture only (four engines fit the GPU beside each other with room for W2's prefill)
         "gpu-w2d": {"vllm-compiled": ("W0",), "lens": ("W0", "W2"), "lens-x": ("W0", "W2"), "lens-x2": ("W0", "W2")},
+        # all-layer capture against an earlier commit (BENCH_LENS_BEFORE_SRC), three engines (the shortest call)
+        "gpu-w2e": {"vllm-compiled": ("W0",), "lens": ("W0", "W2"), "lens-before": ("W0", "W2")},
         # every target of #25 in one call, with this project at an earlier commit (BENCH_LENS_BEFORE_SRC) beside it
         "gpu-table": {
             "vllm-compiled": ("W0",),
