@@ -161,51 +161,6 @@ def test_new_requests_take_releases_without_unmapping_and_fetches_unmap_removed_
     assert shm.host_id() is None
 
 
-def test_pinned_cache_reuses_a_finished_arenas_buffers_whatever_its_shape(monkeypatch):
-    """Step arenas on CUDA take their chunks from `PinnedCache` (here over plain memory: no pinning on CPU): a
-    finished arena's buffers go back when it is garbage-collected and a later arena of another shape gets
-    them (no new allocation), a far smaller chunk does not hold a large buffer, and the cache keeps at most
-    VLLM_LENS_MAX_STORED_GB free."""
-    import gc
-
-    from vllm_worker.worker import results
-
-    made: list[int] = []
-
-    class Plain(results.PinnedCache):
-        def _alloc(self, nbytes: int) -> torch.Tensor:
-            made.append(nbytes)
-            return torch.empty(nbytes, dtype=torch.uint8)
-
-        def positions(self, shape: tuple) -> torch.Tensor:
-            return torch.empty(shape, dtype=torch.int64)
-
-    cache = Plain()
-    monkeypatch.setattr(results, "PINNED", cache)
-    a = results.StepArena(48, pinned=True)
-    for k in range(3):  # chunks of 1 and 2 steps
-        rows, pos = a.next(64, torch.bfloat16)
-        rows.fill_(k)
-    assert made == [8192, 16384]  # 48 x 64 x 2 bytes, rounded up to a power of two; then two steps
-    assert a.chunks[1][0].shape == (2, 48, 64) and a.chunks[1][0].dtype == torch.bfloat16
-    assert float(a.chunks[1][0][0].float().mean()) == 1.0
-    del a, rows, pos
-    gc.collect()
-    assert cache.free_bytes == 8192 + 16384
-    b = results.StepArena(100, pinned=True)  # another batch composition: 12,800 bytes a step
-    b.next(64, torch.bfloat16)
-    assert made == [8192, 16384]  # took the 16 KiB buffer
-    assert results.FETCH_TIMINGS["arena_reused"] >= 1
-    assert cache.free_bytes == 8192
-    tiny = results.StepArena(1, pinned=True)
-    tiny.next(64, torch.bfloat16)  # 128 bytes: the free 8 KiB buffer is more than 4x that
-    assert made[-1] == 128 and cache.free_bytes == 8192
-    monkeypatch.setenv("VLLM_LENS_MAX_STORED_GB", str(10000 / 1e9))
-    del b
-    gc.collect()
-    assert cache.free_bytes <= 10000  # the largest went back
-
-
 def test_early_assembly_blocks_copy_every_row_to_its_place():
     """The early-assembly thread's copy plan (`EarlyAssembler._map` / `_jobs` / `_split`): requests of one
     destination segment at every layer make one strided block; two segments, a request without a region,

@@ -4,14 +4,11 @@ failure. Shared by the plan (which fills them) and the store (which fetches them
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from vllm_worker.envs import limit
 from vllm_worker.protocol import errors
 
 # Diagnostics (reported by `status`, read by benchmarks): cumulative seconds in fetches.
@@ -23,7 +20,6 @@ FETCH_TIMINGS = {
     "index_s": 0.0,
     "copy_s": 0.0,
     "arena_alloc_s": 0.0,  # host memory for steps' captures, allocated in the step
-    "arena_reused": 0,  # ... and chunks that took a buffer a finished arena left (`PinnedCache`)
     # early assembly (`transport.early`): requests whose result was written while they ran, requests that
     # wanted it and were assembled at fetch instead, the fetch's wait for the copies not yet done, and the
     # background thread's work (batches of filed steps, bytes, index building, copies, regions of dropped
@@ -40,68 +36,6 @@ FETCH_TIMINGS = {
 }
 
 
-class PinnedCache:
-    """Pinned host buffers that finished arenas leave behind, handed to the next arena whatever its shape.
-
-    Why: torch's caching host allocator reuses a block only for a request of the same power-of-two size, and
-    arena chunks take their size from the batch (captured rows x steps): a new composition (a prefill cut
-    in two steps, another batch size) met no free block and allocated GBs of pinned memory inside the step
-    (0.5-0.7 s of an all-layer run on the H200, the step thread page-faulting 279k times). Here any free
-    buffer of at least the size (and at most 4x, so a small chunk does not hold a large buffer) is reused.
-
-    Safe without events: every device->host copy into an arena is on the store's one side stream, so a
-    buffer's next copy is ordered after its last; no host code reads a dead arena (its readers hold it)."""
-
-    FIT = 4
-
-    def __init__(self) -> None:
-        self._free: list[torch.Tensor] = []  # uint8, sorted by size
-        self._lock = threading.Lock()
-        self.free_bytes = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            for i, b in enumerate(self._free):
-                if nbytes <= b.numel() <= self.FIT * max(nbytes, 1):
-                    self.free_bytes -= b.numel()
-                    FETCH_TIMINGS["arena_reused"] += 1
-                    return self._free.pop(i)
-        return self._alloc(1 << max(0, nbytes - 1).bit_length())  # the size torch's allocator gives anyway
-
-    def _alloc(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def positions(self, shape: tuple) -> torch.Tensor:
-        """A chunk's positions: never from the free list (the step thread writes them while a dead arena's
-        last copy may still be queued), small, from torch's allocator."""
-        return torch.empty(shape, dtype=torch.int64, pin_memory=True)
-
-    def give(self, bufs: list) -> None:
-        keep = limit("VLLM_LENS_MAX_STORED_GB")
-        with self._lock:
-            for b in bufs:
-                self._free.append(b)
-                self.free_bytes += b.numel()
-            self._free.sort(key=lambda t: t.numel())
-            while self._free and self.free_bytes > keep:  # the largest go back to torch's allocator
-                self.free_bytes -= self._free.pop().numel()
-
-
-PINNED = PinnedCache()
-
-
-def _chunk(pinned: bool, bufs: list, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    if not pinned:
-        return torch.empty(shape, dtype=dtype)
-    n = 1
-    for x in shape:
-        n *= x
-    nbytes = n * torch.empty(0, dtype=dtype).element_size()
-    buf = PINNED.take(nbytes)
-    bufs.append(buf)
-    return buf[:nbytes].view(dtype).view(shape)
-
-
 class StepArena:
     """Host memory for the captured rows of every step run with one plan (one batch composition): step
     after step in chunks of shape (steps, rows, d), so a request's rows at one layer across all decode
@@ -109,16 +43,12 @@ class StepArena:
     they are pinned (device copies land in them asynchronously) and come from torch's caching host
     allocator, so a steady workload stops allocating."""
 
-    __slots__ = ("rows", "pinned", "chunks", "users", "done", "early", "bufs", "__weakref__")
+    __slots__ = ("rows", "pinned", "chunks", "users", "done", "early")
     MAX_CHUNK_STEPS = 64
 
     def __init__(self, rows: int, pinned: bool) -> None:
         self.rows = rows
         self.pinned = pinned
-        # pinned buffers under the chunks' rows: back to `PINNED` when the arena goes
-        self.bufs: list[torch.Tensor] = []
-        if pinned:
-            weakref.finalize(self, PINNED.give, self.bufs)
         self.chunks: list[list] = []  # [data (steps, rows, d), positions (steps, rows), steps filled]
         # early assembly (`transport.early`): (first column, columns, RequestResults, slot) of every
         # segment, steps copied per chunk, and the cached column map
@@ -133,8 +63,8 @@ class StepArena:
             c = min(self.MAX_CHUNK_STEPS, 1 << len(self.chunks))
             self.chunks.append(
                 [
-                    _chunk(self.pinned, self.bufs, (c, self.rows, d), dtype),
-                    PINNED.positions((c, self.rows)) if self.pinned else torch.empty((c, self.rows), dtype=torch.int64),
+                    torch.empty((c, self.rows, d), dtype=dtype, pin_memory=self.pinned),
+                    torch.empty((c, self.rows), dtype=torch.int64, pin_memory=self.pinned),
                     0,
                 ]
             )
