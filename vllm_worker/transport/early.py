@@ -297,8 +297,8 @@ class EarlyAssembler:
         """Copy the queued steps. Few, large numpy calls: each releases the GIL while it copies and must take
         it back after, and every take-back while the step loop holds the GIL is a hand-off that loop pays
         for (measured on the H200: ~4,500 extra waits of the step thread per all-layer run when the copies
-        went per column run). So one index pass per arena chunk over all its columns, one copy per
-        destination segment, cut into as many parts as there are copy threads."""
+        went per column run). So a few index calls per block of an arena chunk (`_map`) and one copy per
+        block and copy thread."""
         from vllm_worker.worker import faults  # (transport does not import the worker at load)
 
         faults.check("early")
