@@ -455,22 +455,13 @@ class EarlyAssembler:
         a3 = _np(data)[s0:s1]  # (steps, columns, d)
         p = pos.numpy()[s0:s1]
         row = data.shape[-1] * data.element_size()
-        S, _, d = a3.shape
-        es = a3.itemsize
         total = 0
         for k, c0, w, gap, m in blocks:
             rows, fill = targets[k]
-            span = (m - 1) * gap + w
-            pb = p[:, c0 : c0 + span]
-            bb = base[c0 : c0 + span]
-            nb = npos[c0 : c0 + span]
-            if m > 1:  # the block's columns only (gaps dropped): (steps, m, w)
-                pb = np.lib.stride_tricks.as_strided(pb, (S, m, w), (pb.strides[0], gap * pb.strides[1], pb.strides[1]))
-                bb = np.lib.stride_tricks.as_strided(bb, (m, w), (gap * bb.strides[0], bb.strides[0]))
-                nb = np.lib.stride_tricks.as_strided(nb, (m, w), (gap * nb.strides[0], nb.strides[0]))
-            else:
-                pb, bb, nb = pb.reshape(S, 1, w), bb.reshape(1, w), nb.reshape(1, w)
-            src = np.lib.stride_tricks.as_strided(a3[:, c0:], (S, m, w, d), (a3.strides[0], gap * d * es, d * es, es))
+            # the block's columns only (gaps dropped): the column axis becomes (m, w)
+            pb = _block(p, 1, c0, w, gap, m)  # (steps, m, w)
+            bb, nb = _block(base, 0, c0, w, gap, m), _block(npos, 0, c0, w, gap, m)  # (m, w)
+            src = _block(a3, 1, c0, w, gap, m)  # (steps, m, w, d)
             dst = bb + pb  # (steps, m, w)
             ok = (pb >= 0) & (pb < nb)
             if ok.all():
@@ -482,6 +473,16 @@ class EarlyAssembler:
                 jobs.append((rows, dst[ok], src[ok]))
                 total += int(ok.sum()) * row
         return total
+
+
+def _block(x: np.ndarray, axis: int, c0: int, w: int, gap: int, m: int) -> np.ndarray:
+    """A view of `x` whose column `axis` is replaced by (m, w): runs of `w` columns from `c0`, `gap` apart."""
+    st = x.strides[axis]
+    return np.lib.stride_tricks.as_strided(
+        x[(slice(None),) * axis + (slice(c0, None),)],
+        x.shape[:axis] + (m, w) + x.shape[axis + 1 :],
+        x.strides[:axis] + (gap * st, st) + x.strides[axis + 1 :],
+    )
 
 
 def _split(jobs: list, parts: int) -> list[tuple]:

@@ -8,6 +8,7 @@ released as soon as the transfer ends (`record_stream`). Only a fetch waits for 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -129,24 +130,18 @@ class CaptureStore:
         assert plan.positions is not None  # set by begin_step on the Python path
         pos = plan.positions.index_select(0, all_idx)
         host, hpos = self.step_slot(plan, parts[0].shape[-1], parts[0].dtype)
-        if self.side is None:
+        side = self.side
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(pos.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             o = 0
             for t in parts:
-                host[o : o + t.shape[0]].copy_(t)
+                host[o : o + t.shape[0]].copy_(t, non_blocking=side is not None)
                 o += t.shape[0]
-            hpos.copy_(pos)
-        else:
-            side = self.side
-            side.wait_stream(torch.cuda.current_stream(pos.device))
-            with torch.cuda.stream(side):
-                o = 0
-                for t in parts:
-                    host[o : o + t.shape[0]].copy_(t, non_blocking=True)
-                    o += t.shape[0]
-                hpos.copy_(pos, non_blocking=True)
-            for t in parts:
+            hpos.copy_(pos, non_blocking=side is not None)
+        if side is not None:
+            for t in [*parts, pos]:
                 t.record_stream(side)
-            pos.record_stream(side)
         self.file_step(plan, host)
 
     def file_step(self, plan: StepPlan, host: torch.Tensor) -> None:
