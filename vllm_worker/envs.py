@@ -229,6 +229,14 @@ SETTINGS: dict[str, Setting] = {
             "each step's copy lands), so a fetch only finishes the last steps (0: all at fetch)",
         ),
         Setting(
+            "VLLM_LENS_DIRECT_POOL",
+            bool,
+            False,
+            "the GPU writes each step's captured rows straight into their shared-memory result regions (the "
+            "pool's segments registered with CUDA; one kernel per step on the copy stream), so early assembly "
+            "copies nothing on the host; on CPU the step thread copies them (the same bookkeeping, for tests)",
+        ),
+        Setting(
             "VLLM_LENS_EARLY_INTERVAL_MS",
             float,
             20.0,

@@ -233,3 +233,94 @@ def test_diagnostics_split_a_run_and_count_its_cpu(llama):
     assert u1["process"]["user_s"] + u1["process"]["sys_s"] > u0["process"]["user_s"] + u0["process"]["sys_s"]
     assert u1["step_thread"]["user_s"] >= u0["step_thread"]["user_s"]
     assert u1["pool"]["bytes"] > 0 and u1["pool"]["allocs"] > u0["pool"].get("allocs", 0)
+
+
+def _direct_batch(llama) -> tuple[list[str], list[SamplingParams]]:
+    """`_batch` whose last request stops early (its region is compacted at fetch)."""
+    probe = _run(llama, *_batch(llama))
+    return _batch(llama, stop_token=probe[-1].outputs[0].token_ids[2])
+
+
+def test_direct_writes_equal_host_copies(llama, monkeypatch):
+    """`VLLM_LENS_DIRECT_POOL`: each graph-path step's rows are written straight into their requests' regions
+    (on CPU by the step thread, at the element offsets the GPU's kernel gets) and the background thread only
+    marks them: the results are byte for byte those of host copies, the host copied nothing, every row was
+    written directly, and every region comes back."""
+    monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "1")
+    held, _ = held_results(llama)
+    prompts, sps = _direct_batch(llama)  # (also grows the pool: direct regions are never waited for)
+    want = _run(llama, prompts, sps)
+    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "1")
+    before = _timings(llama)
+    got = _run(llama, prompts, sps)
+    after = _timings(llama)
+    _same(got, want)
+    assert len(got[-1].outputs[0].token_ids) < 24  # stopped early: compacted in place
+    assert after["direct_regions"] - before["direct_regions"] == len(prompts)
+    assert after["early_requests"] - before["early_requests"] == len(prompts)
+    assert after["direct_steps"] > before["direct_steps"]
+    L = _n_layers(llama)
+    rows = sum(L * o.activations["residual_stream"].shape[1] for o in got)
+    assert after["direct_rows"] - before["direct_rows"] >= rows  # (a finished request's last row may be extra)
+    assert after["early_bytes"] == before["early_bytes"]  # no host copy into a region
+    assert after["copy_s"] == before["copy_s"] and after["early_fallbacks"] == before["early_fallbacks"]
+    hf = hf_model("llama")
+    out = got[-1]
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref, _ = residuals(hf, ids[:-1])
+    assert (out.activations["residual_stream"] - ref).abs().max() <= 1e-4
+    del got, want, out
+    assert held_results(llama) == (held, 0)
+
+
+def _keep(ctx, h):
+    ctx.saved["n"] = ctx.saved.get("n", 0) + h.shape[0]
+
+
+def test_direct_mode_with_python_path_steps_and_an_abort(llama, monkeypatch):
+    """A request that hooks the layer it captures makes its batch's steps run from Python, which writes no
+    region directly: its batch-mates, whose first step ran from Python, are copied on the host as before and
+    the results equal host copies (a direct region whose later steps run from Python: the unit test
+    `test_direct_offsets_and_marks`). A direct request aborted mid-generation gives its region back."""
+    from vllm_worker import Hook
+
+    monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "1")
+    held, _ = held_results(llama)
+    prompts, sps = _direct_batch(llama)
+    hooked = SamplingParams(
+        max_tokens=3,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"apply_hooks": [Hook(_keep, [1])], "output_residual_stream": [1]},
+    )
+    prompts, sps = [*prompts, _prompt(40, 5)], [*sps, hooked]
+    want = _run(llama, prompts, sps)
+    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "1")
+    before = _timings(llama)
+    got = _run(llama, prompts, sps)
+    after = _timings(llama)
+    _same(got, want)
+    assert got[-1].hook_results == want[-1].hook_results
+    assert after["direct_regions"] == before["direct_regions"]  # regions are taken at a graph-path step only
+    assert 0 < after["early_bytes"] - before["early_bytes"]  # host copies
+    assert after["early_requests"] - before["early_requests"] == len(prompts)
+    del got, want
+    # an aborted direct request
+    engine = llama.llm_engine
+    sp = SamplingParams(
+        max_tokens=150,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"output_residual_stream": list(range(_n_layers(llama)))},
+    )
+    before = _timings(llama)
+    engine.add_request("direct-abort", _prompt(200, 3), sp)
+    for _ in range(4):
+        engine.step()
+    assert held_results(llama)[0] == held + 1  # taken in its first step, not by the thread
+    assert _timings(llama)["direct_regions"] == before["direct_regions"] + 1
+    engine.abort_request(["direct-abort"])
+    deadline = time.monotonic() + 10
+    while held_results(llama) != (held, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert held_results(llama) == (held, 0)

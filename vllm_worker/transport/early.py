@@ -24,6 +24,14 @@ wake-up (`INTERVAL_S`; at once when a fetch waits), into the final place of each
   regions and waits for any batch in flight (`quiesce`), so nothing writes a region once it is handed out.
 - Any failure of the thread turns early assembly off for the worker's life: every request then takes the
   fetch-time path (counted, logged), never a silent gap.
+- **Direct** (`VLLM_LENS_DIRECT_POOL`, graph-path steps): a request's region is taken in the step, at its
+  first plan, from pool memory the GPU can write (segments registered with CUDA; never waiting, never
+  growing the pool: if there is none the request is copied as above), and each step's rows are written
+  into their regions by one kernel on the copy stream (`direct_rows` gives the offsets). The thread then
+  only marks the rows as written. The arena copy stays (the fallback above still holds), so the host
+  copies nothing; a step filed from the Python path turns its arena back to host copies. A direct region
+  is only freed after the copy stream's latest write (`fence`), and a fetch waits for that stream after
+  claiming its regions, so no write lands in a region after it is freed or handed out.
 """
 
 from __future__ import annotations
@@ -59,9 +67,23 @@ INTERVAL_S = get("VLLM_LENS_EARLY_INTERVAL_MS") / 1000
 
 
 class Dest:
-    """Where one request's captured rows go: row `base + out * n_max + position` of `rows` (its segment)."""
+    """Where one request's captured rows go: row `base + out * n_max + position` of `rows` (its segment).
+    `addr`: the segment's address when the GPU writes the rows itself (direct), else 0."""
 
-    __slots__ = ("region", "base", "n_max", "d", "dtype", "row", "rows", "fill", "mine", "out_of_slot", "dead")
+    __slots__ = (
+        "region",
+        "base",
+        "n_max",
+        "d",
+        "dtype",
+        "row",
+        "rows",
+        "fill",
+        "mine",
+        "out_of_slot",
+        "dead",
+        "addr",
+    )
 
     def __init__(self, region: tuple, row: int, n_max: int, d: int, dtype: torch.dtype, mine: list, out_of_slot: dict):
         self.region = region
@@ -71,6 +93,7 @@ class Dest:
         self.rows: np.ndarray | None = None
         self.fill: np.ndarray | None = None
         self.dead = False
+        self.addr = 0
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +129,9 @@ class EarlyAssembler:
         self._fills: dict[tuple, np.ndarray] = {}  # (path, row bytes) -> rows written (per segment row)
         self.threads = 1  # copy threads for one batch (set by the store)
         self._copiers: Any = None  # their executor, kept while the thread runs (not one per batch)
+        # direct mode: the event after the copy stream's latest write into a region (set by the store,
+        # under its lock, as it issues them); a direct region is freed only once it has passed
+        self.fence: Any = None
 
     # ------------------------------------------------------------ step side (store lock held)
 
@@ -189,6 +215,8 @@ class EarlyAssembler:
     def free_now(self, dest: Dest) -> None:
         """A claimed region the fetch does not use (after `quiesce`)."""
         pool = self._pool()
+        if dest.addr:
+            self._wait_fence()
         if pool is not None:
             pool.free([(dest.region[0], dest.region[1])])
 
@@ -274,9 +302,16 @@ class EarlyAssembler:
             self._copiers.shutdown(wait=False)
             self._copiers = None
 
+    def _wait_fence(self) -> None:
+        ev = self.fence
+        if ev is not None:
+            ev.synchronize()
+
     def _free_dead(self) -> None:
         """(cv held, no batch in flight.)"""
         if self._free:
+            if any(e.addr for e in self._free):
+                self._wait_fence()
             pool = self._pool()
             if pool is not None:
                 pool.free([(e.region[0], e.region[1]) for e in self._free])
@@ -358,37 +393,112 @@ class EarlyAssembler:
         d, dtype = data.shape[-1], data.dtype
         row = d * data.element_size()
         for st, exp in todo:
-            mine = list(st.mine)
-            out_of_slot = {st.layers.index(l): i for i, l in enumerate(mine)}
             region = None
             if pool is not None:
-                region = pool.alloc(len(mine) * st.max_pos * row, exp, align=row)
+                region = pool.alloc(len(st.mine) * st.max_pos * row, exp, align=row)
             with self._cv:
                 if region is None:
                     st.early = FAILED if st.early == PENDING else OFF
                     continue
-                dest = Dest(region, row, st.max_pos, d, dtype, mine, out_of_slot)
+                assert pool is not None
+                dest = self._dest(st, region, pool, d, dtype, row)
                 if st.early != PENDING:  # dropped meanwhile
                     dest.dead = True
                     self._free.append(dest)
                     continue
-                assert pool is not None
-                key = (region[0], dtype, d)
-                if key not in self._rows:
-                    live = pool.segment_paths()
-                    for k in [k for k in self._rows if k[0] not in live]:
-                        del self._rows[k]
-                    for k in [k for k in self._fills if k[0] not in live]:
-                        del self._fills[k]
-                    self._rows[key] = pool.rows(region[0], dtype, d)
-                dest.rows = self._rows[key]
-                fill = self._fills.get((region[0], row))
-                if fill is None:
-                    fill = self._fills[(region[0], row)] = np.zeros(dest.rows.shape[0], dtype=bool)
-                fill[dest.base : dest.base + len(mine) * st.max_pos] = False
-                dest.fill = fill
                 st.early = dest
-                self.gen += 1
+
+    def _dest(self, st: Any, region: tuple, pool: ResultPool, d: int, dtype: torch.dtype, row: int) -> Dest:
+        """(cv held.) The request's `Dest` over a region just taken, its rows marked as not written."""
+        mine = list(st.mine)
+        out_of_slot = {st.layers.index(l): i for i, l in enumerate(mine)}
+        dest = Dest(region, row, st.max_pos, d, dtype, mine, out_of_slot)
+        key = (region[0], dtype, d)
+        if key not in self._rows:
+            live = pool.segment_paths()
+            for k in [k for k in self._rows if k[0] not in live]:
+                del self._rows[k]
+            for k in [k for k in self._fills if k[0] not in live]:
+                del self._fills[k]
+            self._rows[key] = pool.rows(region[0], dtype, d)
+        dest.rows = self._rows[key]
+        fill = self._fills.get((region[0], row))
+        if fill is None:
+            fill = self._fills[(region[0], row)] = np.zeros(dest.rows.shape[0], dtype=bool)
+        fill[dest.base : dest.base + len(mine) * st.max_pos] = False
+        dest.fill = fill
+        self.gen += 1
+        return dest
+
+    # ------------------------------------------------------------ direct mode (step side, store lock held)
+
+    def take_now(self, st: Any, pool: ResultPool, d: int, dtype: torch.dtype) -> bool:
+        """At the request's first step: a region the GPU can write, from memory the pool has now (never
+        waiting); False leaves the request to the thread's host copies."""
+        row = d * _esize(dtype)
+        with self._cv:
+            if st.early != WANTED or self.broken:
+                return False
+            region = pool.alloc_now(len(st.mine) * st.max_pos * row, st.expected, align=row)
+            if region is None:
+                return False
+            st.expected = 0
+            dest = self._dest(st, region, pool, d, dtype, row)
+            dest.addr = region[3]
+            st.early = dest
+            self._timings["direct_regions"] += 1
+            return True
+
+    def direct_rows(
+        self, arena: Any, pos: np.ndarray, d: int, dtype: torch.dtype
+    ) -> tuple[int, int, np.ndarray] | None:
+        """This step's rows (arena columns, at positions `pos`) as element offsets from an address the GPU
+        writes them at: (origin, bytes from origin to the last target's end, offsets; -1 = not written), or
+        None when none of the arena's columns goes to a direct region. Marks the arena as direct. At the
+        arena's first step, its requests that still want a region get one here (`take_now`)."""
+        if arena.direct is False or self.broken:
+            return None
+        esize = _esize(dtype)
+        if arena.direct_map is None:
+            pool = self._pool()
+            if pool is not None:
+                seen: set[int] = set()
+                for _, _, st, _ in arena.users:
+                    if st.early == WANTED and id(st) not in seen:
+                        seen.add(id(st))
+                        self.take_now(st, pool, d, dtype)
+        with self._cv:
+            cached = arena.direct_map
+            if cached is None or cached[0] != self.gen:
+                cached = arena.direct_map = (self.gen, self._direct_map(arena, d, esize))
+        got = cached[1]
+        if got is None:
+            return None
+        origin, span, off0, npos = got
+        p = pos.astype(np.int64, copy=False)
+        offs = off0 + p * d
+        offs[(p < 0) | (p >= npos)] = -1
+        arena.direct = True
+        return origin, span, offs
+
+    def _direct_map(self, arena: Any, d: int, esize: int) -> tuple | None:
+        """(cv held.) Per column the element offset of position 0's row from the lowest target segment,
+        and its positions' bound (0: the column is not written)."""
+        dests = []
+        for col, n, st, slot in arena.users:
+            e = st.early
+            if isinstance(e, Dest) and e.addr and not e.dead and slot in e.out_of_slot:
+                dests.append((col, n, e, slot))
+        if not dests:
+            return None
+        origin = min(e.addr for _, _, e, _ in dests)
+        end = max(e.addr + e.rows.shape[0] * e.row for _, _, e, _ in dests if e.rows is not None)
+        off0 = np.zeros(arena.rows, dtype=np.int64)
+        npos = np.zeros(arena.rows, dtype=np.int64)
+        for col, n, e, slot in dests:
+            off0[col : col + n] = (e.addr - origin) // esize + (e.base + e.out_of_slot[slot] * e.n_max) * d
+            npos[col : col + n] = e.n_max
+        return origin, end - origin, off0, npos
 
     def _map(self, arena: Any) -> tuple | None:
         """Where the arena's columns go, cached on the arena until a region is made, claimed or dies: per
@@ -401,22 +511,24 @@ class EarlyAssembler:
         view (no gather, no temporary), copied with one numpy call per copy thread."""
         with self._cv:
             cached = arena.early
-            if cached is not None and cached[0] == self.gen:
+            if cached is not None and cached[0] == (self.gen, arena.direct is True):
                 return cached[1]
             n_cols = arena.rows
             key = np.full(n_cols, -1, dtype=np.int64)
             base = np.zeros(n_cols, dtype=np.int64)
             npos = np.zeros(n_cols, dtype=np.int64)
-            targets: list[tuple[np.ndarray, np.ndarray]] = []
-            code: dict[int, int] = {}
+            targets: list[tuple[np.ndarray, np.ndarray, bool]] = []
+            code: dict[tuple[int, bool], int] = {}
+            written = arena.direct is True  # the GPU wrote its direct regions' rows: mark them, copy nothing
             for col, n, st, slot in arena.users:
                 e = st.early
                 if isinstance(e, Dest) and not e.dead and slot in e.out_of_slot:
                     assert e.rows is not None and e.fill is not None  # set with the region
-                    k = code.get(id(e.rows))
+                    tk = (id(e.rows), written and bool(e.addr))
+                    k = code.get(tk)
                     if k is None:
-                        k = code[id(e.rows)] = len(targets)
-                        targets.append((e.rows, e.fill))
+                        k = code[tk] = len(targets)
+                        targets.append((e.rows, e.fill, tk[1]))
                     key[col : col + n] = k
                     base[col : col + n] = e.base + e.out_of_slot[slot] * e.n_max
                     npos[col : col + n] = e.n_max
@@ -443,7 +555,7 @@ class EarlyAssembler:
                 blocks.append([k, a, b - a, 0, 1])
                 latest[k] = blocks[-1]
             got = (base, npos, targets, [tuple(b) for b in blocks])
-        arena.early = (gen, got)
+        arena.early = ((gen, written), got)
         return got
 
     @staticmethod
@@ -457,7 +569,7 @@ class EarlyAssembler:
         row = data.shape[-1] * data.element_size()
         total = 0
         for k, c0, w, gap, m in blocks:
-            rows, fill = targets[k]
+            rows, fill, written = targets[k]
             # the block's columns only (gaps dropped): the column axis becomes (m, w)
             pb = _block(p, 1, c0, w, gap, m)  # (steps, m, w)
             bb, nb = _block(base, 0, c0, w, gap, m), _block(npos, 0, c0, w, gap, m)  # (m, w)
@@ -466,13 +578,19 @@ class EarlyAssembler:
             ok = (pb >= 0) & (pb < nb)
             if ok.all():
                 fill[dst] = True
-                jobs.append((rows, dst, src))
-                total += dst.size * row
+                if not written:
+                    jobs.append((rows, dst, src))
+                    total += dst.size * row
             else:  # positions outside the result (never expected): only the others
                 fill[dst[ok]] = True
-                jobs.append((rows, dst[ok], src[ok]))
-                total += int(ok.sum()) * row
+                if not written:
+                    jobs.append((rows, dst[ok], src[ok]))
+                    total += int(ok.sum()) * row
         return total
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _block(x: np.ndarray, axis: int, c0: int, w: int, gap: int, m: int) -> np.ndarray:

@@ -82,11 +82,13 @@ def np_dtype(dtype: torch.dtype) -> np.dtype:
 
 
 class _Segment:
-    __slots__ = ("path", "size", "mm", "buf", "free", "used", "serial")
+    __slots__ = ("path", "size", "mm", "buf", "free", "used", "serial", "addr", "unpin")
 
     def __init__(self, path: str, size: int, mm: mmap.mmap) -> None:
         self.path, self.size, self.mm = path, size, mm
         self.buf = np.frombuffer(mm, dtype=np.uint8)
+        self.addr = int(self.buf.ctypes.data)
+        self.unpin: Any = None  # set when the segment is registered with the GPU (`ResultPool(pin=...)`)
         self.free: list[list[int]] = [[0, size]]  # sorted [offset, length]
         self.used: dict[int, int] = {}  # offset -> length
         self.serial: dict[int, int] = {}  # offset -> which allocation of the pool holds it (`ResultPool.free`)
@@ -125,9 +127,19 @@ class _Segment:
         if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == self.free[i][0]:
             self.free[i - 1][1] += self.free.pop(i)[1]
 
+    def unpinned(self) -> None:
+        """No longer registered with the GPU (before its pages are punched out or unmapped)."""
+        if self.unpin is not None:
+            unpin, self.unpin = self.unpin, None
+            try:
+                unpin(self.addr)
+            except Exception as e:  # noqa: BLE001 - the pages stay locked until the process ends
+                logger.warning("inspect-lens: could not unregister a result-pool segment: %s", e)
+
     def close(self) -> None:
         """Give the pages back and remove the file. Only called when no region is in use; punching the
         pages out first frees them even while the frontend still maps the file."""
+        self.unpinned()
         try:
             self.mm.madvise(mmap.MADV_REMOVE, 0, self.size)
         except (OSError, AttributeError, ValueError):
@@ -141,10 +153,13 @@ class _Segment:
 
 
 class ResultPool:
-    """One per worker process."""
+    """One per worker process. `pin`: `(register(address, size) -> unregister or None)`: every new segment
+    is registered with it (the GPU then writes regions directly, `transport.early`'s direct mode); a
+    segment it refused is still used, by host copies."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin: Any = None) -> None:
         self.id = uuid.uuid4().hex[:12]
+        self._pin = pin
         self._segments: dict[str, _Segment] = {}
         self._n = 0
         self._lock = threading.Lock()
@@ -163,6 +178,9 @@ class ResultPool:
             "sync_grows": 0,
             "grow_s": 0.0,
             "stale_releases": 0,
+            "pin_s": 0.0,
+            "pinned_segments": 0,
+            "direct_allocs": 0,
         }
         threading.Thread(target=self._idle_loop, name="lens-pool-idle", daemon=True).start()
         atexit.register(self.close)
@@ -197,6 +215,14 @@ class ResultPool:
         finally:
             os.close(fd)
         seg = _Segment(path, size, mm)
+        if self._pin is not None:  # (seconds for GBs: done here, in the growing thread, before anyone uses it)
+            t_pin = time.perf_counter()
+            try:
+                seg.unpin = self._pin(seg.addr, size)
+            except Exception as e:  # noqa: BLE001 - host copies still serve this segment
+                logger.warning("inspect-lens: could not register a result-pool segment with the GPU: %s", e)
+            self.stats["pin_s"] += time.perf_counter() - t_pin
+            self.stats["pinned_segments"] += seg.unpin is not None
         with self._lock:
             self._segments[path] = seg
             self.size += size
@@ -274,6 +300,29 @@ class ResultPool:
             self.stats["sync_grows"] += 1
             if self._new_segment(need + align) is None:
                 return None
+        return None
+
+    def alloc_now(self, nbytes: int, expected: int = 0, align: int = PAGE) -> tuple[str, int, int, int] | None:
+        """A region from memory the pool has now, in a segment the GPU can write (with `pin`; any segment
+        without): (file, offset, file size, segment address), or None. Never waits and never grows the
+        pool: the step thread asks (the caller then leaves the request to host copies)."""
+        align = int(np.lcm(PAGE, align))
+        need = _round(nbytes)
+        with self._lock:
+            for seg in self._segments.values():
+                if self._pin is not None and seg.unpin is None:
+                    continue
+                off = seg.take(need, align)
+                if off is not None:
+                    if expected:
+                        self.expected = max(0, self.expected - expected)
+                    self._serial += 1
+                    seg.serial[off] = self._serial
+                    self.free_bytes -= need
+                    self.stats["allocs"] += 1
+                    self.stats["direct_allocs"] += 1
+                    self._last_use = time.monotonic()
+                    return seg.path, off, seg.size, seg.addr
         return None
 
     def rows(self, path: str, dtype: torch.dtype, d: int) -> np.ndarray:
@@ -354,6 +403,7 @@ class ResultPool:
             self._segments.clear()
         for seg in segs:
             if seg.used:
+                seg.unpinned()
                 for off, length in seg.free:
                     try:
                         seg.mm.madvise(mmap.MADV_REMOVE, off, length)

@@ -102,6 +102,52 @@ def _triton_kernel() -> Any:
     return tap_kernel
 
 
+def _triton_scatter() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["first"])
+    def scatter_kernel(stage_ptr, dst_ptr, off_ptr, first, d, BLOCK: tl.constexpr):
+        """Staging row `first + i` to element `off[i]` from `dst_ptr` (host memory the GPU can write);
+        -1: not written."""
+        i = tl.program_id(0)
+        o = tl.load(off_ptr + i)
+        if o >= 0:
+            offs = tl.arange(0, BLOCK)
+            m = offs < d
+            v = tl.load(stage_ptr + (first + i).to(tl.int64) * d + offs, mask=m)
+            tl.store(dst_ptr + o + offs, v, mask=m)
+
+    return scatter_kernel
+
+
+class _Address:
+    """An address as a kernel argument (Triton asks an argument for `data_ptr()` and `dtype`): the start of
+    registered host memory, which has no tensor of its own."""
+
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype) -> None:
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def _host_scatter(src: np.ndarray, origin: int, span: int, offs: np.ndarray) -> None:
+    """What the scatter kernel does, on the host (CPU engines): the same offsets, the same memory."""
+    import ctypes
+
+    flat = np.frombuffer(memoryview((ctypes.c_byte * span).from_address(origin)), dtype=src.dtype)
+    keep = offs >= 0
+    if keep.all():
+        idx = offs[:, None] + np.arange(src.shape[1])
+        flat[idx] = src
+    else:
+        idx = offs[keep][:, None] + np.arange(src.shape[1])
+        flat[idx] = src[keep]
+
+
 class GraphTaps:
     """Device buffers + kernel of one model runner (one per process)."""
 
@@ -156,6 +202,21 @@ class GraphTaps:
         if cuda and self._kernel is None:
             raise RuntimeError("triton is not importable")
         self._block = 1 << (d - 1).bit_length()
+        # direct mode (`transport.early`): per step, the rows' offsets into the result pool (pinned, two
+        # turns: a step's offsets are not overwritten before their upload ran) and their device copy
+        self._scatter: Any = None
+        self._offs_host: list[torch.Tensor] = []
+        self._offs_ev: list[Any] = [None, None]
+        self._offs_dev: torch.Tensor | None = None
+        self._offs_turn = 0
+        if cuda and envs.get("VLLM_LENS_DIRECT_POOL"):
+            self._scatter = _triton_scatter()
+            self._offs_host = [torch.empty(self.stage_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._offs_dev = torch.full((self.stage_rows,), -1, dtype=torch.int64, device=device)
+            probe = torch.zeros(d, dtype=dtype, pin_memory=True)  # compile now, not in a step
+            self._offs_dev[0] = 0
+            self._scatter[(1,)](self.stage, _Address(probe.data_ptr(), dtype), self._offs_dev, 0, d, BLOCK=self._block)
+            torch.cuda.synchronize(device)
         if cuda:  # compile now: never for the first time while vLLM captures a graph
             for has_r in (True, False):
                 z = torch.zeros((1, d), dtype=dtype, device=device)
@@ -361,20 +422,49 @@ class GraphTaps:
         self.holds = None
         self.active = False
 
-    def copy_out(self, base: int, n: int, dst: torch.Tensor) -> None:
+    def copy_out(self, base: int, n: int, dst: torch.Tensor, direct: tuple | None = None) -> Any:
         """The step's captured rows into `dst` (pinned host memory on CUDA: asynchronously, on the side
-        stream after the step's kernels; their staging rows are reused once the copy is done)."""
+        stream after the step's kernels; their staging rows are reused once the copy is done). `direct`:
+        (origin, span, offsets) from `EarlyAssembler.direct_rows`: the rows are also written there, by
+        the GPU. Returns the event after the copies (None on CPU, where they are done)."""
         src = self.stage[base : base + n]
         if self._side is None:
             dst.copy_(src)
-            return
+            if direct is not None:
+                a = src.view(torch.int16) if src.dtype in (torch.bfloat16, torch.float16) else src
+                _host_scatter(a.numpy(), direct[0], direct[1], direct[2])
+            return None
         side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
+        if direct is not None:
+            offs = self._offsets(direct[2])
         with torch.cuda.stream(side):
+            if direct is not None:
+                dev = self._offs_dev
+                assert dev is not None  # made by `_offsets`
+                dev[:n].copy_(offs, non_blocking=True)
+                self._offs_ev[self._offs_turn] = torch.cuda.Event()
+                self._offs_ev[self._offs_turn].record(side)
+                self._offs_turn ^= 1
+                self._scatter[(n,)](self.stage, _Address(direct[0], self.dtype), dev, base, self.d, BLOCK=self._block)
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(side)
         self._pending.append((base, base + n, ev))
+        return ev
+
+    def _offsets(self, offs: np.ndarray) -> torch.Tensor:
+        """`offs` in this turn's pinned buffer (waiting for the upload that last used it)."""
+        n = len(offs)
+        if self._scatter is None or n > self.stage_rows:
+            raise RuntimeError("direct writes were not set up (VLLM_LENS_DIRECT_POOL at start-up)")
+        k = self._offs_turn
+        ev = self._offs_ev[k]
+        if ev is not None:
+            ev.synchronize()
+        h = self._offs_host[k][:n]
+        h.numpy()[:] = offs
+        return h
 
 
 def request_entries(g: GraphTaps, steers: list) -> tuple[dict, list[int]] | None:

@@ -33,6 +33,12 @@ FETCH_TIMINGS = {
     "early_copy_s": 0.0,
     "early_freed": 0,
     "early_compact_s": 0.0,
+    # direct mode (`VLLM_LENS_DIRECT_POOL`): regions taken in the step, steps whose rows the GPU wrote into
+    # them, the rows, and the step thread's seconds building the offsets and issuing the writes
+    "direct_regions": 0,
+    "direct_steps": 0,
+    "direct_rows": 0,
+    "direct_s": 0.0,
 }
 
 
@@ -43,7 +49,7 @@ class StepArena:
     they are pinned (device copies land in them asynchronously) and come from torch's caching host
     allocator, so a steady workload stops allocating."""
 
-    __slots__ = ("rows", "pinned", "chunks", "users", "done", "early")
+    __slots__ = ("rows", "pinned", "chunks", "users", "done", "early", "direct", "direct_map")
     MAX_CHUNK_STEPS = 64
 
     def __init__(self, rows: int, pinned: bool) -> None:
@@ -55,6 +61,10 @@ class StepArena:
         self.users: list[tuple] = []
         self.done: list[int] = []
         self.early: tuple | None = None
+        # direct mode: None until a step's rows are written into regions by the GPU, then True; False once
+        # a step is filed without (its rows are copied on the host, also for direct regions)
+        self.direct: bool | None = None
+        self.direct_map: tuple | None = None  # (generation, map) cached by `EarlyAssembler.direct_rows`
 
     def next(self, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, d) and (rows,) host views for the next step."""

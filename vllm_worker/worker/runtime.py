@@ -377,8 +377,7 @@ class LensRuntime:
                 faults.check("file")
                 host, hpos = self.store.step_slot(plan, g.d, g.dtype)
                 hpos.numpy()[:] = pos[gp.cap_rows[:n_cap]]
-                g.copy_out(base, n_cap, host)
-                self.store.file_step(plan, host)
+                self.store.file_graph_step(plan, g, base, n_cap, host, hpos)
             except Exception as e:  # noqa: BLE001
                 self._fail([r for r in plan.requests if r.capture], "filing captures", e)
         STEP_TIMINGS["graph_steps"] += 1

@@ -64,12 +64,16 @@ class CaptureStore:
         # copies captures into their pool regions while requests run (`transport.early`)
         self.early = early.EarlyAssembler(lambda: self._pool, FETCH_TIMINGS, _pool)
         self.early.threads = ASSEMBLY_THREADS
+        # the GPU writes graph-path steps' rows into their regions itself (`early`, direct mode): on CUDA
+        # set at start-up (the pool's segments are registered as they are made); on CPU read per step
+        self.direct = bool(get("VLLM_LENS_DIRECT_POOL"))
 
     @property
     def pool(self) -> ResultPool | None:
         """This worker's shared-memory result pool (made on first use; None when turned off)."""
         if self._pool is None and result_pool.enabled():
-            self._pool = ResultPool()
+            pin = _cuda_pin(torch.cuda.current_device()) if self.side is not None and self.direct else None
+            self._pool = ResultPool(pin=pin)
         return self._pool
 
     def release(self, released: list | None) -> int:
@@ -144,25 +148,60 @@ class CaptureStore:
                 t.record_stream(side)
         self.file_step(plan, host)
 
-    def file_step(self, plan: StepPlan, host: torch.Tensor) -> None:
-        """Account a step whose rows are (or are being copied) in `host` (`fetch` waits for copies)."""
-        row = host.shape[-1] * host.element_size()
-        event = None
+    def file_graph_step(
+        self, plan: StepPlan, g: Any, base: int, n: int, host: torch.Tensor, hpos: torch.Tensor
+    ) -> None:
+        """Graph path: the step's `n` staged rows from ring row `base` to `host` (`graph.GraphTaps.copy_out`)
+        and, in direct mode, into their requests' regions, then filed. Under the store's lock, so that no
+        region is freed or claimed between its offsets being read and its write being queued."""
         arena = plan.arena
         assert arena is not None  # `open_plan` made it
-        if arena.users and self.side is not None:  # early assembly copies the step once this is done
-            # (a blocking-sync event: the thread waiting on it sleeps instead of spinning in the driver
-            # beside the step loop's launches)
-            event = torch.cuda.Event(blocking=True)
-            event.record(self.side)
         with self.lock:
-            for log in plan.logs.values():
-                nb = log.rows * row
-                log.nbytes += nb
-                self.stored_bytes += nb
-            self._evict_if_needed()
-            if arena.users:
-                self.early.filed(arena, event)
+            direct = None
+            on = self.direct if self.side is not None else bool(get("VLLM_LENS_DIRECT_POOL"))
+            if on and arena.users and self._pool is not None:
+                t = time.perf_counter()
+                direct = self.early.direct_rows(arena, hpos.numpy(), g.d, g.dtype)
+                FETCH_TIMINGS["direct_s"] += time.perf_counter() - t
+            g.copy_out(base, n, host, direct)
+            event = self._copied(arena)
+            if direct is not None:
+                self.early.fence = event
+                FETCH_TIMINGS["direct_steps"] += 1
+                FETCH_TIMINGS["direct_rows"] += int((direct[2] >= 0).sum())
+            self._file(plan, host, event)
+
+    def file_step(self, plan: StepPlan, host: torch.Tensor) -> None:
+        """Account a step whose rows are (or are being copied) in `host` (`fetch` waits for copies)."""
+        arena = plan.arena
+        assert arena is not None  # `open_plan` made it
+        event = self._copied(arena)
+        with self.lock:
+            arena.direct = False  # its rows reach direct regions by host copies from now on
+            self._file(plan, host, event)
+
+    def _copied(self, arena: Any) -> Any:
+        """An event after the step's copies on the side stream (early assembly waits for it), or None."""
+        if not arena.users or self.side is None:
+            return None
+        # a blocking-sync event: the thread waiting on it sleeps instead of spinning in the driver beside
+        # the step loop's launches
+        event = torch.cuda.Event(blocking=True)
+        event.record(self.side)
+        return event
+
+    def _file(self, plan: StepPlan, host: torch.Tensor, event: Any) -> None:
+        """(lock held.)"""
+        row = host.shape[-1] * host.element_size()
+        arena = plan.arena
+        assert arena is not None
+        for log in plan.logs.values():
+            nb = log.rows * row
+            log.nbytes += nb
+            self.stored_bytes += nb
+        self._evict_if_needed()
+        if arena.users:
+            self.early.filed(arena, event)
 
     def _release(self, st: RequestResults) -> None:
         if st.early is not None and st.early is not early.OFF:
@@ -241,6 +280,8 @@ class CaptureStore:
                 claimed = self.early.claim([st for _, _, st, _ in todo])
                 if claimed:
                     self.early.quiesce()  # no copy into the claimed regions is in flight any more
+                    if self.side is not None and any(d.addr for d in claimed.values()):
+                        self.side.synchronize()  # ... nor a GPU write queued before the claim
             if reporting:
                 payloads = self._assemble_all(
                     todo, layer_ids, assemble_saved, self.pool if use_shm else None, self.early, claimed
@@ -318,6 +359,25 @@ class CaptureStore:
             for k in gone:
                 self._release(self._stores.pop(k))
             return len(gone)
+
+
+def _cuda_pin(device: int) -> Any:
+    """Registers result-pool segments with CUDA (direct mode): `pin(address, size)` -> its unregister."""
+    cudart = torch.cuda.cudart()
+
+    def pin(addr: int, size: int) -> Any:
+        torch.cuda.set_device(device)  # (the pool's growing thread: the worker's device, not device 0)
+        rc = int(cudart.cudaHostRegister(addr, size, 3))  # portable | mapped
+        if rc != 0:
+            raise RuntimeError(f"cudaHostRegister returned {rc}")
+
+        def unpin(a: int) -> None:
+            torch.cuda.set_device(device)
+            cudart.cudaHostUnregister(a)
+
+        return unpin
+
+    return pin
 
 
 def _internal(e: Exception) -> dict[str, Any]:
