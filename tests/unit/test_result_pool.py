@@ -306,3 +306,39 @@ def test_direct_offsets_and_marks():
         early._run(part)
     for k in seg:
         assert np.array_equal(seg[k], want[k])
+
+
+def test_direct_regions_come_only_from_registered_segments():
+    """`ResultPool(pin=...)`: every new segment is registered once (a refusal leaves it to host copies),
+    `alloc_now` takes regions only from registered segments and never grows the pool, and a segment is
+    unregistered before its pages are given back."""
+    from vllm_worker.transport.result_pool import MIN_SEGMENT, ResultPool
+
+    pinned: dict[int, int] = {}
+    unpinned: list[int] = []
+    refuse = [False]
+
+    def pin(addr: int, size: int):
+        if refuse[0]:
+            raise RuntimeError("no")
+        pinned[addr] = size
+        return unpinned.append
+
+    pool = ResultPool(pin=pin)
+    try:
+        assert pool.alloc_now(4096) is None  # nothing yet, and nothing is grown for it
+        assert pool.status()["segments"] == 0
+        path, off, size, _ = pool.alloc(4096)
+        got = pool.alloc_now(8192, align=8192)
+        assert got is not None and got[0] == path and got[1] % 8192 == 0 and got[3] in pinned
+        assert pool.status()["pinned_segments"] == 1 and pool.status()["direct_allocs"] == 1
+        refuse[0] = True
+        big = pool.alloc(2 * MIN_SEGMENT)  # a second segment, refused by `pin`: used by host copies only
+        assert big is not None and big[0] != path and pool.status()["pinned_segments"] == 1
+        pool.free([(big[0], big[1])])
+        pool.trim(keep=0)  # the refused segment goes (never registered: nothing to unregister)
+        assert unpinned == []
+        assert pool.alloc_now(3 * MIN_SEGMENT) is None  # too large for the registered segment
+    finally:
+        pool.close()
+    assert unpinned == list(pinned)  # closed: the registered segment was unregistered
