@@ -50,7 +50,16 @@ def main() -> None:
         got = llm.generate(prompts, sps, use_tqdm=False)
         wall = time.perf_counter() - w
         t1 = timings()
-        keys = ("direct_regions", "direct_steps", "direct_rows", "early_requests", "early_bytes", "early_fallbacks")
+        keys = (
+            "direct_regions",
+            "direct_steps",
+            "direct_only_steps",
+            "direct_rows",
+            "early_requests",
+            "early_bytes",
+            "early_fallbacks",
+            "arena_alloc_s",
+        )
         runs.append({"run": i, "wall_s": round(wall, 3), **{k: t1[k] - t0[k] for k in keys}})
         outs.append(got)
         if i == 0:

@@ -33,6 +33,17 @@ def scatter(src_ptr, dst_ptr, off_ptr, d, BLOCK: tl.constexpr):
     tl.store(dst_ptr + o * d + offs, v, mask=m)
 
 
+@triton.jit
+def scatter_loop(src_ptr, dst_ptr, off_ptr, n, d, BLOCK: tl.constexpr):
+    """The same with a few programs, each every num_programs-th row (what the plugin launches)."""
+    offs = tl.arange(0, BLOCK)
+    m = offs < d
+    for i in range(tl.program_id(0), n, tl.num_programs(0)):
+        v = tl.load(src_ptr + i.to(tl.int64) * d + offs, mask=m)
+        o = tl.load(off_ptr + i)
+        tl.store(dst_ptr + o * d + offs, v, mask=m)
+
+
 class HostView:
     """What a Triton launch needs of an argument: an address and a dtype."""
 
@@ -81,6 +92,15 @@ def main() -> None:
         dt = (time.perf_counter() - t0) / reps
         ok = bool(torch.equal(host.view(rows_total, d)[offs[:64].cpu()], src[:64].cpu()))
         out(what="scatter", case=name, ms=dt * 1e3, gbps=n * d * 2 / dt / 1e9, correct=ok)
+        for progs in (16, 64, 132):
+            scatter_loop[(progs,)](src, view, offs, n, d, BLOCK=d)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                scatter_loop[(progs,)](src, view, offs, n, d, BLOCK=d)
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / reps
+            out(what="scatter-loop", programs=progs, case=name, ms=dt * 1e3, gbps=n * d * 2 / dt / 1e9)
         # the same into device memory, and a contiguous DMA copy to pinned memory, for reference
         dst_dev = torch.empty(n + 8, d, device=dev, dtype=torch.bfloat16)
         offd = torch.randperm(n, device=dev).to(torch.int64)
@@ -141,6 +161,16 @@ def main() -> None:
     torch.cuda.synchronize()
     both = time.perf_counter() - t0
     out(what="interference", matmul_s=base, with_side_scatter_s=both, scatters=8)
+    for progs in (16, 64):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(2000):
+            if i % 250 == 0:
+                with torch.cuda.stream(side):
+                    scatter_loop[(progs,)](src, view, offs, n, d, BLOCK=d)
+            torch.matmul(a, w)
+        torch.cuda.synchronize()
+        out(what="interference-loop", programs=progs, matmul_s=base, with_side_scatter_s=time.perf_counter() - t0)
     t0 = time.perf_counter()
     rc = cudart.cudaHostUnregister(ptr)
     out(what="unregister", rc=int(rc), seconds=time.perf_counter() - t0)

@@ -259,6 +259,8 @@ def test_direct_writes_equal_host_copies(llama, monkeypatch):
     assert after["direct_regions"] - before["direct_regions"] == len(prompts)
     assert after["early_requests"] - before["early_requests"] == len(prompts)
     assert after["direct_steps"] > before["direct_steps"]
+    # the decode steps of the whole batch: every row went directly, none into host arenas
+    assert after["direct_only_steps"] - before["direct_only_steps"] >= 6
     L = _n_layers(llama)
     rows = sum(L * o.activations["residual_stream"].shape[1] for o in got)
     assert after["direct_rows"] - before["direct_rows"] >= rows  # (a finished request's last row may be extra)

@@ -229,45 +229,41 @@ def test_early_assembly_blocks_copy_every_row_to_its_place():
 def test_direct_offsets_and_marks():
     """Direct mode's plan (`EarlyAssembler.direct_rows`, `graph._host_scatter`): the element offsets the GPU's
     kernel gets put every (request, layer, position) row of a step at its place in two separate segments (an
-    origin and a span across both), rows outside a result are not written; once the arena is direct the
-    thread's plan only marks those rows (no copy), and an arena turned back to host copies (a step from
-    Python) copies the direct regions' rows too."""
+    origin and a span across both), rows outside a result are not written, and the step marks them written;
+    the arena's direct requests are fixed at its first step (one without a region then is copied by the
+    thread), the thread's plan skips them, and an arena turned back to host copies (a step from Python)
+    copies them too."""
     import threading
 
     import numpy as np
 
     from vllm_worker.transport import early
     from vllm_worker.worker import graph
+    from vllm_worker.worker.results import StepArena
 
     L, R, d, n_max = 3, 4, 16, 6
     seg = {0: np.zeros((200, d), np.int16), 1: np.zeros((300, d), np.int16)}
     fills = {k: np.zeros(len(seg[k]), dtype=bool) for k in seg}
-    where = {0: (0, 10), 1: (1, 0), 2: (1, 40)}  # request -> (segment, first row); 3: no region
+    where = {0: (0, 10), 1: (1, 0), 2: (1, 40), 3: (0, 100)}  # request -> (segment, first row)
 
     class St:
         pass
 
+    def dest_of(r):
+        k, first = where[r]
+        dest = early.Dest(("seg%d" % k, first * d * 2, 0), d * 2, n_max, d, torch.bfloat16, [0, 1, 2], {})
+        dest.out_of_slot = {0: 0, 1: 1, 2: 2}
+        dest.rows, dest.fill = seg[k], fills[k]
+        dest.addr = seg[k].ctypes.data
+        return dest
+
     sts = []
     for r in range(R):
         st = St()
-        if r in where:
-            k, first = where[r]
-            dest = early.Dest(("seg%d" % k, first * d * 2, 0), d * 2, n_max, d, torch.bfloat16, [0, 1, 2], {})
-            dest.out_of_slot = {0: 0, 1: 1, 2: 2}
-            dest.rows, dest.fill = seg[k], fills[k]
-            dest.addr = seg[k].ctypes.data
-            st.early = dest
-        else:
-            st.early = early.OFF
+        st.early = dest_of(r) if r < 3 else early.PENDING  # request 3's region comes after the first step
         sts.append(st)
-
-    class Arena:
-        rows = L * R
-        users = [(l * R + r, 1, sts[r], l) for l in range(L) for r in range(R)]
-        early = None
-        direct = None
-        direct_map = None
-
+    arena = StepArena(L * R, False)
+    arena.users = [(l * R + r, 1, sts[r], l) for l in range(L) for r in range(R)]
     asm = early.EarlyAssembler(lambda: None, {}, lambda n: None)
     asm._cv = threading.Condition()
     S = 3
@@ -275,12 +271,14 @@ def test_direct_offsets_and_marks():
     pos = torch.arange(S).repeat_interleave(L * R).reshape(S, L * R).clone()
     pos[2, 1 * R + 2] = n_max  # request 2, layer 1, last step: outside its result
     for s in range(S):
-        got = asm.direct_rows(Arena, pos[s].numpy(), d, torch.bfloat16)
-        assert got is not None and Arena.direct is True
-        origin, span, offs = got
-        assert origin == min(a.ctypes.data for a in seg.values())
+        got = asm.direct_rows(arena, pos[s].numpy(), d, torch.bfloat16)
+        assert got is not None and arena.direct is True and len(arena.members) == 3
+        origin, span, offs, full = got
+        assert origin == min(a.ctypes.data for a in seg.values()) and not full  # request 3 is not a member
         assert (offs < 0).sum() == L + (s == 2)  # request 3 at every layer, and the row outside
         graph._host_scatter(data[s].view(torch.int16).numpy(), origin, span, offs)
+        if s == 0:  # (taken by the thread: not a member of this arena, copied on the host)
+            sts[3].early = dest_of(3)
     src = data.view(torch.int16).numpy()
     want = {k: np.zeros_like(seg[k]) for k in seg}
     for r, (k, first) in where.items():
@@ -288,24 +286,36 @@ def test_direct_offsets_and_marks():
             for s in range(S):
                 if (r, l, s) != (2, 1, 2):
                     want[k][first + l * n_max + s] = src[s, l * R + r]
+    direct_only = {k: want[k].copy() for k in seg}
+    direct_only[0][100 : 100 + L * n_max] = 0
     for k in seg:
-        assert np.array_equal(seg[k], want[k])
-    # the thread's plan for a direct arena: marks, no copies
-    cmap = asm._map(Arena)
+        assert np.array_equal(seg[k], direct_only[k])
+    assert fills[0].sum() + fills[1].sum() == 3 * L * S - 1  # marked by the steps
+    # the thread's plan for a direct arena skips its members: it copies request 3 only
     jobs: list = []
-    assert asm._jobs([data, pos, S], 0, S, cmap, jobs) == 0 and jobs == []
-    assert fills[0].sum() + fills[1].sum() == 3 * L * S - 1
-    # turned back to host copies (a step filed from Python): the same rows are copied
-    for k in seg:
-        seg[k][:] = 0
-    Arena.direct = False
-    assert asm.direct_rows(Arena, pos[0].numpy(), d, torch.bfloat16) is None
-    cmap = asm._map(Arena)
-    assert asm._jobs([data, pos, S], 0, S, cmap, jobs) == (3 * L * S - 1) * d * 2
+    assert asm._jobs([data, pos, S], 0, S, asm._map(arena), jobs) == L * S * d * 2
     for part in early._split(jobs, 2):
         early._run(part)
     for k in seg:
         assert np.array_equal(seg[k], want[k])
+    # turned back to host copies (a step filed from Python): the members' rows are copied too
+    for k in seg:
+        seg[k][:] = 0
+    arena.direct = False
+    assert asm.direct_rows(arena, pos[0].numpy(), d, torch.bfloat16) is None
+    cmap = asm._map(arena)
+    jobs = []
+    assert asm._jobs([data, pos, S], 0, S, cmap, jobs) == (4 * L * S - 1) * d * 2
+    for part in early._split(jobs, 2):
+        early._run(part)
+    for k in seg:
+        assert np.array_equal(seg[k], want[k])
+    # an arena whose every request is a member needs no host rows
+    sts[3].early = early.OFF
+    arena2 = StepArena(L * 3, False)
+    arena2.users = [(l * 3 + r, 1, sts[r], l) for l in range(L) for r in range(3)]
+    got = asm.direct_rows(arena2, pos[0].numpy()[: L * 3], d, torch.bfloat16)
+    assert got is not None and got[3] is True
 
 
 def test_direct_regions_come_only_from_registered_segments():

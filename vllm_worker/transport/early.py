@@ -132,6 +132,7 @@ class EarlyAssembler:
         # direct mode: the event after the copy stream's latest write into a region (set by the store,
         # under its lock, as it issues them); a direct region is freed only once it has passed
         self.fence: Any = None
+        self.direct = False  # direct mode is on (set by the store as it files steps)
 
     # ------------------------------------------------------------ step side (store lock held)
 
@@ -193,7 +194,7 @@ class EarlyAssembler:
         with self._cv:
             for st in stores:
                 e = st.early
-                if isinstance(e, Dest) and self.broken:  # maybe half written: assembled at fetch instead
+                if isinstance(e, Dest) and self.broken and not e.addr:  # maybe half written: assembled at fetch
                     self._free.append(e)
                     st.early = FAILED
                 elif isinstance(e, Dest):
@@ -227,7 +228,7 @@ class EarlyAssembler:
         if pool is None or dest.mine != mine or not 0 < n_pos <= dest.n_max or dest.rows is None or dest.fill is None:
             return None
         segs = [s for s in st.segments if s.log.arena is not None and s.slot in dest.out_of_slot]
-        if not any(ch[2] for s in segs for ch in s.log.arena.chunks):
+        if not any(s.log.arena.direct_steps or any(ch[2] for ch in s.log.arena.chunks) for s in segs):
             payload.setdefault("error", errors.failure("internal", "no positions were captured", "assembling results"))
             self.free_now(dest)
             return payload
@@ -402,6 +403,8 @@ class EarlyAssembler:
                     continue
                 assert pool is not None
                 dest = self._dest(st, region, pool, d, dtype, row)
+                if self.direct:  # written by the GPU from the request's next arena on, if the GPU can
+                    dest.addr = pool.address(region[0])
                 if st.early != PENDING:  # dropped meanwhile
                     dest.dead = True
                     self._free.append(dest)
@@ -449,17 +452,18 @@ class EarlyAssembler:
             self._timings["direct_regions"] += 1
             return True
 
-    def direct_rows(
-        self, arena: Any, pos: np.ndarray, d: int, dtype: torch.dtype
-    ) -> tuple[int, int, np.ndarray] | None:
+    def direct_rows(self, arena: Any, pos: np.ndarray, d: int, dtype: torch.dtype) -> tuple | None:
         """This step's rows (arena columns, at positions `pos`) as element offsets from an address the GPU
-        writes them at: (origin, bytes from origin to the last target's end, offsets; -1 = not written), or
-        None when none of the arena's columns goes to a direct region. Marks the arena as direct. At the
-        arena's first step, its requests that still want a region get one here (`take_now`)."""
+        writes them at: (origin, bytes from origin to the last target's end, offsets (-1: not written),
+        whether every column is written so: the step needs no arena rows), or None.
+
+        An arena's direct requests (`members`) are fixed at its first step: those whose region the GPU can
+        write then (taken here, `take_now`, or earlier by the thread); one whose region comes later is
+        copied on the host for this arena and written directly from the next. The rows are marked as
+        written here (the thread skips members), so a step without arena rows needs nothing else."""
         if arena.direct is False or self.broken:
             return None
-        esize = _esize(dtype)
-        if arena.direct_map is None:
+        if arena.members is None:
             pool = self._pool()
             if pool is not None:
                 seen: set[int] = set()
@@ -467,27 +471,48 @@ class EarlyAssembler:
                     if st.early == WANTED and id(st) not in seen:
                         seen.add(id(st))
                         self.take_now(st, pool, d, dtype)
+            with self._cv:
+                members = set()
+                full = True
+                for _, _, st, slot in arena.users:
+                    e = st.early
+                    if isinstance(e, Dest) and e.addr and not e.dead and slot in e.out_of_slot:
+                        members.add(id(e))
+                    else:
+                        full = False
+                arena.members = frozenset(members)
+                arena.direct_full = full and bool(members)
+                if members:
+                    arena.direct = True
+        if not arena.members:
+            return None
         with self._cv:
             cached = arena.direct_map
             if cached is None or cached[0] != self.gen:
-                cached = arena.direct_map = (self.gen, self._direct_map(arena, d, esize))
+                cached = arena.direct_map = (self.gen, self._direct_map(arena, d, _esize(dtype)))
         got = cached[1]
-        if got is None:
+        if got is None:  # every member is gone
             return None
-        origin, span, off0, npos = got
+        origin, span, off0, npos, row0, tkey, fills = got
         p = pos.astype(np.int64, copy=False)
+        ok = (p >= 0) & (p < npos)
         offs = off0 + p * d
-        offs[(p < 0) | (p >= npos)] = -1
-        arena.direct = True
-        return origin, span, offs
+        offs[~ok] = -1
+        rows = row0 + p
+        if len(fills) == 1:
+            fills[0][rows[ok]] = True
+        else:
+            for k, fill in enumerate(fills):
+                fill[rows[ok & (tkey == k)]] = True
+        return origin, span, offs, arena.direct_full
 
     def _direct_map(self, arena: Any, d: int, esize: int) -> tuple | None:
-        """(cv held.) Per column the element offset of position 0's row from the lowest target segment,
-        and its positions' bound (0: the column is not written)."""
+        """(cv held.) Per column: the element offset of position 0's row from the lowest target segment, its
+        positions' bound (0: not written), its row in its segment and which segment's marks it sets."""
         dests = []
         for col, n, st, slot in arena.users:
             e = st.early
-            if isinstance(e, Dest) and e.addr and not e.dead and slot in e.out_of_slot:
+            if isinstance(e, Dest) and id(e) in arena.members and not e.dead and slot in e.out_of_slot:
                 dests.append((col, n, e, slot))
         if not dests:
             return None
@@ -495,10 +520,22 @@ class EarlyAssembler:
         end = max(e.addr + e.rows.shape[0] * e.row for _, _, e, _ in dests if e.rows is not None)
         off0 = np.zeros(arena.rows, dtype=np.int64)
         npos = np.zeros(arena.rows, dtype=np.int64)
+        row0 = np.zeros(arena.rows, dtype=np.int64)
+        tkey = np.zeros(arena.rows, dtype=np.int64)
+        fills: list[np.ndarray] = []
+        code: dict[int, int] = {}
         for col, n, e, slot in dests:
-            off0[col : col + n] = (e.addr - origin) // esize + (e.base + e.out_of_slot[slot] * e.n_max) * d
+            assert e.fill is not None  # set with the region
+            k = code.get(id(e.fill))
+            if k is None:
+                k = code[id(e.fill)] = len(fills)
+                fills.append(e.fill)
+            r = e.base + e.out_of_slot[slot] * e.n_max
+            off0[col : col + n] = (e.addr - origin) // esize + r * d
             npos[col : col + n] = e.n_max
-        return origin, end - origin, off0, npos
+            row0[col : col + n] = r
+            tkey[col : col + n] = k
+        return origin, end - origin, off0, npos, row0, tkey, fills
 
     def _map(self, arena: Any) -> tuple | None:
         """Where the arena's columns go, cached on the arena until a region is made, claimed or dies: per
@@ -511,24 +548,24 @@ class EarlyAssembler:
         view (no gather, no temporary), copied with one numpy call per copy thread."""
         with self._cv:
             cached = arena.early
-            if cached is not None and cached[0] == (self.gen, arena.direct is True):
+            if cached is not None and cached[0] == (self.gen, arena.direct is True and bool(arena.members)):
                 return cached[1]
             n_cols = arena.rows
             key = np.full(n_cols, -1, dtype=np.int64)
             base = np.zeros(n_cols, dtype=np.int64)
             npos = np.zeros(n_cols, dtype=np.int64)
-            targets: list[tuple[np.ndarray, np.ndarray, bool]] = []
-            code: dict[tuple[int, bool], int] = {}
-            written = arena.direct is True  # the GPU wrote its direct regions' rows: mark them, copy nothing
+            targets: list[tuple[np.ndarray, np.ndarray]] = []
+            code: dict[int, int] = {}
+            # the GPU writes (and the step thread marks) the rows of a direct arena's members: not copied
+            skip = arena.members if arena.direct is True and arena.members else frozenset()
             for col, n, st, slot in arena.users:
                 e = st.early
-                if isinstance(e, Dest) and not e.dead and slot in e.out_of_slot:
+                if isinstance(e, Dest) and not e.dead and slot in e.out_of_slot and id(e) not in skip:
                     assert e.rows is not None and e.fill is not None  # set with the region
-                    tk = (id(e.rows), written and bool(e.addr))
-                    k = code.get(tk)
+                    k = code.get(id(e.rows))
                     if k is None:
-                        k = code[tk] = len(targets)
-                        targets.append((e.rows, e.fill, tk[1]))
+                        k = code[id(e.rows)] = len(targets)
+                        targets.append((e.rows, e.fill))
                     key[col : col + n] = k
                     base[col : col + n] = e.base + e.out_of_slot[slot] * e.n_max
                     npos[col : col + n] = e.n_max
@@ -555,7 +592,7 @@ class EarlyAssembler:
                 blocks.append([k, a, b - a, 0, 1])
                 latest[k] = blocks[-1]
             got = (base, npos, targets, [tuple(b) for b in blocks])
-        arena.early = ((gen, written), got)
+        arena.early = ((gen, bool(skip)), got)
         return got
 
     @staticmethod
@@ -569,7 +606,7 @@ class EarlyAssembler:
         row = data.shape[-1] * data.element_size()
         total = 0
         for k, c0, w, gap, m in blocks:
-            rows, fill, written = targets[k]
+            rows, fill = targets[k]
             # the block's columns only (gaps dropped): the column axis becomes (m, w)
             pb = _block(p, 1, c0, w, gap, m)  # (steps, m, w)
             bb, nb = _block(base, 0, c0, w, gap, m), _block(npos, 0, c0, w, gap, m)  # (m, w)
@@ -578,14 +615,12 @@ class EarlyAssembler:
             ok = (pb >= 0) & (pb < nb)
             if ok.all():
                 fill[dst] = True
-                if not written:
-                    jobs.append((rows, dst, src))
-                    total += dst.size * row
+                jobs.append((rows, dst, src))
+                total += dst.size * row
             else:  # positions outside the result (never expected): only the others
                 fill[dst[ok]] = True
-                if not written:
-                    jobs.append((rows, dst[ok], src[ok]))
-                    total += int(ok.sum()) * row
+                jobs.append((rows, dst[ok], src[ok]))
+                total += int(ok.sum()) * row
         return total
 
 

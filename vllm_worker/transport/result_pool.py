@@ -325,6 +325,14 @@ class ResultPool:
                     return seg.path, off, seg.size, seg.addr
         return None
 
+    def address(self, path: str) -> int:
+        """Where segment `path` is mapped, if the GPU can write it (with `pin`: registered), else 0."""
+        with self._lock:
+            seg = self._segments.get(path)
+            if seg is None or (self._pin is not None and seg.unpin is None):
+                return 0
+            return seg.addr
+
     def rows(self, path: str, dtype: torch.dtype, d: int) -> np.ndarray:
         """Segment `path` as a (rows, d) array of `np_dtype(dtype)`: regions aligned to a row are row ranges."""
         seg = self._segments[path]

@@ -37,6 +37,7 @@ FETCH_TIMINGS = {
     # them, the rows, and the step thread's seconds building the offsets and issuing the writes
     "direct_regions": 0,
     "direct_steps": 0,
+    "direct_only_steps": 0,  # ... of which every row went directly (no arena rows, no host copy at all)
     "direct_rows": 0,
     "direct_s": 0.0,
 }
@@ -49,7 +50,19 @@ class StepArena:
     they are pinned (device copies land in them asynchronously) and come from torch's caching host
     allocator, so a steady workload stops allocating."""
 
-    __slots__ = ("rows", "pinned", "chunks", "users", "done", "early", "direct", "direct_map")
+    __slots__ = (
+        "rows",
+        "pinned",
+        "chunks",
+        "users",
+        "done",
+        "early",
+        "direct",
+        "members",
+        "direct_full",
+        "direct_map",
+        "direct_steps",
+    )
     MAX_CHUNK_STEPS = 64
 
     def __init__(self, rows: int, pinned: bool) -> None:
@@ -64,7 +77,10 @@ class StepArena:
         # direct mode: None until a step's rows are written into regions by the GPU, then True; False once
         # a step is filed without (its rows are copied on the host, also for direct regions)
         self.direct: bool | None = None
+        self.members: frozenset | None = None  # the requests (their `Dest`s) written directly, fixed at its first step
+        self.direct_full = False  # ... and they are all of its requests: its steps need no host rows
         self.direct_map: tuple | None = None  # (generation, map) cached by `EarlyAssembler.direct_rows`
+        self.direct_steps = 0  # steps written only directly (no chunk rows)
 
     def next(self, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, d) and (rows,) host views for the next step."""

@@ -375,9 +375,7 @@ class LensRuntime:
         if n_cap:
             try:
                 faults.check("file")
-                host, hpos = self.store.step_slot(plan, g.d, g.dtype)
-                hpos.numpy()[:] = pos[gp.cap_rows[:n_cap]]
-                self.store.file_graph_step(plan, g, base, n_cap, host, hpos)
+                self.store.file_graph_step(plan, g, base, n_cap, pos[gp.cap_rows[:n_cap]])
             except Exception as e:  # noqa: BLE001
                 self._fail([r for r in plan.requests if r.capture], "filing captures", e)
         STEP_TIMINGS["graph_steps"] += 1

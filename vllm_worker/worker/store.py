@@ -148,28 +148,40 @@ class CaptureStore:
                 t.record_stream(side)
         self.file_step(plan, host)
 
-    def file_graph_step(
-        self, plan: StepPlan, g: Any, base: int, n: int, host: torch.Tensor, hpos: torch.Tensor
-    ) -> None:
-        """Graph path: the step's `n` staged rows from ring row `base` to `host` (`graph.GraphTaps.copy_out`)
-        and, in direct mode, into their requests' regions, then filed. Under the store's lock, so that no
+    def file_graph_step(self, plan: StepPlan, g: Any, base: int, n: int, pos: np.ndarray) -> None:
+        """Graph path: the step's `n` staged rows from ring row `base` (at positions `pos`) to the plan's
+        arena (`graph.GraphTaps.copy_out`) and, in direct mode, into their requests' regions, then filed; a
+        step whose every row is written directly gets no arena rows. Under the store's lock, so that no
         region is freed or claimed between its offsets being read and its write being queued."""
         arena = plan.arena
         assert arena is not None  # `open_plan` made it
         with self.lock:
             direct = None
             on = self.direct if self.side is not None else bool(get("VLLM_LENS_DIRECT_POOL"))
+            self.early.direct = on
             if on and arena.users and self._pool is not None:
                 t = time.perf_counter()
-                direct = self.early.direct_rows(arena, hpos.numpy(), g.d, g.dtype)
+                direct = self.early.direct_rows(arena, pos, g.d, g.dtype)
                 FETCH_TIMINGS["direct_s"] += time.perf_counter() - t
+            host = None
+            if direct is None or not direct[3]:
+                host, hpos = self.step_slot(plan, g.d, g.dtype)
+                hpos.numpy()[:] = pos
             g.copy_out(base, n, host, direct)
-            event = self._copied(arena)
+            event = self._copied(arena) if host is not None or self.side is None else self._fence_event()
             if direct is not None:
                 self.early.fence = event
                 FETCH_TIMINGS["direct_steps"] += 1
                 FETCH_TIMINGS["direct_rows"] += int((direct[2] >= 0).sum())
-            self._file(plan, host, event)
+            if host is None:
+                arena.direct_steps += 1
+                FETCH_TIMINGS["direct_only_steps"] += 1
+            self._file(plan, g.d * g.stage.element_size(), event, queue=host is not None)
+
+    def _fence_event(self) -> Any:
+        event = torch.cuda.Event(blocking=True)
+        event.record(self.side)
+        return event
 
     def file_step(self, plan: StepPlan, host: torch.Tensor) -> None:
         """Account a step whose rows are (or are being copied) in `host` (`fetch` waits for copies)."""
@@ -178,7 +190,7 @@ class CaptureStore:
         event = self._copied(arena)
         with self.lock:
             arena.direct = False  # its rows reach direct regions by host copies from now on
-            self._file(plan, host, event)
+            self._file(plan, host.shape[-1] * host.element_size(), event)
 
     def _copied(self, arena: Any) -> Any:
         """An event after the step's copies on the side stream (early assembly waits for it), or None."""
@@ -190,9 +202,9 @@ class CaptureStore:
         event.record(self.side)
         return event
 
-    def _file(self, plan: StepPlan, host: torch.Tensor, event: Any) -> None:
-        """(lock held.)"""
-        row = host.shape[-1] * host.element_size()
+    def _file(self, plan: StepPlan, row: int, event: Any, queue: bool = True) -> None:
+        """(lock held.) `row`: bytes of one captured row; `queue`: the step has arena rows for early
+        assembly."""
         arena = plan.arena
         assert arena is not None
         for log in plan.logs.values():
@@ -200,7 +212,7 @@ class CaptureStore:
             log.nbytes += nb
             self.stored_bytes += nb
         self._evict_if_needed()
-        if arena.users:
+        if arena.users and queue:
             self.early.filed(arena, event)
 
     def _release(self, st: RequestResults) -> None:
@@ -361,20 +373,32 @@ class CaptureStore:
             return len(gone)
 
 
+# Result-pool segments are registered in pieces of this size: registering holds the driver, and the step
+# thread's launches wait for it (measured on the H200: 0.19 s for 4 GiB in one call, the launches stalled as
+# long), so the waits stay short.
+PIN_PIECE = 256 << 20
+
+
 def _cuda_pin(device: int) -> Any:
     """Registers result-pool segments with CUDA (direct mode): `pin(address, size)` -> its unregister."""
     cudart = torch.cuda.cudart()
 
     def pin(addr: int, size: int) -> Any:
         torch.cuda.set_device(device)  # (the pool's growing thread: the worker's device, not device 0)
-        rc = int(cudart.cudaHostRegister(addr, size, 3))  # portable | mapped
-        if rc != 0:
-            raise RuntimeError(f"cudaHostRegister returned {rc}")
+        done: list[int] = []
 
-        def unpin(a: int) -> None:
+        def unpin(_: int) -> None:
             torch.cuda.set_device(device)
-            cudart.cudaHostUnregister(a)
+            for a in done:
+                cudart.cudaHostUnregister(a)
 
+        for a in range(addr, addr + size, PIN_PIECE):
+            rc = int(cudart.cudaHostRegister(a, min(PIN_PIECE, addr + size - a), 3))  # portable | mapped
+            if rc != 0:
+                unpin(addr)
+                raise RuntimeError(f"cudaHostRegister returned {rc}")
+            done.append(a)
+            time.sleep(0.0005)  # (the step thread gets the driver between pieces)
         return unpin
 
     return pin
