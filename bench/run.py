@@ -453,7 +453,7 @@ def main() -> None:
         "gpu-w2d": {"vllm-compiled": ("W0",), "lens": ("W0", "W2"), "lens-x": ("W0", "W2"), "lens-x2": ("W0", "W2")},
         # all-layer capture against an earlier commit (BENCH_LENS_BEFORE_SRC), three engines (the shortest call)
         "gpu-w2e": {"vllm-compiled": ("W0",), "lens": ("W0", "W2"), "lens-before": ("W0", "W2")},
-        # all-layer capture with a setting to try (BENCH_LENS_X_ENV, e.g. VLLM_LENS_DIRECT_POOL=1), three engines
+        # all-layer capture with a setting to try (BENCH_LENS_X_ENV, e.g. VLLM_LENS_DIRECT_POOL=0: host copies), three engines
         "gpu-w2x": {"vllm-compiled": ("W0",), "lens": ("W0", "W2"), "lens-x": ("W0", "W2")},
         # every target of #25 in one call, with this project at an earlier commit (BENCH_LENS_BEFORE_SRC) beside it
         "gpu-table": {

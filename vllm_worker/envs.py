@@ -231,10 +231,11 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "VLLM_LENS_DIRECT_POOL",
             bool,
-            False,
+            True,
             "the GPU writes each step's captured rows straight into their shared-memory result regions (the "
-            "pool's segments registered with CUDA; one kernel per step on the copy stream), so early assembly "
-            "copies nothing on the host; on CPU the step thread copies them (the same bookkeeping, for tests)",
+            "pool's segments registered with CUDA as they are made; one kernel per step on the copy stream): "
+            "no host copy for them (read at start-up; 0: early assembly copies them on the host). On CPU only "
+            "when set to 1: the step thread then writes them at the same offsets (for tests)",
         ),
         Setting(
             "VLLM_LENS_EARLY_INTERVAL_MS",

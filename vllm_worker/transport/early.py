@@ -133,6 +133,7 @@ class EarlyAssembler:
         # under its lock, as it issues them); a direct region is freed only once it has passed
         self.fence: Any = None
         self.direct = False  # direct mode is on (set by the store as it files steps)
+        self.dgen = 0  # bumped when a direct region dies or is claimed: arenas drop it from their direct maps
 
     # ------------------------------------------------------------ step side (store lock held)
 
@@ -154,6 +155,7 @@ class EarlyAssembler:
                 e.dead = True
                 self._free.append(e)
                 self.gen += 1
+                self.dgen += bool(e.addr)
                 st.early = DEAD
                 if self._thread is None:  # nothing is copying: free it now
                     self._free_dead()
@@ -200,6 +202,7 @@ class EarlyAssembler:
                 elif isinstance(e, Dest):
                     got[id(st)] = e
                     st.early = CLAIMED
+                    self.dgen += bool(e.addr)
                 elif e in (WANTED, PENDING, FAILED):
                     st.early = FAILED  # counted when its fetch falls back
             if got:
@@ -486,24 +489,24 @@ class EarlyAssembler:
                     arena.direct = True
         if not arena.members:
             return None
-        with self._cv:
+        with self._cv:  # (rebuilt only when a member goes: regions of other requests do not matter here)
             cached = arena.direct_map
-            if cached is None or cached[0] != self.gen:
-                cached = arena.direct_map = (self.gen, self._direct_map(arena, d, _esize(dtype)))
+            if cached is None or cached[0] != self.dgen:
+                cached = arena.direct_map = (self.dgen, self._direct_map(arena, d, _esize(dtype)))
         got = cached[1]
         if got is None:  # every member is gone
             return None
-        origin, span, off0, npos, row0, tkey, fills = got
+        origin, span, off0, npos, row0, marks = got
         p = pos.astype(np.int64, copy=False)
         ok = (p >= 0) & (p < npos)
         offs = off0 + p * d
         offs[~ok] = -1
-        rows = row0 + p
-        if len(fills) == 1:
-            fills[0][rows[ok]] = True
-        else:
-            for k, fill in enumerate(fills):
-                fill[rows[ok & (tkey == k)]] = True
+        for fill, cols in marks:  # per target segment: its columns' rows at this step's positions
+            if cols is None:
+                fill[(row0 + p)[ok]] = True
+            else:
+                pk = p[cols]
+                fill[(row0[cols] + pk)[ok[cols]]] = True
         return origin, span, offs, arena.direct_full
 
     def _direct_map(self, arena: Any, d: int, esize: int) -> tuple | None:
@@ -521,7 +524,7 @@ class EarlyAssembler:
         off0 = np.zeros(arena.rows, dtype=np.int64)
         npos = np.zeros(arena.rows, dtype=np.int64)
         row0 = np.zeros(arena.rows, dtype=np.int64)
-        tkey = np.zeros(arena.rows, dtype=np.int64)
+        tkey = np.full(arena.rows, -1, dtype=np.int64)
         fills: list[np.ndarray] = []
         code: dict[int, int] = {}
         for col, n, e, slot in dests:
@@ -535,7 +538,9 @@ class EarlyAssembler:
             npos[col : col + n] = e.n_max
             row0[col : col + n] = r
             tkey[col : col + n] = k
-        return origin, end - origin, off0, npos, row0, tkey, fills
+        # per target segment its columns (None: it has every written column)
+        marks = [(f, None if len(fills) == 1 else np.flatnonzero(tkey == k)) for k, f in enumerate(fills)]
+        return origin, end - origin, off0, npos, row0, marks
 
     def _map(self, arena: Any) -> tuple | None:
         """Where the arena's columns go, cached on the arena until a region is made, claimed or dies: per

@@ -213,16 +213,24 @@ class GraphTaps:
         self._offs_ev: list[Any] = [None, None]
         self._offs_dev: torch.Tensor | None = None
         self._offs_turn = 0
+        self.direct_ok = False  # the direct-write kernel is ready (CUDA, `VLLM_LENS_DIRECT_POOL`)
         if cuda and envs.get("VLLM_LENS_DIRECT_POOL"):
-            self._scatter = _triton_scatter()
-            self._offs_host = [torch.empty(self.stage_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-            self._offs_dev = torch.full((self.stage_rows,), -1, dtype=torch.int64, device=device)
-            probe = torch.zeros(d, dtype=dtype, pin_memory=True)  # compile now, not in a step
-            self._offs_dev[0] = 0
-            self._scatter[(1,)](
-                self.stage, _Address(probe.data_ptr(), dtype), self._offs_dev, 0, 1, d, BLOCK=self._block
-            )
-            torch.cuda.synchronize(device)
+            try:
+                self._scatter = _triton_scatter()
+                self._offs_host = [torch.empty(self.stage_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+                self._offs_dev = torch.full((self.stage_rows,), -1, dtype=torch.int64, device=device)
+                probe = torch.zeros(d, dtype=dtype, pin_memory=True)  # compile now, not in a step
+                self.stage[0].normal_()
+                self._offs_dev[0] = 0
+                self._scatter[(1,)](
+                    self.stage, _Address(probe.data_ptr(), dtype), self._offs_dev, 0, 1, d, BLOCK=self._block
+                )
+                torch.cuda.synchronize(device)
+                if not torch.equal(probe, self.stage[0].cpu()):
+                    raise RuntimeError("the kernel's write to host memory did not land")
+                self.direct_ok = True
+            except Exception as e:  # noqa: BLE001 - captures are copied on the host instead
+                logger.error("inspect-lens: direct writes into the result pool are off (%s: %s)", type(e).__name__, e)
         if cuda:  # compile now: never for the first time while vLLM captures a graph
             for has_r in (True, False):
                 z = torch.zeros((1, d), dtype=dtype, device=device)

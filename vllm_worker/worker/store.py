@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -157,17 +158,29 @@ class CaptureStore:
         assert arena is not None  # `open_plan` made it
         with self.lock:
             direct = None
-            on = self.direct if self.side is not None else bool(get("VLLM_LENS_DIRECT_POOL"))
+            on = self._direct_on(g)
             self.early.direct = on
             if on and arena.users and self._pool is not None:
                 t = time.perf_counter()
                 direct = self.early.direct_rows(arena, pos, g.d, g.dtype)
                 FETCH_TIMINGS["direct_s"] += time.perf_counter() - t
+            if direct is None and arena.direct:
+                arena.direct = False  # (direct mode went off): its members' rows are copied on the host again
             host = None
             if direct is None or not direct[3]:
                 host, hpos = self.step_slot(plan, g.d, g.dtype)
                 hpos.numpy()[:] = pos
-            g.copy_out(base, n, host, direct)
+            try:
+                g.copy_out(base, n, host, direct)
+            except Exception as e:
+                if direct is not None:  # never again for this worker; this step's requests fail (the caller)
+                    logger.error(
+                        "inspect-lens: a direct write failed (%s: %s); direct writes are off", type(e).__name__, e
+                    )
+                    self.direct = False
+                    self.early.direct = False
+                    arena.direct = False
+                raise
             event = self._copied(arena) if host is not None or self.side is None else self._fence_event()
             if direct is not None:
                 self.early.fence = event
@@ -177,6 +190,13 @@ class CaptureStore:
                 arena.direct_steps += 1
                 FETCH_TIMINGS["direct_only_steps"] += 1
             self._file(plan, g.d * g.stage.element_size(), event, queue=host is not None)
+
+    def _direct_on(self, g: Any) -> bool:
+        """Direct writes this step: on CUDA when set at start-up and the kernel is ready; on CPU (the host
+        scatter, for tests) only when the variable is set to 1, read per step."""
+        if self.side is not None:
+            return self.direct and bool(getattr(g, "direct_ok", False))
+        return "VLLM_LENS_DIRECT_POOL" in os.environ and bool(get("VLLM_LENS_DIRECT_POOL"))
 
     def _fence_event(self) -> Any:
         event = torch.cuda.Event(blocking=True)
