@@ -326,3 +326,41 @@ def test_direct_mode_with_python_path_steps_and_an_abort(llama, monkeypatch):
     while held_results(llama) != (held, 0) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert held_results(llama) == (held, 0)
+
+
+def _direct_off_later(ctx, h):
+    """A hook that turns direct writes off (CPU: read per step) at its 6th call, mid-decode."""
+    import os
+
+    ctx.saved["calls"] = ctx.saved.get("calls", 0) + 1
+    if ctx.saved["calls"] == 6:
+        os.environ["VLLM_LENS_DIRECT_POOL"] = "0"
+
+
+def test_direct_writes_turned_off_mid_arena_fall_back_to_host_copies(llama, monkeypatch):
+    """Direct writes go off while an arena is being written directly (a hook of a batch-mate turns the setting
+    off mid-decode; on CUDA: a failed write): the arena's later steps get host rows again and its direct
+    requests' rows are copied by the thread, so every result still equals host copies byte for byte."""
+    monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "1")
+    from vllm_worker import Hook
+
+    prompts, sps = _direct_batch(llama)
+    L = _n_layers(llama)
+    hooked = SamplingParams(
+        max_tokens=20,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"apply_hooks": [Hook(_direct_off_later, [0])], "output_residual_stream": list(range(2, L))},
+    )
+    prompts, sps = [*prompts, _prompt(60, 2)], [*sps, hooked]
+    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "0")
+    want = _run(llama, prompts, sps)
+    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "1")
+    before = _timings(llama)
+    got = _run(llama, prompts, sps)
+    after = _timings(llama)
+    assert got[-1].hook_results["0"]["calls"] == 20 and __import__("os").environ["VLLM_LENS_DIRECT_POOL"] == "0"
+    _same(got, want)
+    assert after["direct_only_steps"] > before["direct_only_steps"]  # written directly before the switch ...
+    assert after["early_bytes"] > before["early_bytes"]  # ... and copied on the host after it
+    assert after["early_fallbacks"] == before["early_fallbacks"]
