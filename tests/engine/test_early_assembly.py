@@ -6,6 +6,7 @@ aborted mid-generation gives its region back."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -23,6 +24,16 @@ def _prompt(n_words: int, shift: int) -> str:
 
 def _n_layers(llm) -> int:
     return llm.llm_engine.model_config.get_total_num_hidden_layers()
+
+
+def _long_capture(llm) -> SamplingParams:
+    """Every layer for 150 tokens: a request still running after a few steps."""
+    return SamplingParams(
+        max_tokens=150,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"output_residual_stream": list(range(_n_layers(llm)))},
+    )
 
 
 def _timings(llm) -> dict:
@@ -126,12 +137,7 @@ def test_an_aborted_request_gives_its_region_back(llama, monkeypatch):
     held, _ = held_results(llama)
     before = _timings(llama)
     engine = llama.llm_engine
-    sp = SamplingParams(
-        max_tokens=150,
-        temperature=0,
-        ignore_eos=True,
-        extra_args={"output_residual_stream": list(range(_n_layers(llama)))},
-    )
+    sp = _long_capture(llama)
     engine.add_request("early-abort", _prompt(200, 3), sp)
     for _ in range(4):
         engine.step()
@@ -241,6 +247,19 @@ def _direct_batch(llama) -> tuple[list[str], list[SamplingParams]]:
     return _batch(llama, stop_token=probe[-1].outputs[0].token_ids[2])
 
 
+def _host_then_direct(llama, monkeypatch, prompts: list, sps: list) -> tuple[list, list, dict, dict]:
+    """The batch with host copies, then with direct writes: (host results, direct results, the worker's
+    timings before and after the direct run)."""
+    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "0")
+    want = _run(llama, prompts, sps)
+    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "1")
+    before = _timings(llama)
+    got = _run(llama, prompts, sps)
+    after = _timings(llama)
+    _same(got, want)
+    return want, got, before, after
+
+
 def test_direct_writes_equal_host_copies(llama, monkeypatch):
     """`VLLM_LENS_DIRECT_POOL`: each graph-path step's rows are written straight into their requests' regions
     (on CPU by the step thread, at the element offsets the GPU's kernel gets) and the background thread only
@@ -249,12 +268,7 @@ def test_direct_writes_equal_host_copies(llama, monkeypatch):
     monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "1")
     held, _ = held_results(llama)
     prompts, sps = _direct_batch(llama)  # (also grows the pool: direct regions are never waited for)
-    want = _run(llama, prompts, sps)
-    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "1")
-    before = _timings(llama)
-    got = _run(llama, prompts, sps)
-    after = _timings(llama)
-    _same(got, want)
+    want, got, before, after = _host_then_direct(llama, monkeypatch, prompts, sps)
     assert len(got[-1].outputs[0].token_ids) < 24  # stopped early: compacted in place
     assert after["direct_regions"] - before["direct_regions"] == len(prompts)
     assert after["early_requests"] - before["early_requests"] == len(prompts)
@@ -296,12 +310,7 @@ def test_direct_mode_with_python_path_steps_and_an_abort(llama, monkeypatch):
         extra_args={"apply_hooks": [Hook(_keep, [1])], "output_residual_stream": [1]},
     )
     prompts, sps = [*prompts, _prompt(40, 5)], [*sps, hooked]
-    want = _run(llama, prompts, sps)
-    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "1")
-    before = _timings(llama)
-    got = _run(llama, prompts, sps)
-    after = _timings(llama)
-    _same(got, want)
+    want, got, before, after = _host_then_direct(llama, monkeypatch, prompts, sps)
     assert got[-1].hook_results == want[-1].hook_results
     assert after["direct_regions"] == before["direct_regions"]  # regions are taken at a graph-path step only
     assert 0 < after["early_bytes"] - before["early_bytes"]  # host copies
@@ -309,12 +318,7 @@ def test_direct_mode_with_python_path_steps_and_an_abort(llama, monkeypatch):
     del got, want
     # an aborted direct request
     engine = llama.llm_engine
-    sp = SamplingParams(
-        max_tokens=150,
-        temperature=0,
-        ignore_eos=True,
-        extra_args={"output_residual_stream": list(range(_n_layers(llama)))},
-    )
+    sp = _long_capture(llama)
     before = _timings(llama)
     engine.add_request("direct-abort", _prompt(200, 3), sp)
     for _ in range(4):
@@ -353,14 +357,8 @@ def test_direct_writes_turned_off_mid_arena_fall_back_to_host_copies(llama, monk
         extra_args={"apply_hooks": [Hook(_direct_off_later, [0])], "output_residual_stream": list(range(2, L))},
     )
     prompts, sps = [*prompts, _prompt(60, 2)], [*sps, hooked]
-    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "0")
-    want = _run(llama, prompts, sps)
-    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "1")
-    before = _timings(llama)
-    got = _run(llama, prompts, sps)
-    after = _timings(llama)
-    assert got[-1].hook_results["0"]["calls"] == 20 and __import__("os").environ["VLLM_LENS_DIRECT_POOL"] == "0"
-    _same(got, want)
+    _, got, before, after = _host_then_direct(llama, monkeypatch, prompts, sps)
+    assert got[-1].hook_results["0"]["calls"] == 20 and os.environ["VLLM_LENS_DIRECT_POOL"] == "0"
     assert after["direct_only_steps"] > before["direct_only_steps"]  # written directly before the switch ...
     assert after["early_bytes"] > before["early_bytes"]  # ... and copied on the host after it
     assert after["early_fallbacks"] == before["early_fallbacks"]
