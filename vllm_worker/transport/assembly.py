@@ -22,7 +22,7 @@ import torch
 
 from vllm_worker.protocol import errors
 from vllm_worker.protocol.wire import dtype_name
-from vllm_worker.transport.result_pool import ResultPool, np_dtype
+from vllm_worker.transport.result_pool import ResultPool, host_array, np_dtype
 
 BLOCK_BYTES = 64 << 20  # one copy job at most (threads take jobs)
 
@@ -150,8 +150,7 @@ def assemble(
         base = np.repeat(u[:, 2], lens)  # destination row of position 0, per column
         npos = np.repeat(u[:, 3], lens)
         seg_code = np.repeat(u_code, lens)
-        src = data.view(torch.int16) if data.element_size() == 2 and data.is_floating_point() else data
-        src_np = src.numpy()  # (steps, rows, d)
+        src_np = host_array(data)  # (steps, rows, d)
         pos_np = pos.numpy()[:f]
         d = data.shape[-1]
         step_bytes_per_col = d * data.element_size()

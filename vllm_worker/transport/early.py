@@ -24,14 +24,16 @@ wake-up (`INTERVAL_S`; at once when a fetch waits), into the final place of each
   regions and waits for any batch in flight (`quiesce`), so nothing writes a region once it is handed out.
 - Any failure of the thread turns early assembly off for the worker's life: every request then takes the
   fetch-time path (counted, logged), never a silent gap.
-- **Direct** (`VLLM_LENS_DIRECT_POOL`, graph-path steps): a request's region is taken in the step, at its
-  first plan, from pool memory the GPU can write (segments registered with CUDA; never waiting, never
-  growing the pool: if there is none the request is copied as above), and each step's rows are written
-  into their regions by one kernel on the copy stream (`direct_rows` gives the offsets). The thread then
-  only marks the rows as written. The arena copy stays (the fallback above still holds), so the host
-  copies nothing; a step filed from the Python path turns its arena back to host copies. A direct region
-  is only freed after the copy stream's latest write (`fence`), and a fetch waits for that stream after
-  claiming its regions, so no write lands in a region after it is freed or handed out.
+- **Direct** (`VLLM_LENS_DIRECT_POOL`, graph-path steps): the GPU writes the rows of an arena's *members*
+  into their regions itself, one kernel per step on the copy stream (`direct_rows` gives the offsets and
+  marks the rows written). Members are fixed at the arena's first step: requests whose region is in
+  memory the GPU can write (segments registered with CUDA) then — taken at that step (`take_now`, never
+  waiting or growing the pool) or earlier by the thread; the others are copied as above, and join the next
+  arena's members. The thread skips members; a step whose rows all belong to members gets no arena rows.
+  A step filed from the Python path, or with direct writes off, turns its arena back to host copies for
+  every request. A direct region is only freed after the copy stream's latest write (`fence`), and a
+  fetch waits for that stream after claiming its regions, so no write lands in a region after it is freed
+  or handed out.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import torch
 from vllm_worker.envs import get
 from vllm_worker.protocol import errors
 from vllm_worker.transport.assembly import note_missing, pool_result
-from vllm_worker.transport.result_pool import ResultPool
+from vllm_worker.transport.result_pool import ResultPool, host_array
 
 logger = logging.getLogger("vllm_worker")
 
@@ -98,12 +100,6 @@ class Dest:
     @property
     def nbytes(self) -> int:
         return len(self.mine) * self.n_max * self.row
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    if t.dtype in (torch.bfloat16, torch.float16):
-        t = t.view(torch.int16)
-    return t.numpy()
 
 
 class EarlyAssembler:
@@ -606,7 +602,7 @@ class EarlyAssembler:
         (segment rows, destination rows (steps, m, w), the source rows (steps, m, w, d): a strided view)."""
         base, npos, targets, blocks = cmap
         data, pos = chunk[0], chunk[1]
-        a3 = _np(data)[s0:s1]  # (steps, columns, d)
+        a3 = host_array(data)[s0:s1]  # (steps, columns, d)
         p = pos.numpy()[s0:s1]
         row = data.shape[-1] * data.element_size()
         total = 0

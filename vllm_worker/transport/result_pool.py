@@ -78,6 +78,14 @@ def np_dtype(dtype: torch.dtype) -> np.dtype:
     return got
 
 
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor as regions are written (16-bit floats as int16: same bytes): numpy copies
+    release the GIL."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.int16)
+    return t.numpy()
+
+
 # ---------------------------------------------------------------------------------------- worker side
 
 

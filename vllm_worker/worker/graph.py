@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from vllm_worker import envs
+from vllm_worker.transport.result_pool import host_array
 from vllm_worker.worker import faults
 
 logger = logging.getLogger("vllm_worker")
@@ -144,12 +145,7 @@ def _host_scatter(src: np.ndarray, origin: int, span: int, offs: np.ndarray) -> 
 
     flat = np.frombuffer(memoryview((ctypes.c_byte * span).from_address(origin)), dtype=src.dtype)
     keep = offs >= 0
-    if keep.all():
-        idx = offs[:, None] + np.arange(src.shape[1])
-        flat[idx] = src
-    else:
-        idx = offs[keep][:, None] + np.arange(src.shape[1])
-        flat[idx] = src[keep]
+    flat[offs[keep][:, None] + np.arange(src.shape[1])] = src[keep]
 
 
 class GraphTaps:
@@ -436,20 +432,18 @@ class GraphTaps:
         self.holds = None
         self.active = False
 
-    def copy_out(self, base: int, n: int, dst: torch.Tensor | None, direct: tuple | None = None) -> Any:
+    def copy_out(self, base: int, n: int, dst: torch.Tensor | None, direct: tuple | None = None) -> None:
         """The step's captured rows into `dst` (pinned host memory on CUDA: asynchronously, on the side
         stream after the step's kernels; their staging rows are reused once the copy is done). `direct`:
         (origin, span, offsets, _) from `EarlyAssembler.direct_rows`: the rows are (also, or with `dst`
-        None only) written there, by the GPU. Returns the event after the copies (None on CPU, where they
-        are done)."""
+        None only) written there, by the GPU."""
         src = self.stage[base : base + n]
         if self._side is None:
             if dst is not None:
                 dst.copy_(src)
             if direct is not None:
-                a = src.view(torch.int16) if src.dtype in (torch.bfloat16, torch.float16) else src
-                _host_scatter(a.numpy(), direct[0], direct[1], direct[2])
-            return None
+                _host_scatter(host_array(src), direct[0], direct[1], direct[2])
+            return
         side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         if direct is not None:
@@ -470,7 +464,6 @@ class GraphTaps:
             ev = torch.cuda.Event()
             ev.record(side)
         self._pending.append((base, base + n, ev))
-        return ev
 
     def _offsets(self, offs: np.ndarray) -> torch.Tensor:
         """`offs` in this turn's pinned buffer (waiting for the upload that last used it)."""

@@ -22,7 +22,7 @@ from vllm_worker.envs import get, limit
 from vllm_worker.protocol import errors
 from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.transport import assembly, early, result_pool
-from vllm_worker.transport.result_pool import ResultPool
+from vllm_worker.transport.result_pool import ResultPool, host_array
 from vllm_worker.worker import faults, saes
 from vllm_worker.worker.plan import StepPlan
 from vllm_worker.worker.results import FETCH_TIMINGS, CaptureLog, RequestResults, Segment, StepArena
@@ -181,7 +181,7 @@ class CaptureStore:
                     self.early.direct = False
                     arena.direct = False
                 raise
-            event = self._copied(arena) if host is not None or self.side is None else self._fence_event()
+            event = self._copied(arena)  # (a direct step has users: this is the writes' fence too)
             if direct is not None:
                 self.early.fence = event
                 FETCH_TIMINGS["direct_steps"] += 1
@@ -197,11 +197,6 @@ class CaptureStore:
         if self.side is not None:
             return self.direct and bool(getattr(g, "direct_ok", False))
         return "VLLM_LENS_DIRECT_POOL" in os.environ and bool(get("VLLM_LENS_DIRECT_POOL"))
-
-    def _fence_event(self) -> Any:
-        event = torch.cuda.Event(blocking=True)
-        event.record(self.side)
-        return event
 
     def file_step(self, plan: StepPlan, host: torch.Tensor) -> None:
         """Account a step whose rows are (or are being copied) in `host` (`fetch` waits for copies)."""
@@ -479,14 +474,6 @@ def _result_bytes(st: RequestResults, n_pos: int) -> int:
     return 0
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor (16-bit floats as int16), for the assembly copies: numpy copies
-    are single-threaded and release the GIL."""
-    if t.dtype in (torch.bfloat16, torch.float16):
-        t = t.view(torch.int16)
-    return t.numpy()
-
-
 def _assemble(st: RequestResults, n_pos: int, layer_ids: list[int], assemble_saved: Any) -> dict[str, Any]:
     """One request, as bytes (no result pool: a frontend on another machine)."""
     payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved)
@@ -508,13 +495,13 @@ def _as_bytes(payload: dict, st: RequestResults, n_pos: int, mine: list[int], ou
     shape = (len(mine), n_pos, d)
     t1 = time.perf_counter()
     t = torch.zeros(shape, dtype=dtype)
-    dst = _np(t)
+    dst = host_array(t)
     t2 = time.perf_counter()
     FETCH_TIMINGS["alloc_s"] += t2 - t1
     filled = np.zeros((len(mine), n_pos), dtype=bool)
     for slot, pos, rows in parts:  # pos (steps, n), rows (steps, n, d)
-        p = _np(pos).ravel()
-        src = _np(rows)
+        p = host_array(pos).ravel()
+        src = host_array(rows)
         if (
             len(p)
             and p[0] >= 0
