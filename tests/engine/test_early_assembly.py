@@ -289,6 +289,46 @@ def test_direct_writes_equal_host_copies(llama, monkeypatch):
     assert held_results(llama) == (held, 0)
 
 
+def test_direct_requests_without_a_region_at_their_first_step_join_later(llama, monkeypatch):
+    """A request whose region cannot be taken at its arena's first step (no room the GPU can write: here
+    `alloc_now` refuses every request) gets it from the thread, and joins the arena's direct members at a
+    later step: the GPU writes its rows from then on, the steps after every request has joined need no host
+    rows, and its rows before the join are copied on the host. Results equal host copies byte for byte."""
+    from vllm_worker.transport import early
+    from vllm_worker.transport.result_pool import ResultPool
+
+    monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "1")
+    refused, late = [0], [False]
+    real_rows, real_regions = early.EarlyAssembler.direct_rows, early.EarlyAssembler._regions
+
+    def alloc_now(self, *args, **kwargs):
+        refused[0] += 1
+        return None
+
+    def direct_rows(self, arena, *args, **kwargs):  # (the step thread)
+        if arena.members is not None and not late[0]:  # an arena's second step: the thread's regions come now
+            late[0] = True
+            t = time.monotonic()
+            while self.dmade == 0 and time.monotonic() - t < 10:
+                time.sleep(0.001)
+        return real_rows(self, arena, *args, **kwargs)
+
+    def regions(self, arena):  # (the thread) no region before that step
+        t = time.monotonic()
+        while self.direct and not late[0] and time.monotonic() - t < 10:
+            time.sleep(0.001)
+        return real_regions(self, arena)
+
+    monkeypatch.setattr(ResultPool, "alloc_now", alloc_now)
+    monkeypatch.setattr(early.EarlyAssembler, "direct_rows", direct_rows)
+    monkeypatch.setattr(early.EarlyAssembler, "_regions", regions)
+    prompts, sps = _direct_batch(llama)
+    want, got, before, after = _host_then_direct(llama, monkeypatch, prompts, sps)
+    delta = {k: after[k] - before[k] for k in ("direct_regions", "direct_joins", "direct_only_steps", "early_bytes")}
+    assert late[0] and refused[0] >= len(prompts) and delta["direct_regions"] == 0, delta
+    assert delta["direct_joins"] >= 1 and delta["direct_only_steps"] >= 1 and delta["early_bytes"] > 0, delta
+
+
 def _keep(ctx, h):
     ctx.saved["n"] = ctx.saved.get("n", 0) + h.shape[0]
 

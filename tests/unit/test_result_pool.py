@@ -226,96 +226,142 @@ def test_early_assembly_blocks_copy_every_row_to_its_place():
     assert fills[0].sum() + fills[1].sum() == 4 * L * S - 1
 
 
+class _Direct:
+    """A direct-mode arena of R requests x L layers (one column each) over two segments; request 3's region
+    comes after the first step. `dest(r)` is request r's region as the thread (or `take_now`) makes it."""
+
+    L, R, d, n_max, S = 3, 4, 16, 6, 3
+    where = {0: (0, 10), 1: (1, 0), 2: (1, 40), 3: (0, 100)}  # request -> (segment, first row)
+
+    def __init__(self) -> None:
+        import threading
+
+        import numpy as np
+
+        from vllm_worker.transport import early
+        from vllm_worker.worker.results import StepArena
+
+        L, R, d, S = self.L, self.R, self.d, self.S
+        self.seg = {0: np.zeros((200, d), np.int16), 1: np.zeros((300, d), np.int16)}
+        self.fills = {k: np.zeros(len(self.seg[k]), dtype=bool) for k in self.seg}
+        self.sts = [type("St", (), {})() for _ in range(R)]
+        for r, st in enumerate(self.sts):
+            st.early = self.dest(r) if r < 3 else early.PENDING
+        self.arena = StepArena(L * R, False)
+        self.arena.users = [(l * R + r, 1, self.sts[r], l) for l in range(L) for r in range(R)]
+        self.asm = early.EarlyAssembler(lambda: None, {"direct_joins": 0}, lambda n: None)
+        self.asm._cv = threading.Condition()
+        self.data = torch.arange(S * L * R * d, dtype=torch.int16).reshape(S, L * R, d).view(torch.bfloat16)
+        self.pos = torch.arange(S).repeat_interleave(L * R).reshape(S, L * R).clone()
+        self.pos[2, 1 * R + 2] = self.n_max  # request 2, layer 1, last step: outside its result
+        src = self.data.view(torch.int16).numpy()
+        self.want = {k: np.zeros_like(self.seg[k]) for k in self.seg}
+        for r, (k, first) in self.where.items():
+            for l in range(L):
+                for s in range(S):
+                    if (r, l, s) != (2, 1, 2):
+                        self.want[k][first + l * self.n_max + s] = src[s, l * R + r]
+
+    def dest(self, r: int):
+        from vllm_worker.transport import early
+
+        k, first = self.where[r]
+        d = self.d
+        dest = early.Dest(("seg%d" % k, first * d * 2, 0), d * 2, self.n_max, d, torch.bfloat16, [0, 1, 2], {})
+        dest.out_of_slot = {0: 0, 1: 1, 2: 2}
+        dest.rows, dest.fill = self.seg[k], self.fills[k]
+        dest.addr = self.seg[k].ctypes.data
+        return dest
+
+    def step(self, s: int):
+        """Step `s` as the store files it: the offsets, and the GPU's writes (the host scatter here)."""
+        from vllm_worker.worker import graph
+
+        got = self.asm.direct_rows(self.arena, self.pos[s].numpy(), self.d, torch.bfloat16)
+        assert got is not None and self.arena.direct is True
+        origin, span, offs, _ = got
+        assert origin == min(a.ctypes.data for a in self.seg.values())
+        graph._host_scatter(self.data[s].view(torch.int16).numpy(), origin, span, offs)
+        return got
+
+    def thread_copies(self, cmap) -> int:
+        """The thread's copies of every step's arena rows under plan `cmap`; the bytes it copied."""
+        from vllm_worker.transport import early
+
+        jobs: list = []
+        n = self.asm._jobs([self.data, self.pos, self.S], 0, self.S, cmap, jobs)
+        for part in early._split(jobs, 2):
+            early._run(part)
+        return n
+
+
 def test_direct_offsets_and_marks():
     """Direct mode's plan (`EarlyAssembler.direct_rows`, `graph._host_scatter`): the element offsets the GPU's
     kernel gets put every (request, layer, position) row of a step at its place in two separate segments (an
     origin and a span across both), rows outside a result are not written, and the step marks them written;
-    the arena's direct requests are fixed at its first step (one without a region then is copied by the
-    thread), the thread's plan skips them, and an arena turned back to host copies (a step from Python)
-    copies them too."""
-    import threading
-
+    a request without a region at the first step is copied by the thread (the thread's plan skips the
+    others), and an arena turned back to host copies (a step from Python) copies them too."""
     import numpy as np
 
     from vllm_worker.transport import early
-    from vllm_worker.worker import graph
     from vllm_worker.worker.results import StepArena
 
-    L, R, d, n_max = 3, 4, 16, 6
-    seg = {0: np.zeros((200, d), np.int16), 1: np.zeros((300, d), np.int16)}
-    fills = {k: np.zeros(len(seg[k]), dtype=bool) for k in seg}
-    where = {0: (0, 10), 1: (1, 0), 2: (1, 40), 3: (0, 100)}  # request -> (segment, first row)
-
-    class St:
-        pass
-
-    def dest_of(r):
-        k, first = where[r]
-        dest = early.Dest(("seg%d" % k, first * d * 2, 0), d * 2, n_max, d, torch.bfloat16, [0, 1, 2], {})
-        dest.out_of_slot = {0: 0, 1: 1, 2: 2}
-        dest.rows, dest.fill = seg[k], fills[k]
-        dest.addr = seg[k].ctypes.data
-        return dest
-
-    sts = []
-    for r in range(R):
-        st = St()
-        st.early = dest_of(r) if r < 3 else early.PENDING  # request 3's region comes after the first step
-        sts.append(st)
-    arena = StepArena(L * R, False)
-    arena.users = [(l * R + r, 1, sts[r], l) for l in range(L) for r in range(R)]
-    asm = early.EarlyAssembler(lambda: None, {}, lambda n: None)
-    asm._cv = threading.Condition()
-    S = 3
-    data = torch.arange(S * L * R * d, dtype=torch.int16).reshape(S, L * R, d).view(torch.bfloat16)
-    pos = torch.arange(S).repeat_interleave(L * R).reshape(S, L * R).clone()
-    pos[2, 1 * R + 2] = n_max  # request 2, layer 1, last step: outside its result
+    t = _Direct()
+    L, d, S, seg = t.L, t.d, t.S, t.seg
     for s in range(S):
-        got = asm.direct_rows(arena, pos[s].numpy(), d, torch.bfloat16)
-        assert got is not None and arena.direct is True and len(arena.members) == 3
-        origin, span, offs, full = got
-        assert origin == min(a.ctypes.data for a in seg.values()) and not full  # request 3 is not a member
+        _, _, offs, full = t.step(s)
+        assert len(t.arena.members) == 3 and not full  # request 3 is not a member
         assert (offs < 0).sum() == L + (s == 2)  # request 3 at every layer, and the row outside
-        graph._host_scatter(data[s].view(torch.int16).numpy(), origin, span, offs)
-        if s == 0:  # (taken by the thread: not a member of this arena, copied on the host)
-            sts[3].early = dest_of(3)
-    src = data.view(torch.int16).numpy()
-    want = {k: np.zeros_like(seg[k]) for k in seg}
-    for r, (k, first) in where.items():
-        for l in range(L):
-            for s in range(S):
-                if (r, l, s) != (2, 1, 2):
-                    want[k][first + l * n_max + s] = src[s, l * R + r]
-    direct_only = {k: want[k].copy() for k in seg}
-    direct_only[0][100 : 100 + L * n_max] = 0
+        if s == 0:  # its region, taken without the thread's notice (no `dmade`): it stays a host copy
+            t.sts[3].early = t.dest(3)
+    direct_only = {k: t.want[k].copy() for k in seg}
+    direct_only[0][100 : 100 + L * t.n_max] = 0
     for k in seg:
         assert np.array_equal(seg[k], direct_only[k])
-    assert fills[0].sum() + fills[1].sum() == 3 * L * S - 1  # marked by the steps
+    assert t.fills[0].sum() + t.fills[1].sum() == 3 * L * S - 1  # marked by the steps
     # the thread's plan for a direct arena skips its members: it copies request 3 only
-    jobs: list = []
-    assert asm._jobs([data, pos, S], 0, S, asm._map(arena), jobs) == L * S * d * 2
-    for part in early._split(jobs, 2):
-        early._run(part)
+    assert t.thread_copies(t.asm._map(t.arena)) == L * S * d * 2
     for k in seg:
-        assert np.array_equal(seg[k], want[k])
+        assert np.array_equal(seg[k], t.want[k])
     # turned back to host copies (a step filed from Python): the members' rows are copied too
     for k in seg:
         seg[k][:] = 0
-    arena.direct = False
-    assert asm.direct_rows(arena, pos[0].numpy(), d, torch.bfloat16) is None
-    cmap = asm._map(arena)
-    jobs = []
-    assert asm._jobs([data, pos, S], 0, S, cmap, jobs) == (4 * L * S - 1) * d * 2
-    for part in early._split(jobs, 2):
-        early._run(part)
+    t.arena.direct = False
+    assert t.asm.direct_rows(t.arena, t.pos[0].numpy(), d, torch.bfloat16) is None
+    assert t.thread_copies(t.asm._map(t.arena)) == (4 * L * S - 1) * d * 2
     for k in seg:
-        assert np.array_equal(seg[k], want[k])
+        assert np.array_equal(seg[k], t.want[k])
     # an arena whose every request is a member needs no host rows
-    sts[3].early = early.OFF
+    t.sts[3].early = early.OFF
     arena2 = StepArena(L * 3, False)
-    arena2.users = [(l * 3 + r, 1, sts[r], l) for l in range(L) for r in range(3)]
-    got = asm.direct_rows(arena2, pos[0].numpy()[: L * 3], d, torch.bfloat16)
+    arena2.users = [(l * 3 + r, 1, t.sts[r], l) for l in range(L) for r in range(3)]
+    got = t.asm.direct_rows(arena2, t.pos[0].numpy()[: L * 3], d, torch.bfloat16)
     assert got is not None and got[3] is True
+
+
+def test_direct_late_member_joins_and_keeps_its_host_copies():
+    """A request whose region the thread makes after the arena's first step (`dmade`) joins its direct
+    members at the next step: the GPU writes its rows from then on, the arena needs no host rows once every
+    request is a member, and the thread still copies all of the late one's arena rows (its rows before the
+    join are only there) but none of the first members'. Together: every row in place."""
+    import numpy as np
+
+    t = _Direct()
+    L, d, S, seg = t.L, t.d, t.S, t.seg
+    _, _, offs, full = t.step(0)
+    assert len(t.arena.members) == 3 and not full and (offs < 0).sum() == L
+    t.sts[3].early = t.dest(3)  # as the thread's `_regions` makes it
+    t.asm.dmade += 1
+    for s in (1, 2):
+        _, _, offs, full = t.step(s)
+        assert len(t.arena.members) == 4 and full and (offs < 0).sum() == (s == 2)
+    assert t.asm._timings["direct_joins"] == 1 and t.arena.skip == t.arena.members - {id(t.sts[3].early)}
+    # the GPU wrote request 3's rows of steps 1 and 2; its step 0 is the thread's (from the arena rows)
+    assert not seg[0][100 : 100 + L * t.n_max].reshape(L, t.n_max, d)[:, 0].any()
+    assert t.fills[0][100 : 100 + L * t.n_max].reshape(L, t.n_max)[:, 1:3].all()
+    assert t.thread_copies(t.asm._map(t.arena)) == L * S * d * 2  # request 3 only
+    for k in seg:
+        assert np.array_equal(seg[k], t.want[k])
 
 
 def test_direct_regions_come_only_from_registered_segments():

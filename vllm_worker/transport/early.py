@@ -26,10 +26,11 @@ wake-up (`INTERVAL_S`; at once when a fetch waits), into the final place of each
   fetch-time path (counted, logged), never a silent gap.
 - **Direct** (`VLLM_LENS_DIRECT_POOL`, graph-path steps): the GPU writes the rows of an arena's *members*
   into their regions itself, one kernel per step on the copy stream (`direct_rows` gives the offsets and
-  marks the rows written). Members are fixed at the arena's first step: requests whose region is in
-  memory the GPU can write (segments registered with CUDA) then — taken at that step (`take_now`, never
-  waiting or growing the pool) or earlier by the thread; the others are copied as above, and join the next
-  arena's members. The thread skips members; a step whose rows all belong to members gets no arena rows.
+  marks the rows written). Its first members are the requests whose region is, at its first step, in
+  memory the GPU can write (segments registered with CUDA) — taken at that step (`take_now`, never
+  waiting or growing the pool) or earlier by the thread; the thread skips those. The others join at the
+  step after the thread has made their region, and the thread still copies all of their arena rows (the
+  same bytes where both write). A step whose rows all belong to members gets no arena rows.
   A step filed from the Python path, or with direct writes off, turns its arena back to host copies for
   every request. A direct region is only freed after the copy stream's latest write (`fence`), and a
   fetch waits for that stream after claiming its regions, so no write lands in a region after it is freed
@@ -130,6 +131,7 @@ class EarlyAssembler:
         self.fence: Any = None
         self.direct = False  # direct mode is on (set by the store as it files steps)
         self.dgen = 0  # bumped when a direct region dies or is claimed: arenas drop it from their direct maps
+        self.dmade = 0  # bumped when the thread makes a region the GPU can write: arenas look for new members
 
     # ------------------------------------------------------------ step side (store lock held)
 
@@ -338,18 +340,19 @@ class EarlyAssembler:
 
         faults.check("early")
         t0 = time.perf_counter()
-        last = items[-1][3]
-        if last is not None:
-            last.synchronize()  # the side stream runs in order: every queued step's copy has landed
         upto: dict[tuple[int, int], int] = {}
         arenas: dict[int, Any] = {}
         for arena, c, f, _ in items:
             arenas[id(arena)] = arena
             upto[(id(arena), c)] = max(upto.get((id(arena), c), 0), f)
+        for arena in arenas.values():  # before waiting for the copies: the GPU can write them sooner (direct)
+            self._regions(arena)
+        last = items[-1][3]
+        if last is not None:
+            last.synchronize()  # the side stream runs in order: every queued step's copy has landed
         jobs: list[tuple] = []
         nbytes = 0
         for aid, arena in arenas.items():
-            self._regions(arena)
             cmap = self._map(arena)
             while len(arena.done) < len(arena.chunks):
                 arena.done.append(0)
@@ -402,13 +405,14 @@ class EarlyAssembler:
                     continue
                 assert pool is not None
                 dest = self._dest(st, region, pool, d, dtype, row)
-                if self.direct:  # written by the GPU from the request's next arena on, if the GPU can
+                if self.direct:  # written by the GPU from its arena's next step on, if the GPU can
                     dest.addr = pool.address(region[0])
                 if st.early != PENDING:  # dropped meanwhile
                     dest.dead = True
                     self._free.append(dest)
                     continue
                 st.early = dest
+                self.dmade += bool(dest.addr)
 
     def _dest(self, st: Any, region: tuple, pool: ResultPool, d: int, dtype: torch.dtype, row: int) -> Dest:
         """(cv held.) The request's `Dest` over a region just taken, its rows marked as not written."""
@@ -456,13 +460,17 @@ class EarlyAssembler:
         writes them at: (origin, bytes from origin to the last target's end, offsets (-1: not written),
         whether every column is written so: the step needs no arena rows), or None.
 
-        An arena's direct requests (`members`) are fixed at its first step: those whose region the GPU can
-        write then (taken here, `take_now`, or earlier by the thread); one whose region comes later is
-        copied on the host for this arena and written directly from the next. The rows are marked as
-        written here (the thread skips members), so a step without arena rows needs nothing else."""
+        An arena's direct requests (`members`): at its first step, those whose region the GPU can write then
+        (taken here, `take_now`, or earlier by the thread) — the thread never copies their rows (`skip`).
+        A request whose region the thread makes later (it was still copying the prefill, or the pool had no
+        registered room) joins at the next step: the GPU writes its rows from then on, and the thread still
+        copies all of its arena rows (the same bytes where both write), so nothing before the join is lost.
+        Once every request is a member, the arena's steps need no arena rows. The rows written here are
+        marked here, so a step without arena rows needs nothing else."""
         if arena.direct is False or self.broken:
             return None
-        if arena.members is None:
+        first = arena.members is None
+        if first or (not arena.direct_full and arena.seen != self.dmade):
             pool = self._pool()
             if pool is not None:
                 seen: set[int] = set()
@@ -471,7 +479,7 @@ class EarlyAssembler:
                         seen.add(id(st))
                         self.take_now(st, pool, d, dtype)
             with self._cv:
-                members = set()
+                members = set(arena.members or ())
                 full = True
                 for _, _, st, slot in arena.users:
                     e = st.early
@@ -479,6 +487,12 @@ class EarlyAssembler:
                         members.add(id(e))
                     else:
                         full = False
+                arena.seen = self.dmade
+                if first:
+                    arena.skip = frozenset(members)
+                elif len(members) > len(arena.members or ()):
+                    self._timings["direct_joins"] += len(members) - len(arena.members or ())
+                    arena.direct_map = None
                 arena.members = frozenset(members)
                 arena.direct_full = full and bool(members)
                 if members:
@@ -549,7 +563,7 @@ class EarlyAssembler:
         view (no gather, no temporary), copied with one numpy call per copy thread."""
         with self._cv:
             cached = arena.early
-            if cached is not None and cached[0] == (self.gen, arena.direct is True and bool(arena.members)):
+            if cached is not None and cached[0] == (self.gen, arena.direct is True and bool(arena.skip)):
                 return cached[1]
             n_cols = arena.rows
             key = np.full(n_cols, -1, dtype=np.int64)
@@ -557,8 +571,9 @@ class EarlyAssembler:
             npos = np.zeros(n_cols, dtype=np.int64)
             targets: list[tuple[np.ndarray, np.ndarray]] = []
             code: dict[int, int] = {}
-            # the GPU writes (and the step thread marks) the rows of a direct arena's members: not copied
-            skip = arena.members if arena.direct is True and arena.members else frozenset()
+            # the GPU writes (and the step thread marks) every row of a direct arena's first members: not
+            # copied (members that joined later are copied too: their rows before the join are only here)
+            skip = arena.skip if arena.direct is True else frozenset()
             for col, n, st, slot in arena.users:
                 e = st.early
                 if isinstance(e, Dest) and not e.dead and slot in e.out_of_slot and id(e) not in skip:

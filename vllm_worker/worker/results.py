@@ -40,6 +40,7 @@ FETCH_TIMINGS = {
     "direct_only_steps": 0,  # ... of which every row went directly (no arena rows, no host copy at all)
     "direct_rows": 0,
     "direct_s": 0.0,
+    "direct_joins": 0,  # requests that joined an arena's direct members after its first step
 }
 
 
@@ -59,6 +60,8 @@ class StepArena:
         "early",
         "direct",
         "members",
+        "skip",
+        "seen",
         "direct_full",
         "direct_map",
         "direct_steps",
@@ -77,7 +80,9 @@ class StepArena:
         # direct mode: None until a step's rows are written into regions by the GPU, then True; False once
         # a step is filed without (its rows are copied on the host, also for direct regions)
         self.direct: bool | None = None
-        self.members: frozenset | None = None  # the requests (their `Dest`s) written directly, fixed at its first step
+        self.members: frozenset | None = None  # the requests (their `Dest`s) the GPU writes (set at its first step)
+        self.skip: frozenset = frozenset()  # ... of which those from its first step: the thread never copies them
+        self.seen = -1  # `EarlyAssembler.dmade` when the members were last looked for
         self.direct_full = False  # ... and they are all of its requests: its steps need no host rows
         self.direct_map: tuple | None = None  # (generation, map) cached by `EarlyAssembler.direct_rows`
         self.direct_steps = 0  # steps written only directly (no chunk rows)
