@@ -189,6 +189,11 @@ def test_full_entry_table_sends_the_request_to_the_python_path(monkeypatch):
     g.free_entries(got[1])
     again = graph.request_entries(g, [three_d])
     assert again is not None and again[0][2][0] == -1 and list(again[0][2][1]) == [4, 5]
+    # entries reach the device table at the next flush (one copy for a step's new requests), not before
+    ents = list(again[0][2][2])
+    assert not g.A[ents].any() and not g.B[ents].any()
+    g.flush_entries()
+    assert not g.A[ents].any() and (g.B[ents] == 1 / 8**0.5).all() and g.bflag[ents].tolist() == [1, 1]
 
 
 def test_ring_never_hands_out_rows_still_in_use(monkeypatch):

@@ -74,6 +74,7 @@ class Admission:
         child = compat.child_index(req_id, n)
         external = compat.external_request_id(req_id, n)
         steers = []
+        host_steers = []  # the same on the host (the graph path's entries are made there: `request_entries`)
         hooks: list[HookRun] = []
         store = None
         sae_uses: list = []
@@ -86,17 +87,14 @@ class Admission:
                     lut = torch.full((max(s.positions) + 1,), -1, dtype=torch.long)
                     lut[torch.tensor(s.positions)] = torch.arange(len(s.positions))
                     lut = lut.to(self.device)
-                steers.append(
-                    DeviceSteer(
-                        {l: i for i, l in enumerate(s.layers)},
-                        s.vectors.to(self.device, self.dtype),
-                        lut,
-                        s.scale,
-                        s.norm_match,
-                        None if s.positions is None else list(s.positions),
-                        s.mul,
-                    )
-                )
+                layers = {l: i for i, l in enumerate(s.layers)}
+                positions = None if s.positions is None else list(s.positions)
+                vectors = s.vectors.to(dtype=self.dtype)
+                host_steers.append(DeviceSteer(layers, vectors, None, s.scale, s.norm_match, positions, s.mul))
+                if self.device.type == "cuda":  # (pinned: no stream sync per request, as pageable copies make)
+                    vectors = vectors.pin_memory()
+                vectors = vectors.to(self.device, non_blocking=True)
+                steers.append(DeviceSteer(layers, vectors, lut, s.scale, s.norm_match, positions, s.mul))
             # result memory the frontend let go of: free before this request's result is announced
             self.store.release(payload.get("release"))
             if spec.wants_results or payload.get("fetch"):
@@ -134,7 +132,7 @@ class Admission:
         # hooks: on the graph path too when their steps can run them at seams (`plan.RequestState.seam_ok`)
         graph_ok = not hooks or seams.enabled()
         if self.graph is not None and graph_ok and not any(st.mul for st in steers):  # multiplications: Python path
-            got = graph.request_entries(self.graph, steers) if steers else ({}, [])
+            got = graph.request_entries(self.graph, host_steers) if steers else ({}, [])
             if got is not None:
                 entries, entry_ids = got
         return RequestState(

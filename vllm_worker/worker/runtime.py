@@ -48,6 +48,7 @@ STEP_TIMINGS = {
     "seam_steps": 0,  # graph-path steps with Python hooks at some taps (`seams`)
     "deferred_sites": 0,  # taps whose read-only hooks ran after the forward (`StepPlan.defer_hooks`)
     "reused_tables": 0,  # graph-path steps whose table was already on the device (`GraphTaps.reuse`)
+    "admit_s": 0.0,  # admitting new requests (decoding their specs, steering entries) at their first step
 }
 
 # Diagnostics (`lens_forward_clock`, read by benchmarks): (start, end, CPU seconds of the calling thread at
@@ -227,7 +228,11 @@ class LensRuntime:
         key = (tuple(req_ids), qsl.tobytes())
         if key != self._plan_key:  # batch composition changed: plan again
             self._prune()
+            t = time.perf_counter()
             active = self._active(req_ids, qsl)
+            if self.graph is not None:
+                self.graph.flush_entries()  # the new requests' steering entries, in one copy
+            STEP_TIMINGS["admit_s"] += time.perf_counter() - t
             try:
                 plan = None
                 if active:
