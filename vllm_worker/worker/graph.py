@@ -322,9 +322,7 @@ class GraphTaps:
 
     def add_entries(self, a: torch.Tensor, b: torch.Tensor) -> list[int] | None:
         """Store k entries (`a`, `b`: (k, d) float32 on the host); None when the table is full. They reach
-        the device with the next `flush_entries` (one copy for every request admitted in a step: per request,
-        copies and a stream sync each cost the first step of a steered batch ~1 ms of host time per request
-        on the H200)."""
+        the device with the next `flush_entries` (`Admission.flush`: one copy for a step's new requests)."""
         k = a.shape[0]
         if k > len(self._free):
             return None

@@ -230,8 +230,7 @@ class LensRuntime:
             self._prune()
             t = time.perf_counter()
             active = self._active(req_ids, qsl)
-            if self.graph is not None:
-                self.graph.flush_entries()  # the new requests' steering entries, in one copy
+            self.admission.flush()  # the new requests' steering to the device, in one copy
             STEP_TIMINGS["admit_s"] += time.perf_counter() - t
             try:
                 plan = None
