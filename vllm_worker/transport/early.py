@@ -523,55 +523,29 @@ class EarlyAssembler:
 
     def _direct_map(self, arena: Any, d: int, esize: int) -> tuple | None:
         """(cv held.) Per column: the element offset of position 0's row from the lowest target segment, its
-        positions' bound (0: not written), its row in its segment and which segment's marks it sets. One
-        Python pass over the users collects per-user numbers; the columns are filled by numpy (an all-layer
-        batch has 32 users per request: per-user slice assignments took ~27 ms per arena on CPU)."""
+        positions' bound (0: not written), its row in its segment and which segment's marks it sets."""
         members = arena.members
-        cols: list[int] = []
-        ns: list[int] = []
-        rows: list[int] = []
-        per: dict[int, tuple] = {}  # id(dest) -> (dest, its target's code)
-        who: list[int] = []
-        fills: list[np.ndarray] = []
-        code: dict[int, int] = {}
-        for col, n, st, slot in arena.users:
-            e = st.early
-            if not isinstance(e, Dest) or id(e) not in members or e.dead:
-                continue
-            i = e.out_of_slot.get(slot)
-            if i is None:
-                continue
-            got = per.get(id(e))
-            if got is None:
-                assert e.fill is not None  # set with the region
-                k = code.get(id(e.fill))
-                if k is None:
-                    k = code[id(e.fill)] = len(fills)
-                    fills.append(e.fill)
-                got = per[id(e)] = (e, k)
-            cols.append(col)
-            ns.append(n)
-            rows.append(e.base + i * e.n_max)
-            who.append(id(e))
-        if not cols:
+        got = _user_columns(
+            [(col, n, st.early, slot) for col, n, st, slot in arena.users],
+            lambda e: id(e) in members,
+            lambda e: e.fill,
+        )
+        if got is None:
             return None
-        dests = [e for e, _ in per.values()]
-        origin = min(e.addr for e in dests)
-        end = max(e.addr + e.rows.shape[0] * e.row for e in dests if e.rows is not None)
-        n_arr = np.array(ns, dtype=np.int64)
-        idx = _columns(np.array(cols, dtype=np.int64), n_arr)
-        r = np.array(rows, dtype=np.int64)
-        start = np.array([(per[w][0].addr - origin) // esize for w in who], dtype=np.int64)
+        idx, n_arr, rows, bounds, codes, who, firsts = got
+        origin = min(e.addr for e in who)
+        end = max(e.addr + e.rows.shape[0] * e.row for e in who)
+        start = np.array([(e.addr - origin) // esize for e in who], dtype=np.int64)
         off0 = np.zeros(arena.rows, dtype=np.int64)
         npos = np.zeros(arena.rows, dtype=np.int64)
         row0 = np.zeros(arena.rows, dtype=np.int64)
         tkey = np.full(arena.rows, -1, dtype=np.int64)
-        off0[idx] = np.repeat(start + r * d, n_arr)
-        npos[idx] = np.repeat(np.array([per[w][0].n_max for w in who], dtype=np.int64), n_arr)
-        row0[idx] = np.repeat(r, n_arr)
-        tkey[idx] = np.repeat(np.array([per[w][1] for w in who], dtype=np.int64), n_arr)
+        off0[idx] = np.repeat(start, n_arr) + rows * d
+        npos[idx] = bounds
+        row0[idx] = rows
+        tkey[idx] = codes
         # per target segment its columns (None: it has every written column)
-        marks = [(f, None if len(fills) == 1 else np.flatnonzero(tkey == k)) for k, f in enumerate(fills)]
+        marks = [(e.fill, None if len(firsts) == 1 else np.flatnonzero(tkey == k)) for k, e in enumerate(firsts)]
         return origin, end - origin, off0, npos, row0, marks
 
     def _map(self, arena: Any) -> tuple | None:
@@ -593,38 +567,16 @@ class EarlyAssembler:
             states = [(col, n, st.early, slot) for col, n, st, slot in arena.users]
             gen = self.gen
         n_cols = arena.rows
-        targets: list[tuple[np.ndarray, np.ndarray]] = []
-        code: dict[int, int] = {}
-        cols: list[int] = []
-        ns: list[int] = []
-        keys: list[int] = []
-        bases: list[int] = []
-        bounds: list[int] = []
-        for col, n, e, slot in states:  # (a region that dies meanwhile is freed only between batches)
-            if not isinstance(e, Dest) or e.dead or id(e) in skip:
-                continue
-            i = e.out_of_slot.get(slot)
-            if i is None:
-                continue
-            assert e.rows is not None and e.fill is not None  # set with the region
-            k = code.get(id(e.rows))
-            if k is None:
-                k = code[id(e.rows)] = len(targets)
-                targets.append((e.rows, e.fill))
-            cols.append(col)
-            ns.append(n)
-            keys.append(k)
-            bases.append(e.base + i * e.n_max)
-            bounds.append(e.n_max)
         key = np.full(n_cols, -1, dtype=np.int64)
         base = np.zeros(n_cols, dtype=np.int64)
         npos = np.zeros(n_cols, dtype=np.int64)
-        if cols:
-            n_arr = np.array(ns, dtype=np.int64)
-            idx = _columns(np.array(cols, dtype=np.int64), n_arr)
-            key[idx] = np.repeat(np.array(keys, dtype=np.int64), n_arr)
-            base[idx] = np.repeat(np.array(bases, dtype=np.int64), n_arr)
-            npos[idx] = np.repeat(np.array(bounds, dtype=np.int64), n_arr)
+        # (a region that dies meanwhile is freed only between batches)
+        cols = _user_columns(states, lambda e: id(e) not in skip, lambda e: e.rows)
+        targets: list[tuple[np.ndarray, np.ndarray]] = []
+        if cols is not None:
+            idx, _, rows, bounds, codes, _, firsts = cols
+            base[idx], npos[idx], key[idx] = rows, bounds, codes
+            targets = [(e.rows, e.fill) for e in firsts]
         got = None
         if targets:
             edges = np.flatnonzero(np.diff(key)) + 1
@@ -679,9 +631,46 @@ class EarlyAssembler:
         return total
 
 
-def _columns(first: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """Every column of the runs `first[i] .. first[i] + n[i] - 1`, run after run."""
-    return np.repeat(first - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+def _user_columns(states: list, keep: Callable[[Dest], bool], by: Callable[[Dest], Any]) -> tuple | None:
+    """One Python pass over an arena's users `(first column, columns, early state, slot)`, numpy for the
+    columns (an all-layer batch has 32 users per request: a slice assignment per user took ~27 ms per arena
+    on CPU). The users kept: those whose state is a live `Dest` holding their slot that `keep` accepts.
+    Returns (their columns; per user its column count; per column its region's row of position 0, its
+    positions' bound and its target's code — regions grouped by `by(dest)`; per user its Dest; one Dest per
+    target, in code order), or None when no user is kept."""
+    cols: list[int] = []
+    ns: list[int] = []
+    rows: list[int] = []
+    codes: list[int] = []
+    who: list[Dest] = []
+    firsts: list[Dest] = []
+    code: dict[int, int] = {}
+    for col, n, e, slot in states:
+        if not isinstance(e, Dest) or e.dead:
+            continue
+        i = e.out_of_slot.get(slot)
+        if i is None or not keep(e):
+            continue
+        assert e.rows is not None and e.fill is not None  # set with the region
+        k = code.get(id(by(e)))
+        if k is None:
+            k = code[id(by(e))] = len(firsts)
+            firsts.append(e)
+        cols.append(col)
+        ns.append(n)
+        rows.append(e.base + i * e.n_max)
+        codes.append(k)
+        who.append(e)
+    if not cols:
+        return None
+    n_arr = np.array(ns, dtype=np.int64)
+    idx = np.repeat(np.array(cols, dtype=np.int64) - np.cumsum(n_arr) + n_arr, n_arr) + np.arange(int(n_arr.sum()))
+
+    def per_column(values: list[int]) -> np.ndarray:
+        return np.repeat(np.array(values, dtype=np.int64), n_arr)
+
+    bounds = per_column([e.n_max for e in who])
+    return idx, n_arr, per_column(rows), bounds, per_column(codes), who, firsts
 
 
 def _esize(dtype: torch.dtype) -> int:

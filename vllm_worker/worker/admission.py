@@ -27,8 +27,8 @@ from vllm_worker.worker.store import CaptureStore
 
 
 class ToDevice:
-    """Host tensors bound for the device, moved together at `flush`: one (pinned, asynchronous) copy per
-    dtype; each tensor's device view goes to its setter."""
+    """Host tensors bound for the device, moved together at `flush`: one copy per dtype (`graph.upload`);
+    each tensor's device view goes to its setter."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -43,10 +43,7 @@ class ToDevice:
         for t, put in items:
             by_dtype.setdefault(t.dtype, []).append((t, put))
         for group in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t, _ in group])
-            if self.device.type == "cuda":
-                flat = flat.pin_memory()  # (torch's caching host allocator keeps it until the copy is done)
-            dev = flat.to(self.device, non_blocking=True)
+            dev = graph.upload(torch.cat([t.reshape(-1) for t, _ in group]), self.device)
             o = 0
             for t, put in group:
                 put(dev[o : o + t.numel()].view(t.shape))
@@ -81,9 +78,9 @@ class Admission:
 
     def flush(self) -> None:
         """After a step's admissions, before it is planned: their steering reaches the device, one copy per
-        dtype for all of them, and so do the graph-safe table's new entries (per request, the copies and
-        the stream sync of each pageable one cost the first step of 256 steered requests ~0.25 s of host
-        time on the H200, py-spy)."""
+        dtype for all of them, and so do the graph-safe table's new entries (no device work or stream sync
+        per request). What admission still costs is host Python: 63-95 ms for 256 steered requests on the
+        H200 (`admit_s`, bench/results/2026-12-03-h200.md)."""
         self._moves.flush()
         if self.graph is not None:
             self.graph.flush_entries()

@@ -17,6 +17,7 @@ import torch
 
 from vllm_worker.protocol.errors import failure
 from vllm_worker.protocol.points import READ_ONLY
+from vllm_worker.worker.graph import upload
 from vllm_worker.worker.plan import HookAt, HookGroup, HookRun, Rows, StepPlan, group_rows
 from vllm_worker.worker.results import RequestResults
 
@@ -276,13 +277,7 @@ class Batch:
     def _upload(self, name: str, host: np.ndarray) -> torch.Tensor:
         t = self._dev.get(name)
         if t is None:
-            t = torch.from_numpy(host)
-            dev = self.idx.device
-            if dev.type == "cuda":  # pinned: the copy runs in the stream's order, no sync
-                t = t.pin_memory().to(dev, non_blocking=True)
-            elif dev.type != "cpu":
-                t = t.to(dev)
-            self._dev[name] = t
+            t = self._dev[name] = upload(torch.from_numpy(host), self.idx.device)
         return t
 
     @property

@@ -46,6 +46,15 @@ STEER_MB = envs.get("VLLM_LENS_STEER_MB")
 SCATTER_PROGRAMS = 64
 
 
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` on `device`. On CUDA from pinned memory, asynchronously in the stream's order (a copy
+    from pageable memory waits for the stream); torch's caching host allocator keeps the pinned buffer
+    until the copy is done."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def enabled() -> bool:
     return bool(envs.get("VLLM_LENS_GRAPH_PATH"))
 
@@ -338,16 +347,12 @@ class GraphTaps:
         if not self._new_entries:
             return
         pending, self._new_entries = self._new_entries, {}
-        idx = torch.tensor(list(pending), dtype=torch.long)
-        rows = torch.stack([r for a, b, _ in pending.values() for r in (a, b)])  # A row, B row, A row, ...
-        flags = torch.tensor([f for _, _, f in pending.values()], dtype=torch.int32)
-        if self.device.type == "cuda":  # pinned: asynchronous copies (the caching host allocator keeps them)
-            idx, rows, flags = idx.pin_memory(), rows.pin_memory(), flags.pin_memory()
-        idx = idx.to(self.device, non_blocking=True)
-        rows = rows.to(self.device, non_blocking=True)
+        idx = upload(torch.tensor(list(pending), dtype=torch.long), self.device)
+        rows = upload(torch.stack([r for a, b, _ in pending.values() for r in (a, b)]), self.device)  # A, B, A, ...
+        flags = upload(torch.tensor([f for _, _, f in pending.values()], dtype=torch.int32), self.device)
         self.A.index_copy_(0, idx, rows[0::2])
         self.B.index_copy_(0, idx, rows[1::2])
-        self.bflag.index_copy_(0, idx, flags.to(self.device, non_blocking=True))
+        self.bflag.index_copy_(0, idx, flags)
 
     def free_entries(self, idx: list[int]) -> None:
         self._free.extend(idx)
