@@ -86,7 +86,7 @@ def patch_cudagraph_dispatch(needs_python: Callable[[Any], int]) -> None:
         def determine(self, *args, **kwargs):
             d = getattr(self, "cudagraph_dispatcher", None)
             level = 0 if d is None else needs_python(self)
-            if not level:
+            if d is None or not level:
                 return orig(self, *args, **kwargs)
             d._lens_no_full = level
             try:
