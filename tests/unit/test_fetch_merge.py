@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from vllm_worker.frontend import results
-from vllm_worker.frontend.requests import Pending
+from vllm_worker.frontend.state import Pending
 from vllm_worker.transport import shm
 
 

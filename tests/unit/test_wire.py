@@ -152,7 +152,7 @@ def test_encoding_a_huge_capture_lets_other_threads_run():
 
 
 def test_pending_map_keeps_the_sum_of_reservations():
-    from vllm_worker.frontend.requests import Pending, PendingMap
+    from vllm_worker.frontend.state import Pending, PendingMap
 
     m = PendingMap()
     m["a"], m["b"] = Pending("k", 1, [0], 4, 10), Pending("k2", 1, [0], 4, 5)

@@ -29,6 +29,7 @@ from vllm_worker import compat
 from vllm_worker.envs import limit
 from vllm_worker.extract import inputs as inp
 from vllm_worker.extract import shards as sh
+from vllm_worker.frontend.state import engine_shape
 from vllm_worker.protocol.points import K, Q, Z
 from vllm_worker.protocol.spec import ACTIVATIONS_KEY, capture_points, capture_sites
 
@@ -251,12 +252,10 @@ def extract(
     if not points:
         raise ValueError("points: expected at least one hook point")
 
-    from vllm_worker.frontend.requests import shape_of
-
     if compat.llm_busy(llm):
         raise ValueError("extract: this LLM still has unfinished requests (an interrupted generate?); use a fresh LLM")
     processor = compat.processor_of_llm(llm)
-    shape = shape_of(processor)
+    shape = engine_shape(processor)
     wanted = capture_points({p: layers for p in points}, shape)  # ValueError naming the field
     model, model_dtype, max_len = compat.served_model(processor)
     out_dtype = OUT_DTYPES[dtype] if dtype else model_dtype

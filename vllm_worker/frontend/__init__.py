@@ -6,18 +6,11 @@ attached to its outputs. `llm_methods`: persistent hooks as methods of `vllm.LLM
 """
 
 from vllm_worker.frontend.requests import (  # noqa: F401
-    FrontendState,
-    Pending,
-    PendingMap,
-    consumer_of,
     fetch_key,
     forget,
     in_flight_bytes,
-    mark_consumer,
-    mark_engine_consumer,
     on_new_request,
     pending_count,
-    state_of,
 )
 from vllm_worker.frontend.results import (  # noqa: F401
     TIMINGS,
@@ -26,4 +19,13 @@ from vllm_worker.frontend.results import (  # noqa: F401
     attach_outputs,
     release_results,
     release_results_async,
+)
+from vllm_worker.frontend.state import (  # noqa: F401
+    FrontendState,
+    Pending,
+    PendingMap,
+    consumer_of,
+    engine_state,
+    mark_consumer,
+    mark_engine_consumer,
 )

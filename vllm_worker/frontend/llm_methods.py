@@ -18,23 +18,23 @@ from typing import Any, Callable, Sequence
 from vllm_worker import compat
 from vllm_worker.api.hooks import Hook
 from vllm_worker.frontend import saes
-from vllm_worker.frontend.requests import shape_of, state_of
+from vllm_worker.frontend.results import merge_collected
+from vllm_worker.frontend.state import engine_shape, engine_state
 from vllm_worker.frontend.validation import parse_hooks
+from vllm_worker.frontend.vectors import check_name, check_vector, registry_of
 
 
 def register_hooks(self: Any, hooks: Sequence[Hook], prefetch_params: Sequence[str] | None = None) -> int:
     """Append persistent hooks; returns how many are registered now."""
-    specs = parse_hooks(list(hooks), shape_of(compat.processor_of_llm(self)))
+    specs = parse_hooks(list(hooks), engine_shape(compat.processor_of_llm(self)))
     if prefetch_params:
         self.prefetch_params(prefetch_params)
     counts = compat.rpc(self, "lens_register_hooks", [h.rpc() for h in specs])
-    state_of(self).persistent_hooks = True
+    engine_state(self).persistent_hooks = True
     return counts[0]
 
 
 def collect_hook_results(self: Any) -> dict[str, dict[str, Any]]:
-    from vllm_worker.frontend.results import merge_collected
-
     return merge_collected(compat.rpc(self, "lens_collect_hook_results"))
 
 
@@ -44,7 +44,7 @@ def clear_hook_results(self: Any) -> None:
 
 def clear_hooks(self: Any) -> None:
     compat.rpc(self, "lens_clear_hooks")
-    state_of(self).persistent_hooks = False
+    engine_state(self).persistent_hooks = False
 
 
 def prefetch_params(self: Any, names: Sequence[str]) -> list[str]:
@@ -60,23 +60,17 @@ def clear_prefetched(self: Any) -> None:
 def register_vector(self: Any, name: str, tensor: Any) -> dict[str, Any]:
     """Register (or replace) `tensor` as `name` for steering entries to name; returns its description
     (name, shape, dtype, bytes). The tensor is copied: later edits of the caller's do not reach it."""
-    from vllm_worker.frontend.vectors import check_name, check_vector, registry_of
-
     proc = compat.processor_of_llm(self)
-    vec = check_vector(tensor, shape_of(proc), "register_vector.tensor")
+    vec = check_vector(tensor, engine_shape(proc), "register_vector.tensor")
     return registry_of(proc).register("", check_name(name, "register_vector.name"), vec)
 
 
 def list_vectors(self: Any) -> list[dict[str, Any]]:
-    from vllm_worker.frontend.vectors import registry_of
-
     return registry_of(compat.processor_of_llm(self)).list("")
 
 
 def delete_vector(self: Any, name: str) -> bool:
     """True when `name` was registered (and is now gone)."""
-    from vllm_worker.frontend.vectors import registry_of
-
     return registry_of(compat.processor_of_llm(self)).delete("", name)
 
 

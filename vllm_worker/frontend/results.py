@@ -12,7 +12,7 @@ import torch
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookError, UnsupportedError
 from vllm_worker.envs import limit
-from vllm_worker.frontend.requests import Pending, consumer_of, pending_of, result_pools, state_of
+from vllm_worker.frontend.state import Pending, consumer_of, engine_state, pending_of, result_pools
 from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
 from vllm_worker.protocol.points import RESID_POST, ROUTER_LOGITS, K, Q, Z, canonical_site
 from vllm_worker.protocol.spec import ModelShape
@@ -80,7 +80,7 @@ def _fetch_rounds(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> Ge
     worker on another node returns them inside the RPC reply, which must stay small). Under data
     parallelism each request's results come from the engine vLLM routed it to."""
     host = shm.host_id()
-    state = state_of(engine)
+    state = engine_state(engine)
     everywhere = state.shm_everywhere
     if host is not None and everywhere is None:
         hosts = yield (None, "lens_host_id")
@@ -144,7 +144,7 @@ def release_results(engine: Any) -> int:
 
 async def release_results_async(engine_client: Any) -> int:
     """`release_results` for an async client: each data-parallel engine gets back its own workers' regions."""
-    state = state_of(engine_client)
+    state = engine_state(engine_client)
     n = 0
     engines = compat.engine_count(engine_client)
     for target in [None] if engines <= 1 else list(range(engines)):
@@ -258,7 +258,7 @@ def attach_outputs(llm: Any, outputs: list) -> list:
     """Set `.activations` on finished `RequestOutput`s (and each sample's `CompletionOutput`)."""
     pending = pending_of(compat.processor_of_llm(llm))
     failures: dict[str, Failure] = {}
-    if state_of(llm).persistent_hooks:
+    if engine_state(llm).persistent_hooks:
         ids = [o.request_id for o in outputs if hasattr(o, "request_id")]
         for rank_errors in compat.rpc(llm, "lens_pop_persistent_errors", ids):
             failures.update(rank_errors or {})

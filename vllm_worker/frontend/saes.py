@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
+from vllm_worker import compat
+from vllm_worker.frontend.state import engine_shape, engine_state
 from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number, int_list
 from vllm_worker.protocol.spec import (
@@ -195,19 +197,14 @@ def parse(ours: Mapping[str, Any], spec: RequestSpec, shape: ModelShape, registr
 def load_sae(self: Any, name: str, path: str) -> dict[str, Any]:
     """Load an SAE (SAELens format folder) under `name` in every worker; a request names it in
     `output_sae_features` / `apply_sae_steering` / `apply_sae_clamp`. Loading a name again replaces it."""
-    from vllm_worker import compat
-    from vllm_worker.frontend.requests import shape_of, state_of
-
-    loaded = prepare(name, path, shape_of(compat.processor_of_llm(self)))
+    loaded = prepare(name, path, engine_shape(compat.processor_of_llm(self)))
     compat.rpc(self, "lens_load_sae", loaded.name, loaded.path, loaded.uid)
-    state_of(self).saes[loaded.name] = loaded
+    engine_state(self).saes[loaded.name] = loaded
     return loaded.describe()
 
 
 def list_saes(self: Any) -> list[dict[str, Any]]:
-    from vllm_worker.frontend.requests import state_of
-
-    return [s.describe() for s in state_of(self).saes.values()]
+    return [s.describe() for s in engine_state(self).saes.values()]
 
 
 METHODS: dict[str, Any] = {"load_sae": load_sae, "list_saes": list_saes}

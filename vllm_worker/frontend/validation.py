@@ -14,6 +14,7 @@ import torch
 
 from vllm_worker.api.hooks import Hook
 from vllm_worker.api.steering import SteeringVector
+from vllm_worker.frontend import saes as sae_keys
 from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number, int_list
 from vllm_worker.protocol.spec import (
@@ -273,7 +274,5 @@ def parse_request(
     if HOOK_KEY in ours:
         spec.hooks = parse_hooks(ours[HOOK_KEY], shape)
     if any(k in ours for k in SAE_KEYS):
-        from vllm_worker.frontend import saes as sae_keys
-
         sae_keys.parse(ours, spec, shape, saes or {})
     return spec

@@ -27,8 +27,10 @@ import torch
 
 from vllm_worker import envs
 from vllm_worker.api.steering import SteeringVector
+from vllm_worker.frontend.state import engine_state
 from vllm_worker.protocol.checks import unknown_vector, vector_name
 from vllm_worker.protocol.spec import STEER_KEY, ModelShape, from_json_string
+from vllm_worker.protocol.wire import dtype_name
 
 SCOPE_KEY = "lens_vector_scope"  # in extra_args: the request's scope (set by the HTTP middleware only)
 LIMIT = "VLLM_LENS_MAX_VECTORS_MB"
@@ -131,17 +133,13 @@ def _size(n: int) -> str:
 
 
 def describe(name: str, entry: Entry) -> dict[str, Any]:
-    from vllm_worker.protocol.wire import dtype_name
-
     t = entry.tensor
     return {"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype), "bytes": entry.nbytes}
 
 
 def registry_of(obj: Any) -> VectorRegistry:
-    """The registry of the engine behind `obj` (anything `frontend.requests.state_of` takes)."""
-    from vllm_worker.frontend.requests import state_of
-
-    state = state_of(obj)
+    """The registry of the engine behind `obj` (anything `frontend.state.engine_state` takes)."""
+    state = engine_state(obj)
     if state.vectors is None:
         state.vectors = VectorRegistry()
     return state.vectors

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from vllm_worker import compat
-from vllm_worker.frontend.requests import mark_consumer
+from vllm_worker.frontend.state import mark_consumer
 from vllm_worker.server.middleware import LensMiddleware
 from vllm_worker.server.routes import info_router, router
 from vllm_worker.server.saes import router as saes_router

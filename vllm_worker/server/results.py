@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_worker import compat
-from vllm_worker.frontend.requests import Pending, pending_of
 from vllm_worker.frontend.results import decode_sample, fetch_async
+from vllm_worker.frontend.state import Pending, pending_of
 from vllm_worker.protocol.errors import Failure, all_internal, messages
 from vllm_worker.protocol.points import RESID_POST
 from vllm_worker.protocol.spec import (

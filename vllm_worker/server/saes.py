@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from vllm_worker import compat, envs
 from vllm_worker.frontend import saes
-from vllm_worker.frontend.requests import state_of as frontend_state_of
+from vllm_worker.frontend.state import engine_state
 from vllm_worker.server.responses import BadRequest
 from vllm_worker.server.routes import guard, json_body
 from vllm_worker.server.state import shape_of, state_of
@@ -44,12 +44,12 @@ async def load(request: Request):
     path = allowed_path(body.get("path"))
     loaded = saes.prepare(body.get("name"), path, shape_of(state))
     await compat.rpc_async(state.engine, "lens_load_sae", loaded.name, loaded.path, loaded.uid)
-    frontend_state_of(compat.processor_of_engine_client(state.engine)).saes[loaded.name] = loaded
+    engine_state(compat.processor_of_engine_client(state.engine)).saes[loaded.name] = loaded
     return {"status": "ok", "sae": loaded.describe()}
 
 
 @router.get("/saes")
 @guard
 async def listing(request: Request):
-    got = frontend_state_of(compat.processor_of_engine_client(state_of(request.app).engine)).saes
+    got = engine_state(compat.processor_of_engine_client(state_of(request.app).engine)).saes
     return {"saes": [s.describe() for s in got.values()]}

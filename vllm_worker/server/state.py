@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_worker import compat
-from vllm_worker.frontend.requests import shape_of as frontend_shape_of
+from vllm_worker.frontend.state import engine_shape
 from vllm_worker.protocol.spec import ModelShape
 
 
@@ -24,4 +24,4 @@ def state_of(app: Any) -> LensState:
 
 
 def shape_of(state: LensState) -> ModelShape:
-    return frontend_shape_of(compat.processor_of_engine_client(state.engine))
+    return engine_shape(compat.processor_of_engine_client(state.engine))
