@@ -213,12 +213,12 @@ def test_a_step_resets_what_the_step_before_used_and_touches_no_other_column(mon
     g.upload(6, frozenset({1}))
     assert g.ctl[1, :6, 0].tolist() == list(range(6)) and bool((g.ctl[[0, 2]] == -1).all())
     ctl = g.host_ctl(2, frozenset({2}))  # step 2: 2 rows steer at column 2
-    assert g._fill_cols == [1, 2]  # column 1 is reset, column 0 is never touched
+    assert g.table.fill_cols == [1, 2]  # column 1 is reset, column 0 is never touched
     ctl[2, :2, 1] = 7
     g.upload(2, frozenset({2}))
     assert bool((g.ctl[1] == -1).all()) and g.ctl[2, :2, 1].tolist() == [7, 7] and bool((g.ctl[2, 2:] == -1).all())
     g.clear()  # a step off this path: nothing may still point anywhere
-    assert bool((g.ctl == -1).all()) and g.dirty_cols == frozenset()
+    assert bool((g.ctl == -1).all()) and g.table.dirty_cols == frozenset()
 
 
 def test_steps_over_changing_columns_leave_exactly_each_steps_table(monkeypatch):
@@ -275,14 +275,14 @@ def test_triton_kernel_matches_the_torch_semantics():
     used on CPU: capture slots, plain and norm-matched entries, rows with nothing to do, no residual."""
     code = textwrap.dedent("""
         import torch
-        from vllm_worker.worker import graph
+        from vllm_worker.worker import graph, graph_kernels
         g = graph.GraphTaps([0, 1], 96, torch.float32, torch.device("cpu"), 16, None)
         torch.manual_seed(0)
         g.A[:5] = torch.randn(5, 96); g.B[:5] = torch.randn(5, 96); g.bflag[:5] = torch.tensor([0, 1, 0, 1, 0])
         g.ctl[1, 1] = torch.tensor([3, 1]); g.ctl[1, 2] = torch.tensor([-1, 2]); g.ctl[1, 4] = torch.tensor([7, -1])
         g.ctl[0, 5] = torch.tensor([9, 3]); g.active = True; g.live_cols = frozenset({0, 1})
         g.set_base(2)  # slots count from the step's base
-        kernel = graph._triton_kernel()
+        kernel = graph_kernels.make_tap_kernel()
         worst = 0.0
         for has_r in (True, False):
             h = torch.randn(7, 96); r = torch.randn(7, 96) if has_r else None

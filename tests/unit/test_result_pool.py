@@ -275,13 +275,13 @@ class _Direct:
 
     def step(self, s: int):
         """Step `s` as the store files it: the offsets, and the GPU's writes (the host scatter here)."""
-        from vllm_worker.worker import graph
+        from vllm_worker.worker import graph_kernels
 
         got = self.asm.direct_rows(self.arena, self.pos[s].numpy(), self.d, torch.bfloat16)
         assert got is not None and self.arena.direct is True
         origin, span, offs, _ = got
         assert origin == min(a.ctypes.data for a in self.seg.values())
-        graph._host_scatter(self.data[s].view(torch.int16).numpy(), origin, span, offs)
+        graph_kernels.host_scatter(self.data[s].view(torch.int16).numpy(), origin, span, offs)
         return got
 
     def thread_copies(self, cmap) -> int:
@@ -296,7 +296,7 @@ class _Direct:
 
 
 def test_direct_offsets_and_marks():
-    """Direct mode's plan (`EarlyAssembler.direct_rows`, `graph._host_scatter`): the element offsets the GPU's
+    """Direct mode's plan (`EarlyAssembler.direct_rows`, `graph_kernels.host_scatter`): the element offsets the GPU's
     kernel gets put every (request, layer, position) row of a step at its place in two separate segments (an
     origin and a span across both), rows outside a result are not written, and the step marks them written;
     a request without a region at the first step is copied by the thread (the thread's plan skips the
