@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 
 from vllm_worker.compat.version import LensIncompatibleVLLM, require, wrap
+from vllm_worker.protocol.rpc import DROP
 
 
 def input_processor_cls() -> type:
@@ -123,7 +124,7 @@ def patch_aborts(forget: Callable[[Any, list[str]], list[str]]) -> None:
                 from vllm_worker.compat.data_parallel import forget_routes
 
                 forget_routes(self, keys)
-                await self.collective_rpc("lens_drop", args=(keys,))  # reaches every data-parallel engine
+                await self.collective_rpc(DROP, args=(keys,))  # reaches every data-parallel engine
 
         return abort
 
@@ -132,7 +133,7 @@ def patch_aborts(forget: Callable[[Any, list[str]], list[str]]) -> None:
             orig(self, request_ids, *args, **kwargs)
             keys = forget(self.input_processor, as_ids(request_ids))
             if keys:
-                self.collective_rpc("lens_drop", args=(keys,))
+                self.collective_rpc(DROP, args=(keys,))
 
         return abort_request
 

@@ -22,6 +22,7 @@ from vllm_worker.frontend.results import merge_collected
 from vllm_worker.frontend.state import engine_shape, engine_state
 from vllm_worker.frontend.validation import parse_hooks
 from vllm_worker.frontend.vectors import check_name, check_vector, registry_of
+from vllm_worker.protocol import rpc
 
 
 def register_hooks(self: Any, hooks: Sequence[Hook], prefetch_params: Sequence[str] | None = None) -> int:
@@ -29,32 +30,32 @@ def register_hooks(self: Any, hooks: Sequence[Hook], prefetch_params: Sequence[s
     specs = parse_hooks(list(hooks), engine_shape(compat.processor_of_llm(self)))
     if prefetch_params:
         self.prefetch_params(prefetch_params)
-    counts = compat.rpc(self, "lens_register_hooks", [h.rpc() for h in specs])
+    counts = compat.rpc(self, rpc.REGISTER_HOOKS, [h.rpc() for h in specs])
     engine_state(self).persistent_hooks = True
     return counts[0]
 
 
 def collect_hook_results(self: Any) -> dict[str, dict[str, Any]]:
-    return merge_collected(compat.rpc(self, "lens_collect_hook_results"))
+    return merge_collected(compat.rpc(self, rpc.COLLECT_HOOK_RESULTS))
 
 
 def clear_hook_results(self: Any) -> None:
-    compat.rpc(self, "lens_clear_hook_results")
+    compat.rpc(self, rpc.CLEAR_HOOK_RESULTS)
 
 
 def clear_hooks(self: Any) -> None:
-    compat.rpc(self, "lens_clear_hooks")
+    compat.rpc(self, rpc.CLEAR_HOOKS)
     engine_state(self).persistent_hooks = False
 
 
 def prefetch_params(self: Any, names: Sequence[str]) -> list[str]:
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise ValueError("prefetch_params: expected a list of parameter names")
-    return compat.rpc(self, "lens_prefetch", list(names))[0]
+    return compat.rpc(self, rpc.PREFETCH, list(names))[0]
 
 
 def clear_prefetched(self: Any) -> None:
-    compat.rpc(self, "lens_clear_prefetched")
+    compat.rpc(self, rpc.CLEAR_PREFETCHED)
 
 
 def register_vector(self: Any, name: str, tensor: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from vllm_worker import compat
 from vllm_worker.api.hooks import HookError, UnsupportedError
 from vllm_worker.envs import limit
 from vllm_worker.frontend.state import Pending, consumer_of, engine_state, pending_of, result_pools
+from vllm_worker.protocol import rpc
 from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
 from vllm_worker.protocol.points import RESID_POST, ROUTER_LOGITS, K, Q, Z, canonical_site
 from vllm_worker.protocol.spec import ModelShape
@@ -83,14 +84,14 @@ def _fetch_rounds(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> Ge
     state = engine_state(engine)
     everywhere = state.shm_everywhere
     if host is not None and everywhere is None:
-        hosts = yield (None, "lens_host_id")
+        hosts = yield (None, rpc.HOST_ID)
         everywhere = state.shm_everywhere = all(h == host for h in hosts)
     merged: dict[str, dict] = {}
     for target, items in _by_engine(engine, todo):
         pools = state.pools_of(target)
         for group in fetch_groups(items, host is not None and bool(everywhere)):
             got: dict[str, dict] = {}
-            merge_fetched(got, (yield (target, "lens_fetch", group, host, result_pool.take_released(pools))))
+            merge_fetched(got, (yield (target, rpc.FETCH, group, host, result_pool.take_released(pools))))
             found = result_pool.pools_of(got)
             pools |= found
             state.pools |= found
@@ -139,7 +140,7 @@ def release_results(engine: Any) -> int:
     """Give the workers back the result memory of every capture tensor already garbage-collected (this
     otherwise happens with the engine's next fetch); returns how many regions."""
     released = result_pool.take_released(result_pools(engine))
-    return sum(compat.rpc(engine, "lens_release", released)) if released else 0
+    return sum(compat.rpc(engine, rpc.RELEASE, released)) if released else 0
 
 
 async def release_results_async(engine_client: Any) -> int:
@@ -150,11 +151,11 @@ async def release_results_async(engine_client: Any) -> int:
     for target in [None] if engines <= 1 else list(range(engines)):
         released = result_pool.take_released(state.pools_of(target))
         if released:
-            n += sum(await compat.rpc_async(engine_client, "lens_release", released, engine=target))
+            n += sum(await compat.rpc_async(engine_client, rpc.RELEASE, released, engine=target))
     if state.engine_pools:  # pools learnt from a fetch sent to every engine: every engine hears of them
         rest = result_pool.take_released(state.pools.difference(*state.engine_pools.values()))
         if rest:
-            n += sum(await compat.rpc_async(engine_client, "lens_release", rest))
+            n += sum(await compat.rpc_async(engine_client, rpc.RELEASE, rest))
     return n
 
 
@@ -260,7 +261,7 @@ def attach_outputs(llm: Any, outputs: list) -> list:
     failures: dict[str, Failure] = {}
     if engine_state(llm).persistent_hooks:
         ids = [o.request_id for o in outputs if hasattr(o, "request_id")]
-        for rank_errors in compat.rpc(llm, "lens_pop_persistent_errors", ids):
+        for rank_errors in compat.rpc(llm, rpc.POP_PERSISTENT_ERRORS, ids):
             failures.update(rank_errors or {})
         for o in outputs:
             f = failures.get(getattr(o, "request_id", ""))

@@ -16,6 +16,7 @@ import torch
 from vllm_worker import compat
 from vllm_worker.frontend.state import engine_shape, engine_state
 from vllm_worker.protocol import points as pts
+from vllm_worker.protocol import rpc
 from vllm_worker.protocol.checks import finite_number, int_list
 from vllm_worker.protocol.spec import (
     SAE_CLAMP_KEY,
@@ -198,7 +199,7 @@ def load_sae(self: Any, name: str, path: str) -> dict[str, Any]:
     """Load an SAE (SAELens format folder) under `name` in every worker; a request names it in
     `output_sae_features` / `apply_sae_steering` / `apply_sae_clamp`. Loading a name again replaces it."""
     loaded = prepare(name, path, engine_shape(compat.processor_of_llm(self)))
-    compat.rpc(self, "lens_load_sae", loaded.name, loaded.path, loaded.uid)
+    compat.rpc(self, rpc.LOAD_SAE, loaded.name, loaded.path, loaded.uid)
     engine_state(self).saes[loaded.name] = loaded
     return loaded.describe()
 

@@ -11,6 +11,7 @@ from typing import Any
 from vllm_worker import compat
 from vllm_worker.frontend.results import decode_sample, fetch_async
 from vllm_worker.frontend.state import Pending, pending_of
+from vllm_worker.protocol import rpc
 from vllm_worker.protocol.errors import Failure, all_internal, messages
 from vllm_worker.protocol.points import RESID_POST
 from vllm_worker.protocol.spec import (
@@ -74,7 +75,7 @@ async def fetch_results(
     # checks, other requests' streams) keeps answering meanwhile
     out, errors = await asyncio.to_thread(decode_results, todo, by_request, merged, dialect)
     if state.persistent_hooks:
-        for rank_errors in await compat.rpc_async(state.engine, "lens_pop_persistent_errors", list(by_request)):
+        for rank_errors in await compat.rpc_async(state.engine, rpc.POP_PERSISTENT_ERRORS, list(by_request)):
             errors.update(rank_errors or {})
     return out, errors
 

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from vllm_worker import compat, envs
 from vllm_worker.frontend import saes
 from vllm_worker.frontend.state import engine_state
+from vllm_worker.protocol import rpc
 from vllm_worker.server.responses import BadRequest
 from vllm_worker.server.routes import guard, json_body
 from vllm_worker.server.state import shape_of, state_of
@@ -43,7 +44,7 @@ async def load(request: Request):
     body = await json_body(request, frozenset({"name", "path"}))
     path = allowed_path(body.get("path"))
     loaded = saes.prepare(body.get("name"), path, shape_of(state))
-    await compat.rpc_async(state.engine, "lens_load_sae", loaded.name, loaded.path, loaded.uid)
+    await compat.rpc_async(state.engine, rpc.LOAD_SAE, loaded.name, loaded.path, loaded.uid)
     engine_state(compat.processor_of_engine_client(state.engine)).saes[loaded.name] = loaded
     return {"status": "ok", "sae": loaded.describe()}
 

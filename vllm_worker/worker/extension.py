@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from vllm_worker import compat
-from vllm_worker.protocol import errors
+from vllm_worker.protocol import errors, rpc
 from vllm_worker.transport import shm
 from vllm_worker.worker import seams
 from vllm_worker.worker.runtime import FORWARD_CLOCK, LensRuntime
@@ -112,7 +112,9 @@ if compat.graph_taps_unsupported() is None:  # else the frontend forced eager mo
 
 
 class LensWorkerExtension:
-    """RPC surface of the plugin inside each worker."""
+    """RPC surface of the plugin inside each worker: implements `protocol.rpc.LensWorkerRpc`, exactly (mypy
+    checks the signatures through `_as_contract`, tests/unit/test_rpc_contract.py that no method is left
+    out or added)."""
 
     def _lens_rt(self) -> Any:
         rt = getattr(getattr(self, "model_runner", None), "_lens_runtime", None)
@@ -197,3 +199,8 @@ class LensWorkerExtension:
 
     def lens_clear_prefetched(self) -> None:
         self._lens_rt().clear_prefetched()
+
+
+def _as_contract(ext: LensWorkerExtension) -> rpc.LensWorkerRpc:
+    """Never called: mypy holds the extension's signatures to the contract's here."""
+    return ext
