@@ -86,7 +86,7 @@ def main() -> None:
         if ":" in w:  # e.g. W1:4 = W1 with 4 assembly threads
             w, threads = w.split(":")
             set_threads(int(threads))
-        before_f, before_s = dict(frontend.TIMINGS), status()
+        before_f, before_s = dict(frontend.FRONTEND_TIMINGS), status()
         sp = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True, extra_args=extra(w))
         t = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
@@ -112,7 +112,7 @@ def main() -> None:
             k: round(pool_a[k] - pool_b.get(k, 0), 4) if isinstance(pool_a[k], (int, float)) else pool_a[k]
             for k in pool_a
         }
-        front = {k: round(frontend.TIMINGS[k] - before_f[k], 4) for k in frontend.TIMINGS}
+        front = {k: round(frontend.FRONTEND_TIMINGS[k] - before_f[k], 4) for k in frontend.FRONTEND_TIMINGS}
         del outs
         print(
             "PROFILE "

@@ -339,7 +339,7 @@ class VLLMSystem:
         if self.kind.startswith("lens"):
             from vllm_worker import frontend
 
-            self.timings = dict(frontend.TIMINGS)
+            self.timings = dict(frontend.FRONTEND_TIMINGS)
             try:  # the worker's host seconds around graph-path steps (plan / forward / after) and in fetches
                 st = self.llm.collective_rpc("lens_status")[0]
                 now = {"step": st["step_timings"], "fetch": st["fetch_timings"]}

@@ -89,6 +89,6 @@ def ref_clamp(s: Sae, x: torch.Tensor, ids: list[int], values: list[float]) -> t
 
 def worker_sae_counts(worker) -> dict[str, int]:
     """Run in a worker (`llm.collective_rpc(worker_sae_counts)`): the rows it encoded and clamped so far."""
-    from vllm_worker.worker import saes
+    from vllm_worker.counters import SAE_COUNTS
 
-    return dict(saes.COUNTS)
+    return dict(SAE_COUNTS)

@@ -11,6 +11,7 @@ import torch
 
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookError, UnsupportedError
+from vllm_worker.counters import FRONTEND_TIMINGS
 from vllm_worker.envs import limit
 from vllm_worker.frontend.state import Pending, consumer_of, engine_state, pending_of, result_pools
 from vllm_worker.protocol import rpc
@@ -54,11 +55,6 @@ def merge_fetched(merged: dict[str, dict], rank_results: list) -> None:
                 continue
             for child, payload in per_child.items():
                 dst.setdefault(int(child), []).append(payload)
-
-
-# Where time goes after generation (offline): seconds in worker RPCs and in decoding, cumulative.
-# Diagnostics for benchmarks (bench/worker.py reports them); nothing depends on them.
-TIMINGS = {"fetch_rpc_s": 0.0, "decode_s": 0.0}
 
 
 def _by_engine(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> list[tuple[int | None, list]]:
@@ -118,7 +114,7 @@ def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str,
             target, *call = rounds.send(compat.rpc(engine, *call))
     except StopIteration as done:
         merged = done.value
-    TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
+    FRONTEND_TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
     return merged
 
 
@@ -132,7 +128,7 @@ async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, in
             target, *call = rounds.send(await compat.rpc_async(engine_client, *call, engine=target))
     except StopIteration as done:
         merged = done.value
-    TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
+    FRONTEND_TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
     return merged
 
 
@@ -317,7 +313,7 @@ def _apply(todo: list, fetched: dict) -> dict[str, Failure]:
                 failures[out.request_id if p.n == 1 else f"{out.request_id}#{child}"] = f
         first = samples[min(samples)]
         out.activations, out.hook_results, out.hook_error = first.activations, first.hook_results, first.hook_error
-    TIMINGS["decode_s"] += time.perf_counter() - t
+    FRONTEND_TIMINGS["decode_s"] += time.perf_counter() - t
     return failures
 
 

@@ -9,39 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_worker.counters import FETCH_TIMINGS
 from vllm_worker.protocol import errors
-
-# Diagnostics (reported by `status`, read by benchmarks): cumulative seconds in fetches.
-FETCH_TIMINGS = {
-    "wait_copies_s": 0.0,
-    "assemble_s": 0.0,
-    # summed over assembly threads: taking result memory (pool regions), copying into it
-    "alloc_s": 0.0,
-    "index_s": 0.0,
-    "copy_s": 0.0,
-    "arena_alloc_s": 0.0,  # host memory for steps' captures, allocated in the step
-    # early assembly (`transport.early`): requests whose result was written while they ran, requests that
-    # wanted it and were assembled at fetch instead, the fetch's wait for the copies not yet done, and the
-    # background thread's work (batches of filed steps, bytes, index building, copies, regions of dropped
-    # requests freed, layers moved together for requests that stopped early)
-    "early_requests": 0,
-    "early_fallbacks": 0,
-    "early_flush_s": 0.0,
-    "early_batches": 0,
-    "early_bytes": 0,
-    "early_index_s": 0.0,
-    "early_copy_s": 0.0,
-    "early_freed": 0,
-    "early_compact_s": 0.0,
-    # direct mode (`VLLM_LENS_DIRECT_POOL`): regions taken in the step, steps whose rows the GPU wrote into
-    # them, the rows, and the step thread's seconds building the offsets and issuing the writes
-    "direct_regions": 0,
-    "direct_steps": 0,
-    "direct_only_steps": 0,  # ... of which every row went directly (no arena rows, no host copy at all)
-    "direct_rows": 0,
-    "direct_s": 0.0,
-    "direct_joins": 0,  # requests that joined an arena's direct members after its first step
-}
 
 
 class StepArena:

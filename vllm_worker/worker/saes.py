@@ -19,12 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_worker.counters import SAE_COUNTS
 from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.sae import Sae, load
-
-# rows this process encoded for features / clamped, since it started: which rank did the work (TP: features
-# on the reporting rank only, clamps on every rank; PP: the stage holding the SAE's layer)
-COUNTS = {"feature_rows": 0, "clamp_rows": 0}
 
 
 @dataclass(eq=False)
@@ -84,7 +81,7 @@ def clamp_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor 
             if u.clamp and u.site == site:
                 x = hidden[s:e] if residual is None else hidden[s:e] + residual[s:e]
                 hidden[s:e] += u.sae.clamp_delta(x, u.ids, u.values).to(hidden.dtype)
-                COUNTS["clamp_rows"] += e - s
+                SAE_COUNTS["clamp_rows"] += e - s
 
 
 def features_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -120,7 +117,7 @@ def file_features(site: int, x: torch.Tensor, pos: torch.Tensor, items: list) ->
             f = encoded.get(u.name)
             if f is None:
                 f = encoded[u.name] = u.sae.encode(x)[0]
-                COUNTS["feature_rows"] += x.shape[0]
+                SAE_COUNTS["feature_rows"] += x.shape[0]
             rows = f[off : off + n]
             if u.top_k:
                 top = rows.topk(u.top_k, dim=-1)

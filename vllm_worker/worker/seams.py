@@ -25,13 +25,10 @@ from typing import Any, Callable
 import torch
 
 from vllm_worker import compat, envs
+from vllm_worker.counters import SEAM_STATS
 from vllm_worker.worker import taps
 
 logger = logging.getLogger("vllm_worker")
-
-# Diagnostics (in `status`): cut graphs captured, steps replayed through them, steps that wanted one and
-# ran eagerly because none was captured for their batch size.
-SEAM_STATS = {"captured": 0, "segments": 0, "replays": 0, "eager_fallbacks": 0, "capture_failures": 0}
 
 _wanted: frozenset = frozenset()  # sites with Python hooks in the running step (empty: none)
 
