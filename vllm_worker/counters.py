@@ -49,5 +49,5 @@ SAE_COUNTS = {"feature_rows": 0, "clamp_rows": 0}
 
 # ---------------------------------------------------------------- the frontend process
 
-# where time goes after generation (offline, `frontend.results`): seconds in worker RPCs and in decoding
+# where time goes after generation (offline, `frontend.fetch`): seconds in worker RPCs and in decoding
 FRONTEND_TIMINGS = {"fetch_rpc_s": 0.0, "decode_s": 0.0}

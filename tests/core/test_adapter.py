@@ -264,7 +264,7 @@ def test_full_graph_wrapper_replays_the_cut_graph_for_steps_with_hooks(llama, mo
     entry = CUDAGraphEntry(batch_descriptor=bd)
     entry.cudagraph, entry.output = Replayed("vllm"), "vllm-out"
     w.concrete_cudagraph_entries[bd] = entry
-    cut = seams.Segments(None)
+    cut = seams.CutForward(None)
     cut.parts, cut.output = [(Replayed("cut-0"), 5, None, None), (Replayed("cut-1"), None, None, None)], "cut-out"
     seen: list[int] = []
     prev_handler = seams.taps.set_handler(lambda h, r, site: seen.append(site))

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from vllm_worker.frontend import results
+from vllm_worker.frontend import fetch
 from vllm_worker.frontend.state import Pending
 from vllm_worker.transport import shm
 
 
 def _drive(todo: list, answers: dict) -> tuple[dict, list]:
-    rounds = results._fetch_rounds(SimpleNamespace(), todo)
+    rounds = fetch._fetch_rounds(SimpleNamespace(), todo)
     calls = []
     try:
         call = next(rounds)
@@ -30,7 +30,7 @@ def _ranks(answers: dict, group: list) -> list:
 
 def test_round_trips_and_ranks_merge_per_request(monkeypatch):
     monkeypatch.setattr(shm, "host_id", lambda: None)  # results inside the RPC reply: groups by size
-    monkeypatch.setattr(results, "FETCH_GROUP_BYTES", 1)  # one request per round trip
+    monkeypatch.setattr(fetch, "FETCH_GROUP_BYTES", 1)  # one request per round trip
     todo = [(Pending(f"k{i}", 1, [0, 1], 8), {0: 3}) for i in range(3)]
     err = {"kind": "internal", "message": "boom", "stage": "fetch"}
     answers = {
@@ -45,5 +45,5 @@ def test_round_trips_and_ranks_merge_per_request(monkeypatch):
         "k1": {"error": err, 0: [{"layers": [1]}]},
         "k2": {0: [{"layers": [0]}, {"layers": [1]}]},
     }
-    monkeypatch.setattr(results, "FETCH_GROUP_BYTES", 1 << 30)  # all in one round trip: the same merge
+    monkeypatch.setattr(fetch, "FETCH_GROUP_BYTES", 1 << 30)  # all in one round trip: the same merge
     assert _drive(todo, answers) == (merged, [["k0", "k1", "k2"]])

@@ -103,7 +103,7 @@ def test_batch_assembly_in_threads_puts_every_row_in_its_place(monkeypatch):
     request whose last step ran past its result (that row is dropped)."""
     from vllm_worker.transport import assembly
     from vllm_worker.worker import store
-    from vllm_worker.worker.results import CaptureLog, RequestResults, Segment, StepArena
+    from vllm_worker.worker.request_results import ArenaSpan, CaptureLog, RequestResults, StepArena
 
     monkeypatch.setattr(assembly, "BLOCK_BYTES", 3 * 64 * 2)  # three rows per copy job
     n_req, L, S, d = 7, 2, 9, 64
@@ -119,7 +119,7 @@ def test_batch_assembly_in_threads_puts_every_row_in_its_place(monkeypatch):
         items, want = [], {}
         for r in (5, 0, 3, 6, 1):  # out of order, and requests 2 and 4 not in this fetch
             st = RequestResults([10, 20])
-            st.segments = [Segment(logs[l], l, r, 1) for l in range(L)]
+            st.segments = [ArenaSpan(logs[l], l, r, 1) for l in range(L)]
             n_pos = S - 1 if r == 3 else S
             items.append(({}, st, n_pos, [10, 20], {0: 0, 1: 1}))
             want[r] = torch.stack([data[:n_pos, l * n_req + r] for l in range(L)])
@@ -239,7 +239,7 @@ class _Direct:
         import numpy as np
 
         from vllm_worker.transport import early
-        from vllm_worker.worker.results import StepArena
+        from vllm_worker.worker.request_results import StepArena
 
         L, R, d, S = self.L, self.R, self.d, self.S
         self.seg = {0: np.zeros((200, d), np.int16), 1: np.zeros((300, d), np.int16)}
@@ -304,7 +304,7 @@ def test_direct_offsets_and_marks():
     import numpy as np
 
     from vllm_worker.transport import early
-    from vllm_worker.worker.results import StepArena
+    from vllm_worker.worker.request_results import StepArena
 
     t = _Direct()
     L, d, S, seg = t.L, t.d, t.S, t.seg

@@ -5,20 +5,20 @@ and encoded for the workers. `results`: captures and hook state fetched from the
 attached to its outputs. `llm_methods`: persistent hooks as methods of `vllm.LLM`.
 """
 
-from vllm_worker.frontend.requests import (  # noqa: F401
-    fetch_key,
-    forget,
-    in_flight_bytes,
-    on_new_request,
-    pending_count,
-)
-from vllm_worker.frontend.results import (  # noqa: F401
+from vllm_worker.frontend.fetch import (  # noqa: F401
     FRONTEND_TIMINGS,
     attach_async_output,
     attach_engine_outputs,
     attach_outputs,
     release_results,
     release_results_async,
+)
+from vllm_worker.frontend.requests import (  # noqa: F401
+    fetch_key,
+    forget,
+    in_flight_bytes,
+    on_new_request,
+    pending_count,
 )
 from vllm_worker.frontend.state import (  # noqa: F401
     FrontendState,

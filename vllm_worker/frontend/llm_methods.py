@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from vllm_worker import compat
 from vllm_worker.api.hooks import Hook
 from vllm_worker.frontend import saes
-from vllm_worker.frontend.results import merge_collected
+from vllm_worker.frontend.fetch import merge_collected
 from vllm_worker.frontend.state import engine_shape, engine_state
 from vllm_worker.frontend.validation import parse_hooks
 from vllm_worker.frontend.vectors import check_name, check_vector, registry_of

@@ -117,7 +117,7 @@ def _capture_spec(state: FrontendState, extra_args: Any, shape: ModelShape) -> R
     `output_activations`), validated once per distinct value and engine and remembered; None for any
     other request (validated by `parse_request` every time). No caller object is kept. The spec's
     `points` and `capture` are the remembered ones, shared by every request of that capture and never
-    changed: they are only read (`Pending`, `results.by_point`, which copies what it hands to callers; the
+    changed: they are only read (`Pending`, `fetch.by_point`, which copies what it hands to callers; the
     workers `decode` their own copy), so a request costs no new lists, which the garbage collector would
     otherwise walk while thousands of requests are in flight."""
     ours = [k for k in extra_args if isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES)]

@@ -19,6 +19,7 @@ from vllm_worker.protocol.spec import (
     has_lens_keys,
     require_remote_hooks,
 )
+from vllm_worker.server.choices import Choice, Unmatched, fetch_results, hook_failure, internal_only, original_dialect
 from vllm_worker.server.responses import (
     MAX_BODY_BYTES,
     BadRequest,
@@ -29,7 +30,6 @@ from vllm_worker.server.responses import (
     send_json,
     too_large,
 )
-from vllm_worker.server.results import Choice, Unmatched, fetch_results, hook_failure, internal_only, original_dialect
 from vllm_worker.server.routes import HOOKS_PREFIX
 from vllm_worker.server.state import LensState, shape_of, state_of
 from vllm_worker.server.streaming import StreamInjector

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from vllm_worker.server.choices import Choice, Unmatched, fetch_results, hook_failure
 from vllm_worker.server.responses import dumps, error_body
-from vllm_worker.server.results import Choice, Unmatched, fetch_results, hook_failure
 from vllm_worker.server.state import LensState
 
 

@@ -9,7 +9,7 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.envs import limit
 from vllm_worker.protocol.errors import Failure, failure
 from vllm_worker.worker.plan import HookRun, hook_at
-from vllm_worker.worker.results import RequestResults
+from vllm_worker.worker.request_results import RequestResults
 
 # Requests whose persistent-hook results are kept until `clear_hook_results`. Past it, new requests
 # fail with an error that says so (never a silent drop).

@@ -19,7 +19,7 @@ import torch
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol.points import CODE, IN, OUT, READ_ONLY, RESID_PRE, site
 from vllm_worker.worker.graph import GraphTaps
-from vllm_worker.worker.results import CaptureLog, RequestResults, StepArena
+from vllm_worker.worker.request_results import CaptureLog, RequestResults, StepArena
 from vllm_worker.worker.saes import stage_features
 
 

@@ -53,7 +53,7 @@ def ready() -> bool:
     return SEAM_STATS["captured"] > 0
 
 
-class Segments:
+class CutForward:
     """One forward captured as graph segments; `cut` ends one after a tap and starts the next."""
 
     def __init__(self, pool: Any) -> None:
@@ -89,13 +89,13 @@ class Segments:
         return self.output
 
 
-def capture(pool: Any, forward: Callable[[], Any]) -> Segments | None:
+def capture(pool: Any, forward: Callable[[], Any]) -> CutForward | None:
     """`forward()` captured as segments cut at the taps (called by `compat.patch_full_graphs` right after
     vLLM captured its own full graph for the same batch). None when off, or when capture failed: such
     steps then run eagerly; vLLM's own graph is untouched either way."""
     if not enabled() or taps._graph is None:
         return None
-    seg = Segments(pool)
+    seg = CutForward(pool)
     prev = taps.set_recorder(seg)
     try:
         seg.begin()
@@ -118,7 +118,7 @@ def capture(pool: Any, forward: Callable[[], Any]) -> Segments | None:
     return seg
 
 
-def replay(seg: Segments) -> Any:
+def replay(seg: CutForward) -> Any:
     SEAM_STATS["replays"] += 1
     return seg.replay(_wanted)
 

@@ -58,7 +58,7 @@ READ_OP = "vllm_lens::tap_read"
 Handler = Callable[[torch.Tensor, "torch.Tensor | None", int], None]
 _handler: Handler | None = None
 _graph: Any = None  # graph.GraphTaps of this process, if any
-_recorder: Any = None  # seams.Segments being captured: cut the graph after each tap between layers
+_recorder: Any = None  # seams.CutForward being captured: cut the graph after each tap between layers
 
 
 __all__ = ["IN", "OUT", "SITES_PER_LAYER", "site", "split_site", "install", "set_handler", "set_graph", "is_inner"]
