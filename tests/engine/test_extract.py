@@ -162,7 +162,8 @@ def test_malformed_line_is_named_and_nothing_done_is_lost(llama, tmp_path):
     good = [{"id": i, "prompt": _prompt(i)} for i in range(6)]
     for bad, match in [
         ('{"id": 3, "prompt": "a"', "in.jsonl line 3: not valid JSON"),
-        ({"id": 3, "text": "a"}, "line 3: unknown field text"),
+        ({"id": 3, "txt": "a"}, "line 3: unknown field txt"),
+        ({"id": 3, "text": "a", "prompt": "a"}, "line 3: expected exactly one of prompt, text or messages"),
         ({"id": 3, "messages": [{"role": "user"}]}, r"line 3: messages\[0\]"),
         ({"id": 1, "prompt": "a"}, r"line 3: duplicate id 1 \(first on line 2\)"),
     ]:
@@ -180,8 +181,11 @@ def test_malformed_line_is_named_and_nothing_done_is_lost(llama, tmp_path):
 
 
 def test_cli_end_to_end(llama, tmp_path):
-    """One `vllm-lens extract` run (its own engine, in a subprocess): the files equal a direct capture."""
+    """One `vllm-lens extract` run (its own engine, in a subprocess): the files equal a direct capture; a line
+    in the usual corpus form (`text`, no id) is extracted under its line number; a clean run's stderr has no
+    leaked shared memory."""
     rows = [{"id": f"r{i}", "prompt": _prompt(i)} for i in range(12)] + [{"id": "c", "messages": CHAT_DONE}]
+    rows.append({"text": _prompt(20)})  # line 14
     src = _write(tmp_path / "in.jsonl", rows)
     env = {
         **os.environ,
@@ -201,12 +205,14 @@ def test_cli_end_to_end(llama, tmp_path):
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "13 rows (13 new, 0 already done)" in done.stderr
+    assert "14 rows (14 new, 0 already done)" in done.stderr
+    assert "leaked shared_memory" not in done.stderr and "resource_tracker" not in done.stderr, done.stderr[-3000:]
     ds = open_extraction(tmp_path / "o")
-    assert ds.meta["dtype"] == "float16" and ds.meta["positions"] == "last" and len(ds) == 13
-    for r in (rows[0], rows[11]):
-        ref = _direct(llama, r["prompt"], {"resid_post": [1, 3], "mlp_out": [1, 3]})
-        got = ds.get(r["id"])
+    assert ds.meta["dtype"] == "float16" and ds.meta["positions"] == "last" and len(ds) == 14
+    assert ds.ids[-1] == 14
+    for rid, prompt in ((rows[0]["id"], rows[0]["prompt"]), (rows[11]["id"], rows[11]["prompt"]), (14, _prompt(20))):
+        ref = _direct(llama, prompt, {"resid_post": [1, 3], "mlp_out": [1, 3]})
+        got = ds.get(rid)
         assert got["token_ids"] == list(ref.prompt_token_ids)
         for p in ("resid_post", "mlp_out"):
             assert got[p].dtype == torch.float16 and got[p].shape == (2, 1, 128)

@@ -1,5 +1,6 @@
-"""What `vllm-lens extract` needs from vLLM: the served model's name and dtype, and an `LLM` built from
-`vllm serve`-style engine flags (vLLM's own parser, so every engine flag works as it does there)."""
+"""What `vllm-lens extract` needs from vLLM: the served model's name and dtype, an `LLM` built from
+`vllm serve`-style engine flags (vLLM's own parser, so every engine flag works as it does there), and its
+orderly shutdown."""
 
 from __future__ import annotations
 
@@ -67,3 +68,15 @@ def llm_busy(llm: Any) -> bool:
     """The `LLM` has requests of its own in flight (a `generate` interrupted by Ctrl-C leaves them)."""
     engine = require(llm, "llm_engine", "LLM")
     return bool(require(engine, "has_unfinished_requests", "LLMEngine")())
+
+
+SHUTDOWN_S = 60.0  # how long an engine's processes get to exit on their own (vLLM's default is 5 s)
+
+
+def shutdown_llm(llm: Any, timeout: float = SHUTDOWN_S) -> None:
+    """Stop the engine's processes now and wait for them: left to vLLM's exit-time finalizer, an engine core
+    still busy after its 5 s is killed before it unlinks its shared memory (Python's resource tracker then
+    warns of a leaked `shared_memory` object at exit)."""
+    engine = require(llm, "llm_engine", "LLM")
+    core = require(engine, "engine_core", "LLMEngine")
+    require(core, "shutdown", "EngineCoreClient")(timeout=timeout)

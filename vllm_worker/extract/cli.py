@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from vllm_worker.extract import inputs as inp
 from vllm_worker.protocol.points import INNER, POINTS
@@ -28,7 +29,11 @@ def parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # a prefix of a vLLM flag must reach vLLM, not match one of ours
     )
     ap.add_argument("model", help="model name or folder (as for `vllm serve`)")
-    ap.add_argument("--input", required=True, help='JSONL: {"id", "prompt"} or {"id", "messages"} per line')
+    ap.add_argument(
+        "--input",
+        required=True,
+        help='JSONL: {"id", "prompt"} or {"id", "messages"} per line ("text" for "prompt"; id defaults to the line number)',
+    )
     ap.add_argument("--out", required=True, help="output folder (an unfinished one is resumed)")
     ap.add_argument("--layers", required=True, help='comma-separated layer indices (negative from the end), or "all"')
     ap.add_argument("--points", default="resid_post", help=f"comma-separated hook points ({', '.join(POINTS)})")
@@ -69,9 +74,18 @@ def main(argv: list[str]) -> int:
         os.environ["VLLM_LENS_POINTS"] = ",".join(inner)  # tap only what is asked (read at engine start)
 
     from vllm_worker import compat
-    from vllm_worker.extract.run import extract
 
     llm = compat.llm_from_engine_args(compat.engine_args_from_cli(args.model, engine_flags))
+    try:
+        return _run(llm, args, layers, points)
+    finally:
+        compat.shutdown_llm(llm)
+
+
+def _run(llm: Any, args: argparse.Namespace, layers: list[int] | str, points: list[str]) -> int:
+    """The extraction itself, on a started engine; the exit status."""
+    from vllm_worker.extract.run import extract
+
     try:
         stats = extract(
             llm,

@@ -1,4 +1,5 @@
-"""The extraction corpus: JSONL lines `{"id", "prompt"}` or `{"id", "messages"}`, checked in one streaming
+"""The extraction corpus: JSONL lines `{"id", "prompt"}` or `{"id", "messages"}` (`text` is taken for
+`prompt`, the usual corpus form; without `id` a line's id is its line number), checked in one streaming
 pass before anything runs (a malformed line or a duplicate id is an error naming its line, so nothing is
 half-done because of line 90,000), then read again chunk by chunk and turned into token ids the way
 vLLM itself would (completions: the tokenizer's special tokens; chat: the template, no extra ones)."""
@@ -50,29 +51,33 @@ def _lines(src: Source) -> Iterator[tuple[int, Any]]:
             yield n, obj
 
 
-def check_row(obj: Any, where: str, positions: str, max_tokens: int) -> Row:
-    """One parsed line as a `Row`; `ExtractInputError` naming the field when it is malformed."""
+PROMPT_FIELDS = ("prompt", "text")  # `text`: the usual field of a plain-text corpus
+
+
+def check_row(obj: Any, where: str, positions: str, max_tokens: int, line: int) -> Row:
+    """One parsed line (line number `line`) as a `Row`; `ExtractInputError` naming the field when it is
+    malformed. Without `id` the row's id is `line`."""
     if not isinstance(obj, dict):
         raise ExtractInputError(f'{where}: expected an object {{"id": ..., "prompt": ...}}, got {type(obj).__name__}')
-    if "id" not in obj:
-        raise ExtractInputError(f"{where}: missing field id")
-    rid = obj["id"]
+    rid = obj.get("id", line)
     if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
         raise ExtractInputError(f"{where}: id must be a non-empty string or an integer, got {rid!r}")
-    unknown = sorted(set(obj) - {"id", "prompt", "messages"})
+    unknown = sorted(set(obj) - {"id", "messages", *PROMPT_FIELDS})
     if unknown:
-        raise ExtractInputError(f"{where}: unknown field {unknown[0]} (expected id and prompt or messages)")
-    if ("prompt" in obj) == ("messages" in obj):
-        raise ExtractInputError(f"{where}: expected exactly one of prompt or messages")
-    if "prompt" in obj:
-        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
-            raise ExtractInputError(f"{where}: prompt must be a non-empty string")
+        raise ExtractInputError(f"{where}: unknown field {unknown[0]} (expected id and prompt, text or messages)")
+    given = [k for k in ("messages", *PROMPT_FIELDS) if k in obj]
+    if len(given) != 1:
+        raise ExtractInputError(f"{where}: expected exactly one of prompt, text or messages")
+    field = given[0]
+    if field != "messages":
+        if not isinstance(obj[field], str) or not obj[field]:
+            raise ExtractInputError(f"{where}: {field} must be a non-empty string")
         if positions == "answer" and max_tokens <= 1:
             raise ExtractInputError(
                 f"{where}: --positions answer keeps the assistant's reply: give messages ending with an "
                 "assistant turn, or generate one with --max-tokens > 1"
             )
-        return Row(0, rid, prompt=obj["prompt"])
+        return Row(line, rid, prompt=obj[field])
     msgs = obj["messages"]
     if not isinstance(msgs, list) or not msgs:
         raise ExtractInputError(f"{where}: messages must be a non-empty list of {{role, content}}")
@@ -89,7 +94,7 @@ def check_row(obj: Any, where: str, positions: str, max_tokens: int) -> Row:
                 f"{where}: --positions answer keeps the assistant's reply: end messages with an assistant "
                 "turn, or generate one with --max-tokens > 1"
             )
-    return Row(0, rid, messages=[{"role": m["role"], "content": m["content"]} for m in msgs])
+    return Row(line, rid, messages=[{"role": m["role"], "content": m["content"]} for m in msgs])
 
 
 def _id_key(rid: Any) -> bytes:
@@ -103,7 +108,7 @@ def scan(src: Source, positions: str, max_tokens: int) -> int:
     n = 0
     for line, obj in _lines(src):
         where = _where(src, line)
-        row = check_row(obj, where, positions, max_tokens)
+        row = check_row(obj, where, positions, max_tokens, line)
         key = _id_key(row.id)
         if key in seen:
             raise ExtractInputError(f"{where}: duplicate id {row.id!r} (first on line {seen[key]})")
@@ -115,9 +120,7 @@ def scan(src: Source, positions: str, max_tokens: int) -> int:
 def rows(src: Source, positions: str, max_tokens: int) -> Iterator[Row]:
     """The corpus's rows in order (already checked by `scan`)."""
     for line, obj in _lines(src):
-        row = check_row(obj, _where(src, line), positions, max_tokens)
-        row.line = line
-        yield row
+        yield check_row(obj, _where(src, line), positions, max_tokens, line)
 
 
 @dataclass
