@@ -14,7 +14,7 @@ import pytest
 
 from support import GROUPS
 from support.browser import browser  # noqa: F401  (headless Chromium, one per module)
-from support.engines import make_engine  # sets the environment the engines need (before vLLM is imported)
+from support.engines import make_engine, shutdown_all  # sets the environment the engines need (before vLLM is imported)
 from support.oracle import tiny_oracle  # noqa: F401  (a tiny activation oracle, session-wide)
 from support.servers import _stop_servers, locked_server, lora_server, server  # noqa: F401  (HTTP, session-wide)
 
@@ -33,6 +33,13 @@ def pytest_collection_modifyitems(config, items):
     # `run_first` modules (tests/core/test_compiled.py: a plugin-free engine must compile into the cache
     # before the session's engines start) go ahead of the rest of their process
     items.sort(key=lambda item: item.get_closest_marker("run_first") is None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shutdown_engines():
+    """Engines end with the session, not at interpreter exit (`support.engines.shutdown_all`)."""
+    yield
+    shutdown_all()
 
 
 @pytest.fixture(scope="session")

@@ -51,6 +51,19 @@ def keep_alive(engine):
     return engine
 
 
+def shutdown_all() -> None:
+    """At the session's end, while pytest still holds the streams vLLM logs to: every engine stopped and
+    its processes waited for (left to vLLM's exit-time finalizers, an engine core killed after 5 s logs
+    `--- Logging error ---` tracebacks into closed streams and leaves its shared memory behind)."""
+    from vllm_worker import compat
+
+    engines = list({id(e): e for e in [*_ENGINES.values(), *_KEEP]}.values())
+    _ENGINES.clear()
+    _KEEP.clear()
+    for engine in reversed(engines):  # the newest first: the first in-process engine made the shared state
+        compat.shutdown_engine(engine)
+
+
 MOE = {"mixtral", "qwen3_moe"}
 
 

@@ -66,7 +66,7 @@ from vllm_worker.compat.offline import (  # noqa: F401
     llm_from_engine_args,
     served_model,
     shared_sampling_params,
-    shutdown_llm,
+    shutdown_engine,
 )
 from vllm_worker.compat.request_ids import (  # noqa: F401
     child_index,

@@ -73,10 +73,15 @@ def llm_busy(llm: Any) -> bool:
 SHUTDOWN_S = 60.0  # how long an engine's processes get to exit on their own (vLLM's default is 5 s)
 
 
-def shutdown_llm(llm: Any, timeout: float = SHUTDOWN_S) -> None:
-    """Stop the engine's processes now and wait for them: left to vLLM's exit-time finalizer, an engine core
-    still busy after its 5 s is killed before it unlinks its shared memory (Python's resource tracker then
-    warns of a leaked `shared_memory` object at exit)."""
-    engine = require(llm, "llm_engine", "LLM")
-    core = require(engine, "engine_core", "LLMEngine")
+def shutdown_engine(engine: Any, timeout: float = SHUTDOWN_S) -> None:
+    """Stop the processes of an `LLM`, `LLMEngine` or `AsyncLLM` now and wait for them: left to vLLM's
+    exit-time finalizer, an engine core still busy after its 5 s is killed before it unlinks its shared
+    memory (Python's resource tracker then warns of a leaked `shared_memory` object), and logs after the
+    caller's streams are closed."""
+    own = getattr(type(engine), "shutdown", None)
+    if own is not None:  # AsyncLLM: also stops its output handler
+        own(engine, timeout=timeout)
+        return
+    inner = getattr(engine, "llm_engine", engine)  # `LLM` holds an `LLMEngine`
+    core = require(inner, "engine_core", "LLMEngine")
     require(core, "shutdown", "EngineCoreClient")(timeout=timeout)

@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     try:
         return _run(llm, args, layers, points)
     finally:
-        compat.shutdown_llm(llm)
+        compat.shutdown_engine(llm)
 
 
 def _run(llm: Any, args: argparse.Namespace, layers: list[int] | str, points: list[str]) -> int:
