@@ -137,7 +137,7 @@ class VLLMSystem:
             import vllm_worker
 
             self.engine_mode["package"] = os.path.dirname(vllm_worker.__file__)
-            try:  # V1 or V2 model runner (bench/gpu_v2_check.py); older builds lack the RPC
+            try:  # V1 or V2 model runner (bench/probes/gpu_v2_check.py); older builds lack the RPC
                 self.engine_mode["runner"] = self.llm.collective_rpc("lens_runner")[0]
             except Exception as e:  # noqa: BLE001 - informative only
                 self.engine_mode["runner"] = f"unknown ({type(e).__name__})"

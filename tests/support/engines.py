@@ -55,9 +55,14 @@ def shutdown_all() -> None:
     """At the session's end, while pytest still holds the streams vLLM logs to: every engine stopped and
     its processes waited for (left to vLLM's exit-time finalizers, an engine core killed after 5 s logs
     `--- Logging error ---` tracebacks into closed streams and leaves its shared memory behind)."""
+    from vllm import LLM
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.llm_engine import LLMEngine
+
     from vllm_worker import compat
 
-    engines = list({id(e): e for e in [*_ENGINES.values(), *_KEEP]}.values())
+    held = [*_ENGINES.values(), *_KEEP]  # (`_KEEP` also holds what an engine needs, e.g. its event loop)
+    engines = list({id(e): e for e in held if isinstance(e, (LLM, LLMEngine, AsyncLLM))}.values())
     _ENGINES.clear()
     _KEEP.clear()
     for engine in reversed(engines):  # the newest first: the first in-process engine made the shared state

@@ -30,4 +30,5 @@ from vllm_worker.frontend.state import (  # noqa: F401
     mark_engine_consumer,
 )
 
-TIMINGS = FRONTEND_TIMINGS  # the name bench/gpu_check.py reads (being edited elsewhere): renamed there at the merge
+# the name bench/probes/gpu_check.py reads (that file is being edited elsewhere): renamed there at the merge
+TIMINGS = FRONTEND_TIMINGS

@@ -1,6 +1,6 @@
 """What one Python hook call costs us on the host: a CPU micro-benchmark on one in-process engine.
 
-    PYTHONPATH=. .venv/bin/python bench/hook_cost.py [--n 256] [--new 16] [--reps 3] [--workloads W4n,W4b]
+    PYTHONPATH=. .venv/bin/python bench/probes/hook_cost.py [--n 256] [--new 16] [--reps 3] [--workloads W4n,W4b]
 
 A tiny random Llama (the tests' `tiny-llama`, d_model 128: the device work is negligible, so what is
 measured is host time) serves `--n` requests of 8-token prompts, `--new` new tokens each, eagerly, with
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench"), str(ROOT)]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -7,7 +7,7 @@ measures, on a 4 GiB pool-like segment: registration time, the bandwidth of a ro
 (decode-sized and prefill-sized steps, in and out of a CUDA graph), the DMA bandwidth of a plain copy for
 reference, and how much such a kernel on a side stream slows matmuls on the main stream.
 
-Run: python bench/gpu_direct_probe.py  (prints one JSON line per measurement)
+Run: python bench/probes/gpu_direct_probe.py  (prints one JSON line per measurement)
 """
 
 from __future__ import annotations

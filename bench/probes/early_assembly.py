@@ -6,7 +6,7 @@ captures to `generate` returning with results (the fetch as the caller feels it:
 assembly and the frontend's handling); the worker's fetch (wait for copies + early flush + assembly) and
 the early-assembly thread's bytes and seconds (`lens_status()["fetch_timings"]`). One in-process engine.
 
-    python bench/early_assembly.py [--requests 64] [--prompt 256] [--new 64] [--repeats 3] [--out FILE.json]
+    python bench/probes/early_assembly.py [--requests 64] [--prompt 256] [--new 64] [--repeats 3] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ NAME = "bench-llama-tiny-early-v1"
 
 
 def model_path() -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python bench/early_assembly.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as `python bench/probes/early_assembly.py`
     from bench.make_model import random_llama
 
     return random_llama(

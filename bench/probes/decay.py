@@ -5,7 +5,7 @@ A GPU run once showed plain vLLM throughput at 0.69x in the round after all-laye
 memory left behind); this measures it directly in one process. Runs on CPU (the shipped SmolLM2, default)
 or anywhere vLLM runs:
 
-    .venv/bin/python bench/decay.py [--model PATH] [--rounds 4] [--prompts 64] [--tokens 64] [--out F.json]
+    .venv/bin/python bench/probes/decay.py [--model PATH] [--rounds 4] [--prompts 64] [--tokens 64] [--out F.json]
 """
 
 from __future__ import annotations

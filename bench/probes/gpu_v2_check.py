@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAYER = 16
 N_PROMPTS, PROMPT_LEN, NEW = 16, 30, 16
 

@@ -4,7 +4,7 @@ One compiled engine (vLLM's default mode, multiprocess), the bench's 8B-shaped d
 W0 (plugin installed, nothing requested) then W1 (capture the middle layer, all positions) three times and
 W2 (all layers) once, printing per run: wall, the frontend's fetch/decode seconds, and the worker's fetch
 break-down (waiting for transfers, prepared files late, allocation, copies) from `lens_status`.
-Usage: VLLM_ALLOW_INSECURE_SERIALIZATION=1 PROFILE_RUNS=W0,W1:1,W1:8,W2:4 python3 bench/gpu_fetch_profile.py MODEL
+Usage: VLLM_ALLOW_INSECURE_SERIALIZATION=1 PROFILE_RUNS=W0,W1:1,W1:8,W2:4 python3 bench/probes/gpu_fetch_profile.py MODEL
 (`W1:4` = W1 with 4 assembly threads, set in the worker by a collective_rpc callable, hence the env)
 -> one `PROFILE {...}` JSON line per run
 """
