@@ -49,7 +49,7 @@ def llm_from_engine_args(engine_args: Any) -> Any:
 def shared_sampling_params(**kwargs: Any) -> Any:
     """`SamplingParams(**kwargs)` for the thousands of requests of one `LLM.generate` call, which vLLM then
     copies shallowly for each request (`skip_clone`, as its own offline beam search does) instead of deep-
-    copying them: the deep copy was ~50 us of the ~0.5 ms of host time a short request costs on CPU. Safe for
+    copying them: the deep copy is a large share of a short request's host time (docs/decisions.md). Safe for
     our requests: the frontend replaces the copy's `extra_args` (never edits it in place). Plain params when
     this vLLM has no `skip_clone` or its `clone()` would hand back the caller's own object."""
     from vllm import SamplingParams

@@ -141,8 +141,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     """`tokenizer.encode(p, add_special_tokens=True)` of each prompt, in one batched call when the tokenizer
-    takes a list (HF tokenizers: one call into the Rust tokenizer instead of a Python round per prompt,
-    ~40% less host time per row on CPU); the ids are the same."""
+    takes a list (HF tokenizers: one call into the Rust tokenizer instead of a Python round per prompt;
+    docs/decisions.md); the ids are the same."""
     if len(prompts) > 1:
         try:
             # only the ids: no attention masks or type ids (lists the garbage collector would walk)

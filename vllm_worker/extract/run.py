@@ -9,9 +9,9 @@ Budget (`max_ram_gb` = B): captures in flight <= B/2 (also <= VLLM_LENS_MAX_STOR
 filled and one being written, each <= min(B/8, 256 MiB); the rest is headroom for the rows' token ids and
 Python objects. A single row larger than its share goes alone.
 
-Host time per row matters: with short prompts plain generation is itself host-bound (~0.5-0.7 ms of
-Python per request), so the extractor tokenizes in batches, validates the one capture spec once (sent as
-its JSON text) and lets vLLM copy its SamplingParams shallowly (`compat.shared_sampling_params`).
+Host time per row matters: with short prompts plain generation is itself host-bound, so the extractor
+tokenizes in batches, validates the one capture spec once (sent as its JSON text) and lets vLLM copy its
+SamplingParams shallowly (`compat.shared_sampling_params`); figures in docs/decisions.md.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from vllm_worker.protocol.spec import ACTIVATIONS_KEY, capture_points, capture_s
 
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # rows per generate call (memory is bounded by bytes, not rows): fewer rows in flight keep fewer objects alive
-# at each garbage collection; 2048 measured faster than 8192 on the H200 (docs/extraction.md)
+# at each garbage collection (why 2048: docs/decisions.md, "Bulk extraction")
 MAX_CHUNK_ROWS = 2048
 MAX_SHARD_BYTES = 256 << 20  # shards are written while the next fills: smaller ones overlap more
 TOKENIZE_ROWS = 256  # rows tokenized per batched tokenizer call

@@ -23,7 +23,7 @@ from vllm_worker.transport import result_pool, shm
 
 FETCH_GROUP_BYTES = 512 << 20  # per RPC round trip when results travel inside the RPC reply
 # ... and when they travel through the shared-memory result pool (the reply holds only region names): one
-# round trip lets the worker assemble a whole batch in parallel threads (docs/internals.md#measured-reasons)
+# round trip lets the worker assemble a whole batch in parallel threads (docs/decisions.md)
 FETCH_GROUP_SHM_BYTES = limit("VLLM_LENS_FETCH_GROUP_SHM_GB")
 
 

@@ -117,7 +117,7 @@ class LazyTensorJSON:
         self.t = t.detach().to("cpu").contiguous()
         # the bytes as numpy now, not while writing: torch calls release and retake the GIL, and a thread
         # doing that every millisecond starves the event loop (CPython only forces a switch after 5 ms
-        # without one; docs/internals.md#measured-reasons)
+        # without one; docs/decisions.md)
         self.raw = self.t.view(torch.uint8).numpy() if self.t.numel() else None
 
     def head(self) -> str:

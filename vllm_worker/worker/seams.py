@@ -1,8 +1,8 @@
 """Seams: Python hooks between the pieces of a full CUDA graph, so a step with hooks keeps its graphs.
 
-A full CUDA graph (vLLM's decode steps) replays the whole forward with no Python in it, so a step whose
-requests carry Python hooks used to run off full graphs: piecewise graphs with our taps called from
-Python at every layer, several milliseconds a step on an 8B model, paid by every request of the batch.
+A full CUDA graph (vLLM's decode steps) replays the whole forward with no Python in it, so without seams
+a step whose requests carry Python hooks runs off full graphs: piecewise graphs with our taps called from
+Python at every layer, paid by every request of the batch (figures: docs/decisions.md, "Python hooks").
 
 Here, each time vLLM captures a full graph (once per batch size, at start-up), the same forward is
 captured a second time cut after every tap between layers: a list of graph segments, each ending with

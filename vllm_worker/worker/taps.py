@@ -122,7 +122,7 @@ def _tap_fake(hidden: torch.Tensor, residual: torch.Tensor | None, site: int) ->
 
 
 # Registered through torch.library.Library (as vLLM registers its own ops), not torch.library.custom_op,
-# whose Python wrappers cost several times more per call (docs/internals.md#measured-reasons): the op is
+# whose Python wrappers cost several times more per call (docs/decisions.md): the op is
 # called once per layer per step.
 _lib = torch.library.Library("vllm_lens", "FRAGMENT")
 _lib.define("tap(Tensor(a!) hidden, Tensor? residual, int site) -> ()")
