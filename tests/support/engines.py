@@ -4,6 +4,7 @@ is imported before vLLM (conftest imports it first)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -65,8 +66,15 @@ def shutdown_all() -> None:
     engines = list({id(e): e for e in held if isinstance(e, (LLM, LLMEngine, AsyncLLM))}.values())
     _ENGINES.clear()
     _KEEP.clear()
+    loops = [x for x in held if isinstance(x, asyncio.AbstractEventLoop) and not x.is_closed()]
     for engine in reversed(engines):  # the newest first: the first in-process engine made the shared state
         compat.shutdown_engine(engine)
+    for loop in loops:  # an AsyncLLM's tasks live on the loop of its first request: ended there, then closed
+        tasks = asyncio.all_tasks(loop)
+        for task in tasks:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.close()
 
 
 MOE = {"mixtral", "qwen3_moe"}
