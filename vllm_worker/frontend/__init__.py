@@ -1,8 +1,9 @@
 """The engine frontend: the process that owns `LLM` / `LLMEngine` / `AsyncLLM` (or vLLM's API server).
 
-`requests`: every new request's features validated (`validation`), admitted against the capture limits
-and encoded for the workers. `results`: captures and hook state fetched from the workers when a request finishes and
-attached to its outputs. `llm_methods`: persistent hooks as methods of `vllm.LLM`.
+`state`: what the plugin keeps per engine (read by every other module here). `requests`: every new
+request's features validated (`validation`), admitted against the capture limits and encoded for the
+workers. `fetch`: captures and hook state fetched from the workers when a request finishes and attached
+to its outputs. `llm_methods`: persistent hooks as methods of `vllm.LLM`.
 """
 
 from vllm_worker.frontend.fetch import (  # noqa: F401

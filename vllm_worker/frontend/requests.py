@@ -1,6 +1,6 @@
 """Each new request in the frontend: its inspect-lens keys validated and encoded for the workers (a bad
 field is a `ValueError` / HTTP 400 naming it), its capture admitted against the limits before any compute,
-and an entry in the pending map until its results are fetched (`results`)."""
+and an entry in the pending map until its results are fetched (`fetch`)."""
 
 from __future__ import annotations
 
