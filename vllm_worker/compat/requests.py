@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 import torch
 
+from vllm_worker.compat.data_parallel import forget_routes, rpc_engines
+from vllm_worker.compat.layouts import head_shape, kv_heads, missing_points, moe_shape
 from vllm_worker.compat.version import LensIncompatibleVLLM, require, wrap
 from vllm_worker.protocol.rpc import DROP
 
@@ -50,8 +52,6 @@ def set_request_cache_salt(req: Any, salt: str) -> None:
 def model_shape(processor: Any) -> tuple[int, int, dict[str, str], int, int, int, int, int]:
     """(n_layers, d_model, {hook point it lacks: why}, n_heads, d_head, n_experts, experts per token,
     n_kv_heads) of the served model, from the processor's model config (the points: `compat.layouts`)."""
-    from vllm_worker.compat.layouts import head_shape, kv_heads, missing_points, moe_shape
-
     mc = require(processor, "model_config", "InputProcessor")
     return (
         int(mc.get_total_num_hidden_layers()),
@@ -121,8 +121,6 @@ def patch_aborts(forget: Callable[[Any, list[str]], list[str]]) -> None:
             await orig(self, request_id, *args, **kwargs)
             keys = forget(self.input_processor, as_ids(request_id))
             if keys:
-                from vllm_worker.compat.data_parallel import forget_routes
-
                 forget_routes(self, keys)
                 await self.collective_rpc(DROP, args=(keys,))  # reaches every data-parallel engine
 
@@ -246,8 +244,6 @@ def processor_of_engine_client(engine_client: Any) -> Any:
 async def rpc_async(engine_client: Any, method: str, *args: Any, engine: int | None = None) -> list:
     """Every worker's answer (of every data-parallel engine: vLLM's own `collective_rpc` keeps only the
     first engine's), or only those of data-parallel engine `engine`."""
-    from vllm_worker.compat.data_parallel import rpc_engines
-
     answers = await rpc_engines(engine_client, method, args, engine)
     return await engine_client.collective_rpc(method, args=args) if answers is None else answers
 
