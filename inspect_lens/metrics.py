@@ -17,7 +17,7 @@ def _split(scores: list[SampleScore]) -> dict[str, list[float]]:
     for s in scores:
         group = GROUP_OF.get(str((s.score.metadata or {}).get("label")))
         if group is not None:
-            out[group].append(float(s.score.value))  # type: ignore[arg-type]
+            out[group].append(float(s.score.value))  # type: ignore[arg-type]  # our scorers give numbers
     return out
 
 

@@ -53,7 +53,7 @@ async def collect_training_acts(
                 f"training sample {sample.id!r}: metadata label must be one of "
                 f"{POSITIVE_LABELS + NEGATIVE_LABELS}, got {label!r}"
             )
-        detect = meta.get("detect_text") or sample.input[-1].text  # type: ignore[union-attr]
+        detect = meta.get("detect_text") or sample.input[-1].text  # type: ignore[union-attr]  # the probe datasets give message lists
         async with sem:
             acts, _, _ = await read_window(client, model, _chat_dicts(sample), detect, layer)
         return acts.float().numpy(), int(label in POSITIVE_LABELS)

@@ -53,7 +53,7 @@ def patch_cpu_lora_no_adapter_rows() -> None:
             continue
         new = masked(orig, ii, oi, cols)
         functools.update_wrapper(new, orig)
-        new.__lens_wrapped__ = True  # type: ignore[attr-defined]
+        new.__lens_wrapped__ = True  # type: ignore[attr-defined]  # a marker on a function object
         if require(pcpu, name, "vllm.lora.punica_wrapper.punica_cpu") is not orig:
             raise LensIncompatibleVLLM(
                 f"vLLM internal moved: punica_cpu.{name} is no longer torch_ops.{name}; "

@@ -106,7 +106,7 @@ def patch_endpoint_plugins(name: str, factory: Callable[[], Any]) -> None:
         return plugins
 
     functools.update_wrapper(load_endpoint_plugins, orig)
-    load_endpoint_plugins.__lens_wrapped__ = True  # type: ignore[attr-defined]
+    load_endpoint_plugins.__lens_wrapped__ = True  # type: ignore[attr-defined]  # a marker on a function object
     vp.load_endpoint_plugins = load_endpoint_plugins
 
 
@@ -181,7 +181,7 @@ def add_llm_methods(methods: dict[str, Callable]) -> None:
         existing = getattr(LLM, name, None)
         if existing is not None and not getattr(existing, "__lens_wrapped__", False):
             raise LensIncompatibleVLLM(f"vllm.LLM already defines {name}; refusing to shadow it")
-        fn.__lens_wrapped__ = True  # type: ignore[attr-defined]
+        fn.__lens_wrapped__ = True  # type: ignore[attr-defined]  # a marker on a function object
         setattr(LLM, name, fn)
 
 

