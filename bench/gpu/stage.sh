@@ -40,7 +40,9 @@ DEPS="cachetools==8.0.2 cbor2==6.3.0 fastapi==0.136.3 starlette==1.10.0 openai==
   distro==1.9.0 sniffio==1.3.1 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0
   typing-inspection==0.4.5 typing_extensions==4.16.0 msgspec==0.22.0 partial-json-parser==0.2.1.1.post7
   pybase64==1.5.1 pyzmq==27.3.0 depyf==0.20.0 astor==0.8.1 dill==0.4.1 zstandard==0.25.0 setproctitle==1.3.8
-  blake3==1.0.11 llguidance==1.7.6 xgrammar==0.2.8 apache-tvm-ffi==0.1.11 oss-harmony==0.0.11 orjson==3.13.0"
+  blake3==1.0.11 llguidance==1.7.6 xgrammar==0.2.8 apache-tvm-ffi==0.1.11 oss-harmony==0.0.11 orjson==3.13.0
+  compressed-tensors==0.17.0 loguru==0.7.3"
+# (compressed-tensors: 0.33 imports it while loading any model, through its online-quantization check)
 SERVE_DEPS="anthropic==0.125.0 dnspython==2.9.2 docstring-parser==0.18.0 email-validator==2.4.0 httptools==0.9.0
   httpx-sse==0.4.3 ijson==3.6.0 interegular==0.3.3 jmespath==1.1.0 jsonschema==4.26.0
   jsonschema-specifications==2025.9.1 lark==1.2.2 lm-format-enforcer==0.11.3 mistral-common==1.13.1
@@ -68,7 +70,8 @@ done
 
 # 3. Slim: what a Hopper LLM run (dense models, FlashAttention 3, no MoE) never loads.
 cd "$TREE"
-rm -rf torch/include torch/share torch/bin torch/lib/*.a \
+# torch/bin keeps torch_shm_manager (`import torch` refuses to start without it); only protoc goes
+rm -rf torch/include torch/share torch/bin/protoc* torch/lib/*.a \
   triton/backends/amd triton/instrumentation triton/_C/libproton.so \
   triton/backends/nvidia/lib/cupti triton/backends/nvidia/lib/cupti-blackwell \
   triton/backends/nvidia/bin/ptxas-blackwell triton/backends/nvidia/bin/nvdisasm triton/backends/nvidia/bin/cuobjdump \
@@ -79,6 +82,8 @@ find . -name '__pycache__' -prune -exec rm -rf {} +
 python3 "$HERE/fatbin_slim.py" 90 $(find . -name '*.so*' -type f -size +1M)
 # the prefix is loaded with `nvidia/` of the image linked beside our NCCL (join.sh): no __init__ may hide it
 rm -f nvidia/__init__.py
+# triton finds its backends through its entry points: drop the AMD one with its folder
+sed -i '/^amd = /d' triton-*.dist-info/entry_points.txt
 fi
 
 # 4. Pack and split. zstd -12 (not xz -9: 2.3 GB under xz -9 took > 1 h on the shared 2-core machine; zstd
