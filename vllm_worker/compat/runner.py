@@ -19,7 +19,13 @@ from vllm_worker.compat.version import LensIncompatibleVLLM, require, then, wrap
 
 
 def runner_classes() -> list[type]:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError as err:  # vLLM 0.34 removed the V1 runner (bench/results/2026-12-03-drift-0.34.md)
+        raise LensIncompatibleVLLM(
+            "vLLM internal moved: vllm.v1.worker.gpu_model_runner.GPUModelRunner (the V1 model runner) not found "
+            f"({err}); inspect-lens hooks it on this vLLM"
+        ) from err
 
     classes = [GPUModelRunner]
     try:
