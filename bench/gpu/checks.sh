@@ -27,15 +27,15 @@ run() {  # NAME TIMEOUT CMD...
   VLLM_CACHE_ROOT=/root/vcache/$name timeout "$t" "$@" > "$O/$name.log" 2>&1; echo "$name rc=$?" >> "$O/rc.txt"
 }
 T0=$(date +%s)
-run check 330 python3 bench/gpu_check.py "$MODEL" &
-run v2 330 python3 bench/gpu_v2_check.py "$MODEL" --mode check &
+run check 330 python3 bench/probes/gpu_check.py "$MODEL" &
+run v2 330 python3 bench/probes/gpu_v2_check.py "$MODEL" --mode check &
 wait
 echo "wave 1: $(( $(date +%s) - T0 )) s"
-run direct 200 env VLLM_LENS_DIRECT_POOL=1 python3 bench/gpu_direct_check.py "$MODEL" &
-run serve 200 python3 bench/gpu_serve_check.py "$MODEL" &
+run direct 200 env VLLM_LENS_DIRECT_POOL=1 python3 bench/probes/gpu_direct_check.py "$MODEL" &
+run serve 200 python3 bench/probes/gpu_serve_check.py "$MODEL" &
 wait
 echo "waves 1-2: $(( $(date +%s) - T0 )) s"
-run seams 170 python3 bench/gpu_seams_check.py "$MODEL"
+run seams 170 python3 bench/probes/gpu_seams_check.py "$MODEL"
 echo "all waves: $(( $(date +%s) - T0 )) s"
 cat "$O/rc.txt"
 grep -h -E '^(CHECK|SEAMS|V2CHECK|SERVE) ' "$O"/*.log | cut -c1-1500
