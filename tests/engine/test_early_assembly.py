@@ -184,12 +184,14 @@ def _early_of(worker):
     return worker.model_runner._lens_runtime.store.early
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["host", "direct"])
 @pytest.mark.parametrize("when", ["first batch", "after regions were taken"])
-def test_a_failing_early_assembly_thread_falls_back_to_the_fetch_time_path(llama, monkeypatch, when):
+def test_a_failing_early_assembly_thread_falls_back_to_the_fetch_time_path(llama, monkeypatch, when, direct):
     """Our background copy fails (injected at its first batch, or after some requests' regions were
     taken and half written): no request fails and none waits for the thread — every result is assembled at
     fetch from the arenas, exactly as with early assembly off; early assembly stays off for the worker
-    (reset here for the other tests)."""
+    (reset here for the other tests). Direct mode (`VLLM_LENS_DIRECT_POOL`): a direct region whose rows the
+    thread never copied (a prefill chunk, a late member's rows) is completed from the arenas at fetch."""
     from vllm_worker.transport import early
     from vllm_worker.worker import faults
 
@@ -197,8 +199,26 @@ def test_a_failing_early_assembly_thread_falls_back_to_the_fetch_time_path(llama
     monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "0")
     want = _run(llama, prompts, sps)
     monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "1")
+    if direct:
+        monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "1")
     before = _timings(llama)
-    if when == "first batch":
+    if direct:  # every region is made by the thread (none at a first step): its requests join the direct
+        # members later, and the rows before the join are the thread's to copy — then the thread fails
+        from vllm_worker.transport.result_pool import ResultPool
+
+        monkeypatch.setattr(ResultPool, "alloc_now", lambda self, *a, **k: None)
+        real, calls = early.EarlyAssembler._batch, []
+
+        def regions_then_fail(self, items):
+            calls.append(len(items))
+            if when == "first batch" or len(calls) > 1:
+                for arena in {id(a): a for a, *_ in items}.values():
+                    self._regions(arena)
+                raise RuntimeError("injected: the early-assembly thread fails after taking regions")
+            return real(self, items)
+
+        monkeypatch.setattr(early.EarlyAssembler, "_batch", regions_then_fail)
+    elif when == "first batch":
         monkeypatch.setattr(faults, "STAGE", "early")
     else:
         real, calls = early.EarlyAssembler._batch, []
@@ -212,12 +232,17 @@ def test_a_failing_early_assembly_thread_falls_back_to_the_fetch_time_path(llama
         monkeypatch.setattr(early.EarlyAssembler, "_batch", second_fails)
     try:
         got = _run(llama, prompts, sps)
-        assert llama.collective_rpc(lambda w: _early_of(w).broken) == [True]
+        # (direct, after a good first batch: the joined requests' steps may all be written directly, leaving
+        # the thread nothing more to fail at)
+        assert llama.collective_rpc(lambda w: _early_of(w).broken) == [True] or (direct and when != "first batch")
     finally:
         monkeypatch.undo()
         llama.collective_rpc(lambda w: setattr(_early_of(w), "broken", False))
     after = _timings(llama)
     _same(got, want)
+    if direct:  # after a good first batch, requests joined the direct members: the GPU wrote their regions
+        assert (after["direct_joins"] > before["direct_joins"]) == (when != "first batch")
+        return
     assert after["early_requests"] == before["early_requests"]  # none was served from a half-written region
     if when != "first batch":
         assert after["early_bytes"] > before["early_bytes"]  # the first batch did write into regions

@@ -194,7 +194,8 @@ class EarlyAssembler:
         with self._cv:
             for st in stores:
                 e = st.early
-                if isinstance(e, Dest) and self.broken and not e.addr:  # maybe half written: assembled at fetch
+                if isinstance(e, Dest) and self.broken and not _only_in_region(st):
+                    # maybe half written, and the arenas hold every row: assembled at fetch
                     self._free.append(e)
                     st.early = FAILED
                 elif isinstance(e, Dest):
@@ -237,6 +238,8 @@ class EarlyAssembler:
         L, N, d = len(mine), dest.n_max, dest.d
         block = dest.rows[dest.base : dest.base + L * N]
         got = dest.fill[dest.base : dest.base + L * N].reshape(L, N)[:, :n_pos]
+        if not got.all():  # rows the thread did not copy (it failed, or a member joined late): from the arenas
+            _complete(block.reshape(L, N, d), got, segs, dest.out_of_slot, n_pos)
         if not got.all():
             block.reshape(L, N, d)[:, :n_pos][~got] = 0  # never another request's old rows
             note_missing(payload, mine, got)
@@ -351,6 +354,7 @@ class EarlyAssembler:
         if last is not None:
             last.synchronize()  # the side stream runs in order: every queued step's copy has landed
         jobs: list[tuple] = []
+        marks: list[tuple] = []
         nbytes = 0
         for aid, arena in arenas.items():
             cmap = self._map(arena)
@@ -362,7 +366,7 @@ class EarlyAssembler:
                     continue
                 s0, arena.done[c] = arena.done[c], f
                 if cmap is not None:
-                    nbytes += self._jobs(arena.chunks[c], s0, f, cmap, jobs)
+                    nbytes += self._jobs(arena.chunks[c], s0, f, cmap, jobs, marks)
         t1 = time.perf_counter()
         threads = max(1, min(self.threads, nbytes // (128 << 20)))
         parts = _split(jobs, threads)
@@ -373,6 +377,8 @@ class EarlyAssembler:
         else:
             for part in parts:
                 _run(part)
+        for fill, idx in marks:
+            fill[idx] = True
         t2 = time.perf_counter()
         self._timings["early_batches"] += 1
         self._timings["early_bytes"] += nbytes
@@ -603,9 +609,11 @@ class EarlyAssembler:
         return got
 
     @staticmethod
-    def _jobs(chunk: list, s0: int, s1: int, cmap: tuple, jobs: list) -> int:
+    def _jobs(chunk: list, s0: int, s1: int, cmap: tuple, jobs: list, marks: list) -> int:
         """Copy jobs for steps s0:s1 of one arena chunk, one per block; returns their bytes. A job is
-        (segment rows, destination rows (steps, m, w), the source rows (steps, m, w, d): a strided view)."""
+        (segment rows, destination rows (steps, m, w), the source rows (steps, m, w, d): a strided view).
+        `marks`: (segment's written-rows flags, rows) to set once the copies are done (a batch that fails
+        halfway marks nothing: `finish` completes those rows from the arenas)."""
         base, npos, targets, blocks = cmap
         data, pos = chunk[0], chunk[1]
         a3 = host_array(data)[s0:s1]  # (steps, columns, d)
@@ -621,11 +629,11 @@ class EarlyAssembler:
             dst = bb + pb  # (steps, m, w)
             ok = (pb >= 0) & (pb < nb)
             if ok.all():
-                fill[dst] = True
+                marks.append((fill, dst))
                 jobs.append((rows, dst, src))
                 total += dst.size * row
             else:  # positions outside the result (never expected): only the others
-                fill[dst[ok]] = True
+                marks.append((fill, dst[ok]))
                 jobs.append((rows, dst[ok], src[ok]))
                 total += int(ok.sum()) * row
         return total
@@ -671,6 +679,26 @@ def _user_columns(states: list, keep: Callable[[Dest], bool], by: Callable[[Dest
 
     bounds = per_column([e.n_max for e in who])
     return idx, n_arr, per_column(rows), bounds, per_column(codes), who, firsts
+
+
+def _only_in_region(st: Any) -> bool:
+    """Some of the request's rows were written only into its region (direct steps without arena rows)."""
+    return any(s.log.arena is not None and s.log.arena.direct_steps for s in st.segments)
+
+
+def _complete(block: np.ndarray, got: np.ndarray, segs: list, out_of_slot: dict, n_pos: int) -> None:
+    """Rows of a region not written (`got[out, position]` False) copied from the request's arena rows (the
+    fetch-time path's source), marked in `got`."""
+    for s in segs:
+        i = out_of_slot[s.slot]
+        for pos, rows in s.log.arena.parts(s.log.col + s.offset, s.n):
+            p = host_array(pos).ravel()
+            src = host_array(rows).reshape(len(p), -1)
+            keep = (p >= 0) & (p < n_pos)
+            keep[keep] = ~got[i, p[keep]]
+            if keep.any():
+                block[i, p[keep]] = src[keep]
+                got[i, p[keep]] = True
 
 
 def _esize(dtype: torch.dtype) -> int:
