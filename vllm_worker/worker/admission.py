@@ -38,9 +38,10 @@ class ToDevice:
         self._items.append((t, put))
 
     def flush(self) -> None:
-        items, self._items = self._items, []
+        """The queue is emptied only once every tensor is on the device and handed over: after a failure the
+        caller fails the requests these tensors belong to (`Admission.abandon`), never a silent half copy."""
         by_dtype: dict[torch.dtype, list] = {}
-        for t, put in items:
+        for t, put in self._items:
             by_dtype.setdefault(t.dtype, []).append((t, put))
         for group in by_dtype.values():
             dev = graph.upload(torch.cat([t.reshape(-1) for t, _ in group]), self.device)
@@ -48,6 +49,10 @@ class ToDevice:
             for t, put in group:
                 put(dev[o : o + t.numel()].view(t.shape))
                 o += t.numel()
+        self._items = []
+
+    def clear(self) -> None:
+        self._items = []
 
 
 class Admission:
@@ -75,15 +80,25 @@ class Admission:
         self.saes = saes  # `saes.WorkerSaes`
         self.esize = torch.empty((), dtype=dtype).element_size()
         self._moves = ToDevice(device)
+        self._pending: list[RequestState] = []  # admitted since the last flush, with steering to move
 
     def flush(self) -> None:
         """After a step's admissions, before it is planned: their steering reaches the device, one copy per
         dtype for all of them, and so do the graph-safe table's new entries (no device work or stream sync
         per request). What admission still costs is host Python: 63-95 ms for 256 steered requests on the
-        H200 (`admit_s`, bench/results/2026-12-03-h200.md)."""
+        H200 (`admit_s`, bench/results/2026-12-03-h200.md). On failure the caller fails `abandon()`'s
+        requests (inside its per-request failure handling: never vLLM's step)."""
+        faults.check("flush")
         self._moves.flush()
         if self.graph is not None:
             self.graph.flush_entries()
+        self._pending = []
+
+    def abandon(self) -> list[RequestState]:
+        """After a failed `flush`: the requests whose steering it was moving (to be failed), queue emptied."""
+        failed, self._pending = self._pending, []
+        self._moves.clear()
+        return failed
 
     def admit(self, req_id: str, payload: Any) -> RequestState:
         try:
@@ -178,7 +193,7 @@ class Admission:
                 self._moves.add(st.lut, functools.partial(setattr, st, "lut"))
         for layer, v in simple.items():
             self._moves.add(v, functools.partial(simple.__setitem__, layer))
-        return RequestState(
+        state = RequestState(
             capture,
             {l: i for i, l in enumerate(capture)},
             child,
@@ -190,6 +205,9 @@ class Admission:
             entry_ids,
             sae=sae_uses,
         )
+        if per_request or simple or entry_ids:
+            self._pending.append(state)
+        return state
 
     def _check_sites(self, spec: Any, hooks: list[HookRun], store: RequestResults | None) -> None:
         """A point this worker has no tap for (its layout could not be resolved here) fails the request with

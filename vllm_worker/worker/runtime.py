@@ -230,7 +230,11 @@ class LensRuntime:
             self._prune()
             t = time.perf_counter()
             active = self._active(req_ids, qsl)
-            self.admission.flush()  # the new requests' steering to the device, in one copy
+            try:
+                self.admission.flush()  # the new requests' steering to the device, in one copy
+            except Exception as e:  # noqa: BLE001 - the requests it was moving fail; the step goes on
+                self._fail(self.admission.abandon(), "moving steering to the device", e)
+                active = [a for a in active if not a[0].failed]
             STEP_TIMINGS["admit_s"] += time.perf_counter() - t
             try:
                 plan = None
