@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from fastapi import APIRouter, Request
 
@@ -13,6 +14,7 @@ from vllm_worker import compat, envs
 from vllm_worker.frontend.requests import in_flight_bytes, pending_count
 from vllm_worker.frontend.results import merge_collected, release_results_async
 from vllm_worker.frontend.validation import parse_hooks
+from vllm_worker.protocol import errors
 from vllm_worker.protocol.points import POINTS
 from vllm_worker.protocol.spec import (
     HOOK_KEY,
@@ -25,6 +27,8 @@ from vllm_worker.server.results import mentions
 from vllm_worker.server.state import LensState, shape_of, state_of
 
 HOOKS_PREFIX = "/v1/hooks"
+
+logger = logging.getLogger("vllm_worker")
 
 
 router = APIRouter(prefix=HOOKS_PREFIX)
@@ -52,6 +56,9 @@ async def json_body(request: Request, fields: frozenset[str] | None = None) -> d
 
 
 def guard(fn):
+    """The route's failures as JSON: the caller's (by class: `BadRequest`, `errors.CallerError`, a refused
+    opt-in) a 4xx naming the field; anything else is our own failure, a 500 (logged) — never a 400 because
+    of an exception's class or wording that our code happens to share with validation."""
     import functools
 
     @functools.wraps(fn)
@@ -60,11 +67,15 @@ def guard(fn):
             return await fn(request)
         except BadRequest as e:
             return error_response(e.status, e.message, e.param)
+        except errors.CallerError as e:
+            return error_response(e.status, str(e), e.param)
         except PermissionError as e:
             return error_response(403, str(e), "hooks", "Forbidden")
-        except (ValueError, KeyError) as e:
-            msg = str(e).strip("'\"")
-            return error_response(400, msg, msg.split(":", 1)[0] if ":" in msg else None)
+        except Exception as e:  # noqa: BLE001 - ours: a 500, the server goes on
+            logger.exception("inspect-lens: %s %s failed", request.method, request.url.path)
+            return error_response(
+                500, f"inspect-lens internal error: {type(e).__name__}: {e}", None, "InternalServerError"
+            )
 
     return wrapper
 
@@ -134,14 +145,14 @@ async def prefetch(request: Request):
 
 
 async def prefetch_names(state: LensState, names: list[str], param: str) -> list[str]:
-    """Worker-side KeyError for an unknown parameter (it travels back as an RPC failure) -> 400."""
-    try:
-        return (await compat.rpc_async(state.engine, "lens_prefetch", names))[0]
-    except Exception as e:
-        if "no pipeline stage has a parameter" in str(e):
-            msg = str(e)[str(e).index("no pipeline stage") :].split("\n")[0].strip("'\"")
-            raise BadRequest(400, f"{param}: {msg}", param) from None
-        raise
+    """An unknown parameter comes back from the workers as a failure of the caller's kind (`report`):
+    a 400 naming `param`; anything else they raise is ours (a 500)."""
+    answers = await compat.rpc_async(state.engine, "lens_prefetch", names, True)
+    for a in answers:
+        if a.get("error") is not None:
+            f = a["error"]
+            raise errors.CallerError(errors.failure(f["kind"], f"{param}: {f['message']}", f["stage"]), param)
+    return answers[0]["prefetched"]
 
 
 @router.post("/clear_prefetched")
