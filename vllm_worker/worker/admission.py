@@ -160,8 +160,12 @@ class Admission:
                 try:
                     fn = cloudpickle.loads(h.fn)
                 except Exception as e:  # fail this request, never the engine (the frontend checks first)
-                    store.error = errors.failure(
-                        "hook", f"hook {i}: cannot be loaded in the worker ({type(e).__name__}: {e})", "loading hooks"
+                    store.fail(
+                        errors.failure(
+                            "hook",
+                            f"hook {i}: cannot be loaded in the worker ({type(e).__name__}: {e})",
+                            "loading hooks",
+                        )
                     )
                     continue
                 at = hook_at(h.layers, h.point, self.local_layers)
@@ -231,8 +235,7 @@ class Admission:
         err = errors.failure("unsupported", f"{names}: not available on this model ({why})", "admission")
         if store is None:
             raise ValueError(err["message"])
-        if store.error is None:
-            store.error = err
+        store.fail(err)
 
     def _announce_result(self, req_id: str, payload: dict, capture: list[int], store: RequestResults) -> None:
         """A frontend on this machine gets captures through the shared-memory result pool: announce the

@@ -181,7 +181,7 @@ def _hook_failed(r, h: HookRun, layer: int, on_error: Callable[[HookRun, str], N
     msg = f"{where} failed:\n" + traceback.format_exc()
     if r.store is None:
         r.store = RequestResults([])
-    r.store.error = failure("hook", msg, where.split("(", 1)[1].rstrip(")"))
+    r.store.fail(failure("hook", msg, where.split("(", 1)[1].rstrip(")")))
     on_error(h, msg)
     logger.warning("inspect-lens: %s", msg)
 
@@ -242,6 +242,33 @@ class SavedRow:
         return f"SavedRow({self.i})"
 
 
+class BatchSaved(dict):
+    """`ctx.saved` of a batched hook: request id -> that request's saved dict. Any other key would be lost
+    without a word (the per-request habit `ctx.saved["mean"] = ...`): writing one is an error that says
+    where the value belongs."""
+
+    def _refuse(self, key: object) -> None:
+        if key not in self:
+            raise KeyError(
+                f"ctx.saved[{key!r}] = ...: a batched hook's ctx.saved holds one dict per request (keys: the "
+                "request ids of ctx.rows). Save per request with ctx.saved[request_id][name] = value, or one "
+                "row per request with ctx.save_rows(name, values)"
+            )
+
+    def __setitem__(self, key: object, value: object) -> None:
+        self._refuse(key)
+        super().__setitem__(key, value)
+
+    def setdefault(self, key: object, default: object = None) -> object:
+        self._refuse(key)
+        return super().setdefault(key, default)
+
+    def update(self, *args: object, **kwargs: object) -> None:
+        for key in dict(*args, **kwargs):
+            self._refuse(key)
+        super().update(*args, **kwargs)
+
+
 _FAILURES = [0]  # hook failures so far: a batched hook's cached members are checked again when it moves
 
 
@@ -264,7 +291,7 @@ class Batch:
         self.ctx = (
             dataclasses.replace(
                 members[0][1].ctx,
-                saved={h.ctx.request_id: h.ctx.saved for _, h, _, _ in members},
+                saved=BatchSaved({h.ctx.request_id: h.ctx.saved for _, h, _, _ in members}),
                 seq_len=int(ends[-1]),
                 request_id="",
                 rows=self.rows,

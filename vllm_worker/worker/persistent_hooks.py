@@ -39,14 +39,17 @@ class PersistentHooks:
     ) -> None:
         """A new request: add the persistent hooks to its runs (or fail it if results are full)."""
         if len(self.results) >= MAX_PERSISTENT_RESULTS:
-            store.error = failure(
-                "limit",
-                f"persistent hook results are full ({MAX_PERSISTENT_RESULTS} requests, "
-                "VLLM_LENS_MAX_PERSISTENT_RESULTS): call collect_hook_results() then "
-                "clear_hook_results()",
-                "persistent hooks",
+            store.fail(
+                failure(
+                    "limit",
+                    f"persistent hook results are full ({MAX_PERSISTENT_RESULTS} requests, "
+                    "VLLM_LENS_MAX_PERSISTENT_RESULTS): call collect_hook_results() then "
+                    "clear_hook_results()",
+                    "persistent hooks",
+                )
             )
-            self.errors[external] = store.error
+            assert store.error is not None
+            self.errors.setdefault(external, store.error)
             return
         saved: list[dict] = [{} for _ in self.hooks]
         self.results[external] = saved
@@ -55,7 +58,8 @@ class PersistentHooks:
             runs.append(HookRun(fn, at, point, ctx(saved[i], external), i, True, batched, ("persistent", i), read_only))
 
     def failed(self, request_id: str, msg: str) -> None:
-        self.errors[request_id] = failure("hook", msg, "persistent hook")
+        """The first failure of the request's persistent hooks is the one reported (`RequestResults.fail`)."""
+        self.errors.setdefault(request_id, failure("hook", msg, "persistent hook"))
 
     def pop_errors(self, request_ids: list[str]) -> dict[str, Failure]:
         out = {}

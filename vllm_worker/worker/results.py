@@ -148,3 +148,9 @@ class RequestResults:
     mine: list[int] = field(default_factory=list)
     max_pos: int = 0
     early: object = None  # early-assembly state (`transport.early`): None until the request's first plan
+
+    def fail(self, f: errors.Failure) -> None:
+        """One rule for every failure of a request (its hooks', our own code's): the first one is reported;
+        later ones are consequences or repeats of it."""
+        if self.error is None:
+            self.error = f

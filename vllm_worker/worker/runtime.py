@@ -187,8 +187,7 @@ class LensRuntime:
         for r in requests:
             if r.store is None:
                 r.store = RequestResults([])
-            if r.store.error is None:
-                r.store.error = msg
+            r.store.fail(msg)
             r.capture, r.capture_slot, r.steers, r.simple_add, r.hooks, r.sae = [], {}, [], {}, [], []
             self._free_entries(r)
             r.entries = {}
