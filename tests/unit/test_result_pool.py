@@ -207,12 +207,16 @@ def test_early_assembly_blocks_copy_every_row_to_its_place():
     cmap = asm._map(Arena)
     assert cmap is not None and [b[0] for b in cmap[3]] == [0, 1] and all(b[4] == L for b in cmap[3])
     jobs: list = []
-    nbytes = asm._jobs([data, pos, S], 0, S, cmap, jobs)
+    marks: list = []
+    nbytes = asm._jobs([data, pos, S], 0, S, cmap, jobs, marks)
     assert nbytes == (4 * L * S - 1) * d * 2
+    assert not any(f.any() for f in fills.values())  # marked only once copied
     parts = early._split(jobs, 3)
     assert len(parts) >= 3
     for part in parts:
         early._run(part)
+    for fill, idx in marks:
+        fill[idx] = True
     src = data.view(torch.int16).numpy()
     want = {k: np.zeros((200, d), np.int16) for k in seg}
     for r, (k, first) in where.items():
@@ -289,9 +293,12 @@ class _Direct:
         from vllm_worker.transport import early
 
         jobs: list = []
-        n = self.asm._jobs([self.data, self.pos, self.S], 0, self.S, cmap, jobs)
+        marks: list = []
+        n = self.asm._jobs([self.data, self.pos, self.S], 0, self.S, cmap, jobs, marks)
         for part in early._split(jobs, 2):
             early._run(part)
+        for fill, idx in marks:
+            fill[idx] = True
         return n
 
 
@@ -398,3 +405,58 @@ def test_direct_regions_come_only_from_registered_segments():
     finally:
         pool.close()
     assert unpinned == list(pinned)  # closed: the registered segment was unregistered
+
+
+def test_a_free_never_closes_segments_in_the_callers_thread(monkeypatch):
+    """`free` runs in the step thread (under the store's lock) and in the early-assembly thread (under its
+    lock): dropping a segment (unregistering it from the GPU, punching its pages, unmapping) is the pool's
+    own thread's work, after the free returned."""
+    import threading
+
+    closed: list[str] = []
+    real_close = result_pool._Segment.close
+    monkeypatch.setattr(
+        result_pool._Segment, "close", lambda seg: closed.append(threading.current_thread().name) or real_close(seg)
+    )
+    monkeypatch.setenv("VLLM_LENS_SHM_POOL_GB", "0")  # keep nothing free: the free drops the segment
+    pool = ResultPool()
+    try:
+        path, off, _, _ = pool.alloc(1 << 20)
+        assert pool.free([(path, off)]) == 1
+        assert closed == []  # not in this thread
+        deadline = time.time() + 10
+        while not closed and time.time() < deadline:
+            time.sleep(0.01)
+        assert closed and threading.current_thread().name not in closed
+        assert pool.size == 0 and not os.path.exists(path)
+    finally:
+        pool.close()
+
+
+def test_an_alloc_waiting_for_growth_sleeps_on_a_condition_not_a_poll(monkeypatch):
+    """While the pool's growing thread adds room, `alloc` waits for it to say so (no 1 ms polling)."""
+    import threading
+
+    real_sleep, real_new = time.sleep, ResultPool._new_segment
+    polls: list[float] = []
+
+    def counted_sleep(s: float) -> None:
+        if threading.current_thread() is threading.main_thread():
+            polls.append(s)
+        real_sleep(s)
+
+    def slow_new(self, size):
+        real_sleep(0.3)
+        return real_new(self, size)
+
+    monkeypatch.setattr(ResultPool, "_new_segment", slow_new)
+    monkeypatch.setattr(result_pool.time, "sleep", counted_sleep)
+    pool = ResultPool()
+    try:
+        assert pool.expect(8 << 20) == 8 << 20  # the growing thread starts
+        t = time.perf_counter()
+        got = pool.alloc(8 << 20, expected=8 << 20)
+        assert got is not None and time.perf_counter() - t >= 0.2
+        assert polls == [] and pool.stats["sync_grows"] == 0
+    finally:
+        pool.close()

@@ -171,6 +171,9 @@ class ResultPool:
         self._segments: dict[str, _Segment] = {}
         self._n = 0
         self._lock = threading.Lock()
+        # on the lock: growth finished (`alloc` waits for it), a trim asked for (`free`), the pool closed
+        self._cv = threading.Condition(self._lock)
+        self._trim_wanted = False
         self.expected = 0  # bytes announced by running requests and not yet allocated
         self.free_bytes = 0
         self.size = 0
@@ -190,7 +193,7 @@ class ResultPool:
             "pinned_segments": 0,
             "direct_allocs": 0,
         }
-        threading.Thread(target=self._idle_loop, name="lens-pool-idle", daemon=True).start()
+        threading.Thread(target=self._idle_loop, name="lens-pool-release", daemon=True).start()
         atexit.register(self.close)
 
     # -------------------------------------------------------------- growth
@@ -269,8 +272,9 @@ class ResultPool:
                 if self._new_segment(min(MAX_SEGMENT, deficit)) is None:
                     return
         finally:
-            with self._lock:
+            with self._cv:
                 self._growing = False
+                self._cv.notify_all()
 
     def in_use(self) -> int:
         return self.size - self.free_bytes
@@ -298,12 +302,10 @@ class ResultPool:
                         self._last_use = time.monotonic()
                         return seg.path, off, seg.size, seg.buf[off : off + nbytes]
                 growing = self._growing
-            if growing and attempt == 0:  # the background thread may be about to add room
-                while True:
-                    time.sleep(0.001)
-                    with self._lock:
-                        if not self._growing:
-                            break
+            if growing and attempt == 0:  # the background thread may be about to add room: wait for its word
+                with self._cv:
+                    while self._growing:
+                        self._cv.wait()
                 continue
             self.stats["sync_grows"] += 1
             if self._new_segment(need + align) is None:
@@ -368,7 +370,10 @@ class ResultPool:
 
     def free(self, released: list) -> int:
         """Regions the frontend is done with (`(path, offset[, serial])`, as they came over RPC; other
-        pools' entries, and releases of an earlier allocation of the same place, are ignored)."""
+        pools' entries, and releases of an earlier allocation of the same place, are ignored). Callers hold
+        the store's or the early-assembly lock, in the step thread too: segments that are no longer needed
+        are dropped by the pool's own thread (`trim`: unregistering from the GPU and unmapping block in the
+        driver), never here."""
         n = 0
         with self._lock:
             for entry in released:
@@ -383,7 +388,9 @@ class ResultPool:
                 n += 1
             self.stats["frees"] += n
             self._last_use = time.monotonic()
-        self.trim()
+            if n:
+                self._trim_wanted = True
+                self._cv.notify_all()
         return n
 
     def trim(self, keep: int | None = None) -> None:
@@ -405,18 +412,28 @@ class ResultPool:
             seg.close()
 
     def _idle_loop(self) -> None:
-        while not self._closed:
-            time.sleep(min(5.0, max(0.5, idle_seconds() / 4)))
+        """The pool's own thread: trims after frees (`free`), and gives everything free back after
+        `VLLM_LENS_SHM_POOL_IDLE_S` without use."""
+        while True:
+            with self._cv:
+                if not self._trim_wanted and not self._closed:
+                    self._cv.wait(min(5.0, max(0.5, idle_seconds() / 4)))
+                if self._closed:
+                    return
+                wanted, self._trim_wanted = self._trim_wanted, False
+            if wanted:
+                self.trim()
             if self.free_bytes and not self.expected and time.monotonic() - self._last_use > idle_seconds():
                 self.trim(keep=0)
 
     def close(self) -> None:
         """Engine shutdown: free segments go; segments with regions a caller still holds stay mapped by
         that caller (their files are removed, so the memory goes with the last tensor)."""
-        with self._lock:
+        with self._cv:
             self._closed = True
             segs = list(self._segments.values())
             self._segments.clear()
+            self._cv.notify_all()
         for seg in segs:
             if seg.used:
                 seg.unpinned()
