@@ -169,9 +169,7 @@ def test_persistent_hooks_over_20_requests(engine_factory):
 
 
 def test_persistent_results_cap_is_an_error_not_a_silent_drop(llama, monkeypatch):
-    import vllm_worker.worker.persistent_hooks as registry
-
-    monkeypatch.setattr(registry, "MAX_PERSISTENT_RESULTS", 2)
+    monkeypatch.setenv("VLLM_LENS_MAX_PERSISTENT_RESULTS", "2")  # read when asked
     llama.clear_hooks()
     llama.register_hooks([Hook(lambda ctx, h: None, range(2))])
     try:

@@ -85,7 +85,7 @@ def test_a_full_tmpfs_is_an_ordinary_fallback_and_foreign_files_are_refused(monk
     monkeypatch.setattr(os, "posix_fallocate", full)
     try:
         assert pool.alloc(1 << 20) is None  # the caller sends bytes over RPC instead
-        assert not [f for f in os.listdir(shm.SHM_DIR) if pool.id in f]
+        assert not [f for f in os.listdir(shm.shm_dir()) if pool.id in f]
     finally:
         pool.close()
     with pytest.raises(ValueError, match="not a result-pool file"):

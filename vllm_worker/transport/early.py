@@ -5,7 +5,7 @@ Without it, every captured row is copied from the step arenas into the pool at f
 (`assembly.assemble`): for an all-layer batch that is the whole result (GBs) after the last step. Here a
 background thread in the worker copies the filed steps once their device->host copies have landed (an
 event recorded on the side stream after the step's copy; on CPU the copy is synchronous), a few steps per
-wake-up (`INTERVAL_S`; at once when a fetch waits), into the final place of each request's rows:
+wake-up (`VLLM_LENS_EARLY_INTERVAL_MS`; at once when a fetch waits), into the final place of each request's rows:
 
 - **Region**: a request gets one region of the result pool sized for its largest result, `layers x
   (prompt + max_tokens - 1) x d` — the size it announced at admission (`ResultPool.expect`), so the pool
@@ -63,10 +63,13 @@ CLAIMED = "claimed"  # handed to a fetch
 FAILED = "failed"  # no region (pool full) or the thread failed: assembled at fetch
 
 IDLE_EXIT_S = 2.0  # the thread ends after this long without work (started again by the next step)
-# The thread takes the queued steps at most this often (unless a fetch waits): its Python (the copies' index
-# building) shares the GIL with the step loop, which is the bottleneck of a host-bound decode; several steps
-# per wake-up cost about what one does.
-INTERVAL_S = get("VLLM_LENS_EARLY_INTERVAL_MS") / 1000
+
+
+def interval_s() -> float:
+    """How often at most the thread takes the queued steps (unless a fetch waits): its Python (the copies'
+    index building) shares the GIL with the step loop, the bottleneck of a host-bound decode; several steps
+    per wake-up cost about what one does."""
+    return get("VLLM_LENS_EARLY_INTERVAL_MS") / 1000
 
 
 class Dest:
@@ -107,7 +110,13 @@ class EarlyAssembler:
     """One per capture store. `filed` (the step thread, under the store's lock) queues a step; the
     background thread copies it; `flush` / `claim` / `quiesce` / `finish` serve a fetch."""
 
-    def __init__(self, pool: Callable[[], ResultPool | None], timings: dict, executor: Callable[[int], Any]) -> None:
+    def __init__(
+        self,
+        pool: Callable[[], ResultPool | None],
+        timings: dict,
+        executor: Callable[[int], Any],
+        threads: Callable[[], int] = lambda: 1,
+    ) -> None:
         self._pool = pool
         self._timings = timings
         self._executor = executor  # threads -> ThreadPoolExecutor (for large batches)
@@ -124,7 +133,7 @@ class EarlyAssembler:
         self.broken = False
         self._rows: dict[tuple, np.ndarray] = {}  # (path, dtype, d) -> the segment as rows
         self._fills: dict[tuple, np.ndarray] = {}  # (path, row bytes) -> rows written (per segment row)
-        self.threads = 1  # copy threads for one batch (set by the store)
+        self.threads = threads  # copy threads for one batch at most (the store's setting, read when asked)
         self._copiers: Any = None  # their executor, kept while the thread runs (not one per batch)
         # direct mode: the event after the copy stream's latest write into a region (set by the store,
         # under its lock, as it issues them); a direct region is freed only once it has passed
@@ -273,8 +282,9 @@ class EarlyAssembler:
                 timed_out = False
                 if not self._queue and not self._free:
                     timed_out = not self._cv.wait(IDLE_EXIT_S)
+                interval = interval_s()
                 while self._queue and not self._hurry and not self._free:  # let a few steps gather
-                    left = self._last + INTERVAL_S - time.perf_counter()
+                    left = self._last + interval - time.perf_counter()
                     if left <= 0:
                         break
                     self._cv.wait(left)
@@ -368,11 +378,12 @@ class EarlyAssembler:
                 if cmap is not None:
                     nbytes += self._jobs(arena.chunks[c], s0, f, cmap, jobs, marks)
         t1 = time.perf_counter()
-        threads = max(1, min(self.threads, nbytes // (128 << 20)))
+        most = self.threads()
+        threads = max(1, min(most, nbytes // (128 << 20)))
         parts = _split(jobs, threads)
         if threads > 1 and len(parts) > 1:
             if self._copiers is None:
-                self._copiers = self._executor(self.threads)
+                self._copiers = self._executor(most)
             list(self._copiers.map(_run, parts))
         else:
             for part in parts:

@@ -205,7 +205,7 @@ class ResultPool:
         with self._lock:
             self._n += 1
             n = self._n
-        path = os.path.join(shm.SHM_DIR, f"{shm.PREFIX}{os.getpid()}{POOL_TAG}{self.id}-{n}")
+        path = os.path.join(shm.shm_dir(), f"{shm.PREFIX}{os.getpid()}{POOL_TAG}{self.id}-{n}")
         t = time.perf_counter()
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -219,7 +219,7 @@ class ResultPool:
             logger.warning(
                 "inspect-lens: no room for %d MB of shared result memory in %s (%s); results travel over RPC",
                 size >> 20,
-                shm.SHM_DIR,
+                shm.shm_dir(),
                 e,
             )
             return None
@@ -493,7 +493,7 @@ def _mapping(path: str, size: int) -> _Mapping:
     m = _maps.get(path)
     if m is None:
         if (
-            os.path.dirname(path) != shm.SHM_DIR
+            os.path.dirname(path) != shm.shm_dir()
             or not os.path.basename(path).startswith(shm.PREFIX)
             or POOL_TAG not in os.path.basename(path)
         ):

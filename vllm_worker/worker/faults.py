@@ -16,13 +16,17 @@ from vllm_worker import envs
 STAGES = ("admission", "flush", "plan", "fill", "tap", "kernel", "file", "assemble")
 AT_LOAD = ("layout",)
 BACKGROUND = ("early",)
-STAGE: str | None = envs.get("VLLM_LENS_INJECT_FAULT")
+STAGE: str | None = None  # set by in-process tests; else `VLLM_LENS_INJECT_FAULT`, read when asked
 
 
 class InjectedFault(RuntimeError):
     pass
 
 
+def active() -> str | None:
+    return STAGE if STAGE is not None else envs.get("VLLM_LENS_INJECT_FAULT")
+
+
 def check(stage: str) -> None:
-    if STAGE == stage:
+    if active() == stage:
         raise InjectedFault(f"fault injected at stage {stage!r} (VLLM_LENS_INJECT_FAULT)")

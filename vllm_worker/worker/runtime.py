@@ -68,7 +68,7 @@ class LensRuntime:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.model = compat.runner_model(runner)
-        if faults.STAGE == "layout":
+        if faults.active() == "layout":
             raise compat.LensIncompatibleVLLM(
                 f"fault injected at load: no decoder layers in {type(self.model).__name__}"
             )
@@ -111,7 +111,7 @@ class LensRuntime:
         self.params = Params(self.model)
         self._shm_host = shm.host_id()
         if self._shm_host is not None and shm.sweep_stale():
-            logger.info("inspect-lens: removed capture files left in %s by engines that died", shm.SHM_DIR)
+            logger.info("inspect-lens: removed capture files left in %s by engines that died", shm.shm_dir())
         self._d_model = compat.hidden_size(runner)
         self.graph: graph.GraphTaps | None = None
         if graph.enabled():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_worker.envs import get, limit
+from vllm_worker.envs import get, given, limit
 from vllm_worker.protocol import errors
 from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.transport import assembly, early, result_pool
@@ -30,22 +29,18 @@ from vllm_worker.worker.results import FETCH_TIMINGS, CaptureLog, RequestResults
 logger = logging.getLogger("vllm_worker")
 
 
-# Captures kept in the worker until fetched. Past the cap the oldest are dropped and a later fetch of
-# them reports it (an error, never a silent empty result).
-MAX_STORED_BYTES = limit("VLLM_LENS_MAX_STORED_GB")
-
-
-# At most this many threads copy a fetch's captures into the result pool; one per
-# ASSEMBLY_BYTES_PER_THREAD of results. The copies release the GIL (`assembly`), so threads really run in
-# parallel (docs/internals.md#measured-reasons).
-ASSEMBLY_THREADS = max(1, get("VLLM_LENS_ASSEMBLY_THREADS"))
-
-
 ASSEMBLY_BYTES_PER_THREAD = 128 << 20
 
 
+def max_threads() -> int:
+    """At most this many threads copy a fetch's captures into the result pool (`VLLM_LENS_ASSEMBLY_THREADS`);
+    the copies release the GIL (`assembly`), so threads really run in parallel."""
+    return max(1, get("VLLM_LENS_ASSEMBLY_THREADS"))
+
+
 def assembly_threads(nbytes: int) -> int:
-    return max(1, min(ASSEMBLY_THREADS, nbytes // ASSEMBLY_BYTES_PER_THREAD))
+    """Threads for a fetch of `nbytes`: one per ASSEMBLY_BYTES_PER_THREAD, at most `max_threads()`."""
+    return max(1, min(max_threads(), nbytes // ASSEMBLY_BYTES_PER_THREAD))
 
 
 def _pool(threads: int) -> Any:
@@ -63,10 +58,10 @@ class CaptureStore:
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pool: ResultPool | None = None
         # copies captures into their pool regions while requests run (`transport.early`)
-        self.early = early.EarlyAssembler(lambda: self._pool, FETCH_TIMINGS, _pool)
-        self.early.threads = ASSEMBLY_THREADS
+        self.early = early.EarlyAssembler(lambda: self._pool, FETCH_TIMINGS, _pool, max_threads)
         # the GPU writes graph-path steps' rows into their regions itself (`early`, direct mode): on CUDA
-        # set at start-up (the pool's segments are registered as they are made); on CPU read per step
+        # read here, once (the pool's segments are registered as they are made); on CPU when asked, and
+        # only when set (`_direct_on`)
         self.direct = bool(get("VLLM_LENS_DIRECT_POOL"))
 
     @property
@@ -196,7 +191,7 @@ class CaptureStore:
         scatter, for tests) only when the variable is set to 1, read per step."""
         if self.side is not None:
             return self.direct and bool(getattr(g, "direct_ok", False))
-        return "VLLM_LENS_DIRECT_POOL" in os.environ and bool(get("VLLM_LENS_DIRECT_POOL"))
+        return bool(given("VLLM_LENS_DIRECT_POOL"))
 
     def file_step(self, plan: StepPlan, host: torch.Tensor) -> None:
         """Account a step whose rows are (or are being copied) in `host` (`fetch` waits for copies)."""
@@ -244,7 +239,9 @@ class CaptureStore:
         st.segments = []
 
     def _evict_if_needed(self) -> None:
-        while self.stored_bytes > MAX_STORED_BYTES and self._stores:
+        # past the cap the oldest are dropped and a later fetch of them reports it (never a silent empty result)
+        cap = limit("VLLM_LENS_MAX_STORED_GB")
+        while self.stored_bytes > cap and self._stores:
             key = next(iter(self._stores))
             self._release(self._stores.pop(key))
             self._evicted.add(key[0])
