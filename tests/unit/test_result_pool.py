@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from vllm_worker.transport import result_pool, shm
+from vllm_worker.transport import result_pool, result_views, shm
 from vllm_worker.transport.result_pool import ResultPool, np_dtype
 
 
@@ -26,29 +26,29 @@ def test_a_region_round_trips_exactly_and_returns_only_when_its_last_tensor_is_g
     try:
         src = torch.randn(3, 5, 64).to(torch.bfloat16)
         desc = _write(pool, src)
-        got = result_pool.view(desc, torch.bfloat16)
+        got = result_views.view(desc, torch.bfloat16)
         assert torch.equal(got, src) and got.untyped_storage().nbytes() == desc["nbytes"]
         view_of_view = got[1:, 2]
         del got
         gc.collect()
-        assert result_pool.take_released({pool.id}) == []  # a view of it is still alive
+        assert result_views.take_released({pool.id}) == []  # a view of it is still alive
         other = _write(pool, torch.ones(4, 64))
         assert other["path"] != desc["path"] or other["offset"] >= desc["offset"] + desc["nbytes"]
         assert torch.equal(view_of_view, src[1:, 2])  # not overwritten
         del view_of_view
         gc.collect()
-        released = result_pool.take_released({pool.id})
+        released = result_views.take_released({pool.id})
         assert released == [(desc["path"], desc["offset"])]
-        assert result_pool.take_released({"another-pool"}) == []
+        assert result_views.take_released({"another-pool"}) == []
         free_before = pool.free_bytes
         assert pool.free(released + [("/dev/shm/elsewhere", 0)]) == 1  # other pools' entries are ignored
         assert pool.free_bytes > free_before
         again = _write(pool, torch.zeros(3, 5, 64).to(torch.bfloat16))
         assert (again["path"], again["offset"]) == (desc["path"], desc["offset"])  # reused, no new segment
         assert pool.status()["segments_made"] == 1 and pool.status()["sync_grows"] == 1
-        result_pool.discard(again)
-        result_pool.discard(other)
-        pool.free(result_pool.take_released({pool.id}))
+        result_views.discard(again)
+        result_views.discard(other)
+        pool.free(result_views.take_released({pool.id}))
         seg = pool._segments[desc["path"]]
         assert seg.free == [[0, seg.size]] and not seg.used  # coalesced back into one free range
     finally:
@@ -89,7 +89,7 @@ def test_a_full_tmpfs_is_an_ordinary_fallback_and_foreign_files_are_refused(monk
     finally:
         pool.close()
     with pytest.raises(ValueError, match="not a result-pool file"):
-        result_pool.view(
+        result_views.view(
             {"path": str(tmp_path / "x-pool1-1"), "offset": 0, "size": 4096, "nbytes": 4, "shape": [1]}, torch.float32
         )
     monkeypatch.setenv("VLLM_LENS_SHM", "0")
@@ -127,7 +127,7 @@ def test_batch_assembly_in_threads_puts_every_row_in_its_place(monkeypatch):
         out = assembly.assemble(items, pool, 4, store._pool, timings)
         for r, payload in zip((5, 0, 3, 6, 1), out):
             assert "error" not in payload and payload["layers"] == [10, 20]
-            got = result_pool.view(payload["pool"], torch.bfloat16)
+            got = result_views.view(payload["pool"], torch.bfloat16)
             assert got.shape == want[r].shape and torch.equal(got, want[r]), r
     finally:
         pool.close()
@@ -140,15 +140,15 @@ def test_new_requests_take_releases_without_unmapping_and_fetches_unmap_removed_
     pool = ResultPool()
     try:
         desc = _write(pool, torch.ones(2, 64))
-        got = result_pool.view(desc, torch.float32)
-        assert desc["path"] in result_pool._maps
+        got = result_views.view(desc, torch.float32)
+        assert desc["path"] in result_views._maps
         del got
         gc.collect()
-        pool.free(result_pool.take_released({pool.id}, unmap=False))
+        pool.free(result_views.take_released({pool.id}, unmap=False))
         pool.trim(keep=0)  # the worker drops the segment (its file goes)
         assert not os.path.exists(desc["path"])
-        assert result_pool.take_released({pool.id}, unmap=False) == [] and desc["path"] in result_pool._maps
-        assert result_pool.take_released({pool.id}) == [] and desc["path"] not in result_pool._maps
+        assert result_views.take_released({pool.id}, unmap=False) == [] and desc["path"] in result_views._maps
+        assert result_views.take_released({pool.id}) == [] and desc["path"] not in result_views._maps
     finally:
         pool.close()
     calls = []

@@ -16,6 +16,7 @@ import time
 from vllm_worker import envs
 
 PREFIX = "inspect-lens-"
+POOL_TAG = "-pool"  # in result-pool segment names: `inspect-lens-<pid>-pool<id>-<n>` (`sweep_stale` parses the pid)
 
 
 DIR_CHECK_S = 1.0  # how long a check that `shm_dir()` is a writable directory is trusted
