@@ -11,7 +11,7 @@ Two modes:
   1,000 requests, with every live-object count back at 0.
 
     .venv/bin/python bench/soak.py [--rounds 8] [--kinds disabled,plain,capture,steer] [--out F.json]
-    .venv/bin/python bench/soak.py --long 10000 [--every 500] [--out F.json]
+    .venv/bin/python bench/soak.py --long 10000 [--every 500] [--disabled] [--out F.json]
 
 (tests/http/test_reliability.py holds the pass/fail soak.)
 """
@@ -74,7 +74,11 @@ async def _requests(url: str, model: str, kinds: list[str], start: int, n: int, 
             if kind in xargs:
                 b["vllm_xargs"] = xargs[kind]
             async with sem:
-                r = await h.post(url + "/v1/completions", json=b)
+                try:
+                    r = await h.post(url + "/v1/completions", json=b)
+                except httpx.HTTPError:
+                    failed += 1
+                    return
             if r.status_code != 200:
                 failed += 1
 
@@ -82,9 +86,11 @@ async def _requests(url: str, model: str, kinds: list[str], start: int, n: int, 
     return failed
 
 
-def _info(url: str, auth: dict) -> dict:
+def _info(url: str, auth: dict, disabled: bool = False) -> dict:
     import httpx
 
+    if disabled:  # (no lens routes)
+        return dict.fromkeys(("pending_results", "stored_requests", "result_regions", "capture_bytes_in_flight"), 0)
     info = httpx.get(url + "/v1/lens/info", headers=auth, timeout=30).json()
     return {k: info[k] for k in ("pending_results", "stored_requests", "result_regions", "capture_bytes_in_flight")}
 
@@ -98,11 +104,12 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 
 def long_run(args: argparse.Namespace, model: str, servers: object) -> dict:
-    url = servers._serve("--api-key", KEY)  # type: ignore[attr-defined]
+    env = {"VLLM_LENS_DISABLE": "1"} if args.disabled else {}
+    url = servers._serve("--api-key", KEY, **env)  # type: ignore[attr-defined]
     pid = servers.server_pid(url)  # type: ignore[attr-defined]
     auth = {"Authorization": f"Bearer {KEY}"}
     xargs = _xargs()
-    kinds = ["plain", "capture", "steer"]
+    kinds = ["plain"] if args.disabled else ["plain", "capture", "steer"]
     rows = []
     done, failed, t0 = 0, 0, time.time()
     while done < args.long:
@@ -111,7 +118,7 @@ def long_run(args: argparse.Namespace, model: str, servers: object) -> dict:
         done += n
         rss = _rss(pid)
         row = {"requests": done, "s": round(time.time() - t0, 1), "rss_mb": [round(x, 1) for x in rss]}
-        row.update(_info(url, auth))
+        row.update(_info(url, auth, args.disabled))
         rows.append(row)
         print(json.dumps(row), flush=True)
     half = rows[len(rows) // 2 :]
@@ -169,6 +176,7 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=0, help="one run of this many mixed requests")
     ap.add_argument("--every", type=int, default=500, help="(--long) sample every this many requests")
     ap.add_argument("--flat-mb", type=float, default=2.0, help="(--long) flat: growth under this per 1,000")
+    ap.add_argument("--disabled", action="store_true", help="(--long) the plugin off: vLLM's own growth")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 

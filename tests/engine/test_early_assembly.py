@@ -18,6 +18,14 @@ from support.reference import held_results, hf_model, residuals
 WORDS = "the water of people will come down to the side and then a house of stone stood by the old road".split()
 
 
+@pytest.fixture(autouse=True)
+def _lock_order_checked(monkeypatch):
+    """Every test here runs with the capture path's lock order asserted (store -> early -> pool)."""
+    from vllm_worker.transport import lock_order
+
+    monkeypatch.setattr(lock_order, "CHECK", True)
+
+
 def _prompt(n_words: int, shift: int) -> str:
     return " ".join(WORDS[(i * 7 + shift) % len(WORDS)] for i in range(n_words))
 
@@ -240,8 +248,9 @@ def test_a_failing_early_assembly_thread_falls_back_to_the_fetch_time_path(llama
         llama.collective_rpc(lambda w: setattr(_early_of(w), "broken", False))
     after = _timings(llama)
     _same(got, want)
-    if direct:  # after a good first batch, requests joined the direct members: the GPU wrote their regions
-        assert (after["direct_joins"] > before["direct_joins"]) == (when != "first batch")
+    if direct:  # (whether requests joined the direct members before the thread failed depends on timing)
+        if when == "first batch":
+            assert after["direct_joins"] == before["direct_joins"]  # no region was ever written directly
         return
     assert after["early_requests"] == before["early_requests"]  # none was served from a half-written region
     if when != "first batch":

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from vllm_worker.transport import result_pool, result_views, shm
+from vllm_worker.transport import early_maps, result_pool, result_views, shm
+from vllm_worker.transport.early_regions import State
 from vllm_worker.transport.result_pool import ResultPool, np_dtype
 
 
@@ -188,9 +189,9 @@ def test_early_assembly_blocks_copy_every_row_to_its_place():
             dest = early.Dest(("seg%d" % k, first * d * 2, 0), d * 2, n_max, d, torch.bfloat16, [0, 1, 2], {})
             dest.out_of_slot = {0: 0, 1: 1, 2: 2}
             dest.rows, dest.fill = seg[k], fills[k]
-            st.early = dest
+            st.early, st.dest = State.HELD, dest
         else:
-            st.early = early.OFF
+            st.early = State.OFF
         sts.append(st)
 
     class Arena:
@@ -211,10 +212,10 @@ def test_early_assembly_blocks_copy_every_row_to_its_place():
     nbytes = asm._jobs([data, pos, S], 0, S, cmap, jobs, marks)
     assert nbytes == (4 * L * S - 1) * d * 2
     assert not any(f.any() for f in fills.values())  # marked only once copied
-    parts = early._split(jobs, 3)
+    parts = early_maps.split(jobs, 3)
     assert len(parts) >= 3
     for part in parts:
-        early._run(part)
+        early_maps.run(part)
     for fill, idx in marks:
         fill[idx] = True
     src = data.view(torch.int16).numpy()
@@ -250,7 +251,7 @@ class _Direct:
         self.fills = {k: np.zeros(len(self.seg[k]), dtype=bool) for k in self.seg}
         self.sts = [type("St", (), {})() for _ in range(R)]
         for r, st in enumerate(self.sts):
-            st.early = self.dest(r) if r < 3 else early.PENDING
+            st.early, st.dest = (State.HELD, self.dest(r)) if r < 3 else (State.PENDING, None)
         self.arena = StepArena(L * R, False)
         self.arena.users = [(l * R + r, 1, self.sts[r], l) for l in range(L) for r in range(R)]
         self.asm = early.EarlyAssembler(lambda: None, {"direct_joins": 0}, lambda n: None)
@@ -290,13 +291,12 @@ class _Direct:
 
     def thread_copies(self, cmap) -> int:
         """The thread's copies of every step's arena rows under plan `cmap`; the bytes it copied."""
-        from vllm_worker.transport import early
 
         jobs: list = []
         marks: list = []
         n = self.asm._jobs([self.data, self.pos, self.S], 0, self.S, cmap, jobs, marks)
-        for part in early._split(jobs, 2):
-            early._run(part)
+        for part in early_maps.split(jobs, 2):
+            early_maps.run(part)
         for fill, idx in marks:
             fill[idx] = True
         return n
@@ -310,7 +310,6 @@ def test_direct_offsets_and_marks():
     others), and an arena turned back to host copies (a step from Python) copies them too."""
     import numpy as np
 
-    from vllm_worker.transport import early
     from vllm_worker.worker.results import StepArena
 
     t = _Direct()
@@ -320,7 +319,7 @@ def test_direct_offsets_and_marks():
         assert len(t.arena.members) == 3 and not full  # request 3 is not a member
         assert (offs < 0).sum() == L + (s == 2)  # request 3 at every layer, and the row outside
         if s == 0:  # its region, taken without the thread's notice (no `dmade`): it stays a host copy
-            t.sts[3].early = t.dest(3)
+            t.sts[3].early, t.sts[3].dest = State.HELD, t.dest(3)
     direct_only = {k: t.want[k].copy() for k in seg}
     direct_only[0][100 : 100 + L * t.n_max] = 0
     for k in seg:
@@ -339,7 +338,7 @@ def test_direct_offsets_and_marks():
     for k in seg:
         assert np.array_equal(seg[k], t.want[k])
     # an arena whose every request is a member needs no host rows
-    t.sts[3].early = early.OFF
+    t.sts[3].early, t.sts[3].dest = State.OFF, None
     arena2 = StepArena(L * 3, False)
     arena2.users = [(l * 3 + r, 1, t.sts[r], l) for l in range(L) for r in range(3)]
     got = t.asm.direct_rows(arena2, t.pos[0].numpy()[: L * 3], d, torch.bfloat16)
@@ -357,12 +356,12 @@ def test_direct_late_member_joins_and_keeps_its_host_copies():
     L, d, S, seg = t.L, t.d, t.S, t.seg
     _, _, offs, full = t.step(0)
     assert len(t.arena.members) == 3 and not full and (offs < 0).sum() == L
-    t.sts[3].early = t.dest(3)  # as the thread's `_regions` makes it
+    t.sts[3].early, t.sts[3].dest = State.HELD, t.dest(3)  # as the thread's `_regions` makes it
     t.asm.dmade += 1
     for s in (1, 2):
         _, _, offs, full = t.step(s)
         assert len(t.arena.members) == 4 and full and (offs < 0).sum() == (s == 2)
-    assert t.asm._timings["direct_joins"] == 1 and t.arena.skip == t.arena.members - {id(t.sts[3].early)}
+    assert t.asm._timings["direct_joins"] == 1 and t.arena.skip == t.arena.members - {id(t.sts[3].dest)}
     # the GPU wrote request 3's rows of steps 1 and 2; its step 0 is the thread's (from the arena rows)
     assert not seg[0][100 : 100 + L * t.n_max].reshape(L, t.n_max, d)[:, 0].any()
     assert t.fills[0][100 : 100 + L * t.n_max].reshape(L, t.n_max)[:, 1:3].all()

@@ -37,6 +37,7 @@ import torch
 
 from vllm_worker.envs import get, limit
 from vllm_worker.transport import shm
+from vllm_worker.transport.lock_order import LockOrder, Ordered
 from vllm_worker.transport.shm import POOL_TAG
 
 logger = logging.getLogger("vllm_worker")
@@ -166,9 +167,9 @@ class ResultPool:
         self._pin = pin
         self._segments: dict[str, _Segment] = {}
         self._n = 0
-        self._lock = threading.Lock()
+        self._lock = Ordered(threading.Lock(), LockOrder.POOL)  # (last: after the store's and early's)
         # on the lock: growth finished (`alloc` waits for it), a trim asked for (`free`), the pool closed
-        self._cv = threading.Condition(self._lock)
+        self._cv = threading.Condition(self._lock)  # type: ignore[arg-type]  # (acquire / release delegated)
         self._trim_wanted = False
         self.expected = 0  # bytes announced by running requests and not yet allocated
         self.free_bytes = 0

@@ -21,6 +21,8 @@ from vllm_worker.envs import get, given, limit
 from vllm_worker.protocol import errors
 from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.transport import assembly, early, result_pool
+from vllm_worker.transport.early_regions import State
+from vllm_worker.transport.lock_order import LockOrder, Ordered
 from vllm_worker.transport.result_pool import ResultPool, host_array
 from vllm_worker.worker import faults, saes
 from vllm_worker.worker.plan import StepPlan
@@ -54,7 +56,7 @@ class CaptureStore:
         self._stores: dict[tuple[str, int], RequestResults] = {}
         self._evicted: set[str] = set()
         self.stored_bytes = 0
-        self.lock = threading.Lock()
+        self.lock = Ordered(threading.Lock(), LockOrder.STORE)  # (before early's condition, before the pool's)
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pool: ResultPool | None = None
         # copies captures into their pool regions while requests run (`transport.early`)
@@ -107,9 +109,7 @@ class CaptureStore:
                     slot = r.capture_slot[layer]
                     st.segments.append(Segment(log, slot, off, e - s))
                     log.refs += 1
-                    if st.early is None:  # decided once, at the request's first plan
-                        st.early = early.WANTED if on and st.expected and st.max_pos and st.mine else early.OFF
-                    if st.early is not early.OFF:
+                    if self.early.decide(st, on):  # (decided once, at the request's first plan)
                         users.append((col + off, e - s, st, slot))
                     off += e - s
                 log.rows = off
@@ -226,7 +226,7 @@ class CaptureStore:
             self.early.filed(arena, event)
 
     def _release(self, st: RequestResults) -> None:
-        if st.early is not None and st.early is not early.OFF:
+        if st.early not in (State.UNDECIDED, State.OFF):
             self.early.kill(st)  # its early region, if any, goes back to the pool
         expected = self.early.take_expected(st)
         if expected and self._pool is not None:
@@ -348,7 +348,7 @@ class CaptureStore:
                 early_asm.free_now(dest)  # not used: assembled below from the arenas
             if out[i] is not None:
                 continue
-            if mine is not None and (dest is not None or st.early is early.FAILED):
+            if mine is not None and (dest is not None or st.early is State.FAILED):
                 FETCH_TIMINGS["early_fallbacks"] += 1
             if mine is None:
                 out[i] = payload
