@@ -103,7 +103,7 @@ def test_batch_assembly_in_threads_puts_every_row_in_its_place(monkeypatch):
     its request's region, for requests fetched out of column order, a subset of the arena's requests, and a
     request whose last step ran past its result (that row is dropped)."""
     from vllm_worker.transport import assembly
-    from vllm_worker.worker import store
+    from vllm_worker.worker import fetch
     from vllm_worker.worker.results import CaptureLog, RequestResults, Segment, StepArena
 
     monkeypatch.setattr(assembly, "BLOCK_BYTES", 3 * 64 * 2)  # three rows per copy job
@@ -124,8 +124,8 @@ def test_batch_assembly_in_threads_puts_every_row_in_its_place(monkeypatch):
             n_pos = S - 1 if r == 3 else S
             items.append(({}, st, n_pos, [10, 20], {0: 0, 1: 1}))
             want[r] = torch.stack([data[:n_pos, l * n_req + r] for l in range(L)])
-        timings = dict(store.FETCH_TIMINGS)
-        out = assembly.assemble(items, pool, 4, store._pool, timings)
+        timings = dict(fetch.FETCH_TIMINGS)
+        out = assembly.assemble(items, pool, 4, fetch.executor, timings)
         for r, payload in zip((5, 0, 3, 6, 1), out):
             assert "error" not in payload and payload["layers"] == [10, 20]
             got = result_views.view(payload["pool"], torch.bfloat16)

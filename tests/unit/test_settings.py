@@ -142,14 +142,14 @@ def test_settings_are_read_when_asked_never_frozen_at_import():
 
 def test_settings_changed_after_import_take_effect(monkeypatch, tmp_path):
     from vllm_worker.transport import early, shm
-    from vllm_worker.worker import faults, store
+    from vllm_worker.worker import faults, fetch
 
     monkeypatch.setenv("VLLM_LENS_SHM_DIR", str(tmp_path))
     assert shm.shm_dir() == str(tmp_path)
     monkeypatch.setenv("VLLM_LENS_EARLY_INTERVAL_MS", "250")
     assert early.interval_s() == 0.25
     monkeypatch.setenv("VLLM_LENS_ASSEMBLY_THREADS", "3")
-    assert store.max_threads() == 3 and store.assembly_threads(1 << 40) == 3
+    assert fetch.max_threads() == 3 and fetch.assembly_threads(1 << 40) == 3
     monkeypatch.setenv("VLLM_LENS_INJECT_FAULT", "plan")
     with pytest.raises(faults.InjectedFault):
         faults.check("plan")
