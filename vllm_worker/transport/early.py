@@ -81,8 +81,10 @@ class EarlyAssembler(Regions):
         timings: dict,
         executor: Callable[[int], Any],
         threads: Callable[[], int] = lambda: 1,
+        fault: Callable[[str], None] = lambda stage: None,
     ) -> None:
         super().__init__(pool, timings)
+        self._fault = fault  # fault injection for tests (`worker.faults.check`: transport never imports the worker)
         self._executor = executor  # threads -> ThreadPoolExecutor (for large batches)
         self._queue: list[tuple[Any, int, int, Any]] = []  # (arena, chunk, steps filled, event or None)
         self._seq = 0  # steps queued ...
@@ -231,9 +233,7 @@ class EarlyAssembler(Regions):
         for (measured on the H200: ~4,500 extra waits of the step thread per all-layer run when the copies
         went per column run). So a few index calls per block of an arena chunk (`_map`) and one copy per
         block and copy thread."""
-        from vllm_worker.worker import faults  # (transport does not import the worker at load)
-
-        faults.check("early")
+        self._fault("early")
         t0 = time.perf_counter()
         upto: dict[tuple[int, int], int] = {}
         arenas: dict[int, Any] = {}

@@ -23,6 +23,7 @@ from vllm_worker.transport import early, result_pool
 from vllm_worker.transport.early_regions import State
 from vllm_worker.transport.lock_order import LockOrder, Ordered
 from vllm_worker.transport.result_pool import ResultPool
+from vllm_worker.worker import faults
 from vllm_worker.worker import fetch as fetch_mod
 from vllm_worker.worker.plan import StepPlan
 from vllm_worker.worker.results import FETCH_TIMINGS, CaptureLog, RequestResults, Segment, StepArena
@@ -39,7 +40,9 @@ class CaptureStore:
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pool: ResultPool | None = None
         # copies captures into their pool regions while requests run (`transport.early`)
-        self.early = early.EarlyAssembler(lambda: self._pool, FETCH_TIMINGS, fetch_mod.executor, fetch_mod.max_threads)
+        self.early = early.EarlyAssembler(
+            lambda: self._pool, FETCH_TIMINGS, fetch_mod.executor, fetch_mod.max_threads, faults.check
+        )
         # the GPU writes graph-path steps' rows into their regions itself (`early`, direct mode): on CUDA
         # read here, once (the pool's segments are registered as they are made); on CPU when asked, and
         # only when set (`_direct_on`)
