@@ -5,8 +5,10 @@ unless the server was started with `--allow-remote-hooks`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from typing import Iterator
 
 from fastapi import APIRouter, Request
 
@@ -78,6 +80,18 @@ def guard(fn):
             )
 
     return wrapper
+
+
+@contextlib.contextmanager
+def caller_input() -> Iterator[None]:
+    """Around a check of the caller's input only: our validators raise ValueError naming the field
+    (`field: why`), so one from inside is the caller's (a 400 naming it). Everywhere else a ValueError is
+    ours (`guard`: a 500)."""
+    try:
+        yield
+    except ValueError as e:
+        msg = str(e).strip("'\"")
+        raise BadRequest(400, msg, msg.split(":", 1)[0] if ":" in msg else None) from None
 
 
 def param_names(obj: dict, key: str) -> list[str]:

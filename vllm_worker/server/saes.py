@@ -11,7 +11,7 @@ from vllm_worker import compat, envs
 from vllm_worker.frontend import saes
 from vllm_worker.frontend.requests import state_of as frontend_state_of
 from vllm_worker.server.responses import BadRequest
-from vllm_worker.server.routes import guard, json_body
+from vllm_worker.server.routes import caller_input, guard, json_body
 from vllm_worker.server.state import shape_of, state_of
 
 SAE_DIR_ENV = "VLLM_LENS_SAE_DIR"
@@ -42,7 +42,8 @@ async def load(request: Request):
     state = state_of(request.app)
     body = await json_body(request, frozenset({"name", "path"}))
     path = allowed_path(body.get("path"))
-    loaded = saes.prepare(body.get("name"), path, shape_of(state))
+    with caller_input():
+        loaded = saes.prepare(body.get("name"), path, shape_of(state))
     await compat.rpc_async(state.engine, "lens_load_sae", loaded.name, loaded.path, loaded.uid)
     frontend_state_of(compat.processor_of_engine_client(state.engine)).saes[loaded.name] = loaded
     return {"status": "ok", "sae": loaded.describe()}
