@@ -1,8 +1,19 @@
-"""Server memory over a long run, per kind of request, against the plugin disabled: rounds of 1,000
-requests at 32 concurrent to a real `vllm-lens serve` on the tiny test model; RSS of every server process
-after each round. Tells our growth from vLLM's own (tests/http/test_reliability.py holds the pass/fail soak).
+"""Server memory over a long run against a real `vllm-lens serve` on the tiny test model (or `--model`).
+
+Two modes:
+
+- rounds (default): per kind of request, against the plugin disabled: rounds of 1,000 requests at 32
+  concurrent, RSS of every server process after each round. Tells our growth from vLLM's own.
+- `--long N` (e.g. 10000): one server, N requests mixing plain / capture / steer at 32 concurrent; every
+  `--every` requests the RSS of each server process and the plugin's live objects (`/v1/lens/info`:
+  pending results, stored requests, result regions, capture bytes in flight). Ends with the growth per 1,000
+  requests over the second half (least squares) and whether memory is flat: under `--flat-mb` MB per
+  1,000 requests, with every live-object count back at 0.
 
     .venv/bin/python bench/soak.py [--rounds 8] [--kinds disabled,plain,capture,steer] [--out F.json]
+    .venv/bin/python bench/soak.py --long 10000 [--every 500] [--disabled] [--out F.json]
+
+(tests/http/test_reliability.py holds the pass/fail soak.)
 """
 
 from __future__ import annotations
@@ -11,28 +22,25 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+KEY = "soak-key"
+PROMPTS = [
+    "the water of people will come down to the side",
+    "what some we can out other were all",
+    "there when up use your how said an each",
+    "she which do their time if will way about",
+]
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--kinds", default="disabled,plain,capture,steer")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
 
-    import conftest  # noqa: F401  (test model paths, KV size)
-    import httpx
-    import psutil
-    import servers
+def _xargs() -> dict:
     import torch
 
     from vllm_worker.protocol.wire import tensor_to_json
 
-    model = str(conftest.model_path("llama"))
     steer = json.dumps(
         [
             {
@@ -41,52 +49,142 @@ def main() -> None:
             }
         ]
     )
-    xargs = {"capture": {"output_residual_stream": [0, 3]}, "steer": {"apply_steering_vectors": steer}}
-    prompts = [
-        "the water of people will come down to the side",
-        "what some we can out other were all",
-        "there when up use your how said an each",
-        "she which do their time if will way about",
-    ]
+    return {"capture": {"output_residual_stream": [0, 3]}, "steer": {"apply_steering_vectors": steer}}
+
+
+def _rss(pid: int) -> list[float]:
+    import psutil
+
+    proc = psutil.Process(pid)
+    return [p.memory_info().rss / 2**20 for p in [proc, *proc.children(recursive=True)]]
+
+
+async def _requests(url: str, model: str, kinds: list[str], start: int, n: int, xargs: dict, auth: dict) -> int:
+    """n requests at 32 concurrent, kind by index; returns how many failed."""
+    import httpx
+
+    sem = asyncio.Semaphore(32)
+    failed = 0
+    async with httpx.AsyncClient(timeout=300, headers=auth, limits=httpx.Limits(max_connections=32)) as h:
+
+        async def one(i: int) -> None:
+            nonlocal failed
+            kind = kinds[i % len(kinds)]
+            b = {"model": model, "prompt": PROMPTS[i % 4], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            if kind in xargs:
+                b["vllm_xargs"] = xargs[kind]
+            async with sem:
+                try:
+                    r = await h.post(url + "/v1/completions", json=b)
+                except httpx.HTTPError:
+                    failed += 1
+                    return
+            if r.status_code != 200:
+                failed += 1
+
+        await asyncio.gather(*(one(i) for i in range(start, start + n)))
+    return failed
+
+
+def _info(url: str, auth: dict, disabled: bool = False) -> dict:
+    import httpx
+
+    if disabled:  # (no lens routes)
+        return dict.fromkeys(("pending_results", "stored_requests", "result_regions", "capture_bytes_in_flight"), 0)
+    info = httpx.get(url + "/v1/lens/info", headers=auth, timeout=30).json()
+    return {k: info[k] for k in ("pending_results", "stored_requests", "result_regions", "capture_bytes_in_flight")}
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    den = sum((x - mx) ** 2 for x in xs)
+    return 0.0 if not den else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den
+
+
+def long_run(args: argparse.Namespace, model: str, servers: object) -> dict:
+    env = {"VLLM_LENS_DISABLE": "1"} if args.disabled else {}
+    url = servers._serve("--api-key", KEY, **env)  # type: ignore[attr-defined]
+    pid = servers.server_pid(url)  # type: ignore[attr-defined]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    xargs = _xargs()
+    kinds = ["plain"] if args.disabled else ["plain", "capture", "steer"]
+    rows = []
+    done, failed, t0 = 0, 0, time.time()
+    while done < args.long:
+        n = min(args.every, args.long - done)
+        failed += asyncio.run(_requests(url, model, kinds, done, n, xargs, auth))
+        done += n
+        rss = _rss(pid)
+        row = {"requests": done, "s": round(time.time() - t0, 1), "rss_mb": [round(x, 1) for x in rss]}
+        row.update(_info(url, auth, args.disabled))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    half = rows[len(rows) // 2 :]
+    xs = [r["requests"] / 1000 for r in half]
+    per_process = [_slope(xs, [r["rss_mb"][i] for r in half]) for i in range(len(rows[-1]["rss_mb"]))]
+    total = _slope(xs, [sum(r["rss_mb"]) for r in half])
+    live = {k: rows[-1][k] for k in ("pending_results", "stored_requests", "result_regions", "capture_bytes_in_flight")}
+    flat = abs(total) < args.flat_mb and not any(live.values()) and failed == 0
+    summary = {
+        "requests": done,
+        "failed": failed,
+        "seconds": round(time.time() - t0, 1),
+        "rss_first_mb": round(sum(rows[0]["rss_mb"]), 1),
+        "rss_last_mb": round(sum(rows[-1]["rss_mb"]), 1),
+        "second_half_mb_per_1000": round(total, 2),
+        "second_half_mb_per_1000_per_process": [round(s, 2) for s in per_process],
+        "live_objects_at_end": live,
+        "flat": flat,
+    }
+    print(json.dumps(summary), flush=True)
+    for p in servers._SERVERS:  # type: ignore[attr-defined]
+        p.terminate()
+        p.wait(30)
+    return {"rows": rows, "summary": summary}
+
+
+def rounds(args: argparse.Namespace, model: str, servers: object) -> dict:
+    xargs = _xargs()
     report = {}
     for kind in args.kinds.split(","):
-        url = servers._serve(**({"VLLM_LENS_DISABLE": "1"} if kind == "disabled" else {}))
-
-        async def run(n: int) -> None:
-            sem = asyncio.Semaphore(32)
-            async with httpx.AsyncClient(timeout=300) as h:
-
-                async def one(i: int) -> None:
-                    b = {
-                        "model": model,
-                        "prompt": prompts[i % 4],
-                        "max_tokens": 6,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                    }
-                    if kind in xargs:
-                        b["vllm_xargs"] = xargs[kind]
-                    async with sem:
-                        r = await h.post(url + "/v1/completions", json=b)
-                    assert r.status_code == 200, r.text
-
-                await asyncio.gather(*(one(i) for i in range(n)))
-
-        proc = psutil.Process(servers.server_pid(url))
+        url = servers._serve(**({"VLLM_LENS_DISABLE": "1"} if kind == "disabled" else {}))  # type: ignore[attr-defined]
+        pid = servers.server_pid(url)  # type: ignore[attr-defined]
         rows = []
         for r in range(args.rounds):
-            asyncio.run(run(args.requests))
-            rows.append([round(p.memory_info().rss / 2**20) for p in [proc, *proc.children(recursive=True)]])
+            asyncio.run(_requests(url, model, [kind], 0, args.requests, xargs, {}))
+            rows.append([round(x) for x in _rss(pid)])
             print(kind, r, rows[-1], flush=True)
         report[kind] = rows
-        for p in servers._SERVERS:
+        for p in servers._SERVERS:  # type: ignore[attr-defined]
             p.terminate()
             p.wait(30)
-        servers._SERVERS.clear()
+        servers._SERVERS.clear()  # type: ignore[attr-defined]
     for kind, rows in report.items():
         tot = [sum(r) for r in rows]
         late = (tot[-1] - tot[len(tot) // 2]) / max(1, len(tot) - 1 - len(tot) // 2)
         print(f"{kind}: total RSS {tot[0]} -> {tot[-1]} MB; second half {late:+.1f} MB per {args.requests} requests")
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--kinds", default="disabled,plain,capture,steer")
+    ap.add_argument("--long", type=int, default=0, help="one run of this many mixed requests")
+    ap.add_argument("--every", type=int, default=500, help="(--long) sample every this many requests")
+    ap.add_argument("--flat-mb", type=float, default=2.0, help="(--long) flat: growth under this per 1,000")
+    ap.add_argument("--disabled", action="store_true", help="(--long) the plugin off: vLLM's own growth")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from support import servers
+    from support.engines import model_path
+
+    model = str(model_path("llama"))
+    report = long_run(args, model, servers) if args.long else rounds(args, model, servers)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 

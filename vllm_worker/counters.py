@@ -5,6 +5,8 @@ frontend's are read in the frontend (bench/worker.py)."""
 
 from __future__ import annotations
 
+import collections
+
 # ---------------------------------------------------------------- worker processes
 
 # Diagnostics (reported by `status`, read by benchmarks): cumulative seconds in fetches.
@@ -46,6 +48,31 @@ SEAM_STATS = {"captured": 0, "segments": 0, "replays": 0, "eager_fallbacks": 0, 
 # rows this process encoded for SAE features / clamped (`worker.saes`): which rank did the work (TP: features
 # on the reporting rank only, clamps on every rank; PP: the stage holding the SAE's layer)
 SAE_COUNTS = {"feature_rows": 0, "clamp_rows": 0}
+
+# host seconds around graph-path steps, cumulative.
+STEP_TIMINGS = {
+    "graph_steps": 0,
+    "plan_s": 0.0,
+    "forward_s": 0.0,
+    "after_s": 0.0,
+    "python_steps": 0,
+    "python_file_s": 0.0,
+    "graphless_steps": 0,  # steps kept off every CUDA graph (Python at a tap inside a layer)
+    "seam_steps": 0,  # graph-path steps with Python hooks at some taps (`seams`)
+    "deferred_sites": 0,  # taps whose read-only hooks ran after the forward (`StepPlan.defer_hooks`)
+    "reused_tables": 0,  # graph-path steps whose table was already on the device (`GraphTaps.reuse`)
+    "admit_s": 0.0,  # admitting new requests (decoding their specs, steering entries) at their first step
+}
+
+# `lens_forward_clock`: (start, end, CPU seconds of the calling thread at
+# start) of the latest forward passes on the `time.monotonic` clock (one clock for every process of the
+# machine), so a benchmark can split a call's wall time into before the first step, the step loop and after
+# the last step, and tell a step loop that computes from one that waits (for the GIL, for the device).
+FORWARD_CLOCK: collections.deque = collections.deque(maxlen=4096)
+
+# where the time of Python hooks goes, cumulative host
+# seconds — inside the users' functions, and around them (slicing, the stream sum, checks).
+HOOK_TIMINGS = {"calls": 0, "in_hooks_s": 0.0, "around_hooks_s": 0.0}
 
 # ---------------------------------------------------------------- the frontend process
 

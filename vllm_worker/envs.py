@@ -2,9 +2,14 @@
 
 The code reads settings only through `get()` / `limit()`, so an error message can always name the knob
 that produced it, and docs/settings.md is generated from this table (`python -m vllm_worker.envs`; a test
-fails when they differ). Values are read from the environment when asked for: every vLLM process
-inherits them from the one that started it, so `vllm-lens serve --lens-max-payload-mb 8` reaches the
-workers too.
+fails when they differ).
+
+One rule for when a value counts: a setting is read where the code uses it (`get` / `limit` / `given`), never
+kept in a module constant at import (tests/unit/test_settings.py checks), so a change of the environment acts
+on everything done after it. A setting that sizes or decides something made once (the graph path's buffers
+when the model loads, direct writes on CUDA when the result pool is made) acts on what is made after the
+change. Every vLLM process inherits the environment of the one that started it, so
+`vllm-lens serve --lens-max-payload-mb 8` reaches the workers too.
 """
 
 from __future__ import annotations
@@ -331,6 +336,13 @@ def get(name: str) -> Any:
     of the environment takes effect at once; only the value of a text already seen is remembered (a few
     settings are read for every request: an environment read and two dictionary look-ups)."""
     return _value(name, os.environ.get(name))
+
+
+def given(name: str) -> Any:
+    """The setting's value when the environment sets it, else None (a setting whose default differs by
+    device: `VLLM_LENS_DIRECT_POOL` on CPU acts only when set)."""
+    raw = os.environ.get(name)
+    return None if raw is None or raw.strip() == "" else _value(name, raw)
 
 
 def limit(name: str) -> int:

@@ -75,9 +75,13 @@ def main() -> None:
 
     def set_threads(k: int) -> None:
         def f(_worker, k=k):
-            from vllm_worker.worker import store
+            import os
 
-            store.ASSEMBLY_THREADS, store.ASSEMBLY_BYTES_PER_THREAD = k, 1
+            from vllm_worker.worker import fetch
+
+            # the thread cap is read when asked (envs), the per-thread size is a module constant
+            os.environ["VLLM_LENS_ASSEMBLY_THREADS"] = str(k)
+            fetch.ASSEMBLY_BYTES_PER_THREAD = 1
 
         llm.collective_rpc(f)
 

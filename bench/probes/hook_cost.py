@@ -12,7 +12,7 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0. Per workload (bench/worker.py's hook functions
 
 Reported per hook call (a batched call counts once): `step_wall_us` (the extra wall time of the decode
 steps over W0's, from runs of `--new` and twice as many tokens: request-level costs cancel out),
-`ours_us` and `in_fn_us` (edits.HOOK_TIMINGS: host time around the hook function inside the taps — slicing,
+`ours_us` and `in_fn_us` (counters.HOOK_TIMINGS: host time around the hook function inside the taps — slicing,
 the stream sum, the context, checks — and inside it), and from cProfile (a separate run) `py_calls`: Python
 function calls in vllm_worker per hook call beyond W0's (load-independent; includes per-request work:
 admission, planning, results), `ops` every call (torch ops,
@@ -113,7 +113,7 @@ def main() -> None:
 
     import torch
 
-    from vllm_worker.worker import edits
+    from vllm_worker import counters
 
     torch.set_num_threads(1)
     llm = make_engine("llama", max_num_seqs=args.n, max_num_batched_tokens=max(2048, 8 * args.n))
@@ -126,13 +126,13 @@ def main() -> None:
         _run(llm, prompts, sp, workload)  # warm-up
         best, stats = float("inf"), None
         for _ in range(args.reps):
-            before = dict(edits.HOOK_TIMINGS)
+            before = dict(counters.HOOK_TIMINGS)
             t = time.perf_counter()
             _run(llm, prompts, sp, workload)
             wall = time.perf_counter() - t
             if wall < best:
                 best = wall
-                stats = {k: edits.HOOK_TIMINGS[k] - before[k] for k in before}
+                stats = {k: counters.HOOK_TIMINGS[k] - before[k] for k in before}
         assert stats is not None
         return best, stats
 

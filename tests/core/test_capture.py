@@ -227,12 +227,12 @@ def test_captures_travel_as_bytes_when_shared_memory_is_not_shared(llama, monkey
 def test_captures_assembled_in_threads_equal_one_thread(llama, monkeypatch):
     """The fetch's copy threads (used for large GPU fetches) give exactly the single-thread result."""
     from vllm_worker.transport import assembly
-    from vllm_worker.worker import store
+    from vllm_worker.worker import fetch
 
     prompts = [PROMPT, PROMPT + " with more", "short one", PROMPT[::-1]]
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [0, 1, 3]})
     one = llama.generate(prompts, sp, use_tqdm=False)
-    monkeypatch.setattr(store, "ASSEMBLY_BYTES_PER_THREAD", 1)
+    monkeypatch.setattr(fetch, "ASSEMBLY_BYTES_PER_THREAD", 1)
     monkeypatch.setattr(assembly, "BLOCK_BYTES", 4 * 128 * 4)
     many = llama.generate(prompts, sp, use_tqdm=False)
     for a, b in zip(one, many):

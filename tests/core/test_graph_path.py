@@ -15,8 +15,8 @@ import torch
 from vllm import SamplingParams
 
 from vllm_worker import Hook, SteeringVector
+from vllm_worker.counters import STEP_TIMINGS
 from vllm_worker.worker import graph
-from vllm_worker.worker.runtime import STEP_TIMINGS
 
 D = 128
 PROMPTS = [
@@ -173,7 +173,7 @@ def test_hooks_on_the_graph_path_equal_the_python_path(llama, monkeypatch):
 
 
 def _graph_taps(monkeypatch, steer_mb: float = 1.0) -> graph.GraphTaps:
-    monkeypatch.setattr(graph, "STEER_MB", steer_mb)
+    monkeypatch.setenv("VLLM_LENS_STEER_MB", repr(steer_mb))
     return graph.GraphTaps([0, 1, 2], 8, torch.float32, torch.device("cpu"), 16, None)
 
 

@@ -169,9 +169,7 @@ def test_persistent_hooks_over_20_requests(engine_factory):
 
 
 def test_persistent_results_cap_is_an_error_not_a_silent_drop(llama, monkeypatch):
-    import vllm_worker.worker.persistent_hooks as registry
-
-    monkeypatch.setattr(registry, "MAX_PERSISTENT_RESULTS", 2)
+    monkeypatch.setenv("VLLM_LENS_MAX_PERSISTENT_RESULTS", "2")  # read when asked
     llama.clear_hooks()
     llama.register_hooks([Hook(lambda ctx, h: None, range(2))])
     try:
@@ -280,6 +278,39 @@ def test_batched_hook_that_raises_fails_its_requests_only(llama):
     a, b, ok = exc.value.outputs
     assert a.hook_error is not None and b.hook_error is not None and len(exc.value.failures) == 2
     assert "deliberate failure in a batched hook" in str(exc.value)
+    assert ok.hook_error is None and list(ok.outputs[0].token_ids) == baseline
+
+
+def _boom_batched(ctx, h):
+    raise ZeroDivisionError("deliberate failure in a batched hook")
+
+
+def test_two_failing_hooks_of_one_request_report_the_first(llama):
+    """One rule for every failure (hooks, our own code): the first one is the one reported. The same batched
+    hook listed twice shares one call, which fails for both: hook 0's failure is the request's."""
+    hook = Hook(_boom_batched, [1], batched=True)
+    with pytest.raises(HookError) as exc:
+        llama.generate([PROMPT], [_sp(3, apply_hooks=[hook, hook])], use_tqdm=False)
+    err = exc.value.outputs[0].hook_error
+    assert "hook 0 (post-hook at layer 1)" in err and "hook 1 (" not in err, err
+
+
+def _mean_the_per_request_way(ctx, h):
+    ctx.saved["mean"] = h.mean()
+
+
+def test_a_batched_hook_writing_ctx_saved_directly_is_an_error_naming_the_right_way(llama):
+    """`ctx.saved` of a batched hook holds one dict per request: a write of another key (the per-request
+    habit, `ctx.saved["mean"] = ...`) would be lost without a word, so it fails the call's requests with an
+    error that names `ctx.saved[request_id]` and `ctx.save_rows`; a batch-mate without the hook is untouched."""
+    baseline = list(llama.generate([OTHER], _sp(), use_tqdm=False)[0].outputs[0].token_ids)
+    hook = Hook(_mean_the_per_request_way, [1], batched=True)
+    with pytest.raises(HookError) as exc:
+        llama.generate([PROMPT, PROMPT + " again", OTHER], [_sp(apply_hooks=[hook])] * 2 + [_sp()], use_tqdm=False)
+    a, b, ok = exc.value.outputs
+    for out in (a, b):
+        assert "ctx.saved[request_id]" in out.hook_error and "ctx.save_rows" in out.hook_error, out.hook_error
+        assert "'mean'" in out.hook_error
     assert ok.hook_error is None and list(ok.outputs[0].token_ids) == baseline
 
 

@@ -332,7 +332,7 @@ def test_inner_points_run_on_the_graph_safe_path_and_equal_the_python_path(famil
     """Capture and steering at every inner point fit the graph-safe kernel (steps counted there); the same
     batch with a no-op hook on the Python path (`VLLM_LENS_SEAMS=0`) gives the same numbers; head scaling
     takes the Python path."""
-    from vllm_worker.worker.runtime import STEP_TIMINGS
+    from vllm_worker.counters import STEP_TIMINGS
 
     llm = _engine(family)
     pts = _points(family)
@@ -409,7 +409,7 @@ def test_python_at_an_inner_point_keeps_the_step_off_every_cuda_graph(llama):
     pieces): a step that needs Python there must replay no graph at all (its capture and steering still
     run on the graph-safe kernel); a hook between layers runs at a seam (`worker.seams`: excludes nothing
     once cut graphs exist, full graphs until then), and graph-safe work excludes nothing."""
-    from vllm_worker.worker.runtime import STEP_TIMINGS
+    from vllm_worker.counters import STEP_TIMINGS
 
     def steps(**extra):
         before = dict(STEP_TIMINGS)

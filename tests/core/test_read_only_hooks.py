@@ -10,7 +10,7 @@ from vllm import SamplingParams
 
 from support.reference import hf_model, residuals
 from vllm_worker import Hook, HookError, SteeringVector
-from vllm_worker.worker.runtime import STEP_TIMINGS
+from vllm_worker.counters import STEP_TIMINGS
 
 D = 128
 PROMPTS = [

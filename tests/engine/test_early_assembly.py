@@ -18,6 +18,14 @@ from support.reference import held_results, hf_model, residuals
 WORDS = "the water of people will come down to the side and then a house of stone stood by the old road".split()
 
 
+@pytest.fixture(autouse=True)
+def _lock_order_checked(monkeypatch):
+    """Every test here runs with the capture path's lock order asserted (store -> early -> pool)."""
+    from vllm_worker.transport import lock_order
+
+    monkeypatch.setattr(lock_order, "CHECK", True)
+
+
 def _prompt(n_words: int, shift: int) -> str:
     return " ".join(WORDS[(i * 7 + shift) % len(WORDS)] for i in range(n_words))
 
@@ -184,12 +192,14 @@ def _early_of(worker):
     return worker.model_runner._lens_runtime.store.early
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["host", "direct"])
 @pytest.mark.parametrize("when", ["first batch", "after regions were taken"])
-def test_a_failing_early_assembly_thread_falls_back_to_the_fetch_time_path(llama, monkeypatch, when):
+def test_a_failing_early_assembly_thread_falls_back_to_the_fetch_time_path(llama, monkeypatch, when, direct):
     """Our background copy fails (injected at its first batch, or after some requests' regions were
     taken and half written): no request fails and none waits for the thread — every result is assembled at
     fetch from the arenas, exactly as with early assembly off; early assembly stays off for the worker
-    (reset here for the other tests)."""
+    (reset here for the other tests). Direct mode (`VLLM_LENS_DIRECT_POOL`): a direct region whose rows the
+    thread never copied (a prefill chunk, a late member's rows) is completed from the arenas at fetch."""
     from vllm_worker.transport import early
     from vllm_worker.worker import faults
 
@@ -197,8 +207,26 @@ def test_a_failing_early_assembly_thread_falls_back_to_the_fetch_time_path(llama
     monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "0")
     want = _run(llama, prompts, sps)
     monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", "1")
+    if direct:
+        monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "1")
     before = _timings(llama)
-    if when == "first batch":
+    if direct:  # every region is made by the thread (none at a first step): its requests join the direct
+        # members later, and the rows before the join are the thread's to copy — then the thread fails
+        from vllm_worker.transport.result_pool import ResultPool
+
+        monkeypatch.setattr(ResultPool, "alloc_now", lambda self, *a, **k: None)
+        real, calls = early.EarlyAssembler._batch, []
+
+        def regions_then_fail(self, items):
+            calls.append(len(items))
+            if when == "first batch" or len(calls) > 1:
+                for arena in {id(a): a for a, *_ in items}.values():
+                    self._regions(arena)
+                raise RuntimeError("injected: the early-assembly thread fails after taking regions")
+            return real(self, items)
+
+        monkeypatch.setattr(early.EarlyAssembler, "_batch", regions_then_fail)
+    elif when == "first batch":
         monkeypatch.setattr(faults, "STAGE", "early")
     else:
         real, calls = early.EarlyAssembler._batch, []
@@ -212,12 +240,18 @@ def test_a_failing_early_assembly_thread_falls_back_to_the_fetch_time_path(llama
         monkeypatch.setattr(early.EarlyAssembler, "_batch", second_fails)
     try:
         got = _run(llama, prompts, sps)
-        assert llama.collective_rpc(lambda w: _early_of(w).broken) == [True]
+        # (direct, after a good first batch: the joined requests' steps may all be written directly, leaving
+        # the thread nothing more to fail at)
+        assert llama.collective_rpc(lambda w: _early_of(w).broken) == [True] or (direct and when != "first batch")
     finally:
         monkeypatch.undo()
         llama.collective_rpc(lambda w: setattr(_early_of(w), "broken", False))
     after = _timings(llama)
     _same(got, want)
+    if direct:  # (whether requests joined the direct members before the thread failed depends on timing)
+        if when == "first batch":
+            assert after["direct_joins"] == before["direct_joins"]  # no region was ever written directly
+        return
     assert after["early_requests"] == before["early_requests"]  # none was served from a half-written region
     if when != "first batch":
         assert after["early_bytes"] > before["early_bytes"]  # the first batch did write into regions
@@ -307,9 +341,10 @@ def test_direct_requests_without_a_region_at_their_first_step_join_later(llama, 
 
     def direct_rows(self, arena, *args, **kwargs):  # (the step thread)
         if arena.members is not None and not late[0]:  # an arena's second step: the thread's regions come now
+            made = self.dmade  # (regions the thread made for earlier tests count too)
             late[0] = True
             t = time.monotonic()
-            while self.dmade == 0 and time.monotonic() - t < 10:
+            while self.dmade == made and time.monotonic() - t < 10:
                 time.sleep(0.001)
         return real_rows(self, arena, *args, **kwargs)
 

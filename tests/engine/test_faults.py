@@ -38,6 +38,7 @@ def _batch(with_hook: bool = True):
 # filing and assembly — and never the plain one
 HIT = {
     "admission": (True, {0, 2, 3}),
+    "flush": (True, {2}),  # the request whose steering was being moved to the device
     "plan": (True, {0, 2, 3}),
     "fill": (False, {0, 2}),
     "tap": (True, {0, 2, 3}),

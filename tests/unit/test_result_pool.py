@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from vllm_worker.transport import result_pool, shm
+from vllm_worker.transport import early_maps, result_pool, result_views, shm
+from vllm_worker.transport.early_regions import State
 from vllm_worker.transport.result_pool import ResultPool, np_dtype
 
 
@@ -26,29 +27,29 @@ def test_a_region_round_trips_exactly_and_returns_only_when_its_last_tensor_is_g
     try:
         src = torch.randn(3, 5, 64).to(torch.bfloat16)
         desc = _write(pool, src)
-        got = result_pool.view(desc, torch.bfloat16)
+        got = result_views.view(desc, torch.bfloat16)
         assert torch.equal(got, src) and got.untyped_storage().nbytes() == desc["nbytes"]
         view_of_view = got[1:, 2]
         del got
         gc.collect()
-        assert result_pool.take_released({pool.id}) == []  # a view of it is still alive
+        assert result_views.take_released({pool.id}) == []  # a view of it is still alive
         other = _write(pool, torch.ones(4, 64))
         assert other["path"] != desc["path"] or other["offset"] >= desc["offset"] + desc["nbytes"]
         assert torch.equal(view_of_view, src[1:, 2])  # not overwritten
         del view_of_view
         gc.collect()
-        released = result_pool.take_released({pool.id})
+        released = result_views.take_released({pool.id})
         assert released == [(desc["path"], desc["offset"])]
-        assert result_pool.take_released({"another-pool"}) == []
+        assert result_views.take_released({"another-pool"}) == []
         free_before = pool.free_bytes
         assert pool.free(released + [("/dev/shm/elsewhere", 0)]) == 1  # other pools' entries are ignored
         assert pool.free_bytes > free_before
         again = _write(pool, torch.zeros(3, 5, 64).to(torch.bfloat16))
         assert (again["path"], again["offset"]) == (desc["path"], desc["offset"])  # reused, no new segment
         assert pool.status()["segments_made"] == 1 and pool.status()["sync_grows"] == 1
-        result_pool.discard(again)
-        result_pool.discard(other)
-        pool.free(result_pool.take_released({pool.id}))
+        result_views.discard(again)
+        result_views.discard(other)
+        pool.free(result_views.take_released({pool.id}))
         seg = pool._segments[desc["path"]]
         assert seg.free == [[0, seg.size]] and not seg.used  # coalesced back into one free range
     finally:
@@ -85,11 +86,11 @@ def test_a_full_tmpfs_is_an_ordinary_fallback_and_foreign_files_are_refused(monk
     monkeypatch.setattr(os, "posix_fallocate", full)
     try:
         assert pool.alloc(1 << 20) is None  # the caller sends bytes over RPC instead
-        assert not [f for f in os.listdir(shm.SHM_DIR) if pool.id in f]
+        assert not [f for f in os.listdir(shm.shm_dir()) if pool.id in f]
     finally:
         pool.close()
     with pytest.raises(ValueError, match="not a result-pool file"):
-        result_pool.view(
+        result_views.view(
             {"path": str(tmp_path / "x-pool1-1"), "offset": 0, "size": 4096, "nbytes": 4, "shape": [1]}, torch.float32
         )
     monkeypatch.setenv("VLLM_LENS_SHM", "0")
@@ -102,7 +103,7 @@ def test_batch_assembly_in_threads_puts_every_row_in_its_place(monkeypatch):
     its request's region, for requests fetched out of column order, a subset of the arena's requests, and a
     request whose last step ran past its result (that row is dropped)."""
     from vllm_worker.transport import assembly
-    from vllm_worker.worker import store
+    from vllm_worker.worker import fetch
     from vllm_worker.worker.request_results import ArenaSpan, CaptureLog, RequestResults, StepArena
 
     monkeypatch.setattr(assembly, "BLOCK_BYTES", 3 * 64 * 2)  # three rows per copy job
@@ -123,11 +124,11 @@ def test_batch_assembly_in_threads_puts_every_row_in_its_place(monkeypatch):
             n_pos = S - 1 if r == 3 else S
             items.append(({}, st, n_pos, [10, 20], {0: 0, 1: 1}))
             want[r] = torch.stack([data[:n_pos, l * n_req + r] for l in range(L)])
-        timings = dict(store.FETCH_TIMINGS)
-        out = assembly.assemble(items, pool, 4, store._pool, timings)
+        timings = dict(fetch.FETCH_TIMINGS)
+        out = assembly.assemble(items, pool, 4, fetch.executor, timings)
         for r, payload in zip((5, 0, 3, 6, 1), out):
             assert "error" not in payload and payload["layers"] == [10, 20]
-            got = result_pool.view(payload["pool"], torch.bfloat16)
+            got = result_views.view(payload["pool"], torch.bfloat16)
             assert got.shape == want[r].shape and torch.equal(got, want[r]), r
     finally:
         pool.close()
@@ -140,15 +141,15 @@ def test_new_requests_take_releases_without_unmapping_and_fetches_unmap_removed_
     pool = ResultPool()
     try:
         desc = _write(pool, torch.ones(2, 64))
-        got = result_pool.view(desc, torch.float32)
-        assert desc["path"] in result_pool._maps
+        got = result_views.view(desc, torch.float32)
+        assert desc["path"] in result_views._maps
         del got
         gc.collect()
-        pool.free(result_pool.take_released({pool.id}, unmap=False))
+        pool.free(result_views.take_released({pool.id}, unmap=False))
         pool.trim(keep=0)  # the worker drops the segment (its file goes)
         assert not os.path.exists(desc["path"])
-        assert result_pool.take_released({pool.id}, unmap=False) == [] and desc["path"] in result_pool._maps
-        assert result_pool.take_released({pool.id}) == [] and desc["path"] not in result_pool._maps
+        assert result_views.take_released({pool.id}, unmap=False) == [] and desc["path"] in result_views._maps
+        assert result_views.take_released({pool.id}) == [] and desc["path"] not in result_views._maps
     finally:
         pool.close()
     calls = []
@@ -188,9 +189,9 @@ def test_early_assembly_blocks_copy_every_row_to_its_place():
             dest = early.Dest(("seg%d" % k, first * d * 2, 0), d * 2, n_max, d, torch.bfloat16, [0, 1, 2], {})
             dest.out_of_slot = {0: 0, 1: 1, 2: 2}
             dest.rows, dest.fill = seg[k], fills[k]
-            st.early = dest
+            st.early, st.dest = State.HELD, dest
         else:
-            st.early = early.OFF
+            st.early = State.OFF
         sts.append(st)
 
     class Arena:
@@ -207,12 +208,16 @@ def test_early_assembly_blocks_copy_every_row_to_its_place():
     cmap = asm._map(Arena)
     assert cmap is not None and [b[0] for b in cmap[3]] == [0, 1] and all(b[4] == L for b in cmap[3])
     jobs: list = []
-    nbytes = asm._jobs([data, pos, S], 0, S, cmap, jobs)
+    marks: list = []
+    nbytes = asm._jobs([data, pos, S], 0, S, cmap, jobs, marks)
     assert nbytes == (4 * L * S - 1) * d * 2
-    parts = early._split(jobs, 3)
+    assert not any(f.any() for f in fills.values())  # marked only once copied
+    parts = early_maps.split(jobs, 3)
     assert len(parts) >= 3
     for part in parts:
-        early._run(part)
+        early_maps.run(part)
+    for fill, idx in marks:
+        fill[idx] = True
     src = data.view(torch.int16).numpy()
     want = {k: np.zeros((200, d), np.int16) for k in seg}
     for r, (k, first) in where.items():
@@ -246,7 +251,7 @@ class _Direct:
         self.fills = {k: np.zeros(len(self.seg[k]), dtype=bool) for k in self.seg}
         self.sts = [type("St", (), {})() for _ in range(R)]
         for r, st in enumerate(self.sts):
-            st.early = self.dest(r) if r < 3 else early.PENDING
+            st.early, st.dest = (State.HELD, self.dest(r)) if r < 3 else (State.PENDING, None)
         self.arena = StepArena(L * R, False)
         self.arena.users = [(l * R + r, 1, self.sts[r], l) for l in range(L) for r in range(R)]
         self.asm = early.EarlyAssembler(lambda: None, {"direct_joins": 0}, lambda n: None)
@@ -286,12 +291,14 @@ class _Direct:
 
     def thread_copies(self, cmap) -> int:
         """The thread's copies of every step's arena rows under plan `cmap`; the bytes it copied."""
-        from vllm_worker.transport import early
 
         jobs: list = []
-        n = self.asm._jobs([self.data, self.pos, self.S], 0, self.S, cmap, jobs)
-        for part in early._split(jobs, 2):
-            early._run(part)
+        marks: list = []
+        n = self.asm._jobs([self.data, self.pos, self.S], 0, self.S, cmap, jobs, marks)
+        for part in early_maps.split(jobs, 2):
+            early_maps.run(part)
+        for fill, idx in marks:
+            fill[idx] = True
         return n
 
 
@@ -303,7 +310,6 @@ def test_direct_offsets_and_marks():
     others), and an arena turned back to host copies (a step from Python) copies them too."""
     import numpy as np
 
-    from vllm_worker.transport import early
     from vllm_worker.worker.request_results import StepArena
 
     t = _Direct()
@@ -313,7 +319,7 @@ def test_direct_offsets_and_marks():
         assert len(t.arena.members) == 3 and not full  # request 3 is not a member
         assert (offs < 0).sum() == L + (s == 2)  # request 3 at every layer, and the row outside
         if s == 0:  # its region, taken without the thread's notice (no `dmade`): it stays a host copy
-            t.sts[3].early = t.dest(3)
+            t.sts[3].early, t.sts[3].dest = State.HELD, t.dest(3)
     direct_only = {k: t.want[k].copy() for k in seg}
     direct_only[0][100 : 100 + L * t.n_max] = 0
     for k in seg:
@@ -332,7 +338,7 @@ def test_direct_offsets_and_marks():
     for k in seg:
         assert np.array_equal(seg[k], t.want[k])
     # an arena whose every request is a member needs no host rows
-    t.sts[3].early = early.OFF
+    t.sts[3].early, t.sts[3].dest = State.OFF, None
     arena2 = StepArena(L * 3, False)
     arena2.users = [(l * 3 + r, 1, t.sts[r], l) for l in range(L) for r in range(3)]
     got = t.asm.direct_rows(arena2, t.pos[0].numpy()[: L * 3], d, torch.bfloat16)
@@ -350,12 +356,12 @@ def test_direct_late_member_joins_and_keeps_its_host_copies():
     L, d, S, seg = t.L, t.d, t.S, t.seg
     _, _, offs, full = t.step(0)
     assert len(t.arena.members) == 3 and not full and (offs < 0).sum() == L
-    t.sts[3].early = t.dest(3)  # as the thread's `_regions` makes it
+    t.sts[3].early, t.sts[3].dest = State.HELD, t.dest(3)  # as the thread's `_regions` makes it
     t.asm.dmade += 1
     for s in (1, 2):
         _, _, offs, full = t.step(s)
         assert len(t.arena.members) == 4 and full and (offs < 0).sum() == (s == 2)
-    assert t.asm._timings["direct_joins"] == 1 and t.arena.skip == t.arena.members - {id(t.sts[3].early)}
+    assert t.asm._timings["direct_joins"] == 1 and t.arena.skip == t.arena.members - {id(t.sts[3].dest)}
     # the GPU wrote request 3's rows of steps 1 and 2; its step 0 is the thread's (from the arena rows)
     assert not seg[0][100 : 100 + L * t.n_max].reshape(L, t.n_max, d)[:, 0].any()
     assert t.fills[0][100 : 100 + L * t.n_max].reshape(L, t.n_max)[:, 1:3].all()
@@ -398,3 +404,58 @@ def test_direct_regions_come_only_from_registered_segments():
     finally:
         pool.close()
     assert unpinned == list(pinned)  # closed: the registered segment was unregistered
+
+
+def test_a_free_never_closes_segments_in_the_callers_thread(monkeypatch):
+    """`free` runs in the step thread (under the store's lock) and in the early-assembly thread (under its
+    lock): dropping a segment (unregistering it from the GPU, punching its pages, unmapping) is the pool's
+    own thread's work, after the free returned."""
+    import threading
+
+    closed: list[str] = []
+    real_close = result_pool._Segment.close
+    monkeypatch.setattr(
+        result_pool._Segment, "close", lambda seg: closed.append(threading.current_thread().name) or real_close(seg)
+    )
+    monkeypatch.setenv("VLLM_LENS_SHM_POOL_GB", "0")  # keep nothing free: the free drops the segment
+    pool = ResultPool()
+    try:
+        path, off, _, _ = pool.alloc(1 << 20)
+        assert pool.free([(path, off)]) == 1
+        assert threading.current_thread().name not in closed  # not in this thread (the pool's may be at it)
+        deadline = time.time() + 10
+        while not closed and time.time() < deadline:
+            time.sleep(0.01)
+        assert closed and threading.current_thread().name not in closed
+        assert pool.size == 0 and not os.path.exists(path)
+    finally:
+        pool.close()
+
+
+def test_an_alloc_waiting_for_growth_sleeps_on_a_condition_not_a_poll(monkeypatch):
+    """While the pool's growing thread adds room, `alloc` waits for it to say so (no 1 ms polling)."""
+    import threading
+
+    real_sleep, real_new = time.sleep, ResultPool._new_segment
+    polls: list[float] = []
+
+    def counted_sleep(s: float) -> None:
+        if threading.current_thread() is threading.main_thread():
+            polls.append(s)
+        real_sleep(s)
+
+    def slow_new(self, size):
+        real_sleep(0.3)
+        return real_new(self, size)
+
+    monkeypatch.setattr(ResultPool, "_new_segment", slow_new)
+    monkeypatch.setattr(result_pool.time, "sleep", counted_sleep)
+    pool = ResultPool()
+    try:
+        assert pool.expect(8 << 20) == 8 << 20  # the growing thread starts
+        t = time.perf_counter()
+        got = pool.alloc(8 << 20, expected=8 << 20)
+        assert got is not None and time.perf_counter() - t >= 0.2
+        assert polls == [] and pool.stats["sync_grows"] == 0
+    finally:
+        pool.close()

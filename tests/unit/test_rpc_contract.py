@@ -44,5 +44,4 @@ def test_no_method_is_called_by_a_string_of_its_own():
             continue
         text = path.read_text()
         offenders += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in called.finditer(text)]
-    # server/routes.py is renamed at the merge with the transport/runtime split (it is being edited there)
-    assert [o for o in offenders if not o.startswith("vllm_worker/server/routes.py")] == []
+    assert offenders == []

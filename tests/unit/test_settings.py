@@ -92,3 +92,63 @@ def test_settings_follow_the_environment_while_parsing_is_remembered(monkeypatch
     assert envs.limit("VLLM_LENS_SHM_POOL_GB") == 3 << 30
     monkeypatch.setenv("VLLM_LENS_MAX_STORED_GB", "5")
     assert envs.limit("VLLM_LENS_SHM_POOL_GB") == 5 << 30
+
+
+# Module constants read from a setting at import that wait for their modules' owners (issue #40, part B):
+# each is named here so that no new one can appear unnoticed; the list only shrinks.
+FROZEN_PENDING: set[tuple[str, str]] = set()
+
+
+def _frozen_settings() -> set[tuple[str, str]]:
+    """(module, name) of every module-level name assigned from `get` / `limit` / `given` of envs."""
+    import ast
+
+    found = set()
+    for path in sorted((ROOT / "vllm_worker").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel == "vllm_worker/envs.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                continue
+            for call in ast.walk(node.value):
+                if not isinstance(call, ast.Call):
+                    continue
+                f = call.func
+                named = isinstance(f, ast.Name) and f.id in ("get", "limit", "given")
+                named |= (
+                    isinstance(f, ast.Attribute)
+                    and f.attr in ("get", "limit", "given")
+                    and (isinstance(f.value, ast.Name) and f.value.id == "envs")
+                )
+                if named and call.args and isinstance(call.args[0], ast.Constant):
+                    if str(call.args[0].value).startswith("VLLM_LENS_"):
+                        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                        found |= {(rel, t.id) for t in targets if isinstance(t, ast.Name)}
+    return found
+
+
+def test_settings_are_read_when_asked_never_frozen_at_import():
+    """envs' one rule: a setting is read where it is used, so changing the environment acts on what is
+    done after it (a setting that sizes something made once acts on what is made after)."""
+    assert _frozen_settings() <= FROZEN_PENDING, _frozen_settings() - FROZEN_PENDING
+
+
+def test_settings_changed_after_import_take_effect(monkeypatch, tmp_path):
+    from vllm_worker.transport import early, shm
+    from vllm_worker.worker import faults, fetch
+
+    monkeypatch.setenv("VLLM_LENS_SHM_DIR", str(tmp_path))
+    assert shm.shm_dir() == str(tmp_path)
+    monkeypatch.setenv("VLLM_LENS_EARLY_INTERVAL_MS", "250")
+    assert early.interval_s() == 0.25
+    monkeypatch.setenv("VLLM_LENS_ASSEMBLY_THREADS", "3")
+    assert fetch.max_threads() == 3 and fetch.assembly_threads(1 << 40) == 3
+    monkeypatch.setenv("VLLM_LENS_INJECT_FAULT", "plan")
+    with pytest.raises(faults.InjectedFault):
+        faults.check("plan")
+    monkeypatch.delenv("VLLM_LENS_DIRECT_POOL", raising=False)
+    assert envs.given("VLLM_LENS_DIRECT_POOL") is None and envs.get("VLLM_LENS_DIRECT_POOL") is True
+    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "0")
+    assert envs.given("VLLM_LENS_DIRECT_POOL") is False

@@ -19,12 +19,11 @@ from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
 from vllm_worker.protocol.points import RESID_POST, ROUTER_LOGITS, K, Q, Z, canonical_site
 from vllm_worker.protocol.spec import ModelShape
 from vllm_worker.protocol.wire import dtype_from_name, tensor_from_bytes
-from vllm_worker.transport import result_pool, shm
+from vllm_worker.transport import result_views, shm
 
 FETCH_GROUP_BYTES = 512 << 20  # per RPC round trip when results travel inside the RPC reply
 # ... and when they travel through the shared-memory result pool (the reply holds only region names): one
 # round trip lets the worker assemble a whole batch in parallel threads (docs/decisions.md)
-FETCH_GROUP_SHM_BYTES = limit("VLLM_LENS_FETCH_GROUP_SHM_GB")
 
 
 def fetch_groups(
@@ -32,7 +31,7 @@ def fetch_groups(
 ) -> list[list[tuple[str, dict[int, int]]]]:
     """Split `lens_fetch` arguments into RPC round trips of bounded estimated size (`shm_ok`: every worker
     shares this machine, so results come back as shared-memory files and the reply holds only names)."""
-    cap = FETCH_GROUP_SHM_BYTES if shm_ok else FETCH_GROUP_BYTES
+    cap = limit("VLLM_LENS_FETCH_GROUP_SHM_GB") if shm_ok else FETCH_GROUP_BYTES
     groups: list[list] = []
     size = 0
     for p, children in todo:
@@ -87,8 +86,8 @@ def _fetch_rounds(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> Ge
         pools = state.pools_of(target)
         for group in fetch_groups(items, host is not None and bool(everywhere)):
             got: dict[str, dict] = {}
-            merge_fetched(got, (yield (target, rpc.FETCH, group, host, result_pool.take_released(pools))))
-            found = result_pool.pools_of(got)
+            merge_fetched(got, (yield (target, rpc.FETCH, group, host, result_views.take_released(pools))))
+            found = result_views.pools_of(got)
             pools |= found
             state.pools |= found
             if not merged:  # the first (often the only) round trip: its answers are the merge so far
@@ -135,7 +134,7 @@ async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, in
 def release_results(engine: Any) -> int:
     """Give the workers back the result memory of every capture tensor already garbage-collected (this
     otherwise happens with the engine's next fetch); returns how many regions."""
-    released = result_pool.take_released(result_pools(engine))
+    released = result_views.take_released(result_pools(engine))
     return sum(compat.rpc(engine, rpc.RELEASE, released)) if released else 0
 
 
@@ -145,19 +144,19 @@ async def release_results_async(engine_client: Any) -> int:
     n = 0
     engines = compat.engine_count(engine_client)
     for target in [None] if engines <= 1 else list(range(engines)):
-        released = result_pool.take_released(state.pools_of(target))
+        released = result_views.take_released(state.pools_of(target))
         if released:
             n += sum(await compat.rpc_async(engine_client, rpc.RELEASE, released, engine=target))
     if state.engine_pools:  # pools learnt from a fetch sent to every engine: every engine hears of them
-        rest = result_pool.take_released(state.pools.difference(*state.engine_pools.values()))
+        rest = result_views.take_released(state.pools.difference(*state.engine_pools.values()))
         if rest:
             n += sum(await compat.rpc_async(engine_client, rpc.RELEASE, rest))
     return n
 
 
 def _part_tensor(part: dict) -> torch.Tensor:
-    if "pool" in part:  # written by our own worker on this machine (see result_pool.py)
-        return result_pool.view(part["pool"], dtype_from_name(part["pool"]["dtype"]))
+    if "pool" in part:  # written by our own worker on this machine (see transport/result_pool.py)
+        return result_views.view(part["pool"], dtype_from_name(part["pool"]["dtype"]))
     return tensor_from_bytes(part["tensor"], "residual_stream")
 
 
@@ -165,7 +164,7 @@ def discard_parts(parts: list[dict]) -> None:
     """Results that will not be decoded: give their shared memory back."""
     for part in parts:
         if "pool" in part:
-            result_pool.discard(part["pool"])
+            result_views.discard(part["pool"])
 
 
 def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:

@@ -23,7 +23,7 @@ from vllm_worker.protocol.spec import (
     encode,
     has_lens_keys,
 )
-from vllm_worker.transport import result_pool, shm
+from vllm_worker.transport import result_views, shm
 
 
 def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
@@ -63,7 +63,7 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
         # result memory the caller has let go of rides along: the worker reuses it for this request
         # instead of growing its pool (otherwise it goes back only with the next fetch)
         # (under data parallelism the engine is not chosen yet: each engine's regions go back with its fetches)
-        released = result_pool.take_released(state.pools, unmap=False) if engines == 1 else None
+        released = result_views.take_released(state.pools, unmap=False) if engines == 1 else None
         if released:
             payload["release"] = released
     args = {k: v for k, v in sp.extra_args.items() if not (isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES))}

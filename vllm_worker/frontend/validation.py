@@ -22,7 +22,6 @@ from vllm_worker.protocol.spec import (
     CAPTURE_KEY,
     HOOK_KEY,
     KNOWN_KEYS,
-    MAX_PAYLOAD_BYTES,
     NAMESPACE_PREFIXES,
     SAE_KEYS,
     STEER_KEY,
@@ -35,6 +34,7 @@ from vllm_worker.protocol.spec import (
     capture_sites,
     from_json_string,
     layer_list,
+    max_payload_bytes,
     require_remote_hooks,
 )
 from vllm_worker.protocol.wire import tensor_from_json
@@ -70,7 +70,7 @@ def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Ste
     if acts is None and heads is not None:
         return _head_scaling(item, heads, f, shape)
     if isinstance(acts, Mapping):
-        acts = tensor_from_json(acts, f"{f}.activations", max_bytes=MAX_PAYLOAD_BYTES)
+        acts = tensor_from_json(acts, f"{f}.activations", max_bytes=max_payload_bytes())
     if not isinstance(acts, torch.Tensor):
         raise ValueError(f"{f}.activations: expected a torch.Tensor, got {type(acts).__name__}")
     if not acts.is_floating_point():

@@ -16,6 +16,26 @@ class Failure(TypedDict):
     message: str
 
 
+# The HTTP status of each kind: only the caller's failures are a 4xx.
+STATUS: dict[str, int] = {"internal": 500, "hook": 400, "limit": 400, "unsupported": 400}
+
+
+class CallerError(ValueError):
+    """A failure that is the caller's (a `Failure` of a kind other than `internal`), raised where the
+    frontend learns of it: told apart from our own bugs by this class, never by its wording. `param`: the
+    field of the request it names."""
+
+    def __init__(self, failure: Failure, param: str | None) -> None:
+        if failure["kind"] == "internal":
+            raise ValueError("an internal failure is ours, never the caller's")
+        super().__init__(failure["message"])
+        self.failure, self.param = failure, param
+
+    @property
+    def status(self) -> int:
+        return STATUS[self.failure["kind"]]
+
+
 def failure(kind: Kind, message: str, stage: str | None = None) -> Failure:
     return {"kind": kind, "stage": stage, "message": message}
 

@@ -67,8 +67,10 @@ class LensWorkerRpc(Protocol):
         """Load (or replace) SAE `name` from `path`; `uid` tells the frontend's load from a stale one."""
         ...
 
-    def lens_prefetch(self, names: list) -> list:
-        """Keep these parameters on the host for hooks to read; the names now prefetched."""
+    def lens_prefetch(self, names: list, report: bool = False) -> list | dict:
+        """Keep these parameters on the host for hooks to read; the names now prefetched. `report`:
+        {"prefetched": names, "error": None} or {"error": Failure} (the HTTP route tells the caller's failure
+        from ours by its kind)."""
         ...
 
     def lens_clear_prefetched(self) -> None: ...

@@ -38,8 +38,13 @@ NAMESPACE_PREFIXES = (
     "lens_",
     PAYLOAD_KEY,
 )
-# Largest structured payload accepted in one request (steering vectors, hooks), in bytes.
-MAX_PAYLOAD_BYTES = envs.limit("VLLM_LENS_MAX_PAYLOAD_MB")
+
+
+def max_payload_bytes() -> int:
+    """Largest structured payload accepted in one request (steering vectors, hooks), in bytes."""
+    return envs.limit("VLLM_LENS_MAX_PAYLOAD_MB")
+
+
 REMOTE_HOOKS_ENV = "VLLM_LENS_ALLOW_REMOTE_HOOKS"
 
 
@@ -62,10 +67,9 @@ def from_json_string(value: Any, field_name: str) -> Any:
     """Over HTTP, `vllm_xargs` values are flat: structured payloads arrive as JSON strings."""
     if not isinstance(value, str):
         return value
-    if len(value) > MAX_PAYLOAD_BYTES * 4 // 3 + 1024:
-        raise ValueError(
-            f"{field_name}: payload exceeds the limit of {MAX_PAYLOAD_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)"
-        )
+    cap = max_payload_bytes()
+    if len(value) > cap * 4 // 3 + 1024:
+        raise ValueError(f"{field_name}: payload exceeds the limit of {cap} bytes (VLLM_LENS_MAX_PAYLOAD_MB)")
     try:
         return json.loads(value)
     except json.JSONDecodeError as e:

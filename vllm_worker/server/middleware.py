@@ -21,9 +21,9 @@ from vllm_worker.protocol.spec import (
 )
 from vllm_worker.server.choices import Choice, Unmatched, fetch_results, hook_failure, internal_only, original_dialect
 from vllm_worker.server.responses import (
-    MAX_BODY_BYTES,
     BadRequest,
     error_body,
+    max_body_bytes,
     read_body,
     release,
     replay,
@@ -84,14 +84,14 @@ class LensMiddleware:
         if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         if path.startswith(HOOKS_PREFIX + "/") or path == VECTORS_PATH:  # ours: bounded while reading
-            body = await read_body(receive, scope, MAX_BODY_BYTES)
+            body = await read_body(receive, scope, max_body_bytes())
             if body is None:
                 return await too_large(send)
             return await self.app(scope, replay(body, receive), send)
         if path not in (COMPLETIONS, CHAT):
             return await self.app(scope, receive, send)
         state = state_of(scope["app"])
-        body = await read_body(receive, scope, MAX_BODY_BYTES)
+        body = await read_body(receive, scope, max_body_bytes())
         if body is None:
             return await too_large(send)
         try:

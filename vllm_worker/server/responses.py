@@ -9,12 +9,14 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from vllm_worker.protocol.spec import (
-    MAX_PAYLOAD_BYTES,
-)
+from vllm_worker.protocol.spec import max_payload_bytes
 from vllm_worker.protocol.wire import json_chunks
 
-MAX_BODY_BYTES = MAX_PAYLOAD_BYTES + (1 << 20)
+
+def max_body_bytes() -> int:
+    """A request body's cap: the payload cap plus room for the rest of the request."""
+    return max_payload_bytes() + (1 << 20)
+
 
 logger = logging.getLogger("vllm_worker")
 
@@ -58,7 +60,7 @@ async def too_large(send: Any) -> None:
         413,
         error_body(
             413,
-            f"request body exceeds the limit of {MAX_BODY_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)",
+            f"request body exceeds the limit of {max_body_bytes()} bytes (VLLM_LENS_MAX_PAYLOAD_MB)",
             "body",
             "PayloadTooLargeError",
         ),

@@ -5,14 +5,18 @@ unless the server was started with `--allow-remote-hooks`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+from typing import Iterator
 
 from fastapi import APIRouter, Request
 
 from vllm_worker import compat, envs
+from vllm_worker.frontend.fetch import merge_collected, release_results_async
 from vllm_worker.frontend.requests import in_flight_bytes, pending_count
-from vllm_worker.frontend.results import merge_collected, release_results_async
 from vllm_worker.frontend.validation import parse_hooks
+from vllm_worker.protocol import errors, rpc
 from vllm_worker.protocol.points import POINTS
 from vllm_worker.protocol.spec import (
     HOOK_KEY,
@@ -20,11 +24,13 @@ from vllm_worker.protocol.spec import (
     require_remote_hooks,
 )
 from vllm_worker.protocol.wire import to_jsonable, to_original_jsonable
-from vllm_worker.server.responses import MAX_BODY_BYTES, BadRequest, error_response
-from vllm_worker.server.results import mentions
+from vllm_worker.server.choices import mentions
+from vllm_worker.server.responses import BadRequest, error_response, max_body_bytes
 from vllm_worker.server.state import LensState, shape_of, state_of
 
 HOOKS_PREFIX = "/v1/hooks"
+
+logger = logging.getLogger("vllm_worker")
 
 
 router = APIRouter(prefix=HOOKS_PREFIX)
@@ -33,9 +39,9 @@ router = APIRouter(prefix=HOOKS_PREFIX)
 async def json_body(request: Request, fields: frozenset[str] | None = None) -> dict:
     """The body as a JSON object, bounded; with `fields`, any other key is a 400 naming it."""
     raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
+    if len(raw) > max_body_bytes():
         raise BadRequest(
-            413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes (VLLM_LENS_MAX_PAYLOAD_MB)", "body"
+            413, f"request body exceeds the limit of {max_body_bytes()} bytes (VLLM_LENS_MAX_PAYLOAD_MB)", "body"
         )
     if not raw:
         return {}
@@ -52,6 +58,9 @@ async def json_body(request: Request, fields: frozenset[str] | None = None) -> d
 
 
 def guard(fn):
+    """The route's failures as JSON: the caller's (by class: `BadRequest`, `errors.CallerError`, a refused
+    opt-in) a 4xx naming the field; anything else is our own failure, a 500 (logged) — never a 400 because
+    of an exception's class or wording that our code happens to share with validation."""
     import functools
 
     @functools.wraps(fn)
@@ -60,13 +69,29 @@ def guard(fn):
             return await fn(request)
         except BadRequest as e:
             return error_response(e.status, e.message, e.param)
+        except errors.CallerError as e:
+            return error_response(e.status, str(e), e.param)
         except PermissionError as e:
             return error_response(403, str(e), "hooks", "Forbidden")
-        except (ValueError, KeyError) as e:
-            msg = str(e).strip("'\"")
-            return error_response(400, msg, msg.split(":", 1)[0] if ":" in msg else None)
+        except Exception as e:  # noqa: BLE001 - ours: a 500, the server goes on
+            logger.exception("inspect-lens: %s %s failed", request.method, request.url.path)
+            return error_response(
+                500, f"inspect-lens internal error: {type(e).__name__}: {e}", None, "InternalServerError"
+            )
 
     return wrapper
+
+
+@contextlib.contextmanager
+def caller_input() -> Iterator[None]:
+    """Around a check of the caller's input only: our validators raise ValueError naming the field
+    (`field: why`), so one from inside is the caller's (a 400 naming it). Everywhere else a ValueError is
+    ours (`guard`: a 500)."""
+    try:
+        yield
+    except ValueError as e:
+        msg = str(e).strip("'\"")
+        raise BadRequest(400, msg, msg.split(":", 1)[0] if ":" in msg else None) from None
 
 
 def param_names(obj: dict, key: str) -> list[str]:
@@ -94,7 +119,7 @@ async def register(request: Request):
     names = param_names(body, "prefetch_params")
     if names:
         await prefetch_names(state, names, "prefetch_params")
-    counts = await compat.rpc_async(state.engine, "lens_register_hooks", [h.rpc() for h in specs])
+    counts = await compat.rpc_async(state.engine, rpc.REGISTER_HOOKS, [h.rpc() for h in specs])
     state.persistent_hooks = True
     state.original_collect = mentions(hooks, '"cloudpickle"')
     return {"status": "ok", "registered": counts[0], "count": counts[0]}
@@ -104,7 +129,7 @@ async def register(request: Request):
 @guard
 async def collect(request: Request):
     state = state_of(request.app)
-    results = merge_collected(await compat.rpc_async(state.engine, "lens_collect_hook_results"))
+    results = merge_collected(await compat.rpc_async(state.engine, rpc.COLLECT_HOOK_RESULTS))
     encode = to_original_jsonable if state.original_collect else to_jsonable
     return {"status": "ok", "results": await asyncio.to_thread(encode, results), "count": len(results)}
 
@@ -113,7 +138,7 @@ async def collect(request: Request):
 @guard
 async def clear(request: Request):
     state = state_of(request.app)
-    await compat.rpc_async(state.engine, "lens_clear_hooks")
+    await compat.rpc_async(state.engine, rpc.CLEAR_HOOKS)
     state.persistent_hooks = state.original_collect = False
     return {"status": "ok", "cleared": True}
 
@@ -121,7 +146,7 @@ async def clear(request: Request):
 @router.post("/clear_results")
 @guard
 async def clear_results(request: Request):
-    await compat.rpc_async(state_of(request.app).engine, "lens_clear_hook_results")
+    await compat.rpc_async(state_of(request.app).engine, rpc.CLEAR_HOOK_RESULTS)
     return {"status": "ok", "cleared": True}
 
 
@@ -134,20 +159,20 @@ async def prefetch(request: Request):
 
 
 async def prefetch_names(state: LensState, names: list[str], param: str) -> list[str]:
-    """Worker-side KeyError for an unknown parameter (it travels back as an RPC failure) -> 400."""
-    try:
-        return (await compat.rpc_async(state.engine, "lens_prefetch", names))[0]
-    except Exception as e:
-        if "no pipeline stage has a parameter" in str(e):
-            msg = str(e)[str(e).index("no pipeline stage") :].split("\n")[0].strip("'\"")
-            raise BadRequest(400, f"{param}: {msg}", param) from None
-        raise
+    """An unknown parameter comes back from the workers as a failure of the caller's kind (`report`):
+    a 400 naming `param`; anything else they raise is ours (a 500)."""
+    answers = await compat.rpc_async(state.engine, rpc.PREFETCH, names, True)
+    for a in answers:
+        if a.get("error") is not None:
+            f = a["error"]
+            raise errors.CallerError(errors.failure(f["kind"], f"{param}: {f['message']}", f["stage"]), param)
+    return answers[0]["prefetched"]
 
 
 @router.post("/clear_prefetched")
 @guard
 async def clear_prefetched(request: Request):
-    await compat.rpc_async(state_of(request.app).engine, "lens_clear_prefetched")
+    await compat.rpc_async(state_of(request.app).engine, rpc.CLEAR_PREFETCHED)
     return {"status": "ok", "cleared": True}
 
 
@@ -162,7 +187,7 @@ async def info(request: Request):
     state = state_of(request.app)
     shape = shape_of(state)
     await release_results_async(state.engine)  # what responses already sent no longer hold
-    status = await compat.rpc_async(state.engine, "lens_status")
+    status = await compat.rpc_async(state.engine, rpc.STATUS)
     return {
         "n_layers": shape.n_layers,
         "d_model": shape.d_model,

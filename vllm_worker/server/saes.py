@@ -12,7 +12,7 @@ from vllm_worker.frontend import saes
 from vllm_worker.frontend.state import engine_state
 from vllm_worker.protocol import rpc
 from vllm_worker.server.responses import BadRequest
-from vllm_worker.server.routes import guard, json_body
+from vllm_worker.server.routes import caller_input, guard, json_body
 from vllm_worker.server.state import shape_of, state_of
 
 SAE_DIR_ENV = "VLLM_LENS_SAE_DIR"
@@ -43,7 +43,8 @@ async def load(request: Request):
     state = state_of(request.app)
     body = await json_body(request, frozenset({"name", "path"}))
     path = allowed_path(body.get("path"))
-    loaded = saes.prepare(body.get("name"), path, shape_of(state))
+    with caller_input():
+        loaded = saes.prepare(body.get("name"), path, shape_of(state))
     await compat.rpc_async(state.engine, rpc.LOAD_SAE, loaded.name, loaded.path, loaded.uid)
     engine_state(compat.processor_of_engine_client(state.engine)).saes[loaded.name] = loaded
     return {"status": "ok", "sae": loaded.describe()}

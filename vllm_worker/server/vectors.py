@@ -16,10 +16,10 @@ from fastapi import APIRouter, Request
 
 from vllm_worker import compat, envs
 from vllm_worker.frontend.vectors import LIMIT, SCOPE_KEY, check_name, check_vector, registry_of, scope_token
-from vllm_worker.protocol.spec import MAX_PAYLOAD_BYTES, STEER_KEY
+from vllm_worker.protocol.spec import STEER_KEY, max_payload_bytes
 from vllm_worker.protocol.wire import tensor_from_json
 from vllm_worker.server.responses import BadRequest
-from vllm_worker.server.routes import guard, json_body
+from vllm_worker.server.routes import caller_input, guard, json_body
 from vllm_worker.server.state import LensState, shape_of, state_of
 
 VECTORS_PATH = "/v1/lens/vectors"
@@ -65,17 +65,19 @@ def _registry(state: LensState):
 async def register(request: Request):
     state = state_of(request.app)
     body = await json_body(request, frozenset({"name", "activations"}))
-    name = check_name(body.get("name"), "name")
+    with caller_input():
+        name = check_name(body.get("name"), "name")
     obj = body.get("activations")
     if not isinstance(obj, dict):
         raise BadRequest(400, "activations: expected a tensor object {dtype, shape, b64}", "activations")
     shape = shape_of(state)
 
     def decode():
-        return check_vector(tensor_from_json(obj, "activations", max_bytes=MAX_PAYLOAD_BYTES), shape, "activations")
+        return check_vector(tensor_from_json(obj, "activations", max_bytes=max_payload_bytes()), shape, "activations")
 
-    vec = await asyncio.to_thread(decode)  # base64 of up to VLLM_LENS_MAX_PAYLOAD_MB: off the event loop
-    info = _registry(state).register(scope_for(state, request.headers), name, vec)
+    with caller_input():  # (the registry's refusal past VLLM_LENS_MAX_VECTORS_MB too)
+        vec = await asyncio.to_thread(decode)  # base64 of up to VLLM_LENS_MAX_PAYLOAD_MB: off the event loop
+        info = _registry(state).register(scope_for(state, request.headers), name, vec)
     return {"status": "ok", **info}
 
 

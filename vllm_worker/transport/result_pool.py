@@ -11,7 +11,7 @@ once is cheap to write again, so the pool keeps it:
   will capture announce their largest result when they arrive (`expect`); a background thread grows the
   pool to cover what is announced, so the pages are made while the GPU generates. A fetch takes
   page-aligned regions (`alloc`) and returns their (file, offset) instead of bytes.
-- Frontend (`view`): maps each segment once and hands out zero-copy tensors over a region. When the last
+- Frontend (`result_views.view`, another process): maps each segment once and hands out zero-copy tensors over a region. When the last
   tensor over a region is garbage-collected, the region's release is queued and travels to the worker
   with the engine's next fetch (`take_released` -> `free`).
 - Bounded: free memory beyond `VLLM_LENS_SHM_POOL_GB` (default: VLLM_LENS_MAX_STORED_GB) is given back by
@@ -30,7 +30,6 @@ import os
 import threading
 import time
 import uuid
-import weakref
 from typing import Any
 
 import numpy as np
@@ -38,13 +37,14 @@ import torch
 
 from vllm_worker.envs import get, limit
 from vllm_worker.transport import shm
+from vllm_worker.transport.lock_order import LockOrder, Ordered
+from vllm_worker.transport.shm import POOL_TAG
 
 logger = logging.getLogger("vllm_worker")
 
 PAGE = mmap.PAGESIZE
 MIN_SEGMENT = 16 << 20
 MAX_SEGMENT = 4 << 30
-POOL_TAG = "-pool"  # in segment file names: `inspect-lens-<pid>-pool<id>-<n>` (shm.sweep_stale parses the pid)
 
 
 def keep_bytes() -> int:
@@ -84,9 +84,6 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.int16)
     return t.numpy()
-
-
-# ---------------------------------------------------------------------------------------- worker side
 
 
 class _Segment:
@@ -170,7 +167,10 @@ class ResultPool:
         self._pin = pin
         self._segments: dict[str, _Segment] = {}
         self._n = 0
-        self._lock = threading.Lock()
+        self._lock = Ordered(threading.Lock(), LockOrder.POOL)  # (last: after the store's and early's)
+        # on the lock: growth finished (`alloc` waits for it), a trim asked for (`free`), the pool closed
+        self._cv = threading.Condition(self._lock)  # type: ignore[arg-type]  # (acquire / release delegated)
+        self._trim_wanted = False
         self.expected = 0  # bytes announced by running requests and not yet allocated
         self.free_bytes = 0
         self.size = 0
@@ -190,7 +190,7 @@ class ResultPool:
             "pinned_segments": 0,
             "direct_allocs": 0,
         }
-        threading.Thread(target=self._idle_loop, name="lens-pool-idle", daemon=True).start()
+        threading.Thread(target=self._idle_loop, name="lens-pool-release", daemon=True).start()
         atexit.register(self.close)
 
     # -------------------------------------------------------------- growth
@@ -202,7 +202,7 @@ class ResultPool:
         with self._lock:
             self._n += 1
             n = self._n
-        path = os.path.join(shm.SHM_DIR, f"{shm.PREFIX}{os.getpid()}{POOL_TAG}{self.id}-{n}")
+        path = os.path.join(shm.shm_dir(), f"{shm.PREFIX}{os.getpid()}{POOL_TAG}{self.id}-{n}")
         t = time.perf_counter()
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -216,7 +216,7 @@ class ResultPool:
             logger.warning(
                 "inspect-lens: no room for %d MB of shared result memory in %s (%s); results travel over RPC",
                 size >> 20,
-                shm.SHM_DIR,
+                shm.shm_dir(),
                 e,
             )
             return None
@@ -269,8 +269,9 @@ class ResultPool:
                 if self._new_segment(min(MAX_SEGMENT, deficit)) is None:
                     return
         finally:
-            with self._lock:
+            with self._cv:
                 self._growing = False
+                self._cv.notify_all()
 
     def in_use(self) -> int:
         return self.size - self.free_bytes
@@ -298,12 +299,10 @@ class ResultPool:
                         self._last_use = time.monotonic()
                         return seg.path, off, seg.size, seg.buf[off : off + nbytes]
                 growing = self._growing
-            if growing and attempt == 0:  # the background thread may be about to add room
-                while True:
-                    time.sleep(0.001)
-                    with self._lock:
-                        if not self._growing:
-                            break
+            if growing and attempt == 0:  # the background thread may be about to add room: wait for its word
+                with self._cv:
+                    while self._growing:
+                        self._cv.wait()
                 continue
             self.stats["sync_grows"] += 1
             if self._new_segment(need + align) is None:
@@ -368,7 +367,10 @@ class ResultPool:
 
     def free(self, released: list) -> int:
         """Regions the frontend is done with (`(path, offset[, serial])`, as they came over RPC; other
-        pools' entries, and releases of an earlier allocation of the same place, are ignored)."""
+        pools' entries, and releases of an earlier allocation of the same place, are ignored). Callers hold
+        the store's or the early-assembly lock, in the step thread too: segments that are no longer needed
+        are dropped by the pool's own thread (`trim`: unregistering from the GPU and unmapping block in the
+        driver), never here."""
         n = 0
         with self._lock:
             for entry in released:
@@ -383,7 +385,9 @@ class ResultPool:
                 n += 1
             self.stats["frees"] += n
             self._last_use = time.monotonic()
-        self.trim()
+            if n:
+                self._trim_wanted = True
+                self._cv.notify_all()
         return n
 
     def trim(self, keep: int | None = None) -> None:
@@ -405,18 +409,28 @@ class ResultPool:
             seg.close()
 
     def _idle_loop(self) -> None:
-        while not self._closed:
-            time.sleep(min(5.0, max(0.5, idle_seconds() / 4)))
+        """The pool's own thread: trims after frees (`free`), and gives everything free back after
+        `VLLM_LENS_SHM_POOL_IDLE_S` without use."""
+        while True:
+            with self._cv:
+                if not self._trim_wanted and not self._closed:
+                    self._cv.wait(min(5.0, max(0.5, idle_seconds() / 4)))
+                if self._closed:
+                    return
+                wanted, self._trim_wanted = self._trim_wanted, False
+            if wanted:
+                self.trim()
             if self.free_bytes and not self.expected and time.monotonic() - self._last_use > idle_seconds():
                 self.trim(keep=0)
 
     def close(self) -> None:
         """Engine shutdown: free segments go; segments with regions a caller still holds stay mapped by
         that caller (their files are removed, so the memory goes with the last tensor)."""
-        with self._lock:
+        with self._cv:
             self._closed = True
             segs = list(self._segments.values())
             self._segments.clear()
+            self._cv.notify_all()
         for seg in segs:
             if seg.used:
                 seg.unpinned()
@@ -439,117 +453,3 @@ class ResultPool:
                 "expected_bytes": self.expected,
                 **self.stats,
             }
-
-
-# ---------------------------------------------------------------------------------------- frontend side
-
-
-class _Mapping:
-    __slots__ = ("mm", "views")
-
-    def __init__(self, mm: mmap.mmap) -> None:
-        self.mm, self.views = mm, 0
-
-
-_maps: dict[str, _Mapping] = {}
-_released: dict[str, list[tuple[str, int]]] = {}  # pool id -> regions to give back
-# re-entrant: a finalizer (`_release`) can run inside any allocation, including one made while this
-# thread holds the lock (garbage collection of a cycle that holds a result tensor)
-_front_lock = threading.RLock()
-
-
-_pool_ids: dict[str, str] = {}  # segment path -> pool id (a handful of segments, asked for every result)
-
-
-def pool_id(path: str) -> str:
-    """The pool a segment file belongs to (from its name)."""
-    got = _pool_ids.get(path)
-    if got is None:
-        got = os.path.basename(path).split(POOL_TAG, 1)[1].rsplit("-", 1)[0]
-        if len(_pool_ids) >= 4096:
-            _pool_ids.clear()
-        _pool_ids[path] = got
-    return got
-
-
-def _mapping(path: str, size: int) -> _Mapping:
-    m = _maps.get(path)
-    if m is None:
-        if (
-            os.path.dirname(path) != shm.SHM_DIR
-            or not os.path.basename(path).startswith(shm.PREFIX)
-            or POOL_TAG not in os.path.basename(path)
-        ):
-            raise ValueError(f"inspect-lens: refusing to map {path!r} (not a result-pool file)")
-        fd = os.open(path, os.O_RDWR)
-        try:
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-        m = _maps[path] = _Mapping(mm)
-    return m
-
-
-def view(desc: dict, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor over a region our worker wrote (no copy). The region goes back to the worker when the
-    last tensor sharing its memory is gone."""
-    path, off, nbytes = desc["path"], int(desc["offset"]), int(desc["nbytes"])
-    with _front_lock:
-        m = _mapping(path, int(desc["size"]))
-        m.views += 1
-    arr = np.frombuffer(m.mm, dtype=np.uint8, count=nbytes, offset=off)
-    weakref.finalize(arr, _release, path, off, desc.get("serial"))
-    return torch.from_numpy(arr).view(dtype).view(list(desc["shape"]))
-
-
-def _entry(path: str, off: int, serial: int | None) -> tuple:
-    return (path, off) if serial is None else (path, off, serial)
-
-
-def _release(path: str, off: int, serial: int | None = None) -> None:
-    with _front_lock:
-        _released.setdefault(pool_id(path), []).append(_entry(path, off, serial))
-        m = _maps.get(path)
-        if m is not None:
-            m.views -= 1
-
-
-def discard(desc: dict) -> None:
-    """A region that will not be read: give it back with the next fetch."""
-    with _front_lock:
-        _released.setdefault(pool_id(desc["path"]), []).append(
-            _entry(desc["path"], int(desc["offset"]), desc.get("serial"))
-        )
-
-
-def take_released(pools: set[str], unmap: bool = True) -> list[tuple]:
-    """Regions of these pools (one engine's workers) to give back; with `unmap`, also unmaps segments
-    their worker has removed once nothing here uses them (a stat per mapped segment: done with fetches
-    and explicit releases, not for every new request)."""
-    out: list[tuple] = []
-    with _front_lock:
-        for pid in pools:
-            got = _released.pop(pid, None)
-            if got:
-                out += got
-        if not unmap:
-            return out
-        stale = [p for p, m in _maps.items() if m.views <= 0 and not os.path.exists(p)]
-        for p in stale:
-            try:
-                _maps.pop(p).mm.close()
-            except BufferError:  # a tensor is still alive after all: keep the mapping
-                pass
-    return out
-
-
-def pools_of(results: dict) -> set[str]:
-    """Pool ids named in merged fetch results (to route later releases to the right engine)."""
-    found = set()
-    for per_child in results.values():
-        if isinstance(per_child, dict):
-            for parts in per_child.values():
-                for part in parts if isinstance(parts, list) else ():
-                    if isinstance(part, dict) and "pool" in part:
-                        found.add(pool_id(part["pool"]["path"]))
-    return found

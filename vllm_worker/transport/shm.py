@@ -15,11 +15,18 @@ import time
 
 from vllm_worker import envs
 
-SHM_DIR = envs.get("VLLM_LENS_SHM_DIR")
 PREFIX = "inspect-lens-"
+POOL_TAG = "-pool"  # in result-pool segment names: `inspect-lens-<pid>-pool<id>-<n>` (`sweep_stale` parses the pid)
 
 
-DIR_CHECK_S = 1.0  # how long a check that SHM_DIR is a writable directory is trusted
+DIR_CHECK_S = 1.0  # how long a check that `shm_dir()` is a writable directory is trusted
+
+
+def shm_dir() -> str:
+    """`VLLM_LENS_SHM_DIR`, read when asked (envs: one rule for every setting)."""
+    return envs.get("VLLM_LENS_SHM_DIR")
+
+
 _dir_checked: list = [-1e9, False]  # [time.monotonic() of the last check, its answer]
 
 
@@ -32,7 +39,8 @@ def host_id() -> str | None:
         return None
     now = time.monotonic()
     if now - _dir_checked[0] > DIR_CHECK_S:
-        _dir_checked[:] = [now, os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)]
+        where = shm_dir()
+        _dir_checked[:] = [now, os.path.isdir(where) and os.access(where, os.W_OK)]
     if not _dir_checked[1]:
         return None
     return _machine()
@@ -52,8 +60,9 @@ def sweep_stale() -> int:
     """Remove capture files of processes that no longer exist (an engine that died before its results
     were read); returns how many."""
     gone = 0
+    where = shm_dir()
     try:
-        names = [f for f in os.listdir(SHM_DIR) if f.startswith(PREFIX)]
+        names = [f for f in os.listdir(where) if f.startswith(PREFIX)]
     except OSError:
         return 0
     for f in names:
@@ -64,7 +73,7 @@ def sweep_stale() -> int:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            discard(os.path.join(SHM_DIR, f))
+            discard(os.path.join(where, f))
             gone += 1
         except PermissionError:
             pass

@@ -20,14 +20,15 @@ from vllm_worker.protocol import errors
 from vllm_worker.protocol.points import NAME, describe, site_layer, split_site
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph, seams
+from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, hook_at, split_steers
-from vllm_worker.worker.results import RequestResults
+from vllm_worker.worker.request_results import RequestResults
 from vllm_worker.worker.store import CaptureStore
 
 
 class ToDevice:
-    """Host tensors bound for the device, moved together at `flush`: one copy per dtype (`graph.upload`);
+    """Host tensors bound for the device, moved together at `flush`: one copy per dtype (`device_copy.to_device`);
     each tensor's device view goes to its setter."""
 
     def __init__(self, device: torch.device) -> None:
@@ -38,16 +39,21 @@ class ToDevice:
         self._items.append((t, put))
 
     def flush(self) -> None:
-        items, self._items = self._items, []
+        """The queue is emptied only once every tensor is on the device and handed over: after a failure the
+        caller fails the requests these tensors belong to (`Admission.abandon`), never a silent half copy."""
         by_dtype: dict[torch.dtype, list] = {}
-        for t, put in items:
+        for t, put in self._items:
             by_dtype.setdefault(t.dtype, []).append((t, put))
         for group in by_dtype.values():
-            dev = graph.upload(torch.cat([t.reshape(-1) for t, _ in group]), self.device)
+            dev = to_device(torch.cat([t.reshape(-1) for t, _ in group]), self.device)
             o = 0
             for t, put in group:
                 put(dev[o : o + t.numel()].view(t.shape))
                 o += t.numel()
+        self._items = []
+
+    def clear(self) -> None:
+        self._items = []
 
 
 class Admission:
@@ -75,15 +81,25 @@ class Admission:
         self.saes = saes  # `saes.WorkerSaes`
         self.esize = torch.empty((), dtype=dtype).element_size()
         self._moves = ToDevice(device)
+        self._pending: list[RequestState] = []  # admitted since the last flush, with steering to move
 
     def flush(self) -> None:
         """After a step's admissions, before it is planned: their steering reaches the device, one copy per
         dtype for all of them, and so do the graph-safe table's new entries (no device work or stream sync
         per request). What admission still costs is host Python: 63-95 ms for 256 steered requests on the
-        H200 (`admit_s`, bench/results/2026-12-03-h200.md)."""
+        H200 (`admit_s`, bench/results/2026-12-03-h200.md). On failure the caller fails `abandon()`'s
+        requests (inside its per-request failure handling: never vLLM's step)."""
+        faults.check("flush")
         self._moves.flush()
         if self.graph is not None:
             self.graph.flush_entries()
+        self._pending = []
+
+    def abandon(self) -> list[RequestState]:
+        """After a failed `flush`: the requests whose steering it was moving (to be failed), queue emptied."""
+        failed, self._pending = self._pending, []
+        self._moves.clear()
+        return failed
 
     def admit(self, req_id: str, payload: Any) -> RequestState:
         try:
@@ -145,8 +161,12 @@ class Admission:
                 try:
                     fn = cloudpickle.loads(h.fn)
                 except Exception as e:  # fail this request, never the engine (the frontend checks first)
-                    store.error = errors.failure(
-                        "hook", f"hook {i}: cannot be loaded in the worker ({type(e).__name__}: {e})", "loading hooks"
+                    store.fail(
+                        errors.failure(
+                            "hook",
+                            f"hook {i}: cannot be loaded in the worker ({type(e).__name__}: {e})",
+                            "loading hooks",
+                        )
                     )
                     continue
                 at = hook_at(h.layers, h.point, self.local_layers)
@@ -178,7 +198,7 @@ class Admission:
                 self._moves.add(st.lut, functools.partial(setattr, st, "lut"))
         for layer, v in simple.items():
             self._moves.add(v, functools.partial(simple.__setitem__, layer))
-        return RequestState(
+        state = RequestState(
             capture,
             {l: i for i, l in enumerate(capture)},
             child,
@@ -190,6 +210,9 @@ class Admission:
             entry_ids,
             sae=sae_uses,
         )
+        if per_request or simple or entry_ids:
+            self._pending.append(state)
+        return state
 
     def _check_sites(self, spec: Any, hooks: list[HookRun], store: RequestResults | None) -> None:
         """A point this worker has no tap for (its layout could not be resolved here) fails the request with
@@ -213,8 +236,7 @@ class Admission:
         err = errors.failure("unsupported", f"{names}: not available on this model ({why})", "admission")
         if store is None:
             raise ValueError(err["message"])
-        if store.error is None:
-            store.error = err
+        store.fail(err)
 
     def _announce_result(self, req_id: str, payload: dict, capture: list[int], store: RequestResults) -> None:
         """A frontend on this machine gets captures through the shared-memory result pool: announce the

@@ -15,17 +15,14 @@ from typing import Callable
 import numpy as np
 import torch
 
+from vllm_worker import counters
 from vllm_worker.protocol.errors import failure
 from vllm_worker.protocol.points import READ_ONLY
-from vllm_worker.worker.graph import upload
+from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.plan import HookAt, HookGroup, HookRun, Rows, StepPlan, group_rows
-from vllm_worker.worker.results import RequestResults
+from vllm_worker.worker.request_results import RequestResults
 
 logger = logging.getLogger("vllm_worker")
-
-# Diagnostics (in `status`, read by benchmarks): where the time of Python hooks goes, cumulative host
-# seconds — inside the users' functions, and around them (slicing, the stream sum, checks).
-HOOK_TIMINGS = {"calls": 0, "in_hooks_s": 0.0, "around_hooks_s": 0.0}
 
 
 def steer(site: int, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -169,9 +166,9 @@ def run_hooks(
     for g in groups:
         calls += 1
         in_hooks += _run_group(g, plan, hidden, residual, on_error)
-    HOOK_TIMINGS["calls"] += calls
-    HOOK_TIMINGS["in_hooks_s"] += in_hooks
-    HOOK_TIMINGS["around_hooks_s"] += time.perf_counter() - t_start - in_hooks
+    counters.HOOK_TIMINGS["calls"] += calls
+    counters.HOOK_TIMINGS["in_hooks_s"] += in_hooks
+    counters.HOOK_TIMINGS["around_hooks_s"] += time.perf_counter() - t_start - in_hooks
 
 
 def _hook_failed(r, h: HookRun, layer: int, on_error: Callable[[HookRun, str], None]) -> None:
@@ -181,7 +178,7 @@ def _hook_failed(r, h: HookRun, layer: int, on_error: Callable[[HookRun, str], N
     msg = f"{where} failed:\n" + traceback.format_exc()
     if r.store is None:
         r.store = RequestResults([])
-    r.store.error = failure("hook", msg, where.split("(", 1)[1].rstrip(")"))
+    r.store.fail(failure("hook", msg, where.split("(", 1)[1].rstrip(")")))
     on_error(h, msg)
     logger.warning("inspect-lens: %s", msg)
 
@@ -242,6 +239,33 @@ class SavedRow:
         return f"SavedRow({self.i})"
 
 
+class BatchSaved(dict):
+    """`ctx.saved` of a batched hook: request id -> that request's saved dict. Any other key would be lost
+    without a word (the per-request habit `ctx.saved["mean"] = ...`): writing one is an error that says
+    where the value belongs."""
+
+    def _refuse(self, key: object) -> None:
+        if key not in self:
+            raise KeyError(
+                f"ctx.saved[{key!r}] = ...: a batched hook's ctx.saved holds one dict per request (keys: the "
+                "request ids of ctx.rows). Save per request with ctx.saved[request_id][name] = value, or one "
+                "row per request with ctx.save_rows(name, values)"
+            )
+
+    def __setitem__(self, key: object, value: object) -> None:
+        self._refuse(key)
+        super().__setitem__(key, value)
+
+    def setdefault(self, key: object, default: object = None) -> object:
+        self._refuse(key)
+        return super().setdefault(key, default)
+
+    def update(self, *args: object, **kwargs: object) -> None:
+        for key in dict(*args, **kwargs):
+            self._refuse(key)
+        super().update(*args, **kwargs)
+
+
 _FAILURES = [0]  # hook failures so far: a batched hook's cached members are checked again when it moves
 
 
@@ -264,7 +288,7 @@ class Batch:
         self.ctx = (
             dataclasses.replace(
                 members[0][1].ctx,
-                saved={h.ctx.request_id: h.ctx.saved for _, h, _, _ in members},
+                saved=BatchSaved({h.ctx.request_id: h.ctx.saved for _, h, _, _ in members}),
                 seq_len=int(ends[-1]),
                 request_id="",
                 rows=self.rows,
@@ -277,7 +301,7 @@ class Batch:
     def _upload(self, name: str, host: np.ndarray) -> torch.Tensor:
         t = self._dev.get(name)
         if t is None:
-            t = self._dev[name] = upload(torch.from_numpy(host), self.idx.device)
+            t = self._dev[name] = to_device(torch.from_numpy(host), self.idx.device)
         return t
 
     @property

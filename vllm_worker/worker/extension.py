@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_worker import compat
+from vllm_worker import compat, counters
 from vllm_worker.protocol import errors, rpc
 from vllm_worker.transport import shm
 from vllm_worker.worker import seams
-from vllm_worker.worker.runtime import FORWARD_CLOCK, LensRuntime
+from vllm_worker.worker.params import UnknownParameter
+from vllm_worker.worker.runtime import LensRuntime
 
 logger = logging.getLogger("vllm_worker")
 
@@ -147,8 +148,8 @@ class LensWorkerExtension:
         return self._lens_rt().status()
 
     def lens_forward_clock(self) -> list:
-        """(start, end, thread CPU at start) of the latest forward passes (diagnostics: `runtime.FORWARD_CLOCK`)."""
-        return list(FORWARD_CLOCK)
+        """(start, end, thread CPU at start) of the latest forward passes (diagnostics: `counters.FORWARD_CLOCK`)."""
+        return list(counters.FORWARD_CLOCK)
 
     def lens_rusage(self) -> dict:
         """Cumulative CPU use of this worker (diagnostics for benchmarks): the process, the thread that runs
@@ -194,8 +195,18 @@ class LensWorkerExtension:
     def lens_load_sae(self, name: str, path: str, uid: str) -> dict:
         return self._lens_rt().load_sae(str(name), str(path), str(uid))
 
-    def lens_prefetch(self, names: list) -> list:
-        return self._lens_rt().prefetch(list(names))
+    def lens_prefetch(self, names: list, report: bool = False) -> list | dict:
+        """`report`: {"prefetched": names} or {"error": Failure} for a parameter no stage has (the HTTP
+        route tells the caller's failure from ours by its kind, not by an exception's wording)."""
+        if not report:
+            return self._lens_rt().prefetch(list(names))
+        rt = self._lens_rt()
+        if isinstance(rt, Unsupported):
+            return {"error": errors.failure("unsupported", f"{rt.model_class}: {rt.reason}", "prefetch")}
+        try:
+            return {"prefetched": rt.prefetch(list(names)), "error": None}
+        except UnknownParameter as e:
+            return {"error": errors.failure("unsupported", f"no pipeline stage has a parameter {e.name!r}", "prefetch")}
 
     def lens_clear_prefetched(self) -> None:
         self._lens_rt().clear_prefetched()

@@ -2,7 +2,8 @@
 that such a failure fails the requests involved (with a clear error) and never the engine.
 
 Inactive unless a test sets `STAGE` (in-process engines) or the process starts with
-`VLLM_LENS_INJECT_FAULT=<stage>`. Per-step stages: admission, plan, fill, tap (the Python path), kernel
+`VLLM_LENS_INJECT_FAULT=<stage>`. Per-step stages: admission, flush (the step's new
+steering moved to the device), plan, fill, tap (the Python path), kernel
 (the graph-safe kernel inside the tap op), file, assemble. At load: layout (the decoder layers are not
 found, as on a model whose layout the plugin cannot read). In the background: early (the early-assembly
 thread's copy; its failure fails no request: results are then assembled at fetch).
@@ -12,16 +13,20 @@ from __future__ import annotations
 
 from vllm_worker import envs
 
-STAGES = ("admission", "plan", "fill", "tap", "kernel", "file", "assemble")
+STAGES = ("admission", "flush", "plan", "fill", "tap", "kernel", "file", "assemble")
 AT_LOAD = ("layout",)
 BACKGROUND = ("early",)
-STAGE: str | None = envs.get("VLLM_LENS_INJECT_FAULT")
+STAGE: str | None = None  # set by in-process tests; else `VLLM_LENS_INJECT_FAULT`, read when asked
 
 
 class InjectedFault(RuntimeError):
     pass
 
 
+def active() -> str | None:
+    return STAGE if STAGE is not None else envs.get("VLLM_LENS_INJECT_FAULT")
+
+
 def check(stage: str) -> None:
-    if STAGE == stage:
+    if active() == stage:
         raise InjectedFault(f"fault injected at stage {stage!r} (VLLM_LENS_INJECT_FAULT)")

@@ -37,20 +37,12 @@ import torch
 
 from vllm_worker import envs
 from vllm_worker.worker import faults
-from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.graph_entries import SteeringEntries, entries_for
 from vllm_worker.worker.graph_kernels import make_tap_kernel
 from vllm_worker.worker.graph_ring import StagingRing
 from vllm_worker.worker.graph_table import ControlTable
 
 logger = logging.getLogger("vllm_worker")
-
-STAGE_MB = envs.get("VLLM_LENS_STAGE_MB")
-STEER_MB = envs.get("VLLM_LENS_STEER_MB")
-
-# the host-to-device copy `edits` and `admission` import under this name (the rename to
-# `device_copy.to_device` reaches them at the merge of the worker/ split)
-upload = to_device
 
 
 def enabled() -> bool:
@@ -75,8 +67,10 @@ class GraphTaps:
         self.d, self.dtype, self.device = d, dtype, device
         self.max_rows = max_rows
         esize = torch.empty((), dtype=dtype).element_size()
-        self.stage_rows = max(1, min(int(STAGE_MB * (1 << 20)) // (d * esize), max_rows * self.n_cols))
-        n_entries = max(1, int(STEER_MB * (1 << 20)) // (2 * d * esize))
+        self.stage_rows = max(
+            1, min(int(envs.get("VLLM_LENS_STAGE_MB") * (1 << 20)) // (d * esize), max_rows * self.n_cols)
+        )
+        n_entries = max(1, int(envs.get("VLLM_LENS_STEER_MB") * (1 << 20)) // (2 * d * esize))
         cuda = device.type == "cuda"
         self._block = 1 << (d - 1).bit_length()
         self.table = ControlTable(self.n_cols, max_rows, device)

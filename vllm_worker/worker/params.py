@@ -8,6 +8,14 @@ import torch
 from vllm_worker import compat
 
 
+class UnknownParameter(KeyError):
+    """No pipeline stage has the parameter a prefetch names (the caller's mistake)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"prefetch_params: no pipeline stage has a parameter {name!r}")
+        self.name = name
+
+
 class Params:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -37,7 +45,7 @@ class Params:
             try:
                 self.prefetched[name] = compat.pp_share(local, name).detach().clone()
             except KeyError:
-                raise KeyError(f"prefetch_params: no pipeline stage has a parameter {name!r}") from None
+                raise UnknownParameter(name) from None
         return sorted(self.prefetched)
 
     def clear(self) -> None:

@@ -11,10 +11,6 @@ from vllm_worker.protocol.errors import Failure, failure
 from vllm_worker.worker.plan import HookRun, hook_at
 from vllm_worker.worker.request_results import RequestResults
 
-# Requests whose persistent-hook results are kept until `clear_hook_results`. Past it, new requests
-# fail with an error that says so (never a silent drop).
-MAX_PERSISTENT_RESULTS = limit("VLLM_LENS_MAX_PERSISTENT_RESULTS")
-
 
 class PersistentHooks:
     def __init__(self) -> None:
@@ -38,15 +34,20 @@ class PersistentHooks:
         self, runs: list[HookRun], store: RequestResults, external: str, ctx: Callable[[dict, str], HookContext]
     ) -> None:
         """A new request: add the persistent hooks to its runs (or fail it if results are full)."""
-        if len(self.results) >= MAX_PERSISTENT_RESULTS:
-            store.error = failure(
-                "limit",
-                f"persistent hook results are full ({MAX_PERSISTENT_RESULTS} requests, "
-                "VLLM_LENS_MAX_PERSISTENT_RESULTS): call collect_hook_results() then "
-                "clear_hook_results()",
-                "persistent hooks",
+        # requests whose results are kept until `clear_hook_results`; past it new requests fail, saying so
+        cap = limit("VLLM_LENS_MAX_PERSISTENT_RESULTS")
+        if len(self.results) >= cap:
+            store.fail(
+                failure(
+                    "limit",
+                    f"persistent hook results are full ({cap} requests, "
+                    "VLLM_LENS_MAX_PERSISTENT_RESULTS): call collect_hook_results() then "
+                    "clear_hook_results()",
+                    "persistent hooks",
+                )
             )
-            self.errors[external] = store.error
+            assert store.error is not None
+            self.errors.setdefault(external, store.error)
             return
         saved: list[dict] = [{} for _ in self.hooks]
         self.results[external] = saved
@@ -55,7 +56,8 @@ class PersistentHooks:
             runs.append(HookRun(fn, at, point, ctx(saved[i], external), i, True, batched, ("persistent", i), read_only))
 
     def failed(self, request_id: str, msg: str) -> None:
-        self.errors[request_id] = failure("hook", msg, "persistent hook")
+        """The first failure of the request's persistent hooks is the one reported (`RequestResults.fail`)."""
+        self.errors.setdefault(request_id, failure("hook", msg, "persistent hook"))
 
     def pop_errors(self, request_ids: list[str]) -> dict[str, Failure]:
         out = {}

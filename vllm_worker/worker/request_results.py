@@ -11,6 +11,7 @@ import torch
 
 from vllm_worker.counters import FETCH_TIMINGS
 from vllm_worker.protocol import errors
+from vllm_worker.transport.early_regions import Dest, State
 
 
 class StepArena:
@@ -118,4 +119,12 @@ class RequestResults:
     # positions the request can reach (prompt + max_tokens - 1): the early-assembly region's shape
     mine: list[int] = field(default_factory=list)
     max_pos: int = 0
-    early: object = None  # early-assembly state (`transport.early`): None until the request's first plan
+    # early assembly (`transport.early_regions`): the request's state, and its region while it holds one
+    early: State = State.UNDECIDED
+    dest: Dest | None = None
+
+    def fail(self, f: errors.Failure) -> None:
+        """One rule for every failure of a request (its hooks', our own code's): the first one is reported;
+        later ones are consequences or repeats of it."""
+        if self.error is None:
+            self.error = f

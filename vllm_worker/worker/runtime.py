@@ -11,55 +11,29 @@ buffer empty: the kernel returns at once.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from vllm_worker import compat
+from vllm_worker import compat, counters
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors, points
 from vllm_worker.protocol.spec import PAYLOAD_KEY
 from vllm_worker.transport import shm
 from vllm_worker.worker import edits, faults, graph, saes, seams, taps
-from vllm_worker.worker import store as store_mod
 from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.params import Params
 from vllm_worker.worker.persistent_hooks import PersistentHooks
-from vllm_worker.worker.plan import HookRun, RequestState, Rows, StepPlan, make_plan
-from vllm_worker.worker.results import RequestResults
+from vllm_worker.worker.plan import RequestState, Rows, StepPlan, make_plan
+from vllm_worker.worker.python_path import PythonPath
+from vllm_worker.worker.request_results import RequestResults
 from vllm_worker.worker.store import CaptureStore
 
 logger = logging.getLogger("vllm_worker")
-
-# Diagnostics (in `status`, read by benchmarks): host seconds around graph-path steps, cumulative.
-STEP_TIMINGS = {
-    "graph_steps": 0,
-    "plan_s": 0.0,
-    "forward_s": 0.0,
-    "after_s": 0.0,
-    "python_steps": 0,
-    "python_file_s": 0.0,
-    "graphless_steps": 0,  # steps kept off every CUDA graph (Python at a tap inside a layer)
-    "seam_steps": 0,  # graph-path steps with Python hooks at some taps (`seams`)
-    "deferred_sites": 0,  # taps whose read-only hooks ran after the forward (`StepPlan.defer_hooks`)
-    "reused_tables": 0,  # graph-path steps whose table was already on the device (`GraphTaps.reuse`)
-    "admit_s": 0.0,  # admitting new requests (decoding their specs, steering entries) at their first step
-}
-
-# Diagnostics (`lens_forward_clock`, read by benchmarks): (start, end, CPU seconds of the calling thread at
-# start) of the latest forward passes on the `time.monotonic` clock (one clock for every process of the
-# machine), so a benchmark can split a call's wall time into before the first step, the step loop and after
-# the last step, and tell a step loop that computes from one that waits (for the GIL, for the device).
-FORWARD_CLOCK: collections.deque = collections.deque(maxlen=4096)
-
-# Device memory the stream snapshots of deferred read-only hooks may hold within one step; past it the
-# hooks queued so far run at once (prefill steps with hooks at many layers).
-DEFER_MAX_BYTES = 256 << 20
 
 
 class LensRuntime:
@@ -68,7 +42,7 @@ class LensRuntime:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.model = compat.runner_model(runner)
-        if faults.STAGE == "layout":
+        if faults.active() == "layout":
             raise compat.LensIncompatibleVLLM(
                 f"fault injected at load: no decoder layers in {type(self.model).__name__}"
             )
@@ -111,7 +85,7 @@ class LensRuntime:
         self.params = Params(self.model)
         self._shm_host = shm.host_id()
         if self._shm_host is not None and shm.sweep_stale():
-            logger.info("inspect-lens: removed capture files left in %s by engines that died", shm.SHM_DIR)
+            logger.info("inspect-lens: removed capture files left in %s by engines that died", shm.shm_dir())
         self._d_model = compat.hidden_size(runner)
         self.graph: graph.GraphTaps | None = None
         if graph.enabled():
@@ -128,11 +102,12 @@ class LensRuntime:
                 )
         taps.set_graph(self.graph)
         self._layout: tuple | None = None  # (req_ids, qsl) the cached plan was made for
-        self._plan: StepPlan | None = None  # the plan of the forward pass running now
         self._cached_plan: StepPlan | None = None  # plan of the last batch composition seen ...
         self._plan_key: tuple | None = None  # ... and that composition (request ids, row offsets)
         self.steps_with_features = 0
         self.persistent = PersistentHooks()  # hooks on every request, and their results
+        # steering, hooks and capture from Python at the taps (steps off the graph-safe path, and seams)
+        self.python = PythonPath(self._d_model, self._local, self._fail, self.persistent, counters.STEP_TIMINGS)
         self.saes = saes.WorkerSaes(self.device, self._local_layers)  # `lens_load_sae`
         self.admission = Admission(
             runner,
@@ -187,8 +162,7 @@ class LensRuntime:
         for r in requests:
             if r.store is None:
                 r.store = RequestResults([])
-            if r.store.error is None:
-                r.store.error = msg
+            r.store.fail(msg)
             r.capture, r.capture_slot, r.steers, r.simple_add, r.hooks, r.sae = [], {}, [], {}, [], []
             self._free_entries(r)
             r.entries = {}
@@ -230,8 +204,12 @@ class LensRuntime:
             self._prune()
             t = time.perf_counter()
             active = self._active(req_ids, qsl)
-            self.admission.flush()  # the new requests' steering to the device, in one copy
-            STEP_TIMINGS["admit_s"] += time.perf_counter() - t
+            try:
+                self.admission.flush()  # the new requests' steering to the device, in one copy
+            except Exception as e:  # noqa: BLE001 - the requests it was moving fail; the step goes on
+                self._fail(self.admission.abandon(), "moving steering to the device", e)
+                active = [a for a in active if not a[0].failed]
+            counters.STEP_TIMINGS["admit_s"] += time.perf_counter() - t
             try:
                 plan = None
                 if active:
@@ -269,7 +247,7 @@ class LensRuntime:
         else:
             python_at = plan.sites
         if any(taps.is_inner(s) for s in python_at):
-            STEP_TIMINGS["graphless_steps"] += 1
+            counters.STEP_TIMINGS["graphless_steps"] += 1
             return 2
         # full graphs cut at the taps replay the hooks (a batch without one runs eagerly)
         return 0 if plan.graph is not None and seams.ready() else 1
@@ -289,7 +267,7 @@ class LensRuntime:
             return self._forward(orig, args, kwargs)
         finally:
             taps.set_graph(prev_graph)
-            FORWARD_CLOCK.append((t, time.monotonic(), cpu))
+            counters.FORWARD_CLOCK.append((t, time.monotonic(), cpu))
 
     def _forward(self, orig: Any, args: tuple, kwargs: dict) -> Any:
         plan = self._current_plan()
@@ -300,7 +278,7 @@ class LensRuntime:
             g.clear()
         if plan is None:
             return orig(self.runner, *args, **kwargs)
-        with self._python_at(plan, kwargs):
+        with self.python.at(plan, kwargs):
             out = orig(self.runner, *args, **kwargs)
         if plan.fired == 0:
             # The forward ran without reaching our taps (e.g. a CUDA graph replayed): the requests in the
@@ -309,9 +287,9 @@ class LensRuntime:
                 "inspect-lens taps did not run during a forward pass that needed them (was a CUDA graph "
                 "replayed for a step with Python hooks?)"
             )
-        self._fail_missed(plan, plan.sites, "the taps at {} did not run (a CUDA graph replayed?)")
+        self.python.fail_missed(plan, plan.sites, "the taps at {} did not run (a CUDA graph replayed?)")
         self.steps_with_features += 1
-        STEP_TIMINGS["python_steps"] += 1
+        counters.STEP_TIMINGS["python_steps"] += 1
         if plan.captured and not plan.broken:
             t = time.perf_counter()
             try:
@@ -319,7 +297,7 @@ class LensRuntime:
                 self.store.finish_step(plan)
             except Exception as e:  # noqa: BLE001
                 self._fail([r for r in plan.requests if r.capture], "filing captures", e)
-            STEP_TIMINGS["python_file_s"] += time.perf_counter() - t
+            counters.STEP_TIMINGS["python_file_s"] += time.perf_counter() - t
         return out
 
     def _graph_step(self, plan: StepPlan, orig: Any, args: tuple, kwargs: dict) -> Any:
@@ -336,7 +314,7 @@ class LensRuntime:
             faults.check("fill")
             # a decode step of an unchanged batch finds its table on the device: only the ring's base moves
             if g.reuse(gp):
-                STEP_TIMINGS["reused_tables"] += 1
+                counters.STEP_TIMINGS["reused_tables"] += 1
             else:
                 ctl = g.host_ctl(gp.n, gp.live_cols)
                 gp.fill(ctl, pos)
@@ -350,7 +328,7 @@ class LensRuntime:
             return orig(self.runner, *args, **kwargs)
         hooked = plan.seam_sites
         # Python hooks at these sites, after the kernel (`_tap`); cut full graphs replay them
-        python = self._python_at(plan, kwargs, hooked) if hooked else contextlib.nullcontext()
+        python = self.python.at(plan, kwargs, hooked) if hooked else contextlib.nullcontext()
         t1 = time.perf_counter()
         with python:
             try:
@@ -359,8 +337,8 @@ class LensRuntime:
                 g.active = False
         t2 = time.perf_counter()
         if hooked:
-            STEP_TIMINGS["seam_steps"] += 1
-            self._fail_missed(plan, hooked, "the hooks at {} did not run")
+            counters.STEP_TIMINGS["seam_steps"] += 1
+            self.python.fail_missed(plan, hooked, "the hooks at {} did not run")
         if g.error is not None:  # the kernel raised inside the forward: these requests fail, nobody else
             self._fail(plan.requests, "running the graph-safe taps", RuntimeError(g.error))
             return out
@@ -382,114 +360,11 @@ class LensRuntime:
                 self.store.file_graph_step(plan, g, base, n_cap, pos[gp.cap_rows[:n_cap]])
             except Exception as e:  # noqa: BLE001
                 self._fail([r for r in plan.requests if r.capture], "filing captures", e)
-        STEP_TIMINGS["graph_steps"] += 1
-        STEP_TIMINGS["plan_s"] += t1 - t0
-        STEP_TIMINGS["forward_s"] += t2 - t1
-        STEP_TIMINGS["after_s"] += time.perf_counter() - t2
+        counters.STEP_TIMINGS["graph_steps"] += 1
+        counters.STEP_TIMINGS["plan_s"] += t1 - t0
+        counters.STEP_TIMINGS["forward_s"] += t2 - t1
+        counters.STEP_TIMINGS["after_s"] += time.perf_counter() - t2
         return out
-
-    @contextlib.contextmanager
-    def _python_at(self, plan: StepPlan, kwargs: dict, wanted: frozenset = frozenset()) -> Iterator[None]:
-        """During the forward the taps call `on_tap` with `plan` (and cut full graphs replay the hooks at
-        `wanted`, `seams`)."""
-        positions = kwargs.get("positions")
-        if positions is None:
-            raise compat.LensIncompatibleVLLM("forward pass without `positions`")
-        plan.begin_step(positions)
-        self._plan = plan
-        prev_handler, prev_wanted = taps.set_handler(self.on_tap), seams.set_wanted(wanted)
-        try:
-            yield
-            self._run_deferred(plan)
-        finally:
-            taps.set_handler(prev_handler)
-            seams.set_wanted(prev_wanted)
-            self._plan = None
-
-    def _fail_missed(self, plan: StepPlan, sites: frozenset, message: str) -> None:
-        """Never a silent no-op: the requests acting at those of `sites` (on this stage) whose tap never
-        called `on_tap` this step fail, loudly (`message` names the sites at `{}`)."""
-        missed = (sites & self._local) - plan.fired_sites
-        if missed and not plan.broken:
-            names = ", ".join(points.describe(s) for s in sorted(missed))
-            hit = [r for r in plan.requests if _touches(r, missed)]
-            self._fail(hit, "running the step", RuntimeError(message.format(names)))
-
-    def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
-        plan = self._plan
-        if plan is None:
-            return
-        plan.fired += 1
-        plan.fired_sites.add(site)
-        if plan.broken:
-            return
-        try:
-            faults.check("tap")
-            self._tap(plan, hidden, residual, site)
-        except Exception as e:  # noqa: BLE001 - the plan's requests fail; their batch-mates go on
-            plan.broken = True
-            self._fail(plan.requests, f"tap {points.describe(site)}", e)
-
-    def _tap(self, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
-        """At one site: steering, hooks at the point, capture, then the next layer's pre-hooks (the stream
-        leaving layer i is the one entering layer i + 1). With a graph plan the kernel already steered and
-        captured here (`plan.RequestState.seam_ok`): only the hooks run. Read-only hooks (`defer_hooks`)
-        get a snapshot of the stream here and run after the forward."""
-        defer = plan.defer_hooks and site in plan.seam_sites
-        if plan.graph is not None:
-            if defer:
-                self._defer(plan, hidden, residual, site)
-                return
-            edits.run_hooks((site, False), plan, hidden, residual, self._hook_failed)
-            edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
-            return
-        edits.steer(site, plan, hidden, residual)
-        if plan.sae_clamp:
-            saes.clamp_at(site, plan, hidden, residual)
-        if defer:  # nothing below writes to the stream: one snapshot serves both hook positions
-            self._defer(plan, hidden, residual, site)
-        else:
-            edits.run_hooks((site, False), plan, hidden, residual, self._hook_failed)
-        cap = plan.capture.get(site)
-        if cap is not None:
-            idx = cap[0]
-            rows = hidden.index_select(0, idx)
-            if residual is not None:
-                rows = rows + residual.index_select(0, idx)
-            if rows.shape[1] < self._d_model:  # a narrower site (router logits) travels in d-wide rows
-                rows = torch.nn.functional.pad(rows, (0, self._d_model - rows.shape[1]))
-            plan.captured.append((site, rows))
-        if plan.sae_feat:
-            saes.features_at(site, plan, hidden, residual)
-        if not defer:
-            edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
-
-    def _defer(self, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
-        """The stream at `site` as it is now (a copy: later layers reuse these buffers), for the read-only
-        hooks there to run after the forward."""
-        snap = hidden + residual if residual is not None else hidden.clone()
-        held = sum(s.numel() * s.element_size() for _, s in plan.deferred)
-        if plan.deferred and held + snap.numel() * snap.element_size() > DEFER_MAX_BYTES:
-            self._run_deferred(plan)
-        plan.deferred.append((site, snap))
-
-    def _run_deferred(self, plan: StepPlan) -> None:
-        """The read-only hooks queued by `_defer`, in tap order, on their snapshots."""
-        queued, plan.deferred = plan.deferred, []
-        if plan.broken:
-            return
-        try:
-            for site, snap in queued:
-                edits.run_hooks((site, False), plan, snap, None, self._hook_failed)
-                edits.run_hooks((site, True), plan, snap, None, self._hook_failed)
-                STEP_TIMINGS["deferred_sites"] += 1
-        except Exception as e:  # noqa: BLE001 - as at a tap: the plan's requests fail, batch-mates go on
-            plan.broken = True
-            self._fail(plan.requests, "running deferred read-only hooks", e)
-
-    def _hook_failed(self, h: HookRun, msg: str) -> None:
-        if h.persistent:
-            self.persistent.failed(h.ctx.request_id, msg)
 
     # ---------------------------------------------------------------- fetch (RPC)
 
@@ -564,19 +439,14 @@ class LensRuntime:
             "steps_with_features": self.steps_with_features,
             **self.persistent.status(),
             "prefetched": sorted(self.params.prefetched),
-            "fetch_timings": dict(store_mod.FETCH_TIMINGS),
-            "step_timings": dict(STEP_TIMINGS),
-            "hook_timings": dict(edits.HOOK_TIMINGS),
+            "fetch_timings": dict(counters.FETCH_TIMINGS),
+            "step_timings": dict(counters.STEP_TIMINGS),
+            "hook_timings": dict(counters.HOOK_TIMINGS),
             "seams": dict(seams.SEAM_STATS),
             # shared-memory result regions handed to the frontend and not yet given back
             "result_regions": (pool or {}).get("regions_in_use", 0),
             "result_pool": pool,
         }
-
-
-def _touches(r: RequestState, sites: frozenset) -> bool:
-    own = set(r.capture) | set(r.simple_add) | {s for st in r.steers for s in st.layers} | {u.site for u in r.sae}
-    return bool(own & sites) or any(s in sites for h in r.hooks for s, _ in h.at)
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -9,7 +9,7 @@ what it launches.
 The op does two things. (1) At a layer's output it runs the graph-safe kernel (`graph.GraphTaps`), which
 reads per-step device buffers: this is how capture and steering run inside full CUDA graphs (decode
 steps), with no Python in the step. (2) When called from Python it also calls the per-forward handler
-(`runtime.LensRuntime.on_tap`), which may do anything, per request (Python hooks). The op is one of
+(`python_path.PythonPath.on_tap`), which may do anything, per request (Python hooks). The op is one of
 vLLM's piecewise `splitting_ops`, so it is called from Python between piecewise graphs. Full graphs never
 call Python: steps with Python hooks replay a copy of the full graph cut at these taps (`seams`), or are
 kept off full graphs (`compat.patch_cudagraph_dispatch`); eager mode calls it always.

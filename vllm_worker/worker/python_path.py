@@ -1,0 +1,145 @@
+"""Steps that run Python at the taps: steering, SAE clamps, hooks (inline, or deferred after the forward
+when they only read), and the capture rows kept for the step — between piecewise CUDA graphs, or at the
+seams of graph-path steps (`seams`). A failure here fails the step's requests (`fail`), never the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+from vllm_worker import compat
+from vllm_worker.protocol import points
+from vllm_worker.worker import edits, faults, saes, seams, taps
+from vllm_worker.worker.persistent_hooks import PersistentHooks
+from vllm_worker.worker.plan import HookRun, RequestState, StepPlan
+
+# Device memory the stream snapshots of deferred read-only hooks may hold within one step; past it the
+# hooks queued so far run at once (prefill steps with hooks at many layers).
+DEFER_MAX_BYTES = 256 << 20
+
+
+class PythonPath:
+    """The taps' handler while a step runs from Python (`at`): acts for the step's plan at each site."""
+
+    def __init__(
+        self,
+        d_model: int,
+        local: frozenset,
+        fail: Callable[[list[RequestState], str, Exception], None],
+        persistent: PersistentHooks,
+        timings: dict,
+    ) -> None:
+        self.d_model, self.local, self.fail, self.persistent = d_model, local, fail, persistent
+        self.timings = timings  # the runtime's step diagnostics
+        self.plan: StepPlan | None = None  # the plan of the forward pass running now
+
+    @contextlib.contextmanager
+    def at(self, plan: StepPlan, kwargs: dict, wanted: frozenset = frozenset()) -> Iterator[None]:
+        """During the forward the taps call `on_tap` with `plan` (and cut full graphs replay the hooks at
+        `wanted`, `seams`)."""
+        positions = kwargs.get("positions")
+        if positions is None:
+            raise compat.LensIncompatibleVLLM("forward pass without `positions`")
+        plan.begin_step(positions)
+        self.plan = plan
+        prev_handler, prev_wanted = taps.set_handler(self.on_tap), seams.set_wanted(wanted)
+        try:
+            yield
+            self.run_deferred(plan)
+        finally:
+            taps.set_handler(prev_handler)
+            seams.set_wanted(prev_wanted)
+            self.plan = None
+
+    def fail_missed(self, plan: StepPlan, sites: frozenset, message: str) -> None:
+        """Never a silent no-op: the requests acting at those of `sites` (on this stage) whose tap never
+        called `on_tap` this step fail, loudly (`message` names the sites at `{}`)."""
+        missed = (sites & self.local) - plan.fired_sites
+        if missed and not plan.broken:
+            names = ", ".join(points.describe(s) for s in sorted(missed))
+            hit = [r for r in plan.requests if _touches(r, missed)]
+            self.fail(hit, "running the step", RuntimeError(message.format(names)))
+
+    def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        plan = self.plan
+        if plan is None:
+            return
+        plan.fired += 1
+        plan.fired_sites.add(site)
+        if plan.broken:
+            return
+        try:
+            faults.check("tap")
+            self._tap(plan, hidden, residual, site)
+        except Exception as e:  # noqa: BLE001 - the plan's requests fail; their batch-mates go on
+            plan.broken = True
+            self.fail(plan.requests, f"tap {points.describe(site)}", e)
+
+    def _tap(self, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        """At one site: steering, hooks at the point, capture, then the next layer's pre-hooks (the stream
+        leaving layer i is the one entering layer i + 1). With a graph plan the kernel already steered and
+        captured here (`plan.RequestState.seam_ok`): only the hooks run. Read-only hooks (`defer_hooks`)
+        get a snapshot of the stream here and run after the forward."""
+        defer = plan.defer_hooks and site in plan.seam_sites
+        if plan.graph is not None:
+            if defer:
+                self._defer(plan, hidden, residual, site)
+                return
+            edits.run_hooks((site, False), plan, hidden, residual, self._hook_failed)
+            edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
+            return
+        edits.steer(site, plan, hidden, residual)
+        if plan.sae_clamp:
+            saes.clamp_at(site, plan, hidden, residual)
+        if defer:  # nothing below writes to the stream: one snapshot serves both hook positions
+            self._defer(plan, hidden, residual, site)
+        else:
+            edits.run_hooks((site, False), plan, hidden, residual, self._hook_failed)
+        cap = plan.capture.get(site)
+        if cap is not None:
+            idx = cap[0]
+            rows = hidden.index_select(0, idx)
+            if residual is not None:
+                rows = rows + residual.index_select(0, idx)
+            if rows.shape[1] < self.d_model:  # a narrower site (router logits) travels in d-wide rows
+                rows = torch.nn.functional.pad(rows, (0, self.d_model - rows.shape[1]))
+            plan.captured.append((site, rows))
+        if plan.sae_feat:
+            saes.features_at(site, plan, hidden, residual)
+        if not defer:
+            edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
+
+    def _defer(self, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        """The stream at `site` as it is now (a copy: later layers reuse these buffers), for the read-only
+        hooks there to run after the forward."""
+        snap = hidden + residual if residual is not None else hidden.clone()
+        held = sum(s.numel() * s.element_size() for _, s in plan.deferred)
+        if plan.deferred and held + snap.numel() * snap.element_size() > DEFER_MAX_BYTES:
+            self.run_deferred(plan)
+        plan.deferred.append((site, snap))
+
+    def run_deferred(self, plan: StepPlan) -> None:
+        """The read-only hooks queued by `_defer`, in tap order, on their snapshots."""
+        queued, plan.deferred = plan.deferred, []
+        if plan.broken:
+            return
+        try:
+            for site, snap in queued:
+                edits.run_hooks((site, False), plan, snap, None, self._hook_failed)
+                edits.run_hooks((site, True), plan, snap, None, self._hook_failed)
+                self.timings["deferred_sites"] += 1
+        except Exception as e:  # noqa: BLE001 - as at a tap: the plan's requests fail, batch-mates go on
+            plan.broken = True
+            self.fail(plan.requests, "running deferred read-only hooks", e)
+
+    def _hook_failed(self, h: HookRun, msg: str) -> None:
+        if h.persistent:
+            self.persistent.failed(h.ctx.request_id, msg)
+
+
+def _touches(r: RequestState, sites: frozenset) -> bool:
+    own = set(r.capture) | set(r.simple_add) | {s for st in r.steers for s in st.layers} | {u.site for u in r.sae}
+    return bool(own & sites) or any(s in sites for h in r.hooks for s, _ in h.at)
