@@ -22,6 +22,12 @@ def validation_error_cls() -> Any:
     return LensValidationError
 
 
+# The first vLLM release with GracefulHTTPError, whose API server answers the status it carries (on older ones
+# the 503 and 403 refusals below are plain ValueError / PermissionError: docs/compatibility.md says what
+# a client gets there). tests/core/test_adapter.py fails if the installed vLLM disagrees.
+GRACEFUL_SINCE = (0, 29)
+
+
 def _graceful_error_cls(base: type[Exception], status: str, name: str) -> type[Exception]:
     """A subclass of `base` that vLLM's API server answers with HTTP `status` (its GracefulHTTPError);
     plain `base` where vLLM has none."""
