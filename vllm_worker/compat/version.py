@@ -50,7 +50,7 @@ def _name(v: tuple[int, int]) -> str:
 
 
 def untested_reason(v: tuple[int, int], on_gpu: bool) -> str | None:
-    """Why release `v` is outside what was tested (None: it was tested, on GPU too where `on_gpu`)."""
+    """Why release `v` is outside what was tested (None: it was tested, on the kind of device in use)."""
     newest = max(TESTED)
     if v not in TESTED:
         return (
@@ -66,6 +66,8 @@ def untested_reason(v: tuple[int, int], on_gpu: bool) -> str | None:
             f"vLLM {_name(v)} was tested on CPU only; the GPU paths (graph taps, cut CUDA graphs, the V2 runner) "
             f"ran on vLLM {gpu} (docs/compatibility.md)."
         )
+    if not on_gpu and "cpu" not in TESTED[v]:
+        return f"vLLM {_name(v)} was tested on GPU only; the CPU suite ran on other releases (docs/compatibility.md)."
     return None
 
 
@@ -83,7 +85,7 @@ def check_version() -> tuple[int, int]:
     from vllm_worker import envs
 
     v = vllm_version()
-    reason = untested_reason(v, _on_gpu() if v in TESTED else False)
+    reason = untested_reason(v, _on_gpu() if v in TESTED and TESTED[v] != "cpu+gpu" else False)
     if reason is None:
         return v
     if v not in TESTED and not envs.get(ALLOW_UNTESTED):
