@@ -9,6 +9,8 @@ import logging
 import re
 from typing import Any, Callable
 
+from vllm_worker import envs
+
 logger = logging.getLogger("vllm_worker")
 
 
@@ -82,8 +84,6 @@ def _on_gpu() -> bool:
 def check_version() -> tuple[int, int]:
     """Refuse a vLLM release no test ran on (a warning with VLLM_LENS_ALLOW_UNTESTED_VLLM=1): its internals
     may have moved in ways `require` cannot see (same name, new meaning)."""
-    from vllm_worker import envs
-
     v = vllm_version()
     reason = untested_reason(v, _on_gpu() if v in TESTED and TESTED[v] != "cpu+gpu" else False)
     if reason is None:
