@@ -70,6 +70,13 @@ SETTINGS: dict[str, Setting] = {
             "the plugin is a complete no-op: nothing is patched, no worker extension, no `activations` attribute (only these settings' names still enter vLLM's table of its variables)",
         ),
         Setting(
+            "VLLM_LENS_ALLOW_UNTESTED_VLLM",
+            bool,
+            False,
+            "start on a vLLM release outside the tested range (docs/compatibility.md) with a warning instead "
+            "of refusing; every vLLM internal the plugin touches is still checked, and a moved one is still an error",
+        ),
+        Setting(
             "VLLM_LENS_ALLOW_REMOTE_HOOKS",
             bool,
             False,

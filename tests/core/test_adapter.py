@@ -17,7 +17,6 @@ def test_installed_vllm_has_everything_we_need(llama):
     compat.check()
     from vllm.config import CompilationConfig
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.common.offline import OfflineInferenceMixin
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
@@ -26,6 +25,13 @@ def test_installed_vllm_has_everything_we_need(llama):
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm_worker.compat.data_parallel import ROUTING_SINCE
+
+    # vllm.entrypoints.common.offline's mixin since 0.32, LLM itself before
+    OfflineInferenceMixin = compat.offline_mixin_cls()
+    # data-parallel result routing needs the DP client's call_utility_all_async (vLLM >= ROUTING_SINCE)
+    routing = compat.routing_unavailable() is None
+    assert routing == (compat.vllm_version() >= ROUTING_SINCE), compat.routing_unavailable()
     assert compat.graph_taps_unsupported() is None
     for fn in (
         EngineArgs.create_engine_config,
@@ -43,7 +49,7 @@ def test_installed_vllm_has_everything_we_need(llama):
         LLMEngine.add_request,
         LLMEngine.step,
         AsyncLLM.generate,
-        DPLBAsyncMPClient.get_core_engine_for_request,  # data parallel: which engine ran a request
+        *([DPLBAsyncMPClient.get_core_engine_for_request] if routing else []),  # which DP engine ran a request
     ):
         assert getattr(fn, "__lens_wrapped__", False), fn
     from vllm.config import ParallelConfig
@@ -195,8 +201,20 @@ def test_capture_admission_reads_the_model_config_and_vllm_maps_refusals_to_stat
     assert compat.model_capture_limits(proc) == (512, 4)  # the tiny engine: max_model_len 512, float32
     from http import HTTPStatus
 
+    from vllm_worker.compat.errors import GRACEFUL_SINCE
+
     err = compat.capacity_error_cls()("full")
-    assert isinstance(err, ValueError) and err.http_status == HTTPStatus.SERVICE_UNAVAILABLE
+    assert isinstance(err, ValueError)
+    if compat.vllm_version() >= GRACEFUL_SINCE:
+        assert err.http_status == HTTPStatus.SERVICE_UNAVAILABLE
+        assert compat.forbidden_error_cls()("no").http_status == HTTPStatus.FORBIDDEN
+    else:  # no GracefulHTTPError (fails here if this vLLM has it after all): capacity is a plain ValueError
+        # (vLLM: 400), a refusal vLLM's validation error (400 naming it, where a PermissionError is a 500)
+        from vllm.exceptions import VLLMValidationError
+
+        assert type(err) is ValueError
+        forbidden = compat.forbidden_error_cls()
+        assert issubclass(forbidden, VLLMValidationError) and issubclass(forbidden, PermissionError)
     with pytest.raises(compat.LensIncompatibleVLLM, match="max_model_len"):
         compat.model_capture_limits(SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
 
@@ -206,7 +224,10 @@ def test_server_api_keys_are_read_where_vllm_reads_them(monkeypatch):
     a list) or VLLM_API_KEY, as vLLM's auth middleware reads them; a moved field is a loud error."""
     from types import SimpleNamespace
 
-    from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser
+    try:
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser
+    except ImportError:  # vLLM < 0.29
+        from vllm.entrypoints.openai.cli_args import FrontendArgs, make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     assert "api_key" in FrontendArgs.__dataclass_fields__

@@ -122,6 +122,7 @@ from vllm_worker.compat.runner import (  # noqa: F401
 )
 from vllm_worker.compat.version import (  # noqa: F401
     SUPPORTED,
+    TESTED,
     LensIncompatibleVLLM,
     check_version,
     require,

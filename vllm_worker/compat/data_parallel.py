@@ -22,6 +22,12 @@ _UNAVAILABLE: list[str] = []
 _ROUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# The first vLLM release whose load-balancing DP client can call every engine (`call_utility_all_async`):
+# on older ones results from several data-parallel engines are refused (`routing_unavailable`).
+# tests/core/test_adapter.py fails if the installed vLLM disagrees.
+ROUTING_SINCE = (0, 32)
+
+
 def dp_client_cls() -> type:
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
 

@@ -22,6 +22,12 @@ def validation_error_cls() -> Any:
     return LensValidationError
 
 
+# The first vLLM release with GracefulHTTPError, whose API server answers the status it carries (on older ones
+# the 503 and 403 refusals below are plain ValueError / PermissionError: docs/compatibility.md says what
+# a client gets there). tests/core/test_adapter.py fails if the installed vLLM disagrees.
+GRACEFUL_SINCE = (0, 29)
+
+
 def _graceful_error_cls(base: type[Exception], status: str, name: str) -> type[Exception]:
     """A subclass of `base` that vLLM's API server answers with HTTP `status` (its GracefulHTTPError);
     plain `base` where vLLM has none."""
@@ -41,8 +47,16 @@ def _graceful_error_cls(base: type[Exception], status: str, name: str) -> type[E
 
 @functools.cache
 def forbidden_error_cls() -> type[PermissionError]:
-    """A `PermissionError` that vLLM's API server maps to HTTP 403."""
-    return cast("type[PermissionError]", _graceful_error_cls(PermissionError, "FORBIDDEN", "LensForbidden"))
+    """A `PermissionError` that vLLM's API server maps to HTTP 403. Before GRACEFUL_SINCE vLLM answers a plain
+    PermissionError with a 500: there it is also vLLM's validation error, a 400 naming the refusal."""
+    cls = _graceful_error_cls(PermissionError, "FORBIDDEN", "LensForbidden")
+    if cls is PermissionError:
+        try:
+            from vllm.exceptions import VLLMValidationError
+        except ImportError:
+            return PermissionError
+        cls = type("LensForbidden", (VLLMValidationError, PermissionError), {})
+    return cast("type[PermissionError]", cls)
 
 
 @functools.cache
