@@ -246,8 +246,10 @@ SETTINGS: dict[str, Setting] = {
             True,
             "the GPU writes each step's captured rows straight into their shared-memory result regions (the "
             "pool's segments registered with CUDA as they are made; one kernel per step on the copy stream): "
-            "no host copy for them (read at start-up; 0: early assembly copies them on the host). On CPU only "
-            "when set to 1: the step thread then writes them at the same offsets (for tests)",
+            "no host copy for them (read at start-up; 0: early assembly copies them on the host). Unset: on with "
+            "CUDA only on a vLLM release where they were checked byte-equal to host copies (vLLM 0.26; "
+            "compat.version.DIRECT_WRITES_VERIFIED). On CPU only when set to 1: the step thread then writes them "
+            "at the same offsets (for tests)",
         ),
         Setting(
             "VLLM_LENS_EARLY_INTERVAL_MS",

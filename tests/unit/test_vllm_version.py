@@ -124,3 +124,22 @@ def test_a_release_tested_on_gpu_only_warns_on_cpu(monkeypatch, caplog, fresh_wa
             f"inspect-lens: vLLM {gpu_only[0]}.{gpu_only[1]} was tested on GPU only; the CPU suite ran on other "
             "releases (docs/compatibility.md)."
         ]
+
+
+def test_direct_writes_default_only_where_verified(monkeypatch):
+    """GPU direct writes are on by default only on a release where the H200 check found them byte-equal to
+    host copies; the variable, when set, decides everywhere."""
+    from vllm_worker.compat import version
+
+    here = version.vllm_version()
+    monkeypatch.delenv("VLLM_LENS_DIRECT_POOL", raising=False)
+    monkeypatch.setattr(version, "DIRECT_WRITES_VERIFIED", frozenset())
+    assert version.direct_writes_on() is False
+    monkeypatch.setattr(version, "DIRECT_WRITES_VERIFIED", frozenset({here}))
+    assert version.direct_writes_on() is True
+    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "0")
+    assert version.direct_writes_on() is False
+    monkeypatch.setattr(version, "DIRECT_WRITES_VERIFIED", frozenset())
+    monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", "1")
+    assert version.direct_writes_on() is True
+    assert (0, 33) not in version.DIRECT_WRITES_VERIFIED  # the 0.33 check found different bytes

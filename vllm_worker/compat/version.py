@@ -26,7 +26,12 @@ TESTED: dict[tuple[int, int], str] = {
     (0, 30): "cpu",
     (0, 31): "cpu",
     (0, 32): "cpu",
+    (0, 33): "gpu",
 }
+# Releases on which the H200 check (bench/probes/gpu_direct_check.py) found the GPU's direct writes into the
+# result pool byte-equal to host copies. Elsewhere they are off unless VLLM_LENS_DIRECT_POOL is set: on 0.33
+# the check found the bytes different and the cause is not known yet (docs/decisions.md).
+DIRECT_WRITES_VERIFIED: frozenset[tuple[int, int]] = frozenset({(0, 26)})
 SUPPORTED = (min(TESTED), (max(TESTED)[0], max(TESTED)[1] + 1))  # [min, max) on (major, minor)
 ALLOW_UNTESTED = "VLLM_LENS_ALLOW_UNTESTED_VLLM"
 
@@ -130,3 +135,20 @@ def then(hook: Callable[[Any], None]) -> Callable[[Callable], Callable]:
         return method
 
     return make
+
+
+def direct_writes_on() -> bool:
+    """Whether a CUDA worker writes captured rows straight into the result pool: as `VLLM_LENS_DIRECT_POOL`
+    says when the environment sets it, else only on a release in DIRECT_WRITES_VERIFIED (host copies serve
+    the same results everywhere, only slower)."""
+    given = envs.given("VLLM_LENS_DIRECT_POOL")
+    if given is not None:
+        return bool(given)
+    v = vllm_version()
+    if v not in DIRECT_WRITES_VERIFIED:
+        logger.info(
+            "direct result-pool writes off on vLLM %s (not verified there; VLLM_LENS_DIRECT_POOL=1 turns them on)",
+            _name(v),
+        )
+        return False
+    return True

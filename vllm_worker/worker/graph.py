@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from vllm_worker import envs
+from vllm_worker.compat.version import direct_writes_on
 from vllm_worker.worker import faults
 from vllm_worker.worker.graph_entries import SteeringEntries, entries_for
 from vllm_worker.worker.graph_kernels import make_tap_kernel
@@ -75,9 +76,7 @@ class GraphTaps:
         self._block = 1 << (d - 1).bit_length()
         self.table = ControlTable(self.n_cols, max_rows, device)
         self.entries = SteeringEntries(n_entries, d, dtype, device)
-        self.ring = StagingRing(
-            self.stage_rows, d, dtype, device, side, self._block, bool(envs.get("VLLM_LENS_DIRECT_POOL"))
-        )
+        self.ring = StagingRing(self.stage_rows, d, dtype, device, side, self._block, cuda and direct_writes_on())
         # the tensors the kernel reads (never replaced: a recorded graph holds their addresses)
         self.ctl, self.base, self.stage = self.table.ctl, self.table.base, self.ring.stage
         self.A, self.B, self.bflag = self.entries.A, self.entries.B, self.entries.bflag

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_worker.compat.version import direct_writes_on
 from vllm_worker.counters import FETCH_TIMINGS
 from vllm_worker.envs import get, given, limit
 from vllm_worker.protocol import errors
@@ -45,9 +46,9 @@ class CaptureStore:
             lambda: self._pool, FETCH_TIMINGS, fetch_mod.executor, fetch_mod.max_threads, faults.check
         )
         # the GPU writes graph-path steps' rows into their regions itself (`early`, direct mode): on CUDA
-        # read here, once (the pool's segments are registered as they are made); on CPU when asked, and
+        # decided here, once (`compat.version.direct_writes_on`) (the pool's segments are registered as they are made); on CPU when asked, and
         # only when set (`_direct_on`)
-        self.direct = bool(get("VLLM_LENS_DIRECT_POOL"))
+        self.direct = self.side is not None and direct_writes_on()
 
     @property
     def pool(self) -> ResultPool | None:
