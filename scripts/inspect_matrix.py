@@ -27,16 +27,18 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-# inspect-ai releases: a spread over the ~2 months before the newest (PyPI had 0.3.255 ... 0.3.285)
-INSPECT = ("0.3.255", "0.3.265", "0.3.275", "0.3.280", "0.3.285")
+# inspect-ai releases: the newest, the oldest with every member the provider uses (0.3.261: 0.3.260 lacks
+# VLLMAPI._server_root and resolve_stream; 0.3.255 shows the refusal), a spread between; most telling first
+INSPECT = ("0.3.285", "0.3.261", "0.3.255", "0.3.265", "0.3.275", "0.3.280")
 DEFAULT_ROWS = (
-    *(f"inspect-ai=={v}" for v in INSPECT),
+    *(f"inspect-ai=={v}" for v in INSPECT[:3]),
     "inspect-ai==0.3.285,control-arena==20.1.1",
-    "inspect-ai==0.3.265,control-arena==20.1.1",
+    "inspect-ai==0.3.261,control-arena==20.1.1",
     "inspect-ai==0.3.285,control-arena==19.0.0",
     "inspect-ai==0.3.285,inspect-petri==3.1.1",
-    "inspect-ai==0.3.265,inspect-petri==3.1.1",
+    "inspect-ai==0.3.261,inspect-petri==3.1.1",
     "inspect-ai==0.3.285,inspect-petri==3.0.11",
+    *(f"inspect-ai=={v}" for v in INSPECT[3:]),
 )
 
 # what each kind of row runs: the tests that use Inspect (provider, solvers, scorers, evals) and need no GPU
@@ -220,7 +222,9 @@ def table(results: list[dict[str, object]], commit: str, date: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("rows", nargs="*", help="comma-separated pins per row, e.g. inspect-ai==0.3.265,control-arena==20.1.1")
+    ap.add_argument(
+        "rows", nargs="*", help="comma-separated pins per row, e.g. inspect-ai==0.3.265,control-arena==20.1.1"
+    )
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "inspect-lens" / "inspect-matrix")
     ap.add_argument("--out", type=Path, default=ROOT / "logs" / "inspect-matrix.md")
     args = ap.parse_args()
