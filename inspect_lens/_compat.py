@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 if TYPE_CHECKING:  # for type checkers only; at run time `VLLMAPI` is resolved (and checked) by __getattr__
     from inspect_ai.model._providers.vllm import VLLMAPI
 
-TESTED = ((0, 3, 261), (0, 3, 285))  # [oldest, newest] inspect-ai the matrix passed, on (major, minor, patch)
-SPEC = "inspect-ai>=0.3.261,<=0.3.285"  # the same range, as the `inspect` extra pins it
+TESTED = ((0, 3, 265), (0, 3, 285))  # [oldest, newest] inspect-ai the matrix passed, on (major, minor, patch)
+SPEC = "inspect-ai>=0.3.265,<=0.3.285"  # the same range, as the `inspect` extra pins it
 SKIP_VERSION_ENV = "INSPECT_LENS_SKIP_VERSION_CHECK"
 
 VLLM_MODULE = "inspect_ai.model._providers.vllm"

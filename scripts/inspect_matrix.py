@@ -27,18 +27,18 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-# inspect-ai releases: the newest, the oldest with every member the provider uses (0.3.261: 0.3.260 lacks
-# VLLMAPI._server_root and resolve_stream; 0.3.255 shows the refusal), a spread between; most telling first
-INSPECT = ("0.3.285", "0.3.261", "0.3.255", "0.3.265", "0.3.275", "0.3.280")
+# inspect-ai releases, most telling first: the newest; the oldest that passes (0.3.265); 0.3.261, whose
+# members check out but whose evals fail; 0.3.255, refused (no VLLMAPI._server_root, resolve_stream); a spread
+INSPECT = ("0.3.285", "0.3.265", "0.3.261", "0.3.255", "0.3.275", "0.3.280")
 DEFAULT_ROWS = (
-    *(f"inspect-ai=={v}" for v in INSPECT[:3]),
+    *(f"inspect-ai=={v}" for v in INSPECT[:4]),
     "inspect-ai==0.3.285,control-arena==20.1.1",
-    "inspect-ai==0.3.261,control-arena==20.1.1",
+    "inspect-ai==0.3.265,control-arena==20.1.1",
     "inspect-ai==0.3.285,control-arena==19.0.0",
     "inspect-ai==0.3.285,inspect-petri==3.1.1",
-    "inspect-ai==0.3.261,inspect-petri==3.1.1",
+    "inspect-ai==0.3.265,inspect-petri==3.1.1",
     "inspect-ai==0.3.285,inspect-petri==3.0.11",
-    *(f"inspect-ai=={v}" for v in INSPECT[3:]),
+    *(f"inspect-ai=={v}" for v in INSPECT[4:]),
 )
 
 # what each kind of row runs: the tests that use Inspect (provider, solvers, scorers, evals) and need no GPU
@@ -111,7 +111,7 @@ def build_overlay(pins: list[str], folder: Path) -> tuple[list[str], list[str]]:
     done = folder / ".complete"
     if done.exists():
         overlaid, _, left = done.read_text().partition("\n--\n")
-        return overlaid.split(), left.split()
+        return overlaid.split(), left.splitlines()
     folder.mkdir(parents=True, exist_ok=True)
     _pip("install", "--no-deps", "--ignore-requires-python", "--upgrade", "--target", str(folder), *pins)
     site = [p for p in sys.path if p.endswith("site-packages")]
