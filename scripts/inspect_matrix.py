@@ -93,7 +93,8 @@ def _resolve_one(name: str, pins: list[str]) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "r.json"
         _pip(
-            "install", "--dry-run", "--ignore-installed", "--only-binary=:all:", "--report", str(report),
+            "install", "--dry-run", "--ignore-installed", "--ignore-requires-python", "--only-binary=:all:",
+            "--report", str(report),
             "--target", tmp, name, *pins,
         )  # fmt: skip
         for item in json.loads(report.read_text())["install"]:
