@@ -6,9 +6,12 @@ listed in `MEMBERS` below and reached through the helpers of this module; `check
 is created) verifies that each is there with the shape we use and raises `LensIncompatibleInspect` naming
 what moved, instead of a confusing failure deep inside an eval. In the spirit of `vllm_worker.compat`.
 
-Supported: `SUPPORTED` (`inspect-ai>=0.3.285,<0.3.286`: 0.3.285 is the version scripts/setup.sh installs
-and the tests run). `INSPECT_LENS_SKIP_VERSION_CHECK=1` skips the version range only; the members are
-still checked.
+Supported: decided by what the provider uses, not by a version number. `TESTED` is the range of inspect-ai
+releases where these member checks and the provider's tests passed (scripts/inspect-matrix.sh; the table is
+in docs/compatibility.md). A newer release whose members all check out runs, with a
+`LensUntestedInspectWarning` naming the newest tested one; one that moved a member is refused naming it; an
+older release than the oldest tested is refused naming the range (`INSPECT_LENS_SKIP_VERSION_CHECK=1` lets it
+through that range check only: the members are still checked).
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ import importlib
 import inspect
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:  # for type checkers only; at run time `VLLMAPI` is resolved (and checked) by __getattr__
     from inspect_ai.model._providers.vllm import VLLMAPI
 
-SUPPORTED = ((0, 3, 285), (0, 3, 286))  # [min, max) on (major, minor, patch)
-SPEC = "inspect-ai>=0.3.285,<0.3.286"
+TESTED = ((0, 3, 265), (0, 3, 285))  # [oldest, newest] inspect-ai the matrix passed, on (major, minor, patch)
+SPEC = "inspect-ai>=0.3.265,<=0.3.285"  # the same range, as the `inspect` extra pins it
 SKIP_VERSION_ENV = "INSPECT_LENS_SKIP_VERSION_CHECK"
 
 VLLM_MODULE = "inspect_ai.model._providers.vllm"
@@ -34,7 +38,11 @@ LORA_MODULE = "inspect_ai.model._providers._vllm_lora"
 
 
 class LensIncompatibleInspect(RuntimeError):
-    """The installed Inspect AI is outside the supported range, or lacks an internal inspect-lens needs."""
+    """The installed Inspect AI is older than the tested range, or lacks an internal inspect-lens needs."""
+
+
+class LensUntestedInspectWarning(UserWarning):
+    """The installed Inspect AI is newer than the newest tested one; every internal inspect-lens uses is there."""
 
 
 @dataclass(frozen=True)
@@ -173,16 +181,44 @@ def _fmt(v: tuple[int, ...]) -> str:
     return ".".join(map(str, v))
 
 
+def support(v: tuple[int, ...]) -> str:
+    """How inspect-lens treats Inspect AI `v`: "older" (than the tested range: refused), "tested", or "newer"
+    (than the newest tested: allowed, with a warning, when the member checks pass)."""
+    oldest, newest = TESTED
+    v = tuple(v) + (0,) * (3 - len(v))
+    if v < oldest:
+        return "older"
+    return "newer" if v > newest else "tested"
+
+
+def _skip_version() -> bool:
+    return os.environ.get(SKIP_VERSION_ENV, "").lower() in ("1", "true", "yes", "on")
+
+
 def check_version(v: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """`v` (default: the installed version), unless it is older than the tested range."""
     v = inspect_version() if v is None else v
-    lo, hi = SUPPORTED
-    if not lo <= v < hi and os.environ.get(SKIP_VERSION_ENV, "").lower() not in ("1", "true", "yes", "on"):
+    if support(v) == "older" and not _skip_version():
+        oldest, newest = TESTED
         raise LensIncompatibleInspect(
-            f"inspect-lens supports Inspect AI {_fmt(lo)} up to (excluding) {_fmt(hi)} ({SPEC}); found {_fmt(v)}. "
-            f"Install it with `pip install '{SPEC}'`, or set {SKIP_VERSION_ENV}=1 to try this version anyway "
-            "(the Inspect internals inspect-lens uses are still checked)."
+            f"inspect-lens is tested with Inspect AI {_fmt(oldest)} to {_fmt(newest)} ({SPEC}); found {_fmt(v)}, "
+            f"older than that range. Install a tested one with `pip install '{SPEC}'`, or set {SKIP_VERSION_ENV}=1 "
+            "to try this version anyway (the Inspect internals inspect-lens uses are still checked)."
         )
     return v
+
+
+def warn_if_untested(v: tuple[int, ...]) -> None:
+    """A `LensUntestedInspectWarning` when `v` is newer than the newest tested version."""
+    if support(v) == "newer":
+        warnings.warn(
+            LensUntestedInspectWarning(
+                f"Inspect AI {_fmt(v)} is newer than the newest inspect-lens is tested with ({_fmt(TESTED[1])}); "
+                "every Inspect internal inspect-lens uses is present, so it runs. If something misbehaves, "
+                f"`pip install '{SPEC}'`."
+            ),
+            stacklevel=3,
+        )
 
 
 # -- members -----------------------------------------------------------------------------------------------
@@ -294,8 +330,9 @@ def _names_used_by(cls: type) -> set[str]:
 
 
 def check() -> tuple[int, ...]:
-    """The installed Inspect is in `SUPPORTED` and has every member of `MEMBERS` with its shape; else a
-    `LensIncompatibleInspect` naming each one that moved. Returns the Inspect version."""
+    """The installed Inspect is not older than `TESTED` and has every member of `MEMBERS` with its shape;
+    else a `LensIncompatibleInspect` naming the range or each member that moved. A newer Inspect than the
+    newest tested passes with a `LensUntestedInspectWarning`. Returns the Inspect version."""
     v = check_version()
     problems: list[str] = []
     for member in MEMBERS:
@@ -314,6 +351,7 @@ def check() -> tuple[int, ...]:
             )
     if problems:
         raise _moved("; ".join(problems))
+    warn_if_untested(v)
     return v
 
 

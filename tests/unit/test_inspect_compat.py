@@ -1,18 +1,21 @@
 """inspect_lens._compat: the installed Inspect AI has every private member inspect-lens relies on, and an
-Inspect that moved one (or a version outside the supported range) is refused with an error naming it.
-No engine, no server."""
+Inspect that moved one (or one older than the tested range) is refused with an error naming it; a newer one
+whose members all check out runs with a warning naming the newest tested version. Versions are simulated on
+the real installed Inspect, so the member checks are the real ones. No engine, no server."""
 
 from __future__ import annotations
 
 import importlib
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from inspect_lens import _compat
-from inspect_lens._compat import LensIncompatibleInspect
+from inspect_lens._compat import LensIncompatibleInspect, LensUntestedInspectWarning
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,18 +30,63 @@ def _owner(member: _compat.Member):
     return obj, leaf
 
 
+def _v(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+
+def _fmt(v: tuple[int, ...]) -> str:
+    return ".".join(map(str, v))
+
+
 def test_installed_inspect_passes():
     assert _compat.check() == _compat.inspect_version()
-    lo, hi = _compat.SUPPORTED
-    assert lo <= _compat.inspect_version() < hi
+    assert _compat.support(_compat.inspect_version()) != "older"
 
 
-def test_setup_installs_a_supported_inspect():
+def test_setup_installs_a_tested_inspect():
     pins = set(re.findall(r'"inspect-ai==([0-9.]+)"', (ROOT / "scripts" / "setup.sh").read_text()))
     assert pins, "scripts/setup.sh no longer pins inspect-ai"
-    lo, hi = _compat.SUPPORTED
     for pin in pins:
-        assert lo <= tuple(int(x) for x in pin.split(".")) < hi, pin
+        assert _compat.support(_v(pin)) == "tested", pin
+
+
+def test_the_inspect_extra_and_spec_are_exactly_the_tested_range():
+    oldest, newest = _compat.TESTED
+    want = f"inspect-ai>={_fmt(oldest)},<={_fmt(newest)}"
+    assert _compat.SPEC == want
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [r for r in extras["inspect"] if r.startswith("inspect-ai")] == [want]
+
+
+@pytest.mark.parametrize(
+    ("version", "verdict"),
+    [
+        ((0, 3, 261), "older"),  # its members check out, but evals fail on it (docs/compatibility.md)
+        ((0, 3, 260), "older"),  # lacks VLLMAPI._server_root and resolve_stream
+        ((0, 2, 999), "older"),
+        ((0, 3), "older"),
+        ((0, 3, 286), "newer"),
+        ((0, 4, 0), "newer"),
+        ((1, 0, 0), "newer"),
+    ],
+)
+def test_support_by_version(version, verdict):
+    assert _compat.support(version) == verdict
+
+
+def test_the_ends_of_the_tested_range_are_tested():
+    oldest, newest = _compat.TESTED
+    assert oldest <= newest
+    assert _compat.support(oldest) == _compat.support(newest) == "tested"
+    assert _compat.support(oldest[:2] + (oldest[2] - 1,)) == "older"
+    assert _compat.support(newest[:2] + (newest[2] + 1,)) == "newer"
+
+
+def test_a_tested_version_runs_without_warning(monkeypatch):
+    monkeypatch.setattr(_compat, "inspect_version", lambda: _compat.TESTED[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _compat.check() == _compat.TESTED[0]
 
 
 @pytest.mark.parametrize(
@@ -128,15 +176,45 @@ def test_a_name_clash_with_our_subclass_is_named(monkeypatch):
         _compat.check()
 
 
-@pytest.mark.parametrize("version", [(0, 3, 284), (0, 3, 286), (0, 4, 0), (1, 0, 0)])
-def test_a_version_outside_the_range_is_refused(monkeypatch, version):
+@pytest.mark.parametrize("version", [(0, 3, 261), (0, 3, 0), (0, 2, 999)])
+def test_an_older_version_is_refused_naming_the_tested_range(monkeypatch, version):
     monkeypatch.delenv(_compat.SKIP_VERSION_ENV, raising=False)
     monkeypatch.setattr(_compat, "inspect_version", lambda: version)
-    with pytest.raises(LensIncompatibleInspect, match=re.escape(f"found {'.'.join(map(str, version))}")) as e:
+    with pytest.raises(LensIncompatibleInspect, match=re.escape(f"found {_fmt(version)}")) as e:
         _compat.check()
+    oldest, newest = _compat.TESTED
+    assert f"{_fmt(oldest)} to {_fmt(newest)}" in str(e.value)
     assert _compat.SPEC in str(e.value)
     monkeypatch.setenv(_compat.SKIP_VERSION_ENV, "1")  # the escape hatch skips the range, not the members
     assert _compat.check() == version
+
+
+@pytest.mark.parametrize("version", [(0, 3, 286), (0, 4, 0), (1, 0, 0)])
+def test_a_newer_version_whose_members_check_out_runs_with_a_warning(monkeypatch, version):
+    monkeypatch.delenv(_compat.SKIP_VERSION_ENV, raising=False)
+    monkeypatch.setattr(_compat, "inspect_version", lambda: version)
+    with pytest.warns(LensUntestedInspectWarning) as got:
+        assert _compat.check() == version
+    [w] = got
+    assert f"Inspect AI {_fmt(version)} is newer" in str(w.message)
+    assert f"({_fmt(_compat.TESTED[1])})" in str(w.message)  # names the newest tested version
+
+
+def test_a_newer_version_that_moved_a_member_is_refused_naming_it(monkeypatch):
+    monkeypatch.setattr(_compat, "inspect_version", lambda: (0, 3, 290))
+    monkeypatch.delattr(_compat.vllm_api_base(), "_server_root")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused, not warned about
+        with pytest.raises(LensIncompatibleInspect, match=r"VLLMAPI\._server_root not found"):
+            _compat.check()
+
+
+def test_the_provider_warns_on_a_newer_inspect(monkeypatch):
+    from inspect_lens.provider import VLLMLensAPI
+
+    monkeypatch.setattr(_compat, "inspect_version", lambda: (0, 3, 286))
+    with pytest.warns(LensUntestedInspectWarning, match=re.escape(_fmt(_compat.TESTED[1]))):
+        VLLMLensAPI("some/model", base_url="http://127.0.0.1:9/v1")
 
 
 def test_the_provider_is_refused_on_an_incompatible_inspect(monkeypatch):
