@@ -92,6 +92,14 @@ def test_a_model_whose_layers_cannot_be_found_serves_plain_requests_and_refuses_
     assert llm.generate(PROMPTS[0], plain, use_tqdm=False)[0].outputs[0].token_ids == ref
     status = llm.collective_rpc("lens_status")[0]
     assert "fault injected at load" in status["unsupported"] and status["model_class"] == "LlamaForCausalLM"
+    # every worker RPC answers on such a model: nothing stored to drop or free, features refused by kind
+    assert llm.collective_rpc("lens_drop", args=(["x"],)) == [0]
+    assert llm.collective_rpc("lens_release", args=([],)) == [0]
+    assert llm.collective_rpc("lens_clear_hook_results") == [None]
+    assert llm.collective_rpc("lens_clear_prefetched") == [None]
+    assert "pool" not in llm.collective_rpc("lens_rusage")[0]
+    report = llm.collective_rpc("lens_prefetch", args=(["lm_head.weight"], True))[0]
+    assert report["error"]["kind"] == "unsupported" and "LlamaForCausalLM" in report["error"]["message"]
     for extra in (
         {"output_residual_stream": [1]},
         {"apply_steering_vectors": [SteeringVector(torch.ones(1, 128), [1])]},

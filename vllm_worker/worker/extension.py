@@ -8,7 +8,7 @@ clashes with the worker) and are called through `collective_rpc`.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from vllm_worker import compat, counters
 from vllm_worker.protocol import errors, rpc
@@ -31,6 +31,9 @@ class Unsupported:
             self.model_class = compat.model_class(compat.hf_config(runner))
         except Exception:  # noqa: BLE001 - only for the message
             self.model_class = type(compat.runner_model(runner)).__name__
+        # the owners the extension calls directly (as it calls the runtime's), standing in
+        self.store, self.persistent = _NoStore(), _NoPersistent()
+        self.params, self.saes = _NoParams(self._refuse), _NoSaes(self._refuse)
 
     def fetch(self, wanted: list, shm_host: str | None = None, released: list | None = None) -> dict:
         fail = errors.failure("unsupported", f"{self.model_class}: {self.reason}", "model layout")
@@ -52,31 +55,50 @@ class Unsupported:
             "result_pool": None,
         }
 
-    def drop(self, keys: list) -> int:
-        return 0
-
-    def release(self, released: list) -> int:
-        return 0
-
     def collect_hook_results(self) -> None:
         return None
 
     def pop_persistent_errors(self, request_ids: list) -> dict:
         return {}
 
-    def clear_hook_results(self) -> None:
-        return None
-
     def clear_hooks(self) -> None:
-        return None
-
-    def clear_prefetched(self) -> None:
         return None
 
     def _refuse(self, *args: Any) -> Any:
         raise ValueError(f"{self.model_class}: {self.reason}")
 
-    register_hooks = prefetch = get_parameter = load_sae = _refuse
+    register_hooks = _refuse
+
+
+class _NoStore:
+    """The result store's stand-in on an unsupported model: nothing is stored, so nothing to drop or free."""
+
+    def drop(self, keys: list) -> int:
+        return 0
+
+    def release(self, released: list | None) -> int:
+        return 0
+
+    def pool_status(self) -> None:
+        return None
+
+
+class _NoPersistent:
+    def clear_results(self) -> None:
+        return None
+
+
+class _NoParams:
+    def __init__(self, refuse: Callable[..., Any]) -> None:
+        self.prefetch = refuse
+
+    def clear(self) -> None:
+        return None
+
+
+class _NoSaes:
+    def __init__(self, refuse: Callable[..., Any]) -> None:
+        self.load = refuse
 
 
 def _on_loaded(runner: Any) -> None:
@@ -131,7 +153,7 @@ class LensWorkerExtension:
         )
 
     def lens_release(self, released: list) -> int:
-        return self._lens_rt().release(released)
+        return self._lens_rt().store.release(released)
 
     def lens_runner(self) -> str:
         """The model runner class vLLM built for this worker (V1, or V2 under VLLM_LENS_V2_RUNNER=1)."""
@@ -142,7 +164,7 @@ class LensWorkerExtension:
         return shm.host_id()
 
     def lens_drop(self, keys: list) -> int:
-        return self._lens_rt().drop(list(keys))
+        return self._lens_rt().store.drop(list(keys))
 
     def lens_status(self) -> dict:
         return self._lens_rt().status()
@@ -187,29 +209,29 @@ class LensWorkerExtension:
         return self._lens_rt().pop_persistent_errors([str(r) for r in request_ids])
 
     def lens_clear_hook_results(self) -> None:
-        self._lens_rt().clear_hook_results()
+        self._lens_rt().persistent.clear_results()
 
     def lens_clear_hooks(self) -> None:
         self._lens_rt().clear_hooks()
 
     def lens_load_sae(self, name: str, path: str, uid: str) -> dict:
-        return self._lens_rt().load_sae(str(name), str(path), str(uid))
+        return self._lens_rt().saes.load(str(name), str(path), str(uid))
 
     def lens_prefetch(self, names: list, report: bool = False) -> list | dict:
         """`report`: {"prefetched": names} or {"error": Failure} for a parameter no stage has (the HTTP
         route tells the caller's failure from ours by its kind, not by an exception's wording)."""
         if not report:
-            return self._lens_rt().prefetch(list(names))
+            return self._lens_rt().params.prefetch(list(names))
         rt = self._lens_rt()
         if isinstance(rt, Unsupported):
             return {"error": errors.failure("unsupported", f"{rt.model_class}: {rt.reason}", "prefetch")}
         try:
-            return {"prefetched": rt.prefetch(list(names)), "error": None}
+            return {"prefetched": rt.params.prefetch(list(names)), "error": None}
         except UnknownParameter as e:
             return {"error": errors.failure("unsupported", f"no pipeline stage has a parameter {e.name!r}", "prefetch")}
 
     def lens_clear_prefetched(self) -> None:
-        self._lens_rt().clear_prefetched()
+        self._lens_rt().params.clear()
 
 
 def _as_contract(ext: LensWorkerExtension) -> rpc.LensWorkerRpc:

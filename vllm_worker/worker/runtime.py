@@ -376,13 +376,6 @@ class LensRuntime:
         use_shm = shm_host is not None and shm_host == shm.host_id()
         return self.store.fetch(wanted, self.capturing_rank, self.sites, _pickle_saved, use_shm, released)
 
-    def drop(self, keys: list[str]) -> int:
-        return self.store.drop(keys)
-
-    def release(self, released: list) -> int:
-        """Result-pool regions the frontend is done with (outside a fetch)."""
-        return self.store.release(released)
-
     # ---------------------------------------------------------------- persistent hooks (RPC)
 
     def register_hooks(self, hooks: list[tuple[bytes, list[int], str, bool, bool]]) -> int:
@@ -398,9 +391,6 @@ class LensRuntime:
     def pop_persistent_errors(self, request_ids: list[str]) -> dict[str, errors.Failure]:
         return self.persistent.pop_errors(request_ids) if self.capturing_rank else {}
 
-    def clear_hook_results(self) -> None:
-        self.persistent.clear_results()
-
     def clear_hooks(self) -> None:
         self.persistent.clear()
         kept: dict[str, RequestState | None] = {}
@@ -413,19 +403,7 @@ class LensRuntime:
         self._reqs = kept
         self._invalidate()
 
-    def load_sae(self, name: str, path: str, uid: str) -> dict[str, Any]:
-        return self.saes.load(name, path, uid)
-
-    # ---------------------------------------------------------------- parameters and status
-
-    def get_parameter(self, name: str) -> torch.Tensor:
-        return self.params.get(name)
-
-    def prefetch(self, names: list[str]) -> list[str]:
-        return self.params.prefetch(names)
-
-    def clear_prefetched(self) -> None:
-        self.params.clear()
+    # ---------------------------------------------------------------- status
 
     def status(self) -> dict[str, Any]:
         pool = self.store.pool_status()
