@@ -27,3 +27,22 @@ def test_a_failed_flush_keeps_the_queue_and_a_good_one_empties_it():
     moves.flush()
     assert not moves._items
     assert torch.equal(got["b"], torch.ones(3)) and torch.equal(got["c"], torch.arange(4))
+
+
+def test_the_steering_entry_queue_leaves_only_once_copied(monkeypatch):
+    """`graph_entries.SteeringEntries.flush`: the same rule for the graph path's steering entries."""
+    from vllm_worker.worker import graph_entries
+
+    table = graph_entries.SteeringEntries(4, 8, torch.float32, torch.device("cpu"))
+    table._new[1] = (torch.ones(8), torch.zeros(8), True)
+    real = graph_entries.to_device
+    monkeypatch.setattr(graph_entries, "to_device", lambda *a: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        table.flush()
+    assert list(table._new) == [1]  # still queued: the caller fails its requests, then clears
+    monkeypatch.setattr(graph_entries, "to_device", real)
+    table.flush()
+    assert not table._new and torch.equal(table.A[1], torch.ones(8)) and bool(table.bflag[1])
+    table._new[2] = (torch.ones(8), torch.ones(8), False)
+    table.clear()
+    assert not table._new

@@ -99,6 +99,8 @@ class Admission:
         """After a failed `flush`: the requests whose steering it was moving (to be failed), queue emptied."""
         failed, self._pending = self._pending, []
         self._moves.clear()
+        if self.graph is not None:
+            self.graph.drop_new_entries()
         return failed
 
     def admit(self, req_id: str, payload: Any) -> RequestState:

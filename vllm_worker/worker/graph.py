@@ -194,6 +194,9 @@ class GraphTaps:
     def free_entries(self, idx: list[int]) -> None:
         self.entries.free(idx)
 
+    def drop_new_entries(self) -> None:
+        self.entries.clear()
+
     # ------------------------------------------------------------ per step
 
     def ring_alloc(self, n: int) -> int | None:

@@ -38,19 +38,26 @@ class SteeringEntries:
         return idx
 
     def flush(self) -> None:
-        """The entries stored since the last flush, to the device (before any step reads them)."""
+        """The entries stored since the last flush, to the device (before any step reads them). They leave
+        the queue only once copied: a failed copy leaves them queued for the caller to fail their requests
+        (`Admission.abandon`), as `admission.ToDevice` does."""
         if not self._new:
             return
-        pending, self._new = self._new, {}
+        pending = self._new
         idx = to_device(torch.tensor(list(pending), dtype=torch.long), self.device)
         rows = to_device(torch.stack([r for a, b, _ in pending.values() for r in (a, b)]), self.device)  # A, B, ...
         flags = to_device(torch.tensor([f for _, _, f in pending.values()], dtype=torch.int32), self.device)
         self.A.index_copy_(0, idx, rows[0::2])
         self.B.index_copy_(0, idx, rows[1::2])
         self.bflag.index_copy_(0, idx, flags)
+        self._new = {}
 
     def free(self, idx: list[int]) -> None:
         self._free.extend(idx)
+
+    def clear(self) -> None:
+        """Drop the queued entries (their requests failed: `Admission.abandon`)."""
+        self._new = {}
 
 
 def entries_for(table: SteeringEntries, sites: dict[int, int], steers: list[Any]) -> tuple[dict, list[int]] | None:
