@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_worker.transport import early_maps, lock_order
-from vllm_worker.transport.early_regions import BadMove, Dest, Regions, State, held, move
+from vllm_worker.transport.early_regions import BadMove, EarlyRegion, Regions, State, held, move
 from vllm_worker.transport.result_pool import ResultPool
 
 D = 8
@@ -27,7 +27,7 @@ class St:
     expected: int = 0
     segments: list = field(default_factory=list)
     early: State = State.UNDECIDED
-    dest: Dest | None = None
+    dest: EarlyRegion | None = None
 
 
 class Arena:
@@ -115,8 +115,8 @@ def test_the_lock_order_is_asserted(monkeypatch):
         pass
 
 
-def _dest(seg: np.ndarray, fill: np.ndarray, first_row: int, n_max: int, addr: int = 0) -> Dest:
-    dest = Dest(("seg", first_row * D * 2, 0), D * 2, n_max, D, torch.bfloat16, [0, 1], {0: 0, 1: 1})
+def _dest(seg: np.ndarray, fill: np.ndarray, first_row: int, n_max: int, addr: int = 0) -> EarlyRegion:
+    dest = EarlyRegion(("seg", first_row * D * 2, 0), D * 2, n_max, D, torch.bfloat16, [0, 1], {0: 0, 1: 1})
     dest.rows, dest.fill, dest.addr = seg, fill, addr
     return dest
 

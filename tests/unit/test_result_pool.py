@@ -186,7 +186,7 @@ def test_early_assembly_blocks_copy_every_row_to_its_place():
         st = St()
         if r in where:
             k, first = where[r]
-            dest = early.Dest(("seg%d" % k, first * d * 2, 0), d * 2, n_max, d, torch.bfloat16, [0, 1, 2], {})
+            dest = early.EarlyRegion(("seg%d" % k, first * d * 2, 0), d * 2, n_max, d, torch.bfloat16, [0, 1, 2], {})
             dest.out_of_slot = {0: 0, 1: 1, 2: 2}
             dest.rows, dest.fill = seg[k], fills[k]
             st.early, st.dest = State.HELD, dest
@@ -272,7 +272,7 @@ class _Direct:
 
         k, first = self.where[r]
         d = self.d
-        dest = early.Dest(("seg%d" % k, first * d * 2, 0), d * 2, self.n_max, d, torch.bfloat16, [0, 1, 2], {})
+        dest = early.EarlyRegion(("seg%d" % k, first * d * 2, 0), d * 2, self.n_max, d, torch.bfloat16, [0, 1, 2], {})
         dest.out_of_slot = {0: 0, 1: 1, 2: 2}
         dest.rows, dest.fill = self.seg[k], self.fills[k]
         dest.addr = self.seg[k].ctypes.data

@@ -4,7 +4,7 @@ copies per request and chunk.
 
 Why: per-request assembly spent its time in Python around the copies (tens of thousands of numpy calls
 for an all-layer batch), and threads made it worse by fighting over the GIL
-(docs/internals.md#measured-reasons). Here each arena chunk (steps, rows, d) is cut into runs of
+(docs/decisions.md). Here each arena chunk (steps, rows, d) is cut into runs of
 adjacent columns that belong to this fetch; a run is copied with one numpy fancy-index assignment
 (`dst_rows[index (steps, m)] = chunk[:, run]`, no temporary: the source is a view) that releases the GIL,
 so a few threads really run in parallel. A request's region is aligned to a row of its segment, so the
@@ -28,7 +28,7 @@ BLOCK_BYTES = 64 << 20  # one copy job at most (threads take jobs)
 
 
 @dataclass
-class Dest:
+class FetchRegion:
     """Where one request's captures go: rows `base + slot * n_pos + position` of its segment."""
 
     payload: dict
@@ -101,7 +101,7 @@ def assemble(
     with captures. Fills each payload with its pool region (or leaves it None in the returned list when
     the pool had no room: the caller assembles that one as bytes)."""
     t0 = time.perf_counter()
-    dests: list[Dest | dict | None] = []
+    dests: list[FetchRegion | dict | None] = []
     # arena chunk -> (data, pos, filled steps, [(first column, n, dest, output slot)])
     chunks: dict[int, tuple[torch.Tensor, torch.Tensor, int, list]] = {}
     rows_of: dict[tuple[str, torch.dtype, int], np.ndarray] = {}
@@ -121,7 +121,7 @@ def assemble(
             dests.append(None)
             continue
         path, off = region[0], region[1]
-        dest = Dest(payload, mine, n_pos, path, off // row, region, d, dtype, nbytes)
+        dest = FetchRegion(payload, mine, n_pos, path, off // row, region, d, dtype, nbytes)
         dests.append(dest)
         if (path, dtype, d) not in rows_of:
             rows_of[(path, dtype, d)] = pool.rows(path, dtype, d)
@@ -188,7 +188,7 @@ def assemble(
 
     out: list[dict | None] = []
     for got_dest, (payload, st, n_pos, mine, _) in zip(dests, items):
-        if not isinstance(got_dest, Dest):
+        if not isinstance(got_dest, FetchRegion):
             out.append(got_dest)  # a finished payload, or None: no room in the pool
             continue
         dest = got_dest

@@ -52,7 +52,7 @@ from vllm_worker.protocol import errors
 from vllm_worker.transport import early_maps
 from vllm_worker.transport.assembly import note_missing, pool_result
 from vllm_worker.transport.early_maps import run, split
-from vllm_worker.transport.early_regions import Dest, Regions, State, esize, held
+from vllm_worker.transport.early_regions import EarlyRegion, Regions, State, esize, held
 from vllm_worker.transport.result_pool import ResultPool
 
 logger = logging.getLogger("vllm_worker")
@@ -132,7 +132,7 @@ class EarlyAssembler(Regions):
             while self._busy:
                 self._cv.wait(0.5)
 
-    def finish(self, payload: dict, st: Any, n_pos: int, mine: list[int], dest: Dest) -> dict | None:
+    def finish(self, payload: dict, st: Any, n_pos: int, mine: list[int], dest: EarlyRegion) -> dict | None:
         """The claimed region as the request's result (the layout `assembly.assemble` writes), or None:
         not usable (the caller frees it and assembles the request at fetch)."""
         pool = self._pool()

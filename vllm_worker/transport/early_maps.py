@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vllm_worker.transport.early_regions import Dest
+from vllm_worker.transport.early_regions import EarlyRegion
 from vllm_worker.transport.result_pool import host_array
 
 
@@ -124,19 +124,19 @@ def jobs(chunk: list, s0: int, s1: int, cmap: tuple, out: list, marks: list) -> 
     return total
 
 
-def user_columns(states: list, keep: Callable[[Dest], bool], by: Callable[[Dest], Any]) -> tuple | None:
-    """One Python pass over an arena's users `(first column, columns, their live Dest or None, slot)`, numpy for the
+def user_columns(states: list, keep: Callable[[EarlyRegion], bool], by: Callable[[EarlyRegion], Any]) -> tuple | None:
+    """One Python pass over an arena's users `(first column, columns, their live EarlyRegion or None, slot)`, numpy for the
     columns (an all-layer batch has 32 users per request: a slice assignment per user took ~27 ms per arena
-    on CPU). The users kept: those whose state is a live `Dest` holding their slot that `keep` accepts.
+    on CPU). The users kept: those whose state is a live `EarlyRegion` holding their slot that `keep` accepts.
     Returns (their columns; per user its column count; per column its region's row of position 0, its
-    positions' bound and its target's code — regions grouped by `by(dest)`; per user its Dest; one Dest per
+    positions' bound and its target's code — regions grouped by `by(dest)`; per user its EarlyRegion; one EarlyRegion per
     target, in code order), or None when no user is kept."""
     cols: list[int] = []
     ns: list[int] = []
     rows: list[int] = []
     codes: list[int] = []
-    who: list[Dest] = []
-    firsts: list[Dest] = []
+    who: list[EarlyRegion] = []
+    firsts: list[EarlyRegion] = []
     code: dict[int, int] = {}
     for col, n, e, slot in states:
         if e is None or e.dead:

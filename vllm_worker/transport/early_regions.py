@@ -1,7 +1,7 @@
 """Early assembly's per-request region state machine (`early` is the copier that fills the regions).
 
 Each capturing request's `RequestResults.early` is a `State`; while it holds a region, `RequestResults.dest`
-is its `Dest`. The moves (every one under the condition `Regions.cv`, checked by `move`):
+is its `EarlyRegion`. The moves (every one under the condition `Regions.cv`, checked by `move`):
 
     UNDECIDED -> OFF                     not assembled early (decided at its first plan, `decide`)
     UNDECIDED -> WANTED                  will get a region when its first rows are copied (or at its first
@@ -60,7 +60,7 @@ class BadMove(AssertionError):
     """A state change the machine does not have: a bug of ours, never a silent overwrite."""
 
 
-def move(st: Any, to: State, dest: Dest | None = None) -> None:
+def move(st: Any, to: State, dest: EarlyRegion | None = None) -> None:
     """(cv held.) `st.early` becomes `to`; `dest` is its region while HELD (and only then)."""
     if to not in MOVES[st.early]:
         raise BadMove(f"early assembly: {st.early.name} -> {to.name}")
@@ -68,7 +68,7 @@ def move(st: Any, to: State, dest: Dest | None = None) -> None:
     st.dest = dest if to is S.HELD else None
 
 
-class Dest:
+class EarlyRegion:
     """Where one request's captured rows go: row `base + out * n_max + position` of `rows` (its segment).
     `addr`: the segment's address when the GPU writes the rows itself (direct), else 0."""
 
@@ -97,7 +97,7 @@ class Regions:
         self._pool = pool
         self._timings = timings
         self._cv = Ordered(threading.Condition(), LockOrder.CV)
-        self._free: list[Dest] = []  # dead regions, freed between batches
+        self._free: list[EarlyRegion] = []  # dead regions, freed between batches
         self._busy = False  # a batch of copies is in flight
         self.gen = 0  # bumped when a region is created, claimed or dies: arenas rebuild their maps
         self.broken = False
@@ -167,7 +167,7 @@ class Regions:
 
     # ------------------------------------------------------------ fetch side
 
-    def claim(self, stores: list) -> dict[int, Dest]:
+    def claim(self, stores: list) -> dict[int, EarlyRegion]:
         """These requests' regions are the fetch's now (id(store) -> region): the thread will not start
         another copy into them; `quiesce` waits for one in flight."""
         got = {}
@@ -190,7 +190,7 @@ class Regions:
                 self._free_dead()
         return got
 
-    def free_now(self, dest: Dest) -> None:
+    def free_now(self, dest: EarlyRegion) -> None:
         """A claimed region the fetch does not use (after `quiesce`)."""
         pool = self._pool()
         if dest.addr:
@@ -252,11 +252,11 @@ class Regions:
                 move(st, S.HELD, dest)
                 self.dmade += bool(dest.addr)
 
-    def _dest(self, st: Any, region: tuple, pool: ResultPool, d: int, dtype: torch.dtype, row: int) -> Dest:
-        """(cv held.) The request's `Dest` over a region just taken, its rows marked as not written."""
+    def _dest(self, st: Any, region: tuple, pool: ResultPool, d: int, dtype: torch.dtype, row: int) -> EarlyRegion:
+        """(cv held.) The request's `EarlyRegion` over a region just taken, its rows marked as not written."""
         mine = list(st.mine)
         out_of_slot = {st.layers.index(l): i for i, l in enumerate(mine)}
-        dest = Dest(region, row, st.max_pos, d, dtype, mine, out_of_slot)
+        dest = EarlyRegion(region, row, st.max_pos, d, dtype, mine, out_of_slot)
         key = (region[0], dtype, d)
         if key not in self._rows:
             live = pool.segment_paths()
@@ -275,7 +275,7 @@ class Regions:
         return dest
 
 
-def held(st: Any) -> Dest | None:
+def held(st: Any) -> EarlyRegion | None:
     """The request's live region, if it holds one."""
     return st.dest if st.early is S.HELD and not st.dest.dead else None
 

@@ -3,7 +3,7 @@ files that worker and frontend both keep mapped, and a region is reused once the
 
 Why: a fresh shared-memory file costs page population on both sides (several times slower to write than
 memory already faulted in), plus a file open/allocate/truncate/unlink per request; a large all-layer
-fetch spent most of its time there (docs/internals.md#measured-reasons). Memory that has been written
+fetch spent most of its time there (docs/decisions.md). Memory that has been written
 once is cheap to write again, so the pool keeps it:
 
 - Worker (`ResultPool`): segments are files under /dev/shm, reserved with `posix_fallocate` (a full tmpfs

@@ -2,7 +2,7 @@
 
 Captures cross from a worker to the frontend through files under /dev/shm instead of the engine's
 message pipe, where serialising, sending, receiving and decoding large captures took most of a fetch
-(docs/internals.md#measured-reasons). The files are the result pool's segments (`result_pool`). Used only when the frontend asks for it and runs
+(docs/decisions.md). The files are the result pool's segments (`result_pool`). Used only when the frontend asks for it and runs
 on the same machine (same boot id); otherwise the bytes travel over RPC. `VLLM_LENS_SHM=0` turns it off.
 """
 

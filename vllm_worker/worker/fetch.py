@@ -52,7 +52,7 @@ def assemble_all(
     assemble_saved: Any,
     pool: ResultPool | None,
     early_asm: early.EarlyAssembler | None = None,
-    claimed: dict[int, early.Dest] | None = None,
+    claimed: dict[int, early.EarlyRegion] | None = None,
 ) -> list:
     """Into the result pool: requests assembled early (`early`) are finished in place, the others all
     at once (`assembly`), in a few threads for large fetches. As bytes (no pool: another machine, or

@@ -21,7 +21,7 @@ fills before the forward runs:
 On CUDA the kernel is Triton (one program per row; a row with nothing to do returns at once, so a layer
 nobody uses costs one small launch inside the graph). Elsewhere (CPU) the same semantics run as torch ops.
 Steps this path cannot serve (Python hooks, a ring or entry table too small) run the Python path of
-`runtime.LensRuntime.on_tap` in a step without CUDA graphs.
+`python_path.PythonPath.on_tap` in a step without CUDA graphs.
 
 Rooms: the table in `graph_table`, the entries in `graph_entries`, the ring in `graph_ring`, the Triton
 kernels in `graph_kernels`; this module holds the tap op that reads them and the step's state.

@@ -241,7 +241,7 @@ class StepPlan:
     @functools.cached_property
     def defer_hooks(self) -> bool:
         """Every hook of this plan only reads: the taps snapshot the stream and the hooks run after the
-        forward has been launched (`runtime.Runtime._run_deferred`), so the device computes the rest of the
+        forward has been launched (`python_path.PythonPath.run_deferred`), so the device computes the rest of the
         step while their Python runs. One hook that may write keeps them all at their taps (a request's
         hooks share `ctx.saved`: their order must not change)."""
         runs = [h for items in self.hooks.values() for r, _, _ in items for h in r.hooks]

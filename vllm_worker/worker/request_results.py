@@ -11,7 +11,7 @@ import torch
 
 from vllm_worker.counters import FETCH_TIMINGS
 from vllm_worker.protocol import errors
-from vllm_worker.transport.early_regions import Dest, State
+from vllm_worker.transport.early_regions import EarlyRegion, State
 
 
 class StepArena:
@@ -50,7 +50,9 @@ class StepArena:
         # direct mode: None until a step's rows are written into regions by the GPU, then True; False once
         # a step is filed without (its rows are copied on the host, also for direct regions)
         self.direct: bool | None = None
-        self.members: frozenset | None = None  # the requests (their `Dest`s) the GPU writes (set at its first step)
+        self.members: frozenset | None = (
+            None  # the requests (their `EarlyRegion`s) the GPU writes (set at its first step)
+        )
         self.skip: frozenset = frozenset()  # ... of which those from its first step: the thread never copies them
         self.seen = -1  # `EarlyAssembler.dmade` when the members were last looked for
         self.direct_full = False  # ... and they are all of its requests: its steps need no host rows
@@ -121,7 +123,7 @@ class RequestResults:
     max_pos: int = 0
     # early assembly (`transport.early_regions`): the request's state, and its region while it holds one
     early: State = State.UNDECIDED
-    dest: Dest | None = None
+    dest: EarlyRegion | None = None
 
     def fail(self, f: errors.Failure) -> None:
         """One rule for every failure of a request (its hooks', our own code's): the first one is reported;

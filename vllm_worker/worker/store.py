@@ -283,7 +283,7 @@ class CaptureStore:
                     st = self._stores.pop((key, int(child)), None)
                     if st is not None:
                         todo.append((key, int(child), st, int(n_pos)))
-            claimed: dict[int, early.Dest] = {}
+            claimed: dict[int, early.EarlyRegion] = {}
             if reporting and use_shm:
                 claimed = self.early.claim([st for _, _, st, _ in todo])
                 if claimed:
