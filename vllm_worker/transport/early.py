@@ -230,8 +230,7 @@ class EarlyAssembler(Regions):
     def _batch(self, items: list) -> None:
         """Copy the queued steps. Few, large numpy calls: each releases the GIL while it copies and must take
         it back after, and every take-back while the step loop holds the GIL is a hand-off that loop pays
-        for (measured on the H200: ~4,500 extra waits of the step thread per all-layer run when the copies
-        went per column run). So a few index calls per block of an arena chunk (`_map`) and one copy per
+        for (docs/decisions.md). So a few index calls per block of an arena chunk (`_map`) and one copy per
         block and copy thread."""
         self._fault("early")
         t0 = time.perf_counter()

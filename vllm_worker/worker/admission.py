@@ -86,8 +86,7 @@ class Admission:
     def flush(self) -> None:
         """After a step's admissions, before it is planned: their steering reaches the device, one copy per
         dtype for all of them, and so do the graph-safe table's new entries (no device work or stream sync
-        per request). What admission still costs is host Python: 63-95 ms for 256 steered requests on the
-        H200 (`admit_s`, bench/results/2026-12-03-h200.md). On failure the caller fails `abandon()`'s
+        per request; what admission still costs is host Python: docs/decisions.md). On failure the caller fails `abandon()`'s
         requests (inside its per-request failure handling: never vLLM's step)."""
         faults.check("flush")
         self._moves.flush()

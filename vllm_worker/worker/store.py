@@ -310,8 +310,7 @@ class CaptureStore:
 
 
 # Result-pool segments are registered in pieces of this size: registering holds the driver, and the step
-# thread's launches wait for it (measured on the H200: 0.19 s for 4 GiB in one call, the launches stalled as
-# long), so the waits stay short.
+# thread's launches wait for it (docs/decisions.md), so the waits stay short.
 PIN_PIECE = 256 << 20
 
 
