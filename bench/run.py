@@ -3,7 +3,8 @@ repeats, ratios pair by pair; writes bench/results/<date>-<machine>.{md,json,png
 
     python bench/run.py [--repeats 3] [--quick] [--device cpu|cuda] [--only small|large]
 
-Env: BENCH_SYSTEMS (comma list) restricts systems; BENCH_* knobs in bench/worker.py.
+Env: BENCH_SYSTEMS (comma list) restricts systems; BENCH_* knobs in bench/worker.py and the system modules
+it loads (system_base.py, hf_system.py, nnsight_vllm_system.py).
 """
 
 from __future__ import annotations

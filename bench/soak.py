@@ -13,7 +13,7 @@ Two modes:
     .venv/bin/python bench/soak.py [--rounds 8] [--kinds disabled,plain,capture,steer] [--out F.json]
     .venv/bin/python bench/soak.py --long 10000 [--every 500] [--disabled] [--out F.json]
 
-(tests/http/test_reliability.py holds the pass/fail soak.)
+(tests/http/test_load_and_hangups.py holds the pass/fail soak.)
 """
 
 from __future__ import annotations

