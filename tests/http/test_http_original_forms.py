@@ -130,6 +130,29 @@ def test_the_original_request_forms_give_our_numbers(server, llama):
     assert from_jsonable(raw["hook_results"]) == ours.hook_results == {"0": {"calls": 4}}
 
 
+def test_results_the_original_form_cannot_carry_are_refused_not_dropped(server):
+    """A request in the original's form is answered in that form (residual_stream and hook_results only):
+    asking it for other results as well is a 400 naming the key, never an answer without them."""
+    for key, value in (
+        ("output_activations", {"attn_out": [1]}),
+        ("output_sae_features", {"sae": "any", "top_k": 2}),
+        ("output_probe_scores", ["any"]),
+    ):
+        body = {
+            "model": model_name(),
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "vllm_xargs": {"output_residual_stream": "[1]", key: json.dumps(value)},
+        }
+        r = post_json(server, "/v1/completions", body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == f"vllm_xargs.{key}"
+        assert "original vllm-lens form" in r.json()["error"]["message"]
+    # the same request in our form (a list) is served, with its results
+    body["vllm_xargs"] = {"output_residual_stream": [1]}
+    assert post_json(server, "/v1/completions", body).status_code == 200
+
+
 def test_plain_vllm_serve_exposes_everything(locked_server, llama):
     """`locked_server` is plain `vllm serve MODEL` (nothing allow-listed): our routes and results are
     there, the same numbers as offline."""

@@ -15,8 +15,11 @@ from vllm_worker.protocol import rpc
 from vllm_worker.protocol.errors import Failure, all_internal, messages
 from vllm_worker.protocol.points import RESID_POST
 from vllm_worker.protocol.spec import (
+    ACTIVATIONS_KEY,
     CAPTURE_KEY,
     HOOK_KEY,
+    PROBE_SCORES_KEY,
+    SAE_FEATURES_KEY,
     STEER_KEY,
 )
 from vllm_worker.protocol.wire import tensor_to_original_json, to_jsonable, to_original_jsonable
@@ -26,6 +29,16 @@ from vllm_worker.server.state import LensState
 
 def mentions(value: Any, marker: str) -> bool:
     return marker in (value if isinstance(value, str) else json.dumps(value, default=str))
+
+
+# results the original form has no place for: such a request is refused (400 naming the key), never
+# answered without them
+ORIGINAL_FORM_LACKS = (ACTIVATIONS_KEY, SAE_FEATURES_KEY, PROBE_SCORES_KEY)
+
+
+def original_form_lacks(xargs: dict) -> str | None:
+    """The first key of a request in the original's form whose results that form cannot carry."""
+    return next((k for k in ORIGINAL_FORM_LACKS if k in xargs), None)
 
 
 def original_dialect(xargs: dict) -> bool:

@@ -21,7 +21,15 @@ from vllm_worker.protocol.spec import (
     has_lens_keys,
     require_remote_hooks,
 )
-from vllm_worker.server.choices import Choice, Unmatched, fetch_results, hook_failure, internal_only, original_dialect
+from vllm_worker.server.choices import (
+    Choice,
+    Unmatched,
+    fetch_results,
+    hook_failure,
+    internal_only,
+    original_dialect,
+    original_form_lacks,
+)
 from vllm_worker.server.responses import (
     BadRequest,
     error_body,
@@ -112,6 +120,15 @@ class LensMiddleware:
             except PermissionError as e:
                 return await send_json(send, 403, error_body(403, str(e), f"vllm_xargs.{HOOK_KEY}", "Forbidden"))
         dialect = ours and original_dialect(xargs)  # before _precheck rewrites raw `true`
+        lacks = original_form_lacks(xargs) if dialect else None
+        if lacks is not None:
+            param = f"vllm_xargs.{lacks}"
+            msg = (
+                f"{param}: this request is in the original vllm-lens form ({CAPTURE_KEY} as a JSON string, or its "
+                f"tensor / hook objects) and is answered in that form, which carries only residual_stream and "
+                f"hook_results; send {CAPTURE_KEY} as a list (our form) to get {lacks}"
+            )
+            return await send_json(send, 400, error_body(400, msg, param, "BadRequestError"))
         if ours:
             stamp_scope(state, xargs, scope["headers"])  # named vectors: this caller's (frontend.vectors)
             try:
