@@ -73,12 +73,14 @@ class Admission:
         persistent: PersistentHooks,
         ctx: Callable[[dict, str], HookContext],
         saes: Any = None,
+        actions: Any = None,
     ) -> None:
         self.runner, self.device, self.dtype, self.d_model = runner, device, dtype, d_model
         self.local, self.capturing_rank, self.shm_host = local, capturing_rank, shm_host  # local: sites
         self.local_layers, self.missing = local_layers, missing
         self.store, self.graph, self.persistent, self.ctx = store, graph_taps, persistent, ctx
         self.saes = saes  # `saes.WorkerSaes`
+        self.actions = actions  # `actions.ActionTable`
         self.esize = torch.empty((), dtype=dtype).element_size()
         self._moves = ToDevice(device)
         self._pending: list[RequestState] = []  # admitted since the last flush, with steering to move
@@ -130,9 +132,12 @@ class Admission:
         hooks: list[HookRun] = []
         store = None
         sae_uses: list = []
+        act_uses: list = []
         if spec is not None:
             if spec.sae:
                 sae_uses = self.saes.uses(spec.sae)
+            if spec.actions:
+                act_uses = self._action_uses(req_id, spec)
             for s in spec.steers:
                 lut = None
                 if s.positions is not None:
@@ -147,6 +152,7 @@ class Admission:
                         s.norm_match,
                         None if s.positions is None else list(s.positions),
                         s.mul,
+                        self._gate(s.gate, act_uses),
                     )
                 )
             # result memory the frontend let go of: free before this request's result is announced
@@ -190,7 +196,7 @@ class Admission:
         # hooks: on the graph path too when their steps can run them at seams (`plan.RequestState.seam_ok`)
         graph_ok = not hooks or seams.enabled()
         if self.graph is not None and graph_ok and not any(st.mul for st in steers):  # multiplications: Python path
-            got = graph.request_entries(self.graph, steers) if steers else ({}, [])
+            got = self._entries(steers, act_uses) if steers else ({}, [])
             if got is not None:
                 entries, entry_ids = got
         for st in per_request:  # what the Python path steers with, to the device with the step's others
@@ -210,10 +216,54 @@ class Admission:
             entries,
             entry_ids,
             sae=sae_uses,
+            acts=act_uses,
         )
+        if act_uses and store is not None and self.capturing_rank:  # read at fetch unless it left first
+            store.actions = functools.partial(self.actions.outcome, act_uses)
         if per_request or simple or entry_ids:
             self._pending.append(state)
         return state
+
+    def _action_uses(self, req_id: str, spec: Any) -> list:
+        """Slots for the request's probe actions at this stage's layers (`actions.ActionTable`)."""
+        if self.actions is None:
+            raise ValueError("probe_actions: this worker has no action table")
+        if any(a["stop"] for a in spec.actions) and not compat.runner_stops_installed(self.runner):
+            raise compat.LensIncompatibleVLLM("probe_actions: this model runner's outputs cannot carry a stop")
+        first = compat.runner_prompt_len(self.runner, req_id) - 1
+        return self.actions.uses(req_id, spec.actions, self.local, first)
+
+    def _gate(self, index: int, uses: list) -> torch.Tensor | None:
+        """The device gate a probe action's vector is multiplied by (None: not gated)."""
+        if index < 0:
+            return None
+        for u in uses:
+            if u.index == index:
+                return self.actions.gate[u.slot : u.slot + 1]
+        raise ValueError(f"probe_actions[{index}]: its steering needs the probe's layer on the same pipeline stage")
+
+    def _entries(self, steers: list[DeviceSteer], uses: list) -> tuple[dict, list[int]] | None:
+        """Graph-path entries: one group for the plain vectors, one per gating action (its entries' gate
+        follows the action). A row has one entry per site, so groups sharing a site take the Python path."""
+        groups: dict[int, list[DeviceSteer]] = {}  # gate's address (-1: not gated) -> vectors
+        for st in steers:
+            groups.setdefault(-1 if st.gate is None else st.gate.data_ptr(), []).append(st)
+        sites = [{l for st in g for l in st.layers} for g in groups.values()]
+        if sum(len(x) for x in sites) != len(set().union(*sites)):
+            return None
+        by_gate = {} if self.actions is None else {self.actions.gate[u.slot : u.slot + 1].data_ptr(): u for u in uses}
+        entries: dict = {}
+        ids: list[int] = []
+        for key, group in groups.items():
+            got = graph.request_entries(self.graph, group, gated=key != -1)
+            if got is None:
+                self.graph.free_entries(ids)
+                return None
+            entries.update(got[0])
+            ids += got[1]
+            if key != -1:
+                by_gate[key].entries = got[1]
+        return entries, ids
 
     def _check_sites(self, spec: Any, hooks: list[HookRun], store: RequestResults | None) -> None:
         """A point this worker has no tap for (its layout could not be resolved here) fails the request with

@@ -18,6 +18,8 @@ import torch
 
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol.points import CODE, IN, OUT, READ_ONLY, RESID_PRE, site
+from vllm_worker.worker.actions import stage as stage_actions
+from vllm_worker.worker.actions import staged_rows
 from vllm_worker.worker.graph import GraphTaps
 from vllm_worker.worker.request_results import CaptureLog, RequestResults, StepArena
 from vllm_worker.worker.saes import stage_features
@@ -32,6 +34,7 @@ class DeviceSteer:
     norm_match: bool
     positions: list[int] | None = None  # host copy of the positions `lut` maps (3-D vectors)
     mul: bool = False  # `vectors` multiply the activation (head scaling at z): Python path only
+    gate: torch.Tensor | None = None  # (1,) device float its adds are multiplied by (`actions`: 0 until fired)
 
 
 HookAt = tuple[int, bool]  # (site, late): late = a pre-hook of the next layer, run after that site's captures
@@ -81,6 +84,7 @@ class RequestState:
     entries: "dict[int, tuple[int, np.ndarray, np.ndarray]] | None" = field(default_factory=dict)
     entry_ids: list[int] = field(default_factory=list)  # to give back when the request leaves
     sae: list = field(default_factory=list)  # `saes.SaeUse`s: features to return, clamps
+    acts: list = field(default_factory=list)  # `actions.ActionUse`s: probe actions at this stage's sites
 
     @property
     def failed(self) -> bool:
@@ -130,6 +134,7 @@ class GraphPlan:
     st_pos: list[tuple[int, int, int, np.ndarray, np.ndarray, int]]  # (start, end, col, positions, entries, default)
     n_extra: int = 0  # staged rows after the captures, read on the device only (SAE features)
     sae: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `saes.stage_features`
+    act: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `actions.stage`
 
     @property
     def n_capture(self) -> int:
@@ -230,6 +235,8 @@ class StepPlan:
     deferred: list = field(default_factory=list)  # (site, stream snapshot) whose read-only hooks run after the forward
     hook_runs: dict = field(default_factory=dict)  # HookAt -> per-request hook calls there (`edits._per_request_runs`)
     row_cells: dict = field(default_factory=dict)  # batched hooks' `ctx.save_rows` values (`edits.Batch`)
+    act_rows: dict = field(default_factory=dict)  # site -> (rows on device, host rows, requests): `actions`
+    act_got: list = field(default_factory=list)  # the action rows read at the taps this step
 
     @functools.cached_property
     def seam_sites(self) -> frozenset:
@@ -255,6 +262,7 @@ class StepPlan:
         self.broken = False
         self.fired_sites = set()
         self.deferred = []
+        self.act_got = []
 
     @functools.cached_property
     def sites(self) -> frozenset:
@@ -267,13 +275,16 @@ class StepPlan:
             | {s for s, _ in self.groups}
             | frozenset(self.sae_feat)
             | frozenset(self.sae_clamp)
+            | frozenset(self.act_rows)
         )
 
 
 def split_steers(steers: list[DeviceSteer]) -> tuple[list[DeviceSteer], dict[int, torch.Tensor]]:
     """(steers needing per-request work, {layer: summed simple add}). A layer where any vector is
     positional or norm-matched keeps all its vectors per request (their order of application matters)."""
-    complex_layers = {l for st in steers if st.lut is not None or st.norm_match or st.mul for l in st.layers}
+    complex_layers = {
+        l for st in steers if st.lut is not None or st.norm_match or st.mul or st.gate is not None for l in st.layers
+    }
     simple: dict[int, torch.Tensor] = {}
     for st in steers:
         for layer, row in st.layers.items():
@@ -302,8 +313,11 @@ def make_plan(
     batched: dict[HookAt, dict[Any, list]] = {}
     sae_feat: dict[int, Rows] = {}
     sae_clamp: dict[int, Rows] = {}
+    act: dict[int, Rows] = {}
     for item in active:
         r = item[0]
+        for at in dict.fromkeys(u.site for u in r.acts):
+            act.setdefault(at, []).append(item)
         for u in r.sae:
             if u.site in local and (u.clamp or capturing_rank):  # features: only the reporting rank
                 (sae_clamp if u.clamp else sae_feat).setdefault(u.site, []).append(item)
@@ -346,6 +360,7 @@ def make_plan(
     ):
         gp = graph_plan(active, cap_rows, n_rows, graph.col)
         stage_features(gp, cap_rows, {s: list(dict.fromkeys(v)) for s, v in sae_feat.items()}, graph.col)
+        stage_actions(gp, cap_rows, act, graph.col)
         if gp.total <= graph.stage_rows:
             capture = {layer: (None, items) for layer, items in cap_rows.items()}
             # Python hooks, if any, run at their sites after the kernel (`runtime.LensRuntime._seam_tap`)
@@ -380,9 +395,15 @@ def make_plan(
         groups=hook_groups(),
         sae_feat={s: (on_device(rows_of(items)), items) for s, items in feat.items()},
         sae_clamp={s: list(dict.fromkeys(v)) for s, v in sae_clamp.items()},
+        act_rows={s: (on_device(rw), rw, items) for s, items in act.items() for rw in [action_rows(items)]},
     )
 
 
 def group_rows(members: list) -> np.ndarray:
     """The batch rows of a batched hook's members, stacked in member order."""
     return np.concatenate([np.arange(s, e) for _, _, s, e in members])
+
+
+def action_rows(items: Rows) -> np.ndarray:
+    """The batch rows staged for the actions of `items` (`actions.staged_rows`), in order."""
+    return np.concatenate([staged_rows(s, e) for _, s, e in items])

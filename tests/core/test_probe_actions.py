@@ -1,0 +1,160 @@
+"""`probe_actions`: a score crossing its threshold stops the request or switches steering on, in the same
+generation; equal to HF float32 with the same rule applied by hand (the firing position, the steered
+continuation); batch-mates and requests whose probe never fires are unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from support.reference import greedy, hf_model, residuals, steer_edit
+from vllm_worker import SteeringVector
+
+D = 128
+LAYER = 2
+N_NEW = 12
+PROMPTS = ["the water of people will come down to the side", "a long thing to see him", "how many water did she"]
+
+
+def _direction(seed: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(D, generator=g)
+    return v / v.norm()
+
+
+def _sp(extra=None, n=N_NEW) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, extra_args=extra)
+
+
+def _watched_scores(hf, prompt_ids, tokens, w, edit=None) -> list[float]:
+    """The score at each position that produced a generated token (last prompt position onward)."""
+    ids = list(prompt_ids) + list(tokens)
+    ref, _ = residuals(hf, ids[:-1], edit)
+    s = ref[LAYER] @ w
+    return s[len(prompt_ids) - 1 :].tolist()
+
+
+def _aggregate(scores: list[float], kind: str) -> list[float]:
+    if kind == "token":
+        return scores
+    if kind.startswith("ema:"):
+        a = float(kind[4:])
+        out, e = [], 0.0
+        for i, s in enumerate(scores):
+            e = s if i == 0 else a * e + (1 - a) * s
+            out.append(e)
+        return out
+    w = int(kind.split(":")[1])
+    return [sum(scores[max(0, i - w + 1) : i + 1]) / min(i + 1, w) for i in range(len(scores))]
+
+
+def _threshold_firing_at(agg: list[float], k: int) -> float:
+    """A threshold whose first crossing is at watched index k (between the max before and agg[k])."""
+    before = max(agg[:k]) if k else -1e9
+    assert agg[k] > before + 1e-3, "no clean crossing at k for this direction"
+    return (before + agg[k]) / 2
+
+
+@pytest.fixture(scope="module")
+def plain(llama):
+    outs = llama.generate(PROMPTS, [_sp() for _ in PROMPTS], use_tqdm=False)
+    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+
+
+def _first_rise(agg: list[float]) -> int:
+    """A watched index k >= 2 where agg[k] exceeds every earlier value (a crossing a threshold can catch)."""
+    for k in range(2, len(agg) - 3):
+        if agg[k] > max(agg[:k]) + 1e-3:
+            return k
+    pytest.skip("no rising score in this generation")
+
+
+@pytest.mark.parametrize("aggregate", ["token", "ema:0.5", "rolling_max:3"])
+def test_stop_at_the_firing_token_with_reason_and_position(llama, plain, aggregate):
+    hf = hf_model("llama")
+    w = _direction()
+    prompt_ids, tokens = plain[0]
+    agg = _aggregate(_watched_scores(hf, prompt_ids, tokens, w), aggregate)
+    k = _first_rise(agg)
+    thr = _threshold_firing_at(agg, k)
+    act = {"direction": w.tolist(), "layer": LAYER, "threshold": thr, "aggregate": aggregate, "then": "stop"}
+    act["name"] = "dir"
+    outs = llama.generate([PROMPTS[0], PROMPTS[1]], [_sp({"probe_actions": [act]}), _sp()], use_tqdm=False)
+    o = outs[0].outputs[0]
+    got = list(o.token_ids)
+    assert len(got) in (k + 1, k + 2), (len(got), k)
+    assert got == tokens[: len(got)]
+    assert o.finish_reason == "stop" and o.stop_reason == "probe:dir"
+    (rep,) = outs[0].activations["probe_actions"]
+    assert rep["fired"] and rep["name"] == "dir" and rep["action"] == 0
+    assert rep["token_index"] == k and rep["position"] == len(prompt_ids) - 1 + k
+    assert rep["value"] == pytest.approx(agg[k], abs=1e-4)
+    # the batch-mate ran to the end as without actions
+    assert list(outs[1].outputs[0].token_ids) == plain[1][1] and outs[1].outputs[0].finish_reason == "length"
+
+
+def test_never_firing_equals_the_request_without_actions(llama, plain):
+    w = _direction()
+    act = {"direction": w.tolist(), "layer": LAYER, "threshold": 1e6, "then": "stop"}
+    steer = {"steer": SteeringVector(torch.ones(1, D) * 5.0, [1])}
+    acts = [act, {**act, "then": steer}]
+    outs = llama.generate(PROMPTS, [_sp({"probe_actions": acts}) for _ in PROMPTS], use_tqdm=False)
+    for o, (_, tokens) in zip(outs, plain):
+        assert list(o.outputs[0].token_ids) == tokens
+        assert o.outputs[0].finish_reason == "length" and o.outputs[0].stop_reason is None
+        reps = o.activations["probe_actions"]
+        assert [r["fired"] for r in reps] == [False, False] and [r["position"] for r in reps] == [-1, -1]
+
+
+def test_steer_switches_on_from_the_token_after_the_firing_one(llama, plain):
+    hf = hf_model("llama")
+    w = _direction()
+    prompt_ids, tokens = plain[2]
+    agg = _watched_scores(hf, prompt_ids, tokens, w)
+    k = _first_rise(agg)
+    thr = _threshold_firing_at(agg, k)
+    v = torch.randn(1, D, generator=torch.Generator().manual_seed(11))
+    v = v / v.norm() * 8.0
+    act = {"direction": w.tolist(), "layer": LAYER, "threshold": thr, "then": {"steer": SteeringVector(v, [1])}}
+    outs = llama.generate([PROMPTS[2], PROMPTS[0]], [_sp({"probe_actions": [act]}), _sp()], use_tqdm=False)
+    fire_pos = len(prompt_ids) - 1 + k
+    # HF: the vector at layer 1 on every position after the firing one
+    positions = list(range(fire_pos + 1, len(prompt_ids) + N_NEW))
+    edit = steer_edit({1: v[0].expand(len(positions), D)}, positions=positions)
+    want = greedy(hf, prompt_ids, N_NEW, edit)
+    got = list(outs[0].outputs[0].token_ids)
+    assert got[: k + 1] == tokens[: k + 1]
+    assert got == want
+    assert got != tokens, "the vector is strong enough to change the continuation"
+    (rep,) = outs[0].activations["probe_actions"]
+    assert rep["fired"] and rep["position"] == fire_pos
+    assert outs[0].outputs[0].finish_reason == "length"
+    assert list(outs[1].outputs[0].token_ids) == plain[0][1]
+
+
+@pytest.mark.parametrize(
+    ("action", "field"),
+    [
+        ({"layer": 1, "threshold": 1.0, "then": "stop"}, "probe_actions[0]"),
+        ({"direction": [0.0] * 3, "layer": 1, "threshold": 1.0, "then": "stop"}, "probe_actions[0].direction"),
+        ({"direction": [0.0] * D, "layer": 9, "threshold": 1.0, "then": "stop"}, "probe_actions[0].layer"),
+        ({"direction": [0.0] * D, "layer": 1, "then": "stop"}, "probe_actions[0].threshold"),
+        ({"direction": [0.0] * D, "layer": 1, "threshold": float("nan"), "then": "stop"}, "probe_actions[0].threshold"),
+        ({"direction": [0.0] * D, "layer": 1, "threshold": 1, "aggregate": "ema:1.5", "then": "stop"}, ".aggregate"),
+        (
+            {"direction": [0.0] * D, "layer": 1, "threshold": 1, "aggregate": "rolling_max:0", "then": "stop"},
+            ".aggregate",
+        ),
+        ({"direction": [0.0] * D, "layer": 1, "threshold": 1, "aggregate": "mean", "then": "stop"}, ".aggregate"),
+        ({"direction": [0.0] * D, "layer": 1, "threshold": 1, "then": "halt"}, "probe_actions[0].then"),
+        ({"direction": [0.0] * D, "layer": 1, "threshold": 1, "then": {"steer": "x"}}, "probe_actions[0].then.steer"),
+        ({"probe": "nope", "threshold": 1, "then": "stop"}, "probe_actions[0].probe"),
+        ({"direction": [0.0] * D, "layer": 1, "threshold": 1, "then": "stop", "thresh": 2}, "probe_actions[0]"),
+    ],
+)
+def test_bad_actions_name_the_field_and_the_engine_goes_on(llama, plain, action, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        llama.generate([PROMPTS[0]], [_sp({"probe_actions": [action]})], use_tqdm=False)
+    out = llama.generate([PROMPTS[0]], [_sp()], use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == plain[0][1]
