@@ -10,6 +10,7 @@ from vllm import SamplingParams
 
 from support.reference import greedy, hf_model, residuals, steer_edit
 from vllm_worker import SteeringVector
+from vllm_worker.counters import STEP_TIMINGS
 
 D = 128
 LAYER = 2
@@ -158,3 +159,42 @@ def test_bad_actions_name_the_field_and_the_engine_goes_on(llama, plain, action,
         llama.generate([PROMPTS[0]], [_sp({"probe_actions": [action]})], use_tqdm=False)
     out = llama.generate([PROMPTS[0]], [_sp()], use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == plain[0][1]
+
+
+@pytest.mark.parametrize("path", ["graph", "python"])
+def test_steer_and_stop_on_either_path(llama, plain, path):
+    """The same gated steer on the Python path: a head scaling by 1 (an identity) keeps the step off the
+    graph-safe kernel. Both give HF's steered continuation; a stop action beside it ends the request."""
+    hf = hf_model("llama")
+    w = _direction()
+    prompt_ids, tokens = plain[2]
+    agg = _watched_scores(hf, prompt_ids, tokens, w)
+    k = _first_rise(agg)
+    thr = _threshold_firing_at(agg, k)
+    v = torch.randn(1, D, generator=torch.Generator().manual_seed(11))
+    v = v / v.norm() * 8.0
+    steer = {"direction": w.tolist(), "layer": LAYER, "threshold": thr, "then": {"steer": SteeringVector(v, [1])}}
+    extra = {"probe_actions": [steer]}
+    if path == "python":
+        extra["apply_steering_vectors"] = [SteeringVector(None, [0], point="z", heads=[0], scale=1.0)]
+    fire_pos = len(prompt_ids) - 1 + k
+    positions = list(range(fire_pos + 1, len(prompt_ids) + N_NEW))
+    want = greedy(hf, prompt_ids, N_NEW, steer_edit({1: v[0].expand(len(positions), D)}, positions=positions))
+    before = dict(STEP_TIMINGS)
+    out = llama.generate([PROMPTS[2]], [_sp(extra)], use_tqdm=False)[0]
+    took = "python_steps" if path == "python" else "graph_steps"
+    assert STEP_TIMINGS[took] - before[took] >= N_NEW - 1, "the step ran on the other path"
+    assert list(out.outputs[0].token_ids) == want
+    # a stop at a later crossing of the steered run's own scores
+    steered = _watched_scores(
+        hf, prompt_ids, want, w, steer_edit({1: v[0].expand(len(positions), D)}, positions=positions)
+    )
+    j = next((j for j in range(k + 2, len(steered) - 2) if steered[j] > max(steered[:j]) + 1e-3), None)
+    if j is None:
+        pytest.skip("no later crossing in the steered run")
+    stop = {"direction": w.tolist(), "layer": LAYER, "threshold": (max(steered[:j]) + steered[j]) / 2, "then": "stop"}
+    out = llama.generate([PROMPTS[2]], [_sp({**extra, "probe_actions": [steer, stop]})], use_tqdm=False)[0]
+    got = list(out.outputs[0].token_ids)
+    assert len(got) in (j + 1, j + 2) and got == want[: len(got)]
+    assert out.outputs[0].stop_reason == "probe:direction"
+    assert [r["position"] for r in out.activations["probe_actions"]] == [fire_pos, len(prompt_ids) - 1 + j]
