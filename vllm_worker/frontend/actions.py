@@ -178,8 +178,8 @@ def _aggregate(value: Any, f: str) -> tuple[int, float]:
                 a = float(arg)
             except ValueError:
                 a = math.nan
-            if not 0.0 < a < 1.0:
-                raise ValueError(f"{f}: ema:α needs 0 < α < 1, got {value!r}")
+            if not 0.0 <= a < 1.0:
+                raise ValueError(f"{f}: ema:α needs 0 <= α < 1, got {value!r}")
             return EMA, a
         if kind == "rolling_max":
             if not arg.isdigit() or not 1 <= int(arg) <= MAX_WINDOW:

@@ -152,7 +152,7 @@ class ActionTable:
         roll = win.sum(-1) / n
         kind = self.kind[sl]
         agg = torch.where(kind == EMA, ema, torch.where(kind == ROLLING, roll, s))
-        hit = agg >= self.thr[sl]
+        hit = agg > self.thr[sl]  # "exceeds", as calibrated thresholds are meant (`threshold_at_fpr`)
         was = self.fired[sl]
         new = hit & ~was
         self.fire_pos[sl] = torch.where(new, pos, self.fire_pos[sl])
