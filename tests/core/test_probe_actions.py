@@ -198,3 +198,44 @@ def test_steer_and_stop_on_either_path(llama, plain, path):
     assert len(got) in (j + 1, j + 2) and got == want[: len(got)]
     assert out.outputs[0].stop_reason == "probe:direction"
     assert [r["position"] for r in out.activations["probe_actions"]] == [fire_pos, len(prompt_ids) - 1 + j]
+
+
+def test_gated_steer_by_registered_name_equals_inline(llama):
+    """`then.steer` may name a registered vector; an action that fires at once (threshold below every
+    score) steers from the first generated token's position on, as the inline vector does."""
+    v = torch.randn(D, generator=torch.Generator().manual_seed(21))
+    v = v / v.norm() * 8.0
+    llama.register_vector("actions-push", v)
+    base = {"direction": _direction().tolist(), "layer": LAYER, "threshold": -1e6}
+    named = {**base, "then": {"steer": SteeringVector(name="actions-push", layer_indices=[1])}}
+    inline = {**base, "then": {"steer": [{"activations": v[None].clone(), "layer_indices": [1]}]}}
+    outs = llama.generate(
+        [PROMPTS[1]] * 2, [_sp({"probe_actions": [named]}), _sp({"probe_actions": [inline]})], use_tqdm=False
+    )
+    assert list(outs[0].outputs[0].token_ids) == list(outs[1].outputs[0].token_ids)
+    n_prompt = len(outs[0].prompt_token_ids)
+    assert outs[0].activations["probe_actions"][0]["position"] == n_prompt - 1
+    hf = hf_model("llama")
+    positions = list(range(n_prompt, n_prompt + N_NEW))
+    want = greedy(hf, list(outs[0].prompt_token_ids), N_NEW, steer_edit({1: v.expand(N_NEW, D)}, positions=positions))
+    assert list(outs[0].outputs[0].token_ids) == want
+    with pytest.raises(ValueError, match=r"probe_actions\[0\]\.then\.steer\[0\]\.name"):
+        bad = {**base, "then": {"steer": SteeringVector(name="not-registered", layer_indices=[1])}}
+        llama.generate([PROMPTS[1]], [_sp({"probe_actions": [bad]})], use_tqdm=False)
+
+
+def test_a_stopped_request_keeps_its_captures(llama, plain):
+    """Captures of a request a probe stopped cover its prompt and generated tokens (less the last), as HF."""
+    hf = hf_model("llama")
+    w = _direction()
+    prompt_ids, tokens = plain[0]
+    agg = _watched_scores(hf, prompt_ids, tokens, w)
+    k = _first_rise(agg)
+    act = {"direction": w.tolist(), "layer": LAYER, "threshold": _threshold_firing_at(agg, k), "then": "stop"}
+    out = llama.generate([PROMPTS[0]], [_sp({"probe_actions": [act], "output_residual_stream": [LAYER]})])[0]
+    got = list(out.outputs[0].token_ids)
+    assert out.outputs[0].stop_reason == "probe:direction" and len(got) in (k + 1, k + 2)
+    acts = out.activations["residual_stream"]
+    ref, _ = residuals(hf, prompt_ids + got[:-1])
+    assert acts.shape[1] == len(prompt_ids) + len(got) - 1
+    assert (acts[0] - ref[LAYER]).abs().max().item() <= 1e-4

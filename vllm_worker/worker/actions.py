@@ -202,18 +202,29 @@ def staged_rows(s: int, e: int) -> np.ndarray:
 
 
 def stage(gp: Any, cap_rows: dict, act_rows: dict, col: dict[int, int]) -> None:
-    """Graph-safe plan: the action rows are staged by the kernel after everything else the plan stages
-    (never copied to the host); `gp.act[site] = (stage offsets, batch rows, items)`."""
+    """Graph-safe plan: the action rows are staged by the kernel like captures (a table cell holds one
+    slot: a row the plan already stages at that site — a capture, SAE features — lends its slot; the others
+    get slots after everything else, never copied to the host); `gp.act[site] = (stage offsets, batch
+    rows, items)`."""
     if not act_rows:
         return
+    n = max(gp.n, 1)
+    have = gp.cap_cols * n + gp.cap_rows  # (column, row) cells staged so far, by slot
+    order = np.argsort(have, kind="stable")
     off = len(gp.cap_rows)
     rows_all, cols_all = [gp.cap_rows], [gp.cap_cols]
     for site, items in act_rows.items():
         rows = np.concatenate([staged_rows(s, e) for _, s, e in items])
-        rows_all.append(rows)
-        cols_all.append(np.full(len(rows), col[site]))
-        gp.act[site] = (np.arange(off, off + len(rows)), rows, items)
-        off += len(rows)
+        keys = col[site] * n + rows
+        i = np.minimum(np.searchsorted(have, keys, sorter=order), max(len(have) - 1, 0))
+        found = (have[order[i]] == keys) if len(have) else np.zeros(len(rows), dtype=bool)
+        offs = np.where(found, order[i] if len(have) else 0, -1)
+        new = ~found
+        offs[new] = np.arange(off, off + int(new.sum()))
+        rows_all.append(rows[new])
+        cols_all.append(np.full(int(new.sum()), col[site]))
+        off += int(new.sum())
+        gp.act[site] = (offs.astype(np.int64), rows, items)
     gp.n_extra += off - len(gp.cap_rows)
     gp.cap_rows = np.concatenate(rows_all).astype(np.int64)
     gp.cap_cols = np.concatenate(cols_all).astype(np.int64)
