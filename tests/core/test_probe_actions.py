@@ -239,3 +239,37 @@ def test_a_stopped_request_keeps_its_captures(llama, plain):
     ref, _ = residuals(hf, prompt_ids + got[:-1])
     assert acts.shape[1] == len(prompt_ids) + len(got) - 1
     assert (acts[0] - ref[LAYER]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("output", ["logit", "sigmoid"])
+def test_a_loaded_probe_stops_at_its_crossing(llama, plain, output):
+    """`"probe": name`: a loaded probe (mean / std folded, its sigmoid when it has one) with an EMA; the
+    firing position equals the probe's own formula on HF residuals through `aggregation.series`."""
+    from vllm_worker.probes import Probe
+    from vllm_worker.probes.aggregation import series
+
+    hf = hf_model("llama")
+    g = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(1, D, generator=g) / 4, torch.tensor([0.3])
+    mean, std = torch.randn(D, generator=g) * 0.1, torch.rand(D, generator=g) + 0.5
+    llama.load_probe("act-probe", weight=weight, bias=bias, layers=[LAYER], output=output, mean=mean, std=std)
+    probe = Probe(weight=weight, bias=bias, layers=[LAYER], output=output, mean=mean, std=std)
+    for i, (prompt_ids, tokens) in enumerate(plain):  # a generation whose EMA rises after a while
+        ref, _ = residuals(hf, prompt_ids + tokens[:-1])
+        agg = series(probe.score(ref[LAYER])[len(prompt_ids) - 1 :, 0], "ema:0.6").tolist()
+        if any(agg[k] > max(agg[:k]) + 1e-3 for k in range(2, len(agg) - 3)):
+            break
+    k = _first_rise(agg)
+    act = {"probe": "act-probe", "threshold": _threshold_firing_at(agg, k), "aggregate": "ema:0.6", "then": "stop"}
+    out = llama.generate([PROMPTS[i]], [_sp({"probe_actions": [act], "output_probe_scores": ["act-probe"]})])[0]
+    got = list(out.outputs[0].token_ids)
+    assert out.outputs[0].stop_reason == "probe:act-probe" and len(got) in (k + 1, k + 2)
+    assert got == tokens[: len(got)]
+    (rep,) = out.activations["probe_actions"]
+    assert rep["token_index"] == k and rep["value"] == pytest.approx(agg[k], abs=1e-4)
+    # the scores the request also asked for are the ones the action read
+    scores = out.activations["probe_scores"]["act-probe"][len(prompt_ids) - 1 :, 0]
+    assert series(scores, "ema:0.6")[k].item() == pytest.approx(agg[k], abs=1e-4)
+    with pytest.raises(ValueError, match=r"probe_actions\[0\]\.probe: .*single-layer"):
+        llama.load_probe("two-layer", weight=torch.randn(1, 2 * D), layers=[1, 2])
+        llama.generate([PROMPTS[0]], [_sp({"probe_actions": [{**act, "probe": "two-layer"}]})])

@@ -74,10 +74,10 @@ def _action(
         for k in ("layer", "bias"):
             if k in item:
                 raise ValueError(f"{f}.{k}: only with 'direction' (a probe brings its own)")
-        name, layer, w, b = probe_condition(item["probe"], f"{f}.probe", shape, probes)
+        name, site, w, b, sigmoid = probe_condition(item["probe"], f"{f}.probe", probes)
     else:
         layer, w, b = _direction(item, f, shape)
-        name = item.get("name", "direction")
+        name, site, sigmoid = item.get("name", "direction"), pts.canonical_site(pts.RESID_POST, layer), False
     if "name" in item and "probe" in item:
         raise ValueError(f"{f}.name: only with 'direction' (a probe's action is named for the probe)")
     if not isinstance(name, str) or not name or len(name) > 128:
@@ -89,9 +89,10 @@ def _action(
     then = item.get("then")
     out: dict[str, Any] = {
         "name": name,
-        "site": pts.canonical_site(pts.RESID_POST, layer),
+        "site": site,
         "w": tensor_to_bytes(w),
         "b": float(b),
+        "sigmoid": sigmoid,
         "threshold": float(thr),
         "kind": kind,
         "param": float(param),
@@ -142,30 +143,25 @@ def _direction(item: Mapping[str, Any], f: str, shape: ModelShape) -> tuple[int,
     return layer % shape.n_layers, w, float(b)
 
 
-def probe_condition(
-    name: Any, f: str, shape: ModelShape, probes: Mapping[str, Any]
-) -> tuple[str, int, torch.Tensor, float]:
-    """A loaded probe as a condition: (name, layer, weight row (d_model,), bias). Single-layer probes with
-    one output; a probe with an input `mean` / `std` is folded into the row and the bias."""
+def probe_condition(name: Any, f: str, probes: Mapping[str, Any]) -> tuple[str, int, torch.Tensor, float, bool]:
+    """A loaded probe (`frontend.probes.LoadedProbe`) as a condition: (name, site, weight row (d_model,),
+    bias, sigmoid) — `mean` / `std` folded in as the workers score it (`Probe.folded`). One layer, one
+    output: a multi-layer probe's parts lie at several sites, which an action does not add up yet."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"{f}: expected a probe name, got {name!r}")
-    probe = probes.get(name)
-    if probe is None:
+    loaded = probes.get(name)
+    if loaded is None:
         known = ", ".join(sorted(probes)) or "none"
         raise ValueError(f"{f}: no probe named {name!r} is loaded (loaded: {known})")
-    layers = list(getattr(probe, "layers", []))
-    weight = getattr(probe, "weight", None)
-    if len(layers) != 1 or not isinstance(weight, torch.Tensor) or weight.shape[0] != 1:
-        raise ValueError(f"{f}: probe {name!r}: actions take a single-layer probe with one output")
-    w = weight[0].detach().to("cpu", torch.float32)
-    bias = getattr(probe, "bias", None)
-    b = 0.0 if bias is None else float(bias.reshape(-1)[0])
-    mean, std = getattr(probe, "mean", None), getattr(probe, "std", None)
-    if std is not None:
-        w = w / std.reshape(-1).to(torch.float32)
-    if mean is not None:
-        b -= float((w * mean.reshape(-1).to(torch.float32)).sum())
-    return name, int(layers[0]), w.contiguous(), b
+    p = loaded.probe
+    if len(p.layers) != 1 or p.n_out != 1:
+        raise ValueError(
+            f"{f}: probe {name!r} has {len(p.layers)} layers and {p.n_out} outputs; actions take a "
+            "single-layer probe with one output"
+        )
+    ws, bias = p.folded()
+    site = pts.canonical_site(p.point, int(p.layers[0]))
+    return name, site, ws[0][0].contiguous(), float(bias[0]), p.output == "sigmoid"
 
 
 def _aggregate(value: Any, f: str) -> tuple[int, float]:

@@ -15,6 +15,7 @@ import torch
 from vllm_worker.api.hooks import Hook
 from vllm_worker.api.steering import SteeringVector
 from vllm_worker.frontend import actions as action_keys
+from vllm_worker.frontend import probes as probe_keys
 from vllm_worker.frontend import saes as sae_keys
 from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number, int_list
@@ -25,6 +26,7 @@ from vllm_worker.protocol.spec import (
     HOOK_KEY,
     KNOWN_KEYS,
     NAMESPACE_PREFIXES,
+    PROBE_KEYS,
     SAE_KEYS,
     STEER_KEY,
     HookSpec,
@@ -248,10 +250,14 @@ def parse_hooks(items: Any, shape: ModelShape) -> list[HookSpec]:
 
 
 def parse_request(
-    extra_args: Mapping[str, Any], shape: ModelShape, prompt_len: int, saes: Mapping[str, Any] | None = None
+    extra_args: Mapping[str, Any],
+    shape: ModelShape,
+    prompt_len: int,
+    saes: Mapping[str, Any] | None = None,
+    probes: Mapping[str, Any] | None = None,
 ) -> RequestSpec | None:
-    """Validate our keys in `extra_args`; `None` when the request uses no feature. `saes`: the loaded
-    SAEs by name (`frontend/saes`)."""
+    """Validate our keys in `extra_args`; `None` when the request uses no feature. `saes` / `probes`: the
+    loaded SAEs / probes by name (`frontend/saes`, `frontend/probes`)."""
     ours = {k: v for k, v in extra_args.items() if isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES)}
     if not ours:
         return None
@@ -279,5 +285,7 @@ def parse_request(
     if any(k in ours for k in SAE_KEYS):
         sae_keys.parse(ours, spec, shape, saes or {})
     if ACTIONS_KEY in ours:
-        action_keys.parse(ours[ACTIONS_KEY], spec, shape, prompt_len, _steering_item)
+        action_keys.parse(ours[ACTIONS_KEY], spec, shape, prompt_len, _steering_item, probes)
+    if any(k in ours for k in PROBE_KEYS):
+        probe_keys.parse(ours, spec, probes or {})
     return spec

@@ -28,7 +28,10 @@ SAE_CLAMP_KEY = "apply_sae_clamp"  # [{"sae": name, "features": [ids], "values":
 SAE_KEYS = (SAE_FEATURES_KEY, SAE_STEER_KEY, SAE_CLAMP_KEY)
 # act on a probe's score in the same generation (docs/probes.md, "Acting on a score")
 ACTIONS_KEY = "probe_actions"
-KNOWN_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, STEER_KEY, HOOK_KEY, *SAE_KEYS, ACTIONS_KEY)
+# linear probes loaded with `llm.load_probe` / `POST /v1/lens/probes` (docs/probes.md)
+PROBE_SCORES_KEY = "output_probe_scores"  # [names] or {name: {"aggregate": [...], "positions": ...}}
+PROBE_KEYS = (PROBE_SCORES_KEY,)
+KNOWN_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, STEER_KEY, HOOK_KEY, *SAE_KEYS, *PROBE_KEYS, ACTIONS_KEY)
 # Keys with these prefixes belong to us: a typo (`output_residual_streams`) is an error, not ignored.
 NAMESPACE_PREFIXES = (
     "output_residual",
@@ -38,6 +41,7 @@ NAMESPACE_PREFIXES = (
     "output_sae",
     "apply_sae",
     ACTIONS_KEY,
+    "output_probe",
     "lens_",
     PAYLOAD_KEY,
 )
@@ -131,10 +135,16 @@ class RequestSpec:
     # `probe_actions`, msgspec-safe dicts (`frontend/actions.parse`): the condition (site, weight bytes,
     # bias), threshold, aggregate and what firing does; their steering is in `steers` with `gate` set
     actions: list[dict[str, Any]] = field(default_factory=list)
+    # probes scored in the workers, msgspec-safe dicts (`frontend/probes.parse`): {"probe", "uid"}
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    # what the frontend makes of the scores (frontend only): {probe: {"aggregate": [...], "positions": ...}}
+    probe_outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def wants_results(self) -> bool:
-        return bool(self.capture or self.hooks or self.actions or any(not u.get("clamp") for u in self.sae))
+        return bool(
+            self.capture or self.hooks or self.probes or self.actions or any(not u.get("clamp") for u in self.sae)
+        )
 
 
 def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
@@ -228,6 +238,8 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
         payload["sae"] = spec.sae
     if spec.actions:
         payload["actions"] = spec.actions
+    if spec.probes:
+        payload["probes"] = spec.probes
     return payload
 
 
@@ -236,8 +248,8 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
         raise ValueError(f"{PAYLOAD_KEY}: unsupported payload version {payload.get('v')!r}")
     capture = list(payload.get("capture") or ())
     steer, hooks, sae = payload.get("steer"), payload.get("hooks"), payload.get("sae")
-    actions = payload.get("actions")
-    if not (steer or hooks or sae or actions):  # a capture-only request (most of them)
+    probes, actions = payload.get("probes"), payload.get("actions")
+    if not (steer or hooks or sae or probes or actions):  # a capture-only request (most of them)
         return RequestSpec(payload["key"], capture)
     return RequestSpec(
         key=payload["key"],
@@ -266,6 +278,7 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
         ],
         sae=[dict(u) for u in sae or ()],
         actions=[dict(a) for a in actions or ()],
+        probes=[dict(u) for u in probes or ()],
     )
 
 

@@ -51,6 +51,7 @@ class ActionTable:
         self.B = torch.zeros(n_slots, **f32)
         self.thr = torch.zeros(n_slots, **f32)
         self.kind = torch.zeros(n_slots, dtype=torch.long, device=device)
+        self.sigmoid = torch.zeros(n_slots, dtype=torch.bool, device=device)  # the probe's output is sigmoid(score)
         self.param = torch.zeros(n_slots, **f32)
         self.count = torch.zeros(n_slots, dtype=torch.long, device=device)
         self.ema = torch.zeros(n_slots, **f32)
@@ -79,6 +80,7 @@ class ActionTable:
             for buf, v in ((self.B, a["b"]), (self.thr, a["threshold"]), (self.param, a["param"])):
                 buf[slot] = float(v)
             self.kind[slot] = int(a["kind"])
+            self.sigmoid[slot] = bool(a.get("sigmoid", False))
             self.count[slot], self.ema[slot], self.fired[slot] = 0, 0.0, False
             self.fire_pos[slot], self.fire_value[slot], self.gate[slot] = -1, 0.0, 0.0
             out.append(ActionUse(i, str(a["name"]), req_id, int(a["site"]), slot, bool(a["stop"]), first_watched))
@@ -138,7 +140,8 @@ class ActionTable:
             order = np.argsort(np.array(which, dtype=np.int64), kind="stable")
             sl = torch.tensor(np.array(slots)[order], device=self.device)
             ps = torch.tensor(np.array(pos)[order], device=self.device)
-            self._update(sl, (x.float() * self.W[sl]).sum(-1) + self.B[sl], ps)
+            s = (x.float() * self.W[sl]).sum(-1) + self.B[sl]
+            self._update(sl, torch.where(self.sigmoid[sl], torch.sigmoid(s), s), ps)
 
     def _update(self, sl: torch.Tensor, s: torch.Tensor, pos: torch.Tensor) -> None:
         cnt = self.count[sl]

@@ -74,6 +74,7 @@ class Admission:
         ctx: Callable[[dict, str], HookContext],
         saes: Any = None,
         actions: Any = None,
+        probes: Any = None,
     ) -> None:
         self.runner, self.device, self.dtype, self.d_model = runner, device, dtype, d_model
         self.local, self.capturing_rank, self.shm_host = local, capturing_rank, shm_host  # local: sites
@@ -81,6 +82,7 @@ class Admission:
         self.store, self.graph, self.persistent, self.ctx = store, graph_taps, persistent, ctx
         self.saes = saes  # `saes.WorkerSaes`
         self.actions = actions  # `actions.ActionTable`
+        self.probes = probes  # `probes.WorkerProbes`
         self.esize = torch.empty((), dtype=dtype).element_size()
         self._moves = ToDevice(device)
         self._pending: list[RequestState] = []  # admitted since the last flush, with steering to move
@@ -133,9 +135,12 @@ class Admission:
         store = None
         sae_uses: list = []
         act_uses: list = []
+        probe_uses: list = []
         if spec is not None:
             if spec.sae:
                 sae_uses = self.saes.uses(spec.sae)
+            if spec.probes:
+                probe_uses = self.probes.uses(spec.probes)
             if spec.actions:
                 act_uses = self._action_uses(req_id, spec)
             for s in spec.steers:
@@ -184,7 +189,7 @@ class Admission:
                     else None
                 )
                 hooks.append(HookRun(fn, at, h.point, self.ctx(saved, external), i, False, h.batched, key, h.read_only))
-            self._check_sites(spec, hooks, store)
+            self._check_sites(spec, hooks, store, probe_uses)
         if self.persistent:
             if store is None:
                 store = RequestResults([])
@@ -217,6 +222,7 @@ class Admission:
             entry_ids,
             sae=sae_uses,
             acts=act_uses,
+            probes=probe_uses,
         )
         if act_uses and store is not None and self.capturing_rank:  # read at fetch unless it left first
             store.actions = functools.partial(self.actions.outcome, act_uses)
@@ -265,13 +271,13 @@ class Admission:
                 by_gate[key].entries = got[1]
         return entries, ids
 
-    def _check_sites(self, spec: Any, hooks: list[HookRun], store: RequestResults | None) -> None:
+    def _check_sites(self, spec: Any, hooks: list[HookRun], store: RequestResults | None, probes: list) -> None:
         """A point this worker has no tap for (its layout could not be resolved here) fails the request with
         the reason — never a capture, steer or hook that silently does nothing."""
-        if not spec.steers and not hooks and not spec.sae and self.local.issuperset(spec.capture):
+        if not spec.steers and not hooks and not spec.sae and not probes and self.local.issuperset(spec.capture):
             return  # a capture of sites this worker taps (the common case, checked for every request)
         wanted = set(spec.capture) | {s for st in spec.steers for s in st.layers} | {s for h in hooks for s, _ in h.at}
-        wanted |= {int(u["site"]) for u in spec.sae}
+        wanted |= {int(u["site"]) for u in spec.sae} | {s for u in probes for s in u.weights}
         lacking = sorted(s for s in wanted if site_layer(s) in self.local_layers and s not in self.local)
         if not lacking:
             return

@@ -120,6 +120,7 @@ class RequestResults:
     sae: dict = field(default_factory=dict)  # SAE name -> {"ids", "chunks": [(positions, values, indices)]}
     # probe actions' outcome (`actions.ActionTable.outcome`), or how to read it while the request is live
     actions: Any = None
+    probes: dict = field(default_factory=dict)  # probe name -> `worker.probes.ProbeScores`
     # set with `expected` at admission: the sites this rank captures (in `layers` order) and the most
     # positions the request can reach (prompt + max_tokens - 1): the early-assembly region's shape
     mine: list[int] = field(default_factory=list)
