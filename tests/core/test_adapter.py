@@ -108,6 +108,7 @@ def test_worker_stops_reach_the_scheduler_as_vllm_moves_them(llama, monkeypatch)
     assert own is None or "_update_request_with_output" in own.__code__.co_names  # super() call
     runner = llama.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     assert compat.runner_stops_installed(runner)
+    assert compat.pp_last_stage()  # one stage: it samples, so its stops reach the scheduler
     monkeypatch.delattr(Scheduler, "_update_request_with_output")
     with pytest.raises(compat.LensIncompatibleVLLM, match="moved"):
         compat.patch_scheduler_stops()

@@ -210,6 +210,17 @@ def runner_prompt_len(runner: Any, req_id: str) -> int:
     return n
 
 
+def pp_last_stage() -> bool:
+    """This worker holds the last pipeline stage: the one whose output (sampled tokens, our stops) reaches
+    the scheduler."""
+    from vllm.distributed import get_pp_group
+
+    try:
+        return bool(get_pp_group().is_last_rank)
+    except AssertionError:  # no pipeline group (a worker outside a distributed setup): one stage
+        return True
+
+
 def live_request_ids(runner: Any) -> Any:
     if runner_v2.is_v2(runner):
         return runner_v2.live_request_ids(runner)

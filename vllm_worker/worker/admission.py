@@ -236,6 +236,10 @@ class Admission:
             raise ValueError("probe_actions: this worker has no action table")
         if any(a["stop"] for a in spec.actions) and not compat.runner_stops_installed(self.runner):
             raise compat.LensIncompatibleVLLM("probe_actions: this model runner's outputs cannot carry a stop")
+        if compat.pp_last_stage():  # the stage whose output reaches the scheduler must hold a stop's layer
+            for i, a in enumerate(spec.actions):
+                if a["stop"] and int(a["site"]) not in self.local:
+                    raise ValueError(f"probe_actions[{i}]: a stop needs its probe's layer on the last pipeline stage")
         first = compat.runner_prompt_len(self.runner, req_id) - 1
         return self.actions.uses(req_id, spec.actions, self.local, first)
 
