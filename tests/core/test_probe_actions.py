@@ -273,3 +273,21 @@ def test_a_loaded_probe_stops_at_its_crossing(llama, plain, output):
     with pytest.raises(ValueError, match=r"probe_actions\[0\]\.probe: .*single-layer"):
         llama.load_probe("two-layer", weight=torch.randn(1, 2 * D), layers=[1, 2])
         llama.generate([PROMPTS[0]], [_sp({"probe_actions": [{**act, "probe": "two-layer"}]})])
+
+
+def test_a_fault_while_acting_fails_only_that_request(llama, plain, monkeypatch):
+    """Our per-step action code failing fails the requests it served (an internal error naming the stage),
+    never the engine or a batch-mate."""
+    from vllm_worker import HookError
+    from vllm_worker.worker import faults
+
+    act = {"direction": _direction().tolist(), "layer": LAYER, "threshold": 1e6, "then": "stop"}
+    monkeypatch.setattr(faults, "STAGE", "actions")
+    with pytest.raises(HookError) as info:
+        llama.generate(PROMPTS[:2], [_sp({"probe_actions": [act]}), _sp()], use_tqdm=False)
+    monkeypatch.setattr(faults, "STAGE", None)
+    outs = info.value.outputs
+    assert "inspect-lens internal error" in outs[0].hook_error and "probe actions" in outs[0].hook_error
+    assert outs[1].hook_error is None and list(outs[1].outputs[0].token_ids) == plain[1][1]
+    out = llama.generate([PROMPTS[0]], [_sp({"probe_actions": [act]})], use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == plain[0][1] and not out.activations["probe_actions"][0]["fired"]
