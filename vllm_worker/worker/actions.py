@@ -39,6 +39,16 @@ class ActionUse:
     first_watched: int  # the first position watched: the last prompt position
     last_seen: int = -1  # the last position folded into the aggregate (a recomputed one is not again)
     entries: list[int] | None = None  # graph-path steering entries this action gates
+    freed: bool = False  # its slot went back
+
+
+class ActionRefused(ValueError):
+    """A request's probe actions cannot run on this worker (`kind`: a `protocol.errors` kind: the action
+    table is full, a layer on another pipeline stage): its failure is the caller's 400, not our bug."""
+
+    def __init__(self, kind: Any, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class ActionTable:
@@ -60,10 +70,12 @@ class ActionTable:
         self.fire_pos = torch.full((n_slots,), -1, dtype=torch.long, device=device)
         self.fire_value = torch.zeros(n_slots, **f32)
         self.gate = torch.zeros(n_slots, **f32)  # 1.0 once fired: what gated steering multiplies by
+        self.never = torch.zeros(1, **f32)  # the gate of a vector with no layer on this pipeline stage
         self._free = list(range(n_slots - 1, -1, -1))
         self._arange = torch.arange(MAX_WINDOW, device=device)
         self._stop_reads: list[tuple[list[ActionUse], torch.Tensor, Any]] = []
         self.stopping: dict[str, str] = {}  # request id -> stop reason, until the request leaves
+        self._by_req: dict[str, list[ActionUse]] = {}  # request id -> its actions (slots held)
 
     # ------------------------------------------------------------ per request
 
@@ -71,7 +83,7 @@ class ActionTable:
         """Slots for a request's actions at this stage's sites; `ValueError` when the table is full."""
         mine = [(i, a) for i, a in enumerate(actions) if int(a["site"]) in local]
         if len(mine) > len(self._free):
-            raise ValueError(f"probe_actions: the worker's action table is full ({N_SLOTS} live actions)")
+            raise ActionRefused("limit", f"probe_actions: the worker's action table is full ({N_SLOTS} live actions)")
         out = []
         for i, a in mine:
             slot = self._free.pop()
@@ -84,11 +96,19 @@ class ActionTable:
             self.count[slot], self.ema[slot], self.fired[slot] = 0, 0.0, False
             self.fire_pos[slot], self.fire_value[slot], self.gate[slot] = -1, 0.0, 0.0
             out.append(ActionUse(i, str(a["name"]), req_id, int(a["site"]), slot, bool(a["stop"]), first_watched))
+        self._by_req[req_id] = out
         return out
+
+    def drop(self, req_id: str) -> None:
+        """Admission failed after the request's slots were taken: give them back."""
+        self.free(self._by_req.pop(req_id, []))
 
     def free(self, uses: list[ActionUse]) -> None:
         for u in uses:
-            self._free.append(u.slot)
+            if not u.freed:  # (a failed request's uses may be given back twice)
+                u.freed = True
+                self._free.append(u.slot)
+            self._by_req.pop(u.req_id, None)
             self.stopping.pop(u.req_id, None)
 
     def outcome(self, uses: list[ActionUse]) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from vllm_worker.protocol import errors
 from vllm_worker.protocol.points import NAME, describe, site_layer, split_site
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph, seams
+from vllm_worker.worker.actions import ActionRefused
 from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, hook_at, split_steers
@@ -110,12 +111,17 @@ class Admission:
         try:
             faults.check("admission")
             return self._new(req_id, payload)
+        except ActionRefused as e:  # the caller's actions cannot run here (placement, table full): 400
+            self.actions.drop(req_id)
+            return self._failed(req_id, payload, e, errors.failure(e.kind, str(e), "admission"))
         except Exception as e:  # noqa: BLE001 - our bug fails this request, never the engine
+            if self.actions is not None:
+                self.actions.drop(req_id)
             return self._failed(req_id, payload, e)
 
-    def _failed(self, req_id: str, payload: Any, e: Exception) -> RequestState:
+    def _failed(self, req_id: str, payload: Any, e: Exception, why: errors.Failure | None = None) -> RequestState:
         store = RequestResults([])
-        store.error = errors.internal("admission", e)
+        store.error = why or errors.internal("admission", e)
         n = int(payload.get("n", 1)) if isinstance(payload, dict) else 1
         child = compat.child_index(req_id, n) if n > 1 else 0
         key = payload.get("key") if isinstance(payload, dict) else None
@@ -157,7 +163,7 @@ class Admission:
                         s.norm_match,
                         None if s.positions is None else list(s.positions),
                         s.mul,
-                        self._gate(s.gate, act_uses),
+                        self._gate(s.gate, act_uses, s.layers),
                     )
                 )
             # result memory the frontend let go of: free before this request's result is announced
@@ -239,18 +245,25 @@ class Admission:
         if compat.pp_last_stage():  # the stage whose output reaches the scheduler must hold a stop's layer
             for i, a in enumerate(spec.actions):
                 if a["stop"] and int(a["site"]) not in self.local:
-                    raise ValueError(f"probe_actions[{i}]: a stop needs its probe's layer on the last pipeline stage")
+                    raise ActionRefused(
+                        "unsupported", f"probe_actions[{i}]: a stop needs its probe's layer on the last pipeline stage"
+                    )
         first = compat.runner_prompt_len(self.runner, req_id) - 1
         return self.actions.uses(req_id, spec.actions, self.local, first)
 
-    def _gate(self, index: int, uses: list) -> torch.Tensor | None:
-        """The device gate a probe action's vector is multiplied by (None: not gated)."""
+    def _gate(self, index: int, uses: list, sites: list[int]) -> torch.Tensor | None:
+        """The device gate a probe action's vector is multiplied by (None: not gated). A vector with no
+        layer on this stage is never applied here: it gets a gate that stays 0."""
         if index < 0:
             return None
+        if not self.local.intersection(sites):
+            return self.actions.never
         for u in uses:
             if u.index == index:
                 return self.actions.gate[u.slot : u.slot + 1]
-        raise ValueError(f"probe_actions[{index}]: its steering needs the probe's layer on the same pipeline stage")
+        raise ActionRefused(
+            "unsupported", f"probe_actions[{index}]: its steering needs the probe's layer on the same pipeline stage"
+        )
 
     def _entries(self, steers: list[DeviceSteer], uses: list) -> tuple[dict, list[int]] | None:
         """Graph-path entries: one group for the plain vectors, one per gating action (its entries' gate
@@ -271,7 +284,7 @@ class Admission:
                 return None
             entries.update(got[0])
             ids += got[1]
-            if key != -1:
+            if key in by_gate:  # (the gate of a vector with no layer here belongs to no action)
                 by_gate[key].entries = got[1]
         return entries, ids
 
