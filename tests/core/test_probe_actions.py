@@ -291,3 +291,26 @@ def test_a_fault_while_acting_fails_only_that_request(llama, plain, monkeypatch)
     assert outs[1].hook_error is None and list(outs[1].outputs[0].token_ids) == plain[1][1]
     out = llama.generate([PROMPTS[0]], [_sp({"probe_actions": [act]})], use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == plain[0][1] and not out.activations["probe_actions"][0]["fired"]
+
+
+def test_each_sample_of_n_acts_on_its_own(llama, plain):
+    """`n = 2` (sampled): each child has its own actions; each stops at the first crossing of its own
+    scores (HF on its own tokens), or runs to the end without one."""
+    hf = hf_model("llama")
+    w = _direction()
+    prompt_ids, tokens = plain[0]
+    agg = _watched_scores(hf, prompt_ids, tokens, w)
+    thr = _threshold_firing_at(agg, _first_rise(agg))
+    act = {"direction": w.tolist(), "layer": LAYER, "threshold": thr, "then": "stop"}
+    sp = SamplingParams(n=2, max_tokens=N_NEW, temperature=1.0, seed=7, extra_args={"probe_actions": [act]})
+    out = llama.generate([PROMPTS[0]], sp, use_tqdm=False)[0]
+    assert len(out.outputs) == 2
+    for o in out.outputs:
+        got = list(o.token_ids)
+        scores = _watched_scores(hf, prompt_ids, got, w)
+        first = next((j for j, v in enumerate(scores) if v > thr), None)
+        (rep,) = o.activations["probe_actions"]
+        if o.stop_reason == "probe:direction":
+            assert first is not None and first in (len(got) - 1, len(got) - 2) and rep["token_index"] == first
+        else:
+            assert o.finish_reason == "length" and (first is None or first == len(got) - 1)

@@ -10,6 +10,7 @@ import torch
 from vllm import SamplingParams
 
 from support.engines import model_path
+from support.lens_http import sse_events
 from support.servers import KEY
 from vllm_worker.api.client import decode_activations
 
@@ -51,6 +52,13 @@ def test_stop_reason_and_firing_position_over_http_equal_offline(server, llama):
     assert len(want.outputs[0].token_ids) in (k + 1, k + 2)
     (rep,) = decode_activations(r.json())[0]["probe_actions"]
     assert rep == want.activations["probe_actions"][0] and rep["fired"] and rep["token_index"] == k
+
+    # streamed: the same text, and the last chunk with tokens says why it stopped
+    events = [e for e in sse_events(server, "/v1/completions", {**body, "stream": True}) if e != "DONE"]
+    chunks = [c for e in events for c in e.get("choices", [])]
+    assert "".join(c.get("text", "") for c in chunks) == want.outputs[0].text
+    last = [c for c in chunks if c.get("finish_reason")][-1]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == "probe:dir"
 
     bad = {**body, "vllm_xargs": {"probe_actions": json.dumps([{**act, "aggregate": "ema:2"}])}}
     r = httpx.post(f"{server}/v1/completions", json=bad, headers=H, timeout=60)
