@@ -241,7 +241,9 @@ class Admission:
         if self.actions is None:
             raise ValueError("probe_actions: this worker has no action table")
         if any(a["stop"] for a in spec.actions) and not compat.runner_stops_installed(self.runner):
-            raise compat.LensIncompatibleVLLM("probe_actions: this model runner's outputs cannot carry a stop")
+            raise ActionRefused(
+                "unsupported", "probe_actions: a stop is not supported on this model runner (vLLM's V2)"
+            )
         if compat.pp_last_stage():  # the stage whose output reaches the scheduler must hold a stop's layer
             for i, a in enumerate(spec.actions):
                 if a["stop"] and int(a["site"]) not in self.local:
