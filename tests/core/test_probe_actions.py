@@ -270,9 +270,38 @@ def test_a_loaded_probe_stops_at_its_crossing(llama, plain, output):
     # the scores the request also asked for are the ones the action read
     scores = out.activations["probe_scores"]["act-probe"][len(prompt_ids) - 1 :, 0]
     assert series(scores, "ema:0.6")[k].item() == pytest.approx(agg[k], abs=1e-4)
-    with pytest.raises(ValueError, match=r"probe_actions\[0\]\.probe: .*single-layer"):
-        llama.load_probe("two-layer", weight=torch.randn(1, 2 * D), layers=[1, 2])
-        llama.generate([PROMPTS[0]], [_sp({"probe_actions": [{**act, "probe": "two-layer"}]})])
+    with pytest.raises(ValueError, match=r"probe_actions\[0\]\.probe: .*2 outputs"):
+        llama.load_probe("two-out", weight=torch.randn(2, D), layers=[1])
+        llama.generate([PROMPTS[0]], [_sp({"probe_actions": [{**act, "probe": "two-out"}]})])
+
+
+@pytest.mark.parametrize("path", ["graph", "python"])
+def test_a_multi_layer_probe_sums_its_layers(llama, plain, path):
+    """A probe over layers 1 and 3 (concatenated): the action's score is the sum of both layers' parts,
+    equal to the probe's formula on HF residuals; on both paths."""
+    from vllm_worker.probes import Probe
+    from vllm_worker.probes.aggregation import series
+
+    hf = hf_model("llama")
+    g = torch.Generator().manual_seed(9)
+    weight, mean = torch.randn(1, 2 * D, generator=g) / 6, torch.randn(2 * D, generator=g) * 0.1
+    llama.load_probe("act-two-layer", weight=weight, layers=[1, 3], mean=mean)
+    probe = Probe(weight=weight, bias=torch.zeros(1), layers=[1, 3], mean=mean)
+    for i, (prompt_ids, tokens) in enumerate(plain):
+        ref, _ = residuals(hf, prompt_ids + tokens[:-1])
+        agg = series(probe.score(torch.cat([ref[1], ref[3]], -1))[len(prompt_ids) - 1 :, 0], "rolling_max:2").tolist()
+        if any(agg[k] > max(agg[:k]) + 1e-3 for k in range(2, len(agg) - 3)):
+            break
+    k = _first_rise(agg)
+    act = {"probe": "act-two-layer", "threshold": _threshold_firing_at(agg, k), "aggregate": "rolling_max:2"}
+    extra = {"probe_actions": [{**act, "then": "stop"}]}
+    if path == "python":
+        extra["apply_steering_vectors"] = [SteeringVector(None, [0], point="z", heads=[0], scale=1.0)]
+    out = llama.generate([PROMPTS[i]], [_sp(extra)], use_tqdm=False)[0]
+    got = list(out.outputs[0].token_ids)
+    assert out.outputs[0].stop_reason == "probe:act-two-layer" and len(got) in (k + 1, k + 2)
+    (rep,) = out.activations["probe_actions"]
+    assert rep["token_index"] == k and rep["value"] == pytest.approx(agg[k], abs=1e-4)
 
 
 def test_a_fault_while_acting_fails_only_that_request(llama, plain, monkeypatch):

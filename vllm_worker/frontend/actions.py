@@ -74,10 +74,11 @@ def _action(
         for k in ("layer", "bias"):
             if k in item:
                 raise ValueError(f"{f}.{k}: only with 'direction' (a probe brings its own)")
-        name, site, w, b, sigmoid = probe_condition(item["probe"], f"{f}.probe", probes)
+        name, sites, w, b, sigmoid = probe_condition(item["probe"], f"{f}.probe", probes)
     else:
         layer, w, b = _direction(item, f, shape)
-        name, site, sigmoid = item.get("name", "direction"), pts.canonical_site(pts.RESID_POST, layer), False
+        name, sites, sigmoid = item.get("name", "direction"), [pts.canonical_site(pts.RESID_POST, layer)], False
+        w = w.unsqueeze(0)
     if "name" in item and "probe" in item:
         raise ValueError(f"{f}.name: only with 'direction' (a probe's action is named for the probe)")
     if not isinstance(name, str) or not name or len(name) > 128:
@@ -89,7 +90,7 @@ def _action(
     then = item.get("then")
     out: dict[str, Any] = {
         "name": name,
-        "site": site,
+        "sites": sites,
         "w": tensor_to_bytes(w),
         "b": float(b),
         "sigmoid": sigmoid,
@@ -143,10 +144,10 @@ def _direction(item: Mapping[str, Any], f: str, shape: ModelShape) -> tuple[int,
     return layer % shape.n_layers, w, float(b)
 
 
-def probe_condition(name: Any, f: str, probes: Mapping[str, Any]) -> tuple[str, int, torch.Tensor, float, bool]:
-    """A loaded probe (`frontend.probes.LoadedProbe`) as a condition: (name, site, weight row (d_model,),
-    bias, sigmoid) — `mean` / `std` folded in as the workers score it (`Probe.folded`). One layer, one
-    output: a multi-layer probe's parts lie at several sites, which an action does not add up yet."""
+def probe_condition(name: Any, f: str, probes: Mapping[str, Any]) -> tuple[str, list[int], torch.Tensor, float, bool]:
+    """A loaded probe (`frontend.probes.LoadedProbe`) as a condition: (name, sites, weight rows
+    (n_sites, d_model), bias, sigmoid) — `mean` / `std` folded in as the workers score it (`Probe.folded`);
+    a multi-layer probe is the sum of one part per layer. One output."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"{f}: expected a probe name, got {name!r}")
     loaded = probes.get(name)
@@ -154,14 +155,11 @@ def probe_condition(name: Any, f: str, probes: Mapping[str, Any]) -> tuple[str, 
         known = ", ".join(sorted(probes)) or "none"
         raise ValueError(f"{f}: no probe named {name!r} is loaded (loaded: {known})")
     p = loaded.probe
-    if len(p.layers) != 1 or p.n_out != 1:
-        raise ValueError(
-            f"{f}: probe {name!r} has {len(p.layers)} layers and {p.n_out} outputs; actions take a "
-            "single-layer probe with one output"
-        )
+    if p.n_out != 1:
+        raise ValueError(f"{f}: probe {name!r} has {p.n_out} outputs; actions take a probe with one output")
     ws, bias = p.folded()
-    site = pts.canonical_site(p.point, int(p.layers[0]))
-    return name, site, ws[0][0].contiguous(), float(bias[0]), p.output == "sigmoid"
+    sites = [pts.canonical_site(p.point, int(layer)) for layer in p.layers]
+    return name, sites, torch.stack([w[0] for w in ws]).contiguous(), float(bias[0]), p.output == "sigmoid"
 
 
 def _aggregate(value: Any, f: str) -> tuple[int, float]:

@@ -33,7 +33,7 @@ class ActionUse:
     index: int  # in the request's `probe_actions`
     name: str
     req_id: str
-    site: int
+    sites: dict[int, int]  # site -> its weight row in `ActionTable.W` (a multi-layer probe: one per layer)
     slot: int
     stop: bool
     first_watched: int  # the first position watched: the last prompt position
@@ -57,7 +57,7 @@ class ActionTable:
     def __init__(self, d: int, device: torch.device, n_slots: int = N_SLOTS) -> None:
         self.d, self.device = d, device
         f32 = dict(dtype=torch.float32, device=device)
-        self.W = torch.zeros((n_slots, d), **f32)
+        self.W = torch.zeros((2 * n_slots, d), **f32)  # weight rows, one per (action, site)
         self.B = torch.zeros(n_slots, **f32)
         self.thr = torch.zeros(n_slots, **f32)
         self.kind = torch.zeros(n_slots, dtype=torch.long, device=device)
@@ -72,6 +72,7 @@ class ActionTable:
         self.gate = torch.zeros(n_slots, **f32)  # 1.0 once fired: what gated steering multiplies by
         self.never = torch.zeros(1, **f32)  # the gate of a vector with no layer on this pipeline stage
         self._free = list(range(n_slots - 1, -1, -1))
+        self._wfree = list(range(2 * n_slots - 1, -1, -1))
         self._arange = torch.arange(MAX_WINDOW, device=device)
         self._stop_reads: list[tuple[list[ActionUse], torch.Tensor, Any]] = []
         self.stopping: dict[str, str] = {}  # request id -> stop reason, until the request leaves
@@ -81,21 +82,29 @@ class ActionTable:
 
     def uses(self, req_id: str, actions: list[dict], local: frozenset, first_watched: int) -> list[ActionUse]:
         """Slots for a request's actions at this stage's sites; `ValueError` when the table is full."""
-        mine = [(i, a) for i, a in enumerate(actions) if int(a["site"]) in local]
-        if len(mine) > len(self._free):
+        mine = [(i, a) for i, a in enumerate(actions) if local.intersection(a["sites"])]
+        for i, a in mine:
+            if not local.issuperset(a["sites"]):
+                raise ActionRefused(
+                    "unsupported", f"probe_actions[{i}].probe: its layers lie on several pipeline stages"
+                )
+        n_rows = sum(len(a["sites"]) for _, a in mine)
+        if len(mine) > len(self._free) or n_rows > len(self._wfree):
             raise ActionRefused("limit", f"probe_actions: the worker's action table is full ({N_SLOTS} live actions)")
         out = []
         for i, a in mine:
             slot = self._free.pop()
-            w = tensor_from_bytes(a["w"], f"probe_actions[{i}].w").to(torch.float32)
-            self.W[slot].copy_(w.to(self.device))
+            w = tensor_from_bytes(a["w"], f"probe_actions[{i}].w").to(torch.float32).reshape(len(a["sites"]), -1)
+            rows = [self._wfree.pop() for _ in a["sites"]]
+            self.W[torch.tensor(rows, device=self.device)] = w.to(self.device)
             for buf, v in ((self.B, a["b"]), (self.thr, a["threshold"]), (self.param, a["param"])):
                 buf[slot] = float(v)
             self.kind[slot] = int(a["kind"])
             self.sigmoid[slot] = bool(a.get("sigmoid", False))
             self.count[slot], self.ema[slot], self.fired[slot] = 0, 0.0, False
             self.fire_pos[slot], self.fire_value[slot], self.gate[slot] = -1, 0.0, 0.0
-            out.append(ActionUse(i, str(a["name"]), req_id, int(a["site"]), slot, bool(a["stop"]), first_watched))
+            sites = {int(site): r for site, r in zip(a["sites"], rows)}
+            out.append(ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched))
         self._by_req[req_id] = out
         return out
 
@@ -108,6 +117,7 @@ class ActionTable:
             if not u.freed:  # (a failed request's uses may be given back twice)
                 u.freed = True
                 self._free.append(u.slot)
+                self._wfree.extend(u.sites.values())
             self._by_req.pop(u.req_id, None)
             self.stopping.pop(u.req_id, None)
 
@@ -133,34 +143,49 @@ class ActionTable:
 
     # ------------------------------------------------------------ per step
 
-    def observe(self, got: list[tuple[torch.Tensor, list[tuple[ActionUse, int, int]]]]) -> None:
+    def observe(self, got: list[tuple[torch.Tensor, list[tuple[ActionUse, int, int, int]]]]) -> None:
         """Fold a step's scores in: `got` holds, per site, the staged rows `x` and for each action there
-        (use, x row, position of that row). Rows at positions not watched (the prompt before its last
-        position, or a position recomputed after preemption) are skipped on the host."""
-        rounds: list[tuple[list[int], list[int], list[int], list[int]]] = []  # (x index, slot, pos, which x)
-        xs = []
-        for k, (x, items) in enumerate(got):
-            xs.append(x)
-            seen: dict[int, int] = {}
-            for u, row, p in items:
+        (use, x row, position of that row, the action's weight row for the site). An action's score at a position is the sum of its sites' parts
+        (a multi-layer probe) plus its bias. Positions not watched (the prompt before its last position, or
+        one recomputed after preemption) are skipped on the host."""
+        groups: dict[tuple[int, int], int] = {}  # (use, position) -> score index
+        owner: list[tuple[ActionUse, int]] = []  # per score: (use, position)
+        parts: list[tuple[int, int, int, int]] = []  # (x, x row, weight row, score index)
+        for k, (_, items) in enumerate(got):
+            for u, row, p, wrow in items:
                 if p < u.first_watched or p <= u.last_seen:
                     continue
-                u.last_seen = p
-                j = seen.get(id(u), 0)
-                seen[id(u)] = j + 1
-                while len(rounds) <= j:
-                    rounds.append(([], [], [], []))
-                rd = rounds[j]
-                rd[0].append(row)
-                rd[1].append(u.slot)
-                rd[2].append(p)
-                rd[3].append(k)
-        for xi, slots, pos, which in rounds:
-            x = torch.cat([xs[k][[r for r, kk in zip(xi, which) if kk == k]] for k in sorted(set(which))])
-            order = np.argsort(np.array(which, dtype=np.int64), kind="stable")
-            sl = torch.tensor(np.array(slots)[order], device=self.device)
-            ps = torch.tensor(np.array(pos)[order], device=self.device)
-            s = (x.float() * self.W[sl]).sum(-1) + self.B[sl]
+                g = groups.setdefault((id(u), p), len(owner))
+                if g == len(owner):
+                    owner.append((u, p))
+                parts.append((k, row, wrow, g))
+        if not owner:
+            return
+        for u, p in owner:
+            u.last_seen = max(u.last_seen, p)
+        pa = np.array(parts, dtype=np.int64)
+        dev = self.device
+        scores = torch.zeros(len(owner), dtype=torch.float32, device=dev)
+        for k in np.unique(pa[:, 0]).tolist():
+            sel = pa[pa[:, 0] == k]
+            x = got[k][0].index_select(0, torch.from_numpy(sel[:, 1]).to(dev)).float()
+            part = (x * self.W[torch.from_numpy(sel[:, 2]).to(dev)]).sum(-1)
+            scores.index_add_(0, torch.from_numpy(sel[:, 3]).to(dev), part)
+        # rounds: the j-th watched position of each action this step (one, unless drafts brought several)
+        order = sorted(range(len(owner)), key=lambda g: (id(owner[g][0]), owner[g][1]))
+        rounds: list[list[int]] = []
+        last, j = None, 0
+        for g in order:
+            j = j + 1 if owner[g][0] is last else 0
+            last = owner[g][0]
+            while len(rounds) <= j:
+                rounds.append([])
+            rounds[j].append(g)
+        for rd in rounds:
+            idx = torch.tensor(rd, device=dev)
+            sl = torch.tensor([owner[g][0].slot for g in rd], device=dev)
+            ps = torch.tensor([owner[g][1] for g in rd], device=dev)
+            s = scores[idx] + self.B[sl]
             self._update(sl, torch.where(self.sigmoid[sl], torch.sigmoid(s), s), ps)
 
     def _update(self, sl: torch.Tensor, s: torch.Tensor, pos: torch.Tensor) -> None:
@@ -279,12 +304,13 @@ def from_python(plan: Any, positions: np.ndarray) -> list:
 
 
 def _items(site: int, rows: np.ndarray, items: list, positions: np.ndarray) -> list:
-    out: list[tuple[ActionUse, int, int]] = []
+    out: list[tuple[ActionUse, int, int, int]] = []
     k = 0
     for r, s, e in items:
         n = len(staged_rows(s, e))
         for u in r.acts:
-            if u.site == site:
-                out.extend((u, k + j, int(positions[rows[k + j]])) for j in range(n))
+            wrow = u.sites.get(site)
+            if wrow is not None:
+                out.extend((u, k + j, int(positions[rows[k + j]]), wrow) for j in range(n))
         k += n
     return out

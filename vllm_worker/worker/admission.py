@@ -246,7 +246,7 @@ class Admission:
             )
         if compat.pp_last_stage():  # the stage whose output reaches the scheduler must hold a stop's layer
             for i, a in enumerate(spec.actions):
-                if a["stop"] and int(a["site"]) not in self.local:
+                if a["stop"] and not self.local.issuperset(a["sites"]):
                     raise ActionRefused(
                         "unsupported", f"probe_actions[{i}]: a stop needs its probe's layer on the last pipeline stage"
                     )

@@ -323,7 +323,7 @@ def make_plan(
     probe_rows: dict[int, Rows] = {}
     for item in active:
         r = item[0]
-        for at in dict.fromkeys(u.site for u in r.acts):
+        for at in dict.fromkeys(s for u in r.acts for s in u.sites):
             act.setdefault(at, []).append(item)
         if capturing_rank:  # scores: only the reporting rank
             for u in r.probes:

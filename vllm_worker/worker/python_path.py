@@ -146,6 +146,6 @@ class PythonPath:
 
 def _touches(r: RequestState, sites: frozenset) -> bool:
     own = set(r.capture) | set(r.simple_add) | {s for st in r.steers for s in st.layers} | {u.site for u in r.sae}
-    own |= {u.site for u in r.acts}
+    own |= {s for u in r.acts for s in u.sites}
     own |= {s for u in r.probes for s in u.weights}
     return bool(own & sites) or any(s in sites for h in r.hooks for s, _ in h.at)
