@@ -17,6 +17,7 @@ def test_installed_vllm_has_everything_we_need(llama):
     compat.check()
     from vllm.config import CompilationConfig
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
@@ -50,6 +51,9 @@ def test_installed_vllm_has_everything_we_need(llama):
         LLMEngine.step,
         AsyncLLM.generate,
         *([DPLBAsyncMPClient.get_core_engine_for_request] if routing else []),  # which DP engine ran a request
+        Scheduler.update_from_output,  # probe actions' stops (compat.stops)
+        Scheduler._update_request_with_output,
+        GPUModelRunner.sample_tokens,
     ):
         assert getattr(fn, "__lens_wrapped__", False), fn
     from vllm.config import ParallelConfig
@@ -86,6 +90,28 @@ def test_missing_internal_is_a_loud_error(monkeypatch):
     monkeypatch.setattr(compat.version, "vllm_version", lambda: (0, 99))
     with pytest.raises(compat.LensIncompatibleVLLM, match="supports vLLM"):
         compat.check_version()
+
+
+def test_worker_stops_reach_the_scheduler_as_vllm_moves_them(llama, monkeypatch):
+    """The stop of a probe action rides on the ModelRunnerOutput (pickled whole between worker and engine
+    core), the async scheduler goes through the base method we wrap, and a moved internal is loud."""
+    import pickle
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
+    setattr(out, compat.STOPS_ATTR, {"a": "probe:x"})
+    assert getattr(pickle.loads(pickle.dumps(out)), compat.STOPS_ATTR) == {"a": "probe:x"}
+    own = AsyncScheduler.__dict__.get("_update_request_with_output")
+    assert own is None or "_update_request_with_output" in own.__code__.co_names  # super() call
+    runner = llama.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    assert compat.runner_stops_installed(runner)
+    assert compat.pp_last_stage()  # one stage: it samples, so its stops reach the scheduler
+    monkeypatch.delattr(Scheduler, "_update_request_with_output")
+    with pytest.raises(compat.LensIncompatibleVLLM, match="moved"):
+        compat.patch_scheduler_stops()
 
 
 def test_lora_ranks_the_provider_rounds_to_are_the_ones_vllm_serve_accepts():

@@ -181,6 +181,8 @@ def _activations(acts: dict) -> dict[str, Any]:
         out["expert_ids"] = from_jsonable(acts["expert_ids"])
     if "sae_features" in acts:
         out["sae_features"] = from_jsonable(acts["sae_features"])
+    if "probe_actions" in acts:
+        out["probe_actions"] = list(acts["probe_actions"])
     for key in ("probe_scores", "probe_aggregates"):
         if key in acts:
             out[key] = from_jsonable(acts[key])

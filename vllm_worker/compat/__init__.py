@@ -6,7 +6,8 @@ If vLLM moves something we rely on, `check()` (plugin load) and the worker's own
 (exception classes vLLM maps to HTTP codes), `request_ids` (how vLLM names requests), `runner` (the
 worker's model runner and CUDA-graph dispatch; `runner_v2`: vLLM's V2 runner, when opted in), `model` (decoder-layer list, parameters across ranks), `layouts` (where each family's inner points are),
 `offline` (what `vllm-lens extract` reads from and builds with vLLM), `cpu_lora` (a vLLM-CPU LoRA fix),
-`data_parallel` (which of several engine cores ran a request, RPC to one or all of them).
+`data_parallel` (which of several engine cores ran a request, RPC to one or all of them), `stops` (a
+worker ending a request: `probe_actions`).
 `tests/core/test_adapter.py` exercises each against the installed vLLM.
 """
 
@@ -110,15 +111,23 @@ from vllm_worker.compat.runner import (  # noqa: F401
     patch_cudagraph_dispatch,
     patch_full_graphs,
     patch_runner,
+    pp_last_stage,
     request_extra_args,
     request_max_positions,
     runner_classes,
     runner_model,
+    runner_prompt_len,
     sequence_parallel_moe,
     tp_rank,
     tp_world_size,
     weak_ref,
     weak_refs,
+)
+from vllm_worker.compat.stops import (  # noqa: F401
+    STOPS_ATTR,
+    patch_runner_stops,
+    patch_scheduler_stops,
+    runner_stops_installed,
 )
 from vllm_worker.compat.version import (  # noqa: F401
     SUPPORTED,

@@ -199,6 +199,28 @@ def request_max_positions(runner: Any, req_id: str) -> int | None:
     return n_prompt + max_tokens - 1
 
 
+def runner_prompt_len(runner: Any, req_id: str) -> int:
+    """The request's prompt length (`probe_actions` watch from its last position on)."""
+    if runner_v2.is_v2(runner):
+        n = runner_v2.request_prompt_len(runner, req_id)
+    else:
+        n = getattr(require(runner, "requests", type(runner).__name__).get(req_id), "num_prompt_tokens", None)
+    if not isinstance(n, int):
+        raise LensIncompatibleVLLM(f"vLLM internal moved: the prompt length of request {req_id} is not readable")
+    return n
+
+
+def pp_last_stage() -> bool:
+    """This worker holds the last pipeline stage: the one whose output (sampled tokens, our stops) reaches
+    the scheduler."""
+    from vllm.distributed import get_pp_group
+
+    try:
+        return bool(get_pp_group().is_last_rank)
+    except AssertionError:  # no pipeline group (a worker outside a distributed setup): one stage
+        return True
+
+
 def live_request_ids(runner: Any) -> Any:
     if runner_v2.is_v2(runner):
         return runner_v2.live_request_ids(runner)

@@ -424,5 +424,9 @@ def request_max_positions(runner: Any, req_id: str) -> int | None:
     return r.prompt_len + max_tokens - 1
 
 
+def request_prompt_len(runner: Any, req_id: str) -> int | None:
+    return getattr(_requests(runner).get(req_id), "prompt_len", None)
+
+
 def live_request_ids(runner: Any) -> Any:
     return _requests(runner).keys()

@@ -228,13 +228,16 @@ def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict 
         if "error" in part:  # the first stage's failure
             discard_parts(parts)
             return None, None, part["error"]
-        more = more or "sae" in part or "hooks" in part or "probes" in part
+        more = more or "sae" in part or "hooks" in part or "probes" in part or "actions" in part
     acts = by_point(_assemble(p, parts), p.layers, p.points, p.shape or ModelShape(0, 0)) if p.layers else None
     if not more:  # captures only (most requests)
         return acts, None, None
     features = sae_features(parts)
     if features:
         acts = {**(acts or {}), "sae_features": features}
+    fired = [a for part in parts for a in part.get("actions") or ()]  # each on the stage holding its layer
+    if fired:
+        acts = {**(acts or {}), "probe_actions": sorted(fired, key=lambda a: a["action"])}
     if p.probes:
         scores, aggs = probe_outputs(parts, p.probes, p.prompt_len)
         acts = {**(acts or {}), "probe_scores": scores, "probe_aggregates": aggs}

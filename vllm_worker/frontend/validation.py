@@ -14,11 +14,13 @@ import torch
 
 from vllm_worker.api.hooks import Hook
 from vllm_worker.api.steering import SteeringVector
+from vllm_worker.frontend import actions as action_keys
 from vllm_worker.frontend import probes as probe_keys
 from vllm_worker.frontend import saes as sae_keys
 from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number, int_list
 from vllm_worker.protocol.spec import (
+    ACTIONS_KEY,
     ACTIVATIONS_KEY,
     CAPTURE_KEY,
     HOOK_KEY,
@@ -42,8 +44,9 @@ from vllm_worker.protocol.spec import (
 from vllm_worker.protocol.wire import tensor_from_json
 
 
-def _steering_item(item: Any, i: int, shape: ModelShape, prompt_len: int) -> Steer:
-    f = f"{STEER_KEY}[{i}]"
+def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) -> Steer:
+    """`i`: the item's index in `apply_steering_vectors`, or the full name of the field it came in."""
+    f = i if isinstance(i, str) else f"{STEER_KEY}[{i}]"
     if isinstance(item, Mapping):
         unknown = set(item) - STEER_FIELDS
         if unknown:
@@ -281,6 +284,8 @@ def parse_request(
         spec.hooks = parse_hooks(ours[HOOK_KEY], shape)
     if any(k in ours for k in SAE_KEYS):
         sae_keys.parse(ours, spec, shape, saes or {})
+    if ACTIONS_KEY in ours:
+        action_keys.parse(ours[ACTIONS_KEY], spec, shape, prompt_len, _steering_item, probes)
     if any(k in ours for k in PROBE_KEYS):
         probe_keys.parse(ours, spec, probes or {})
     return spec

@@ -29,7 +29,7 @@ from vllm_worker import envs
 from vllm_worker.api.steering import SteeringVector
 from vllm_worker.frontend.state import engine_state
 from vllm_worker.protocol.checks import unknown_vector, vector_name
-from vllm_worker.protocol.spec import STEER_KEY, ModelShape, from_json_string
+from vllm_worker.protocol.spec import ACTIONS_KEY, STEER_KEY, ModelShape, from_json_string
 from vllm_worker.protocol.wire import dtype_name
 
 SCOPE_KEY = "lens_vector_scope"  # in extra_args: the request's scope (set by the HTTP middleware only)
@@ -145,10 +145,11 @@ def registry_of(obj: Any) -> VectorRegistry:
     return state.vectors
 
 
-def _resolve_item(item: Any, i: int, registry: VectorRegistry | None, scope: str) -> Any:
+def _resolve_item(item: Any, i: int | str, registry: VectorRegistry | None, scope: str) -> Any:
     """A steering entry naming a vector -> the same entry carrying its tensor (new objects: the caller's
-    are never edited). A 1-D vector is used at every listed layer."""
-    f = f"{STEER_KEY}[{i}]"
+    are never edited). A 1-D vector is used at every listed layer. `i`: its index in the steering list,
+    or its field's full name."""
+    f = i if isinstance(i, str) else f"{STEER_KEY}[{i}]"
     if isinstance(item, SteeringVector):
         name = item.name
     elif isinstance(item, Mapping):
@@ -178,7 +179,7 @@ def _resolve_item(item: Any, i: int, registry: VectorRegistry | None, scope: str
 def resolve(extra_args: Mapping[str, Any], registry: VectorRegistry | None) -> Mapping[str, Any]:
     """`extra_args` with named steering entries resolved (and `SCOPE_KEY` consumed): a new dict when
     anything changed, else `extra_args` itself."""
-    if SCOPE_KEY not in extra_args and STEER_KEY not in extra_args:
+    if SCOPE_KEY not in extra_args and STEER_KEY not in extra_args and ACTIONS_KEY not in extra_args:
         return extra_args
     out = dict(extra_args)
     scope = out.pop(SCOPE_KEY, "")
@@ -192,6 +193,29 @@ def resolve(extra_args: Mapping[str, Any], registry: VectorRegistry | None) -> M
             out[STEER_KEY] = [_resolve_item(it, i, registry, scope) for i, it in enumerate(seq)]
         else:
             out[STEER_KEY] = items
+    if ACTIONS_KEY in out:
+        out[ACTIONS_KEY] = _resolve_actions(from_json_string(out[ACTIONS_KEY], ACTIONS_KEY), registry, scope)
+    return out
+
+
+def _resolve_actions(actions: Any, registry: VectorRegistry | None, scope: str) -> Any:
+    """`probe_actions` whose `then.steer` names registered vectors -> new actions carrying the tensors (the
+    caller's dicts are never edited); anything malformed is left for `frontend.actions` to name."""
+    seq = [actions] if isinstance(actions, Mapping) else actions
+    if not isinstance(seq, (list, tuple)):
+        return actions
+    out = []
+    for i, a in enumerate(seq):
+        then = a.get("then") if isinstance(a, Mapping) else None
+        steer = then.get("steer") if isinstance(then, Mapping) else None
+        items = [steer] if isinstance(steer, (SteeringVector, Mapping)) else steer
+        if not isinstance(items, (list, tuple)) or not any(_names(it) for it in items):
+            out.append(a)
+            continue
+        assert isinstance(then, Mapping)  # (a steer list was found in it)
+        f = f"{ACTIONS_KEY}[{i}].then.steer"
+        resolved = [_resolve_item(it, f"{f}[{j}]", registry, scope) for j, it in enumerate(items)]
+        out.append({**a, "then": {**then, "steer": resolved}})
     return out
 
 

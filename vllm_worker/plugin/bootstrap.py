@@ -121,4 +121,5 @@ def register() -> None:
     compat.patch_async_generate(_async_consumer, frontend.attach_async_output)
     compat.patch_endpoint_plugins("inspect_lens_http", _endpoints)
     compat.patch_cpu_lora_no_adapter_rows()
+    compat.patch_scheduler_stops()  # the engine core finishes requests a probe action stopped
     _registered = True

@@ -26,10 +26,12 @@ SAE_FEATURES_KEY = "output_sae_features"  # {"sae": name, "top_k": k} or {"sae":
 SAE_STEER_KEY = "apply_sae_steering"  # [{"sae": name, "features": [ids], "scale": s}]: + s * W_dec[f]
 SAE_CLAMP_KEY = "apply_sae_clamp"  # [{"sae": name, "features": [ids], "values": v}]: f set to v
 SAE_KEYS = (SAE_FEATURES_KEY, SAE_STEER_KEY, SAE_CLAMP_KEY)
+# act on a probe's score in the same generation (docs/probes.md, "Acting on a score")
+ACTIONS_KEY = "probe_actions"
 # linear probes loaded with `llm.load_probe` / `POST /v1/lens/probes` (docs/probes.md)
 PROBE_SCORES_KEY = "output_probe_scores"  # [names] or {name: {"aggregate": [...], "positions": ...}}
 PROBE_KEYS = (PROBE_SCORES_KEY,)
-KNOWN_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, STEER_KEY, HOOK_KEY, *SAE_KEYS, *PROBE_KEYS)
+KNOWN_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, STEER_KEY, HOOK_KEY, *SAE_KEYS, *PROBE_KEYS, ACTIONS_KEY)
 # Keys with these prefixes belong to us: a typo (`output_residual_streams`) is an error, not ignored.
 NAMESPACE_PREFIXES = (
     "output_residual",
@@ -38,6 +40,7 @@ NAMESPACE_PREFIXES = (
     "apply_hook",
     "output_sae",
     "apply_sae",
+    ACTIONS_KEY,
     "output_probe",
     "lens_",
     PAYLOAD_KEY,
@@ -100,6 +103,7 @@ class Steer:
     scale: float
     norm_match: bool
     mul: bool = False  # `vectors` multiply the stream there instead of adding to it (head scaling at z)
+    gate: int = -1  # >= 0: applied only once action `gate` of the request has fired (`probe_actions`)
 
 
 @dataclass
@@ -128,6 +132,9 @@ class RequestSpec:
     # SAE work in the workers, msgspec-safe dicts (`frontend/saes.parse`): {"sae", "site", "uid"} and
     # "top_k" or "ids" (features returned) or "ids" + "values" with "clamp": true
     sae: list[dict[str, Any]] = field(default_factory=list)
+    # `probe_actions`, msgspec-safe dicts (`frontend/actions.parse`): the condition (site, weight bytes,
+    # bias), threshold, aggregate and what firing does; their steering is in `steers` with `gate` set
+    actions: list[dict[str, Any]] = field(default_factory=list)
     # probes scored in the workers, msgspec-safe dicts (`frontend/probes.parse`): {"probe", "uid"}
     probes: list[dict[str, Any]] = field(default_factory=list)
     # what the frontend makes of the scores (frontend only): {probe: {"aggregate": [...], "positions": ...}}
@@ -135,7 +142,9 @@ class RequestSpec:
 
     @property
     def wants_results(self) -> bool:
-        return bool(self.capture or self.hooks or self.probes or any(not u.get("clamp") for u in self.sae))
+        return bool(
+            self.capture or self.hooks or self.probes or self.actions or any(not u.get("clamp") for u in self.sae)
+        )
 
 
 def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
@@ -216,6 +225,7 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
                 "scale": s.scale,
                 "norm_match": s.norm_match,
                 "mul": s.mul,
+                **({"gate": s.gate} if s.gate >= 0 else {}),
             }
             for s in spec.steers
         ]
@@ -226,6 +236,8 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
         ]
     if spec.sae:
         payload["sae"] = spec.sae
+    if spec.actions:
+        payload["actions"] = spec.actions
     if spec.probes:
         payload["probes"] = spec.probes
     return payload
@@ -236,8 +248,8 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
         raise ValueError(f"{PAYLOAD_KEY}: unsupported payload version {payload.get('v')!r}")
     capture = list(payload.get("capture") or ())
     steer, hooks, sae = payload.get("steer"), payload.get("hooks"), payload.get("sae")
-    probes = payload.get("probes")
-    if not (steer or hooks or sae or probes):  # a capture-only request (most of them)
+    probes, actions = payload.get("probes"), payload.get("actions")
+    if not (steer or hooks or sae or probes or actions):  # a capture-only request (most of them)
         return RequestSpec(payload["key"], capture)
     return RequestSpec(
         key=payload["key"],
@@ -250,6 +262,7 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
                 float(s["scale"]),
                 bool(s["norm_match"]),
                 bool(s.get("mul", False)),
+                int(s.get("gate", -1)),
             )
             for s in steer or ()
         ],
@@ -264,6 +277,7 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
             for h in hooks or ()
         ],
         sae=[dict(u) for u in sae or ()],
+        actions=[dict(a) for a in actions or ()],
         probes=[dict(u) for u in probes or ()],
     )
 
@@ -282,6 +296,6 @@ def cache_salt(spec: RequestSpec) -> str | None:
     for u in clamps:  # the SAE's identity (`uid`: its file), its site, the features and values
         h.update(repr((u["uid"], u["site"], u["ids"], u["values"])).encode())
     for s in spec.steers:
-        h.update(repr((s.layers, s.positions, s.scale, s.norm_match, s.mul, tuple(s.vectors.shape))).encode())
+        h.update(repr((s.layers, s.positions, s.scale, s.norm_match, s.mul, s.gate, tuple(s.vectors.shape))).encode())
         h.update(s.vectors.numpy().tobytes())
     return "inspect-lens:" + h.hexdigest()

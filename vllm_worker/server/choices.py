@@ -135,6 +135,8 @@ def activations_json(acts: dict[str, Any]) -> dict[str, Any]:
             out[point] = to_jsonable(acts[point], lazy=True)
     if "expert_ids" in acts:
         out["expert_ids"] = to_jsonable(acts["expert_ids"], lazy=True)
+    if "probe_actions" in acts:  # plain JSON already: [{"action", "name", "fired", "position", ...}]
+        out["probe_actions"] = acts["probe_actions"]
     return out
 
 

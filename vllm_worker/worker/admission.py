@@ -20,6 +20,7 @@ from vllm_worker.protocol import errors
 from vllm_worker.protocol.points import NAME, describe, site_layer, split_site
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph, seams
+from vllm_worker.worker.actions import ActionRefused
 from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, hook_at, split_steers
@@ -73,6 +74,7 @@ class Admission:
         persistent: PersistentHooks,
         ctx: Callable[[dict, str], HookContext],
         saes: Any = None,
+        actions: Any = None,
         probes: Any = None,
     ) -> None:
         self.runner, self.device, self.dtype, self.d_model = runner, device, dtype, d_model
@@ -80,6 +82,7 @@ class Admission:
         self.local_layers, self.missing = local_layers, missing
         self.store, self.graph, self.persistent, self.ctx = store, graph_taps, persistent, ctx
         self.saes = saes  # `saes.WorkerSaes`
+        self.actions = actions  # `actions.ActionTable`
         self.probes = probes  # `probes.WorkerProbes`
         self.esize = torch.empty((), dtype=dtype).element_size()
         self._moves = ToDevice(device)
@@ -108,12 +111,17 @@ class Admission:
         try:
             faults.check("admission")
             return self._new(req_id, payload)
+        except ActionRefused as e:  # the caller's actions cannot run here (placement, table full): 400
+            self.actions.drop(req_id)
+            return self._failed(req_id, payload, e, errors.failure(e.kind, str(e), "admission"))
         except Exception as e:  # noqa: BLE001 - our bug fails this request, never the engine
+            if self.actions is not None:
+                self.actions.drop(req_id)
             return self._failed(req_id, payload, e)
 
-    def _failed(self, req_id: str, payload: Any, e: Exception) -> RequestState:
+    def _failed(self, req_id: str, payload: Any, e: Exception, why: errors.Failure | None = None) -> RequestState:
         store = RequestResults([])
-        store.error = errors.internal("admission", e)
+        store.error = why or errors.internal("admission", e)
         n = int(payload.get("n", 1)) if isinstance(payload, dict) else 1
         child = compat.child_index(req_id, n) if n > 1 else 0
         key = payload.get("key") if isinstance(payload, dict) else None
@@ -132,12 +140,15 @@ class Admission:
         hooks: list[HookRun] = []
         store = None
         sae_uses: list = []
+        act_uses: list = []
         probe_uses: list = []
         if spec is not None:
             if spec.sae:
                 sae_uses = self.saes.uses(spec.sae)
             if spec.probes:
                 probe_uses = self.probes.uses(spec.probes)
+            if spec.actions:
+                act_uses = self._action_uses(req_id, spec)
             for s in spec.steers:
                 lut = None
                 if s.positions is not None:
@@ -152,6 +163,7 @@ class Admission:
                         s.norm_match,
                         None if s.positions is None else list(s.positions),
                         s.mul,
+                        self._gate(s.gate, act_uses, s.layers),
                     )
                 )
             # result memory the frontend let go of: free before this request's result is announced
@@ -195,7 +207,7 @@ class Admission:
         # hooks: on the graph path too when their steps can run them at seams (`plan.RequestState.seam_ok`)
         graph_ok = not hooks or seams.enabled()
         if self.graph is not None and graph_ok and not any(st.mul for st in steers):  # multiplications: Python path
-            got = graph.request_entries(self.graph, steers) if steers else ({}, [])
+            got = self._entries(steers, act_uses) if steers else ({}, [])
             if got is not None:
                 entries, entry_ids = got
         for st in per_request:  # what the Python path steers with, to the device with the step's others
@@ -215,11 +227,68 @@ class Admission:
             entries,
             entry_ids,
             sae=sae_uses,
+            acts=act_uses,
             probes=probe_uses,
         )
+        if act_uses and store is not None and self.capturing_rank:  # read at fetch unless it left first
+            store.actions = functools.partial(self.actions.outcome, act_uses)
         if per_request or simple or entry_ids:
             self._pending.append(state)
         return state
+
+    def _action_uses(self, req_id: str, spec: Any) -> list:
+        """Slots for the request's probe actions at this stage's layers (`actions.ActionTable`)."""
+        if self.actions is None:
+            raise ValueError("probe_actions: this worker has no action table")
+        if any(a["stop"] for a in spec.actions) and not compat.runner_stops_installed(self.runner):
+            raise ActionRefused(
+                "unsupported", "probe_actions: a stop is not supported on this model runner (vLLM's V2)"
+            )
+        if compat.pp_last_stage():  # the stage whose output reaches the scheduler must hold a stop's layer
+            for i, a in enumerate(spec.actions):
+                if a["stop"] and not self.local.issuperset(a["sites"]):
+                    raise ActionRefused(
+                        "unsupported", f"probe_actions[{i}]: a stop needs its probe's layer on the last pipeline stage"
+                    )
+        first = compat.runner_prompt_len(self.runner, req_id) - 1
+        return self.actions.uses(req_id, spec.actions, self.local, first)
+
+    def _gate(self, index: int, uses: list, sites: list[int]) -> torch.Tensor | None:
+        """The device gate a probe action's vector is multiplied by (None: not gated). A vector with no
+        layer on this stage is never applied here: it gets a gate that stays 0."""
+        if index < 0:
+            return None
+        if not self.local.intersection(sites):
+            return self.actions.never
+        for u in uses:
+            if u.index == index:
+                return self.actions.gate[u.slot : u.slot + 1]
+        raise ActionRefused(
+            "unsupported", f"probe_actions[{index}]: its steering needs the probe's layer on the same pipeline stage"
+        )
+
+    def _entries(self, steers: list[DeviceSteer], uses: list) -> tuple[dict, list[int]] | None:
+        """Graph-path entries: one group for the plain vectors, one per gating action (its entries' gate
+        follows the action). A row has one entry per site, so groups sharing a site take the Python path."""
+        groups: dict[int, list[DeviceSteer]] = {}  # gate's address (-1: not gated) -> vectors
+        for st in steers:
+            groups.setdefault(-1 if st.gate is None else st.gate.data_ptr(), []).append(st)
+        sites = [{l for st in g for l in st.layers} for g in groups.values()]
+        if sum(len(x) for x in sites) != len(set().union(*sites)):
+            return None
+        by_gate = {} if self.actions is None else {self.actions.gate[u.slot : u.slot + 1].data_ptr(): u for u in uses}
+        entries: dict = {}
+        ids: list[int] = []
+        for key, group in groups.items():
+            got = graph.request_entries(self.graph, group, gated=key != -1)
+            if got is None:
+                self.graph.free_entries(ids)
+                return None
+            entries.update(got[0])
+            ids += got[1]
+            if key in by_gate:  # (the gate of a vector with no layer here belongs to no action)
+                by_gate[key].entries = got[1]
+        return entries, ids
 
     def _check_sites(self, spec: Any, hooks: list[HookRun], store: RequestResults | None, probes: list) -> None:
         """A point this worker has no tap for (its layout could not be resolved here) fails the request with

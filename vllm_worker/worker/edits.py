@@ -60,6 +60,8 @@ def steer(site: int, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tenso
             add = v * st.scale
             if mask is not None:
                 add = add * mask
+            if st.gate is not None:  # a probe action's vector: 0 until it fired (no host read)
+                add = add * st.gate
             delta = add if delta is None else delta + add
         if delta is not None:
             hidden[s:e] += delta.to(hidden.dtype)

@@ -125,6 +125,11 @@ def _around_forward(runner: Any, orig: Any, *args: Any, **kwargs: Any) -> Any:
     return rt.around_forward(orig, *args, **kwargs)
 
 
+def _stops(runner: Any) -> dict[str, str] | None:
+    rt = getattr(runner, "_lens_runtime", None)
+    return None if rt is None or isinstance(rt, Unsupported) else rt.actions.stops()
+
+
 def _needs_python(runner: Any) -> int:
     rt = getattr(runner, "_lens_runtime", None)
     return 0 if rt is None or isinstance(rt, Unsupported) else rt.prepare_step()
@@ -132,6 +137,7 @@ def _needs_python(runner: Any) -> int:
 
 compat.check_version()
 compat.patch_runner(_on_loaded, _around_forward)
+compat.patch_runner_stops(_stops)
 if compat.graph_taps_unsupported() is None:  # else the frontend forced eager mode (with a warning)
     compat.patch_cudagraph_dispatch(_needs_python)
     _why_not_cut = compat.full_graphs_unsupported()

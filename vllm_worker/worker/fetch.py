@@ -145,6 +145,8 @@ def _prelude(st: RequestResults, layer_ids: list[int], assemble_saved: Any) -> t
         payload["hooks"] = assemble_saved(st.saved)
     if st.sae and st.error is None:
         payload["sae"] = saes.payload(st.sae)
+    if st.actions is not None and st.error is None:
+        payload["actions"] = st.actions() if callable(st.actions) else st.actions
     if st.probes and st.error is None:
         payload["probes"] = probes.payload(st.probes)
     mine = [l for l in st.layers if l in layer_ids]

@@ -79,7 +79,7 @@ class GraphTaps:
         self.ring = StagingRing(self.stage_rows, d, dtype, device, side, self._block, cuda and direct_writes_on())
         # the tensors the kernel reads (never replaced: a recorded graph holds their addresses)
         self.ctl, self.base, self.stage = self.table.ctl, self.table.base, self.ring.stage
-        self.A, self.B, self.bflag = self.entries.A, self.entries.B, self.entries.bflag
+        self.A, self.B, self.bflag, self.gate = self.entries.A, self.entries.B, self.entries.bflag, self.entries.gate
         self.active = False  # a step planned for this path is running (the op acts outside graphs)
         self.fired = 0  # kernel calls outside graph capture during the running step
         self.launches_in_capture = 0  # kernel calls recorded into CUDA graphs
@@ -153,6 +153,7 @@ class GraphTaps:
             self.A,
             self.B,
             self.bflag,
+            self.gate,
             col,
             self.max_rows,
             self.d,
@@ -176,6 +177,7 @@ class GraphTaps:
             if bool(bf.any()):
                 s = h if residual is None else h + residual[rows].float()
                 add = add + self.B[e].float() * (s.norm(dim=-1, keepdim=True) * bf.unsqueeze(1))
+            add = add * self.gate[e].unsqueeze(1)
             hidden[rows] = (h + add).to(hidden.dtype)
         slot = c[:, 0]
         rows = torch.nonzero(slot >= 0).squeeze(1)
@@ -237,6 +239,7 @@ class GraphTaps:
         self.ring.copy_out(base, n, dst, direct)
 
 
-def request_entries(g: GraphTaps, steers: list) -> tuple[dict, list[int]] | None:
-    """A request's steering as entries of `g` (`graph_entries.entries_for`); None when the table is full."""
-    return entries_for(g.entries, g.col, steers)
+def request_entries(g: GraphTaps, steers: list, gated: bool = False) -> tuple[dict, list[int]] | None:
+    """A request's steering as entries of `g` (`graph_entries.entries_for`); None when the table is full.
+    `gated`: the entries' gate starts at 0 (a probe action's steering)."""
+    return entries_for(g.entries, g.col, steers, gated)

@@ -20,13 +20,16 @@ class SteeringEntries:
         self.A = torch.zeros((n_entries, d), dtype=dtype, device=device)
         self.B = torch.zeros((n_entries, d), dtype=dtype, device=device)
         self.bflag = torch.zeros((n_entries,), dtype=torch.int32, device=device)
+        # what an entry's add is multiplied by: 1, or a probe action's gate (0 until it fires: `actions`)
+        self.gate = torch.ones((n_entries,), dtype=torch.float32, device=device)
         self._free = list(range(n_entries - 1, -1, -1))
-        # entries stored since the last `flush`: index -> (A row, B row, B's flag) on the host
-        self._new: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        # entries stored since the last `flush`: index -> (A row, B row, B's flag, gated) on the host
+        self._new: dict[int, tuple[torch.Tensor, torch.Tensor, bool, bool]] = {}
 
-    def add(self, a: torch.Tensor, b: torch.Tensor) -> list[int] | None:
+    def add(self, a: torch.Tensor, b: torch.Tensor, gated: bool = False) -> list[int] | None:
         """Store k entries (`a`, `b`: (k, d) float32 on the host); None when the table is full. They reach
-        the device with the next `flush` (`Admission.flush`: one copy for a step's new requests)."""
+        the device with the next `flush` (`Admission.flush`: one copy for a step's new requests). `gated`:
+        their gate starts at 0 (a probe action sets it)."""
         k = a.shape[0]
         if k > len(self._free):
             return None
@@ -34,7 +37,7 @@ class SteeringEntries:
         flags = (b.abs().amax(dim=1) > 0).tolist()
         a, b = a.to(self.dtype), b.to(self.dtype)
         for i, j in enumerate(idx):  # (a later entry at the same index replaces an earlier one)
-            self._new[j] = (a[i], b[i], flags[i])
+            self._new[j] = (a[i], b[i], flags[i], gated)
         return idx
 
     def flush(self) -> None:
@@ -45,11 +48,13 @@ class SteeringEntries:
             return
         pending = self._new
         idx = to_device(torch.tensor(list(pending), dtype=torch.long), self.device)
-        rows = to_device(torch.stack([r for a, b, _ in pending.values() for r in (a, b)]), self.device)  # A, B, ...
-        flags = to_device(torch.tensor([f for _, _, f in pending.values()], dtype=torch.int32), self.device)
+        rows = to_device(torch.stack([r for a, b, _, _ in pending.values() for r in (a, b)]), self.device)  # A, B, ...
+        flags = to_device(torch.tensor([f for _, _, f, _ in pending.values()], dtype=torch.int32), self.device)
+        gates = to_device(torch.tensor([0.0 if g else 1.0 for *_, g in pending.values()]), self.device)
         self.A.index_copy_(0, idx, rows[0::2])
         self.B.index_copy_(0, idx, rows[1::2])
         self.bflag.index_copy_(0, idx, flags)
+        self.gate.index_copy_(0, idx, gates)
         self._new = {}
 
     def free(self, idx: list[int]) -> None:
@@ -60,7 +65,9 @@ class SteeringEntries:
         self._new = {}
 
 
-def entries_for(table: SteeringEntries, sites: dict[int, int], steers: list[Any]) -> tuple[dict, list[int]] | None:
+def entries_for(
+    table: SteeringEntries, sites: dict[int, int], steers: list[Any], gated: bool = False
+) -> tuple[dict, list[int]] | None:
     """A request's steering (`plan.DeviceSteer`s) as entries of `table`: per site this stage holds (`sites`:
     site -> column), one default entry (its position-independent vectors) and one per position its 3-D
     vectors name (the default plus those). None when the table is full (the request then takes the Python
@@ -102,7 +109,7 @@ def entries_for(table: SteeringEntries, sites: dict[int, int], steers: list[Any]
             rows_b.append(db + pb[p] if p in pb else db)
     if not rows_a:
         return {}, []
-    ids = table.add(torch.stack(rows_a), torch.stack(rows_b))
+    ids = table.add(torch.stack(rows_a), torch.stack(rows_b), gated)
     if ids is None:
         return None
     out: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}

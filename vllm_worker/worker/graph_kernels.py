@@ -32,6 +32,7 @@ def make_tap_kernel() -> Any:
         a_ptr,
         b_ptr,
         bflag_ptr,
+        gate_ptr,
         col,
         max_rows,
         d,
@@ -61,6 +62,7 @@ def make_tap_kernel() -> Any:
                     s = h.to(tl.float32) + r
                     nrm = tl.sqrt(tl.sum(s * s, axis=0))
                     add += tl.load(b_ptr + e + offs, mask=m, other=0.0).to(tl.float32) * nrm
+                add = add * tl.load(gate_ptr + ent)  # 1, or a probe action's gate (0 until it fired)
                 h = (h.to(tl.float32) + add).to(h.dtype)
                 tl.store(hp, h, mask=m)
             if slot >= 0:

@@ -18,6 +18,8 @@ import torch
 
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol.points import CODE, IN, OUT, READ_ONLY, RESID_PRE, site
+from vllm_worker.worker.actions import stage as stage_actions
+from vllm_worker.worker.actions import staged_rows
 from vllm_worker.worker.graph import GraphTaps
 from vllm_worker.worker.probes import SiteProbes, stage_probes
 from vllm_worker.worker.request_results import CaptureLog, RequestResults, StepArena
@@ -33,6 +35,7 @@ class DeviceSteer:
     norm_match: bool
     positions: list[int] | None = None  # host copy of the positions `lut` maps (3-D vectors)
     mul: bool = False  # `vectors` multiply the activation (head scaling at z): Python path only
+    gate: torch.Tensor | None = None  # (1,) device float its adds are multiplied by (`actions`: 0 until fired)
 
 
 HookAt = tuple[int, bool]  # (site, late): late = a pre-hook of the next layer, run after that site's captures
@@ -82,6 +85,7 @@ class RequestState:
     entries: "dict[int, tuple[int, np.ndarray, np.ndarray]] | None" = field(default_factory=dict)
     entry_ids: list[int] = field(default_factory=list)  # to give back when the request leaves
     sae: list = field(default_factory=list)  # `saes.SaeUse`s: features to return, clamps
+    acts: list = field(default_factory=list)  # `actions.ActionUse`s: probe actions at this stage's sites
     probes: list = field(default_factory=list)  # `probes.DeviceProbe`s scored for this request
 
     @property
@@ -133,6 +137,7 @@ class GraphPlan:
     st_pos: list[tuple[int, int, int, np.ndarray, np.ndarray, int]]  # (start, end, col, positions, entries, default)
     n_extra: int = 0  # staged rows after the captures, read on the device only (SAE features)
     sae: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `saes.stage_features`
+    act: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `actions.stage`
     probes: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, SiteProbes): `probes.stage_probes`
 
     @property
@@ -235,6 +240,8 @@ class StepPlan:
     deferred: list = field(default_factory=list)  # (site, stream snapshot) whose read-only hooks run after the forward
     hook_runs: dict = field(default_factory=dict)  # HookAt -> per-request hook calls there (`edits._per_request_runs`)
     row_cells: dict = field(default_factory=dict)  # batched hooks' `ctx.save_rows` values (`edits.Batch`)
+    act_rows: dict = field(default_factory=dict)  # site -> (rows on device, host rows, requests): `actions`
+    act_got: list = field(default_factory=list)  # the action rows read at the taps this step
 
     @functools.cached_property
     def seam_sites(self) -> frozenset:
@@ -260,6 +267,7 @@ class StepPlan:
         self.broken = False
         self.fired_sites = set()
         self.deferred = []
+        self.act_got = []
 
     @functools.cached_property
     def sites(self) -> frozenset:
@@ -272,6 +280,7 @@ class StepPlan:
             | {s for s, _ in self.groups}
             | frozenset(self.sae_feat)
             | frozenset(self.sae_clamp)
+            | frozenset(self.act_rows)
             | frozenset(self.probe_rows)
         )
 
@@ -279,7 +288,9 @@ class StepPlan:
 def split_steers(steers: list[DeviceSteer]) -> tuple[list[DeviceSteer], dict[int, torch.Tensor]]:
     """(steers needing per-request work, {layer: summed simple add}). A layer where any vector is
     positional or norm-matched keeps all its vectors per request (their order of application matters)."""
-    complex_layers = {l for st in steers if st.lut is not None or st.norm_match or st.mul for l in st.layers}
+    complex_layers = {
+        l for st in steers if st.lut is not None or st.norm_match or st.mul or st.gate is not None for l in st.layers
+    }
     simple: dict[int, torch.Tensor] = {}
     for st in steers:
         for layer, row in st.layers.items():
@@ -308,9 +319,12 @@ def make_plan(
     batched: dict[HookAt, dict[Any, list]] = {}
     sae_feat: dict[int, Rows] = {}
     sae_clamp: dict[int, Rows] = {}
+    act: dict[int, Rows] = {}
     probe_rows: dict[int, Rows] = {}
     for item in active:
         r = item[0]
+        for at in dict.fromkeys(s for u in r.acts for s in u.sites):
+            act.setdefault(at, []).append(item)
         if capturing_rank:  # scores: only the reporting rank
             for u in r.probes:
                 for s in u.weights:
@@ -359,6 +373,7 @@ def make_plan(
         gp = graph_plan(active, cap_rows, n_rows, graph.col)
         stage_features(gp, cap_rows, {s: list(dict.fromkeys(v)) for s, v in sae_feat.items()}, graph.col)
         stage_probes(gp, {s: list(dict.fromkeys(v)) for s, v in probe_rows.items()}, graph.col, rows_of)
+        stage_actions(gp, cap_rows, act, graph.col)  # last: it reuses any cell staged before it
         if gp.total <= graph.stage_rows:
             capture = {layer: (None, items) for layer, items in cap_rows.items()}
             # Python hooks, if any, run at their sites after the kernel (`runtime.LensRuntime._seam_tap`)
@@ -394,6 +409,7 @@ def make_plan(
         groups=hook_groups(),
         sae_feat={s: (on_device(rows_of(items)), items) for s, items in feat.items()},
         sae_clamp={s: list(dict.fromkeys(v)) for s, v in sae_clamp.items()},
+        act_rows={s: (on_device(rw), rw, items) for s, items in act.items() for rw in [action_rows(items)]},
         probe_rows={s: (on_device(rows_of(items)), SiteProbes.of(s, items)) for s, items in probed.items()},
     )
 
@@ -401,3 +417,8 @@ def make_plan(
 def group_rows(members: list) -> np.ndarray:
     """The batch rows of a batched hook's members, stacked in member order."""
     return np.concatenate([np.arange(s, e) for _, _, s, e in members])
+
+
+def action_rows(items: Rows) -> np.ndarray:
+    """The batch rows staged for the actions of `items` (`actions.staged_rows`), in order."""
+    return np.concatenate([staged_rows(s, e) for _, s, e in items])

@@ -24,7 +24,7 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors, points
 from vllm_worker.protocol.spec import PAYLOAD_KEY
 from vllm_worker.transport import shm
-from vllm_worker.worker import edits, faults, graph, probes, saes, seams, taps
+from vllm_worker.worker import actions, edits, faults, graph, probes, saes, seams, taps
 from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.params import Params
 from vllm_worker.worker.persistent_hooks import PersistentHooks
@@ -109,6 +109,7 @@ class LensRuntime:
         # steering, hooks and capture from Python at the taps (steps off the graph-safe path, and seams)
         self.python = PythonPath(self._d_model, self._local, self._fail, self.persistent, counters.STEP_TIMINGS)
         self.saes = saes.WorkerSaes(self.device, self._local_layers)  # `lens_load_sae`
+        self.actions = actions.ActionTable(self._d_model, self.device)  # `probe_actions`
         self.probes = probes.WorkerProbes(self.device, self._local_layers)  # `lens_load_probe`
         self.admission = Admission(
             runner,
@@ -125,6 +126,7 @@ class LensRuntime:
             self.persistent,
             self._ctx,
             self.saes,
+            self.actions,
             self.probes,
         )
         logger.info(
@@ -169,6 +171,8 @@ class LensRuntime:
             r.probes = []
             self._free_entries(r)
             r.entries = {}
+            self.actions.free(r.acts)
+            r.acts = []
         self._plan_key = None  # re-plan without them
 
     def _free_entries(self, r: RequestState) -> None:
@@ -184,6 +188,26 @@ class LensRuntime:
                 st = self._reqs.pop(rid)
                 if st is not None:
                     self._free_entries(st)
+                    self._release_actions(st)
+
+    def _release_actions(self, r: RequestState) -> None:
+        """The request left: its actions' outcome stays in its results, their slots go back."""
+        if r.acts:
+            if r.store is not None and self.capturing_rank:
+                r.store.actions = self.actions.outcome(r.acts)
+            self.actions.free(r.acts)
+            r.acts = []
+
+    def _observe(self, plan: StepPlan, got: list) -> None:
+        """After a step: the probe actions' scores folded in on the device, gates and stops updated."""
+        reqs = [r for r in plan.requests if r.acts]
+        try:
+            faults.check("actions")
+            self.actions.observe(got)
+            uses = [u for r in reqs for u in r.acts]
+            self.actions.after_step(uses, None if self.graph is None else self.graph.entries.gate)
+        except Exception as e:  # noqa: BLE001 - these requests fail; everyone else goes on
+            self._fail(reqs, "probe actions", e)
 
     def _active(self, req_ids: list, qsl) -> Rows:
         """(request, start row, end row) of this batch's requests that use a feature."""
@@ -291,6 +315,8 @@ class LensRuntime:
                 "replayed for a step with Python hooks?)"
             )
         self.python.fail_missed(plan, plan.sites, "the taps at {} did not run (a CUDA graph replayed?)")
+        if plan.act_got and self._layout is not None:
+            self._observe(plan, actions.from_python(plan, compat.host_positions(self.runner, self._layout[1])))
         self.steps_with_features += 1
         counters.STEP_TIMINGS["python_steps"] += 1
         if plan.captured and not plan.broken:
@@ -356,6 +382,8 @@ class LensRuntime:
                 saes.features_from_stage(gp, g.stage, base, pos)
             except Exception as e:  # noqa: BLE001
                 self._fail([r for r in plan.requests if r.sae], "encoding SAE features", e)
+        if gp.act:  # probe actions' rows, scored on the device before the ring is reused
+            self._observe(plan, actions.from_stage(gp, g.stage, base, pos))
         if gp.probes:  # probe scores of staged rows, likewise
             try:
                 faults.check("probes")
@@ -421,7 +449,7 @@ class LensRuntime:
             if v is None:
                 continue
             v.hooks = [h for h in v.hooks if not h.persistent]
-            if v.capture or v.steers or v.simple_add or v.hooks or v.sae or v.probes:
+            if v.capture or v.steers or v.simple_add or v.hooks or v.sae or v.probes or v.acts:
                 kept[k] = v
         self._reqs = kept
         self._invalidate()

@@ -1,0 +1,65 @@
+"""`probe_actions` over HTTP (a multiprocess engine: the stop travels from the worker process to the engine
+core's scheduler): finish_reason / stop_reason and the firing position in the response equal offline."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import torch
+from vllm import SamplingParams
+
+from support.engines import model_path
+from support.lens_http import sse_events
+from support.servers import KEY
+from vllm_worker.api.client import decode_activations
+
+PROMPT = "the water of people will come down to the side"
+H = {"Authorization": f"Bearer {KEY}"}
+
+
+def _action(llama) -> dict:
+    """A direction and a threshold that fire at the 4th generated token of the plain run (by its own scores)."""
+    w = torch.randn(128, generator=torch.Generator().manual_seed(3))
+    w = (w / w.norm()).tolist()
+    probe = {"direction": w, "layer": 2, "threshold": 1e6, "then": "stop", "name": "dir"}
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, extra_args={"output_residual_stream": [2]})
+    out = llama.generate([PROMPT], sp, use_tqdm=False)[0]
+    n_prompt = len(out.prompt_token_ids)
+    scores = (out.activations["residual_stream"][0, n_prompt - 1 :] @ torch.tensor(w)).tolist()
+    k = next(k for k in range(2, len(scores)) if scores[k] > max(scores[:k]) + 1e-3)
+    return {**probe, "threshold": (max(scores[:k]) + scores[k]) / 2, "_k": k}
+
+
+def test_stop_reason_and_firing_position_over_http_equal_offline(server, llama):
+    act = _action(llama)
+    k = act.pop("_k")
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, extra_args={"probe_actions": [act]})
+    want = llama.generate([PROMPT], sp, use_tqdm=False)[0]
+    body = {
+        "model": str(model_path("llama")),
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "vllm_xargs": {"probe_actions": json.dumps([act])},
+    }
+    r = httpx.post(f"{server}/v1/completions", json=body, headers=H, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == "probe:dir"
+    assert choice["text"] == want.outputs[0].text
+    assert len(want.outputs[0].token_ids) in (k + 1, k + 2)
+    (rep,) = decode_activations(r.json())[0]["probe_actions"]
+    assert rep == want.activations["probe_actions"][0] and rep["fired"] and rep["token_index"] == k
+
+    # streamed: the same text, and the last chunk with tokens says why it stopped
+    events = [e for e in sse_events(server, "/v1/completions", {**body, "stream": True}) if e != "DONE"]
+    chunks = [c for e in events for c in e.get("choices", [])]
+    assert "".join(c.get("text", "") for c in chunks) == want.outputs[0].text
+    last = [c for c in chunks if c.get("finish_reason")][-1]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == "probe:dir"
+
+    bad = {**body, "vllm_xargs": {"probe_actions": json.dumps([{**act, "aggregate": "ema:2"}])}}
+    r = httpx.post(f"{server}/v1/completions", json=bad, headers=H, timeout=60)
+    assert r.status_code == 400 and "probe_actions[0].aggregate" in r.text

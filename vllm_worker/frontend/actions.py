@@ -1,0 +1,182 @@
+"""`probe_actions`: act on a score in the same generation (docs/probes.md, "Acting on a score"), checked
+in the frontend and turned into the workers' msgspec-safe action dicts.
+
+Each action watches one linear score at one layer's `resid_post` — a loaded probe's (`"probe": name`) or a
+direction given inline (`"direction": [...]`, `"layer": L`: CAST's condition vector) — aggregates it over
+the positions that produce generated tokens, and when the aggregate first reaches `threshold`, stops the
+request or switches steering on. The steering goes into the request's ordinary steering list with a gate
+(`Steer.gate`: the action's index), so it travels and is validated like any other steering vector."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+import torch
+
+from vllm_worker.api.steering import SteeringVector
+from vllm_worker.protocol import points as pts
+from vllm_worker.protocol.checks import finite_number
+from vllm_worker.protocol.spec import ACTIONS_KEY, ModelShape, RequestSpec, Steer, from_json_string
+from vllm_worker.protocol.wire import tensor_from_json, tensor_to_bytes
+
+FIELDS = {"probe", "name", "direction", "layer", "bias", "threshold", "aggregate", "then"}
+THEN = ("stop", "steer")
+MAX_WINDOW = 256  # rolling_max:W, the most positions a window holds (its state lives on the device)
+MAX_ACTIONS = 8  # per request
+# the aggregate kinds as the workers know them
+TOKEN, EMA, ROLLING = 0, 1, 2
+
+SteerParser = Callable[[Any, str, ModelShape, int], Steer]
+
+
+def parse(
+    value: Any,
+    spec: RequestSpec,
+    shape: ModelShape,
+    prompt_len: int,
+    steer_item: SteerParser,
+    probes: Mapping[str, Any] | None = None,
+) -> None:
+    """Validate `probe_actions` into `spec.actions` (and their gated steering into `spec.steers`).
+    `steer_item(item, field, shape, prompt_len)`: the steering-vector check of `validation`. `probes`: the
+    loaded probes by name (resolved to a weight row, a layer and a bias: `probe_condition`)."""
+    items = from_json_string(value, ACTIONS_KEY)
+    if isinstance(items, Mapping):
+        items = [items]
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(f"{ACTIONS_KEY}: expected a non-empty list of actions, got {type(items).__name__}")
+    if len(items) > MAX_ACTIONS:
+        raise ValueError(f"{ACTIONS_KEY}: at most {MAX_ACTIONS} actions per request, got {len(items)}")
+    for i, item in enumerate(items):
+        spec.actions.append(_action(item, i, spec, shape, prompt_len, steer_item, probes or {}))
+
+
+def _action(
+    item: Any,
+    i: int,
+    spec: RequestSpec,
+    shape: ModelShape,
+    prompt_len: int,
+    steer_item: SteerParser,
+    probes: Mapping[str, Any],
+) -> dict[str, Any]:
+    f = f"{ACTIONS_KEY}[{i}]"
+    if not isinstance(item, Mapping):
+        raise ValueError(f"{f}: expected a mapping with 'probe' (or 'direction' and 'layer'), 'threshold', 'then'")
+    unknown = set(item) - FIELDS
+    if unknown:
+        name = sorted(unknown)[0]
+        raise ValueError(f"{f}: unknown fields {sorted(unknown)}{pts.closest(name, FIELDS)}")
+    if ("probe" in item) == ("direction" in item):
+        raise ValueError(f"{f}: give either 'probe' (a loaded probe's name) or 'direction' with 'layer'")
+    if "probe" in item:
+        for k in ("layer", "bias"):
+            if k in item:
+                raise ValueError(f"{f}.{k}: only with 'direction' (a probe brings its own)")
+        name, sites, w, b, sigmoid = probe_condition(item["probe"], f"{f}.probe", probes)
+    else:
+        layer, w, b = _direction(item, f, shape)
+        name, sites, sigmoid = item.get("name", "direction"), [pts.canonical_site(pts.RESID_POST, layer)], False
+        w = w.unsqueeze(0)
+    if "name" in item and "probe" in item:
+        raise ValueError(f"{f}.name: only with 'direction' (a probe's action is named for the probe)")
+    if not isinstance(name, str) or not name or len(name) > 128:
+        raise ValueError(f"{f}.name: expected a non-empty string of at most 128 characters, got {name!r}")
+    if "threshold" not in item:
+        raise ValueError(f"{f}.threshold: required")
+    thr = finite_number(item["threshold"], f"{f}.threshold")
+    kind, param = _aggregate(item.get("aggregate", "token"), f"{f}.aggregate")
+    then = item.get("then")
+    out: dict[str, Any] = {
+        "name": name,
+        "sites": sites,
+        "w": tensor_to_bytes(w),
+        "b": float(b),
+        "sigmoid": sigmoid,
+        "threshold": float(thr),
+        "kind": kind,
+        "param": float(param),
+        "stop": then == "stop",
+    }
+    if then == "stop":
+        return out
+    if not isinstance(then, Mapping) or set(then) != {"steer"}:
+        raise ValueError(
+            f'{f}.then: expected "stop" or {{"steer": SteeringVector(...) or a list of them}}, got {then!r}'
+        )
+    steers = then["steer"]
+    if isinstance(steers, (SteeringVector, Mapping)):
+        steers = [steers]
+    if not isinstance(steers, (list, tuple)) or not steers:
+        raise ValueError(f"{f}.then.steer: expected a SteeringVector or a non-empty list of them")
+    for j, s in enumerate(steers):
+        st = steer_item(s, f"{f}.then.steer[{j}]", shape, prompt_len)
+        if st.mul:
+            raise ValueError(f"{f}.then.steer[{j}]: scaling heads cannot be gated by a probe yet")
+        if st.positions is not None:
+            raise ValueError(f"{f}.then.steer[{j}].activations: a gated vector is 2-D (n_layers, d_model)")
+        st.gate = i
+        spec.steers.append(st)
+    return out
+
+
+def _direction(item: Mapping[str, Any], f: str, shape: ModelShape) -> tuple[int, torch.Tensor, float]:
+    if "layer" not in item:
+        raise ValueError(f"{f}.layer: required with 'direction'")
+    layer = item["layer"]
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise ValueError(f"{f}.layer: expected an int, got {layer!r}")
+    if not -shape.n_layers <= layer < shape.n_layers:
+        raise ValueError(f"{f}.layer: layer {layer} is out of range for a model with {shape.n_layers} layers")
+    d = item["direction"]
+    if isinstance(d, Mapping):
+        d = tensor_from_json(d, f"{f}.direction")
+    try:
+        w = torch.as_tensor(d, dtype=torch.float32).detach().to("cpu").clone()
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{f}.direction: expected a list of {shape.d_model} numbers or a tensor") from None
+    if w.ndim != 1 or w.shape[0] != shape.d_model:
+        raise ValueError(f"{f}.direction: expected shape ({shape.d_model},), got {tuple(w.shape)}")
+    if not torch.isfinite(w).all():
+        raise ValueError(f"{f}.direction: contains NaN or inf")
+    b = finite_number(item.get("bias", 0.0), f"{f}.bias")
+    return layer % shape.n_layers, w, float(b)
+
+
+def probe_condition(name: Any, f: str, probes: Mapping[str, Any]) -> tuple[str, list[int], torch.Tensor, float, bool]:
+    """A loaded probe (`frontend.probes.LoadedProbe`) as a condition: (name, sites, weight rows
+    (n_sites, d_model), bias, sigmoid) — `mean` / `std` folded in as the workers score it (`Probe.folded`);
+    a multi-layer probe is the sum of one part per layer. One output."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{f}: expected a probe name, got {name!r}")
+    loaded = probes.get(name)
+    if loaded is None:
+        known = ", ".join(sorted(probes)) or "none"
+        raise ValueError(f"{f}: no probe named {name!r} is loaded (loaded: {known})")
+    p = loaded.probe
+    if p.n_out != 1:
+        raise ValueError(f"{f}: probe {name!r} has {p.n_out} outputs; actions take a probe with one output")
+    ws, bias = p.folded()
+    sites = [pts.canonical_site(p.point, int(layer)) for layer in p.layers]
+    return name, sites, torch.stack([w[0] for w in ws]).contiguous(), float(bias[0]), p.output == "sigmoid"
+
+
+def _aggregate(value: Any, f: str) -> tuple[int, float]:
+    if value == "token":
+        return TOKEN, 0.0
+    if isinstance(value, str) and ":" in value:
+        kind, _, arg = value.partition(":")
+        if kind == "ema":
+            try:
+                a = float(arg)
+            except ValueError:
+                a = math.nan
+            if not 0.0 <= a < 1.0:
+                raise ValueError(f"{f}: ema:α needs 0 <= α < 1, got {value!r}")
+            return EMA, a
+        if kind == "rolling_max":
+            if not arg.isdigit() or not 1 <= int(arg) <= MAX_WINDOW:
+                raise ValueError(f"{f}: rolling_max:W needs an integer W in 1..{MAX_WINDOW}, got {value!r}")
+            return ROLLING, float(int(arg))
+    raise ValueError(f'{f}: expected "token", "ema:α" or "rolling_max:W", got {value!r}')

@@ -1,0 +1,316 @@
+"""`probe_actions` in a worker: each action's score and running aggregate on the device, the firing flag
+it sets there, and what the flag does (docs/probes.md, "Acting on a score").
+
+Why on the device: a steer that switches on when a probe fires must not cost a host round trip per step
+(nor break CUDA graphs). Each action owns a slot of `ActionTable`'s device buffers (its weight row, bias,
+threshold, aggregate state, `fired`, the position it fired at, and `gate`, the float the steering reads).
+After each forward pass the rows the step staged for actions are scored and folded into the aggregates
+by a few batched torch ops (`observe`); the flags change only there, so a gated vector applies from the
+step after the firing one on. Stops are the one thing the host must learn: the flags of stop actions are
+copied back without waiting, and read when the step's output is built (`stops`, through
+`compat.patch_runner_stops`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_worker.protocol.wire import tensor_from_bytes
+
+TOKEN, EMA, ROLLING = 0, 1, 2  # as `frontend.actions`
+MAX_WINDOW = 256  # rolling_max:W's largest W (`frontend.actions.MAX_WINDOW`)
+N_SLOTS = 1024  # actions live at once in one worker
+ROWS_PER_STEP = 8  # a request's last rows of a step staged for its actions (more only with long drafts)
+
+
+@dataclass(eq=False)
+class ActionUse:
+    """One action of one request on this worker (the stage holding its layer)."""
+
+    index: int  # in the request's `probe_actions`
+    name: str
+    req_id: str
+    sites: dict[int, int]  # site -> its weight row in `ActionTable.W` (a multi-layer probe: one per layer)
+    slot: int
+    stop: bool
+    first_watched: int  # the first position watched: the last prompt position
+    last_seen: int = -1  # the last position folded into the aggregate (a recomputed one is not again)
+    entries: list[int] | None = None  # graph-path steering entries this action gates
+    freed: bool = False  # its slot went back
+
+
+class ActionRefused(ValueError):
+    """A request's probe actions cannot run on this worker (`kind`: a `protocol.errors` kind: the action
+    table is full, a layer on another pipeline stage): its failure is the caller's 400, not our bug."""
+
+    def __init__(self, kind: Any, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class ActionTable:
+    """The device state of every live action of one worker."""
+
+    def __init__(self, d: int, device: torch.device, n_slots: int = N_SLOTS) -> None:
+        self.d, self.device = d, device
+        f32 = dict(dtype=torch.float32, device=device)
+        self.W = torch.zeros((2 * n_slots, d), **f32)  # weight rows, one per (action, site)
+        self.B = torch.zeros(n_slots, **f32)
+        self.thr = torch.zeros(n_slots, **f32)
+        self.kind = torch.zeros(n_slots, dtype=torch.long, device=device)
+        self.sigmoid = torch.zeros(n_slots, dtype=torch.bool, device=device)  # the probe's output is sigmoid(score)
+        self.param = torch.zeros(n_slots, **f32)
+        self.count = torch.zeros(n_slots, dtype=torch.long, device=device)
+        self.ema = torch.zeros(n_slots, **f32)
+        self.window = torch.zeros((n_slots, MAX_WINDOW), **f32)
+        self.fired = torch.zeros(n_slots, dtype=torch.bool, device=device)
+        self.fire_pos = torch.full((n_slots,), -1, dtype=torch.long, device=device)
+        self.fire_value = torch.zeros(n_slots, **f32)
+        self.gate = torch.zeros(n_slots, **f32)  # 1.0 once fired: what gated steering multiplies by
+        self.never = torch.zeros(1, **f32)  # the gate of a vector with no layer on this pipeline stage
+        self._free = list(range(n_slots - 1, -1, -1))
+        self._wfree = list(range(2 * n_slots - 1, -1, -1))
+        self._arange = torch.arange(MAX_WINDOW, device=device)
+        self._stop_reads: list[tuple[list[ActionUse], torch.Tensor, Any]] = []
+        self.stopping: dict[str, str] = {}  # request id -> stop reason, until the request leaves
+        self._by_req: dict[str, list[ActionUse]] = {}  # request id -> its actions (slots held)
+
+    # ------------------------------------------------------------ per request
+
+    def uses(self, req_id: str, actions: list[dict], local: frozenset, first_watched: int) -> list[ActionUse]:
+        """Slots for a request's actions at this stage's sites; `ValueError` when the table is full."""
+        mine = [(i, a) for i, a in enumerate(actions) if local.intersection(a["sites"])]
+        for i, a in mine:
+            if not local.issuperset(a["sites"]):
+                raise ActionRefused(
+                    "unsupported", f"probe_actions[{i}].probe: its layers lie on several pipeline stages"
+                )
+        n_rows = sum(len(a["sites"]) for _, a in mine)
+        if len(mine) > len(self._free) or n_rows > len(self._wfree):
+            raise ActionRefused("limit", f"probe_actions: the worker's action table is full ({N_SLOTS} live actions)")
+        out = []
+        for i, a in mine:
+            slot = self._free.pop()
+            w = tensor_from_bytes(a["w"], f"probe_actions[{i}].w").to(torch.float32).reshape(len(a["sites"]), -1)
+            rows = [self._wfree.pop() for _ in a["sites"]]
+            self.W[torch.tensor(rows, device=self.device)] = w.to(self.device)
+            for buf, v in ((self.B, a["b"]), (self.thr, a["threshold"]), (self.param, a["param"])):
+                buf[slot] = float(v)
+            self.kind[slot] = int(a["kind"])
+            self.sigmoid[slot] = bool(a.get("sigmoid", False))
+            self.count[slot], self.ema[slot], self.fired[slot] = 0, 0.0, False
+            self.fire_pos[slot], self.fire_value[slot], self.gate[slot] = -1, 0.0, 0.0
+            sites = {int(site): r for site, r in zip(a["sites"], rows)}
+            out.append(ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched))
+        self._by_req[req_id] = out
+        return out
+
+    def drop(self, req_id: str) -> None:
+        """Admission failed after the request's slots were taken: give them back."""
+        self.free(self._by_req.pop(req_id, []))
+
+    def free(self, uses: list[ActionUse]) -> None:
+        for u in uses:
+            if not u.freed:  # (a failed request's uses may be given back twice)
+                u.freed = True
+                self._free.append(u.slot)
+                self._wfree.extend(u.sites.values())
+            self._by_req.pop(u.req_id, None)
+            self.stopping.pop(u.req_id, None)
+
+    def outcome(self, uses: list[ActionUse]) -> list[dict[str, Any]]:
+        """What each action did (read from the device: when the request leaves, or at its fetch)."""
+        if not uses:
+            return []
+        slots = torch.tensor([u.slot for u in uses], device=self.device)
+        fired = self.fired[slots].tolist()
+        pos = self.fire_pos[slots].tolist()
+        val = self.fire_value[slots].tolist()
+        return [
+            {
+                "action": u.index,
+                "name": u.name,
+                "fired": bool(f),
+                "position": int(p),
+                "token_index": int(p) - u.first_watched if f else -1,
+                "value": float(v) if f else None,
+            }
+            for u, f, p, v in zip(uses, fired, pos, val)
+        ]
+
+    # ------------------------------------------------------------ per step
+
+    def observe(self, got: list[tuple[torch.Tensor, list[tuple[ActionUse, int, int, int]]]]) -> None:
+        """Fold a step's scores in: `got` holds, per site, the staged rows `x` and for each action there
+        (use, x row, position of that row, the action's weight row for the site). An action's score at a position is the sum of its sites' parts
+        (a multi-layer probe) plus its bias. Positions not watched (the prompt before its last position, or
+        one recomputed after preemption) are skipped on the host."""
+        groups: dict[tuple[int, int], int] = {}  # (use, position) -> score index
+        owner: list[tuple[ActionUse, int]] = []  # per score: (use, position)
+        parts: list[tuple[int, int, int, int]] = []  # (x, x row, weight row, score index)
+        for k, (_, items) in enumerate(got):
+            for u, row, p, wrow in items:
+                if p < u.first_watched or p <= u.last_seen:
+                    continue
+                g = groups.setdefault((id(u), p), len(owner))
+                if g == len(owner):
+                    owner.append((u, p))
+                parts.append((k, row, wrow, g))
+        if not owner:
+            return
+        for u, p in owner:
+            u.last_seen = max(u.last_seen, p)
+        pa = np.array(parts, dtype=np.int64)
+        dev = self.device
+        scores = torch.zeros(len(owner), dtype=torch.float32, device=dev)
+        for k in np.unique(pa[:, 0]).tolist():
+            sel = pa[pa[:, 0] == k]
+            x = got[k][0].index_select(0, torch.from_numpy(sel[:, 1]).to(dev)).float()
+            part = (x * self.W[torch.from_numpy(sel[:, 2]).to(dev)]).sum(-1)
+            scores.index_add_(0, torch.from_numpy(sel[:, 3]).to(dev), part)
+        # rounds: the j-th watched position of each action this step (one, unless drafts brought several)
+        order = sorted(range(len(owner)), key=lambda g: (id(owner[g][0]), owner[g][1]))
+        rounds: list[list[int]] = []
+        last, j = None, 0
+        for g in order:
+            j = j + 1 if owner[g][0] is last else 0
+            last = owner[g][0]
+            while len(rounds) <= j:
+                rounds.append([])
+            rounds[j].append(g)
+        for rd in rounds:
+            idx = torch.tensor(rd, device=dev)
+            sl = torch.tensor([owner[g][0].slot for g in rd], device=dev)
+            ps = torch.tensor([owner[g][1] for g in rd], device=dev)
+            s = scores[idx] + self.B[sl]
+            self._update(sl, torch.where(self.sigmoid[sl], torch.sigmoid(s), s), ps)
+
+    def _update(self, sl: torch.Tensor, s: torch.Tensor, pos: torch.Tensor) -> None:
+        cnt = self.count[sl]
+        a = self.param[sl]
+        ema = torch.where(cnt == 0, s, a * self.ema[sl] + (1 - a) * s)
+        self.ema[sl] = ema
+        wlen = a.long().clamp(1, MAX_WINDOW)
+        self.window[sl, cnt % wlen] = s
+        n = torch.minimum(cnt + 1, wlen)
+        win = self.window[sl] * (self._arange.unsqueeze(0) < n.unsqueeze(1))
+        roll = win.sum(-1) / n
+        kind = self.kind[sl]
+        agg = torch.where(kind == EMA, ema, torch.where(kind == ROLLING, roll, s))
+        hit = agg > self.thr[sl]  # "exceeds", as calibrated thresholds are meant (`threshold_at_fpr`)
+        was = self.fired[sl]
+        new = hit & ~was
+        self.fire_pos[sl] = torch.where(new, pos, self.fire_pos[sl])
+        self.fire_value[sl] = torch.where(new, agg, self.fire_value[sl])
+        self.fired[sl] = was | hit
+        self.gate[sl] = self.fired[sl].float()
+        self.count[sl] = cnt + 1
+
+    def after_step(self, uses: list[ActionUse], entries_gate: torch.Tensor | None) -> None:
+        """After `observe`: gated graph-path entries take their actions' gate, and stop actions' flags
+        start their way to the host (read in `stops`)."""
+        ents = [(e, u.slot) for u in uses if u.entries for e in u.entries]
+        if ents and entries_gate is not None:
+            e = torch.tensor([a for a, _ in ents], device=self.device)
+            s = torch.tensor([b for _, b in ents], device=self.device)
+            entries_gate.index_copy_(0, e, self.gate[s].to(entries_gate.dtype))
+        stops = [u for u in uses if u.stop and u.req_id not in self.stopping]
+        if not stops:
+            return
+        flags = self.fired[torch.tensor([u.slot for u in stops], device=self.device)]
+        if self.device.type == "cuda":
+            host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._stop_reads.append((stops, host, ev))
+        else:
+            self._stop_reads.append((stops, flags, None))
+
+    def stops(self) -> dict[str, str]:
+        """Requests whose stop action has fired: {request id: "probe:<name>"} (repeated until they leave;
+        the scheduler ignores a request it already finished)."""
+        reads, self._stop_reads = self._stop_reads, []
+        for uses, flags, ev in reads:
+            if ev is not None:
+                ev.synchronize()
+            for u, f in zip(uses, flags.tolist()):
+                if f:
+                    self.stopping.setdefault(u.req_id, f"probe:{u.name}")
+        return dict(self.stopping)
+
+
+def staged_rows(s: int, e: int) -> np.ndarray:
+    """The rows of a request staged for its actions: the step's last ones (the one that produces its next
+    token; a few more for drafts)."""
+    return np.arange(max(s, e - ROWS_PER_STEP), e, dtype=np.int64)
+
+
+def stage(gp: Any, cap_rows: dict, act_rows: dict, col: dict[int, int]) -> None:
+    """Graph-safe plan: the action rows are staged by the kernel like captures (a table cell holds one
+    slot: a row the plan already stages at that site — a capture, SAE features — lends its slot; the others
+    get slots after everything else, never copied to the host); `gp.act[site] = (stage offsets, batch
+    rows, items)`."""
+    if not act_rows:
+        return
+    n = max(gp.n, 1)
+    have = gp.cap_cols * n + gp.cap_rows  # (column, row) cells staged so far, by slot
+    order = np.argsort(have, kind="stable")
+    off = len(gp.cap_rows)
+    rows_all, cols_all = [gp.cap_rows], [gp.cap_cols]
+    for site, items in act_rows.items():
+        rows = np.concatenate([staged_rows(s, e) for _, s, e in items])
+        keys = col[site] * n + rows
+        i = np.minimum(np.searchsorted(have, keys, sorter=order), max(len(have) - 1, 0))
+        found = (have[order[i]] == keys) if len(have) else np.zeros(len(rows), dtype=bool)
+        offs = np.where(found, order[i] if len(have) else 0, -1)
+        new = ~found
+        offs[new] = np.arange(off, off + int(new.sum()))
+        rows_all.append(rows[new])
+        cols_all.append(np.full(int(new.sum()), col[site]))
+        off += int(new.sum())
+        gp.act[site] = (offs.astype(np.int64), rows, items)
+    gp.n_extra += off - len(gp.cap_rows)
+    gp.cap_rows = np.concatenate(rows_all).astype(np.int64)
+    gp.cap_cols = np.concatenate(cols_all).astype(np.int64)
+
+
+def from_stage(gp: Any, stage_buf: torch.Tensor, base: int, positions: np.ndarray) -> list:
+    """Graph-safe path, after the step: each site's staged rows and the actions reading them."""
+    got = []
+    for site, (offs, rows, items) in gp.act.items():
+        x = stage_buf.index_select(0, torch.from_numpy(base + offs).to(stage_buf.device))
+        got.append((x, _items(site, rows, items, positions)))
+    return got
+
+
+def rows_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """Python path, at a tap (after the site's edits): the action rows there, kept for after the forward."""
+    got = plan.act_rows.get(site)
+    if got is None:
+        return
+    idx, rows, items = got
+    x = hidden.index_select(0, idx)
+    if residual is not None:
+        x = x + residual.index_select(0, idx)
+    plan.act_got.append((site, x, rows, items))
+
+
+def from_python(plan: Any, positions: np.ndarray) -> list:
+    return [(x, _items(site, rows, items, positions)) for site, x, rows, items in plan.act_got]
+
+
+def _items(site: int, rows: np.ndarray, items: list, positions: np.ndarray) -> list:
+    out: list[tuple[ActionUse, int, int, int]] = []
+    k = 0
+    for r, s, e in items:
+        n = len(staged_rows(s, e))
+        for u in r.acts:
+            wrow = u.sites.get(site)
+            if wrow is not None:
+                out.extend((u, k + j, int(positions[rows[k + j]]), wrow) for j in range(n))
+        k += n
+    return out
