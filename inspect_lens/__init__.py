@@ -3,7 +3,7 @@ capture and steer, linear probes, the deception- and coup-probe scorers and thei
 
 `inspect_lens` never touches vLLM internals; it talks to a `vllm-lens serve` server over HTTP."""
 
-from .metrics import auroc_by, probe_auroc, recall_at_fpr
+from .metrics import auroc_by, auroc_ci, probe_auroc, recall_at_fpr
 from .oracle import activation_oracle, oracle_match
 from .probes import LinearProbe, auroc, recall_at_threshold, threshold_at_fpr
 from .sae_scorers import sae_feature
@@ -17,6 +17,7 @@ __all__ = [
     "activation_oracle",
     "auroc",
     "auroc_by",
+    "auroc_ci",
     "capture_activations",
     "captured",
     "coup_probe",

@@ -46,7 +46,8 @@ def test_deception_probe_eval_end_to_end(probe_eval):
 
     log, tmp = probe_eval
     metrics = {name: m.value for s in log.results.scores for name, m in s.metrics.items()}
-    assert set(metrics) == {"probe_auroc", "recall_at_fpr"}
+    assert set(metrics) == {"probe_auroc", "auroc_ci_low", "auroc_ci_high", "recall_at_fpr"}
+    assert metrics["auroc_ci_low"] <= metrics["probe_auroc"] <= metrics["auroc_ci_high"]
     assert 0.0 <= metrics["probe_auroc"] <= 1.0 and 0.0 <= metrics["recall_at_fpr"] <= 1.0
     back = read_eval_log(log.location)
     samples = back.samples
