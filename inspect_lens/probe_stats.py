@@ -1,10 +1,8 @@
 """Pure statistics over probe scores (numpy only, no Inspect): the aggregate that turns per-token scores
 into one response score, and a bootstrap confidence interval for AUROC.
 
-Aggregates (the names the engine's `output_probe_scores` aggregates use): `mean`, `max`, `last`,
-`rolling_max:W` (max over positions of the mean of W consecutive scores; the mean of all when fewer than
-W) and `ema:α` (the highest value of the exponential moving average `e_t = α·e_{t-1} + (1-α)·s_t`,
-`e_0 = s_0`: a score that stays high, not a single spike, raises it).
+Aggregates are the engine's (`vllm_worker.probes.aggregation`: `mean`, `max`, `last`, `rolling_max:W`,
+`ema:α`), one definition for served scores, scorers and calibration.
 """
 
 from __future__ import annotations
@@ -16,48 +14,27 @@ import numpy as np
 AGGREGATES = ("mean", "max", "last", "rolling_max:W", "ema:α")
 
 
-def parse_aggregate(spec: str) -> tuple[str, float | None]:
-    """`"rolling_max:16"` -> ("rolling_max", 16.0); a bad name or parameter is a ValueError naming it."""
+def parse_aggregate(spec: str) -> str:
+    """`spec` checked as the engine checks it (ValueError naming `aggregate`); the name."""
+    from vllm_worker.probes.aggregation import names
+
     if not isinstance(spec, str):
         raise ValueError(f"aggregate: expected one of {AGGREGATES}, got {spec!r}")
-    name, _, arg = spec.partition(":")
-    if name in ("mean", "max", "last") and not arg:
-        return name, None
-    if name == "rolling_max" and arg.isdigit() and int(arg) >= 1:
-        return name, float(int(arg))
-    if name == "ema" and arg:
-        try:
-            alpha = float(arg)
-        except ValueError:
-            alpha = float("nan")
-        if 0.0 <= alpha < 1.0:
-            return name, alpha
-    raise ValueError(f"aggregate: expected one of {AGGREGATES} (W an integer >= 1, 0 <= α < 1), got {spec!r}")
+    return names(spec, "aggregate")[0]
 
 
 def aggregate(token_scores: Sequence[float] | np.ndarray, spec: str = "mean") -> float:
-    """One response score from its per-token scores (1-D), by the aggregate `spec`."""
-    name, arg = parse_aggregate(spec)
-    s = np.asarray(token_scores, dtype=np.float64).reshape(-1)
-    if s.size == 0:
+    """One response score from its per-token scores (1-D), by the engine's own definition
+    (`vllm_worker.probes.aggregation`, float32), so a scorer and a served aggregate agree."""
+    import torch
+
+    from vllm_worker.probes.aggregation import aggregate as engine_aggregate
+
+    parse_aggregate(spec)
+    s = torch.as_tensor(np.asarray(token_scores, dtype=np.float64).reshape(-1))
+    if s.numel() == 0:
         raise ValueError("aggregate: no token scores (empty window)")
-    if name == "mean":
-        return float(s.mean())
-    if name == "max":
-        return float(s.max())
-    if name == "last":
-        return float(s[-1])
-    if name == "rolling_max":
-        w = min(int(arg or 1), s.size)
-        c = np.concatenate([[0.0], np.cumsum(s)])
-        return float(((c[w:] - c[:-w]) / w).max())
-    alpha = float(arg or 0.0)
-    e = s[0]
-    best = e
-    for x in s[1:]:
-        e = alpha * e + (1.0 - alpha) * x
-        best = max(best, e)
-    return float(best)
+    return float(engine_aggregate(s, spec))
 
 
 def _pair_matrix(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:

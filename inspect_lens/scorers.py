@@ -125,7 +125,14 @@ class LazyProbe:
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 p.save(path)
-                log.warning("inspect-lens: trained a layer-%d probe on %d tokens; saved to %s", lyr, len(y), path)
+                served = p.save_served(path.with_suffix(""), model=model.name)  # servable as is (--lens-probe-dir)
+                log.warning(
+                    "inspect-lens: trained a layer-%d probe on %d tokens; saved to %s (served format: %s)",
+                    lyr,
+                    len(y),
+                    path,
+                    served,
+                )
         self.path = str(path) if path else None
         return p, lyr
 
