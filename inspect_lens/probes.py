@@ -12,7 +12,6 @@ scored per response by averaging token scores over a detection window. Saved as 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -167,14 +166,11 @@ class LinearProbe:
 
 
 def threshold_at_fpr(control_scores: Sequence[float], fpr: float) -> float:
-    """Smallest threshold with at most `fpr` of the control scores strictly above it."""
-    c = np.sort(np.asarray(control_scores, dtype=np.float64))
-    if c.size == 0:
-        raise ValueError("calibrate: empty control set")
-    if not 0 <= fpr < 1:
-        raise ValueError(f"calibrate: fpr must be in [0, 1), got {fpr}")
-    k = int(math.floor(fpr * c.size))  # controls allowed above the threshold
-    return float(c[c.size - 1 - k])
+    """Smallest threshold with at most `fpr` of the control scores strictly above it (the definition
+    `vllm-lens probes calibrate` uses, so a threshold fitted here and one fitted there agree)."""
+    from vllm_worker.probes.calibrate import threshold_at_fpr as fit
+
+    return fit(control_scores, fpr)
 
 
 def auroc(scores: Sequence[float], labels: Sequence[int]) -> float:
