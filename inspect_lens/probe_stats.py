@@ -1,5 +1,6 @@
-"""Pure statistics over probe scores (numpy only, no Inspect): the aggregate that turns per-token scores
-into one response score, and a bootstrap confidence interval for AUROC.
+"""Pure statistics over probe scores (no Inspect): the aggregate that turns per-token scores into one
+response score, a bootstrap confidence interval for AUROC, and the compact JSON form served scores take
+in model outputs (and so in eval logs).
 
 Aggregates are the engine's (`vllm_worker.probes.aggregation`: `mean`, `max`, `last`, `rolling_max:W`,
 `ema:α`), one definition for served scores, scorers and calibration.
@@ -7,7 +8,7 @@ Aggregates are the engine's (`vllm_worker.probes.aggregation`: `mean`, `max`, `l
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -73,3 +74,16 @@ def auroc_bootstrap_ci(
     tail = (1.0 - confidence) / 2.0
     lo, hi = np.quantile(reps, [tail, 1.0 - tail])
     return float(lo), float(hi)
+
+
+def compact_scores(scores: Mapping[str, Any]) -> dict[str, list[list[float]]]:
+    """{probe: (n_positions, n_out) tensor} as JSON lists at float32's precision (7 significant digits):
+    what the eval log keeps instead of tensors (which Inspect would write as null)."""
+    return {name: [[float(f"{v:.7g}") for v in row] for row in t.tolist()] for name, t in scores.items()}
+
+
+def compact_aggregates(aggs: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    return {
+        name: {a: [float(f"{v:.7g}") for v in t.reshape(-1).tolist()] for a, t in per.items()}
+        for name, per in aggs.items()
+    }
