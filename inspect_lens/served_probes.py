@@ -40,6 +40,23 @@ def probe_map(probes: str | Sequence[str] | Mapping[str, str | None]) -> dict[st
     return out
 
 
+def served_probe_arg(probe: str | None, name: str) -> dict[str, str | None]:
+    """An eval's `-T probe=` in served mode: a probe folder (loaded on the server under `name`) or the name
+    of a probe the server has loaded already."""
+    import os
+
+    if not probe:
+        raise ValueError("probe: served mode needs a probe folder (LinearProbe.save_served) or a loaded probe's name")
+    if probe.endswith(".json"):
+        raise ValueError(
+            f"probe: {probe!r} is a JSON probe file; served mode needs its served folder (written beside a "
+            "trained probe, or by LinearProbe.save_served)"
+        )
+    if os.sep in probe or os.path.isdir(probe):
+        return {name: probe}
+    return {probe: None}
+
+
 def generated_window(n_prompt: int, n_generated: int) -> tuple[int, int]:
     """The positions whose forward pass produced a generated token (the last prompt position onward): the
     engine's default positions for aggregates, so a scorer's aggregate equals the served one."""
