@@ -13,6 +13,7 @@ from vllm_worker import compat
 from vllm_worker.api.hooks import HookError, UnsupportedError
 from vllm_worker.counters import FRONTEND_TIMINGS
 from vllm_worker.envs import limit
+from vllm_worker.frontend.probe_results import probe_outputs
 from vllm_worker.frontend.state import Pending, consumer_of, engine_state, pending_of, result_pools
 from vllm_worker.protocol import rpc
 from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
@@ -222,18 +223,21 @@ def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict 
     parts = got.get(child)
     if not parts:
         return None, None, failure("internal", "no results came back from the workers", "fetch")
-    more = False  # SAE features or hook state in some part
+    more = False  # SAE features, probe scores or hook state in some part
     for part in parts:
         if "error" in part:  # the first stage's failure
             discard_parts(parts)
             return None, None, part["error"]
-        more = more or "sae" in part or "hooks" in part
+        more = more or "sae" in part or "hooks" in part or "probes" in part
     acts = by_point(_assemble(p, parts), p.layers, p.points, p.shape or ModelShape(0, 0)) if p.layers else None
     if not more:  # captures only (most requests)
         return acts, None, None
     features = sae_features(parts)
     if features:
         acts = {**(acts or {}), "sae_features": features}
+    if p.probes:
+        scores, aggs = probe_outputs(parts, p.probes, p.prompt_len)
+        acts = {**(acts or {}), "probe_scores": scores, "probe_aggregates": aggs}
     hook_parts = [part["hooks"] for part in parts if "hooks" in part]
     hooks = merge_stage_results([_unpickle(h) for h in hook_parts]) if hook_parts else None
     return acts, hooks, None

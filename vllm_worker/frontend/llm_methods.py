@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from vllm_worker import compat
 from vllm_worker.api.hooks import Hook
-from vllm_worker.frontend import saes
+from vllm_worker.frontend import probes, saes
 from vllm_worker.frontend.fetch import merge_collected
 from vllm_worker.frontend.state import engine_shape, engine_state
 from vllm_worker.frontend.validation import parse_hooks
@@ -90,3 +90,4 @@ METHODS: dict[str, Callable[..., Any]] = {
     )
 }
 METHODS.update(saes.METHODS)
+METHODS.update(probes.METHODS)

@@ -38,7 +38,9 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     try:
         spec = _capture_spec(state, sp.extra_args, shape)
         if spec is None:
-            spec = parse_request(resolve_vectors(sp.extra_args, state.vectors), shape, prompt_len, state.saes)
+            spec = parse_request(
+                resolve_vectors(sp.extra_args, state.vectors), shape, prompt_len, state.saes, state.probes
+            )
     except PermissionError as e:
         raise compat.forbidden_error_cls()(str(e)) from None
     except ValueError as e:
@@ -86,7 +88,9 @@ def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
                 parameter="vllm_xargs",
             )
         reserved = _admit_capture(processor, state, spec.capture, prompt_len, sp, d_model, engines)
-        state.pending[request_id] = Pending(spec.key, int(sp.n), spec.capture, d_model, reserved, spec.points, shape)
+        state.pending[request_id] = Pending(
+            spec.key, int(sp.n), spec.capture, d_model, reserved, spec.points, shape, spec.probe_outputs, prompt_len
+        )
     salt = cache_salt(spec)
     if salt is not None:
         # Steered / hooked KV is stored under its own hash: no other request can ever read it.

@@ -20,6 +20,9 @@ class Pending:
     reserved: int = 0  # bytes of capture at its largest, counted against VLLM_LENS_MAX_STORED_GB
     points: dict[str, list[int]] = field(default_factory=dict)  # what was asked: {point: layers}
     shape: ModelShape | None = None  # the served model's (heads, experts): how z / q / k / router rows come back
+    # probes scored (`RequestSpec.probe_outputs`) and where the prompt ends: the aggregates' positions
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    prompt_len: int = 0
 
 
 class PendingMap(dict):
@@ -67,6 +70,7 @@ class FrontendState:
         return self.pools if engine is None else self.engine_pools.setdefault(engine, set())
 
     saes: dict[str, Any] = field(default_factory=dict)  # loaded SAEs by name (`frontend/saes.LoadedSae`)
+    probes: dict[str, Any] = field(default_factory=dict)  # loaded probes by name (`frontend/probes.LoadedProbe`)
     # validated captures by the frozen form of the caller's keys (`_capture_spec`): an extraction sends
     # thousands of requests with the same spec, validated once
     capture_specs: dict[Any, tuple[dict[str, list[int]], list[int]]] = field(default_factory=dict)

@@ -14,6 +14,7 @@ import torch
 
 from vllm_worker.api.hooks import Hook
 from vllm_worker.api.steering import SteeringVector
+from vllm_worker.frontend import probes as probe_keys
 from vllm_worker.frontend import saes as sae_keys
 from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number, int_list
@@ -23,6 +24,7 @@ from vllm_worker.protocol.spec import (
     HOOK_KEY,
     KNOWN_KEYS,
     NAMESPACE_PREFIXES,
+    PROBE_KEYS,
     SAE_KEYS,
     STEER_KEY,
     HookSpec,
@@ -245,10 +247,14 @@ def parse_hooks(items: Any, shape: ModelShape) -> list[HookSpec]:
 
 
 def parse_request(
-    extra_args: Mapping[str, Any], shape: ModelShape, prompt_len: int, saes: Mapping[str, Any] | None = None
+    extra_args: Mapping[str, Any],
+    shape: ModelShape,
+    prompt_len: int,
+    saes: Mapping[str, Any] | None = None,
+    probes: Mapping[str, Any] | None = None,
 ) -> RequestSpec | None:
-    """Validate our keys in `extra_args`; `None` when the request uses no feature. `saes`: the loaded
-    SAEs by name (`frontend/saes`)."""
+    """Validate our keys in `extra_args`; `None` when the request uses no feature. `saes` / `probes`: the
+    loaded SAEs / probes by name (`frontend/saes`, `frontend/probes`)."""
     ours = {k: v for k, v in extra_args.items() if isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES)}
     if not ours:
         return None
@@ -275,4 +281,6 @@ def parse_request(
         spec.hooks = parse_hooks(ours[HOOK_KEY], shape)
     if any(k in ours for k in SAE_KEYS):
         sae_keys.parse(ours, spec, shape, saes or {})
+    if any(k in ours for k in PROBE_KEYS):
+        probe_keys.parse(ours, spec, probes or {})
     return spec

@@ -67,6 +67,15 @@ class LensWorkerRpc(Protocol):
         """Load (or replace) SAE `name` from `path`; `uid` tells the frontend's load from a stale one."""
         ...
 
+    def lens_load_probe(self, name: str, uid: str, probe: dict) -> dict:
+        """Load (or replace) probe `name` (`frontend.probes.LoadedProbe.wire`); {"name", "local_layers"}: the
+        probe's layers this worker holds."""
+        ...
+
+    def lens_delete_probe(self, name: str) -> bool:
+        """Forget probe `name` (requests admitted with it keep their copy); whether it was loaded."""
+        ...
+
     def lens_prefetch(self, names: list, report: bool = False) -> list | dict:
         """Keep these parameters on the host for hooks to read; the names now prefetched. `report`:
         {"prefetched": names, "error": None} or {"error": Failure} (the HTTP route tells the caller's failure
@@ -90,6 +99,8 @@ POP_PERSISTENT_ERRORS = "lens_pop_persistent_errors"
 CLEAR_HOOK_RESULTS = "lens_clear_hook_results"
 CLEAR_HOOKS = "lens_clear_hooks"
 LOAD_SAE = "lens_load_sae"
+LOAD_PROBE = "lens_load_probe"
+DELETE_PROBE = "lens_delete_probe"
 PREFETCH = "lens_prefetch"
 CLEAR_PREFETCHED = "lens_clear_prefetched"
 

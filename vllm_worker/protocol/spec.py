@@ -26,7 +26,10 @@ SAE_FEATURES_KEY = "output_sae_features"  # {"sae": name, "top_k": k} or {"sae":
 SAE_STEER_KEY = "apply_sae_steering"  # [{"sae": name, "features": [ids], "scale": s}]: + s * W_dec[f]
 SAE_CLAMP_KEY = "apply_sae_clamp"  # [{"sae": name, "features": [ids], "values": v}]: f set to v
 SAE_KEYS = (SAE_FEATURES_KEY, SAE_STEER_KEY, SAE_CLAMP_KEY)
-KNOWN_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, STEER_KEY, HOOK_KEY, *SAE_KEYS)
+# linear probes loaded with `llm.load_probe` / `POST /v1/lens/probes` (docs/probes.md)
+PROBE_SCORES_KEY = "output_probe_scores"  # [names] or {name: {"aggregate": [...], "positions": ...}}
+PROBE_KEYS = (PROBE_SCORES_KEY,)
+KNOWN_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, STEER_KEY, HOOK_KEY, *SAE_KEYS, *PROBE_KEYS)
 # Keys with these prefixes belong to us: a typo (`output_residual_streams`) is an error, not ignored.
 NAMESPACE_PREFIXES = (
     "output_residual",
@@ -35,6 +38,7 @@ NAMESPACE_PREFIXES = (
     "apply_hook",
     "output_sae",
     "apply_sae",
+    "output_probe",
     "lens_",
     PAYLOAD_KEY,
 )
@@ -124,10 +128,14 @@ class RequestSpec:
     # SAE work in the workers, msgspec-safe dicts (`frontend/saes.parse`): {"sae", "site", "uid"} and
     # "top_k" or "ids" (features returned) or "ids" + "values" with "clamp": true
     sae: list[dict[str, Any]] = field(default_factory=list)
+    # probes scored in the workers, msgspec-safe dicts (`frontend/probes.parse`): {"probe", "uid"}
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    # what the frontend makes of the scores (frontend only): {probe: {"aggregate": [...], "positions": ...}}
+    probe_outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def wants_results(self) -> bool:
-        return bool(self.capture or self.hooks or any(not u.get("clamp") for u in self.sae))
+        return bool(self.capture or self.hooks or self.probes or any(not u.get("clamp") for u in self.sae))
 
 
 def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
@@ -218,6 +226,8 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
         ]
     if spec.sae:
         payload["sae"] = spec.sae
+    if spec.probes:
+        payload["probes"] = spec.probes
     return payload
 
 
@@ -226,7 +236,8 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
         raise ValueError(f"{PAYLOAD_KEY}: unsupported payload version {payload.get('v')!r}")
     capture = list(payload.get("capture") or ())
     steer, hooks, sae = payload.get("steer"), payload.get("hooks"), payload.get("sae")
-    if not (steer or hooks or sae):  # a capture-only request (most of them)
+    probes = payload.get("probes")
+    if not (steer or hooks or sae or probes):  # a capture-only request (most of them)
         return RequestSpec(payload["key"], capture)
     return RequestSpec(
         key=payload["key"],
@@ -253,6 +264,7 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
             for h in hooks or ()
         ],
         sae=[dict(u) for u in sae or ()],
+        probes=[dict(u) for u in probes or ()],
     )
 
 

@@ -73,12 +73,14 @@ class Admission:
         persistent: PersistentHooks,
         ctx: Callable[[dict, str], HookContext],
         saes: Any = None,
+        probes: Any = None,
     ) -> None:
         self.runner, self.device, self.dtype, self.d_model = runner, device, dtype, d_model
         self.local, self.capturing_rank, self.shm_host = local, capturing_rank, shm_host  # local: sites
         self.local_layers, self.missing = local_layers, missing
         self.store, self.graph, self.persistent, self.ctx = store, graph_taps, persistent, ctx
         self.saes = saes  # `saes.WorkerSaes`
+        self.probes = probes  # `probes.WorkerProbes`
         self.esize = torch.empty((), dtype=dtype).element_size()
         self._moves = ToDevice(device)
         self._pending: list[RequestState] = []  # admitted since the last flush, with steering to move
@@ -130,9 +132,12 @@ class Admission:
         hooks: list[HookRun] = []
         store = None
         sae_uses: list = []
+        probe_uses: list = []
         if spec is not None:
             if spec.sae:
                 sae_uses = self.saes.uses(spec.sae)
+            if spec.probes:
+                probe_uses = self.probes.uses(spec.probes)
             for s in spec.steers:
                 lut = None
                 if s.positions is not None:
@@ -178,7 +183,7 @@ class Admission:
                     else None
                 )
                 hooks.append(HookRun(fn, at, h.point, self.ctx(saved, external), i, False, h.batched, key, h.read_only))
-            self._check_sites(spec, hooks, store)
+            self._check_sites(spec, hooks, store, probe_uses)
         if self.persistent:
             if store is None:
                 store = RequestResults([])
@@ -210,18 +215,19 @@ class Admission:
             entries,
             entry_ids,
             sae=sae_uses,
+            probes=probe_uses,
         )
         if per_request or simple or entry_ids:
             self._pending.append(state)
         return state
 
-    def _check_sites(self, spec: Any, hooks: list[HookRun], store: RequestResults | None) -> None:
+    def _check_sites(self, spec: Any, hooks: list[HookRun], store: RequestResults | None, probes: list) -> None:
         """A point this worker has no tap for (its layout could not be resolved here) fails the request with
         the reason — never a capture, steer or hook that silently does nothing."""
-        if not spec.steers and not hooks and not spec.sae and self.local.issuperset(spec.capture):
+        if not spec.steers and not hooks and not spec.sae and not probes and self.local.issuperset(spec.capture):
             return  # a capture of sites this worker taps (the common case, checked for every request)
         wanted = set(spec.capture) | {s for st in spec.steers for s in st.layers} | {s for h in hooks for s, _ in h.at}
-        wanted |= {int(u["site"]) for u in spec.sae}
+        wanted |= {int(u["site"]) for u in spec.sae} | {s for u in probes for s in u.weights}
         lacking = sorted(s for s in wanted if site_layer(s) in self.local_layers and s not in self.local)
         if not lacking:
             return

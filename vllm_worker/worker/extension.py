@@ -34,6 +34,7 @@ class Unsupported:
         # the owners the extension calls directly (as it calls the runtime's), standing in
         self.store, self.persistent = _NoStore(), _NoPersistent()
         self.params, self.saes = _NoParams(self._refuse), _NoSaes(self._refuse)
+        self.probes = _NoProbes(self._refuse)
 
     def fetch(self, wanted: list, shm_host: str | None = None, released: list | None = None) -> dict:
         fail = errors.failure("unsupported", f"{self.model_class}: {self.reason}", "model layout")
@@ -99,6 +100,12 @@ class _NoParams:
 class _NoSaes:
     def __init__(self, refuse: Callable[..., Any]) -> None:
         self.load = refuse
+
+
+class _NoProbes:
+    def __init__(self, refuse: Callable[..., Any]) -> None:
+        self.load = refuse
+        self.delete = lambda name: False
 
 
 def _on_loaded(runner: Any) -> None:
@@ -216,6 +223,12 @@ class LensWorkerExtension:
 
     def lens_load_sae(self, name: str, path: str, uid: str) -> dict:
         return self._lens_rt().saes.load(str(name), str(path), str(uid))
+
+    def lens_load_probe(self, name: str, uid: str, probe: dict) -> dict:
+        return self._lens_rt().probes.load(str(name), str(uid), dict(probe))
+
+    def lens_delete_probe(self, name: str) -> bool:
+        return bool(self._lens_rt().probes.delete(str(name)))
 
     def lens_prefetch(self, names: list, report: bool = False) -> list | dict:
         """`report`: {"prefetched": names} or {"error": Failure} for a parameter no stage has (the HTTP

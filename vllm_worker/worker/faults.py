@@ -4,7 +4,8 @@ that such a failure fails the requests involved (with a clear error) and never t
 Inactive unless a test sets `STAGE` (in-process engines) or the process starts with
 `VLLM_LENS_INJECT_FAULT=<stage>`. Per-step stages: admission, flush (the step's new
 steering moved to the device), plan, fill, tap (the Python path), kernel
-(the graph-safe kernel inside the tap op), file, assemble. At load: layout (the decoder layers are not
+(the graph-safe kernel inside the tap op), file, assemble; probes (scoring the staged rows after a graph-safe
+step: `FEATURE_STAGES`, reached only by requests asking for probe scores). At load: layout (the decoder layers are not
 found, as on a model whose layout the plugin cannot read). In the background: early (the early-assembly
 thread's copy; its failure fails no request: results are then assembled at fetch).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from vllm_worker import envs
 
 STAGES = ("admission", "flush", "plan", "fill", "tap", "kernel", "file", "assemble")
+FEATURE_STAGES = ("probes",)
 AT_LOAD = ("layout",)
 BACKGROUND = ("early",)
 STAGE: str | None = None  # set by in-process tests; else `VLLM_LENS_INJECT_FAULT`, read when asked

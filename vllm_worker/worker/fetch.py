@@ -20,7 +20,7 @@ from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.transport import assembly, early
 from vllm_worker.transport.early_regions import State
 from vllm_worker.transport.result_pool import ResultPool, host_array
-from vllm_worker.worker import faults, saes
+from vllm_worker.worker import faults, probes, saes
 from vllm_worker.worker.request_results import RequestResults
 
 logger = logging.getLogger("vllm_worker")
@@ -145,6 +145,8 @@ def _prelude(st: RequestResults, layer_ids: list[int], assemble_saved: Any) -> t
         payload["hooks"] = assemble_saved(st.saved)
     if st.sae and st.error is None:
         payload["sae"] = saes.payload(st.sae)
+    if st.probes and st.error is None:
+        payload["probes"] = probes.payload(st.probes)
     mine = [l for l in st.layers if l in layer_ids]
     if not mine:  # no captures, or (pipeline parallelism) all of them on other stages: theirs to report
         return payload, None, {}

@@ -19,6 +19,7 @@ import torch
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol.points import CODE, IN, OUT, READ_ONLY, RESID_PRE, site
 from vllm_worker.worker.graph import GraphTaps
+from vllm_worker.worker.probes import SiteProbes, stage_probes
 from vllm_worker.worker.request_results import CaptureLog, RequestResults, StepArena
 from vllm_worker.worker.saes import stage_features
 
@@ -81,6 +82,7 @@ class RequestState:
     entries: "dict[int, tuple[int, np.ndarray, np.ndarray]] | None" = field(default_factory=dict)
     entry_ids: list[int] = field(default_factory=list)  # to give back when the request leaves
     sae: list = field(default_factory=list)  # `saes.SaeUse`s: features to return, clamps
+    probes: list = field(default_factory=list)  # `probes.DeviceProbe`s scored for this request
 
     @property
     def failed(self) -> bool:
@@ -100,7 +102,8 @@ class RequestState:
         if self.entries is None or any(u.clamp for u in self.sae):
             return False
         early = {s for h in self.hooks for s, late in h.at if not late}
-        return not (early & set(self.capture)) and not any(u.site in early for u in self.sae)
+        probed = {s for u in self.probes for s in u.weights}
+        return not (early & (set(self.capture) | probed)) and not any(u.site in early for u in self.sae)
 
 
 Rows = list[tuple[RequestState, int, int]]  # (request, start row, end row)
@@ -130,6 +133,7 @@ class GraphPlan:
     st_pos: list[tuple[int, int, int, np.ndarray, np.ndarray, int]]  # (start, end, col, positions, entries, default)
     n_extra: int = 0  # staged rows after the captures, read on the device only (SAE features)
     sae: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `saes.stage_features`
+    probes: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, SiteProbes): `probes.stage_probes`
 
     @property
     def n_capture(self) -> int:
@@ -224,6 +228,7 @@ class StepPlan:
     requests: list = field(default_factory=list)  # the RequestStates it serves (failed together)
     sae_feat: dict = field(default_factory=dict)  # site -> (row index on device, requests): SAE features
     sae_clamp: dict = field(default_factory=dict)  # site -> requests clamping SAE features there
+    probe_rows: dict = field(default_factory=dict)  # site -> (row index on device, SiteProbes): probe scores
     broken: bool = False  # our code failed during this step: the taps do nothing more
     fired_sites: set = field(default_factory=set)  # sites whose tap ran from Python this step
     groups: dict[HookAt, list[HookGroup]] = field(default_factory=dict)  # batched hooks
@@ -267,6 +272,7 @@ class StepPlan:
             | {s for s, _ in self.groups}
             | frozenset(self.sae_feat)
             | frozenset(self.sae_clamp)
+            | frozenset(self.probe_rows)
         )
 
 
@@ -302,8 +308,14 @@ def make_plan(
     batched: dict[HookAt, dict[Any, list]] = {}
     sae_feat: dict[int, Rows] = {}
     sae_clamp: dict[int, Rows] = {}
+    probe_rows: dict[int, Rows] = {}
     for item in active:
         r = item[0]
+        if capturing_rank:  # scores: only the reporting rank
+            for u in r.probes:
+                for s in u.weights:
+                    if s in local:
+                        probe_rows.setdefault(s, []).append(item)
         for u in r.sae:
             if u.site in local and (u.clamp or capturing_rank):  # features: only the reporting rank
                 (sae_clamp if u.clamp else sae_feat).setdefault(u.site, []).append(item)
@@ -346,6 +358,7 @@ def make_plan(
     ):
         gp = graph_plan(active, cap_rows, n_rows, graph.col)
         stage_features(gp, cap_rows, {s: list(dict.fromkeys(v)) for s, v in sae_feat.items()}, graph.col)
+        stage_probes(gp, {s: list(dict.fromkeys(v)) for s, v in probe_rows.items()}, graph.col, rows_of)
         if gp.total <= graph.stage_rows:
             capture = {layer: (None, items) for layer, items in cap_rows.items()}
             # Python hooks, if any, run at their sites after the kernel (`runtime.LensRuntime._seam_tap`)
@@ -370,6 +383,7 @@ def make_plan(
         steer_batched[layer] = (on_device(rows), adds)
     steer = {l: list(dict.fromkeys(v)) for l, v in steer.items()}
     feat = {s: list(dict.fromkeys(v)) for s, v in sae_feat.items()}
+    probed = {s: list(dict.fromkeys(v)) for s, v in probe_rows.items()}
     return StepPlan(
         None,
         steer,
@@ -380,6 +394,7 @@ def make_plan(
         groups=hook_groups(),
         sae_feat={s: (on_device(rows_of(items)), items) for s, items in feat.items()},
         sae_clamp={s: list(dict.fromkeys(v)) for s, v in sae_clamp.items()},
+        probe_rows={s: (on_device(rows_of(items)), SiteProbes.of(s, items)) for s, items in probed.items()},
     )
 
 

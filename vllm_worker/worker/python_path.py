@@ -12,7 +12,7 @@ import torch
 
 from vllm_worker import compat
 from vllm_worker.protocol import points
-from vllm_worker.worker import edits, faults, saes, seams, taps
+from vllm_worker.worker import edits, faults, probes, saes, seams, taps
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import HookRun, RequestState, StepPlan
 
@@ -109,6 +109,8 @@ class PythonPath:
             plan.captured.append((site, rows))
         if plan.sae_feat:
             saes.features_at(site, plan, hidden, residual)
+        if plan.probe_rows:
+            probes.scores_at(site, plan, hidden, residual)
         if not defer:
             edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
 
@@ -142,4 +144,5 @@ class PythonPath:
 
 def _touches(r: RequestState, sites: frozenset) -> bool:
     own = set(r.capture) | set(r.simple_add) | {s for st in r.steers for s in st.layers} | {u.site for u in r.sae}
+    own |= {s for u in r.probes for s in u.weights}
     return bool(own & sites) or any(s in sites for h in r.hooks for s, _ in h.at)

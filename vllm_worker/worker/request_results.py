@@ -117,6 +117,7 @@ class RequestResults:
     nonfinite: dict = field(default_factory=dict)  # hook -> device flag: it returned NaN/inf (not applied)
     expected: int = 0  # bytes announced to the result pool when the request arrived (`ResultPool.expect`)
     sae: dict = field(default_factory=dict)  # SAE name -> {"ids", "chunks": [(positions, values, indices)]}
+    probes: dict = field(default_factory=dict)  # probe name -> `worker.probes.ProbeScores`
     # set with `expected` at admission: the sites this rank captures (in `layers` order) and the most
     # positions the request can reach (prompt + max_tokens - 1): the early-assembly region's shape
     mine: list[int] = field(default_factory=list)

@@ -24,7 +24,7 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors, points
 from vllm_worker.protocol.spec import PAYLOAD_KEY
 from vllm_worker.transport import shm
-from vllm_worker.worker import edits, faults, graph, saes, seams, taps
+from vllm_worker.worker import edits, faults, graph, probes, saes, seams, taps
 from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.params import Params
 from vllm_worker.worker.persistent_hooks import PersistentHooks
@@ -109,6 +109,7 @@ class LensRuntime:
         # steering, hooks and capture from Python at the taps (steps off the graph-safe path, and seams)
         self.python = PythonPath(self._d_model, self._local, self._fail, self.persistent, counters.STEP_TIMINGS)
         self.saes = saes.WorkerSaes(self.device, self._local_layers)  # `lens_load_sae`
+        self.probes = probes.WorkerProbes(self.device, self._local_layers)  # `lens_load_probe`
         self.admission = Admission(
             runner,
             self.device,
@@ -124,6 +125,7 @@ class LensRuntime:
             self.persistent,
             self._ctx,
             self.saes,
+            self.probes,
         )
         logger.info(
             "inspect-lens: %d taps on %d decoder layers (%s..%s) of %s on TP rank %d%s",
@@ -164,6 +166,7 @@ class LensRuntime:
                 r.store = RequestResults([])
             r.store.fail(msg)
             r.capture, r.capture_slot, r.steers, r.simple_add, r.hooks, r.sae = [], {}, [], {}, [], []
+            r.probes = []
             self._free_entries(r)
             r.entries = {}
         self._plan_key = None  # re-plan without them
@@ -353,6 +356,12 @@ class LensRuntime:
                 saes.features_from_stage(gp, g.stage, base, pos)
             except Exception as e:  # noqa: BLE001
                 self._fail([r for r in plan.requests if r.sae], "encoding SAE features", e)
+        if gp.probes:  # probe scores of staged rows, likewise
+            try:
+                faults.check("probes")
+                probes.scores_from_stage(gp, g.stage, base, pos)
+            except Exception as e:  # noqa: BLE001
+                self._fail([r for r in plan.requests if r.probes], "scoring probes", e)
         n_cap = gp.n_capture
         if n_cap:
             try:
@@ -398,7 +407,7 @@ class LensRuntime:
             if v is None:
                 continue
             v.hooks = [h for h in v.hooks if not h.persistent]
-            if v.capture or v.steers or v.simple_add or v.hooks or v.sae:
+            if v.capture or v.steers or v.simple_add or v.hooks or v.sae or v.probes:
                 kept[k] = v
         self._reqs = kept
         self._invalidate()

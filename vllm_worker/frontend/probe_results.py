@@ -1,0 +1,57 @@
+"""The probe scores of a finished sample, as callers get them: `activations["probe_scores"][name]`, a float32
+`(n_positions, n_out)` tensor over the positions of captures (0 .. prompt + generated - 2), and
+`activations["probe_aggregates"][name]` = {aggregate name: (n_out,) float32} over the positions the
+request chose (by default those whose forward pass produced a generated token: the last prompt position
+onward)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from vllm_worker.probes.aggregation import aggregates
+from vllm_worker.protocol.wire import tensor_from_bytes
+
+
+def _dense(pos: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Scores by position 0 .. max; a position no worker scored is NaN (never a silent shift)."""
+    n = int(pos.max()) + 1 if len(pos) else 0
+    if len(pos) == n:  # every position once, sorted (the workers sort): as it is
+        return scores
+    out = torch.full((n, scores.shape[1]), math.nan, dtype=torch.float32)
+    out[pos] = scores
+    return out
+
+
+def chosen(n: int, prompt_len: int, positions: Any) -> torch.Tensor:
+    """The positions (< n) that aggregates are taken over."""
+    if positions == "all":
+        return torch.arange(n)
+    if positions == "prompt":
+        return torch.arange(min(n, prompt_len))
+    if positions == "generated":
+        return torch.arange(max(prompt_len - 1, 0), n)
+    return torch.tensor([p for p in positions if p < n], dtype=torch.long)
+
+
+def probe_outputs(
+    parts: list[dict], wanted: dict[str, dict[str, Any]], prompt_len: int
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """(probe_scores, probe_aggregates) of one sample from its workers' parts (one pipeline stage holds each
+    probe's layers: `frontend.probes.check_local`)."""
+    scores: dict[str, torch.Tensor] = {}
+    aggs: dict[str, dict[str, torch.Tensor]] = {}
+    for part in parts:
+        for name, got in (part.get("probes") or {}).items():
+            pos = tensor_from_bytes(got["positions"], f"probe_scores.{name}.positions")
+            scores[name] = _dense(pos, tensor_from_bytes(got["scores"], f"probe_scores.{name}"))
+    for name, opts in wanted.items():
+        s = scores.get(name)
+        if s is None:
+            raise RuntimeError(f"inspect-lens: no worker returned the scores of probe {name!r}")
+        aggs[name] = aggregates(
+            s[chosen(s.shape[0], prompt_len, opts.get("positions", "generated"))], opts["aggregate"]
+        )
+    return scores, aggs
