@@ -116,7 +116,8 @@ def test_calibrate_writes_the_threshold_fitted_by_hand(llama, probe_dir, tmp_pat
     want_scores = _by_hand(llama, probe, rows, agg, 3)
     want = threshold_at_fpr(want_scores, 0.2)
     assert got["threshold"] == pytest.approx(want, abs=1e-4)
-    assert got["n_control"] == 12 and got["above"] == sum(s > got["threshold"] for s in want_scores) <= 2
+    # (the threshold is one of the scores: compare counts past float32 noise)
+    assert got["n_control"] == 12 and got["above"] == sum(s > want + 1e-4 for s in want_scores) <= 2
     back = load_probe_files(work)  # the engine's reader accepts the updated file
     assert back.threshold == pytest.approx(want, abs=1e-4) and back.aggregate[0] == agg
     record = json.loads((work / "probe.json").read_text())["metadata"]["calibration"]
