@@ -152,6 +152,14 @@ SETTINGS: dict[str, Setting] = {
             flag="--lens-sae-dir",
         ),
         Setting(
+            "VLLM_LENS_PROBE_DIR",
+            str,
+            "",
+            "folder on the server whose probes (probe.safetensors + probe.json, in sub-folders) `POST "
+            "/v1/lens/probes` may load (docs/probes.md); unset: loading probes over HTTP is refused (403)",
+            flag="--lens-probe-dir",
+        ),
+        Setting(
             "VLLM_LENS_GRAPH_PATH",
             bool,
             True,

@@ -170,6 +170,7 @@ def test_n_samples_and_replacing_a_probe(llm):
         (dict(weight=torch.ones(1, D), bias=torch.tensor([float("inf")]), layers=[1]), "bias"),
         (dict(weight=torch.ones(1, D), layers=[1], output="softmax"), "output"),
         (dict(layers=[1]), "weight"),
+        (dict(weight=torch.ones(1, D), layers=[1], layer=2), "layer"),
     ],
 )
 def test_bad_probes_are_refused_naming_the_field(llm, kwargs, field):

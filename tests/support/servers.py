@@ -89,12 +89,16 @@ def _serve(*flags: str, plain: bool = False, **env: str) -> str:
 
 # the folder the session server may load SAEs from (`--lens-sae-dir`; tests/http/test_saes_http.py)
 SAE_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / f"lens-test-saes-{os.getpid()}"
+# and probes (`--lens-probe-dir`; tests/http/test_probes_http.py)
+PROBE_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / f"lens-test-probes-{os.getpid()}"
 
 
 @pytest.fixture(scope="session")
 def server():
-    """Operator opted in to remote hooks and SAEs from SAE_DIR; two API keys; 1 MiB payload limit."""
+    """Operator opted in to remote hooks, SAEs from SAE_DIR and probes from PROBE_DIR; two API keys; 1 MiB
+    payload limit."""
     SAE_DIR.mkdir(parents=True, exist_ok=True)
+    PROBE_DIR.mkdir(parents=True, exist_ok=True)
     return _serve(
         "--api-key",
         KEY,
@@ -102,6 +106,8 @@ def server():
         "--allow-remote-hooks",
         "--lens-sae-dir",
         str(SAE_DIR),
+        "--lens-probe-dir",
+        str(PROBE_DIR),
         VLLM_LENS_MAX_PAYLOAD_MB="1",
     )
 

@@ -64,7 +64,11 @@ def test_one_parser_for_every_kind(monkeypatch):
 
 def test_serve_flags_come_from_the_table():
     assert cli.OUR_FLAGS == {"--allow-remote-hooks": "VLLM_LENS_ALLOW_REMOTE_HOOKS"}
-    assert set(cli.LIMIT_FLAGS.values()) == set(envs.limits()) | {"VLLM_LENS_POINTS", "VLLM_LENS_SAE_DIR"}
+    assert set(cli.LIMIT_FLAGS.values()) == set(envs.limits()) | {
+        "VLLM_LENS_POINTS",
+        "VLLM_LENS_SAE_DIR",
+        "VLLM_LENS_PROBE_DIR",
+    }
 
 
 def test_settings_follow_the_environment_while_parsing_is_remembered(monkeypatch):

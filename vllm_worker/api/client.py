@@ -181,6 +181,9 @@ def _activations(acts: dict) -> dict[str, Any]:
         out["expert_ids"] = from_jsonable(acts["expert_ids"])
     if "sae_features" in acts:
         out["sae_features"] = from_jsonable(acts["sae_features"])
+    for key in ("probe_scores", "probe_aggregates"):
+        if key in acts:
+            out[key] = from_jsonable(acts[key])
     return out
 
 

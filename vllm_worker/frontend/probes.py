@@ -21,7 +21,21 @@ from vllm_worker.protocol.spec import PROBE_SCORES_KEY, ModelShape, RequestSpec,
 from vllm_worker.protocol.wire import tensor_to_bytes
 
 DEFAULT_AGGREGATES = ("mean", "max", "last")  # always computed, beside the probe file's and the request's
-POSITIONS = ("generated", "all", "prompt")  # named position sets of aggregates (default: generated)
+POSITIONS = ("generated", "all", "prompt")
+# what `llm.load_probe(name, weight=..., ...)` takes (`format.check_probe`'s fields)
+PARTS = (
+    "weight",
+    "bias",
+    "layers",
+    "point",
+    "output",
+    "threshold",
+    "aggregate",
+    "mean",
+    "std",
+    "model",
+    "metadata",
+)  # named position sets of aggregates (default: generated)
 
 
 @dataclass
@@ -82,6 +96,11 @@ def prepare(name: Any, path: Any, shape: ModelShape, parts: Mapping[str, Any] | 
         folder: str | None = os.path.realpath(str(path))
         probe = load_probe_files(str(folder))
     else:
+        unknown = sorted(set(parts or ()) - set(PARTS))
+        if unknown:
+            raise ValueError(
+                f"{unknown[0]}: not a probe field{pts.closest(unknown[0], PARTS)} (fields: {', '.join(PARTS)})"
+            )
         if not parts or parts.get("weight") is None:
             raise ValueError("weight: needed (or the path of a probe folder)")
         folder = None

@@ -112,6 +112,9 @@ def activations_json(acts: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"points": acts.get("points", {})}
     if "sae_features" in acts:  # {SAE name: {"positions", "indices", "values"}}
         out["sae_features"] = to_jsonable(acts["sae_features"], lazy=True)
+    for key in ("probe_scores", "probe_aggregates"):  # {probe: (n_pos, n_out)}, {probe: {aggregate: (n_out,)}}
+        if key in acts:
+            out[key] = to_jsonable(acts[key], lazy=True)
     for point in out["points"]:
         if point == RESID_POST:
             out["residual_stream"], out["layers"] = to_jsonable(acts[point], lazy=True), acts["layers"]

@@ -9,6 +9,7 @@ from typing import Any
 from vllm_worker import compat
 from vllm_worker.frontend.state import mark_consumer
 from vllm_worker.server.middleware import LensMiddleware
+from vllm_worker.server.probes import router as probes_router
 from vllm_worker.server.routes import info_router, router
 from vllm_worker.server.saes import router as saes_router
 from vllm_worker.server.state import LensState
@@ -39,6 +40,7 @@ class LensEndpoints:
         app.include_router(info_router)
         app.include_router(vectors_router)
         app.include_router(saes_router)
+        app.include_router(probes_router)
         app.add_middleware(LensMiddleware)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:

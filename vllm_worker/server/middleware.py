@@ -12,6 +12,8 @@ from vllm_worker.protocol.spec import (
     ALL_LAYERS,
     CAPTURE_KEY,
     HOOK_KEY,
+    PROBE_KEYS,
+    PROBE_SCORES_KEY,
     SAE_FEATURES_KEY,
     SAE_KEYS,
     ModelShape,
@@ -51,7 +53,7 @@ def _precheck(req: dict, xargs: dict, shape: ModelShape) -> None:
         )
     if isinstance(xargs.get(ACTIVATIONS_KEY), dict):  # raw JSON: vLLM takes only flat values, so a string
         xargs[ACTIVATIONS_KEY] = json.dumps(xargs[ACTIVATIONS_KEY])
-    for key in SAE_KEYS:  # objects / lists of objects: strings as well
+    for key in (*SAE_KEYS, *PROBE_KEYS):  # objects / lists of objects: strings as well
         if key in xargs and not isinstance(xargs[key], str):
             xargs[key] = json.dumps(xargs[key])
     if CAPTURE_KEY in xargs:
@@ -123,7 +125,9 @@ class LensMiddleware:
         kind = "chat" if path == CHAT else "cmpl"
         n = _n_of(req)
         # requests that asked for results must get them (steering-only ones have nothing to fetch)
-        expect = ours and any(k in xargs for k in (CAPTURE_KEY, ACTIVATIONS_KEY, HOOK_KEY, SAE_FEATURES_KEY))
+        expect = ours and any(
+            k in xargs for k in (CAPTURE_KEY, ACTIVATIONS_KEY, HOOK_KEY, SAE_FEATURES_KEY, PROBE_SCORES_KEY)
+        )
         if req.get("stream"):
             return await self.app(scope, replay(body, receive), StreamInjector(send, state, kind, n, expect).send)
         await self._buffered(scope, replay(body, receive), send, state, kind, n, expect, dialect)

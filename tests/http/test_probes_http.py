@@ -1,0 +1,88 @@
+"""Probes over HTTP: loaded only from the operator's folder (`--lens-probe-dir`), listed and deleted; the
+scores and aggregates in each choice equal the offline engine's (decoded by `decode_activations`, as
+`LensClient` does); an unknown probe is a 400 naming the field."""
+
+from __future__ import annotations
+
+import httpx
+import torch
+from vllm import SamplingParams
+
+from support.engines import model_path
+from support.servers import KEY, PROBE_DIR
+from vllm_worker.api.client import decode_activations
+from vllm_worker.probes import save_probe
+
+PROMPT = "the water of people will come down to the side"
+
+
+def _save(name: str, layers: list[int], output: str) -> None:
+    g = torch.Generator().manual_seed(11)
+    k = 128 * len(layers)
+    save_probe(
+        PROBE_DIR / name,
+        torch.randn(2, k, generator=g) / k**0.5,
+        torch.randn(2, generator=g),
+        layers=layers,
+        output=output,
+        aggregate=["ema:0.9"],
+        std=torch.rand(k, generator=g) + 0.5,
+    )
+
+
+def test_probe_scores_over_http_equal_offline(server, locked_server, llama):
+    h = {"Authorization": f"Bearer {KEY}"}
+    _save("p2h", [2], "logit")
+    _save("p13h", [1, 3], "sigmoid")
+    for name in ("p2h", "p13h"):
+        r = httpx.post(f"{server}/v1/lens/probes", json={"name": name, "path": name}, headers=h, timeout=60)
+        assert r.status_code == 200, r.text
+    assert r.json()["probe"]["layers"] == [1, 3] and r.json()["probe"]["hash"]
+    r = httpx.post(f"{server}/v1/lens/probes", json={"name": "x", "path": "../../etc"}, headers=h, timeout=60)
+    assert r.status_code == 403 and "outside the server's probe folder" in r.text
+    r = httpx.post(f"{locked_server}/v1/lens/probes", json={"name": "x", "path": str(PROBE_DIR / "p2h")}, timeout=60)
+    assert r.status_code == 403 and "--lens-probe-dir" in r.text
+    r = httpx.post(f"{server}/v1/lens/probes", json={"name": "x", "path": "missing"}, headers=h, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "path"
+    listed = httpx.get(f"{server}/v1/lens/probes", headers=h).json()["probes"]
+    assert sorted(p["name"] for p in listed) == ["p13h", "p2h"]
+
+    xargs = {"output_probe_scores": {"p2h": {"aggregate": ["rolling_max:2"]}, "p13h": {}}}
+    body = {"model": str(model_path("llama")), "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{server}/v1/completions", json={**body, "vllm_xargs": xargs}, headers=h, timeout=120)
+    assert r.status_code == 200, r.text
+    got = decode_activations(r.json())[0]
+
+    for name in ("p2h", "p13h"):
+        llama.load_probe(name, str(PROBE_DIR / name))
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args=xargs)
+    want = llama.generate([PROMPT], sp, use_tqdm=False)[0].activations
+    for name in ("p2h", "p13h"):
+        assert got["probe_scores"][name].shape == want["probe_scores"][name].shape
+        assert torch.allclose(got["probe_scores"][name], want["probe_scores"][name], atol=1e-5)
+        assert list(got["probe_aggregates"][name]) == list(want["probe_aggregates"][name])
+        for k, v in want["probe_aggregates"][name].items():
+            assert torch.allclose(got["probe_aggregates"][name][k], v, atol=1e-5), k
+    assert list(got["probe_aggregates"]["p2h"]) == ["mean", "max", "last", "ema:0.9", "rolling_max:2"]
+
+    # a list of names as vLLM's flat vllm_xargs takes it
+    r = httpx.post(
+        f"{server}/v1/completions",
+        json={**body, "vllm_xargs": {"output_probe_scores": ["p2h"]}},
+        headers=h,
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert torch.allclose(
+        decode_activations(r.json())[0]["probe_scores"]["p2h"], want["probe_scores"]["p2h"], atol=1e-5
+    )
+
+    bad = {**body, "vllm_xargs": {"output_probe_scores": ["nope"]}}
+    r = httpx.post(f"{server}/v1/completions", json=bad, headers=h, timeout=60)
+    assert r.status_code == 400 and "unknown probe 'nope'" in r.text
+    assert r.json()["error"]["param"] == "vllm_xargs.output_probe_scores.nope"
+
+    assert httpx.delete(f"{server}/v1/lens/probes/p13h", headers=h).status_code == 200
+    r = httpx.delete(f"{server}/v1/lens/probes/p13h", headers=h)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "name"
+    assert [p["name"] for p in httpx.get(f"{server}/v1/lens/probes", headers=h).json()["probes"]] == ["p2h"]
