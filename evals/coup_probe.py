@@ -67,7 +67,7 @@ def coup_probe(
         return Task(
             dataset=MemoryDataset(samples, name="inspect-lens-coup-probe"),
             solver=probe_scores(probes),
-            scorer=probe_scorer(next(iter(probes)), aggregate),
+            scorer=probe_scorer(next(iter(probes)), aggregate, meta_keys=("family", "kind")),
             metrics=[probe_auroc(), auroc_ci(), recall_at_fpr(0.01), auroc_by("family")],
             config=GenerateConfig(temperature=0),
             metadata={"train_families": train, "test_families": test},

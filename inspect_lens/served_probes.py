@@ -131,11 +131,9 @@ def window_scores(state: TaskState, probe: str, output: int = 0) -> tuple[list[f
 
 
 @scorer(metrics=[probe_auroc(), auroc_ci(), recall_at_fpr(0.01)])
-def probe_scorer(
-    probe: str, aggregate: str = "mean", *, output: int = 0, meta_keys: Sequence[str] = ("family", "kind")
-) -> Scorer:
+def probe_scorer(probe: str, aggregate: str = "mean", *, output: int = 0, meta_keys: Sequence[str] = ()) -> Scorer:
     """Score = `aggregate` of the served per-token scores of `probe` over the sample's window (no
-    activations shipped). Score metadata: `label`, `token_scores`, `aggregate`, `probe`, `probe_hash`,
+    activations shipped). Score metadata: `label`, the sample metadata named in `meta_keys`, `token_scores`, `aggregate`, `probe`, `probe_hash`,
     `window`, and the serving `provenance` (versions, dtype, quantization, TP/PP, model)."""
     parse_aggregate(aggregate)
 
@@ -149,7 +147,7 @@ def probe_scorer(
             answer=meta.get("detect_text"),
             metadata={
                 "label": meta.get("label"),
-                **{k: meta[k] for k in meta_keys if k in meta},
+                **{k: meta.get(k) for k in meta_keys},
                 "token_scores": [round(s, 4) for s in scores],
                 "aggregate": aggregate,
                 "probe": probe,
