@@ -95,6 +95,7 @@ class LazyProbe:
         self.probe, self.layer, self.training_set = probe, layer, training_set
         self.C, self.save_to, self.concurrency = C, save_to, concurrency
         self.path: str | None = None
+        self.hash: str | None = None  # sha256 of the probe file (of its JSON form when it has none), 16 hex
         self._got: tuple[LinearProbe, int] | None = None
         self._lock = asyncio.Lock()
 
@@ -134,6 +135,11 @@ class LazyProbe:
                     served,
                 )
         self.path = str(path) if path else None
+        import hashlib
+        import json
+
+        data = Path(path).read_bytes() if path else json.dumps(p.to_json(), sort_keys=True).encode()
+        self.hash = hashlib.sha256(data).hexdigest()[:16]
         return p, lyr
 
 
@@ -154,7 +160,8 @@ def _probe_scorer(
     lazy = LazyProbe(probe, layer, training_set, C, save_to, concurrency)
 
     async def score(state: TaskState, target: Target) -> Score:
-        p, lyr = await lazy.get(get_model())
+        model = get_model()
+        p, lyr = await lazy.get(model)
         cap = captured(state, pop=True)
         acts = cap.window_acts(lyr).float().numpy()
         if acts.shape[0] == 0:
@@ -171,8 +178,11 @@ def _probe_scorer(
                 "layer": lyr,
                 "aggregate": aggregate,
                 "probe": lazy.path,
+                "probe_hash": lazy.hash,
                 "window": list(cap.window),
                 "window_exact": cap.window_exact,
+                # what the scores depend on besides the probe: versions, dtype, quantization, TP/PP, model
+                "provenance": (await lens_api(model).lens_info()).get("provenance"),
             },
         )
 

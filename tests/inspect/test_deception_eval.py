@@ -3,6 +3,7 @@ teacher-forced window, the deception-probe eval (training, saving, metrics), the
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from pathlib import Path
@@ -64,6 +65,8 @@ def test_deception_probe_eval_end_to_end(probe_eval):
         assert sc.metadata["window_exact"], s.id
         assert len(sc.metadata["token_scores"]) == end - start > 0
         assert abs(np.mean(sc.metadata["token_scores"]) - sc.value) < 1e-3
+        assert sc.metadata["provenance"]["dtype"] == "float32" and sc.metadata["provenance"]["vllm_version"]
+        assert sc.metadata["probe_hash"] == hashlib.sha256(probe_files[0].read_bytes()).hexdigest()[:16]
         cap = s.metadata["inspect_lens_capture"]
         assert cap["layers"] == [2] and cap["teacher_forced"] and cap["shape"][2] == 128
     assert Path(log.location).stat().st_size < 400_000  # no tensors, no training set in the log

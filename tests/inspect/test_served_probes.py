@@ -195,3 +195,48 @@ def test_served_probe_monitor_scores_the_generating_pass(server, probe_files, tm
     np.testing.assert_allclose(meta["monitor"]["probe_scores"]["monitor-probe"], want, atol=2e-4)
     assert "served probe 'monitor-probe'" in meta["monitor"]["reason"]
     assert "carries no scores" in meta["replay_error"]
+
+
+def test_model_arg_probes_scores_every_request(server, probe_files, tmp_path):
+    """`-M probes=NAME`: plain `generate()` requests carry the probe's scores; `probe_scorer` without the
+    `probe_scores` solver reads the generated positions, and its mean equals the server's own aggregate."""
+    import httpx
+    from inspect_ai import Task
+    from inspect_ai import eval as inspect_eval
+    from inspect_ai.dataset import Sample
+    from inspect_ai.log import read_eval_log
+    from inspect_ai.model import GenerateConfig
+    from inspect_ai.solver import generate
+
+    from inspect_lens.served_probes import probe_scorer
+    from support.engines import model_path
+    from support.servers import KEY
+
+    _, _, folder = probe_files
+    r = httpx.post(
+        f"{server}/v1/lens/probes",
+        json={"name": "every-request", "path": str(folder)},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert r.status_code == 200, r.text
+    task = Task(
+        dataset=[Sample(input="the water of people will come", metadata={"label": "honest"})],
+        solver=generate(),
+        scorer=probe_scorer("every-request"),
+        config=GenerateConfig(max_tokens=5, temperature=0),
+    )
+    [log] = inspect_eval(
+        task,
+        model=f"vllm-lens/{model_path('llama')}",
+        model_base_url=f"{server}/v1",
+        model_args={"api_key": KEY, "probes": "every-request"},
+        log_dir=str(tmp_path),
+        display="none",
+    )
+    assert log.status == "success", log.error
+    s = read_eval_log(log.location).samples[0]
+    out = s.output.metadata
+    assert len(out["probe_scores"]["every-request"]) == len(out["prompt_token_ids"]) + len(out["token_ids"]) - 1
+    sc = next(iter(s.scores.values()))
+    assert len(sc.metadata["token_scores"]) == len(out["token_ids"])
+    assert sc.value == pytest.approx(out["probe_aggregates"]["every-request"]["mean"][0], abs=1e-5)
