@@ -8,6 +8,7 @@ from .oracle import activation_oracle, oracle_match
 from .probes import LinearProbe, auroc, recall_at_threshold, threshold_at_fpr
 from .sae_scorers import sae_feature
 from .scorers import coup_probe, deception_probe
+from .served_probes import probe_scorer, probe_scores
 from .solvers import Captured, capture_activations, captured, steer
 from .steering import register_steering_vector
 
@@ -24,6 +25,8 @@ __all__ = [
     "deception_probe",
     "oracle_match",
     "probe_auroc",
+    "probe_scorer",
+    "probe_scores",
     "recall_at_fpr",
     "recall_at_threshold",
     "register_steering_vector",
