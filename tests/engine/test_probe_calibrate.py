@@ -190,3 +190,22 @@ def test_cli_end_to_end(probe_dir, tmp_path):
     cal = cfg["metadata"]["calibration"]
     assert cal["n_control"] == 8 and cal["above"] <= 2 and cal["fpr"] == 0.25
     assert f"threshold {cfg['threshold']:.6g}" in done.stderr
+
+
+def test_calibration_windows_are_the_inspect_scorers_windows(llama):
+    """On the deception eval's own control chats, the reply window calibration scores is the one the Inspect
+    scorers score (the detect text's tokens at the end of the teacher-forced prompt), so a threshold fitted
+    by the command applies to the eval's response scores."""
+    from inspect_lens.datasets import control
+    from inspect_lens.solvers import answer_window
+    from vllm_worker.extract.inputs import Row
+    from vllm_worker.probes.calibrate import _tokens
+
+    tok = llama.get_tokenizer()
+    for i, s in enumerate(control(6)):
+        msgs = [{"role": m.role, "content": m.text} for m in s.input]
+        ids, start = _tokens(tok, Row(i + 1, s.id, messages=msgs))
+        detect = s.metadata["detect_text"]
+        cands = [tok.encode(detect, add_special_tokens=False), tok.encode(" " + detect, add_special_tokens=False)]
+        window, exact = answer_window(ids, cands)
+        assert exact and window == (start, len(ids)), s.id

@@ -43,8 +43,21 @@ def threshold_at_fpr(control_scores: Sequence[float], fpr: float) -> float:
     return c[len(c) - 1 - k]
 
 
+def reply_window(prompt_ids: list[int], candidates: list[list[int]]) -> tuple[tuple[int, int], bool]:
+    """A teacher-forced prompt ends with the reply: the window is its last k positions, k from the first
+    candidate tokenization of the reply that equals the prompt's tail (exact), else the first one. The
+    Inspect scorers find their windows with this same function, so both score the same positions."""
+    end = len(prompt_ids)
+    for ids in candidates:
+        if ids and prompt_ids[end - len(ids) :] == ids:
+            return (end - len(ids), end), True
+    return (max(0, end - len(candidates[0])), end), False
+
+
 def _tokens(tokenizer: Any, row: Any) -> tuple[list[int], int | None]:
-    """(prompt token ids, first position of the reply read teacher-forced, or None when generating)."""
+    """(prompt token ids, first position of the reply read teacher-forced, or None when generating). The
+    reply's window is its own tokens (alone, or after a space folded into its first token), as Inspect's
+    scorers locate the detect text: not the template's separator before it."""
     from vllm_worker.extract import inputs as inp
 
     msgs = row.messages
@@ -52,12 +65,12 @@ def _tokens(tokenizer: Any, row: Any) -> tuple[list[int], int | None]:
         return inp.tokenize(tokenizer, [row])[0].token_ids, None
     text = tokenizer.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
     ids = list(tokenizer.encode(text, add_special_tokens=False))
-    head = tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
-    head_ids = list(tokenizer.encode(head, add_special_tokens=False))
-    start = 0
-    while start < min(len(ids), len(head_ids)) and ids[start] == head_ids[start]:
-        start += 1
-    if start >= len(ids):
+    reply = msgs[-1]["content"]
+    cands = [list(tokenizer.encode(reply, add_special_tokens=False))]
+    if not reply.startswith(" "):
+        cands.append(list(tokenizer.encode(" " + reply, add_special_tokens=False)))
+    (start, end), _ = reply_window(ids, cands)
+    if start >= end:
         raise ValueError(f"line {row.line}: the assistant's reply is empty")
     return ids, start
 
