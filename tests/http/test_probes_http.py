@@ -86,3 +86,48 @@ def test_probe_scores_over_http_equal_offline(server, locked_server, llama):
     r = httpx.delete(f"{server}/v1/lens/probes/p13h", headers=h)
     assert r.status_code == 404 and r.json()["error"]["param"] == "name"
     assert [p["name"] for p in httpx.get(f"{server}/v1/lens/probes", headers=h).json()["probes"]] == ["p2h"]
+
+
+def test_streamed_chunks_carry_their_scores(server):
+    """Each chunk that brings tokens brings the scores of the positions that produced them (the first one also
+    the prompt's); together they are the full scores of the extra chunk before [DONE]."""
+    import json
+
+    from vllm_worker.protocol.wire import from_jsonable
+
+    h = {"Authorization": f"Bearer {KEY}"}
+    _save("p2s", [2], "logit")
+    r = httpx.post(f"{server}/v1/lens/probes", json={"name": "p2s", "path": "p2s"}, headers=h, timeout=60)
+    assert r.status_code == 200, r.text
+    body = {
+        "model": str(model_path("llama")),
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "vllm_xargs": {"output_probe_scores": ["p2s"]},
+    }
+    chunks = []
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=h, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    final = [c for c in chunks if any("activations" in ch for ch in c["choices"])]
+    assert len(final) == 1
+    full = from_jsonable(final[0]["choices"][0]["activations"]["probe_scores"]["p2s"])
+    n_prompt, n_tokens, pos, scores = None, 0, [], []
+    for c in chunks:
+        for ch in c["choices"]:
+            n_prompt = n_prompt or len(ch.get("prompt_token_ids") or [])
+            n_tokens += len(ch.get("token_ids") or [])
+            if "probe_scores" in ch:
+                got = ch["probe_scores"]["p2s"]
+                p = from_jsonable(got["positions"])
+                assert int(p.max()) == n_prompt + n_tokens - 2  # up to the position that produced its last token
+                pos.append(p)
+                scores.append(from_jsonable(got["scores"]))
+    assert n_tokens == 6 and len(pos) >= 2
+    assert torch.equal(torch.cat(pos), torch.arange(n_prompt + 5))
+    assert torch.equal(torch.cat(scores), full)

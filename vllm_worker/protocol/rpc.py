@@ -76,6 +76,11 @@ class LensWorkerRpc(Protocol):
         """Forget probe `name` (requests admitted with it keep their copy); whether it was loaded."""
         ...
 
+    def lens_probe_progress(self, wanted: list) -> list:
+        """Running requests' probe scores so far: `wanted` = [(key, child, first position)]; [key, child,
+        {probe: {"positions", "scores"}}] for those this worker scores (streaming: `server/streaming`)."""
+        ...
+
     def lens_prefetch(self, names: list, report: bool = False) -> list | dict:
         """Keep these parameters on the host for hooks to read; the names now prefetched. `report`:
         {"prefetched": names, "error": None} or {"error": Failure} (the HTTP route tells the caller's failure
@@ -101,6 +106,7 @@ CLEAR_HOOKS = "lens_clear_hooks"
 LOAD_SAE = "lens_load_sae"
 LOAD_PROBE = "lens_load_probe"
 DELETE_PROBE = "lens_delete_probe"
+PROBE_PROGRESS = "lens_probe_progress"
 PREFETCH = "lens_prefetch"
 CLEAR_PREFETCHED = "lens_clear_prefetched"
 

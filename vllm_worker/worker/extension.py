@@ -230,6 +230,12 @@ class LensWorkerExtension:
     def lens_delete_probe(self, name: str) -> bool:
         return bool(self._lens_rt().probes.delete(str(name)))
 
+    def lens_probe_progress(self, wanted: list) -> list:
+        rt = self._lens_rt()
+        if isinstance(rt, Unsupported):
+            return []
+        return rt.probe_progress([(str(k), int(c), int(s)) for k, c, s in wanted])
+
     def lens_prefetch(self, names: list, report: bool = False) -> list | dict:
         """`report`: {"prefetched": names} or {"error": Failure} for a parameter no stage has (the HTTP
         route tells the caller's failure from ours by its kind, not by an exception's wording)."""

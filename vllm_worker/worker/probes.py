@@ -197,24 +197,45 @@ def _latest(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tens
     return pos[keep], vals[keep]
 
 
-def payload(got: dict[str, ProbeScores]) -> dict[str, dict[str, Any]]:
+def _since(chunks: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> list:
+    """The latest chunks, back to the first one reaching below position `start` (chunks come in step order)."""
+    if start <= 0:
+        return chunks
+    i = len(chunks)
+    while i > 0:
+        i -= 1
+        p = chunks[i][0]
+        if len(p) and int(p.min()) < start:
+            break
+    return chunks[i:]
+
+
+def payload(got: dict[str, ProbeScores], start: int = 0, running: bool = False) -> dict[str, dict[str, Any]]:
     """A request's scores as bytes, per probe: {"positions": (n,) int64, "scores": (n, n_out) float32} —
-    the layers' parts added, then the bias, then the sigmoid for `output: sigmoid`."""
+    the layers' parts added, then the bias, then the sigmoid for `output: sigmoid`. `running`: a request still
+    generating (`LensRuntime.probe_progress`): only positions from `start` on, and a probe with nothing
+    scored yet is left out instead of being an error."""
     out = {}
     for name, slot in got.items():
         pos, total = None, None
         for site in slot.probe.sites:
-            chunks = slot.chunks.get(site)
+            chunks = _since(slot.chunks.get(site) or [], start)
             if not chunks:
+                if running:  # nothing scored yet: nothing new
+                    break
                 raise RuntimeError(f"probe {name!r}: no rows were scored at {site} (site)")
             p, v = _latest(chunks)
+            if running:
+                keep = p >= start
+                p, v = p[keep], v[keep]
             if pos is None:
                 pos, total = p, v.clone()
             elif not torch.equal(p, pos):
                 raise RuntimeError(f"probe {name!r}: its layers were scored at different positions")
             else:
                 total += v
-        assert pos is not None and total is not None
+        if pos is None or total is None:
+            continue
         total += slot.probe.bias
         if slot.probe.sigmoid:
             total = torch.sigmoid(total)

@@ -385,6 +385,20 @@ class LensRuntime:
         use_shm = shm_host is not None and shm_host == shm.host_id()
         return self.store.fetch(wanted, self.capturing_rank, self.sites, _pickle_saved, use_shm, released)
 
+    def probe_progress(self, wanted: list[tuple[str, int, int]]) -> list:
+        """Running requests' probe scores from a position on (`lens_probe_progress`): [key, child, payload]
+        for each request this rank scores; nothing from the other ranks."""
+        out: list = []
+        if not self.capturing_rank:
+            return out
+        for key, child, start in wanted:
+            st = self.store.peek(key, child)
+            if st is not None and st.probes and st.error is None:
+                got = probes.payload(st.probes, start, running=True)
+                if got:
+                    out.append([key, child, got])
+        return out
+
     # ---------------------------------------------------------------- persistent hooks (RPC)
 
     def register_hooks(self, hooks: list[tuple[bytes, list[int], str, bool, bool]]) -> int:

@@ -72,6 +72,11 @@ class CaptureStore:
         with self.lock:
             self._stores[(key, child)] = store
 
+    def peek(self, key: str, child: int) -> RequestResults | None:
+        """A running (or finished, not yet fetched) request's results, left in place."""
+        with self.lock:
+            return self._stores.get((key, child))
+
     # ------------------------------------------------------------ per plan / per step
 
     def open_plan(self, plan: StepPlan) -> None:
