@@ -12,6 +12,8 @@ its content, `POST /v1/lens/vectors`) and requests name it, so eval logs hold na
   d_model), "layers": [...], <point>: tensor for each point asked for, "points": {point: layers}}`
   (first choice; docs/hook-points.md)
 - `metadata["hook_results"]`, `metadata["prompt_token_ids"]`, `metadata["token_ids"]`
+- `metadata["probe_scores"]` / `metadata["probe_aggregates"]` for `output_probe_scores` (probes loaded on the
+  server; `-M probes=a,b` asks on every request): compact JSON lists, kept in the eval log
 
 LoRA: Inspect's `vllm-lens/<base>:<adapter path>` form, or per request the original tool's
 `extra_body={"lora_request": {"lora_name": ..., "lora_path": ...}}` (the adapter is loaded on the server
@@ -244,18 +246,6 @@ class VLLMLensAPI(VLLMAPI):
                         )
                     self._probe_info[name] = {**have[name], "path_given": path}
         return {n: self._probe_info[n] for n in probes}
-        async with self._vector_lock_here():  # concurrent samples: one load
-            have = await list_probes(root, self.api_key)
-            for name, path in probes.items():
-                if path is not None and (name not in have or self._probe_info.get(name, {}).get("path_given") != path):
-                    have[name] = await load_probe(root, self.api_key, name, path)
-                if name not in have:
-                    raise ValueError(
-                        f"output_probe_scores: probe {name!r} is not loaded on the server (loaded: "
-                        f"{sorted(have) or 'none'}); give its folder, or load it with POST /v1/lens/probes"
-                    )
-                self._probe_info[name] = {**have[name], "path_given": path}
-        return self._probe_info
 
     def resolve_stream(self, config: GenerateConfig) -> bool:
         # streaming accumulators drop unknown fields: never stream when results are requested
