@@ -79,6 +79,23 @@ def _beside_log(layer: int) -> Path | None:
     return p.with_name(f"{p.stem}.probe-L{layer}.json")
 
 
+def probe_hash(probe: LinearProbe, path: str | Path | None) -> str:
+    """sha256 (16 hex) of the probe's file — of a served folder's probe.safetensors + probe.json — or of its
+    JSON form when it has no file: the log names exactly which probe made its scores."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    if path is None:
+        h.update(json.dumps(probe.to_json(), sort_keys=True).encode())
+    elif Path(path).is_dir():
+        for name in ("probe.safetensors", "probe.json"):
+            h.update((Path(path) / name).read_bytes())
+    else:
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()[:16]
+
+
 class LazyProbe:
     """A probe loaded from a file, given, or trained on first use (then saved beside the log); shared by
     the probe scorers and the ControlArena monitor (`inspect_lens.control`)."""
@@ -135,11 +152,7 @@ class LazyProbe:
                     served,
                 )
         self.path = str(path) if path else None
-        import hashlib
-        import json
-
-        data = Path(path).read_bytes() if path else json.dumps(p.to_json(), sort_keys=True).encode()
-        self.hash = hashlib.sha256(data).hexdigest()[:16]
+        self.hash = probe_hash(p, path)
         return p, lyr
 
 

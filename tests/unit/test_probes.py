@@ -118,3 +118,18 @@ def test_served_format_round_trip(tmp_path):
     np.testing.assert_allclose(back.score_tokens(x), probe.score_tokens(x), atol=1e-4)
     with pytest.raises(ValueError, match="layer"):
         LinearProbe.fit(x, y).save_served(tmp_path / "nolayer")
+
+
+def test_probe_hash_names_the_file_or_folder(tmp_path):
+    import hashlib
+
+    from inspect_lens.scorers import probe_hash
+
+    x, y = _data(100, True, 8)
+    probe = LinearProbe.fit(x, y, layer=1)
+    f = probe.save(tmp_path / "p.json")
+    assert probe_hash(probe, f) == hashlib.sha256(f.read_bytes()).hexdigest()[:16]
+    d = probe.save_served(tmp_path / "served")
+    both = (d / "probe.safetensors").read_bytes() + (d / "probe.json").read_bytes()
+    assert probe_hash(probe, d) == hashlib.sha256(both).hexdigest()[:16]
+    assert probe_hash(probe, None) == probe_hash(LinearProbe.load(f), None)  # same probe, same hash
