@@ -27,14 +27,17 @@ def main(target: str) -> None:
         for name, m in score.metrics.items():
             print(f"{name:>16}: {m.value:.3f}")
     by_label: dict[str, list[float]] = {}
-    probe = None
+    probe = provenance = None
     for s in log.samples or []:
         sc = next(iter(s.scores.values()))
         by_label.setdefault(sc.metadata["label"], []).append(float(sc.value))
         probe = probe or sc.metadata.get("probe")
+        provenance = provenance or sc.metadata.get("provenance")
     for label, vals in sorted(by_label.items()):
         print(f"{'mean score ' + label:>24}: {statistics.mean(vals):+.2f} (n={len(vals)})")
     print(f"probe: {probe}")
+    if provenance:  # what the scores depend on besides the probe
+        print("served: " + ", ".join(f"{k}={v}" for k, v in provenance.items()))
     print(f"log:   {p}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from inspect_ai.scorer import Metric, SampleScore, metric
 
+from .probe_stats import auroc_bootstrap_ci
 from .probes import auroc, recall_at_threshold, threshold_at_fpr
 
 POSITIVE, NEGATIVE, CONTROL = "positive", "negative", "control"
@@ -28,6 +29,25 @@ def probe_auroc() -> Metric:
     def compute(scores: list[SampleScore]) -> float:
         g = _split(scores)
         return auroc(g[POSITIVE] + g[NEGATIVE], [1] * len(g[POSITIVE]) + [0] * len(g[NEGATIVE]))
+
+    return compute
+
+
+@metric
+def auroc_ci(confidence: float = 0.95, n_boot: int = 1000, seed: int = 0) -> Metric:
+    """Bootstrap confidence interval of `probe_auroc` (positives and negatives resampled separately; fixed
+    seed), reported as `auroc_ci_low` and `auroc_ci_high`."""
+
+    def compute(scores: list[SampleScore]) -> dict[str, float]:
+        g = _split(scores)
+        lo, hi = auroc_bootstrap_ci(
+            g[POSITIVE] + g[NEGATIVE],
+            [1] * len(g[POSITIVE]) + [0] * len(g[NEGATIVE]),
+            confidence=confidence,
+            n_boot=n_boot,
+            seed=seed,
+        )
+        return {"auroc_ci_low": lo, "auroc_ci_high": hi}
 
     return compute
 

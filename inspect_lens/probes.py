@@ -6,12 +6,12 @@ scored per response by averaging token scores over a detection window. Saved as 
     probe.score_response(acts, window=(start, end))          # mean over the window
     probe.calibrate(control_scores, fpr=0.01)                # threshold from a control set
     probe.save("probe.json"); LinearProbe.load("probe.json")
+    probe.save_served("probe_dir")                           # the engine's format: served as is
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -113,18 +113,64 @@ class LinearProbe:
 
     @classmethod
     def load(cls, path: str | Path) -> "LinearProbe":
+        """A JSON probe file, or a served probe folder (`save_served`)."""
+        if Path(path).is_dir():
+            return cls.from_served(path)
         return cls.from_json(json.loads(Path(path).read_text()))
+
+    def save_served(self, folder: str | Path, *, layer: int | None = None, model: str | None = None) -> Path:
+        """Write the probe in the engine's format (`vllm_worker.probes.format`: probe.safetensors with weight
+        (1, d), bias, mean, std; probe.json with layers, output "logit", threshold, aggregate "mean" — the
+        response score this probe's threshold was fitted on), so `llm.load_probe(name, folder)` and
+        `--lens-probe-dir` serve it unchanged. float32 on disk, as the engine computes."""
+        from vllm_worker.probes.format import save_probe
+
+        lyr = self.layer if layer is None else layer
+        if lyr is None:
+            raise ValueError("layer: this probe has no layer; pass save_served(..., layer=L)")
+        meta = {"source_format": "inspect-lens-linear-probe/1", "calibrated_fpr": self.calibrated_fpr, **self.meta}
+        return save_probe(
+            folder,
+            weight=self.coef[None, :],
+            bias=[self.intercept],
+            layers=[int(lyr)],
+            output="logit",
+            threshold=self.threshold,
+            aggregate=["mean"],
+            mean=self.mean,
+            std=self.scale,
+            model=model if model is not None else self.meta.get("model"),
+            metadata=json.loads(json.dumps(meta, default=str)),
+        )
+
+    @classmethod
+    def from_served(cls, folder: str | Path) -> "LinearProbe":
+        """A served probe folder with one output at one layer, as a `LinearProbe` (threshold kept)."""
+        from vllm_worker.probes.format import load_probe_files
+
+        p = load_probe_files(folder)
+        if p.n_out != 1 or len(p.layers) != 1 or p.output != "logit":
+            raise ValueError(
+                f"path: {str(folder)!r} is a probe with {p.n_out} outputs at layers {p.layers} ({p.output}); "
+                "a LinearProbe is one logit at one layer"
+            )
+        d = p.d_model
+        mean = np.zeros(d) if p.mean is None else p.mean.double().numpy()
+        scale = np.ones(d) if p.std is None else p.std.double().numpy()
+        meta = dict(p.metadata)
+        fpr = meta.pop("calibrated_fpr", None)
+        meta.pop("source_format", None)
+        if p.model is not None:
+            meta.setdefault("model", p.model)
+        return cls(mean, scale, p.weight[0].double().numpy(), float(p.bias[0]), p.layers[0], p.threshold, fpr, meta)
 
 
 def threshold_at_fpr(control_scores: Sequence[float], fpr: float) -> float:
-    """Smallest threshold with at most `fpr` of the control scores strictly above it."""
-    c = np.sort(np.asarray(control_scores, dtype=np.float64))
-    if c.size == 0:
-        raise ValueError("calibrate: empty control set")
-    if not 0 <= fpr < 1:
-        raise ValueError(f"calibrate: fpr must be in [0, 1), got {fpr}")
-    k = int(math.floor(fpr * c.size))  # controls allowed above the threshold
-    return float(c[c.size - 1 - k])
+    """Smallest threshold with at most `fpr` of the control scores strictly above it (the definition
+    `vllm-lens probes calibrate` uses, so a threshold fitted here and one fitted there agree)."""
+    from vllm_worker.probes.calibrate import threshold_at_fpr as fit
+
+    return fit(control_scores, fpr)
 
 
 def auroc(scores: Sequence[float], labels: Sequence[int]) -> float:

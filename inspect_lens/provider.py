@@ -12,6 +12,8 @@ its content, `POST /v1/lens/vectors`) and requests name it, so eval logs hold na
   d_model), "layers": [...], <point>: tensor for each point asked for, "points": {point: layers}}`
   (first choice; docs/hook-points.md)
 - `metadata["hook_results"]`, `metadata["prompt_token_ids"]`, `metadata["token_ids"]`
+- `metadata["probe_scores"]` / `metadata["probe_aggregates"]` for `output_probe_scores` (probes loaded on the
+  server; `-M probes=a,b` asks on every request): compact JSON lists, kept in the eval log
 
 LoRA: Inspect's `vllm-lens/<base>:<adapter path>` form, or per request the original tool's
 `extra_body={"lora_request": {"lora_name": ..., "lora_path": ...}}` (the adapter is loaded on the server
@@ -41,7 +43,13 @@ from . import _compat
 # goes through `_compat` (which lists them all and checks them when the provider is created).
 from ._compat import VLLMAPI
 
-LENS_KEYS = ("output_residual_stream", "output_activations", "apply_steering_vectors", "apply_hooks")
+LENS_KEYS = (
+    "output_residual_stream",
+    "output_activations",
+    "apply_steering_vectors",
+    "apply_hooks",
+    "output_probe_scores",
+)
 
 # The values `vllm serve --max-lora-rank` accepts (vLLM's LoRAConfig.max_lora_rank; tests/core/test_adapter.py
 # fails if vLLM changes them): an adapter's rank is rounded up to one of these.
@@ -107,6 +115,9 @@ def encode_extra_args(extra_args: dict[str, Any]) -> dict[str, Any]:
     if "apply_hooks" in extra_args:
         hooks = extra_args["apply_hooks"]
         out["apply_hooks"] = hooks if isinstance(hooks, str) else json.dumps(encode_hooks(hooks))
+    if "output_probe_scores" in extra_args:
+        probes = extra_args["output_probe_scores"]
+        out["output_probe_scores"] = probes if isinstance(probes, str) else json.dumps(probes)
     return out
 
 
@@ -129,9 +140,19 @@ def summarize_tensor(obj: Any) -> Any:
 class VLLMLensAPI(VLLMAPI):
     """Inspect's vLLM provider + inspect-lens request encoding and result decoding."""
 
-    def __init__(self, model_name: str, *args: Any, allow_remote_hooks: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        *args: Any,
+        allow_remote_hooks: bool = False,
+        probes: str | list[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         _compat.check()  # a clear LensIncompatibleInspect if an Inspect internal we use moved
         self._allow_remote_hooks = allow_remote_hooks
+        # -M probes=a,b: every request asks for these probes' scores (loaded on the server already)
+        self._probes = [p.strip() for p in probes.split(",") if p.strip()] if isinstance(probes, str) else probes
+        self._probe_info: dict[str, dict[str, Any]] = {}
         self._lora_loaded: set[str] = set()
         self._vectors_uploaded: set[str] = set()  # content names of steering vectors on this server
         super().__init__(model_name, *args, **kwargs)
@@ -194,7 +215,37 @@ class VLLMLensAPI(VLLMAPI):
     def _lens_args(self, config: GenerateConfig) -> dict[str, Any] | None:
         body = config.extra_body or {}
         args = body.get("extra_args") or body.get("vllm_xargs")
+        if self._probes and not (isinstance(args, dict) and "output_probe_scores" in args):
+            args = {**(args if isinstance(args, dict) else {}), "output_probe_scores": list(self._probes)}
         return args if isinstance(args, dict) and any(k in args for k in LENS_KEYS) else None
+
+    async def ensure_probes(self, probes: dict[str, str | None]) -> dict[str, dict[str, Any]]:
+        """Each probe of {name: folder or None} on the server — a folder not loaded under its name yet is
+        loaded (`POST /v1/lens/probes`; the server takes folders from its `--lens-probe-dir` only) — and
+        what the server says of each (`hash`, `path`, `layers`, ...: the log's provenance)."""
+        from .probe_http import list_probes, load_probe
+
+        await _compat.ensure_server_started(self)
+        root = _compat.server_root(self)
+
+        def stale(name: str, path: str | None) -> bool:
+            got = self._probe_info.get(name)
+            return got is None or (path is not None and got.get("path_given") != path)
+
+        if any(stale(n, p) for n, p in probes.items()):
+            async with self._vector_lock_here():  # concurrent samples: one load
+                todo = {n: p for n, p in probes.items() if stale(n, p)}
+                have = await list_probes(root, self.api_key) if todo else {}
+                for name, path in todo.items():
+                    if path is not None:
+                        have[name] = await load_probe(root, self.api_key, name, path)
+                    if name not in have:
+                        raise ValueError(
+                            f"output_probe_scores: probe {name!r} is not loaded on the server (loaded: "
+                            f"{sorted(have) or 'none'}); give its folder, or load it with POST /v1/lens/probes"
+                        )
+                    self._probe_info[name] = {**have[name], "path_given": path}
+        return {n: self._probe_info[n] for n in probes}
 
     def resolve_stream(self, config: GenerateConfig) -> bool:
         # streaming accumulators drop unknown fields: never stream when results are requested
@@ -363,6 +414,8 @@ def decode_choice(response: dict) -> dict[str, Any]:
     from vllm_worker.api.client import decode_activations
     from vllm_worker.protocol.wire import from_jsonable
 
+    from .probe_stats import compact_aggregates, compact_scores
+
     choices = response.get("choices") or []
     if not choices:
         return {}
@@ -373,7 +426,13 @@ def decode_choice(response: dict) -> dict[str, Any]:
     }
     if c.get("activations"):
         # {point: tensor, "points": {point: layers}, "residual_stream"/"layers" (= resid_post)}
-        meta["activations"] = decode_activations({"choices": [c]})[0]
+        acts = decode_activations({"choices": [c]})[0] or {}
+        scores, aggs = acts.pop("probe_scores", None), acts.pop("probe_aggregates", None)
+        if scores is not None:  # compact JSON lists: what the eval log keeps (tensors would be null there)
+            meta["probe_scores"] = compact_scores(scores)
+            meta["probe_aggregates"] = compact_aggregates(aggs or {})
+        if scores is None or acts.get("points") or len(acts) > 1:  # anything besides the scores
+            meta["activations"] = acts
     if "hook_results" in c:
         meta["hook_results"] = from_jsonable(c["hook_results"])
     return meta

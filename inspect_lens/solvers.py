@@ -46,12 +46,11 @@ def captured(state: TaskState, pop: bool = False) -> Captured:
 
 def answer_window(prompt_ids: list[int], candidates: list[list[int]]) -> tuple[tuple[int, int], bool]:
     """A teacher-forced prompt ends with the answer: the window is its last k positions, k from the first
-    candidate tokenization of the detect text that equals the prompt's tail (exact), else the first one."""
-    end = len(prompt_ids)
-    for ids in candidates:
-        if ids and prompt_ids[end - len(ids) :] == ids:
-            return (end - len(ids), end), True
-    return (max(0, end - len(candidates[0])), end), False
+    candidate tokenization of the detect text that equals the prompt's tail (exact), else the first one
+    (the function `vllm-lens probes calibrate` windows replies with)."""
+    from vllm_worker.probes.calibrate import reply_window
+
+    return reply_window(prompt_ids, candidates)
 
 
 async def detect_candidates(model: Any, detect: str) -> list[list[int]]:

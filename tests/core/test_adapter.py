@@ -279,6 +279,22 @@ def test_offline_extract_internals(llama):
     assert compat.llm_busy(llama) is False
 
 
+def test_serving_provenance(llama):
+    """What eval logs and calibrated probes record about the serving set-up, read from the engine's config;
+    a config without the field is a LensIncompatibleVLLM naming it, never a silent gap."""
+    from types import SimpleNamespace
+
+    import vllm
+
+    prov = compat.serving_provenance(compat.processor_of_llm(llama))
+    assert prov["model"].endswith("tiny-llama") and prov["vllm_version"] == vllm.__version__
+    assert (prov["dtype"], prov["quantization"], prov["kv_cache_dtype"]) == ("float32", None, "auto")
+    assert (prov["tensor_parallel_size"], prov["pipeline_parallel_size"], prov["data_parallel_size"]) == (1, 1, 1)
+    assert prov["plugin_version"] == compat.plugin_version() != "unknown"
+    with pytest.raises(compat.LensIncompatibleVLLM, match="vllm_config"):
+        compat.serving_provenance(SimpleNamespace())
+
+
 def test_full_graph_wrapper_replays_the_cut_graph_for_steps_with_hooks(llama, monkeypatch):
     """vLLM's full-graph wrapper, with our patch (`compat.patch_full_graphs`, installed by the worker):
     a step with Python hooks replays the graph cut at the taps (`worker.seams`) for its batch, or runs

@@ -92,7 +92,13 @@ def test_coup_probe_eval_end_to_end(server, tmp_path):
     task = _eval_module().coup_probe(layer=2, test_families="code", train_limit=2, eval_limit=2, control_limit=6)
     log = run_eval(task, server, tmp_path)
     metrics = {name: m.value for s in log.results.scores for name, m in s.metrics.items()}
-    assert set(metrics) == {"probe_auroc", "recall_at_fpr", "auroc_code"}  # + one AUROC per held-out family
+    assert set(metrics) == {
+        "probe_auroc",
+        "auroc_ci_low",
+        "auroc_ci_high",
+        "recall_at_fpr",
+        "auroc_code",
+    }  # + one AUROC per held-out family
     assert 0.0 <= metrics["probe_auroc"] <= 1.0
     samples = read_eval_log(log.location).samples
     labels = Counter(next(iter(s.scores.values())).metadata["label"] for s in samples)

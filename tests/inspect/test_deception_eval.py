@@ -3,6 +3,7 @@ teacher-forced window, the deception-probe eval (training, saving, metrics), the
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from pathlib import Path
@@ -46,7 +47,8 @@ def test_deception_probe_eval_end_to_end(probe_eval):
 
     log, tmp = probe_eval
     metrics = {name: m.value for s in log.results.scores for name, m in s.metrics.items()}
-    assert set(metrics) == {"probe_auroc", "recall_at_fpr"}
+    assert set(metrics) == {"probe_auroc", "auroc_ci_low", "auroc_ci_high", "recall_at_fpr"}
+    assert metrics["auroc_ci_low"] <= metrics["probe_auroc"] <= metrics["auroc_ci_high"]
     assert 0.0 <= metrics["probe_auroc"] <= 1.0 and 0.0 <= metrics["recall_at_fpr"] <= 1.0
     back = read_eval_log(log.location)
     samples = back.samples
@@ -63,6 +65,8 @@ def test_deception_probe_eval_end_to_end(probe_eval):
         assert sc.metadata["window_exact"], s.id
         assert len(sc.metadata["token_scores"]) == end - start > 0
         assert abs(np.mean(sc.metadata["token_scores"]) - sc.value) < 1e-3
+        assert sc.metadata["provenance"]["dtype"] == "float32" and sc.metadata["provenance"]["vllm_version"]
+        assert sc.metadata["probe_hash"] == hashlib.sha256(probe_files[0].read_bytes()).hexdigest()[:16]
         cap = s.metadata["inspect_lens_capture"]
         assert cap["layers"] == [2] and cap["teacher_forced"] and cap["shape"][2] == 128
     assert Path(log.location).stat().st_size < 400_000  # no tensors, no training set in the log

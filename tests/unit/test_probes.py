@@ -87,3 +87,49 @@ def test_inspect_metrics():
     r = recall_at_fpr(0.01)(scores)
     assert 0.5 < r < 0.95  # threshold ~ 2.33 sigma of the controls; deceptive mean 3 sigma
     assert np.isnan(recall_at_fpr(0.01)([s for s in scores if s.score.metadata["label"] != "control"]))
+
+
+def test_served_format_round_trip(tmp_path):
+    """`save_served` writes the engine's format; the engine's reference scorer (`Probe.score`, float32) on
+    the same activations equals `score_tokens`, and the folder loads back as the same probe."""
+    import torch
+
+    from vllm_worker.probes.format import load_probe_files
+
+    x, y = _data(300, True, 6)
+    x = x * 5 + 3  # off-centre, uneven scales: mean / std matter
+    probe = LinearProbe.fit(x, y, layer=7)
+    probe.calibrate(probe.score_tokens(x[y == 0]), 0.05)
+    probe.meta["model"] = "tiny"
+    folder = probe.save_served(tmp_path / "served")
+    cfg = json.loads((folder / "probe.json").read_text())
+    assert (cfg["layers"], cfg["output"], cfg["d_model"], cfg["aggregate"], cfg["model"]) == (
+        [7],
+        "logit",
+        D,
+        ["mean"],
+        "tiny",
+    )
+    assert cfg["threshold"] == pytest.approx(probe.threshold, rel=1e-6)
+    served = load_probe_files(folder).score(torch.as_tensor(x, dtype=torch.float32))[:, 0].double().numpy()
+    np.testing.assert_allclose(served, probe.score_tokens(x), atol=1e-4)
+    back = LinearProbe.load(folder)  # a folder loads as the served format
+    assert back.layer == 7 and back.calibrated_fpr == 0.05 and back.meta["model"] == "tiny"
+    np.testing.assert_allclose(back.score_tokens(x), probe.score_tokens(x), atol=1e-4)
+    with pytest.raises(ValueError, match="layer"):
+        LinearProbe.fit(x, y).save_served(tmp_path / "nolayer")
+
+
+def test_probe_hash_names_the_file_or_folder(tmp_path):
+    import hashlib
+
+    from inspect_lens.scorers import probe_hash
+
+    x, y = _data(100, True, 8)
+    probe = LinearProbe.fit(x, y, layer=1)
+    f = probe.save(tmp_path / "p.json")
+    assert probe_hash(probe, f) == hashlib.sha256(f.read_bytes()).hexdigest()[:16]
+    d = probe.save_served(tmp_path / "served")
+    both = (d / "probe.safetensors").read_bytes() + (d / "probe.json").read_bytes()
+    assert probe_hash(probe, d) == hashlib.sha256(both).hexdigest()[:16]
+    assert probe_hash(probe, None) == probe_hash(LinearProbe.load(f), None)  # same probe, same hash

