@@ -134,7 +134,10 @@ class Admission:
             if spec.sae:
                 sae_uses = self.saes.uses(spec.sae)
             for s in spec.steers:
-                lut = None
+                lut = keep = None
+                if s.cols is not None:
+                    keep = torch.ones(s.vectors.shape[-1], dtype=self.dtype)
+                    keep[torch.tensor(s.cols, dtype=torch.long)] = 0
                 if s.positions is not None:
                     lut = torch.full((max(s.positions) + 1,), -1, dtype=torch.long)
                     lut[torch.tensor(s.positions)] = torch.arange(len(s.positions))
@@ -147,6 +150,11 @@ class Admission:
                         s.norm_match,
                         None if s.positions is None else list(s.positions),
                         s.mul,
+                        s.op,
+                        s.lo,
+                        s.hi,
+                        s.span,
+                        keep,
                     )
                 )
             # result memory the frontend let go of: free before this request's result is announced
@@ -197,6 +205,8 @@ class Admission:
             self._moves.add(st.vectors, functools.partial(setattr, st, "vectors"))
             if st.lut is not None:
                 self._moves.add(st.lut, functools.partial(setattr, st, "lut"))
+            if st.keep is not None:
+                self._moves.add(st.keep, functools.partial(setattr, st, "keep"))
         for layer, v in simple.items():
             self._moves.add(v, functools.partial(simple.__setitem__, layer))
         state = RequestState(
