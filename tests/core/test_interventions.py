@@ -383,3 +383,35 @@ def test_named_vector_with_an_op(llama, plain):
                 }
             ),
         )
+
+
+def test_refusal_example_removes_its_direction(llama):
+    """examples/refusal_direction.py on the tiny model: the difference-of-means direction, ablated from the
+    embeddings and every attention and MLP output, is gone from the stream at every layer and position,
+    and the ablated answers equal HF with the same edits."""
+    from support import TESTS, load_script
+
+    ex = load_script(TESTS.parent / "examples" / "refusal_direction.py")
+    d, gap = ex.refusal_direction(llama, 2, harmful=PROMPTS[:4], harmless=PROMPTS[4:8])
+    assert abs(float(d.norm()) - 1.0) < 1e-5 and gap > 0
+    steering = ex.ablation(d, 4)
+    before = ex.max_projection(llama, PROMPTS[8:], d)
+    after = ex.max_projection(llama, PROMPTS[8:], d, steering)
+    assert before > 0.1 and after <= 1e-5 * before
+    from vllm import SamplingParams
+
+    msgs = [{"role": "user", "content": PROMPTS[9]}]
+    out = llama.chat(
+        msgs, SamplingParams(max_tokens=5, temperature=0, extra_args={"apply_steering_vectors": steering})
+    )[0]
+
+    def edit(point, layer, h):
+        if point in ("attn_out", "mlp_out") or (point == "resid_pre" and layer == 0):
+            return h - (h @ d)[:, None] * d
+        return None
+
+    ids = list(out.prompt_token_ids)
+    for _ in range(5):
+        _, logits = point_activations(hf_model("llama"), "llama", ids, edit)
+        ids.append(int(logits[-1].argmax()))
+    assert ids[len(out.prompt_token_ids) :] == list(out.outputs[0].token_ids)
