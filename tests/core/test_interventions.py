@@ -415,3 +415,14 @@ def test_refusal_example_removes_its_direction(llama):
         _, logits = point_activations(hf_model("llama"), "llama", ids, edit)
         ids.append(int(logits[-1].argmax()))
     assert ids[len(out.prompt_token_ids) :] == list(out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("python_path", [False, True], ids=["graph", "python"])
+def test_a_vector_spanning_ordered_and_plain_layers_applies_once(llama, python_path, monkeypatch):
+    """A plain vector at layers [1, 3] beside an ablation at layer 1: layer 3 gets the addition once (the
+    Python path used to add it both per request and in the batched add), on both paths, equal to HF."""
+    if python_path:
+        monkeypatch.setenv("VLLM_LENS_SEAMS", "0")
+    svs = [SteeringVector(_vec(14), [1], op="ablate"), SteeringVector(_vec(15, (2, D), norm=5.0), [1, 3])]
+    outs, _ = _run(llama, [svs], python_path)
+    check_hf(outs[0], svs)

@@ -290,13 +290,16 @@ def split_steers(steers: list[DeviceSteer]) -> tuple[list[DeviceSteer], dict[int
     """(steers needing per-request work, {layer: summed simple add}). A layer where any vector is
     positional or norm-matched keeps all its vectors per request (their order of application matters)."""
     complex_layers = {l for st in steers if st.lut is not None or st.norm_match or not st.plain for l in st.layers}
+    per_request = [st for st in steers if set(st.layers) & complex_layers]
+    mine = {id(st) for st in per_request}
     simple: dict[int, torch.Tensor] = {}
     for st in steers:
+        if id(st) in mine:  # applied per request at every one of its layers (never twice)
+            continue
         for layer, row in st.layers.items():
-            if layer not in complex_layers:
-                add = st.vectors[row].unsqueeze(0) * st.scale
-                simple[layer] = add if layer not in simple else simple[layer] + add
-    return ([st for st in steers if set(st.layers) & complex_layers], {l: v.contiguous() for l, v in simple.items()})
+            add = st.vectors[row].unsqueeze(0) * st.scale
+            simple[layer] = add if layer not in simple else simple[layer] + add
+    return (per_request, {l: v.contiguous() for l, v in simple.items()})
 
 
 def make_plan(
