@@ -426,3 +426,56 @@ def test_a_vector_spanning_ordered_and_plain_layers_applies_once(llama, python_p
     svs = [SteeringVector(_vec(14), [1], op="ablate"), SteeringVector(_vec(15, (2, D), norm=5.0), [1, 3])]
     outs, _ = _run(llama, [svs], python_path)
     check_hf(outs[0], svs)
+
+
+LONG = " ".join(["the water of people will come down to the side and they said"] * 4)
+
+
+def test_phases_under_chunked_prefill_and_a_warm_prefix_cache(engine_factory):
+    """A long prompt prefilled in 16-token chunks (with a plain batch-mate decoding beside it), its prefix
+    already cached by plain requests: prompt-phase ablation, a 3-D set in the second chunk and a
+    generated-phase cap each land where their phase says, equal to HF; the batch-mate equals its solo run."""
+    chunked = engine_factory(
+        "llama", enable_prefix_caching=True, max_num_batched_tokens=16, block_size=32, enable_chunked_prefill=True
+    )
+    warm = chunked.generate([LONG], _sp(None, max_tokens=2), use_tqdm=False)[0]
+    assert chunked.generate([LONG], _sp(None, max_tokens=2), use_tqdm=False)[0].num_cached_tokens > 0, warm
+    svs = [
+        SteeringVector(_vec(16, (2, D)), [1, 2], op="ablate", phase="prompt"),
+        SteeringVector(_vec(17, (1, 1, D), norm=6.0), [1], op="set", position_indices=[30]),
+        SteeringVector(_vec(18), [2], op="cap", lo=-0.1, hi=0.1, phase="generated"),
+    ]
+    outs = chunked.generate(
+        [LONG, PROMPTS[1]],
+        [_sp({"apply_steering_vectors": svs, "output_residual_stream": LAYERS}), _sp({"output_residual_stream": [3]})],
+        use_tqdm=False,
+    )
+    assert outs[0].num_cached_tokens == 0  # salted: it never reads the plain requests' KV
+    check_hf(outs[0], svs)
+    solo = chunked.generate([PROMPTS[1]], _sp({"output_residual_stream": [3]}), use_tqdm=False)[0]
+    assert list(outs[1].outputs[0].token_ids) == list(solo.outputs[0].token_ids)
+    assert torch.equal(outs[1].activations["residual_stream"], solo.activations["residual_stream"])
+
+
+def test_head_scaling_by_phase(llama):
+    """Head scaling (no activations) takes a phase too: head 2 zeroed at generated positions only."""
+    sv = SteeringVector(None, [1], point="z", heads=[2], scale=0.0, phase="generated")
+    out = llama.generate([PROMPTS[6]], _sp({"apply_steering_vectors": [sv], "output_activations": {"z": [1]}}))[0]
+    n = len(out.prompt_token_ids)
+    cols = torch.arange(2 * D_HEAD, 3 * D_HEAD)
+
+    def edit(point, layer, h):
+        if point != "z" or layer != 1:
+            return None
+        h = h.clone()
+        h[n:, cols] = 0
+        return h
+
+    ids = list(out.prompt_token_ids)
+    for _ in range(MAX_TOKENS):
+        ref, logits = point_activations(hf_model("llama"), "llama", ids, edit)
+        ids.append(int(logits[-1].argmax()))
+    assert ids[n:] == list(out.outputs[0].token_ids)
+    z = out.activations["z"][0].flatten(-2)
+    assert (z - ref["z"][1][: len(z)]).abs().max() <= 1e-4
+    assert z[n:, cols].abs().max() == 0 and z[:n, cols].abs().max() > 0
