@@ -79,7 +79,11 @@ def local_tensor(name: str) -> torch.Tensor | None:
 
 def named_entry(v: SteeringVector) -> dict[str, Any]:
     """A steering entry as JSON naming its vector instead of carrying it (head scaling carries none)."""
-    entry = {k: val for k, val in v.model_dump(exclude={"activations"}).items() if val is not None}
+    # (op and phase only where they are not the defaults: a plain vector's entry reads as it always did)
+    dumped = v.model_dump(exclude={"activations"})
+    entry = {
+        k: val for k, val in dumped.items() if val is not None and (k, val) not in (("op", "add"), ("phase", "all"))
+    }
     if v.activations is not None:
         entry["name"] = content_name(v.activations)
     return entry

@@ -34,15 +34,15 @@ def test_the_steering_entry_queue_leaves_only_once_copied(monkeypatch):
     from vllm_worker.worker import graph_entries
 
     table = graph_entries.SteeringEntries(4, 8, torch.float32, torch.device("cpu"))
-    table._new[1] = (torch.ones(8), torch.zeros(8), True, False)
+    (i,) = table.add(torch.ones(1, 8), torch.ones(1, 8))  # (an entry of the public kind: B != 0, flagged)
     real = graph_entries.to_device
     monkeypatch.setattr(graph_entries, "to_device", lambda *a: (_ for _ in ()).throw(RuntimeError("device lost")))
     with pytest.raises(RuntimeError, match="device lost"):
         table.flush()
-    assert list(table._new) == [1]  # still queued: the caller fails its requests, then clears
+    assert list(table._new) == [i]  # still queued: the caller fails its requests, then clears
     monkeypatch.setattr(graph_entries, "to_device", real)
     table.flush()
-    assert not table._new and torch.equal(table.A[1], torch.ones(8)) and bool(table.bflag[1]) and table.gate[1] == 1
-    table._new[2] = (torch.ones(8), torch.ones(8), False, True)  # gated: its gate starts at 0
+    assert not table._new and torch.equal(table.A[i], torch.ones(8)) and bool(table.bflag[i]) and table.gate[i] == 1
+    table.add(torch.ones(1, 8), torch.zeros(1, 8), gated=True)  # gated: its gate starts at 0
     table.clear()
     assert not table._new

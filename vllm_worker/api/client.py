@@ -90,10 +90,23 @@ def encode_steering(vectors: Sequence[SteeringVector]) -> str:
                 "position_indices": None if v.position_indices is None else list(v.position_indices),
                 "point": v.point,
                 **({} if v.heads is None else {"heads": list(v.heads)}),
+                **intervention_fields(v),
             }
             for v in vectors
         ]
     )
+
+
+def intervention_fields(v: SteeringVector) -> dict[str, Any]:
+    """`op`, `phase`, `lo`, `hi` of an entry where they are not the defaults (a plain addition's JSON form
+    stays as it always was)."""
+    out: dict[str, Any] = {}
+    if v.op != "add":
+        out["op"] = v.op
+    if v.phase != "all":
+        out["phase"] = v.phase
+    out.update({k: x for k, x in (("lo", v.lo), ("hi", v.hi)) if x is not None})
+    return out
 
 
 def _tensor(t: Any) -> dict | None:

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from vllm_worker.protocol import ops as intervention
 from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number, int_list
 from vllm_worker.protocol.wire import tensor_from_json, tensor_to_json
@@ -82,6 +83,14 @@ class SteeringVector(BaseModel):
     heads: with point="z", the heads the vector goes to: activations are then `(n_layers, d_head)` (or
         `(n_layers, n_pos, d_head)`), added to each listed head. Without activations (`None`), the listed
         heads' outputs are multiplied by `scale` instead — `scale=0.0` ablates them.
+    op: what the entry does at its site (docs/capture-and-steering.md, "Interventions"): "add" (the
+        default, as above), "ablate" (`x <- x - (x·d)d` with `d` the unit direction of the row), "cap"
+        (clamp `x·d` into `[lo, hi]`, the orthogonal part untouched) or "set" (the activation replaced by
+        the row; with point="z" and heads, those heads only). `scale` and `norm_match` belong to "add".
+    phase: the positions it applies to: "all" (default), "prompt" (prompt positions) or "generated" (the
+        positions of generated tokens: the forward pass of each generated token fed back; the first
+        generated token is sampled from the last prompt position, so "generated" never changes it).
+    lo, hi: the range of op="cap" (either may be omitted).
     name: instead of `activations`, a vector registered on the engine (`llm.register_vector(name, t)`,
         HTTP `POST /v1/lens/vectors`): `SteeringVector(name="happy", layer_indices=[15], scale=4.0)`. A
         1-D registered vector is added at every listed layer; otherwise as `activations`.
@@ -100,6 +109,10 @@ class SteeringVector(BaseModel):
     point: Point = pts.RESID_POST
     heads: Optional[list[int]] = None
     name: Optional[str] = None
+    op: str = "add"
+    phase: str = "all"
+    lo: Optional[float] = None
+    hi: Optional[float] = None
 
     def __init__(
         self,
@@ -156,6 +169,21 @@ class SteeringVector(BaseModel):
     def _scale(cls, v: Any) -> float:
         return finite_number(v, "scale")
 
+    @field_validator("op", mode="before")
+    @classmethod
+    def _op(cls, v: Any) -> str:
+        return intervention.op_name(v)
+
+    @field_validator("phase", mode="before")
+    @classmethod
+    def _phase(cls, v: Any) -> str:
+        return intervention.phase_name(v)
+
+    @field_validator("lo", "hi", mode="before")
+    @classmethod
+    def _bound(cls, v: Any, info: Any) -> float | None:
+        return intervention.bound(v, info.field_name)
+
     @field_validator("heads", mode="before")
     @classmethod
     def _heads(cls, v: Any) -> list[int] | None:
@@ -165,6 +193,19 @@ class SteeringVector(BaseModel):
     def _heads_need_z(self) -> "SteeringVector":
         if self.heads is not None and self.point != pts.Z:
             raise ValueError(f"heads: only with point='z', got point={self.point!r}")
+        three_d = self.position_indices is not None or (self.activations is not None and self.activations.ndim == 3)
+        intervention.check_fields(
+            self.op,
+            self.phase,
+            self.lo,
+            self.hi,
+            self.scale,
+            self.norm_match,
+            self.activations is not None or self.name is not None,
+            three_d,
+        )
+        if self.activations is not None:
+            intervention.check_directions(self.op, self.activations)
         if self.name is not None:
             if self.activations is not None:
                 raise ValueError("name: give either name (a registered vector) or activations, not both")
@@ -191,6 +232,7 @@ class SteeringVector(BaseModel):
             and self.point == other.point
             and self.heads == other.heads
             and self.name == other.name
+            and (self.op, self.phase, self.lo, self.hi) == (other.op, other.phase, other.lo, other.hi)
             and (self.activations is None) == (other.activations is None)
             and (
                 self.activations is None

@@ -116,6 +116,10 @@ def _action(
             raise ValueError(f"{f}.then.steer[{j}]: scaling heads cannot be gated by a probe yet")
         if st.positions is not None:
             raise ValueError(f"{f}.then.steer[{j}].activations: a gated vector is 2-D (n_layers, d_model)")
+        if st.op != 0:
+            raise ValueError(f"{f}.then.steer[{j}].op: a probe action switches on additions only (op='add')")
+        if st.span is not None:
+            raise ValueError(f"{f}.then.steer[{j}].phase: a probe action's vector applies after it fires (phase='all')")
         st.gate = i
         spec.steers.append(st)
     return out

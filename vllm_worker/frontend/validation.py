@@ -17,6 +17,7 @@ from vllm_worker.api.steering import SteeringVector
 from vllm_worker.frontend import actions as action_keys
 from vllm_worker.frontend import probes as probe_keys
 from vllm_worker.frontend import saes as sae_keys
+from vllm_worker.protocol import ops as intervention
 from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number, int_list
 from vllm_worker.protocol.spec import (
@@ -63,6 +64,10 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
             position_indices=item.get("position_indices"),
             point=item.get("point", pts.RESID_POST),
             heads=item.get("heads"),
+            op=item.get("op", "add"),
+            phase=item.get("phase", "all"),
+            lo=item.get("lo"),
+            hi=item.get("hi"),
         )
     elif not isinstance(item, SteeringVector):
         raise ValueError(f"{f}: expected a SteeringVector, got {type(item).__name__}")
@@ -71,9 +76,16 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
     if point in pts.NOT_STEERABLE:
         raise ValueError(f"{f}.point: {point!r} can be captured and hooked, not steered")
     heads = _heads(item.heads, point, f, shape)
+    op = intervention.op_name(item.op, f"{f}.op")
+    phase = intervention.phase_name(item.phase, f"{f}.phase")
+    lo, hi = intervention.bound(item.lo, f"{f}.lo"), intervention.bound(item.hi, f"{f}.hi")
     acts = item.activations
-    if acts is None and heads is not None:
-        return _head_scaling(item, heads, f, shape)
+    if acts is None:  # (head scaling: checked as an addition without values)
+        scale = finite_number(item.scale, f"{f}.scale")
+        three_d = item.position_indices is not None
+        intervention.check_fields(op, phase, lo, hi, scale, bool(item.norm_match), False, three_d, f)
+    if acts is None and heads is not None and op == "add":
+        return _head_scaling(item, heads, f, shape, intervention.span(phase, prompt_len))
     if isinstance(acts, Mapping):
         acts = tensor_from_json(acts, f"{f}.activations", max_bytes=max_payload_bytes())
     if not isinstance(acts, torch.Tensor):
@@ -81,12 +93,21 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
     if not acts.is_floating_point():
         raise ValueError(f"{f}.activations: expected a floating-point tensor, got {acts.dtype}")
     layers = layer_list(item.layer_indices, f"{f}.layer_indices", shape.n_layers, unique=True)
-    if heads is not None:  # one d_head vector for each listed head: the z row is zero elsewhere
-        if acts.shape[-1] != shape.d_head:
-            raise ValueError(f"{f}.activations: last dimension {acts.shape[-1]} != d_head {shape.d_head} (with heads)")
-        full = acts.new_zeros(*acts.shape[:-1], shape.n_heads, shape.d_head)
-        full[..., heads, :] = acts.unsqueeze(-2)
+    cols = None
+    if heads is not None:  # one d_head vector for each listed head (or a full z row): zero elsewhere
+        if acts.shape[-1] == shape.d_head:
+            full = acts.new_zeros(*acts.shape[:-1], shape.n_heads, shape.d_head)
+            full[..., heads, :] = acts.unsqueeze(-2)
+        elif acts.shape[-1] == shape.n_heads * shape.d_head:  # a z row: only the listed heads' values are used
+            full = acts.new_zeros(*acts.shape[:-1], shape.n_heads, shape.d_head)
+            full[..., heads, :] = acts.unflatten(-1, (shape.n_heads, shape.d_head))[..., heads, :]
+        else:
+            raise ValueError(
+                f"{f}.activations: last dimension {acts.shape[-1]} != d_head {shape.d_head} (or n_heads * d_head "
+                f"{shape.n_heads * shape.d_head}) with heads"
+            )
         acts = full.flatten(-2)
+        cols = [h * shape.d_head + j for h in heads for j in range(shape.d_head)]
     if point == pts.Z and item.norm_match:
         raise ValueError(f"{f}.norm_match: not defined at point 'z' (per-head values); use it at a residual point")
     if acts.ndim not in (2, 3):
@@ -104,6 +125,10 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
     scale = finite_number(item.scale, f"{f}.scale")
     if not isinstance(item.norm_match, bool):
         raise ValueError(f"{f}.norm_match: expected a bool, got {item.norm_match!r}")
+    intervention.check_fields(op, phase, lo, hi, scale, item.norm_match, True, acts.ndim == 3, f)
+    if op in ("ablate", "cap"):  # (with heads: the direction within those heads)
+        intervention.check_directions(op, acts, f)
+        acts = acts / acts.norm(dim=-1, keepdim=True)
     positions = None
     if acts.ndim == 3:
         n_pos = acts.shape[1]
@@ -125,10 +150,30 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
     elif item.position_indices is not None:
         raise ValueError(f"{f}.position_indices: only valid with 3-D activations")
     sites = [pts.canonical_site(point, l) for l in layers]
-    return Steer(sites, acts, positions, float(scale), item.norm_match)
+    return Steer(
+        sites,
+        acts,
+        positions,
+        float(scale),
+        item.norm_match,
+        op=intervention.CODE[op],
+        lo=lo,
+        hi=hi,
+        span=intervention.span(phase, prompt_len),
+        cols=cols if op == "set" else None,
+    )
 
 
-STEER_FIELDS = {"activations", "layer_indices", "scale", "norm_match", "position_indices", "point", "heads"}
+STEER_FIELDS = {
+    "activations",
+    "layer_indices",
+    "scale",
+    "norm_match",
+    "position_indices",
+    "point",
+    "heads",
+    *("op", "phase", "lo", "hi"),
+}
 
 
 def _heads(value: Any, point: str, f: str, shape: ModelShape) -> list[int] | None:
@@ -147,7 +192,7 @@ def _heads(value: Any, point: str, f: str, shape: ModelShape) -> list[int] | Non
     return heads
 
 
-def _head_scaling(item: Any, heads: list[int], f: str, shape: ModelShape) -> Steer:
+def _head_scaling(item: Any, heads: list[int], f: str, shape: ModelShape, span: tuple[int, int] | None) -> Steer:
     """`SteeringVector(None, layers, point="z", heads=[...], scale=s)`: those heads' outputs times `s`
     (0 ablates them) — a multiplication, so it has no vector, norm matching or positions."""
     if item.norm_match or item.position_indices is not None:
@@ -157,7 +202,7 @@ def _head_scaling(item: Any, heads: list[int], f: str, shape: ModelShape) -> Ste
     mul = torch.ones(len(layers), shape.n_heads, shape.d_head)
     mul[:, heads] = float(scale)
     sites = [pts.canonical_site(pts.Z, l) for l in layers]
-    return Steer(sites, mul.flatten(-2), None, 1.0, False, mul=True)
+    return Steer(sites, mul.flatten(-2), None, 1.0, False, mul=True, span=span)
 
 
 HOOK_FIELDS = {"fn", "layer_indices", "pre", "point", "batched", "read_only"}

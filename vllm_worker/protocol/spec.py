@@ -104,6 +104,16 @@ class Steer:
     norm_match: bool
     mul: bool = False  # `vectors` multiply the stream there instead of adding to it (head scaling at z)
     gate: int = -1  # >= 0: applied only once action `gate` of the request has fired (`probe_actions`)
+    op: int = 0  # `protocol.ops` code: add, ablate (unit rows), cap (unit rows, lo / hi), set
+    lo: float | None = None  # cap's range (None: unbounded on that side)
+    hi: float | None = None
+    span: tuple[int, int] | None = None  # absolute positions it applies to (its phase); None: all
+    cols: list[int] | None = None  # set: the elements written (heads at z); None: all
+
+    @property
+    def plain(self) -> bool:
+        """Today's steering: an addition at every position of its phase-less rows."""
+        return self.op == 0 and self.span is None
 
 
 @dataclass
@@ -226,6 +236,7 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
                 "norm_match": s.norm_match,
                 "mul": s.mul,
                 **({"gate": s.gate} if s.gate >= 0 else {}),
+                **({} if s.plain else {"op": s.op, "lo": s.lo, "hi": s.hi, "span": s.span, "cols": s.cols}),
             }
             for s in spec.steers
         ]
@@ -263,6 +274,11 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
                 bool(s["norm_match"]),
                 bool(s.get("mul", False)),
                 int(s.get("gate", -1)),
+                int(s.get("op", 0)),
+                None if s.get("lo") is None else float(s["lo"]),
+                None if s.get("hi") is None else float(s["hi"]),
+                None if s.get("span") is None else (int(s["span"][0]), int(s["span"][1])),
+                None if s.get("cols") is None else list(s["cols"]),
             )
             for s in steer or ()
         ],
@@ -297,5 +313,7 @@ def cache_salt(spec: RequestSpec) -> str | None:
         h.update(repr((u["uid"], u["site"], u["ids"], u["values"])).encode())
     for s in spec.steers:
         h.update(repr((s.layers, s.positions, s.scale, s.norm_match, s.mul, s.gate, tuple(s.vectors.shape))).encode())
+        if not s.plain:  # (plain steering keeps the salts it always had)
+            h.update(repr((s.op, s.lo, s.hi, s.span, s.cols)).encode())
         h.update(s.vectors.numpy().tobytes())
     return "inspect-lens:" + h.hexdigest()

@@ -150,7 +150,10 @@ class Admission:
             if spec.actions:
                 act_uses = self._action_uses(req_id, spec)
             for s in spec.steers:
-                lut = None
+                lut = keep = None
+                if s.cols is not None:
+                    keep = torch.ones(s.vectors.shape[-1], dtype=self.dtype)
+                    keep[torch.tensor(s.cols, dtype=torch.long)] = 0
                 if s.positions is not None:
                     lut = torch.full((max(s.positions) + 1,), -1, dtype=torch.long)
                     lut[torch.tensor(s.positions)] = torch.arange(len(s.positions))
@@ -164,6 +167,11 @@ class Admission:
                         None if s.positions is None else list(s.positions),
                         s.mul,
                         self._gate(s.gate, act_uses, s.layers),
+                        s.op,
+                        s.lo,
+                        s.hi,
+                        s.span,
+                        keep,
                     )
                 )
             # result memory the frontend let go of: free before this request's result is announced
@@ -214,6 +222,8 @@ class Admission:
             self._moves.add(st.vectors, functools.partial(setattr, st, "vectors"))
             if st.lut is not None:
                 self._moves.add(st.lut, functools.partial(setattr, st, "lut"))
+            if st.keep is not None:
+                self._moves.add(st.keep, functools.partial(setattr, st, "keep"))
         for layer, v in simple.items():
             self._moves.add(v, functools.partial(simple.__setitem__, layer))
         state = RequestState(

@@ -19,6 +19,7 @@ from vllm_worker import counters
 from vllm_worker.protocol.errors import failure
 from vllm_worker.protocol.points import READ_ONLY
 from vllm_worker.worker.device_copy import to_device
+from vllm_worker.worker.interventions import steer_rows
 from vllm_worker.worker.plan import HookAt, HookGroup, HookRun, Rows, StepPlan, group_rows
 from vllm_worker.worker.request_results import RequestResults
 
@@ -30,6 +31,9 @@ def steer(site: int, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tenso
     if batched is not None:
         hidden.index_add_(0, batched[0], batched[1].to(hidden.dtype))
     for r, s, e in plan.steer.get(site, ()):
+        if not all(st.plain or st.mul and st.span is None for st in r.steers):  # ops / phases, in order
+            steer_rows(r.steers, site, plan.positions, hidden, residual, s, e)
+            continue
         stream_norm = None
         delta = None
         for st in r.steers:

@@ -17,6 +17,9 @@ fills before the forward runs:
 - `A[entry]`, `B[entry]`: a steering entry adds `A + B * |stream|` (B: the norm-matched vectors, already
   scaled and unit-normed; `bflag` says whether B is used). One entry per (request, layer) and, for
   position-indexed vectors, per (request, layer, position); written once when the request arrives.
+  Ops beyond addition (ablate, cap, set) and several of them in order are chains of entries (`op`,
+  `nxt`, `lo`, `hi`; `interventions`); phases are one more entry per (request, layer) for the rows of
+  generated positions, chosen by the plan from the step's positions.
 
 On CUDA the kernel is Triton (one program per row; a row with nothing to do returns at once, so a layer
 nobody uses costs one small launch inside the graph). Elsewhere (CPU) the same semantics run as torch ops.
@@ -42,6 +45,7 @@ from vllm_worker.worker.graph_entries import SteeringEntries, entries_for
 from vllm_worker.worker.graph_kernels import make_tap_kernel
 from vllm_worker.worker.graph_ring import StagingRing
 from vllm_worker.worker.graph_table import ControlTable
+from vllm_worker.worker.interventions import apply_entries
 
 logger = logging.getLogger("vllm_worker")
 
@@ -80,6 +84,7 @@ class GraphTaps:
         # the tensors the kernel reads (never replaced: a recorded graph holds their addresses)
         self.ctl, self.base, self.stage = self.table.ctl, self.table.base, self.ring.stage
         self.A, self.B, self.bflag, self.gate = self.entries.A, self.entries.B, self.entries.bflag, self.entries.gate
+        self.op, self.nxt, self.lo, self.hi = self.entries.op, self.entries.nxt, self.entries.lo, self.entries.hi
         self.active = False  # a step planned for this path is running (the op acts outside graphs)
         self.fired = 0  # kernel calls outside graph capture during the running step
         self.launches_in_capture = 0  # kernel calls recorded into CUDA graphs
@@ -154,6 +159,10 @@ class GraphTaps:
             self.B,
             self.bflag,
             self.gate,
+            self.op,
+            self.nxt,
+            self.lo,
+            self.hi,
             col,
             self.max_rows,
             self.d,
@@ -170,15 +179,7 @@ class GraphTaps:
         ent = c[:, 1]
         rows = torch.nonzero(ent >= 0).squeeze(1)
         if rows.numel():
-            e = ent[rows].long()
-            h = hidden[rows].float()
-            add = self.A[e].float()
-            bf = self.bflag[e] != 0
-            if bool(bf.any()):
-                s = h if residual is None else h + residual[rows].float()
-                add = add + self.B[e].float() * (s.norm(dim=-1, keepdim=True) * bf.unsqueeze(1))
-            add = add * self.gate[e].unsqueeze(1)
-            hidden[rows] = (h + add).to(hidden.dtype)
+            apply_entries(hidden, residual, rows, ent[rows], self.entries)
         slot = c[:, 0]
         rows = torch.nonzero(slot >= 0).squeeze(1)
         if rows.numel():

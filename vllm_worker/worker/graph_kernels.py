@@ -33,6 +33,10 @@ def make_tap_kernel() -> Any:
         b_ptr,
         bflag_ptr,
         gate_ptr,
+        op_ptr,
+        nxt_ptr,
+        lo_ptr,
+        hi_ptr,
         col,
         max_rows,
         d,
@@ -56,14 +60,30 @@ def make_tap_kernel() -> Any:
             else:
                 r = tl.zeros([BLOCK], dtype=tl.float32)
             if ent >= 0:
-                e = ent.to(tl.int64) * d
-                add = tl.load(a_ptr + e + offs, mask=m, other=0.0).to(tl.float32)
-                if tl.load(bflag_ptr + ent) != 0:
-                    s = h.to(tl.float32) + r
-                    nrm = tl.sqrt(tl.sum(s * s, axis=0))
-                    add += tl.load(b_ptr + e + offs, mask=m, other=0.0).to(tl.float32) * nrm
-                add = add * tl.load(gate_ptr + ent)  # 1, or a probe action's gate (0 until it fired)
-                h = (h.to(tl.float32) + add).to(h.dtype)
+                # the entry's chain, in order (`interventions`): float32 throughout, rounded once
+                x = h.to(tl.float32)
+                while ent >= 0:
+                    e = ent.to(tl.int64) * d
+                    a = tl.load(a_ptr + e + offs, mask=m, other=0.0).to(tl.float32)
+                    op = tl.load(op_ptr + ent)
+                    if op == 0:  # add: A + B * |stream|
+                        if tl.load(bflag_ptr + ent) != 0:
+                            s = x + r
+                            nrm = tl.sqrt(tl.sum(s * s, axis=0))
+                            a += tl.load(b_ptr + e + offs, mask=m, other=0.0).to(tl.float32) * nrm
+                        x = x + a * tl.load(gate_ptr + ent)  # 1, or a probe action's gate (0 until fired)
+                    elif op == 3:  # set: A + B * stream (B: 1 where kept)
+                        keep = tl.load(b_ptr + e + offs, mask=m, other=0.0).to(tl.float32)
+                        x = a + keep * (x + r) - r
+                    else:  # ablate (1) / cap (2): the projection on the unit direction A moved
+                        s = x + r
+                        p = tl.sum(s * a, axis=0)
+                        q = p * 0.0
+                        if op == 2:
+                            q = tl.minimum(tl.maximum(p, tl.load(lo_ptr + ent)), tl.load(hi_ptr + ent))
+                        x = x + (q - p) * a
+                    ent = tl.load(nxt_ptr + ent)
+                h = x.to(h.dtype)
                 tl.store(hp, h, mask=m)
             if slot >= 0:
                 out = (h.to(tl.float32) + r).to(stage_ptr.dtype.element_ty)

@@ -36,6 +36,16 @@ class DeviceSteer:
     positions: list[int] | None = None  # host copy of the positions `lut` maps (3-D vectors)
     mul: bool = False  # `vectors` multiply the activation (head scaling at z): Python path only
     gate: torch.Tensor | None = None  # (1,) device float its adds are multiplied by (`actions`: 0 until fired)
+    op: int = 0  # `protocol.ops` code (`interventions` applies what is not a plain addition)
+    lo: float | None = None  # cap's range
+    hi: float | None = None
+    span: tuple[int, int] | None = None  # absolute positions of its phase; None: all
+    keep: torch.Tensor | None = None  # set: 1 where the activation is kept (heads not listed), 0 where written
+
+    @property
+    def plain(self) -> bool:
+        """A plain addition at every position of its rows (the graph path's single entries)."""
+        return self.op == 0 and self.span is None and not self.mul
 
 
 HookAt = tuple[int, bool]  # (site, late): late = a pre-hook of the next layer, run after that site's captures
@@ -80,9 +90,10 @@ class RequestState:
     # site -> (1, d) sum of this request's position-independent, non-norm-matched vectors there;
     # such sites are steered for the whole batch with one index_add_ (`StepPlan.steer_batched`)
     simple_add: dict[int, torch.Tensor] = field(default_factory=dict)
-    # graph-safe path (`graph`): site -> (default entry or -1, sorted positions, their entries);
+    # graph-safe path (`graph`): site -> (default entry or -1, sorted positions, their entries, the entry of
+    # generated positions, the first generated position or -1 without phases: `interventions.chain_entries`);
     # None when the request steers and its entries did not fit the table
-    entries: "dict[int, tuple[int, np.ndarray, np.ndarray]] | None" = field(default_factory=dict)
+    entries: "dict[int, tuple[int, np.ndarray, np.ndarray, int, int]] | None" = field(default_factory=dict)
     entry_ids: list[int] = field(default_factory=list)  # to give back when the request leaves
     sae: list = field(default_factory=list)  # `saes.SaeUse`s: features to return, clamps
     acts: list = field(default_factory=list)  # `actions.ActionUse`s: probe actions at this stage's sites
@@ -134,7 +145,8 @@ class GraphPlan:
     st_rows: np.ndarray  # rows with a position-independent steering entry ...
     st_cols: np.ndarray
     st_ents: np.ndarray  # ... and that entry
-    st_pos: list[tuple[int, int, int, np.ndarray, np.ndarray, int]]  # (start, end, col, positions, entries, default)
+    # (start, end, col, positions, entries, default, generated entry, first generated position or -1)
+    st_pos: list[tuple[int, int, int, np.ndarray, np.ndarray, int, int, int]]
     n_extra: int = 0  # staged rows after the captures, read on the device only (SAE features)
     sae: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `saes.stage_features`
     act: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `actions.stage`
@@ -155,7 +167,7 @@ class GraphPlan:
         return (
             frozenset(self.cap_cols.tolist())
             | frozenset(self.st_cols.tolist())
-            | frozenset(c for _, _, c, _, _, _ in self.st_pos)
+            | frozenset(c for _, _, c, *_ in self.st_pos)
         )
 
     @property
@@ -171,10 +183,14 @@ class GraphPlan:
             ctl[self.cap_cols, self.cap_rows, 0] = np.arange(len(self.cap_rows), dtype=np.int32)
         if len(self.st_rows):
             ctl[self.st_cols, self.st_rows, 1] = self.st_ents
-        for s, e, col, pos, ents, default in self.st_pos:
+        for s, e, col, pos, ents, default, gen, split in self.st_pos:
             ps = positions[s:e]
-            i = np.minimum(np.searchsorted(pos, ps), len(pos) - 1)
-            ctl[col, s:e, 1] = np.where(pos[i] == ps, ents[i], default)
+            if len(pos):
+                i = np.minimum(np.searchsorted(pos, ps), len(pos) - 1)
+                got = np.where(pos[i] == ps, ents[i], default)
+            else:
+                got = np.full(len(ps), default, dtype=np.int32)
+            ctl[col, s:e, 1] = got if split < 0 else np.where(ps >= split, gen, got)
 
 
 def rows_of(items: Rows) -> np.ndarray:
@@ -198,12 +214,12 @@ def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, i
     sr, sc, se, pos = [], [], [], []
     for r, s, e in active:
         assert r.entries is not None, "a request whose entries did not fit the table is not graph-safe"
-        for layer, (default, ps, ents) in r.entries.items():
+        for layer, (default, ps, ents, gen, split) in r.entries.items():
             c = col.get(layer)
             if c is None:
                 continue
-            if len(ps):
-                pos.append((s, e, c, ps, ents, default))
+            if len(ps) or split >= 0:
+                pos.append((s, e, c, ps, ents, default, gen, split))
             elif default >= 0:
                 sr.append(np.arange(s, e))
                 sc.append(np.full(e - s, c))
@@ -289,15 +305,21 @@ def split_steers(steers: list[DeviceSteer]) -> tuple[list[DeviceSteer], dict[int
     """(steers needing per-request work, {layer: summed simple add}). A layer where any vector is
     positional or norm-matched keeps all its vectors per request (their order of application matters)."""
     complex_layers = {
-        l for st in steers if st.lut is not None or st.norm_match or st.mul or st.gate is not None for l in st.layers
+        l
+        for st in steers
+        if st.lut is not None or st.norm_match or not st.plain or st.gate is not None
+        for l in st.layers
     }
+    per_request = [st for st in steers if set(st.layers) & complex_layers]
+    mine = {id(st) for st in per_request}
     simple: dict[int, torch.Tensor] = {}
     for st in steers:
+        if id(st) in mine:  # applied per request at every one of its layers (never twice)
+            continue
         for layer, row in st.layers.items():
-            if layer not in complex_layers:
-                add = st.vectors[row].unsqueeze(0) * st.scale
-                simple[layer] = add if layer not in simple else simple[layer] + add
-    return ([st for st in steers if set(st.layers) & complex_layers], {l: v.contiguous() for l, v in simple.items()})
+            add = st.vectors[row].unsqueeze(0) * st.scale
+            simple[layer] = add if layer not in simple else simple[layer] + add
+    return (per_request, {l: v.contiguous() for l, v in simple.items()})
 
 
 def make_plan(

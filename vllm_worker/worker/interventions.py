@@ -1,0 +1,238 @@
+"""Steering beyond addition (`protocol.ops`: ablate, cap, set; phases), the same arithmetic on both paths.
+
+A request's entries at one site apply in the order given. Consecutive additions form one step (norm
+matching reads the stream as it was before that run of additions, as plain steering always did); every
+other op is one step of its own reading the stream left by the steps before it. Arithmetic is float32 and
+the activation is rounded to the model's dtype once, after the last step.
+
+- Python path (`steer_rows`): one request's rows, with the step's device positions for phases and 3-D rows.
+- Graph-safe path: each position class of a request at a site (its prompt positions, its generated ones,
+  each position a 3-D row names) gets a chain of entries (`chain_entries`: op code, A, B, lo, hi and the
+  next entry), which the tap kernel (`graph_kernels`) or its torch twin (`apply_entries`) walks.
+  An add entry adds `A + B * |x|`; ablate and cap use A as the unit direction; set writes `A + B * x`
+  (B: 1 where the value is kept, 0 where it is written).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_worker.protocol.ops import ABLATE, ADD, CAP, SET
+
+INF = math.inf
+
+
+def _unit(v: torch.Tensor) -> torch.Tensor:
+    return v / v.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def _op_step(op: int, x: torch.Tensor, r: torch.Tensor | None, v: torch.Tensor, st: Any) -> torch.Tensor:
+    """One non-additive step on float32 rows `x` (`hidden`; the stream is `x + r`); `v`: its rows."""
+    s = x if r is None else x + r
+    if op == SET:
+        keep = st.keep
+        new = v if keep is None else v + keep.float() * s
+        return new if r is None else new - r
+    p = (s * v).sum(dim=-1, keepdim=True)
+    if op == ABLATE:
+        return x - p * v
+    lo = -INF if st.lo is None else st.lo
+    hi = INF if st.hi is None else st.hi
+    return x + (p.clamp(min=lo, max=hi) - p) * v
+
+
+def steer_rows(
+    steers: list,
+    site: int,
+    positions: torch.Tensor | None,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    s: int,
+    e: int,
+) -> None:
+    """One request's steering at `site` on rows `s:e`, in the order given (Python path)."""
+    x = hidden[s:e].float()
+    r = None if residual is None else residual[s:e].float()
+    pos = None if positions is None else positions[s:e]
+    delta: torch.Tensor | None = None
+    norm: torch.Tensor | None = None
+    for st in steers:
+        row = st.layers.get(site)
+        if row is None:
+            continue
+        mask = None
+        if st.span is not None:
+            assert pos is not None
+            mask = ((pos >= st.span[0]) & (pos < st.span[1])).unsqueeze(1)
+        if st.lut is None:
+            v = st.vectors[row].unsqueeze(0).float()
+        else:
+            assert pos is not None
+            n = st.lut.shape[0]
+            vi = st.lut[pos.clamp(max=n - 1)]
+            m = ((pos < n) & (vi >= 0)).unsqueeze(1)
+            mask = m if mask is None else mask & m
+            v = st.vectors[row].index_select(0, vi.clamp(min=0)).float()
+        if st.op == ADD and not st.mul:
+            if st.norm_match:
+                if norm is None:
+                    norm = (x if r is None else x + r).norm(dim=-1, keepdim=True)
+                v = _unit(v) * norm
+            add = v * st.scale
+            if mask is not None:
+                add = add * mask
+            delta = add if delta is None else delta + add
+            continue
+        if delta is not None:  # the run of additions before this step
+            x, delta, norm = x + delta, None, None
+        new = x * v if st.mul else _op_step(st.op, x, r, v, st)
+        x = new if mask is None else torch.where(mask, new, x)
+    if delta is not None:
+        x = x + delta
+    hidden[s:e] = x.to(hidden.dtype)
+
+
+# ---------------------------------------------------------------- the graph-safe path's entries
+
+
+def _chain(items: list) -> list[tuple[int, torch.Tensor, torch.Tensor, float, float]]:
+    """The steps of one position class: `items` = (steer, its row) in order -> entries (op, A, B, lo, hi)."""
+    out: list[tuple[int, torch.Tensor, torch.Tensor, float, float]] = []
+    a = b = None
+    for st, v in items:
+        v = v.float()
+        if st.op == ADD:
+            if a is None:
+                a, b = torch.zeros_like(v), torch.zeros_like(v)
+            if st.norm_match:
+                b = b + _unit(v) * st.scale
+            else:
+                a = a + v * st.scale
+            continue
+        if a is not None:
+            out.append((ADD, a, b, -INF, INF))
+            a = b = None
+        if st.op == SET:
+            keep = torch.zeros_like(v) if st.keep is None else st.keep.float().cpu()
+            out.append((SET, v, keep, -INF, INF))
+        else:
+            lo = -INF if st.lo is None else st.lo
+            hi = INF if st.hi is None else st.hi
+            out.append((st.op, v, torch.zeros_like(v), lo, hi))
+    if a is not None:
+        out.append((ADD, a, b, -INF, INF))
+    return out
+
+
+def chain_entries(table: Any, sites: dict[int, int], steers: list) -> tuple[dict, list[int]] | None:
+    """A request's steering (some of it beyond plain addition) as chains of entries of `table`
+    (`graph_entries.SteeringEntries`), per site this stage holds: `{site: (prompt entry, named positions,
+    their entries, generated entry, split)}` — rows at positions >= split (its phases' boundary; -1: none)
+    take the generated chain. None when the table is full."""
+    splits = {st.span[0] if st.span[0] > 0 else st.span[1] for st in steers if st.span is not None}
+    split = max(splits) if splits else -1  # (one prompt length per request)
+    chains: list[list] = []
+    layout: list[tuple[int, int, list[int], list[int], int]] = []
+
+    def add_chain(items: list) -> int:
+        steps = _chain(items)
+        if not steps:
+            return -1
+        chains.append(steps)
+        return len(chains) - 1
+
+    def applies(st: Any, p: int) -> bool:
+        return st.span is None or st.span[0] <= p < st.span[1]
+
+    for layer in sorted({l for st in steers for l in st.layers if l in sites}):
+        mine = [(st, st.layers[layer]) for st in steers if layer in st.layers]
+        named = sorted({p for st, _ in mine if st.positions is not None for p in st.positions})
+        prompt_p = 0 if split < 0 else split - 1  # any position of the class does
+        default = add_chain(
+            [(st, st.vectors[row]) for st, row in mine if st.positions is None and applies(st, prompt_p)]
+        )
+        gen = -1
+        if split >= 0:
+            gen = add_chain([(st, st.vectors[row]) for st, row in mine if st.positions is None and applies(st, split)])
+        per_pos = []
+        for p in named:
+            items = []
+            for st, row in mine:
+                if not applies(st, p):
+                    continue
+                if st.positions is None:
+                    items.append((st, st.vectors[row]))
+                elif p in st.positions:
+                    k = len(st.positions) - 1 - st.positions[::-1].index(p)  # a repeated position: the last row
+                    items.append((st, st.vectors[row][k]))
+            per_pos.append(add_chain(items))
+        layout.append((layer, default, named, per_pos, gen))
+    steps = [s for c in chains for s in c]
+    if not steps:
+        return {}, []
+    nxt: list[int] = []
+    for c in chains:
+        base = len(nxt)
+        nxt.extend(base + i + 1 if i + 1 < len(c) else -1 for i in range(len(c)))
+    ids = table.add(
+        torch.stack([s[1] for s in steps]),
+        torch.stack([s[2] for s in steps]),
+        ops=[s[0] for s in steps],
+        lo=[s[3] for s in steps],
+        hi=[s[4] for s in steps],
+        nxt=nxt,
+    )
+    if ids is None:
+        return None
+    heads = []
+    k = 0
+    for c in chains:
+        heads.append(ids[k])
+        k += len(c)
+
+    def first(i: int) -> int:
+        return -1 if i < 0 else heads[i]
+
+    out: dict[int, tuple] = {}
+    for layer, default, named, per_pos, gen in layout:
+        # a named position without steps of its own falls back to the prompt chain
+        keep = [(p, first(c)) for p, c in zip(named, per_pos)]
+        pos = np.array([p for p, _ in keep], dtype=np.int64)
+        ents = np.array([c for _, c in keep], dtype=np.int32)
+        out[layer] = (first(default), pos, ents, first(gen), split)
+    return out, ids
+
+
+def apply_entries(
+    hidden: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor, ent: torch.Tensor, t: Any
+) -> None:
+    """What the tap kernel does to `rows` (each with its first entry `ent`), as torch ops (CPU engines);
+    `t`: the entry table (`graph_entries.SteeringEntries`)."""
+    x = hidden[rows].float()
+    r = None if residual is None else residual[rows].float()
+    e = ent.long()
+    live = torch.arange(len(rows), device=rows.device)
+    while live.numel():
+        ee = e[live]
+        xs = x[live]
+        rs = None if r is None else r[live]
+        s = xs if rs is None else xs + rs
+        a = t.A[ee].float()
+        b = t.B[ee].float()
+        op = t.op[ee].unsqueeze(1)
+        nb = s.norm(dim=-1, keepdim=True) * (t.bflag[ee] != 0).unsqueeze(1)
+        added = xs + (a + b * nb) * t.gate[ee].unsqueeze(1)  # gate: 1, or a probe action's (0 until fired)
+        written = a + b * s
+        if rs is not None:
+            written = written - rs
+        p = (s * a).sum(dim=-1, keepdim=True)
+        q = torch.where(op == CAP, torch.clamp(p, min=t.lo[ee].unsqueeze(1), max=t.hi[ee].unsqueeze(1)), 0.0)
+        moved = xs + (q - p) * a
+        x[live] = torch.where(op == ADD, added, torch.where(op == SET, written, moved))
+        e[live] = t.nxt[ee].long()
+        live = live[e[live] >= 0]
+    hidden[rows] = x.to(hidden.dtype)
