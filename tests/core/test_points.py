@@ -13,7 +13,7 @@ from support.reference import hf_model, point_activations
 from support.tiny_models import FAMILIES
 from vllm_worker import Hook, HookError, SteeringVector
 
-POINTS = ["resid_pre", "z", "attn_out", "resid_mid", "router_logits", "mlp_out", "resid_post"]
+POINTS = ["resid_pre", "z", "attn_out", "resid_mid", "mlp_in", "router_logits", "mlp_out", "resid_post"]
 PARALLEL = {"gpt_neox"}  # parallel residual: no resid_mid
 MOE = {"mixtral", "qwen3_moe"}  # router_logits compared with HF's router
 MLA = {"deepseek_v2"}  # no z / q / k
@@ -91,7 +91,7 @@ def test_deepseek_mla_points_are_the_stream_s_own_parts():
     on), so the reference is the stream itself: resid_pre[0] is the embeddings, resid_mid = resid_pre +
     attn_out, resid_post = resid_mid + mlp_out, router logits only on the MoE layers; z / q / k refused."""
     llm = _engine("deepseek_v2")
-    want = {p: [0, 1, 3] for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")}
+    want = {p: [0, 1, 3] for p in ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post")}
     want["router_logits"] = [1, 3]
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={"output_activations": want})
     a = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].activations
@@ -122,6 +122,11 @@ STEERS = [
     ("mixtral", "mlp_out", True),
     ("gpt2", "resid_mid", False),
     ("opt", "mlp_out", False),
+    ("llama", "mlp_in", False),
+    ("gemma2", "mlp_in", True),
+    ("opt", "mlp_in", False),
+    ("gpt_neox", "mlp_in", False),
+    ("mixtral", "mlp_in", False),
 ]
 
 
@@ -168,7 +173,8 @@ def _zero_dim(ctx, h):
 
 
 @pytest.mark.parametrize(
-    "family,point", [("llama", "attn_out"), ("gpt_neox", "mlp_out"), ("gemma2", "resid_mid"), ("qwen2", "z")]
+    "family,point",
+    [("llama", "attn_out"), ("gpt_neox", "mlp_out"), ("gemma2", "resid_mid"), ("qwen2", "z"), ("opt", "mlp_in")],
 )
 def test_a_hook_at_an_inner_point_sees_and_replaces_that_value(family, point):
     llm = _engine(family)
@@ -247,7 +253,7 @@ def test_python_objects_refuse_unknown_fields_and_contradictions():
     with pytest.raises(ValueError, match="normmatch.*did you mean 'norm_match'"):
         SteeringVector(_vec(1), [1], normmatch=True)
     with pytest.raises(ValueError, match="did you mean 'mlp_out'"):
-        SteeringVector(_vec(1), [1], point="mlp")
+        SteeringVector(_vec(1), [1], point="mlp_ou")
     with pytest.raises(ValueError, match="layer_idx.*did you mean 'layer_indices'"):
         Hook(_zero_dim, layer_idx=[1])
     with pytest.raises(ValueError, match="pre=True means point='resid_pre'"):
@@ -462,8 +468,8 @@ def test_inner_points_are_off_unless_the_engine_starts_with_them(monkeypatch):
     some = make_engine("llama", max_num_seqs=7)
     assert some.collective_rpc("lens_status")[0]["points"] == ["resid_pre", "attn_out", "mlp_out", "resid_post"]
     _refused(some, {"output_activations": {"z": [1]}}, "output_activations.z", "VLLM_LENS_POINTS")
-    monkeypatch.setenv("VLLM_LENS_POINTS", "mlp")
-    with pytest.raises(ValueError, match="VLLM_LENS_POINTS: unknown inner hook point 'mlp'.*did you mean 'mlp_out'"):
+    monkeypatch.setenv("VLLM_LENS_POINTS", "mlp_ou")
+    with pytest.raises(ValueError, match="VLLM_LENS_POINTS: unknown inner hook point 'mlp_ou'.*did you mean 'mlp_out'"):
         from vllm_worker.protocol.points import enabled_inner
 
         enabled_inner()

@@ -10,7 +10,9 @@ ask for, from the HF config) and by the workers (which submodules to tap).
 the post-norm of sandwich-norm families). `z`: the attention's output projection (its *input* is the
 heads' concatenated outputs). `mid`: the submodule whose *input* is the stream between the
 two blocks (`resid_mid`; its `(hidden, residual)` pair in fused add-norm layouts); None when the layout
-has no such stream (parallel residual) — `mid_missing` then says why.
+has no such stream (parallel residual) — `mid_missing` then says why. `mlp_in`: the submodule whose
+*input* is what the MLP / MoE block reads (the pre-MLP norm's output, its weight applied): the MLP block
+itself, or its first projection where the family has no MLP module (OPT).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from vllm_worker.protocol.points import ATTN_OUT, INNER, MLP_OUT, RESID_MID, ROUTER_LOGITS, K, Q, Z
+from vllm_worker.protocol.points import ATTN_OUT, INNER, MLP_IN, MLP_OUT, RESID_MID, ROUTER_LOGITS, K, Q, Z
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Layout:
     mid_missing: str = ""
     router: str | None = None  # MoE: the router (gate) submodule, whose output is the router logits
     core: str | None = None  # vLLM's attention kernel module, called as (q, k, v) after the rotary embedding
+    mlp_in: str | None = None  # the module called with the MLP block's input (after the pre-MLP norm)
 
 
 # MoE families: the router module of a layer (a layer without it, e.g. a dense layer of a mixed model, has
@@ -58,6 +61,10 @@ _CORES = {
     ),
     "gpt2": "attn.attn",
 }
+
+# the module whose input is what the MLP block reads: the MLP itself, unless the table's `mlp` is a norm after
+# it (sandwich norms) or its last projection (OPT has no MLP module: fc1 reads the normed stream)
+_MLP_INS = {"gemma2": "mlp", "gemma3": "mlp", "gemma3_text": "mlp", "opt": "fc1"}
 
 
 _SEQUENTIAL = ("self_attn", "mlp", "post_attention_layernorm", "self_attn.o_proj")
@@ -112,6 +119,7 @@ def layout_for(hf_config: Any) -> Layout | None:
         why + (", so there is no resid_mid" if why else ""),
         _ROUTERS.get(family),
         _CORES.get(family),
+        _MLP_INS.get(family, mlp),
     )
 
 
@@ -206,6 +214,8 @@ def inner_modules(layer: torch.nn.Module, layout: Layout) -> dict[str, torch.nn.
     from vllm_worker.compat.version import LensIncompatibleVLLM
 
     want = {ATTN_OUT: layout.attn, MLP_OUT: layout.mlp}
+    if layout.mlp_in is not None:
+        want[MLP_IN] = layout.mlp_in
     if layout.z is not None:
         want[Z] = layout.z
     if layout.mid is not None:
