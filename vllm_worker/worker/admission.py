@@ -221,7 +221,7 @@ class Admission:
         if not spec.steers and not hooks and not spec.sae and self.local.issuperset(spec.capture):
             return  # a capture of sites this worker taps (the common case, checked for every request)
         wanted = set(spec.capture) | {s for st in spec.steers for s in st.layers} | {s for h in hooks for s, _ in h.at}
-        wanted |= {int(u["site"]) for u in spec.sae}
+        wanted |= {int(u[k]) for u in spec.sae for k in ("site", "out_site") if u.get(k) is not None}
         lacking = sorted(s for s in wanted if site_layer(s) in self.local_layers and s not in self.local)
         if not lacking:
             return

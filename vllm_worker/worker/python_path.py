@@ -142,4 +142,5 @@ class PythonPath:
 
 def _touches(r: RequestState, sites: frozenset) -> bool:
     own = set(r.capture) | set(r.simple_add) | {s for st in r.steers for s in st.layers} | {u.site for u in r.sae}
+    own |= {u.out_site for u in r.sae if u.out_site is not None}
     return bool(own & sites) or any(s in sites for h in r.hooks for s, _ in h.at)
