@@ -495,3 +495,12 @@ def test_get_parameter_refuses_a_weight_vllm_emptied():
         run("model.layers.0.block_sparse_moe.gate.weight")
     assert "is empty on this rank" in str(exc.value) and "repacked" in str(exc.value)
     assert run("model.norm.weight")[0].hook_results["0"]["shape"] == (128,)
+
+
+def test_mlp_post_is_refused_naming_why():
+    """`mlp_post` (d_mlp wide) is a pinned name not built yet: refused on dense and MoE models alike, with
+    the reason (never rows of the wrong width)."""
+    _refused(_engine("llama"), {"output_activations": {"mlp_post": [1]}}, "output_activations.mlp_post", "d_mlp")
+    v = SteeringVector(torch.ones(1, 256), [1], point="mlp_post")
+    _refused(_engine("llama"), {"apply_steering_vectors": [v]}, "apply_steering_vectors[0].point", "not built yet")
+    _refused(_engine("mixtral"), {"output_activations": {"mlp_post": [1]}}, "mixture-of-experts")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from vllm_worker.protocol.points import ATTN_OUT, INNER, MLP_IN, MLP_OUT, RESID_MID, ROUTER_LOGITS, K, Q, Z
+from vllm_worker.protocol.points import ATTN_OUT, INNER, MLP_IN, MLP_OUT, MLP_POST, RESID_MID, ROUTER_LOGITS, K, Q, Z
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,12 @@ def _layout_missing(hf_config: Any) -> dict[str, str]:
     elif n * d > width or kv_heads(hf_config) * d > width:
         out[Q] = out[K] = f"its queries ({n} x {d}) do not fit a row of d_model {width}"
     n_experts, _ = moe_shape(hf_config)
+    if layout.router is not None:
+        out[MLP_POST] = (
+            f"{model_class(hf_config)} is a mixture-of-experts model: each expert has its own hidden activation"
+        )
+    else:  # never a wrong width: captures, steering and results carry rows of d_model (docs/hook-points.md)
+        out[MLP_POST] = "mlp_post (d_mlp wide) is not built yet: captured and steered rows are d_model wide"
     if layout.router is None:
         out[ROUTER_LOGITS] = f"{model_class(hf_config)} is not a mixture-of-experts model known to inspect-lens"
     elif not 0 < n_experts <= width:

@@ -22,17 +22,20 @@ from typing import Any, Iterable
 RESID_PRE, RESID_POST, ATTN_OUT, RESID_MID, MLP_OUT = "resid_pre", "resid_post", "attn_out", "resid_mid", "mlp_out"
 Z = "z"
 MLP_IN = "mlp_in"
+# the MLP's hidden activation entering its down projection (TransformerLens `mlp.hook_post`): a pinned name
+# (issue #43), refused on every model until rows wider than d_model can travel (`compat.layouts`)
+MLP_POST = "mlp_post"
 ROUTER_LOGITS = "router_logits"
 Q, K = "q", "k"
 # in the order of a layer's computation (the order of `activations` keys and of docs)
-POINTS = (RESID_PRE, Q, K, Z, ATTN_OUT, RESID_MID, MLP_IN, ROUTER_LOGITS, MLP_OUT, RESID_POST)
+POINTS = (RESID_PRE, Q, K, Z, ATTN_OUT, RESID_MID, MLP_IN, ROUTER_LOGITS, MLP_POST, MLP_OUT, RESID_POST)
 # inner points: need the model's layout (which submodule is attention, which the MLP)
-INNER = (Q, K, Z, ATTN_OUT, RESID_MID, MLP_IN, ROUTER_LOGITS, MLP_OUT)
+INNER = (Q, K, Z, ATTN_OUT, RESID_MID, MLP_IN, ROUTER_LOGITS, MLP_POST, MLP_OUT)
 # read-only: captured and hooked, never steered (their width is not d_model)
 NOT_STEERABLE = (Q, K, ROUTER_LOGITS)
 # hooks there may read, not replace (views into vLLM's fused qkv buffer)
 READ_ONLY = (Q, K)
-IN, OUT, ATTN, MID, MLP, ZC, ROUTER, QC, KC, MLPIN = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9
+IN, OUT, ATTN, MID, MLP, ZC, ROUTER, QC, KC, MLPIN, MLPPOST = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
 CODE = {
     RESID_PRE: IN,
     RESID_POST: OUT,
@@ -44,6 +47,7 @@ CODE = {
     Q: QC,
     K: KC,
     MLP_IN: MLPIN,
+    MLP_POST: MLPPOST,
 }
 NAME = {c: p for p, c in CODE.items()}
 SITES_PER_LAYER = 16

@@ -48,6 +48,7 @@ HOOKS = {
     "hook_mlp_out": pts.MLP_OUT,
     # what the MLP reads: TransformerLens's normalised stream after ln2 (with the norm's weight applied here)
     "ln2.hook_normalized": pts.MLP_IN,
+    "mlp.hook_post": pts.MLP_POST,  # refused when loaded (the point is not built yet)
 }
 _HOOK_RE = re.compile(r"^blocks\.(\d+)\.([\w.]+)$")
 
