@@ -13,7 +13,7 @@ from support.reference import hf_model, point_activations
 from support.tiny_models import FAMILIES
 from vllm_worker import Hook, HookError, SteeringVector
 
-POINTS = ["resid_pre", "z", "attn_out", "resid_mid", "mlp_in", "router_logits", "mlp_out", "resid_post"]
+POINTS = ["resid_pre", "z", "attn_out", "resid_mid", "mlp_in", "router_logits", "mlp_post", "mlp_out", "resid_post"]
 PARALLEL = {"gpt_neox"}  # parallel residual: no resid_mid
 MOE = {"mixtral", "qwen3_moe"}  # router_logits compared with HF's router
 MLA = {"deepseek_v2"}  # no z / q / k
@@ -36,7 +36,15 @@ def _points(family: str) -> list[str]:
         if not (p == "resid_mid" and family in PARALLEL)
         and not (p == "router_logits" and family not in MOE)
         and not (p == "z" and family in MLA)
+        and not (p == "mlp_post" and family in MOE | MLA)
     ]
+
+
+def _width(family: str, point: str) -> int:
+    """Values per row of a point: d_model, or d_mlp at mlp_post."""
+    from vllm_worker.compat.layouts import mlp_width
+
+    return mlp_width(hf_model(family).config) if point == "mlp_post" else 128
 
 
 # relative to the largest value; Gemma 2's soft-capped attention differs from HF's at ~2e-4 on vLLM's CPU
@@ -127,13 +135,18 @@ STEERS = [
     ("opt", "mlp_in", False),
     ("gpt_neox", "mlp_in", False),
     ("mixtral", "mlp_in", False),
+    ("llama", "mlp_post", False),
+    ("gpt2", "mlp_post", False),
+    ("opt", "mlp_post", False),
+    ("gpt_neox", "mlp_post", False),
+    ("gemma2", "mlp_post", False),
 ]
 
 
 @pytest.mark.parametrize("family,point,norm_match", STEERS)
 def test_steering_at_an_inner_point_equals_hf_and_spares_batch_mates(family, point, norm_match):
     llm = _engine(family)
-    v = _vec(7)
+    v = _vec(7, _width(family, point))
     capture = {"resid_post": [1, 3], point: [1]}
     steered = SamplingParams(
         max_tokens=4,
@@ -174,7 +187,15 @@ def _zero_dim(ctx, h):
 
 @pytest.mark.parametrize(
     "family,point",
-    [("llama", "attn_out"), ("gpt_neox", "mlp_out"), ("gemma2", "resid_mid"), ("qwen2", "z"), ("opt", "mlp_in")],
+    [
+        ("llama", "attn_out"),
+        ("gpt_neox", "mlp_out"),
+        ("gemma2", "resid_mid"),
+        ("qwen2", "z"),
+        ("opt", "mlp_in"),
+        ("gpt2", "mlp_post"),
+        ("qwen3", "mlp_post"),
+    ],
 )
 def test_a_hook_at_an_inner_point_sees_and_replaces_that_value(family, point):
     llm = _engine(family)
@@ -201,7 +222,7 @@ def test_a_hook_at_an_inner_point_sees_and_replaces_that_value(family, point):
     _close(got.flatten(-2) if point == "z" else got, ref[point][[2]], f"hooked {point}", family)
     _close(out.activations["resid_post"], ref["resid_post"][[3]], "downstream of the hook", family)
     where = out.hook_results["0"]["where"]
-    assert {(p, l) for p, l, _ in where} == {(point, 2)} and all(s[1] == 128 for _, _, s in where)
+    assert {(p, l) for p, l, _ in where} == {(point, 2)} and all(s[1] == _width(family, point) for _, _, s in where)
 
 
 def test_resid_pre_is_the_embeddings_at_layer_0_and_the_previous_resid_post_after(llama):
@@ -343,7 +364,7 @@ def test_inner_points_run_on_the_graph_safe_path_and_equal_the_python_path(famil
     llm = _engine(family)
     pts = _points(family)
     steer = [
-        SteeringVector(_vec(i), [i % 4], point=p, norm_match=i % 2 == 1)
+        SteeringVector(_vec(i, _width(family, p)), [i % 4], point=p, norm_match=i % 2 == 1 and p != "mlp_post")
         for i, p in enumerate(pts)
         if p not in ("z", "router_logits")
     ]
@@ -497,10 +518,12 @@ def test_get_parameter_refuses_a_weight_vllm_emptied():
     assert run("model.norm.weight")[0].hook_results["0"]["shape"] == (128,)
 
 
-def test_mlp_post_is_refused_naming_why():
-    """`mlp_post` (d_mlp wide) is a pinned name not built yet: refused on dense and MoE models alike, with
-    the reason (never rows of the wrong width)."""
-    _refused(_engine("llama"), {"output_activations": {"mlp_post": [1]}}, "output_activations.mlp_post", "d_mlp")
-    v = SteeringVector(torch.ones(1, 256), [1], point="mlp_post")
-    _refused(_engine("llama"), {"apply_steering_vectors": [v]}, "apply_steering_vectors[0].point", "not built yet")
-    _refused(_engine("mixtral"), {"output_activations": {"mlp_post": [1]}}, "mixture-of-experts")
+def test_mlp_post_refusals_name_the_field():
+    """mlp_post: MoE models have no single hidden activation; a vector must be d_mlp wide; edits that read
+    the whole row (norm_match) are refused there (the row travels in d_model-wide pieces)."""
+    _refused(_engine("mixtral"), {"output_activations": {"mlp_post": [1]}}, "mlp_post", "mixture-of-experts")
+    llm = _engine("llama")
+    wrong = SteeringVector(_vec(1), [1], point="mlp_post")
+    _refused(llm, {"apply_steering_vectors": [wrong]}, "apply_steering_vectors[0].activations", "d_mlp 256")
+    nm = SteeringVector(_vec(1, 256), [1], point="mlp_post", norm_match=True)
+    _refused(llm, {"apply_steering_vectors": [nm]}, "apply_steering_vectors[0]", "only per-value edits")

@@ -177,6 +177,8 @@ HF_DEFAULT = ("self_attn", "mlp", "post_attention_layernorm")
 HF_Z = {"gpt2": "attn.c_proj", "opt": "self_attn.out_proj", "gpt_neox": "attention.dense"}
 # the module whose input is what the MLP reads (after the pre-MLP norm): OPT has no MLP module
 HF_MLP_IN = {"opt": "fc1"}
+# the dense MLP's down projection, whose input is mlp_post (the hidden activation): absent in MoE layers
+HF_MLP_POST = {"gpt2": "mlp.c_proj", "opt": "fc2", "gpt_neox": "mlp.dense_4h_to_h"}
 
 PointEdit = Callable[[str, int, torch.Tensor], torch.Tensor | None]  # (point, layer, (T, d)) -> new value
 
@@ -195,6 +197,7 @@ def point_activations(
         "resid_mid",
         "mlp_in",
         "router_logits",
+        "mlp_post",
         "expert_ids",
         "mlp_out",
         "resid_post",
@@ -247,6 +250,11 @@ def point_activations(
         for part in HF_MLP_IN.get(family, "mlp").split("."):
             mlp_in = getattr(mlp_in, part)
         handles.append(mlp_in.register_forward_pre_hook(in_place_pre_hook("mlp_in", i), with_kwargs=True))
+        down = layer
+        for part in HF_MLP_POST.get(family, "mlp.down_proj").split("."):
+            down = getattr(down, part, None)
+        if isinstance(down, torch.nn.Module):
+            handles.append(down.register_forward_pre_hook(in_place_pre_hook("mlp_post", i), with_kwargs=True))
         gate = getattr(getattr(layer, mlp_name), "gate", None)
         if isinstance(gate, torch.nn.Module) and family in ("mixtral", "qwen3_moe"):  # HF's top-k router
             handles.append(gate.register_forward_hook(out_hook("router_logits", i)))

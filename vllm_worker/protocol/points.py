@@ -22,8 +22,9 @@ from typing import Any, Iterable
 RESID_PRE, RESID_POST, ATTN_OUT, RESID_MID, MLP_OUT = "resid_pre", "resid_post", "attn_out", "resid_mid", "mlp_out"
 Z = "z"
 MLP_IN = "mlp_in"
-# the MLP's hidden activation entering its down projection (TransformerLens `mlp.hook_post`): a pinned name
-# (issue #43), refused on every model until rows wider than d_model can travel (`compat.layouts`)
+# the MLP's hidden activation entering its down projection (TransformerLens `mlp.hook_post`), d_mlp wide:
+# captured and steered as `mlp_chunks` consecutive sites of d_model-wide pieces (codes MLPPOST..), so
+# every buffer downstream (staging ring, store, result pool) keeps rows of d_model; hooks see the whole row
 MLP_POST = "mlp_post"
 ROUTER_LOGITS = "router_logits"
 Q, K = "q", "k"
@@ -51,6 +52,19 @@ CODE = {
 }
 NAME = {c: p for p, c in CODE.items()}
 SITES_PER_LAYER = 16
+MAX_MLP_CHUNKS = SITES_PER_LAYER - MLPPOST  # d_mlp up to 6 x d_model (codes 10..15)
+
+
+def mlp_chunks(d_mlp: int, d_model: int) -> int:
+    """d_model-wide pieces of an mlp_post row (the last one may be narrower)."""
+    return max(1, -(-d_mlp // d_model)) if d_model else 1
+
+
+def point_sites(point: str, layer: int, chunks: int = 1) -> list[int]:
+    """Every site a capture or steering of `point` at `layer` uses: one, or mlp_post's `chunks` pieces."""
+    if point == MLP_POST:
+        return [site(layer, MLPPOST + j) for j in range(chunks)]
+    return [canonical_site(point, layer)]
 
 
 def site(layer: int, code: int) -> int:
@@ -67,6 +81,8 @@ def site_layer(s: int) -> int:
 
 def describe(s: int) -> str:
     layer, code = split_site(s)
+    if code > MLPPOST:
+        return f"{MLP_POST}[{layer}] piece {code - MLPPOST}"
     return f"{NAME.get(code, code)}[{layer}]"
 
 

@@ -80,6 +80,7 @@ class GraphTaps:
         # the tensors the kernel reads (never replaced: a recorded graph holds their addresses)
         self.ctl, self.base, self.stage = self.table.ctl, self.table.base, self.ring.stage
         self.A, self.B, self.bflag = self.entries.A, self.entries.B, self.entries.bflag
+        self.wide: dict[int, list[tuple[int, int, int]]] = {}  # mlp_post: tap site -> its pieces' columns
         self.active = False  # a step planned for this path is running (the op acts outside graphs)
         self.fired = 0  # kernel calls outside graph capture during the running step
         self.launches_in_capture = 0  # kernel calls recorded into CUDA graphs
@@ -111,6 +112,14 @@ class GraphTaps:
     # ------------------------------------------------------------ inside the forward (the tap op)
 
     def apply(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        pieces = self.wide.get(site)
+        if pieces is not None:  # mlp_post: each d_model-wide piece of the row is a site of its own
+            for s, lo, hi in pieces:
+                self._apply_site(hidden[:, lo:hi], None, s)
+            return
+        self._apply_site(hidden, residual, site)
+
+    def _apply_site(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
         col = self.col.get(site)
         if col is None:
             return
@@ -171,11 +180,12 @@ class GraphTaps:
         if rows.numel():
             e = ent[rows].long()
             h = hidden[rows].float()
-            add = self.A[e].float()
+            w = hidden.shape[1]  # d, or the narrower last piece of an mlp_post row
+            add = self.A[e, :w].float()
             bf = self.bflag[e] != 0
             if bool(bf.any()):
                 s = h if residual is None else h + residual[rows].float()
-                add = add + self.B[e].float() * (s.norm(dim=-1, keepdim=True) * bf.unsqueeze(1))
+                add = add + self.B[e, :w].float() * (s.norm(dim=-1, keepdim=True) * bf.unsqueeze(1))
             hidden[rows] = (h + add).to(hidden.dtype)
         slot = c[:, 0]
         rows = torch.nonzero(slot >= 0).squeeze(1)

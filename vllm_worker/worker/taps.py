@@ -36,6 +36,7 @@ from vllm_worker.protocol.points import (
     IN,
     MLP_IN,
     MLP_OUT,
+    MLP_POST,
     OUT,
     RESID_MID,
     ROUTER_LOGITS,
@@ -172,7 +173,8 @@ def _qk_hook(q_site: int, k_site: int) -> Callable:
 
 
 def _mlp_in_hook(s: int) -> Callable:
-    """Pre-hook of the MLP block, called as `(hidden,)`: the normed stream it reads (no residual beside it)."""
+    """Pre-hook of the MLP block, called as `(hidden,)`: the normed stream it reads (no residual beside it);
+    also of the down projection (`mlp_post`: its d_mlp-wide input, one op call for all its pieces)."""
 
     def hook(module: torch.nn.Module, args: tuple) -> None:
         hidden = args[0] if args else None
@@ -192,9 +194,12 @@ def _in_hook(s: int, inner: bool = False) -> Callable:
     return hook
 
 
-def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str, torch.nn.Module]]) -> list[int]:
+def install(
+    layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str, torch.nn.Module]], mlp_chunks: int = 1
+) -> list[int]:
     """Place the taps on this stage's decoder layers (before compilation: see the module docstring);
-    `inner`: layer -> {point: submodule} where the layout is known. Returns the sites placed."""
+    `inner`: layer -> {point: submodule} where the layout is known; `mlp_chunks`: the d_model-wide pieces of
+    an mlp_post row (one tap, a site per piece). Returns the sites placed."""
     first, module = layers[0]
     module.register_forward_pre_hook(_in_hook(site(first, IN)))
     sites = [site(first, IN)]
@@ -210,6 +215,8 @@ def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str
             mods[RESID_MID].register_forward_pre_hook(_in_hook(site(idx, CODE[RESID_MID]), inner=True))
         if MLP_IN in mods:  # registered before the router's and the MLP's hooks: it runs first
             mods[MLP_IN].register_forward_pre_hook(_mlp_in_hook(site(idx, CODE[MLP_IN])))
+        if MLP_POST in mods:  # the down projection's input: act(gate) * up, (tokens, d_mlp)
+            mods[MLP_POST].register_forward_pre_hook(_mlp_in_hook(site(idx, CODE[MLP_POST])))
         if ROUTER_LOGITS in mods:  # the gate's output: (tokens, n_experts)
             mods[ROUTER_LOGITS].register_forward_hook(_block_hook(site(idx, CODE[ROUTER_LOGITS])))
         if MLP_OUT in mods:
@@ -218,5 +225,7 @@ def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str
         if Q in mods:
             sites += [site(idx, CODE[Q]), site(idx, CODE[Q] + 1)]  # q and k
         sites += [site(idx, CODE[p]) for p in (Z, ATTN_OUT, RESID_MID, MLP_IN, ROUTER_LOGITS, MLP_OUT) if p in mods]
+        if MLP_POST in mods:
+            sites += [site(idx, CODE[MLP_POST] + j) for j in range(mlp_chunks)]
         sites.append(site(idx, OUT))
     return sorted(sites)
