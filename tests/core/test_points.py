@@ -527,3 +527,58 @@ def test_mlp_post_refusals_name_the_field():
     _refused(llm, {"apply_steering_vectors": [wrong]}, "apply_steering_vectors[0].activations", "d_mlp 256")
     nm = SteeringVector(_vec(1, 256), [1], point="mlp_post", norm_match=True)
     _refused(llm, {"apply_steering_vectors": [nm]}, "apply_steering_vectors[0]", "only per-value edits")
+
+
+def _zero_col(col: int):
+    def fn(ctx, h):
+        h = h.clone()
+        h[:, col] = 0
+        return h
+
+    return fn
+
+
+def test_mlp_post_with_a_narrower_last_piece_equals_hf():
+    """d_mlp 320 = 128 + 128 + 64: the last piece is narrower than its d_model-wide staging row. Capture and
+    steering on the graph-safe path, and with a hook at mlp_post (Python path: the hook sees the whole row
+    and zeroes a value of the last piece), equal HF; the captured rows are d_mlp wide."""
+    llm = make_engine("llama_odd")
+    v = _vec(11, 320)
+    capture = {"mlp_post": [1, 2], "resid_post": [3]}
+    steer = SteeringVector(v, [1], scale=2.0, point="mlp_post")
+    graph = SamplingParams(
+        max_tokens=4,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"output_activations": capture, "apply_steering_vectors": [steer]},
+    )
+    python = SamplingParams(
+        max_tokens=4,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={
+            "output_activations": capture,
+            "apply_steering_vectors": [steer],
+            "apply_hooks": [Hook(_zero_col(300), [2], point="mlp_post")],
+        },
+    )
+    outs = llm.generate([PROMPTS[0]] * 2, [graph, python], use_tqdm=False)
+
+    def edit(hooked: bool):
+        def fn(where, layer, h):
+            if where == "mlp_post" and layer == 1:
+                return h + 2.0 * v[0]
+            if hooked and where == "mlp_post" and layer == 2:
+                h = h.clone()
+                h[:, 300] = 0
+                return h
+            return None
+
+        return fn
+
+    for out, hooked in zip(outs, (False, True)):
+        assert out.activations["mlp_post"].shape[-1] == 320
+        ref, _ = point_activations(hf_model("llama_odd"), "llama", _ids(out), edit(hooked))
+        for p, layers in capture.items():
+            _close(out.activations[p], ref[p][layers], f"llama_odd {p} (hooked: {hooked})")
+    assert (outs[1].activations["mlp_post"][1, :, 300] == 0).all()
