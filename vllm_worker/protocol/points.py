@@ -79,6 +79,12 @@ def site_layer(s: int) -> int:
     return s // SITES_PER_LAYER
 
 
+def site_point(s: int) -> str:
+    """The point a site belongs to (every piece of an mlp_post row is mlp_post)."""
+    code = split_site(s)[1]
+    return MLP_POST if code > MLPPOST else NAME[code]
+
+
 def describe(s: int) -> str:
     layer, code = split_site(s)
     if code > MLPPOST:

@@ -17,7 +17,7 @@ import torch
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors
-from vllm_worker.protocol.points import NAME, describe, site_layer, split_site
+from vllm_worker.protocol.points import describe, site_layer, site_point
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph, seams
 from vllm_worker.worker.device_copy import to_device
@@ -228,9 +228,7 @@ class Admission:
         names = ", ".join(describe(s) for s in lacking)
         why = "; ".join(
             dict.fromkeys(
-                self.missing.get(
-                    NAME[split_site(s)[1]], "that layer has no such block, e.g. a dense layer of an MoE model"
-                )
+                self.missing.get(site_point(s), "that layer has no such block, e.g. a dense layer of an MoE model")
                 for s in lacking
             )
         )
