@@ -13,7 +13,7 @@ import torch
 from vllm import SamplingParams
 
 from support.reference import hf_model, point_activations
-from support.saes import ref_encode
+from support.saes import random_transcoder, ref_encode
 from vllm_worker.sae import Sae, load, save
 
 D, D_SAE = 128, 192
@@ -22,23 +22,7 @@ TCS: dict[str, Sae] = {}  # the module's transcoders, as loaded by the fixture
 
 
 def _transcoder(seed: int, layer: int, arch: str = "standard", skip: bool = False, **kw) -> Sae:
-    g = torch.Generator().manual_seed(seed)
-    thr = torch.rand(D_SAE, generator=g) * 0.3 if arch == "jumprelu" else None
-    return Sae(
-        "mlp_in",
-        layer,
-        arch,
-        torch.randn(D, D_SAE, generator=g) / D**0.5,
-        torch.randn(D_SAE, generator=g) * 0.1 - 0.1,
-        torch.randn(D_SAE, D, generator=g) / D**0.5,
-        torch.randn(D, generator=g) * 0.05,
-        thr,
-        apply_b_dec_to_input=False,
-        out_point="mlp_out",
-        out_layer=layer,
-        W_skip=torch.randn(D, D, generator=g) * 0.01 if skip else None,
-        **kw,
-    )
+    return random_transcoder(seed, layer, arch, skip, D_SAE, **kw)
 
 
 def _sp(n=5, **extra):
