@@ -582,3 +582,38 @@ def test_mlp_post_with_a_narrower_last_piece_equals_hf():
         for p, layers in capture.items():
             _close(out.activations[p], ref[p][layers], f"llama_odd {p} (hooked: {hooked})")
     assert (outs[1].activations["mlp_post"][1, :, 300] == 0).all()
+
+
+def test_a_neuron_hook_beside_a_graph_safe_capture_of_mlp_post(llama):
+    """One request zeroes neuron 5 of layer 1 with a hook at mlp_post while its batch-mate captures that
+    point on the graph-safe kernel: the hook sees whole d_mlp rows, each request equals HF with its own edit."""
+
+    def zero(ctx, h):
+        ctx.saved.setdefault("widths", []).append(h.shape[1])
+        h = h.clone()
+        h[:, 5] = 0
+        return h
+
+    base = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    sps = [
+        SamplingParams(**base, extra_args={"output_activations": {"mlp_post": [1], "resid_post": [3]}}),
+        SamplingParams(
+            **base,
+            extra_args={"output_activations": {"resid_post": [3]}, "apply_hooks": [Hook(zero, [1], point="mlp_post")]},
+        ),
+    ]
+    plain, hooked = llama.generate([PROMPTS[0], PROMPTS[1]], sps, use_tqdm=False)
+
+    def edit(where, layer, h):
+        if (where, layer) == ("mlp_post", 1):
+            h = h.clone()
+            h[:, 5] = 0
+            return h
+        return None
+
+    ref, _ = point_activations(hf_model("llama"), "llama", _ids(plain))
+    _close(plain.activations["mlp_post"], ref["mlp_post"][[1]], "graph-safe mlp_post capture")
+    _close(plain.activations["resid_post"], ref["resid_post"][[3]], "plain batch-mate downstream")
+    ref, _ = point_activations(hf_model("llama"), "llama", _ids(hooked), edit)
+    _close(hooked.activations["resid_post"], ref["resid_post"][[3]], "downstream of the neuron hook")
+    assert set(hooked.hook_results["0"]["widths"]) == {256}  # whole d_mlp rows, every step
