@@ -138,7 +138,7 @@ SETTINGS: dict[str, Setting] = {
             str,
             "",
             "hook points inside decoder layers to tap, read when the engine starts: `all`, or a comma list of "
-            "q, k, z, attn_out, resid_mid, router_logits, mlp_out (docs/hook-points.md); unset: only resid_pre "
+            "q, k, z, attn_out, resid_mid, mlp_in, router_logits, mlp_post, mlp_out (docs/hook-points.md); unset: only resid_pre "
             "/ resid_post, which cost nothing measurable — each inner tap costs compile time at start and a "
             "few % of throughput (bench/results/2026-12-01-h200-points-ab.md)",
             flag="--lens-points",

@@ -13,7 +13,7 @@ from support.reference import hf_model, point_activations
 from support.tiny_models import FAMILIES
 from vllm_worker import Hook, HookError, SteeringVector
 
-POINTS = ["resid_pre", "z", "attn_out", "resid_mid", "router_logits", "mlp_out", "resid_post"]
+POINTS = ["resid_pre", "z", "attn_out", "resid_mid", "mlp_in", "router_logits", "mlp_post", "mlp_out", "resid_post"]
 PARALLEL = {"gpt_neox"}  # parallel residual: no resid_mid
 MOE = {"mixtral", "qwen3_moe"}  # router_logits compared with HF's router
 MLA = {"deepseek_v2"}  # no z / q / k
@@ -36,7 +36,15 @@ def _points(family: str) -> list[str]:
         if not (p == "resid_mid" and family in PARALLEL)
         and not (p == "router_logits" and family not in MOE)
         and not (p == "z" and family in MLA)
+        and not (p == "mlp_post" and family in MOE | MLA)
     ]
+
+
+def _width(family: str, point: str) -> int:
+    """Values per row of a point: d_model, or d_mlp at mlp_post."""
+    from vllm_worker.compat.layouts import mlp_width
+
+    return mlp_width(hf_model(family).config) if point == "mlp_post" else 128
 
 
 # relative to the largest value; Gemma 2's soft-capped attention differs from HF's at ~2e-4 on vLLM's CPU
@@ -91,7 +99,7 @@ def test_deepseek_mla_points_are_the_stream_s_own_parts():
     on), so the reference is the stream itself: resid_pre[0] is the embeddings, resid_mid = resid_pre +
     attn_out, resid_post = resid_mid + mlp_out, router logits only on the MoE layers; z / q / k refused."""
     llm = _engine("deepseek_v2")
-    want = {p: [0, 1, 3] for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")}
+    want = {p: [0, 1, 3] for p in ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post")}
     want["router_logits"] = [1, 3]
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={"output_activations": want})
     a = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].activations
@@ -122,13 +130,23 @@ STEERS = [
     ("mixtral", "mlp_out", True),
     ("gpt2", "resid_mid", False),
     ("opt", "mlp_out", False),
+    ("llama", "mlp_in", False),
+    ("gemma2", "mlp_in", True),
+    ("opt", "mlp_in", False),
+    ("gpt_neox", "mlp_in", False),
+    ("mixtral", "mlp_in", False),
+    ("llama", "mlp_post", False),
+    ("gpt2", "mlp_post", False),
+    ("opt", "mlp_post", False),
+    ("gpt_neox", "mlp_post", False),
+    ("gemma2", "mlp_post", False),
 ]
 
 
 @pytest.mark.parametrize("family,point,norm_match", STEERS)
 def test_steering_at_an_inner_point_equals_hf_and_spares_batch_mates(family, point, norm_match):
     llm = _engine(family)
-    v = _vec(7)
+    v = _vec(7, _width(family, point))
     capture = {"resid_post": [1, 3], point: [1]}
     steered = SamplingParams(
         max_tokens=4,
@@ -168,7 +186,16 @@ def _zero_dim(ctx, h):
 
 
 @pytest.mark.parametrize(
-    "family,point", [("llama", "attn_out"), ("gpt_neox", "mlp_out"), ("gemma2", "resid_mid"), ("qwen2", "z")]
+    "family,point",
+    [
+        ("llama", "attn_out"),
+        ("gpt_neox", "mlp_out"),
+        ("gemma2", "resid_mid"),
+        ("qwen2", "z"),
+        ("opt", "mlp_in"),
+        ("gpt2", "mlp_post"),
+        ("qwen3", "mlp_post"),
+    ],
 )
 def test_a_hook_at_an_inner_point_sees_and_replaces_that_value(family, point):
     llm = _engine(family)
@@ -195,7 +222,7 @@ def test_a_hook_at_an_inner_point_sees_and_replaces_that_value(family, point):
     _close(got.flatten(-2) if point == "z" else got, ref[point][[2]], f"hooked {point}", family)
     _close(out.activations["resid_post"], ref["resid_post"][[3]], "downstream of the hook", family)
     where = out.hook_results["0"]["where"]
-    assert {(p, l) for p, l, _ in where} == {(point, 2)} and all(s[1] == 128 for _, _, s in where)
+    assert {(p, l) for p, l, _ in where} == {(point, 2)} and all(s[1] == _width(family, point) for _, _, s in where)
 
 
 def test_resid_pre_is_the_embeddings_at_layer_0_and_the_previous_resid_post_after(llama):
@@ -247,7 +274,7 @@ def test_python_objects_refuse_unknown_fields_and_contradictions():
     with pytest.raises(ValueError, match="normmatch.*did you mean 'norm_match'"):
         SteeringVector(_vec(1), [1], normmatch=True)
     with pytest.raises(ValueError, match="did you mean 'mlp_out'"):
-        SteeringVector(_vec(1), [1], point="mlp")
+        SteeringVector(_vec(1), [1], point="mlp_ou")
     with pytest.raises(ValueError, match="layer_idx.*did you mean 'layer_indices'"):
         Hook(_zero_dim, layer_idx=[1])
     with pytest.raises(ValueError, match="pre=True means point='resid_pre'"):
@@ -337,7 +364,7 @@ def test_inner_points_run_on_the_graph_safe_path_and_equal_the_python_path(famil
     llm = _engine(family)
     pts = _points(family)
     steer = [
-        SteeringVector(_vec(i), [i % 4], point=p, norm_match=i % 2 == 1)
+        SteeringVector(_vec(i, _width(family, p)), [i % 4], point=p, norm_match=i % 2 == 1 and p != "mlp_post")
         for i, p in enumerate(pts)
         if p not in ("z", "router_logits")
     ]
@@ -462,8 +489,8 @@ def test_inner_points_are_off_unless_the_engine_starts_with_them(monkeypatch):
     some = make_engine("llama", max_num_seqs=7)
     assert some.collective_rpc("lens_status")[0]["points"] == ["resid_pre", "attn_out", "mlp_out", "resid_post"]
     _refused(some, {"output_activations": {"z": [1]}}, "output_activations.z", "VLLM_LENS_POINTS")
-    monkeypatch.setenv("VLLM_LENS_POINTS", "mlp")
-    with pytest.raises(ValueError, match="VLLM_LENS_POINTS: unknown inner hook point 'mlp'.*did you mean 'mlp_out'"):
+    monkeypatch.setenv("VLLM_LENS_POINTS", "mlp_ou")
+    with pytest.raises(ValueError, match="VLLM_LENS_POINTS: unknown inner hook point 'mlp_ou'.*did you mean 'mlp_out'"):
         from vllm_worker.protocol.points import enabled_inner
 
         enabled_inner()
@@ -489,3 +516,104 @@ def test_get_parameter_refuses_a_weight_vllm_emptied():
         run("model.layers.0.block_sparse_moe.gate.weight")
     assert "is empty on this rank" in str(exc.value) and "repacked" in str(exc.value)
     assert run("model.norm.weight")[0].hook_results["0"]["shape"] == (128,)
+
+
+def test_mlp_post_refusals_name_the_field():
+    """mlp_post: MoE models have no single hidden activation; a vector must be d_mlp wide; edits that read
+    the whole row (norm_match) are refused there (the row travels in d_model-wide pieces)."""
+    _refused(_engine("mixtral"), {"output_activations": {"mlp_post": [1]}}, "mlp_post", "mixture-of-experts")
+    llm = _engine("llama")
+    wrong = SteeringVector(_vec(1), [1], point="mlp_post")
+    _refused(llm, {"apply_steering_vectors": [wrong]}, "apply_steering_vectors[0].activations", "d_mlp 256")
+    nm = SteeringVector(_vec(1, 256), [1], point="mlp_post", norm_match=True)
+    _refused(llm, {"apply_steering_vectors": [nm]}, "apply_steering_vectors[0]", "only per-value edits")
+
+
+def _zero_col(col: int):
+    def fn(ctx, h):
+        h = h.clone()
+        h[:, col] = 0
+        return h
+
+    return fn
+
+
+def test_mlp_post_with_a_narrower_last_piece_equals_hf():
+    """d_mlp 320 = 128 + 128 + 64: the last piece is narrower than its d_model-wide staging row. Capture and
+    steering on the graph-safe path, and with a hook at mlp_post (Python path: the hook sees the whole row
+    and zeroes a value of the last piece), equal HF; the captured rows are d_mlp wide."""
+    llm = make_engine("llama_odd")
+    v = _vec(11, 320)
+    capture = {"mlp_post": [1, 2], "resid_post": [3]}
+    steer = SteeringVector(v, [1], scale=2.0, point="mlp_post")
+    graph = SamplingParams(
+        max_tokens=4,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"output_activations": capture, "apply_steering_vectors": [steer]},
+    )
+    python = SamplingParams(
+        max_tokens=4,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={
+            "output_activations": capture,
+            "apply_steering_vectors": [steer],
+            "apply_hooks": [Hook(_zero_col(300), [2], point="mlp_post")],
+        },
+    )
+    outs = llm.generate([PROMPTS[0]] * 2, [graph, python], use_tqdm=False)
+
+    def edit(hooked: bool):
+        def fn(where, layer, h):
+            if where == "mlp_post" and layer == 1:
+                return h + 2.0 * v[0]
+            if hooked and where == "mlp_post" and layer == 2:
+                h = h.clone()
+                h[:, 300] = 0
+                return h
+            return None
+
+        return fn
+
+    for out, hooked in zip(outs, (False, True)):
+        assert out.activations["mlp_post"].shape[-1] == 320
+        ref, _ = point_activations(hf_model("llama_odd"), "llama", _ids(out), edit(hooked))
+        for p, layers in capture.items():
+            _close(out.activations[p], ref[p][layers], f"llama_odd {p} (hooked: {hooked})")
+    assert (outs[1].activations["mlp_post"][1, :, 300] == 0).all()
+
+
+def test_a_neuron_hook_beside_a_graph_safe_capture_of_mlp_post(llama):
+    """One request zeroes neuron 5 of layer 1 with a hook at mlp_post while its batch-mate captures that
+    point on the graph-safe kernel: the hook sees whole d_mlp rows, each request equals HF with its own edit."""
+
+    def zero(ctx, h):
+        ctx.saved.setdefault("widths", []).append(h.shape[1])
+        h = h.clone()
+        h[:, 5] = 0
+        return h
+
+    base = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    sps = [
+        SamplingParams(**base, extra_args={"output_activations": {"mlp_post": [1], "resid_post": [3]}}),
+        SamplingParams(
+            **base,
+            extra_args={"output_activations": {"resid_post": [3]}, "apply_hooks": [Hook(zero, [1], point="mlp_post")]},
+        ),
+    ]
+    plain, hooked = llama.generate([PROMPTS[0], PROMPTS[1]], sps, use_tqdm=False)
+
+    def edit(where, layer, h):
+        if (where, layer) == ("mlp_post", 1):
+            h = h.clone()
+            h[:, 5] = 0
+            return h
+        return None
+
+    ref, _ = point_activations(hf_model("llama"), "llama", _ids(plain))
+    _close(plain.activations["mlp_post"], ref["mlp_post"][[1]], "graph-safe mlp_post capture")
+    _close(plain.activations["resid_post"], ref["resid_post"][[3]], "plain batch-mate downstream")
+    ref, _ = point_activations(hf_model("llama"), "llama", _ids(hooked), edit)
+    _close(hooked.activations["resid_post"], ref["resid_post"][[3]], "downstream of the neuron hook")
+    assert set(hooked.hook_results["0"]["widths"]) == {256}  # whole d_mlp rows, every step

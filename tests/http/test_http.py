@@ -239,7 +239,7 @@ def test_hook_points_over_http_client_and_inspect_equal_offline(server, llama):
 
     from inspect_ai.model import GenerateConfig, get_model
 
-    want = {"attn_out": [1, 3], "resid_mid": [2], "mlp_out": [0]}
+    want = {"attn_out": [1, 3], "resid_mid": [2], "mlp_in": [1], "mlp_post": [2, 3], "mlp_out": [0]}
     v = torch.randn(1, 128, generator=torch.Generator().manual_seed(8)) * 3
     sv = SteeringVector(v, [1], point="mlp_out", norm_match=True)
     ref = offline(llama, PROMPT, output_activations=want, apply_steering_vectors=[sv])
@@ -278,5 +278,17 @@ def test_hook_points_over_http_client_and_inspect_equal_offline(server, llama):
     assert r.status_code == 400 and "did you mean 'attn_out'" in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "vllm_xargs.output_activations.attn"
     info = httpx.get(server + "/v1/lens/info", headers={"Authorization": f"Bearer {KEY}"}).json()
-    assert info["points"] == ["resid_pre", "q", "k", "z", "attn_out", "resid_mid", "mlp_out", "resid_post"]
+    assert info["points"] == [
+        "resid_pre",
+        "q",
+        "k",
+        "z",
+        "attn_out",
+        "resid_mid",
+        "mlp_in",
+        "mlp_post",
+        "mlp_out",
+        "resid_post",
+    ]
+    assert (info["d_model"], info["d_mlp"]) == (128, 256)
     assert list(info["missing_points"]) == ["router_logits"]  # a dense model

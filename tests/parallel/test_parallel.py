@@ -95,7 +95,14 @@ def test_hook_points_under_tp2_and_pp2_equal_hf(engine, request):
 
     llm = request.getfixturevalue(engine)
     v = torch.randn(1, 128, generator=torch.Generator().manual_seed(9)) * 3
-    want = {"resid_pre": [0, 2], "attn_out": [1, 3], "resid_mid": [2], "mlp_out": [0, 3], "resid_post": [1]}
+    want = {
+        "resid_pre": [0, 2],
+        "attn_out": [1, 3],
+        "resid_mid": [2],
+        "mlp_in": [1, 2],
+        "mlp_out": [0, 3],
+        "resid_post": [1],
+    }
     sp = SamplingParams(
         max_tokens=4,
         temperature=0,
@@ -117,6 +124,9 @@ def test_hook_points_under_tp2_and_pp2_equal_hf(engine, request):
     if engine == "tp2":
         with pytest.raises(ValueError, match="z under tensor parallelism"):
             llm.generate([PROMPT], SamplingParams(max_tokens=2, extra_args={"output_activations": {"z": [1]}}))
+        # each rank's down projection reads its slice of d_mlp: refused until a gather is built
+        with pytest.raises(ValueError, match="mlp_post under tensor parallelism"):
+            llm.generate([PROMPT], SamplingParams(max_tokens=2, extra_args={"output_activations": {"mlp_post": [1]}}))
     llm.clear_hooks()
     llm.register_hooks([Hook(_record_point, [1, 3], point="attn_out")])
     llm.generate([PROMPT], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)

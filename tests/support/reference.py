@@ -175,6 +175,10 @@ HF_POINTS = {
 HF_DEFAULT = ("self_attn", "mlp", "post_attention_layernorm")
 # the attention's output projection, whose input is z (the heads' outputs, concatenated)
 HF_Z = {"gpt2": "attn.c_proj", "opt": "self_attn.out_proj", "gpt_neox": "attention.dense"}
+# the module whose input is what the MLP reads (after the pre-MLP norm): OPT has no MLP module
+HF_MLP_IN = {"opt": "fc1"}
+# the dense MLP's down projection, whose input is mlp_post (the hidden activation): absent in MoE layers
+HF_MLP_POST = {"gpt2": "mlp.c_proj", "opt": "fc2", "gpt_neox": "mlp.dense_4h_to_h"}
 
 PointEdit = Callable[[str, int, torch.Tensor], torch.Tensor | None]  # (point, layer, (T, d)) -> new value
 
@@ -186,7 +190,18 @@ def point_activations(
     any point (applied before the value is recorded, like steering)."""
     attn_name, mlp_name, mid_name = HF_POINTS.get(family, HF_DEFAULT)
     layers = decoder_layers(model)
-    names = ("resid_pre", "z", "attn_out", "resid_mid", "router_logits", "expert_ids", "mlp_out", "resid_post")
+    names = (
+        "resid_pre",
+        "z",
+        "attn_out",
+        "resid_mid",
+        "mlp_in",
+        "router_logits",
+        "mlp_post",
+        "expert_ids",
+        "mlp_out",
+        "resid_post",
+    )
     got: dict[str, list] = {p: [None] * len(layers) for p in names}
     handles = []
 
@@ -231,6 +246,15 @@ def point_activations(
             handles.append(
                 getattr(layer, mid_name).register_forward_pre_hook(in_place_pre_hook("resid_mid", i), with_kwargs=True)
             )
+        mlp_in = layer
+        for part in HF_MLP_IN.get(family, "mlp").split("."):
+            mlp_in = getattr(mlp_in, part)
+        handles.append(mlp_in.register_forward_pre_hook(in_place_pre_hook("mlp_in", i), with_kwargs=True))
+        down = layer
+        for part in HF_MLP_POST.get(family, "mlp.down_proj").split("."):
+            down = getattr(down, part, None)
+        if isinstance(down, torch.nn.Module):
+            handles.append(down.register_forward_pre_hook(in_place_pre_hook("mlp_post", i), with_kwargs=True))
         gate = getattr(getattr(layer, mlp_name), "gate", None)
         if isinstance(gate, torch.nn.Module) and family in ("mixtral", "qwen3_moe"):  # HF's top-k router
             handles.append(gate.register_forward_hook(out_hook("router_logits", i)))

@@ -33,6 +33,28 @@ def random_sae(
     return Sae(point, layer, arch, W_enc, b_enc, W_dec, b_dec, thr, k, apply_b_dec_to_input, normalize)
 
 
+def random_transcoder(seed: int, layer: int, arch: str = "standard", skip: bool = False, d_sae: int = 192, **kw) -> Sae:
+    """A transcoder in SAELens's layout: encoder on mlp_in, decoder on mlp_out of `layer` (b_dec d_out wide,
+    never subtracted from the input); `skip`: a skip transcoder's W_skip."""
+    g = torch.Generator().manual_seed(seed)
+    thr = torch.rand(d_sae, generator=g) * 0.3 if arch == "jumprelu" else None
+    return Sae(
+        "mlp_in",
+        layer,
+        arch,
+        torch.randn(D, d_sae, generator=g) / D**0.5,
+        torch.randn(d_sae, generator=g) * 0.1 - 0.1,
+        torch.randn(d_sae, D, generator=g) / D**0.5,
+        torch.randn(D, generator=g) * 0.05,
+        thr,
+        apply_b_dec_to_input=False,
+        out_point="mlp_out",
+        out_layer=layer,
+        W_skip=torch.randn(D, D, generator=g) * 0.01 if skip else None,
+        **kw,
+    )
+
+
 def save_with(sae: Sae, folder: Path, **cfg_fields) -> str:
     """`save`, then extra top-level cfg.json fields (e.g. `rescale_acts_by_decoder_norm`) the way SAELens
     writes them."""

@@ -51,6 +51,17 @@ def _config(family: str):
             tie_word_embeddings=False,
             **common,
         )
+    if family == "llama_odd":  # d_mlp 320 = 2.5 x d_model: mlp_post's last d_model-wide piece is narrower
+        return LlamaConfig(
+            hidden_size=128,
+            intermediate_size=320,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+            **common,
+        )
     if family == "qwen2":
         return Qwen2Config(
             hidden_size=128,
@@ -194,9 +205,11 @@ SEEDS = {
     "qwen3_moe": 12,
     "granite": 13,
     "deepseek_v2": 14,
+    "llama_odd": 15,
 }
 UNLISTED = ("granite",)  # families the plugin's layout table does not know (resid_* only)
-FAMILIES = tuple(f for f in SEEDS if f not in UNLISTED)
+VARIANTS = ("llama_odd",)  # a listed family with other widths, for the tests that need them
+FAMILIES = tuple(f for f in SEEDS if f not in UNLISTED + VARIANTS)
 
 
 def build(family: str, root: Path) -> Path:

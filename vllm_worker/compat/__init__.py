@@ -49,6 +49,7 @@ from vllm_worker.compat.layouts import (  # noqa: F401
     kv_heads,
     layout_for,
     missing_points,
+    mlp_width,
     model_class,
     module_output,
 )

@@ -10,7 +10,9 @@ ask for, from the HF config) and by the workers (which submodules to tap).
 the post-norm of sandwich-norm families). `z`: the attention's output projection (its *input* is the
 heads' concatenated outputs). `mid`: the submodule whose *input* is the stream between the
 two blocks (`resid_mid`; its `(hidden, residual)` pair in fused add-norm layouts); None when the layout
-has no such stream (parallel residual) — `mid_missing` then says why.
+has no such stream (parallel residual) — `mid_missing` then says why. `mlp_in`: the submodule whose
+*input* is what the MLP / MoE block reads (the pre-MLP norm's output, its weight applied): the MLP block
+itself, or its first projection where the family has no MLP module (OPT).
 """
 
 from __future__ import annotations
@@ -20,7 +22,20 @@ from typing import Any
 
 import torch
 
-from vllm_worker.protocol.points import ATTN_OUT, INNER, MLP_OUT, RESID_MID, ROUTER_LOGITS, K, Q, Z
+from vllm_worker.protocol.points import (
+    ATTN_OUT,
+    INNER,
+    MAX_MLP_CHUNKS,
+    MLP_IN,
+    MLP_OUT,
+    MLP_POST,
+    RESID_MID,
+    ROUTER_LOGITS,
+    K,
+    Q,
+    Z,
+    mlp_chunks,
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +48,8 @@ class Layout:
     mid_missing: str = ""
     router: str | None = None  # MoE: the router (gate) submodule, whose output is the router logits
     core: str | None = None  # vLLM's attention kernel module, called as (q, k, v) after the rotary embedding
+    mlp_in: str | None = None  # the module called with the MLP block's input (after the pre-MLP norm)
+    mlp_post: str | None = None  # the MLP's down projection, called with act(gate) * up / act(fc_in); None: MoE
 
 
 # MoE families: the router module of a layer (a layer without it, e.g. a dense layer of a mixed model, has
@@ -57,6 +74,17 @@ _CORES = {
         "self_attn.attn",
     ),
     "gpt2": "attn.attn",
+}
+
+# the module whose input is what the MLP block reads: the MLP itself, unless the table's `mlp` is a norm after
+# it (sandwich norms) or its last projection (OPT has no MLP module: fc1 reads the normed stream)
+_MLP_INS = {"gemma2": "mlp", "gemma3": "mlp", "gemma3_text": "mlp", "opt": "fc1"}
+# the dense MLP's down projection, whose input is mlp_post (MoE families: none, each expert has its own)
+_MLP_POSTS = {
+    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma3_text"), "mlp.down_proj"),
+    "gpt2": "mlp.c_proj",
+    "opt": "fc2",
+    "gpt_neox": "mlp.dense_4h_to_h",
 }
 
 
@@ -112,6 +140,8 @@ def layout_for(hf_config: Any) -> Layout | None:
         why + (", so there is no resid_mid" if why else ""),
         _ROUTERS.get(family),
         _CORES.get(family),
+        _MLP_INS.get(family, mlp),
+        _MLP_POSTS.get(family),
     )
 
 
@@ -131,6 +161,18 @@ def moe_shape(hf_config: Any) -> tuple[int, int]:
     if getattr(cfg, "topk_method", "greedy") != "greedy":
         k = 0
     return int(n), int(k)
+
+
+def mlp_width(hf_config: Any) -> int:
+    """d_mlp: the dense MLP's hidden width (GPT-2's n_inner defaults to 4 x d_model); 0 when unknown."""
+    cfg = text_config(hf_config)
+    for name in ("intermediate_size", "ffn_dim", "n_inner"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    if str(getattr(cfg, "model_type", "")) == "gpt2":
+        return 4 * int(getattr(cfg, "n_embd", 0) or 0)
+    return 0
 
 
 def head_shape(hf_config: Any) -> tuple[int, int]:
@@ -186,6 +228,15 @@ def _layout_missing(hf_config: Any) -> dict[str, str]:
     elif n * d > width or kv_heads(hf_config) * d > width:
         out[Q] = out[K] = f"its queries ({n} x {d}) do not fit a row of d_model {width}"
     n_experts, _ = moe_shape(hf_config)
+    d_mlp = mlp_width(hf_config)
+    if layout.router is not None:
+        out[MLP_POST] = (
+            f"{model_class(hf_config)} is a mixture-of-experts model: each expert has its own hidden activation"
+        )
+    elif layout.mlp_post is None or not d_mlp:
+        out[MLP_POST] = f"the MLP of {model_class(hf_config)} is not known to inspect-lens"
+    elif mlp_chunks(d_mlp, width) > MAX_MLP_CHUNKS:  # never a wrong width (rows travel in d_model pieces)
+        out[MLP_POST] = f"d_mlp {d_mlp} is wider than {MAX_MLP_CHUNKS} x d_model {width}"
     if layout.router is None:
         out[ROUTER_LOGITS] = f"{model_class(hf_config)} is not a mixture-of-experts model known to inspect-lens"
     elif not 0 < n_experts <= width:
@@ -206,6 +257,10 @@ def inner_modules(layer: torch.nn.Module, layout: Layout) -> dict[str, torch.nn.
     from vllm_worker.compat.version import LensIncompatibleVLLM
 
     want = {ATTN_OUT: layout.attn, MLP_OUT: layout.mlp}
+    if layout.mlp_in is not None:
+        want[MLP_IN] = layout.mlp_in
+    if layout.mlp_post is not None:
+        want[MLP_POST] = layout.mlp_post
     if layout.z is not None:
         want[Z] = layout.z
     if layout.mid is not None:

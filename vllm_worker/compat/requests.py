@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 
 from vllm_worker.compat.data_parallel import forget_routes, rpc_engines
-from vllm_worker.compat.layouts import head_shape, kv_heads, missing_points, moe_shape
+from vllm_worker.compat.layouts import head_shape, kv_heads, missing_points, mlp_width, moe_shape
 from vllm_worker.compat.version import LensIncompatibleVLLM, require, wrap
 from vllm_worker.protocol.rpc import DROP
 
@@ -49,9 +49,9 @@ def set_request_cache_salt(req: Any, salt: str) -> None:
     req.cache_salt = salt if not req.cache_salt else f"{req.cache_salt}|{salt}"
 
 
-def model_shape(processor: Any) -> tuple[int, int, dict[str, str], int, int, int, int, int]:
+def model_shape(processor: Any) -> tuple[int, int, dict[str, str], int, int, int, int, int, int]:
     """(n_layers, d_model, {hook point it lacks: why}, n_heads, d_head, n_experts, experts per token,
-    n_kv_heads) of the served model, from the processor's model config (the points: `compat.layouts`)."""
+    n_kv_heads, d_mlp) of the served model, from the processor's model config (the points: `compat.layouts`)."""
     mc = require(processor, "model_config", "InputProcessor")
     return (
         int(mc.get_total_num_hidden_layers()),
@@ -60,6 +60,7 @@ def model_shape(processor: Any) -> tuple[int, int, dict[str, str], int, int, int
         *head_shape(mc.hf_config),
         *moe_shape(mc.hf_config),
         kv_heads(mc.hf_config),
+        mlp_width(mc.hf_config),
     )
 
 

@@ -30,7 +30,7 @@ from vllm_worker.envs import limit
 from vllm_worker.extract import inputs as inp
 from vllm_worker.extract import shards as sh
 from vllm_worker.frontend.state import engine_shape
-from vllm_worker.protocol.points import K, Q, Z
+from vllm_worker.protocol.points import MLP_POST, K, Q, Z
 from vllm_worker.protocol.spec import ACTIVATIONS_KEY, capture_points, capture_sites
 
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -257,6 +257,8 @@ def extract(
     processor = compat.processor_of_llm(llm)
     shape = engine_shape(processor)
     wanted = capture_points({p: layers for p in points}, shape)  # ValueError naming the field
+    if MLP_POST in wanted:  # its rows are d_mlp wide: the shard layout assumes one row width per point set
+        raise ValueError("points: mlp_post is not supported by extract yet (capture it with output_activations)")
     model, model_dtype, max_len = compat.served_model(processor)
     out_dtype = OUT_DTYPES[dtype] if dtype else model_dtype
     if out_dtype not in sh.DTYPES:

@@ -13,11 +13,12 @@ from vllm_worker import compat
 from vllm_worker.api.hooks import HookError, UnsupportedError
 from vllm_worker.counters import FRONTEND_TIMINGS
 from vllm_worker.envs import limit
+from vllm_worker.frontend import mlp_post
 from vllm_worker.frontend.probe_results import probe_outputs
 from vllm_worker.frontend.state import Pending, consumer_of, engine_state, pending_of, result_pools
 from vllm_worker.protocol import rpc
 from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
-from vllm_worker.protocol.points import RESID_POST, ROUTER_LOGITS, K, Q, Z, canonical_site
+from vllm_worker.protocol.points import MLP_POST, RESID_POST, ROUTER_LOGITS, K, Q, Z, point_sites
 from vllm_worker.protocol.spec import ModelShape
 from vllm_worker.protocol.wire import dtype_from_name, tensor_from_bytes
 from vllm_worker.transport import result_views, shm
@@ -194,12 +195,14 @@ def by_point(t: torch.Tensor, sites: list[int], points: dict[str, list[int]], sh
     row = {s: i for i, s in enumerate(sites)}
     acts: dict[str, Any] = {}
     for point, layers in points.items():
-        idx = [row[canonical_site(point, l)] for l in layers]
+        idx = [row[s] for l in layers for s in point_sites(point, l, shape.mlp_chunks)]
         if len(idx) == 1 or idx == list(range(idx[0], idx[0] + len(idx))):
             # (every row of `t`: `t` itself, one tensor fewer per request)
             acts[point] = t if idx[0] == 0 and len(idx) == t.shape[0] else t[idx[0] : idx[0] + len(idx)]
         else:
             acts[point] = t[idx]
+        if point == MLP_POST:  # its d_model-wide pieces, back into d_mlp-wide rows
+            acts[point] = mlp_post.assemble(acts[point], len(layers), shape)
         if point in (Z, Q):
             acts[point] = acts[point][..., : shape.n_heads * shape.d_head].unflatten(-1, (shape.n_heads, shape.d_head))
         if point == K:

@@ -1,7 +1,8 @@
 """SAEs in the frontend: the registry of loaded SAEs (`llm.load_sae`, `POST /v1/lens/saes`), checked
 against the served model before any worker loads them, and the SAE keys of a request turned into work for
-the workers — feature steering becomes an ordinary steering vector (`scale * W_dec[f]` at the SAE's point:
-it runs in the graph-safe kernel), features to return and clamps become `RequestSpec.sae` entries."""
+the workers — feature steering becomes an ordinary steering vector (`scale * W_dec[f]` at the point the
+decoder writes: the SAE's own, a transcoder's output point; it runs in the graph-safe kernel), features to
+return and clamps become `RequestSpec.sae` entries."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class LoadedSae:
     path: str  # resolved folder
     uid: str  # identity of the files (path, size, mtime): workers and cache salts check it
     sae: Sae  # CPU copy: its decoder rows become steering vectors
-    site: int
+    site: int  # where it reads (its features are encoded there)
+    out_site: int  # where its decoder writes (steering, clamps): `site` for an SAE, later for a transcoder
 
     def describe(self) -> dict[str, Any]:
         s = self.sae
@@ -52,6 +54,10 @@ class LoadedSae:
             "d_in": s.d_in,
             "d_sae": s.d_sae,
             "k": s.k or None,
+            "kind": "transcoder" if s.transcoder else "sae",
+            "hook_name_out": s.hook_name_out or s.hook_name,
+            "out_point": s.out_point or s.point,
+            "d_out": s.d_out,
         }
 
 
@@ -84,7 +90,17 @@ def prepare(name: Any, path: Any, shape: ModelShape) -> LoadedSae:
             f"d_in: SAE {name!r} reads {sae.d_in} values per token, but {sae.point} of this model has "
             f"d_model {shape.d_model}"
         )
-    return LoadedSae(name, folder, files_uid(folder), sae, pts.canonical_site(sae.point, sae.layer))
+    site = pts.canonical_site(sae.point, sae.layer)
+    out_site = site
+    if sae.out_point is not None:  # a transcoder: the decoder writes another point (hook_name_out)
+        pts.check_available(sae.out_point, "hook_name_out", shape.missing)
+        if sae.d_out != shape.d_model:
+            raise ValueError(
+                f"d_out: transcoder {name!r} writes {sae.d_out} values per token, but {sae.out_point} of this "
+                f"model has d_model {shape.d_model}"
+            )
+        out_site = pts.canonical_site(sae.out_point, sae.out_layer)
+    return LoadedSae(name, folder, files_uid(folder), sae, site, out_site)
 
 
 def _items(value: Any, key: str) -> list[tuple[str, Mapping]]:
@@ -171,7 +187,7 @@ def parse(ours: Mapping[str, Any], spec: RequestSpec, shape: ModelShape, registr
             ids = _ids(item.get("features"), f"{f}.features", loaded.sae.d_sae)
             scales = _per_feature(item.get("scale", 1.0), f"{f}.scale", len(ids))
             vec = (torch.tensor(scales).unsqueeze(1) * loaded.sae.W_dec[ids]).sum(0, keepdim=True)
-            spec.steers.append(Steer([loaded.site], vec, None, 1.0, False))
+            spec.steers.append(Steer([loaded.out_site], vec, None, 1.0, False))
     if SAE_CLAMP_KEY in ours:
         for f, item in _items(ours[SAE_CLAMP_KEY], SAE_CLAMP_KEY):
             _fields(item, f, {"sae", "features", "values"})
@@ -188,6 +204,7 @@ def parse(ours: Mapping[str, Any], spec: RequestSpec, shape: ModelShape, registr
                     "ids": ids,
                     "values": values,
                     "clamp": True,
+                    **({"out_site": loaded.out_site} if loaded.out_site != loaded.site else {}),
                 }
             )
 

@@ -15,6 +15,7 @@ import torch
 from vllm_worker.api.hooks import Hook
 from vllm_worker.api.steering import SteeringVector
 from vllm_worker.frontend import actions as action_keys
+from vllm_worker.frontend import mlp_post
 from vllm_worker.frontend import probes as probe_keys
 from vllm_worker.frontend import saes as sae_keys
 from vllm_worker.protocol import ops as intervention
@@ -117,8 +118,9 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
         )
     if acts.shape[0] != len(layers):
         raise ValueError(f"{f}.activations: first dimension {acts.shape[0]} != len(layer_indices) {len(layers)}")
-    if acts.shape[-1] != shape.d_model:
-        raise ValueError(f"{f}.activations: last dimension {acts.shape[-1]} != d_model {shape.d_model}")
+    width, width_name = (shape.d_mlp, "d_mlp") if point == pts.MLP_POST else (shape.d_model, "d_model")
+    if acts.shape[-1] != width:
+        raise ValueError(f"{f}.activations: last dimension {acts.shape[-1]} != {width_name} {width}")
     acts = acts.detach().to("cpu", torch.float32).clone()
     if not torch.isfinite(acts).all():
         raise ValueError(f"{f}.activations: contains NaN or inf")
@@ -317,7 +319,7 @@ def parse_request(
     if CAPTURE_KEY in ours:
         layers = capture_layers(ours[CAPTURE_KEY], shape.n_layers)
         spec.points[pts.RESID_POST] = sorted(set(spec.points.get(pts.RESID_POST, [])) | set(layers))
-    spec.capture = capture_sites(spec.points)
+    spec.capture = capture_sites(spec.points, shape.mlp_chunks)
     if STEER_KEY in ours:
         items = from_json_string(ours[STEER_KEY], STEER_KEY)
         if isinstance(items, (SteeringVector, Mapping)):
@@ -325,6 +327,7 @@ def parse_request(
         if not isinstance(items, (list, tuple)):
             raise ValueError(f"{STEER_KEY}: expected a list of SteeringVector, got {type(items).__name__}")
         spec.steers = [_steering_item(it, i, shape, prompt_len) for i, it in enumerate(items)]
+        spec.steers = mlp_post.split_steers(spec.steers, shape, STEER_KEY)
     if HOOK_KEY in ours:
         spec.hooks = parse_hooks(ours[HOOK_KEY], shape)
     if any(k in ours for k in SAE_KEYS):

@@ -61,7 +61,7 @@ def check_vector(t: Any, shape: ModelShape, field: str = "activations") -> torch
             f"{field}: expected (d_model,), (n_layers, d_model) or (n_layers, n_pos, d_model), got shape "
             f"{tuple(t.shape)}"
         )
-    widths = {shape.d_model} | ({shape.d_head} if shape.d_head else set())
+    widths = {shape.d_model} | ({shape.d_head} if shape.d_head else set()) | ({shape.d_mlp} if shape.d_mlp else set())
     if t.shape[-1] not in widths:
         raise ValueError(
             f"{field}: last dimension {t.shape[-1]} != d_model {shape.d_model}"

@@ -3,7 +3,8 @@
 A site is one tap op call inside the model, `site = layer * SITES_PER_LAYER + code`. Codes: the stream
 entering a layer (`resid_pre`; a tap only on the first layer of a stage), leaving it (`resid_post`), the
 attention block's output added to the stream (`attn_out`), the stream between attention and MLP
-(`resid_mid`; sequential layouts only) and the MLP / MoE block's output added to the stream (`mlp_out`).
+(`resid_mid`; sequential layouts only), what the MLP / MoE block receives (`mlp_in`: after its pre-MLP
+norm, the norm's weight applied) and the MLP / MoE block's output added to the stream (`mlp_out`).
 `z` is per head: each head's attention output before the output projection (the input of `o_proj`), one
 row of `n_heads * d_head` values per token (`(n_heads, d_head)` once handed back). `router_logits` (MoE layers): the router's logit per expert and
 token, carried in rows of d_model (the first n_experts values) and handed back `(n_experts,)` wide, with
@@ -20,17 +21,22 @@ from typing import Any, Iterable
 
 RESID_PRE, RESID_POST, ATTN_OUT, RESID_MID, MLP_OUT = "resid_pre", "resid_post", "attn_out", "resid_mid", "mlp_out"
 Z = "z"
+MLP_IN = "mlp_in"
+# the MLP's hidden activation entering its down projection (TransformerLens `mlp.hook_post`), d_mlp wide:
+# captured and steered as `mlp_chunks` consecutive sites of d_model-wide pieces (codes MLPPOST..), so
+# every buffer downstream (staging ring, store, result pool) keeps rows of d_model; hooks see the whole row
+MLP_POST = "mlp_post"
 ROUTER_LOGITS = "router_logits"
 Q, K = "q", "k"
 # in the order of a layer's computation (the order of `activations` keys and of docs)
-POINTS = (RESID_PRE, Q, K, Z, ATTN_OUT, RESID_MID, ROUTER_LOGITS, MLP_OUT, RESID_POST)
+POINTS = (RESID_PRE, Q, K, Z, ATTN_OUT, RESID_MID, MLP_IN, ROUTER_LOGITS, MLP_POST, MLP_OUT, RESID_POST)
 # inner points: need the model's layout (which submodule is attention, which the MLP)
-INNER = (Q, K, Z, ATTN_OUT, RESID_MID, ROUTER_LOGITS, MLP_OUT)
+INNER = (Q, K, Z, ATTN_OUT, RESID_MID, MLP_IN, ROUTER_LOGITS, MLP_POST, MLP_OUT)
 # read-only: captured and hooked, never steered (their width is not d_model)
 NOT_STEERABLE = (Q, K, ROUTER_LOGITS)
 # hooks there may read, not replace (views into vLLM's fused qkv buffer)
 READ_ONLY = (Q, K)
-IN, OUT, ATTN, MID, MLP, ZC, ROUTER, QC, KC = 0, 1, 2, 3, 4, 5, 6, 7, 8
+IN, OUT, ATTN, MID, MLP, ZC, ROUTER, QC, KC, MLPIN, MLPPOST = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
 CODE = {
     RESID_PRE: IN,
     RESID_POST: OUT,
@@ -41,9 +47,24 @@ CODE = {
     ROUTER_LOGITS: ROUTER,
     Q: QC,
     K: KC,
+    MLP_IN: MLPIN,
+    MLP_POST: MLPPOST,
 }
 NAME = {c: p for p, c in CODE.items()}
 SITES_PER_LAYER = 16
+MAX_MLP_CHUNKS = SITES_PER_LAYER - MLPPOST  # d_mlp up to 6 x d_model (codes 10..15)
+
+
+def mlp_chunks(d_mlp: int, d_model: int) -> int:
+    """d_model-wide pieces of an mlp_post row (the last one may be narrower)."""
+    return max(1, -(-d_mlp // d_model)) if d_model else 1
+
+
+def point_sites(point: str, layer: int, chunks: int = 1) -> list[int]:
+    """Every site a capture or steering of `point` at `layer` uses: one, or mlp_post's `chunks` pieces."""
+    if point == MLP_POST:
+        return [site(layer, MLPPOST + j) for j in range(chunks)]
+    return [canonical_site(point, layer)]
 
 
 def site(layer: int, code: int) -> int:
@@ -58,8 +79,16 @@ def site_layer(s: int) -> int:
     return s // SITES_PER_LAYER
 
 
+def site_point(s: int) -> str:
+    """The point a site belongs to (every piece of an mlp_post row is mlp_post)."""
+    code = split_site(s)[1]
+    return MLP_POST if code > MLPPOST else NAME[code]
+
+
 def describe(s: int) -> str:
     layer, code = split_site(s)
+    if code > MLPPOST:
+        return f"{MLP_POST}[{layer}] piece {code - MLPPOST}"
     return f"{NAME.get(code, code)}[{layer}]"
 
 

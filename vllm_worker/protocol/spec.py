@@ -93,6 +93,11 @@ class ModelShape:
     n_experts: int = 0  # MoE models
     top_k: int = 0  # experts chosen per token
     n_kv_heads: int = 0
+    d_mlp: int = 0  # the dense MLP's hidden width (mlp_post)
+
+    @property
+    def mlp_chunks(self) -> int:
+        return pts.mlp_chunks(self.d_mlp, self.d_model)
 
 
 @dataclass
@@ -218,8 +223,8 @@ def capture_points(value: Any, shape: ModelShape) -> dict[str, list[int]]:
     return out
 
 
-def capture_sites(points: Mapping[str, list[int]]) -> list[int]:
-    return sorted({pts.canonical_site(p, l) for p, ls in points.items() for l in ls})
+def capture_sites(points: Mapping[str, list[int]], mlp_chunks: int = 1) -> list[int]:
+    return sorted({s for p, ls in points.items() for l in ls for s in pts.point_sites(p, l, mlp_chunks)})
 
 
 def encode(spec: RequestSpec) -> dict[str, Any]:

@@ -11,6 +11,13 @@ pre = x' @ W_enc + b_enc; features = relu(pre) (standard), relu(pre) * (pre > th
 the k largest of pre kept, through relu (TopK); decode(f) = norm_out(f @ W_dec + b_dec). A TopK SAE with
 `rescale_acts_by_decoder_norm` (pre scaled by ‖W_dec[i]‖, f divided by it on decode) is read with the
 norms folded into W_enc, b_enc and W_dec: the same features and reconstruction.
+
+Transcoders (SAELens's `transcoder`, `jumprelu_transcoder`, `skip_transcoder`): the encoder reads one hook
+point (`hook_name`, e.g. `blocks.L.ln2.hook_normalized`, our `mlp_in`) and the decoder writes another
+(`hook_name_out`, e.g. `blocks.L.hook_mlp_out`): W_dec is (d_sae, d_out), b_dec (d_out,) and is never
+subtracted from the input (SAELens refuses `apply_b_dec_to_input` there), and the decode is not
+un-normalised (the output lives at another point). A skip transcoder's `W_skip` (d_out, d_in) adds
+x @ W_skip.T to the reconstruction; it cancels in a clamp's difference.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from vllm_worker.protocol import points as pts
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
 ARCHITECTURES = ("standard", "jumprelu", "topk")
+# SAELens transcoder architectures -> the encoder they use
+TRANSCODERS = {"transcoder": "standard", "jumprelu_transcoder": "jumprelu", "skip_transcoder": "standard"}
 NORMALISATIONS = ("none", "constant_norm_rescale", "layer_norm")
 # TransformerLens hook names -> our points (`blocks.12.hook_resid_post`)
 HOOKS = {
@@ -37,8 +46,11 @@ HOOKS = {
     "hook_resid_post": pts.RESID_POST,
     "hook_attn_out": pts.ATTN_OUT,
     "hook_mlp_out": pts.MLP_OUT,
+    # what the MLP reads: TransformerLens's normalised stream after ln2 (with the norm's weight applied here)
+    "ln2.hook_normalized": pts.MLP_IN,
+    "mlp.hook_post": pts.MLP_POST,  # refused when loaded (the point is not built yet)
 }
-_HOOK_RE = re.compile(r"^blocks\.(\d+)\.(\w+)$")
+_HOOK_RE = re.compile(r"^blocks\.(\d+)\.([\w.]+)$")
 
 
 def hook_point(hook_name: Any, field: str = "cfg.json: hook_name") -> tuple[str, int]:
@@ -68,6 +80,19 @@ class Sae:
     apply_b_dec_to_input: bool = True
     normalize: str = "none"
     hook_name: str = ""
+    # transcoders: the point the decoder writes (None: an SAE, which writes where it reads)
+    out_point: str | None = None
+    out_layer: int = -1
+    hook_name_out: str = ""
+    W_skip: torch.Tensor | None = None  # (d_out, d_in): skip transcoders
+
+    @property
+    def transcoder(self) -> bool:
+        return self.out_point is not None
+
+    @property
+    def d_out(self) -> int:
+        return self.W_dec.shape[1]
 
     @property
     def d_in(self) -> int:
@@ -88,6 +113,7 @@ class Sae:
             W_dec=mv(self.W_dec),
             b_dec=mv(self.b_dec),
             threshold=mv(self.threshold),
+            W_skip=mv(self.W_skip),
         )
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
@@ -101,7 +127,9 @@ class Sae:
             x = x - x.mean(dim=-1, keepdim=True)
             std = x.std(dim=-1, keepdim=True)
             x, out_scale = x / (std + 1e-5), std
-        if self.apply_b_dec_to_input:
+        if self.transcoder:  # the decode writes another point: never scaled back by this one's norm
+            out_scale = 1.0
+        elif self.apply_b_dec_to_input:
             x = x - self.b_dec
         pre = x @ self.W_enc + self.b_enc
         if self.architecture == "topk":
@@ -112,9 +140,15 @@ class Sae:
         return pre.relu(), out_scale
 
     def decode(self, f: torch.Tensor, out_scale: torch.Tensor | float = 1.0, mean: Any = None) -> torch.Tensor:
-        """The reconstruction (`mean`: the row means taken out by layer_norm, added back)."""
+        """The reconstruction (`mean`: the row means taken out by layer_norm, added back); a transcoder's is
+        of its output point (`reconstruct` adds a skip transcoder's skip term, which needs the input)."""
         y = (f @ self.W_dec + self.b_dec) * out_scale
         return y if mean is None else y + mean
+
+    def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
+        """A transcoder's prediction of its output point from the input point's rows `x`."""
+        y = self.decode(self.encode(x)[0])
+        return y if self.W_skip is None else y + x.float() @ self.W_skip.T
 
     def clamp_delta(self, x: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """What clamping features `ids` to `values` adds to the stream `x`: decode(f with f[ids] = values) -
@@ -134,6 +168,8 @@ def _cfg_get(cfg: dict, key: str, default: Any = None) -> Any:
 
 def _architecture(cfg: dict) -> tuple[str, int]:
     arch = cfg.get("architecture", "standard")
+    if arch in TRANSCODERS:
+        return TRANSCODERS[arch], 0
     act = cfg.get("activation_fn_str", cfg.get("activation_fn", "relu"))
     kwargs = cfg.get("activation_fn_kwargs") or {}
     if arch == "standard" and act == "topk":  # pre-6.0 TopK: a standard SAE with a topk activation
@@ -191,10 +227,25 @@ def load(path: str | Path) -> Sae:
     if cfg.get("finetuning_scaling_factor"):
         raise ValueError(f"{CFG_FILE}: finetuning_scaling_factor is not supported")
     arch, k = _architecture(cfg)
+    kind = str(cfg.get("architecture", "standard"))
+    transcoder = kind in TRANSCODERS
     norm = _normalisation(cfg)
-    apply_b_dec = cfg.get("apply_b_dec_to_input", True)
+    apply_b_dec = cfg.get("apply_b_dec_to_input", not transcoder)
     if not isinstance(apply_b_dec, bool):
         raise ValueError(f"{CFG_FILE}: apply_b_dec_to_input: expected true or false, got {apply_b_dec!r}")
+    out_point, out_layer, hook_name_out = None, -1, ""
+    if transcoder:
+        if apply_b_dec:  # b_dec is d_out wide: SAELens refuses it for transcoders too
+            raise ValueError(f"{CFG_FILE}: apply_b_dec_to_input: must be false for a transcoder ({kind!r})")
+        hook_name_out = _cfg_get(cfg, "hook_name_out")
+        out_point, out_layer = hook_point(hook_name_out, f"{CFG_FILE}: hook_name_out")
+        if _cfg_get(cfg, "hook_head_index_out") is not None:
+            raise ValueError(f"{CFG_FILE}: hook_head_index_out: transcoders writing one head are not supported")
+        if out_layer != layer or pts.POINTS.index(out_point) <= pts.POINTS.index(point):
+            raise ValueError(
+                f"{CFG_FILE}: hook_name_out: a transcoder here writes a later point of the layer it reads "
+                f"(read {hook_name!r}, write {hook_name_out!r})"
+            )
     rescale = cfg.get("rescale_acts_by_decoder_norm", False)
     if not isinstance(rescale, bool):
         raise ValueError(f"{CFG_FILE}: rescale_acts_by_decoder_norm: expected true or false, got {rescale!r}")
@@ -216,7 +267,16 @@ def load(path: str | Path) -> Sae:
         if t["W_enc"].ndim != 2:
             raise ValueError(f"{WEIGHTS_FILE}: W_enc has shape {tuple(t['W_enc'].shape)}, expected (d_in, d_sae)")
         d_in, d_sae = t["W_enc"].shape
-    want = {"W_enc": (d_in, d_sae), "b_enc": (d_sae,), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
+    d_out = d_in
+    if transcoder:
+        d_out = cfg.get("d_out")
+        if isinstance(d_out, bool) or not isinstance(d_out, int) or d_out <= 0:
+            raise ValueError(f"{CFG_FILE}: d_out: a transcoder needs its output width as a positive int, got {d_out!r}")
+    want = {"W_enc": (d_in, d_sae), "b_enc": (d_sae,), "W_dec": (d_sae, d_out), "b_dec": (d_out,)}
+    if kind == "skip_transcoder":
+        if "W_skip" not in t:
+            raise ValueError(f"{WEIGHTS_FILE}: a skip transcoder needs a 'W_skip' tensor (d_out, d_in)")
+        want["W_skip"] = (d_out, d_in)
     threshold = None
     if arch == "jumprelu":
         if "threshold" in t:
@@ -229,7 +289,9 @@ def load(path: str | Path) -> Sae:
         want["threshold"] = (d_sae,)
     for name, shape in want.items():
         if tuple(t[name].shape) != shape:
-            raise ValueError(f"{WEIGHTS_FILE}: {name} has shape {tuple(t[name].shape)}, expected {shape} (d_in, d_sae)")
+            raise ValueError(
+                f"{WEIGHTS_FILE}: {name} has shape {tuple(t[name].shape)}, expected {shape} (d_in, d_sae, d_out)"
+            )
         if not torch.isfinite(t[name]).all():
             raise ValueError(f"{WEIGHTS_FILE}: {name} contains NaN or inf")
     if k > d_sae:
@@ -252,6 +314,10 @@ def load(path: str | Path) -> Sae:
         apply_b_dec,
         norm,
         str(hook_name),
+        out_point,
+        out_layer,
+        str(hook_name_out or ""),
+        t.get("W_skip") if kind == "skip_transcoder" else None,
     )
 
 
@@ -264,10 +330,19 @@ def save(sae: Sae, path: str | Path, **meta: Any) -> Path:
     tensors = {"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec}
     if sae.threshold is not None:
         tensors["threshold"] = sae.threshold
+    if sae.W_skip is not None:
+        tensors["W_skip"] = sae.W_skip
     save_file({k: v.detach().float().contiguous().cpu() for k, v in tensors.items()}, str(folder / WEIGHTS_FILE))
     name = next(h for h, p in HOOKS.items() if p == sae.point)
+    arch = sae.architecture
+    if sae.W_skip is not None and arch != "standard":
+        raise ValueError(f"W_skip: SAELens has skip transcoders with a ReLU encoder only, not {arch!r}")
+    if sae.transcoder:
+        arch = "skip_transcoder" if sae.W_skip is not None else f"{'jumprelu_' if arch == 'jumprelu' else ''}transcoder"
+        out = next(h for h, p in HOOKS.items() if p == sae.out_point)
+        meta = {"hook_name_out": f"blocks.{sae.out_layer}.{out}", **meta}
     cfg: dict[str, Any] = {
-        "architecture": sae.architecture,
+        "architecture": arch,
         "d_in": sae.d_in,
         "d_sae": sae.d_sae,
         "dtype": "float32",
@@ -279,5 +354,7 @@ def save(sae: Sae, path: str | Path, **meta: Any) -> Path:
     }
     if sae.architecture == "topk":
         cfg["k"] = sae.k
+    if sae.transcoder:
+        cfg["d_out"] = sae.d_out
     (folder / CFG_FILE).write_text(json.dumps(cfg, indent=1))
     return folder

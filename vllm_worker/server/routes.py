@@ -191,6 +191,7 @@ async def info(request: Request):
     return {
         "n_layers": shape.n_layers,
         "d_model": shape.d_model,
+        "d_mlp": shape.d_mlp,  # mlp_post's width (0: unknown)
         # hook points requests may name (docs/hook-points.md), and why the others are missing
         "points": [p for p in POINTS if p not in shape.missing],
         "missing_points": shape.missing,

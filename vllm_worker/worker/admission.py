@@ -17,7 +17,7 @@ import torch
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors
-from vllm_worker.protocol.points import NAME, describe, site_layer, split_site
+from vllm_worker.protocol.points import describe, site_layer, site_point
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph, seams
 from vllm_worker.worker.actions import ActionRefused
@@ -306,16 +306,15 @@ class Admission:
         if not spec.steers and not hooks and not spec.sae and not probes and self.local.issuperset(spec.capture):
             return  # a capture of sites this worker taps (the common case, checked for every request)
         wanted = set(spec.capture) | {s for st in spec.steers for s in st.layers} | {s for h in hooks for s, _ in h.at}
-        wanted |= {int(u["site"]) for u in spec.sae} | {s for u in probes for s in u.weights}
+        wanted |= {int(u[k]) for u in spec.sae for k in ("site", "out_site") if u.get(k) is not None}
+        wanted |= {s for u in probes for s in u.weights}
         lacking = sorted(s for s in wanted if site_layer(s) in self.local_layers and s not in self.local)
         if not lacking:
             return
         names = ", ".join(describe(s) for s in lacking)
         why = "; ".join(
             dict.fromkeys(
-                self.missing.get(
-                    NAME[split_site(s)[1]], "that layer has no such block, e.g. a dense layer of an MoE model"
-                )
+                self.missing.get(site_point(s), "that layer has no such block, e.g. a dense layer of an MoE model")
                 for s in lacking
             )
         )

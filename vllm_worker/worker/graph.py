@@ -85,6 +85,7 @@ class GraphTaps:
         self.ctl, self.base, self.stage = self.table.ctl, self.table.base, self.ring.stage
         self.A, self.B, self.bflag, self.gate = self.entries.A, self.entries.B, self.entries.bflag, self.entries.gate
         self.op, self.nxt, self.lo, self.hi = self.entries.op, self.entries.nxt, self.entries.lo, self.entries.hi
+        self.wide: dict[int, list[tuple[int, int, int]]] = {}  # mlp_post: tap site -> its pieces' columns
         self.active = False  # a step planned for this path is running (the op acts outside graphs)
         self.fired = 0  # kernel calls outside graph capture during the running step
         self.launches_in_capture = 0  # kernel calls recorded into CUDA graphs
@@ -116,6 +117,14 @@ class GraphTaps:
     # ------------------------------------------------------------ inside the forward (the tap op)
 
     def apply(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        pieces = self.wide.get(site)
+        if pieces is not None:  # mlp_post: each d_model-wide piece of the row is a site of its own
+            for s, lo, hi in pieces:
+                self._apply_site(hidden[:, lo:hi], None, s)
+            return
+        self._apply_site(hidden, residual, site)
+
+    def _apply_site(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
         col = self.col.get(site)
         if col is None:
             return

@@ -221,8 +221,9 @@ def apply_entries(
         xs = x[live]
         rs = None if r is None else r[live]
         s = xs if rs is None else xs + rs
-        a = t.A[ee].float()
-        b = t.B[ee].float()
+        w = xs.shape[1]  # d, or the narrower last piece of an mlp_post row
+        a = t.A[ee, :w].float()
+        b = t.B[ee, :w].float()
         op = t.op[ee].unsqueeze(1)
         nb = s.norm(dim=-1, keepdim=True) * (t.bflag[ee] != 0).unsqueeze(1)
         added = xs + (a + b * nb) * t.gate[ee].unsqueeze(1)  # gate: 1, or a probe action's (0 until fired)

@@ -355,6 +355,8 @@ def make_plan(
         for u in r.sae:
             if u.site in local and (u.clamp or capturing_rank):  # features: only the reporting rank
                 (sae_clamp if u.clamp else sae_feat).setdefault(u.site, []).append(item)
+            if u.clamp and u.out_site is not None and u.out_site in local:  # a transcoder writes there
+                sae_clamp.setdefault(u.out_site, []).append(item)
         for st in r.steers:
             for layer in st.layers:
                 steer.setdefault(layer, []).append(item)

@@ -35,6 +35,7 @@ class PythonPath:
         self.d_model, self.local, self.fail, self.persistent = d_model, local, fail, persistent
         self.timings = timings  # the runtime's step diagnostics
         self.plan: StepPlan | None = None  # the plan of the forward pass running now
+        self.wide: dict[int, list[tuple[int, int, int]]] = {}  # mlp_post: tap site -> its pieces' columns
 
     @contextlib.contextmanager
     def at(self, plan: StepPlan, kwargs: dict, wanted: frozenset = frozenset()) -> Iterator[None]:
@@ -69,11 +70,17 @@ class PythonPath:
             return
         plan.fired += 1
         plan.fired_sites.add(site)
+        pieces = self.wide.get(site)
+        if pieces is not None:
+            plan.fired_sites.update(s for s, _, _ in pieces)
         if plan.broken:
             return
         try:
             faults.check("tap")
-            self._tap(plan, hidden, residual, site)
+            if pieces is not None:
+                self._wide_tap(plan, hidden, site, pieces)
+            else:
+                self._tap(plan, hidden, residual, site)
         except Exception as e:  # noqa: BLE001 - the plan's requests fail; their batch-mates go on
             plan.broken = True
             self.fail(plan.requests, f"tap {points.describe(site)}", e)
@@ -116,6 +123,40 @@ class PythonPath:
         if not defer:
             edits.run_hooks((site, True), plan, hidden, residual, self._hook_failed)
 
+    def _wide_tap(self, plan: StepPlan, hidden: torch.Tensor, site: int, pieces: list) -> None:
+        """mlp_post (`_tap`'s order): each d_model-wide piece is steered and captured as a site of its own
+        (a narrower last piece through a padded copy: vectors and rows are d_model wide); hooks see the whole
+        d_mlp-wide row at the tap's site."""
+        defer = plan.defer_hooks and site in plan.seam_sites
+        python = plan.graph is None  # else the kernel steered and captured the pieces already
+        if python:
+            for s, lo, hi in pieces:
+                self._piece(plan, hidden, s, lo, hi, steer=True)
+        if defer:
+            self._defer(plan, hidden, None, site)
+        else:
+            edits.run_hooks((site, False), plan, hidden, None, self._hook_failed)
+        if python:
+            for s, lo, hi in pieces:
+                self._piece(plan, hidden, s, lo, hi, steer=False)
+        if not defer:
+            edits.run_hooks((site, True), plan, hidden, None, self._hook_failed)
+
+    def _piece(self, plan: StepPlan, hidden: torch.Tensor, s: int, lo: int, hi: int, steer: bool) -> None:
+        if steer and (s in plan.steer or s in plan.steer_batched):
+            if hi - lo == self.d_model:
+                edits.steer(s, plan, hidden[:, lo:hi], None)
+            else:
+                tmp = torch.nn.functional.pad(hidden[:, lo:hi], (0, self.d_model - (hi - lo)))
+                edits.steer(s, plan, tmp, None)
+                hidden[:, lo:hi] = tmp[:, : hi - lo]
+        cap = None if steer else plan.capture.get(s)
+        if cap is not None:
+            rows = hidden[:, lo:hi].index_select(0, cap[0])
+            if rows.shape[1] < self.d_model:
+                rows = torch.nn.functional.pad(rows, (0, self.d_model - rows.shape[1]))
+            plan.captured.append((s, rows))
+
     def _defer(self, plan: StepPlan, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
         """The stream at `site` as it is now (a copy: later layers reuse these buffers), for the read-only
         hooks there to run after the forward."""
@@ -148,4 +189,5 @@ def _touches(r: RequestState, sites: frozenset) -> bool:
     own = set(r.capture) | set(r.simple_add) | {s for st in r.steers for s in st.layers} | {u.site for u in r.sae}
     own |= {s for u in r.acts for s in u.sites}
     own |= {s for u in r.probes for s in u.weights}
+    own |= {u.out_site for u in r.sae if u.out_site is not None}
     return bool(own & sites) or any(s in sites for h in r.hooks for s, _ in h.at)

@@ -53,7 +53,7 @@ class LensRuntime:
         self.model_class = compat.model_class(hf_config)
         self.missing = compat.missing_points(hf_config)  # point -> why this model lacks it
         if compat.tp_world_size() > 1:  # each rank holds a slice of the heads
-            for p in (points.Z, points.Q, points.K):
+            for p in (points.Z, points.Q, points.K, points.MLP_POST):  # mlp_post: a slice of d_mlp
                 self.missing.setdefault(p, f"{p} under tensor parallelism is not supported yet")
         if compat.sequence_parallel_moe(runner):  # never a wrong tensor: rank 0's rows are not the batch's
             self.missing.setdefault(
@@ -73,7 +73,17 @@ class LensRuntime:
             for p in [p for p in mods if p in self.missing]:
                 del mods[p]
         # the sites this stage holds (installed before vLLM compiles the model: see taps)
-        self.sites = taps.install(layers, inner)
+        d_model, d_mlp = compat.hidden_size(runner), compat.mlp_width(hf_config)
+        chunks = points.mlp_chunks(d_mlp, d_model)
+        self.sites = taps.install(layers, inner, chunks)
+        # mlp_post: its tap's site -> (site, first column, end column) of each d_model-wide piece
+        self.wide = {
+            points.site(i, points.MLPPOST): [
+                (points.site(i, points.MLPPOST + j), j * d_model, min((j + 1) * d_model, d_mlp)) for j in range(chunks)
+            ]
+            for i, mods in inner.items()
+            if points.MLP_POST in mods
+        }
         self._local = frozenset(self.sites)
         self.tp_rank = compat.tp_rank()
         self.capturing_rank = self.tp_rank == 0
@@ -100,6 +110,8 @@ class LensRuntime:
                     type(e).__name__,
                     e,
                 )
+        if self.graph is not None:
+            self.graph.wide = self.wide
         taps.set_graph(self.graph)
         self._layout: tuple | None = None  # (req_ids, qsl) the cached plan was made for
         self._cached_plan: StepPlan | None = None  # plan of the last batch composition seen ...
@@ -108,6 +120,7 @@ class LensRuntime:
         self.persistent = PersistentHooks()  # hooks on every request, and their results
         # steering, hooks and capture from Python at the taps (steps off the graph-safe path, and seams)
         self.python = PythonPath(self._d_model, self._local, self._fail, self.persistent, counters.STEP_TIMINGS)
+        self.python.wide = self.wide
         self.saes = saes.WorkerSaes(self.device, self._local_layers)  # `lens_load_sae`
         self.actions = actions.ActionTable(self._d_model, self.device)  # `probe_actions`
         self.probes = probes.WorkerProbes(self.device, self._local_layers)  # `lens_load_probe`

@@ -33,6 +33,8 @@ class SaeUse:
     ids: torch.Tensor | None = None  # chosen features (returned, or clamped) on the device
     values: torch.Tensor | None = None  # clamp values (float32, on the device)
     clamp: bool = False
+    out_site: int | None = None  # a transcoder's clamp: the delta is computed at `site`, added here
+    pending: torch.Tensor | None = None  # that delta, between the two taps of one forward pass
 
 
 class WorkerSaes:
@@ -65,9 +67,9 @@ class WorkerSaes:
             values = None
             if u.get("clamp"):
                 values = torch.tensor(u["values"], dtype=torch.float32, device=self.device)
-            out.append(
-                SaeUse(u["sae"], sae, int(u["site"]), int(u.get("top_k") or 0), ids, values, bool(u.get("clamp")))
-            )
+            out_site = None if u.get("out_site") is None else int(u["out_site"])
+            top_k = int(u.get("top_k") or 0)
+            out.append(SaeUse(u["sae"], sae, int(u["site"]), top_k, ids, values, bool(u.get("clamp")), out_site))
         return out
 
 
@@ -75,13 +77,26 @@ class WorkerSaes:
 
 
 def clamp_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-    """Python path, at a tap: each clamping request's rows get decode(f with f[ids] = values) - decode(f)."""
+    """Python path, at a tap: each clamping request's rows get decode(f with f[ids] = values) - decode(f).
+    A transcoder's delta is computed where it reads and added where it writes (a later tap of the same
+    forward pass)."""
     for r, s, e in plan.sae_clamp.get(site, ()):
         for u in r.sae:
-            if u.clamp and u.site == site:
+            if not u.clamp:
+                continue
+            if u.out_site is not None and site == u.out_site:
+                delta, u.pending = u.pending, None
+                if delta is None or delta.shape[0] != e - s:
+                    raise RuntimeError(f"transcoder {u.name!r}: no clamp delta from its input point this step")
+                hidden[s:e] += delta.to(hidden.dtype)
+            elif u.site == site:
                 x = hidden[s:e] if residual is None else hidden[s:e] + residual[s:e]
-                hidden[s:e] += u.sae.clamp_delta(x, u.ids, u.values).to(hidden.dtype)
+                delta = u.sae.clamp_delta(x, u.ids, u.values)
                 SAE_COUNTS["clamp_rows"] += e - s
+                if u.out_site is None:
+                    hidden[s:e] += delta.to(hidden.dtype)
+                else:
+                    u.pending = delta
 
 
 def features_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:

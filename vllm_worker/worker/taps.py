@@ -18,8 +18,8 @@ Sites: `site = layer * SITES_PER_LAYER + code` (`protocol.points`): IN (the stre
 layer of a stage; for the others it is the previous layer's OUT), OUT (leaving a layer) and, where the
 family's layout is known (`compat.layouts`) and `VLLM_LENS_POINTS` asks for them, the points inside it:
 forward hooks on the attention / MLP blocks and the router (`attn_out`, `mlp_out`, `router_logits`),
-pre-hooks on the norm between them (`resid_mid`), the output projection (`z`) and the attention kernel
-(`q`, `k`). The graph kernel and the handler key everything by site. vLLM's Transformers backend runs HF layers on
+pre-hooks on the norm between them (`resid_mid`), the MLP block (`mlp_in`: its input, the normed stream),
+the output projection (`z`) and the attention kernel (`q`, `k`). The graph kernel and the handler key everything by site. vLLM's Transformers backend runs HF layers on
 `(1, tokens, d)` tensors: the taps see `(tokens, d)` views of them (edits land in the original).
 """
 
@@ -34,7 +34,9 @@ from vllm_worker.protocol.points import (
     ATTN_OUT,
     CODE,
     IN,
+    MLP_IN,
     MLP_OUT,
+    MLP_POST,
     OUT,
     RESID_MID,
     ROUTER_LOGITS,
@@ -170,6 +172,19 @@ def _qk_hook(q_site: int, k_site: int) -> Callable:
     return hook
 
 
+def _mlp_in_hook(s: int) -> Callable:
+    """Pre-hook of the MLP block, called as `(hidden,)`: the normed stream it reads (no residual beside it);
+    also of the down projection (`mlp_post`: its d_mlp-wide input, one op call for all its pieces)."""
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        hidden = args[0] if args else None
+        if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
+            raise compat.LensIncompatibleVLLM(f"{type(module).__name__} called without its input as first argument")
+        torch.ops.vllm_lens.tap_inner(_rows(hidden), None, s)
+
+    return hook
+
+
 def _in_hook(s: int, inner: bool = False) -> Callable:
     def hook(module: torch.nn.Module, args: tuple) -> None:
         hidden, residual = compat.layer_inputs(args)
@@ -179,9 +194,12 @@ def _in_hook(s: int, inner: bool = False) -> Callable:
     return hook
 
 
-def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str, torch.nn.Module]]) -> list[int]:
+def install(
+    layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str, torch.nn.Module]], mlp_chunks: int = 1
+) -> list[int]:
     """Place the taps on this stage's decoder layers (before compilation: see the module docstring);
-    `inner`: layer -> {point: submodule} where the layout is known. Returns the sites placed."""
+    `inner`: layer -> {point: submodule} where the layout is known; `mlp_chunks`: the d_model-wide pieces of
+    an mlp_post row (one tap, a site per piece). Returns the sites placed."""
     first, module = layers[0]
     module.register_forward_pre_hook(_in_hook(site(first, IN)))
     sites = [site(first, IN)]
@@ -195,6 +213,10 @@ def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str
             mods[ATTN_OUT].register_forward_hook(_block_hook(site(idx, CODE[ATTN_OUT])))
         if RESID_MID in mods:
             mods[RESID_MID].register_forward_pre_hook(_in_hook(site(idx, CODE[RESID_MID]), inner=True))
+        if MLP_IN in mods:  # registered before the router's and the MLP's hooks: it runs first
+            mods[MLP_IN].register_forward_pre_hook(_mlp_in_hook(site(idx, CODE[MLP_IN])))
+        if MLP_POST in mods:  # the down projection's input: act(gate) * up, (tokens, d_mlp)
+            mods[MLP_POST].register_forward_pre_hook(_mlp_in_hook(site(idx, CODE[MLP_POST])))
         if ROUTER_LOGITS in mods:  # the gate's output: (tokens, n_experts)
             mods[ROUTER_LOGITS].register_forward_hook(_block_hook(site(idx, CODE[ROUTER_LOGITS])))
         if MLP_OUT in mods:
@@ -202,6 +224,8 @@ def install(layers: list[tuple[int, torch.nn.Module]], inner: dict[int, dict[str
         module.register_forward_hook(_out_hook(site(idx, OUT)))
         if Q in mods:
             sites += [site(idx, CODE[Q]), site(idx, CODE[Q] + 1)]  # q and k
-        sites += [site(idx, CODE[p]) for p in (Z, ATTN_OUT, RESID_MID, ROUTER_LOGITS, MLP_OUT) if p in mods]
+        sites += [site(idx, CODE[p]) for p in (Z, ATTN_OUT, RESID_MID, MLP_IN, ROUTER_LOGITS, MLP_OUT) if p in mods]
+        if MLP_POST in mods:
+            sites += [site(idx, CODE[MLP_POST] + j) for j in range(mlp_chunks)]
         sites.append(site(idx, OUT))
     return sorted(sites)

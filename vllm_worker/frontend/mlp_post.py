@@ -1,0 +1,46 @@
+"""`mlp_post` in the frontend: the MLP's d_mlp-wide hidden activation travels as `ModelShape.mlp_chunks`
+d_model-wide pieces, each a site of its own (`protocol.points.point_sites`), so every buffer on the way
+(staging ring, store, result pool) keeps rows of d_model. Steering vectors are cut into those pieces
+before they leave the frontend, and captures are put back together when they arrive."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from vllm_worker.protocol import ops
+from vllm_worker.protocol import points as pts
+from vllm_worker.protocol.spec import ModelShape, Steer
+
+# operations that act on each value alone survive the cut; ones that read the whole row (a projection,
+# a norm) would silently be computed per piece
+_PER_VALUE_OPS = (ops.ADD, ops.SET)
+
+
+def _is_mlp_post(st: Steer) -> bool:
+    return bool(st.layers) and all(pts.split_site(s)[1] == pts.MLPPOST for s in st.layers)
+
+
+def split_steers(steers: list[Steer], shape: ModelShape, field: str) -> list[Steer]:
+    """Each steer at mlp_post (vectors d_mlp wide) as one steer per d_model-wide piece (the last padded)."""
+    out: list[Steer] = []
+    for i, st in enumerate(steers):
+        if not _is_mlp_post(st):
+            out.append(st)
+            continue
+        if st.op not in _PER_VALUE_OPS or st.norm_match or st.mul:
+            raise ValueError(f"{field}[{i}]: at point 'mlp_post' only per-value edits (add, set) are supported")
+        d, n = shape.d_model, shape.mlp_chunks
+        v = torch.nn.functional.pad(st.vectors, (0, n * d - st.vectors.shape[-1]))
+        for j in range(n):
+            sites = [s + j for s in st.layers]
+            out.append(replace(st, layers=sites, vectors=v[..., j * d : (j + 1) * d].contiguous()))
+    return out
+
+
+def assemble(t: torch.Tensor, n_layers: int, shape: ModelShape) -> torch.Tensor:
+    """Captured pieces `(n_layers * chunks, n_pos, d_model)` (each layer's pieces in order) as
+    `(n_layers, n_pos, d_mlp)`."""
+    n = shape.mlp_chunks
+    return t.unflatten(0, (n_layers, n)).permute(0, 2, 1, 3).flatten(-2)[..., : shape.d_mlp]
