@@ -527,6 +527,9 @@ def test_mlp_post_refusals_name_the_field():
     _refused(llm, {"apply_steering_vectors": [wrong]}, "apply_steering_vectors[0].activations", "d_mlp 256")
     nm = SteeringVector(_vec(1, 256), [1], point="mlp_post", norm_match=True)
     _refused(llm, {"apply_steering_vectors": [nm]}, "apply_steering_vectors[0]", "only per-value edits")
+    for op in ("ablate", "cap"):  # a projection on a direction reads the whole d_mlp row
+        whole = SteeringVector(_vec(1, 256), [1], point="mlp_post", op=op, **({"hi": 0.5} if op == "cap" else {}))
+        _refused(llm, {"apply_steering_vectors": [whole]}, "apply_steering_vectors[0]", "only per-value edits")
 
 
 def _zero_col(col: int):
