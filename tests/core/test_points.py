@@ -8,7 +8,13 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from support.engines import COMPILED, make_engine
+from support.engines import make_engine
+from support.points import PROMPTS
+from support.points import close as _close
+from support.points import engine as _engine
+from support.points import ids as _ids
+from support.points import refused as _refused
+from support.points import vec as _vec
 from support.reference import hf_model, point_activations
 from support.tiny_models import FAMILIES
 from vllm_worker import Hook, HookError, SteeringVector
@@ -18,15 +24,6 @@ PARALLEL = {"gpt_neox"}  # parallel residual: no resid_mid
 MOE = {"mixtral", "qwen3_moe"}  # router_logits compared with HF's router
 MLA = {"deepseek_v2"}  # no z / q / k
 LAYERS = [0, 1, 3]
-PROMPTS = ["the water of time was long", "a day"]
-# compiled mode: dense fused, dense unfused, parallel-residual and MoE families (eager runs them all)
-COMPILED_FAMILIES = ("llama", "gpt2", "gpt_neox", "mixtral")
-
-
-def _engine(family: str):
-    if COMPILED and family not in COMPILED_FAMILIES:
-        pytest.skip(f"compiled mode covers {', '.join(COMPILED_FAMILIES)}")
-    return make_engine(family)
 
 
 def _points(family: str) -> list[str]:
@@ -45,23 +42,6 @@ def _width(family: str, point: str) -> int:
     from vllm_worker.compat.layouts import mlp_width
 
     return mlp_width(hf_model(family).config) if point == "mlp_post" else 128
-
-
-# relative to the largest value; Gemma 2's soft-capped attention differs from HF's at ~2e-4 on vLLM's CPU
-# attention (every point alike, from layer 0's attention on): a numeric, not a placement, difference
-TOL = {"gemma2": 1e-3}
-
-
-def _close(got: torch.Tensor, ref: torch.Tensor, what: str, family: str = "") -> None:
-    err = (got - ref).abs().max().item() / ref.abs().max().item()
-    tol = TOL.get(family, 1e-4)
-    assert got.shape == ref.shape and err < tol, (
-        f"{what}: shape {tuple(got.shape)} vs {tuple(ref.shape)}, rel {err:.2e}"
-    )
-
-
-def _ids(o) -> list[int]:
-    return list(o.prompt_token_ids) + list(o.outputs[0].token_ids)[:-1]
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in MLA])
@@ -112,11 +92,6 @@ def test_deepseek_mla_points_are_the_stream_s_own_parts():
     _refused(llm, {"output_activations": {"router_logits": [0]}}, "router_logits[0]", "not available")
     for p in ("z", "q"):
         _refused(llm, {"output_activations": {p: [1]}}, f"output_activations.{p}", "multi-head latent attention")
-
-
-def _vec(seed: int, d: int = 128, norm: float = 3.0) -> torch.Tensor:
-    v = torch.randn(1, d, generator=torch.Generator().manual_seed(seed))
-    return v / v.norm() * norm
 
 
 # (family, point, norm_match): dense fused, sandwich norms, parallel residual, MoE, unfused GPT-2
@@ -237,13 +212,6 @@ def test_resid_pre_is_the_embeddings_at_layer_0_and_the_previous_resid_post_afte
     assert torch.equal(a["resid_pre"][1], a["resid_post"][0]) and a["residual_stream"] is a["resid_post"]
     emb = hf_model("llama").get_input_embeddings()(torch.tensor(_ids(out)))
     _close(a["resid_pre"][0], emb, "embeddings")
-
-
-def _refused(llm, extra: dict, *needles: str) -> None:
-    with pytest.raises(ValueError) as info:
-        llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, extra_args=extra), use_tqdm=False)
-    for n in needles:
-        assert n in str(info.value), str(info.value)
 
 
 def test_refusals_name_the_field_and_the_point():
@@ -516,107 +484,3 @@ def test_get_parameter_refuses_a_weight_vllm_emptied():
         run("model.layers.0.block_sparse_moe.gate.weight")
     assert "is empty on this rank" in str(exc.value) and "repacked" in str(exc.value)
     assert run("model.norm.weight")[0].hook_results["0"]["shape"] == (128,)
-
-
-def test_mlp_post_refusals_name_the_field():
-    """mlp_post: MoE models have no single hidden activation; a vector must be d_mlp wide; edits that read
-    the whole row (norm_match) are refused there (the row travels in d_model-wide pieces)."""
-    _refused(_engine("mixtral"), {"output_activations": {"mlp_post": [1]}}, "mlp_post", "mixture-of-experts")
-    llm = _engine("llama")
-    wrong = SteeringVector(_vec(1), [1], point="mlp_post")
-    _refused(llm, {"apply_steering_vectors": [wrong]}, "apply_steering_vectors[0].activations", "d_mlp 256")
-    nm = SteeringVector(_vec(1, 256), [1], point="mlp_post", norm_match=True)
-    _refused(llm, {"apply_steering_vectors": [nm]}, "apply_steering_vectors[0]", "only per-value edits")
-    for op in ("ablate", "cap"):  # a projection on a direction reads the whole d_mlp row
-        whole = SteeringVector(_vec(1, 256), [1], point="mlp_post", op=op, **({"hi": 0.5} if op == "cap" else {}))
-        _refused(llm, {"apply_steering_vectors": [whole]}, "apply_steering_vectors[0]", "only per-value edits")
-
-
-def _zero_col(col: int):
-    def fn(ctx, h):
-        h = h.clone()
-        h[:, col] = 0
-        return h
-
-    return fn
-
-
-def test_mlp_post_with_a_narrower_last_piece_equals_hf():
-    """d_mlp 320 = 128 + 128 + 64: the last piece is narrower than its d_model-wide staging row. Capture and
-    steering on the graph-safe path, and with a hook at mlp_post (Python path: the hook sees the whole row
-    and zeroes a value of the last piece), equal HF; the captured rows are d_mlp wide."""
-    llm = make_engine("llama_odd")
-    v = _vec(11, 320)
-    capture = {"mlp_post": [1, 2], "resid_post": [3]}
-    steer = SteeringVector(v, [1], scale=2.0, point="mlp_post")
-    graph = SamplingParams(
-        max_tokens=4,
-        temperature=0,
-        ignore_eos=True,
-        extra_args={"output_activations": capture, "apply_steering_vectors": [steer]},
-    )
-    python = SamplingParams(
-        max_tokens=4,
-        temperature=0,
-        ignore_eos=True,
-        extra_args={
-            "output_activations": capture,
-            "apply_steering_vectors": [steer],
-            "apply_hooks": [Hook(_zero_col(300), [2], point="mlp_post")],
-        },
-    )
-    outs = llm.generate([PROMPTS[0]] * 2, [graph, python], use_tqdm=False)
-
-    def edit(hooked: bool):
-        def fn(where, layer, h):
-            if where == "mlp_post" and layer == 1:
-                return h + 2.0 * v[0]
-            if hooked and where == "mlp_post" and layer == 2:
-                h = h.clone()
-                h[:, 300] = 0
-                return h
-            return None
-
-        return fn
-
-    for out, hooked in zip(outs, (False, True)):
-        assert out.activations["mlp_post"].shape[-1] == 320
-        ref, _ = point_activations(hf_model("llama_odd"), "llama", _ids(out), edit(hooked))
-        for p, layers in capture.items():
-            _close(out.activations[p], ref[p][layers], f"llama_odd {p} (hooked: {hooked})")
-    assert (outs[1].activations["mlp_post"][1, :, 300] == 0).all()
-
-
-def test_a_neuron_hook_beside_a_graph_safe_capture_of_mlp_post(llama):
-    """One request zeroes neuron 5 of layer 1 with a hook at mlp_post while its batch-mate captures that
-    point on the graph-safe kernel: the hook sees whole d_mlp rows, each request equals HF with its own edit."""
-
-    def zero(ctx, h):
-        ctx.saved.setdefault("widths", []).append(h.shape[1])
-        h = h.clone()
-        h[:, 5] = 0
-        return h
-
-    base = dict(max_tokens=4, temperature=0, ignore_eos=True)
-    sps = [
-        SamplingParams(**base, extra_args={"output_activations": {"mlp_post": [1], "resid_post": [3]}}),
-        SamplingParams(
-            **base,
-            extra_args={"output_activations": {"resid_post": [3]}, "apply_hooks": [Hook(zero, [1], point="mlp_post")]},
-        ),
-    ]
-    plain, hooked = llama.generate([PROMPTS[0], PROMPTS[1]], sps, use_tqdm=False)
-
-    def edit(where, layer, h):
-        if (where, layer) == ("mlp_post", 1):
-            h = h.clone()
-            h[:, 5] = 0
-            return h
-        return None
-
-    ref, _ = point_activations(hf_model("llama"), "llama", _ids(plain))
-    _close(plain.activations["mlp_post"], ref["mlp_post"][[1]], "graph-safe mlp_post capture")
-    _close(plain.activations["resid_post"], ref["resid_post"][[3]], "plain batch-mate downstream")
-    ref, _ = point_activations(hf_model("llama"), "llama", _ids(hooked), edit)
-    _close(hooked.activations["resid_post"], ref["resid_post"][[3]], "downstream of the neuron hook")
-    assert set(hooked.hook_results["0"]["widths"]) == {256}  # whole d_mlp rows, every step
