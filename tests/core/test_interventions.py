@@ -364,25 +364,28 @@ def test_named_vector_with_an_op(llama, plain):
     """A registered vector named by an entry carrying op fields: the same numbers as the tensor inline."""
     d = plain[2].mean(dim=1)[1]
     llama.register_vector("ops-dir", d)
-    named = SteeringVector(name="ops-dir", layer_indices=[1, 2], op="ablate", phase="prompt")
-    inline = SteeringVector(d.expand(2, D).clone(), [1, 2], op="ablate", phase="prompt")
-    a, b = (
-        llama.generate([PROMPTS[5]], _sp({"apply_steering_vectors": [sv], "output_residual_stream": LAYERS}))[0]
-        for sv in (named, inline)
-    )
-    assert torch.equal(a.activations["residual_stream"], b.activations["residual_stream"])
-    check_hf(a, [inline])
-    with pytest.raises(ValueError, match="norm_match"):
-        llama.generate(
-            [PROMPTS[5]],
-            _sp(
-                {
-                    "apply_steering_vectors": [
-                        {"name": "ops-dir", "layer_indices": [1], "op": "ablate", "norm_match": True}
-                    ]
-                }
-            ),
+    try:
+        named = SteeringVector(name="ops-dir", layer_indices=[1, 2], op="ablate", phase="prompt")
+        inline = SteeringVector(d.expand(2, D).clone(), [1, 2], op="ablate", phase="prompt")
+        a, b = (
+            llama.generate([PROMPTS[5]], _sp({"apply_steering_vectors": [sv], "output_residual_stream": LAYERS}))[0]
+            for sv in (named, inline)
         )
+        assert torch.equal(a.activations["residual_stream"], b.activations["residual_stream"])
+        check_hf(a, [inline])
+        with pytest.raises(ValueError, match="norm_match"):
+            llama.generate(
+                [PROMPTS[5]],
+                _sp(
+                    {
+                        "apply_steering_vectors": [
+                            {"name": "ops-dir", "layer_indices": [1], "op": "ablate", "norm_match": True}
+                        ]
+                    }
+                ),
+            )
+    finally:  # (the engine is the session's: leave its registry as found)
+        llama.delete_vector("ops-dir")
 
 
 def test_refusal_example_removes_its_direction(llama):

@@ -206,22 +206,27 @@ def test_gated_steer_by_registered_name_equals_inline(llama):
     v = torch.randn(D, generator=torch.Generator().manual_seed(21))
     v = v / v.norm() * 8.0
     llama.register_vector("actions-push", v)
-    base = {"direction": _direction().tolist(), "layer": LAYER, "threshold": -1e6}
-    named = {**base, "then": {"steer": SteeringVector(name="actions-push", layer_indices=[1])}}
-    inline = {**base, "then": {"steer": [{"activations": v[None].clone(), "layer_indices": [1]}]}}
-    outs = llama.generate(
-        [PROMPTS[1]] * 2, [_sp({"probe_actions": [named]}), _sp({"probe_actions": [inline]})], use_tqdm=False
-    )
-    assert list(outs[0].outputs[0].token_ids) == list(outs[1].outputs[0].token_ids)
-    n_prompt = len(outs[0].prompt_token_ids)
-    assert outs[0].activations["probe_actions"][0]["position"] == n_prompt - 1
-    hf = hf_model("llama")
-    positions = list(range(n_prompt, n_prompt + N_NEW))
-    want = greedy(hf, list(outs[0].prompt_token_ids), N_NEW, steer_edit({1: v.expand(N_NEW, D)}, positions=positions))
-    assert list(outs[0].outputs[0].token_ids) == want
-    with pytest.raises(ValueError, match=r"probe_actions\[0\]\.then\.steer\[0\]\.name"):
-        bad = {**base, "then": {"steer": SteeringVector(name="not-registered", layer_indices=[1])}}
-        llama.generate([PROMPTS[1]], [_sp({"probe_actions": [bad]})], use_tqdm=False)
+    try:
+        base = {"direction": _direction().tolist(), "layer": LAYER, "threshold": -1e6}
+        named = {**base, "then": {"steer": SteeringVector(name="actions-push", layer_indices=[1])}}
+        inline = {**base, "then": {"steer": [{"activations": v[None].clone(), "layer_indices": [1]}]}}
+        outs = llama.generate(
+            [PROMPTS[1]] * 2, [_sp({"probe_actions": [named]}), _sp({"probe_actions": [inline]})], use_tqdm=False
+        )
+        assert list(outs[0].outputs[0].token_ids) == list(outs[1].outputs[0].token_ids)
+        n_prompt = len(outs[0].prompt_token_ids)
+        assert outs[0].activations["probe_actions"][0]["position"] == n_prompt - 1
+        hf = hf_model("llama")
+        positions = list(range(n_prompt, n_prompt + N_NEW))
+        want = greedy(
+            hf, list(outs[0].prompt_token_ids), N_NEW, steer_edit({1: v.expand(N_NEW, D)}, positions=positions)
+        )
+        assert list(outs[0].outputs[0].token_ids) == want
+        with pytest.raises(ValueError, match=r"probe_actions\[0\]\.then\.steer\[0\]\.name"):
+            bad = {**base, "then": {"steer": SteeringVector(name="not-registered", layer_indices=[1])}}
+            llama.generate([PROMPTS[1]], [_sp({"probe_actions": [bad]})], use_tqdm=False)
+    finally:  # (the engine is the session's: leave its registry as found)
+        llama.delete_vector("actions-push")
 
 
 def test_a_stopped_request_keeps_its_captures(llama, plain):
