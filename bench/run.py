@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPS = ROOT / "bench" / ".deps"
 BASE = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5")
 POINTS = ("W6", "W7", "W8")  # hook points (issue #24): this project only
-ALL = BASE + ("W4b", "W4m", "W4r", "W4rb") + POINTS  # W4b, W4r, W4rb: this project only
+MONITORS = ("W9", "W10", "W11", "W12", "W13", "W14")  # probes, probe actions, ops, mlp_post (#42, #43)
+CORE = BASE + ("W4b", "W4m", "W4r", "W4rb") + POINTS  # W4b, W4r, W4rb, W6-W8: this project only
+ALL = CORE + MONITORS  # W9-W14: this project only, plan gpu-monitors
 NAMES = {
     "W0": "plain generation",
     "W1": "capture 1 middle layer",
@@ -40,6 +42,12 @@ NAMES = {
     "W6": "capture attn_out + mlp_out, middle layer",
     "W7": "capture z (per head), middle layer",
     "W8": "steer mlp_out, middle layer",
+    "W9": "1 probe scored, every request",
+    "W10": "8 probes at 4 layers, every request",
+    "W11": "probe action then steer, every request",
+    "W12": "ablate 1 direction at every layer",
+    "W13": "cap 1 direction at 1 layer",
+    "W14": "capture mlp_post, 1 layer",
 }
 
 
@@ -396,7 +404,7 @@ def main() -> None:
         "small": {
             "vllm-eager": ("W0",),
             "vllm-compiled": ("W0",),
-            "lens": ALL,
+            "lens": CORE,
             "vllm-lens": BASE,
             "hf": ("W0", "W1", "W3"),
             "nnsight": ("W0", "W1"),
@@ -405,11 +413,24 @@ def main() -> None:
         # H200: this project in vLLM's default mode against plain vLLM with and without CUDA graphs, and
         # forced eager ("before"); peers on W1 in a second call ("gpu-peers") — all of them at once would
         # not fit in the GPU's memory next to each other
-        "gpu": {"vllm-eager": ("W0",), "vllm-compiled": ("W0",), "lens": ALL, "vllm-lens": ("W1",), "hf": ("W1",)},
+        "gpu": {
+            "vllm-eager": ("W0",),
+            "vllm-compiled": ("W0",),
+            "lens": CORE,
+            "vllm-lens": ("W1",),
+            "hf": ("W1",),
+        },
+        # probes, probe actions and ops (#42 §6, #43 §4) against plain vLLM with CUDA graphs; mlp_post (W14) on an
+        # engine started with that point listed (lens-points; run with BENCH_LENS_POINTS=mlp_post), its W0 the idle cost
+        "gpu-monitors": {
+            "vllm-compiled": ("W0",),
+            "lens": ("W0", "W9", "W10", "W11", "W12", "W13"),
+            "lens-points": ("W0", "W14"),
+        },
         "gpu-before": {
             "vllm-eager": ("W0",),
             "vllm-compiled": ("W0",),
-            "lens": ALL,
+            "lens": CORE,
             "lens-eager": ("W0", "W1", "W3", "W5"),
         },
         # hook points (issue #24): this project against plain vLLM with CUDA graphs, 8B-shaped and NeoX-shaped

@@ -27,11 +27,13 @@ import sys
 import time
 import traceback
 
+import monitor_workloads
 from hf_system import HFSystem
 from nnsight_vllm_system import NNsightVLLMSystem
 from system_base import engine_room, kv_cache_tokens, prompts
 
 WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W4n", "W4b", "W4m", "W4r", "W4rb", "W5", "W6", "W7", "W8")
+WORKLOADS += monitor_workloads.MONITOR_WORKLOADS  # W9-W14: probes, probe actions, ops, mlp_post (#42, #43)
 POINT_WORKLOADS = ("W6", "W7", "W8")  # hook points: this project only
 
 
@@ -100,6 +102,7 @@ class VLLMSystem:
         cfg = self.llm.llm_engine.model_config.hf_config
         self.n_layers, self.d = cfg.num_hidden_layers, cfg.hidden_size
         self.n_heads = cfg.num_attention_heads
+        self.d_mlp = getattr(cfg, "intermediate_size", None)
         self.d_head = getattr(cfg, "head_dim", None) or self.d // self.n_heads
         self.z_refused: str | None = None  # why the plugin refused point "z" (W7), once probed
         self._checked: set[str] = set()
@@ -127,6 +130,8 @@ class VLLMSystem:
 
         g = torch.Generator().manual_seed(0)
         self.vec = torch.randn(1, self.d, generator=g) * 2.0
+        if kind.startswith("lens") and hasattr(self.llm, "load_probe"):  # W9-W11's probes (older builds: none)
+            monitor_workloads.load_probes(self.llm, self.n_layers, self.d)
 
     def _types(self):
         if self.kind == "vllm-lens":
@@ -151,8 +156,12 @@ class VLLMSystem:
             return {}
         if self.kind in ("vllm-eager", "vllm-compiled"):
             raise NotImplementedError("plain vLLM has no capture/steering/hooks")
-        if workload in POINT_WORKLOADS and not self.kind.startswith("lens"):
-            raise NotImplementedError(f"{workload} (hook points) is benchmarked for this project only")
+        if (
+            workload in POINT_WORKLOADS or workload in monitor_workloads.MONITOR_WORKLOADS
+        ) and not self.kind.startswith("lens"):
+            raise NotImplementedError(f"{workload} is benchmarked for this project only")
+        if workload in monitor_workloads.MONITOR_WORKLOADS:
+            return monitor_workloads.extra(workload, self.n_layers, self.d, self.vec, self._types()[1])
         Hook, SteeringVector = self._types()
         if workload == "W5":  # a quarter capture, a quarter steer, the rest plain
             workload = "W1" if i % 4 == 0 else "W3" if i % 4 == 1 else "W0"
@@ -355,6 +364,8 @@ class VLLMSystem:
             import torch
 
             assert bool(torch.isfinite(torch.as_tensor(outs[0].hook_results["0"]["norm"])))
+        if workload in monitor_workloads.MONITOR_WORKLOADS:  # results really there (no silent no-op)
+            monitor_workloads.check(workload, outs, prompt_len, new, self.d_mlp or 0)
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         if workload in POINT_WORKLOADS:
             note = self._check_points(workload, outs, ps, sps, prompt_len, new)
