@@ -151,6 +151,7 @@ def main() -> None:
             {
                 "probe_actions": [{"probe": "p1", "threshold": thr_stop, "then": "stop"}],
                 "output_residual_stream": [lp],
+                "output_probe_scores": ["p1"],
             },
             (lp, "resid_post"),
         ),
@@ -165,6 +166,7 @@ def main() -> None:
                     }
                 ],
                 "output_residual_stream": [lp, n_layers - 1],
+                "output_probe_scores": ["p1"],
             },
             (lp, "resid_post"),
         ),
@@ -287,9 +289,22 @@ def main() -> None:
             oa = a.activations.get("probe_actions")
             op = p.activations.get("probe_actions")
             item["expected_position"], item["expected_token_index"] = pos, k
+            thr = thr_stop if name == "action_stop" else thr_steer
+            pre_s = s5 if name == "action_stop" else s6
+            item["threshold"] = thr
+            item["prelim_scores_watched"] = [round(float(v), 5) for v in pre_s[PROMPT - 1 : pos + 2]]
+            # the same run's own scores (output_probe_scores beside the action): where they first exceed
+            own = a.activations["probe_scores"]["p1"][:, 0].float().numpy()
+            item["own_scores_watched"] = [round(float(v), 5) for v in own[PROMPT - 1 : pos + 2]]
+            over = np.nonzero(own[PROMPT - 1 :] > thr)[0]
+            item["own_first_crossing"] = int(over[0]) + PROMPT - 1 if len(over) else -1
             item["outcome_graph"], item["outcome_python"] = oa, op
             fired = [bool(o and o[0].get("fired")) for o in (oa, op)]
-            same = bool(oa and op and oa[0].get("position") == op[0].get("position") == pos)
+            # both paths fire at the same position, where the run's own scores first exceed the threshold
+            same = bool(oa and op and oa[0].get("position") == op[0].get("position") == item["own_first_crossing"])
+            item["fired_as_predicted_by_prelim"] = bool(oa and oa[0].get("position") == pos)
+            if oa and oa[0].get("position", -1) >= PROMPT - 1:
+                k = int(oa[0]["position"]) - (PROMPT - 1)
             item["finish"] = [(o.outputs[0].finish_reason, str(o.outputs[0].stop_reason)) for o in (a, p)]
             ok = ok and all(fired) and same
             if name == "action_stop":
