@@ -44,16 +44,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def first_crossing(s: np.ndarray, start: int) -> tuple[float, int]:
-    """A threshold whose first crossing (`>`) over positions start.. lies near the middle of the watched
-    positions with the widest margin, and that position."""
+    """A threshold whose first crossing (`>`) over positions start.. is a new running maximum with the
+    widest margin (past the first watched position when one exists), and that position."""
     w = s[start:]
-    best, k_best, thr_best = -1.0, -1, float("inf")
-    for k in range(2, len(w) - 4):
-        prev = float(np.max(w[:k]))
-        margin = float(w[k]) - prev
+    best, k_best = 0.0, 0
+    for k in range(1, len(w) - 4):
+        margin = float(w[k]) - float(np.max(w[:k]))
         if margin > best:
-            best, k_best, thr_best = margin, k, (prev + float(w[k])) / 2
-    return thr_best, start + k_best
+            best, k_best = margin, k
+    if k_best == 0:  # the first watched score is the largest: it fires there
+        return float(w[0]) - 1e-3 * max(abs(float(w[0])), 1e-3), start
+    prev = float(np.max(w[:k_best]))
+    return (prev + float(w[k_best])) / 2, start + k_best
 
 
 def main() -> None:
