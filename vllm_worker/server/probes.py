@@ -4,14 +4,13 @@ named with `--lens-probe-dir`, 403 otherwise), `GET /v1/lens/probes` (what is lo
 
 from __future__ import annotations
 
-import os
-
 from fastapi import APIRouter, Request
 
-from vllm_worker import compat, envs
+from vllm_worker import compat
 from vllm_worker.frontend import probes
 from vllm_worker.frontend.state import engine_state
 from vllm_worker.protocol import rpc
+from vllm_worker.server import operator_dirs
 from vllm_worker.server.responses import BadRequest
 from vllm_worker.server.routes import caller_input, guard, json_body
 from vllm_worker.server.state import shape_of, state_of
@@ -23,19 +22,7 @@ router = APIRouter(prefix="/v1/lens")
 
 def allowed_path(path: object) -> str:
     """The probe folder, resolved, when it lies inside the operator's `--lens-probe-dir`."""
-    root = str(envs.get(PROBE_DIR_ENV) or "")
-    if not root:
-        raise PermissionError(
-            f"path: loading probes over HTTP is disabled; the operator must start the server with --lens-probe-dir "
-            f"DIR ({PROBE_DIR_ENV})"
-        )
-    if not isinstance(path, str) or not path:
-        raise BadRequest(400, f"path: expected a folder under the server's probe folder, got {path!r}", "path")
-    root = os.path.realpath(root)
-    full = os.path.realpath(os.path.join(root, path))
-    if os.path.commonpath([root, full]) != root:
-        raise PermissionError(f"path: {path!r} is outside the server's probe folder (--lens-probe-dir)")
-    return full
+    return operator_dirs.allowed_path(path, PROBE_DIR_ENV, "probe", "--lens-probe-dir")
 
 
 @router.post("/probes")
