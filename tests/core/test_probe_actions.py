@@ -143,6 +143,7 @@ def test_steer_switches_on_from_the_token_after_the_firing_one(llama, plain):
         ({"direction": [0.0] * D, "layer": 1, "then": "stop"}, "probe_actions[0].threshold"),
         ({"direction": [0.0] * D, "layer": 1, "threshold": float("nan"), "then": "stop"}, "probe_actions[0].threshold"),
         ({"direction": [0.0] * D, "layer": 1, "threshold": 1, "aggregate": "ema:1.5", "then": "stop"}, ".aggregate"),
+        ({"direction": [0.0] * D, "layer": 1, "threshold": 1, "aggregate": "mean", "then": "stop"}, ".aggregate"),
         (
             {"direction": [0.0] * D, "layer": 1, "threshold": 1, "aggregate": "rolling_max:0", "then": "stop"},
             ".aggregate",

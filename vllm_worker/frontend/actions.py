@@ -9,12 +9,12 @@ request or switches steering on. The steering goes into the request's ordinary s
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Mapping
 
 import torch
 
 from vllm_worker.api.steering import SteeringVector
+from vllm_worker.probes import aggregation
 from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number
 from vllm_worker.protocol.spec import ACTIONS_KEY, ModelShape, RequestSpec, Steer, from_json_string
@@ -167,20 +167,10 @@ def probe_condition(name: Any, f: str, probes: Mapping[str, Any]) -> tuple[str, 
 
 
 def _aggregate(value: Any, f: str) -> tuple[int, float]:
-    if value == "token":
-        return TOKEN, 0.0
-    if isinstance(value, str) and ":" in value:
-        kind, _, arg = value.partition(":")
-        if kind == "ema":
-            try:
-                a = float(arg)
-            except ValueError:
-                a = math.nan
-            if not 0.0 <= a < 1.0:
-                raise ValueError(f"{f}: ema:α needs 0 <= α < 1, got {value!r}")
-            return EMA, a
-        if kind == "rolling_max":
-            if not arg.isdigit() or not 1 <= int(arg) <= MAX_WINDOW:
-                raise ValueError(f"{f}: rolling_max:W needs an integer W in 1..{MAX_WINDOW}, got {value!r}")
-            return ROLLING, float(int(arg))
-    raise ValueError(f'{f}: expected "token", "ema:α" or "rolling_max:W", got {value!r}')
+    """An action's aggregate (`probes.aggregation`'s names, the running ones only) as its device code."""
+    if value != aggregation.TOKEN and not (isinstance(value, str) and value.startswith(aggregation.WINDOWED)):
+        raise ValueError(f'{f}: expected "token", "ema:α" or "rolling_max:W", got {value!r}')
+    kind, arg = aggregation.parse(value, f)
+    if kind == "rolling_max" and arg > MAX_WINDOW:
+        raise ValueError(f"{f}: rolling_max:W needs an integer W in 1..{MAX_WINDOW}, got {value!r}")
+    return {aggregation.TOKEN: TOKEN, "ema": EMA, "rolling_max": ROLLING}[kind], arg
