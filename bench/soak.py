@@ -106,7 +106,7 @@ async def _requests(
                 except httpx.HTTPError:
                     failed += 1
                     return
-            if r.status_code != 200 or not soak_probes.tally(kind, r.json(), seen):
+            if r.status_code != 200 or not soak_probes.tally(kind, b, r.json(), seen):
                 failed += 1
 
         await asyncio.gather(*(one(i) for i in range(start, start + n)))

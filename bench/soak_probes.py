@@ -85,8 +85,10 @@ def pick(value: Any, i: int) -> Any:
     return value[(i // 4) % len(value)] if isinstance(value, list) else value
 
 
-def tally(kind: str, body: dict, seen: dict[str, int]) -> bool:
-    """Count what a 200 response says the probe / action did; False when it lacks what was asked."""
+def tally(kind: str, sent: dict, body: dict, seen: dict[str, int]) -> bool:
+    """Count what a 200 response says the probe / action did; False when it lacks what was asked or the
+    action's outcome does not hold together (a stop that fired before the last token ends the request
+    right after the firing token; a steer never stops it)."""
     if kind not in ("probe", "action"):
         return True
     choice = body["choices"][0]
@@ -98,9 +100,13 @@ def tally(kind: str, body: dict, seen: dict[str, int]) -> bool:
     reports = acts.get("probe_actions") or []
     if len(reports) != 1:
         return False
-    fired = bool(reports[0]["fired"])
+    is_stop = json.loads(sent["vllm_xargs"]["probe_actions"])[0]["then"] == "stop"
+    fired, k = bool(reports[0]["fired"]), int(reports[0]["token_index"])
     stopped = choice.get("stop_reason") == f"probe:{NAME}"
-    seen["actions_answered"] = seen.get("actions_answered", 0) + 1
-    seen["actions_fired"] = seen.get("actions_fired", 0) + fired
-    seen["actions_stopped"] = seen.get("actions_stopped", 0) + stopped
-    return not stopped or fired
+    n_tokens = body["usage"]["completion_tokens"]
+    flavor = "stop" if is_stop else "steer"
+    for key, on in ((f"actions_{flavor}", True), (f"actions_{flavor}_fired", fired), ("actions_stopped", stopped)):
+        seen[key] = seen.get(key, 0) + on
+    if is_stop and fired and k < MAX_TOKENS - 1:
+        return stopped and n_tokens == k + 1
+    return not stopped
