@@ -83,6 +83,14 @@ def _rss(pid: int) -> list[float]:
     return [p.memory_info().rss / 2**20 for p in [proc, *proc.children(recursive=True)]]
 
 
+def _names(pid: int) -> list[str]:
+    """The processes `_rss` reads, in its order (vLLM titles its engine core `VLLM::EngineCore`)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    return [" ".join(p.cmdline()[:2])[-60:] or p.name() for p in [proc, *proc.children(recursive=True)]]
+
+
 async def _requests(
     url: str, model: str, kinds: list[str], start: int, n: int, xargs: dict, auth: dict, seen: dict[str, int]
 ) -> int:
@@ -162,6 +170,7 @@ def long_run(args: argparse.Namespace, model: str, servers: object) -> dict:
     probes = any(k in ("probe", "action") for k in kinds)
     url, xargs = _serve(servers, model, args.disabled, probes, auth, "--api-key", KEY)
     pid = servers.server_pid(url)  # type: ignore[attr-defined]
+    names = _names(pid)
     rows = []
     seen: dict[str, int] = {}
     done, failed, t0 = 0, 0, time.time()
@@ -183,6 +192,7 @@ def long_run(args: argparse.Namespace, model: str, servers: object) -> dict:
     flat = abs(total) < args.flat_mb and not any(live.values()) and failed == 0
     summary = {
         "kinds": kinds,
+        "processes": names,
         "requests": done,
         "failed": failed,
         "probe_and_action_outcomes": seen,
