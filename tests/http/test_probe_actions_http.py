@@ -11,8 +11,10 @@ from vllm import SamplingParams
 
 from support.engines import model_path
 from support.lens_http import sse_events
-from support.servers import KEY
+from support.servers import KEY, PROBE_DIR
 from vllm_worker.api.client import decode_activations
+from vllm_worker.probes import save_probe
+from vllm_worker.protocol.wire import tensor_to_json
 
 PROMPT = "the water of people will come down to the side"
 H = {"Authorization": f"Bearer {KEY}"}
@@ -63,3 +65,47 @@ def test_stop_reason_and_firing_position_over_http_equal_offline(server, llama):
     bad = {**body, "vllm_xargs": {"probe_actions": json.dumps([{**act, "aggregate": "ema:2"}])}}
     r = httpx.post(f"{server}/v1/completions", json=bad, headers=H, timeout=60)
     assert r.status_code == 400 and "probe_actions[0].aggregate" in r.text
+
+
+def test_info_counts_what_probes_and_actions_hold_while_a_request_runs(server):
+    """`/v1/lens/info` counts the workers' per-request state of probe scores and actions (the soak reads
+    these): held while the request streams, all 0 once it has left and one more step ran — a one-step plain
+    request, whose batch has as many requests as the one that left."""
+    g = torch.Generator().manual_seed(4)
+    save_probe(PROBE_DIR / "pinfo", torch.randn(1, 128, generator=g), layers=[2])
+    r = httpx.post(f"{server}/v1/lens/probes", json={"name": "pinfo", "path": "pinfo"}, headers=H, timeout=60)
+    assert r.status_code == 200, r.text
+    steer = {"activations": tensor_to_json(torch.randn(1, 128, generator=g)), "layer_indices": [1]}
+    never = [
+        {"probe": "pinfo", "threshold": 1e9, "then": "stop"},
+        {"probe": "pinfo", "threshold": 1e9, "then": {"steer": steer}},
+    ]
+    body = {
+        "model": str(model_path("llama")),
+        "prompt": PROMPT,
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "vllm_xargs": {"output_probe_scores": json.dumps(["pinfo"]), "probe_actions": json.dumps(never)},
+    }
+    during, after_info = None, 0
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=H, timeout=300) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            if during is None:
+                during = httpx.get(f"{server}/v1/lens/info", headers=H, timeout=60).json()
+            else:
+                after_info += 1
+    assert after_info > 0  # the counts were read while it ran
+    assert during is not None and during["request_states"] == 1, during
+    assert (during["action_slots"], during["action_requests"]) == (2, 1), during
+    assert during["steering_entries"] >= 1 and during["probe_score_chunks"] >= 1, during
+
+    plain = {k: body[k] for k in ("model", "prompt", "temperature")}
+    assert httpx.post(f"{server}/v1/completions", json={**plain, "max_tokens": 1}, headers=H).status_code == 200
+    info = httpx.get(f"{server}/v1/lens/info", headers=H, timeout=60).json()
+    held = ("request_states", "steering_entries", "probe_score_chunks", "action_slots", "action_requests")
+    assert {k: info[k] for k in (*held, "action_stops")} == dict.fromkeys((*held, "action_stops"), 0), info

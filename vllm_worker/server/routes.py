@@ -179,6 +179,16 @@ async def clear_prefetched(request: Request):
 info_router = APIRouter(prefix="/v1/lens")
 
 
+WORKER_COUNTS = (
+    "request_states",
+    "steering_entries",
+    "probe_score_chunks",
+    "action_slots",
+    "action_requests",
+    "action_stops",
+)
+
+
 @info_router.get("/info")
 @guard
 async def info(request: Request):
@@ -205,6 +215,9 @@ async def info(request: Request):
         "result_regions": sum(st.get("result_regions", 0) for st in status),
         # captures admitted and not yet returned, at their largest (counted against VLLM_LENS_MAX_STORED_GB)
         "capture_bytes_in_flight": in_flight_bytes(compat.processor_of_engine_client(state.engine)),
+        # what the workers keep per running request (request states, steering entries, probe scores, probe
+        # actions' slots): 0 once requests leave — a worker sees a request leave at its next step
+        **{k: sum(st.get(k, 0) for st in status) for k in WORKER_COUNTS},
         "limits": envs.limits(),
         # what a probe score depends on besides the probe (dtype, quantization, TP/PP, versions, model)
         "provenance": compat.serving_provenance(compat.processor_of_engine_client(state.engine)),

@@ -230,6 +230,14 @@ class ActionTable:
         else:
             self._stop_reads.append((stops, flags, None))
 
+    def status(self) -> dict[str, int]:
+        """What the table holds for live requests (each returns to 0 once they leave: `lens_status`)."""
+        return {
+            "action_slots": len(self.fired) - len(self._free),
+            "action_requests": len(self._by_req),
+            "action_stops": len(self.stopping),
+        }
+
     def stops(self) -> dict[str, str]:
         """Requests whose stop action has fired: {request id: "probe:<name>"} (repeated until they leave;
         the scheduler ignores a request it already finished)."""

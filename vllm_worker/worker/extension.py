@@ -54,6 +54,12 @@ class Unsupported:
             "prefetched": [],
             "result_regions": 0,
             "result_pool": None,
+            "request_states": 0,
+            "steering_entries": 0,
+            "probe_score_chunks": 0,
+            "action_slots": 0,
+            "action_requests": 0,
+            "action_stops": 0,
         }
 
     def collect_hook_results(self) -> None:

@@ -90,6 +90,10 @@ class SteeringEntries:
         self.gate.index_copy_(0, idx, gates)
         self._new = {}
 
+    def in_use(self) -> int:
+        """Entries held by live requests (`lens_status`)."""
+        return self.A.shape[0] - len(self._free)
+
     def free(self, idx: list[int]) -> None:
         self._free.extend(idx)
 

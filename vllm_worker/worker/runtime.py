@@ -195,13 +195,15 @@ class LensRuntime:
         r.entry_ids = []
 
     def _prune(self) -> None:
+        """Release the requests that left. Checked by id, not by count: the new requests of this batch are
+        not tracked yet, so as many may have joined as left (their steering entries and action slots would
+        stay held until a batch with fewer requests)."""
         live = compat.live_request_ids(self.runner)
-        if len(self._reqs) > len(live):
-            for rid in [r for r in self._reqs if r not in live]:
-                st = self._reqs.pop(rid)
-                if st is not None:
-                    self._free_entries(st)
-                    self._release_actions(st)
+        for rid in [r for r in self._reqs if r not in live]:
+            st = self._reqs.pop(rid)
+            if st is not None:
+                self._free_entries(st)
+                self._release_actions(st)
 
     def _release_actions(self, r: RequestState) -> None:
         """The request left: its actions' outcome stays in its results, their slots go back."""
@@ -488,6 +490,12 @@ class LensRuntime:
             # shared-memory result regions handed to the frontend and not yet given back
             "result_regions": (pool or {}).get("regions_in_use", 0),
             "result_pool": pool,
+            # per-request state the worker keeps while requests run (0 once they leave; a request's leaving
+            # is seen at the next step)
+            "request_states": sum(v is not None for v in self._reqs.values()),
+            "steering_entries": 0 if self.graph is None else self.graph.entries.in_use(),
+            "probe_score_chunks": self.store.probe_chunks(),
+            **self.actions.status(),
         }
 
 

@@ -68,6 +68,11 @@ class CaptureStore:
     def __len__(self) -> int:
         return len(self._stores)
 
+    def probe_chunks(self) -> int:
+        """Probe score chunks the stored requests hold on the device (`lens_status`)."""
+        with self.lock:
+            return sum(len(c) for st in self._stores.values() for p in st.probes.values() for c in p.chunks.values())
+
     def add(self, key: str, child: int, store: RequestResults) -> None:
         with self.lock:
             self._stores[(key, child)] = store
