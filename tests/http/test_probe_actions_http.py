@@ -75,37 +75,40 @@ def test_info_counts_what_probes_and_actions_hold_while_a_request_runs(server):
     save_probe(PROBE_DIR / "pinfo", torch.randn(1, 128, generator=g), layers=[2])
     r = httpx.post(f"{server}/v1/lens/probes", json={"name": "pinfo", "path": "pinfo"}, headers=H, timeout=60)
     assert r.status_code == 200, r.text
-    steer = {"activations": tensor_to_json(torch.randn(1, 128, generator=g)), "layer_indices": [1]}
-    never = [
-        {"probe": "pinfo", "threshold": 1e9, "then": "stop"},
-        {"probe": "pinfo", "threshold": 1e9, "then": {"steer": steer}},
-    ]
-    body = {
-        "model": str(model_path("llama")),
-        "prompt": PROMPT,
-        "max_tokens": 400,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "vllm_xargs": {"output_probe_scores": json.dumps(["pinfo"]), "probe_actions": json.dumps(never)},
-    }
-    during, after_info = None, 0
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=H, timeout=300) as s:
-        assert s.status_code == 200
-        for line in s.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            if during is None:
-                during = httpx.get(f"{server}/v1/lens/info", headers=H, timeout=60).json()
-            else:
-                after_info += 1
-    assert after_info > 0  # the counts were read while it ran
-    assert during is not None and during["request_states"] == 1, during
-    assert (during["action_slots"], during["action_requests"]) == (2, 1), during
-    assert during["steering_entries"] >= 1 and during["probe_score_chunks"] >= 1, during
+    try:
+        steer = {"activations": tensor_to_json(torch.randn(1, 128, generator=g)), "layer_indices": [1]}
+        never = [
+            {"probe": "pinfo", "threshold": 1e9, "then": "stop"},
+            {"probe": "pinfo", "threshold": 1e9, "then": {"steer": steer}},
+        ]
+        body = {
+            "model": str(model_path("llama")),
+            "prompt": PROMPT,
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "vllm_xargs": {"output_probe_scores": json.dumps(["pinfo"]), "probe_actions": json.dumps(never)},
+        }
+        during, after_info = None, 0
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=H, timeout=300) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if during is None:
+                    during = httpx.get(f"{server}/v1/lens/info", headers=H, timeout=60).json()
+                else:
+                    after_info += 1
+        assert after_info > 0  # the counts were read while it ran
+        assert during is not None and during["request_states"] == 1, during
+        assert (during["action_slots"], during["action_requests"]) == (2, 1), during
+        assert during["steering_entries"] >= 1 and during["probe_score_chunks"] >= 1, during
 
-    plain = {k: body[k] for k in ("model", "prompt", "temperature")}
-    assert httpx.post(f"{server}/v1/completions", json={**plain, "max_tokens": 1}, headers=H).status_code == 200
-    info = httpx.get(f"{server}/v1/lens/info", headers=H, timeout=60).json()
-    held = ("request_states", "steering_entries", "probe_score_chunks", "action_slots", "action_requests")
-    assert {k: info[k] for k in (*held, "action_stops")} == dict.fromkeys((*held, "action_stops"), 0), info
+        plain = {k: body[k] for k in ("model", "prompt", "temperature")}
+        assert httpx.post(f"{server}/v1/completions", json={**plain, "max_tokens": 1}, headers=H).status_code == 200
+        info = httpx.get(f"{server}/v1/lens/info", headers=H, timeout=60).json()
+        held = ("request_states", "steering_entries", "probe_score_chunks", "action_slots", "action_requests")
+        assert {k: info[k] for k in (*held, "action_stops")} == dict.fromkeys((*held, "action_stops"), 0), info
+    finally:  # (the server is the session's: its probe list is checked elsewhere)
+        assert httpx.delete(f"{server}/v1/lens/probes/pinfo", headers=H, timeout=60).status_code == 200
