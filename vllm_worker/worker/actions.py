@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from vllm_worker.protocol.wire import tensor_from_bytes
+from vllm_worker.worker.stream_rows import stream_rows
 
 TOKEN, EMA, ROLLING = 0, 1, 2  # as `frontend.actions`
 MAX_WINDOW = 256  # rolling_max:W's largest W (`frontend.actions.MAX_WINDOW`)
@@ -301,9 +302,7 @@ def rows_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor |
     if got is None:
         return
     idx, rows, items = got
-    x = hidden.index_select(0, idx)
-    if residual is not None:
-        x = x + residual.index_select(0, idx)
+    x = stream_rows(hidden, residual, idx)
     plan.act_got.append((site, x, rows, items))
 
 

@@ -24,6 +24,7 @@ import torch
 from vllm_worker.probes.format import Probe, check_probe
 from vllm_worker.protocol.points import canonical_site
 from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
+from vllm_worker.worker.stream_rows import stream_rows
 
 PROBE_COUNTS = {"rows": 0, "projections": 0}  # rows this process scored, matmuls it ran (tests, benchmarks)
 
@@ -137,9 +138,7 @@ def scores_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor
     if got is None:
         return
     idx, sp = got
-    x = hidden.index_select(0, idx)
-    if residual is not None:
-        x = x + residual.index_select(0, idx)
+    x = stream_rows(hidden, residual, idx)
     file_scores(site, x, plan.positions.index_select(0, idx), sp)
 
 

@@ -15,6 +15,7 @@ from vllm_worker.protocol import points
 from vllm_worker.worker import actions, edits, faults, probes, saes, seams, taps
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import HookRun, RequestState, StepPlan
+from vllm_worker.worker.stream_rows import stream_rows
 
 # Device memory the stream snapshots of deferred read-only hooks may hold within one step; past it the
 # hooks queued so far run at once (prefill steps with hooks at many layers).
@@ -108,9 +109,7 @@ class PythonPath:
         cap = plan.capture.get(site)
         if cap is not None:
             idx = cap[0]
-            rows = hidden.index_select(0, idx)
-            if residual is not None:
-                rows = rows + residual.index_select(0, idx)
+            rows = stream_rows(hidden, residual, idx)
             if rows.shape[1] < self.d_model:  # a narrower site (router logits) travels in d-wide rows
                 rows = torch.nn.functional.pad(rows, (0, self.d_model - rows.shape[1]))
             plan.captured.append((site, rows))

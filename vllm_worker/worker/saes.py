@@ -22,6 +22,7 @@ import torch
 from vllm_worker.counters import SAE_COUNTS
 from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.sae import Sae, load
+from vllm_worker.worker.stream_rows import stream_rows
 
 
 @dataclass(eq=False)
@@ -105,9 +106,7 @@ def features_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tens
     if got is None:
         return
     idx, items = got
-    x = hidden.index_select(0, idx)
-    if residual is not None:
-        x = x + residual.index_select(0, idx)
+    x = stream_rows(hidden, residual, idx)
     file_features(site, x, plan.positions.index_select(0, idx), items)
 
 
