@@ -122,33 +122,19 @@ def test_json_chunks_equal_json_dumps():
     assert b"".join(wire.json_chunks(wire.to_jsonable(ts, lazy=True))).decode() == json.dumps(wire.to_jsonable(ts))
 
 
-def test_encoding_a_huge_capture_lets_other_threads_run():
-    """The HTTP server encodes captures in a thread; the event loop must get the GIL between pieces. With
-    one 600 MB tensor (a single long capture), copying it to bytes, base64 and joining held it for over a second."""
-    import threading
-    import time
-
+def test_encoding_a_huge_capture_is_written_in_bounded_pieces():
+    """The HTTP server encodes captures in a thread; the event loop gets the GIL between pieces only if no
+    piece is made by one long call. The property tested here is the bound on every piece (the GIL wait itself
+    is a timing, measured by bench/probes/gil_wait.py, not asserted in a test)."""
     from vllm_worker.protocol import wire
 
-    t = torch.empty(150_000_000)  # 600 MB of float32
-    done = threading.Event()
-    gaps = []
-
-    def encode() -> None:
-        pieces = wire.json_chunks({"residual_stream": wire.to_jsonable(t, lazy=True)})
-        assert sum(map(len, pieces)) > 800_000_000
-        done.set()
-
-    th = threading.Thread(target=encode)
-    th.start()
-    last = time.perf_counter()
-    while not done.is_set():
-        time.sleep(0.001)
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
-    th.join()
-    assert max(gaps) < 0.3, f"another thread waited {max(gaps):.2f} s for the GIL"
+    t = torch.arange(15_000_000, dtype=torch.float32)  # 60 MB: 20 base64 pieces
+    pieces = wire.json_chunks({"residual_stream": wire.to_jsonable(t, lazy=True)})
+    assert len(pieces) > 10
+    assert max(map(len, pieces)) <= 6 << 20
+    whole = json.loads(b"".join(pieces))
+    back = wire.tensor_from_json(whole["residual_stream"])
+    assert torch.equal(back, t)
 
 
 def test_pending_map_keeps_the_sum_of_reservations():
