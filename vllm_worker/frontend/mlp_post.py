@@ -34,7 +34,7 @@ def split_steers(steers: list[Steer], shape: ModelShape, field: str) -> list[Ste
         d, n = shape.d_model, shape.mlp_chunks
         v = torch.nn.functional.pad(st.vectors, (0, n * d - st.vectors.shape[-1]))
         for j in range(n):
-            sites = [s + j for s in st.layers]
+            sites = [pts.mlp_piece_sites(pts.site_layer(s), n)[j] for s in st.layers]
             out.append(replace(st, layers=sites, vectors=v[..., j * d : (j + 1) * d].contiguous()))
     return out
 

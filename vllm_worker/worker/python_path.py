@@ -16,6 +16,7 @@ from vllm_worker.worker import actions, edits, faults, probes, saes, seams, taps
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import HookRun, RequestState, StepPlan
 from vllm_worker.worker.stream_rows import stream_rows
+from vllm_worker.worker.tp_wide import WideGather
 
 # Device memory the stream snapshots of deferred read-only hooks may hold within one step; past it the
 # hooks queued so far run at once (prefill steps with hooks at many layers).
@@ -37,6 +38,7 @@ class PythonPath:
         self.timings = timings  # the runtime's step diagnostics
         self.plan: StepPlan | None = None  # the plan of the forward pass running now
         self.wide: dict[int, list[tuple[int, int, int]]] = {}  # mlp_post: tap site -> its pieces' columns
+        self.tp: WideGather | None = None  # under TP: mlp_post rows gathered across the ranks
 
     @contextlib.contextmanager
     def at(self, plan: StepPlan, kwargs: dict, wanted: frozenset = frozenset()) -> Iterator[None]:
@@ -74,6 +76,9 @@ class PythonPath:
         pieces = self.wide.get(site)
         if pieces is not None:
             plan.fired_sites.update(s for s, _, _ in pieces)
+            if self.tp is not None:
+                self._tp_tap(plan, hidden, site, pieces)
+                return
         if plan.broken:
             return
         try:
@@ -140,6 +145,23 @@ class PythonPath:
                 self._piece(plan, hidden, s, lo, hi, steer=False)
         if not defer:
             edits.run_hooks((site, True), plan, hidden, None, self._hook_failed)
+
+    def _tp_tap(self, plan: StepPlan, hidden: torch.Tensor, site: int, pieces: list) -> None:
+        """mlp_post under TP (`tp_wide`): the whole row gathered (by every rank, even one whose plan broke:
+        the others wait for it), acted on as with TP=1, this rank's slice written back."""
+        if site not in plan.gather:
+            return
+        assert self.tp is not None
+        try:
+            full = self.tp.gather(hidden)
+            if plan.broken:
+                return
+            faults.check("tap")
+            self._wide_tap(plan, full, site, pieces)
+            self.tp.write_back(full, hidden)
+        except Exception as e:  # noqa: BLE001 - the plan's requests fail; their batch-mates go on
+            plan.broken = True
+            self.fail(plan.requests, f"tap {points.describe(site)}", e)
 
     def _piece(self, plan: StepPlan, hidden: torch.Tensor, s: int, lo: int, hi: int, steer: bool) -> None:
         if steer and (s in plan.steer or s in plan.steer_batched):
