@@ -4,6 +4,7 @@ slice), batch-mates untouched — equal to HF."""
 
 from __future__ import annotations
 
+import torch
 from vllm import SamplingParams
 
 from support.hook_fns import PROMPT
@@ -67,3 +68,32 @@ def test_tp2_mlp_post_capture_alone_equals_hf(tp2):
     out = tp2.generate([PROMPT], sp, use_tqdm=False)[0]
     ref, _ = point_activations(hf_model("llama"), "llama", ids(out))
     close(out.activations["mlp_post"], ref["mlp_post"][[0, 3]], "tp2 mlp_post capture")
+
+
+def test_tp2_mlp_post_ablate_and_cap_over_the_whole_row_equal_hf(tp2):
+    """ablate / cap at mlp_post under TP=2: the projection reads the gathered row, both halves."""
+    u, c = vec(41, 256), vec(42, 256)
+    svs = [
+        SteeringVector(u, [1], op="ablate", point="mlp_post"),
+        SteeringVector(c, [2], op="cap", lo=-0.05, hi=0.05, point="mlp_post"),
+    ]
+    capture = {"mlp_post": [1, 2], "resid_post": [3]}
+    sp = SamplingParams(
+        max_tokens=4,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"output_activations": capture, "apply_steering_vectors": svs},
+    )
+    out = tp2.generate([PROMPT], sp, use_tqdm=False)[0]
+
+    def edit(where, layer, h):
+        if where != "mlp_post" or layer not in (1, 2):
+            return None
+        d = (u if layer == 1 else c)[0] / (u if layer == 1 else c).norm()
+        p = h @ d
+        q = torch.zeros_like(p) if layer == 1 else p.clamp(-0.05, 0.05)
+        return h + (q - p).unsqueeze(1) * d
+
+    ref, _ = point_activations(hf_model("llama"), "llama", ids(out), edit)
+    for p, layers in capture.items():
+        close(out.activations[p], ref[p][layers], f"tp2 whole-row ops {p}")

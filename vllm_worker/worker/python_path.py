@@ -134,6 +134,7 @@ class PythonPath:
         defer = plan.defer_hooks and site in plan.seam_sites
         python = plan.graph is None  # else the kernel steered and captured the pieces already
         if python:
+            edits.steer(site, plan, hidden, None)  # whole-row edits (ablate, cap, norm_match), in their order
             for s, lo, hi in pieces:
                 self._piece(plan, hidden, s, lo, hi, steer=True)
         if defer:
@@ -212,3 +213,15 @@ def _touches(r: RequestState, sites: frozenset) -> bool:
     own |= {s for u in r.probes for s in u.weights}
     own |= {u.out_site for u in r.sae if u.out_site is not None}
     return bool(own & sites) or any(s in sites for h in r.hooks for s, _ in h.at)
+
+
+def wide_needs_python(r: RequestState, wide: dict[int, list[tuple[int, int, int]]]) -> bool:
+    """mlp_post work the graph-safe kernel cannot do for request `r`: whole-row edits (at the tap's own site:
+    a projection or norm over every piece), or a hook at the tap that must run before the request's capture
+    of the pieces (the kernel captures before a seam's hooks run: `plan.RequestState.seam_ok` sees only the
+    tap's site, not its pieces')."""
+    if any(s in wide for st in r.steers for s in st.layers):
+        return True
+    early = {s for h in r.hooks for s, late in h.at if not late and s in wide}
+    caps = set(r.capture)
+    return any(p in caps for tap in early for p, _, _ in wide[tap])

@@ -29,7 +29,7 @@ from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.params import Params
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import RequestState, Rows, StepPlan, make_plan
-from vllm_worker.worker.python_path import PythonPath
+from vllm_worker.worker.python_path import PythonPath, wide_needs_python
 from vllm_worker.worker.request_results import RequestResults
 from vllm_worker.worker.store import CaptureStore
 
@@ -88,7 +88,10 @@ class LensRuntime:
         self.tp_rank = compat.tp_rank()
         # under TP each rank's mlp_post tap sees its slice of d_mlp: gathered on the Python path, never the kernel
         self.tp_wide = tp_wide.WideGather(self.tp_rank, self.wide) if self.wide and compat.tp_world_size() > 1 else None
+        # the kernel never acts at an mlp_post tap's own site (hooks, whole-row edits: Python path), nor under
+        # TP at its pieces
         pieces = {s for ps in self.wide.values() for s, _, _ in ps} if self.tp_wide is not None else set()
+        pieces |= set(self.wide)
         self.capturing_rank = self.tp_rank == 0
         p = next(self.model.parameters())
         self.device = p.device
@@ -174,6 +177,9 @@ class LensRuntime:
         self._reqs[req_id] = req
         if req is not None and self.tp_wide is not None:
             self.tp_wide.admitted(req_id, req)
+        if req is not None and req.entries is not None and self.wide and wide_needs_python(req, self.wide):
+            self._free_entries(req)  # mlp_post work the kernel cannot do: the Python path
+            req.entries = None
         return req
 
     def _ctx(self, saved: dict, external: str) -> HookContext:
@@ -287,8 +293,8 @@ class LensRuntime:
                 if gather:  # every rank gathers at these taps, even one whose requests all failed here
                     plan = plan or StepPlan(None, {}, {}, {}, {})
                     plan.gather = gather
-                    if plan.capture:
-                        self.store.open_plan(plan)
+                if plan is not None and plan.capture:
+                    self.store.open_plan(plan)
                 self._cached_plan, self._plan_key = plan, key
             except Exception as e:  # noqa: BLE001 - fail these requests; the step runs plain
                 self._fail([r for r, _, _ in active], "planning", e)
