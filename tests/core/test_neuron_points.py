@@ -1,8 +1,10 @@
 """The neuron point `mlp_post` (the MLP's d_mlp-wide hidden activation, carried in d_model-wide pieces):
-refusals, a last piece narrower than d_model, and hooks beside graph-safe captures — equal to HF."""
+refusals, a last piece narrower than d_model, hooks beside graph-safe captures and edits of the whole row
+(ablate, cap, norm_match) — equal to HF."""
 
 from __future__ import annotations
 
+import torch
 from vllm import SamplingParams
 
 from support.engines import make_engine
@@ -17,17 +19,11 @@ from vllm_worker import Hook, SteeringVector
 
 
 def test_mlp_post_refusals_name_the_field():
-    """mlp_post: MoE models have no single hidden activation; a vector must be d_mlp wide; edits that read
-    the whole row (norm_match) are refused there (the row travels in d_model-wide pieces)."""
+    """mlp_post: MoE models have no single hidden activation; a vector must be d_mlp wide."""
     _refused(_engine("mixtral"), {"output_activations": {"mlp_post": [1]}}, "mlp_post", "mixture-of-experts")
     llm = _engine("llama")
     wrong = SteeringVector(_vec(1), [1], point="mlp_post")
     _refused(llm, {"apply_steering_vectors": [wrong]}, "apply_steering_vectors[0].activations", "d_mlp 256")
-    nm = SteeringVector(_vec(1, 256), [1], point="mlp_post", norm_match=True)
-    _refused(llm, {"apply_steering_vectors": [nm]}, "apply_steering_vectors[0]", "only per-value edits")
-    for op in ("ablate", "cap"):  # a projection on a direction reads the whole d_mlp row
-        whole = SteeringVector(_vec(1, 256), [1], point="mlp_post", op=op, **({"hi": 0.5} if op == "cap" else {}))
-        _refused(llm, {"apply_steering_vectors": [whole]}, "apply_steering_vectors[0]", "only per-value edits")
 
 
 def _zero_col(col: int):
@@ -118,3 +114,67 @@ def test_a_neuron_hook_beside_a_graph_safe_capture_of_mlp_post(llama):
     ref, _ = point_activations(hf_model("llama"), "llama", _ids(hooked), edit)
     _close(hooked.activations["resid_post"], ref["resid_post"][[3]], "downstream of the neuron hook")
     assert set(hooked.hook_results["0"]["widths"]) == {256}  # whole d_mlp rows, every step
+
+
+def _row_op(x: torch.Tensor, sv: SteeringVector, rows: torch.Tensor) -> torch.Tensor:
+    """`sv`'s op (one (d_mlp,) row) on the rows `rows` of `x`, over the whole row, as HF reference."""
+    x = x.clone()
+    v = sv.activations[0].float()
+    cur = x[rows]
+    if sv.op == "add":
+        if sv.norm_match:
+            v = v / v.norm() * cur.norm(dim=-1, keepdim=True)
+        x[rows] = cur + sv.scale * v
+        return x
+    d = v / v.norm()
+    p = (cur * d).sum(-1, keepdim=True)
+    q = torch.zeros_like(p) if sv.op == "ablate" else p.clamp(min=sv.lo, max=sv.hi)
+    x[rows] = cur + (q - p) * d
+    return x
+
+
+def test_mlp_post_whole_row_ops_equal_hf():
+    """ablate (prompt) then add at layer 1, cap (generated) at layer 2, and a norm-matched addition: each a
+    projection or norm over the whole d_mlp = 320 row (three pieces, the last narrower), in the order given,
+    equal to HF; a plain batch-mate is untouched."""
+    llm = make_engine("llama_odd")
+    u, w, c = _vec(31, 320), _vec(32, 320), _vec(33, 320)
+    a_svs = [
+        SteeringVector(u.repeat(2, 1), [1, 2], op="ablate", point="mlp_post", phase="prompt"),
+        SteeringVector(w, [1], scale=1.5, point="mlp_post"),
+        SteeringVector(c, [2], op="cap", lo=-0.05, hi=0.05, point="mlp_post", phase="generated"),
+    ]
+    b_svs = [SteeringVector(w, [2], scale=0.5, norm_match=True, point="mlp_post")]
+    capture = {"mlp_post": [1, 2], "resid_post": [3]}
+    base = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    sps = [
+        SamplingParams(**base, extra_args={"output_activations": capture, "apply_steering_vectors": a_svs}),
+        SamplingParams(**base, extra_args={"output_activations": capture, "apply_steering_vectors": b_svs}),
+        SamplingParams(**base, extra_args={"output_activations": capture}),
+    ]
+    outs = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[0]], sps, use_tqdm=False)
+
+    def edit_for(svs: list, n: int):
+        def fn(where, layer, h):
+            if where != "mlp_post":
+                return None
+            t = torch.arange(h.shape[0])
+            rows_of = {"all": t >= 0, "prompt": t < n, "generated": t >= n}
+            x, hit = h, False
+            for sv in svs:
+                if layer in sv.layer_indices:
+                    x, hit = _row_op(x, sv, torch.nonzero(rows_of[sv.phase]).squeeze(1)), True
+            return x if hit else None
+
+        return fn
+
+    hf = hf_model("llama_odd")
+    for out, svs, what in zip(outs, (a_svs, b_svs, []), ("ablate/add/cap", "norm_match", "plain")):
+        ref, _ = point_activations(hf, "llama", _ids(out), edit_for(svs, len(out.prompt_token_ids)))
+        for p, layers in capture.items():
+            _close(out.activations[p], ref[p][layers], f"llama_odd {what} {p}")
+    n = len(outs[0].prompt_token_ids)
+    ablated = outs[0].activations["mlp_post"][1, :n] @ (u[0] / u.norm())  # layer 2's prompt rows
+    assert ablated.abs().max() <= 1e-4 * outs[0].activations["mlp_post"].abs().max()
+    capped = outs[0].activations["mlp_post"][1, n:] @ (c[0] / c.norm())
+    assert capped.abs().max() <= 0.05 + 1e-4

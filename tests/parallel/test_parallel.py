@@ -90,7 +90,7 @@ def test_hook_points_under_tp2_and_pp2_equal_hf(engine, request):
     """Inner points across ranks: attn_out / mlp_out are all-reduced before they reach the stream (every TP
     rank sees the whole value); under PP resid_pre of the first layer of stage 1 is the stream stage 0
     sent (resid_post of layer 1); steering at mlp_out on stage 1; z refused under TP (each rank holds a
-    slice of the heads); a persistent hook at a point runs on its own stage."""
+    slice of the heads; mlp_post is gathered: test_neuron_points_parallel.py); a persistent hook at a point runs on its own stage."""
     from support.reference import point_activations
 
     llm = request.getfixturevalue(engine)
@@ -124,9 +124,6 @@ def test_hook_points_under_tp2_and_pp2_equal_hf(engine, request):
     if engine == "tp2":
         with pytest.raises(ValueError, match="z under tensor parallelism"):
             llm.generate([PROMPT], SamplingParams(max_tokens=2, extra_args={"output_activations": {"z": [1]}}))
-        # each rank's down projection reads its slice of d_mlp: refused until a gather is built
-        with pytest.raises(ValueError, match="mlp_post under tensor parallelism"):
-            llm.generate([PROMPT], SamplingParams(max_tokens=2, extra_args={"output_activations": {"mlp_post": [1]}}))
     llm.clear_hooks()
     llm.register_hooks([Hook(_record_point, [1, 3], point="attn_out")])
     llm.generate([PROMPT], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)

@@ -78,7 +78,7 @@ class SteeringVector(BaseModel):
     position_indices: absolute token positions for 3-D activations; must lie inside the prompt.
     point: where in each listed layer the vector is added: "resid_post" (default, the stream leaving the
         layer), "resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "mlp_post" (the MLP's
-        neurons: vectors d_mlp wide, no `norm_match`) or "z" (the heads' outputs before the output
+        neurons: vectors d_mlp wide; ablate / cap / norm_match act over the whole row) or "z" (the heads' outputs before the output
         projection; docs/hook-points.md); `norm_match` then uses the norm of the activation at that point.
     heads: with point="z", the heads the vector goes to: activations are then `(n_layers, d_head)` (or
         `(n_layers, n_pos, d_head)`), added to each listed head. Without activations (`None`), the listed

@@ -120,6 +120,7 @@ from vllm_worker.compat.runner import (  # noqa: F401
     runner_model,
     runner_prompt_len,
     sequence_parallel_moe,
+    tp_all_gather,
     tp_rank,
     tp_world_size,
     weak_ref,

@@ -239,6 +239,14 @@ def tp_world_size() -> int:
     return get_tensor_model_parallel_world_size()
 
 
+def tp_all_gather(t: torch.Tensor) -> torch.Tensor:
+    """Every TP rank's `t` side by side along the last dimension, in rank order (a collective: every rank of
+    the group must call it)."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(t, dim=-1)
+
+
 def sequence_parallel_moe(runner: Any) -> bool:
     """vLLM splits each MoE block's tokens across the TP ranks (data + expert parallel with some all-to-all
     backends, `ParallelConfig.use_sequence_parallel_moe`): a router inside the block then sees only its

@@ -1,7 +1,8 @@
 """`mlp_post` in the frontend: the MLP's d_mlp-wide hidden activation travels as `ModelShape.mlp_chunks`
 d_model-wide pieces, each a site of its own (`protocol.points.point_sites`), so every buffer on the way
 (staging ring, store, result pool) keeps rows of d_model. Steering vectors are cut into those pieces
-before they leave the frontend, and captures are put back together when they arrive."""
+before they leave the frontend (edits of the whole row stay whole), and captures are put back together
+when they arrive."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from vllm_worker.protocol import ops
 from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.spec import ModelShape, Steer
 
-# operations that act on each value alone survive the cut; ones that read the whole row (a projection,
-# a norm) would silently be computed per piece
+# operations that act on each value alone survive the cut; ones that read the whole row (a projection on a
+# direction, a norm) stay whole at the tap's own site, where the worker's Python path steers the whole row
 _PER_VALUE_OPS = (ops.ADD, ops.SET)
 
 
@@ -22,19 +23,28 @@ def _is_mlp_post(st: Steer) -> bool:
     return bool(st.layers) and all(pts.split_site(s)[1] == pts.MLPPOST for s in st.layers)
 
 
+def _reads_row(st: Steer) -> bool:
+    return st.op not in _PER_VALUE_OPS or st.norm_match
+
+
 def split_steers(steers: list[Steer], shape: ModelShape, field: str) -> list[Steer]:
-    """Each steer at mlp_post (vectors d_mlp wide) as one steer per d_model-wide piece (the last padded)."""
-    out: list[Steer] = []
+    """Each steer at mlp_post (vectors d_mlp wide) as one steer per d_model-wide piece (the last padded) —
+    unless the request also edits the whole row there (ablate, cap, norm_match): then all its mlp_post
+    steers stay whole at the tap's site, so they still apply in the order given (`worker.python_path`)."""
     for i, st in enumerate(steers):
+        if _is_mlp_post(st) and st.mul:
+            raise ValueError(f"{field}[{i}]: at point 'mlp_post' a multiplication is not supported")
+    if any(_is_mlp_post(st) and _reads_row(st) for st in steers):
+        return list(steers)
+    out: list[Steer] = []
+    for st in steers:
         if not _is_mlp_post(st):
             out.append(st)
             continue
-        if st.op not in _PER_VALUE_OPS or st.norm_match or st.mul:
-            raise ValueError(f"{field}[{i}]: at point 'mlp_post' only per-value edits (add, set) are supported")
         d, n = shape.d_model, shape.mlp_chunks
         v = torch.nn.functional.pad(st.vectors, (0, n * d - st.vectors.shape[-1]))
         for j in range(n):
-            sites = [s + j for s in st.layers]
+            sites = [pts.mlp_piece_sites(pts.site_layer(s), n)[j] for s in st.layers]
             out.append(replace(st, layers=sites, vectors=v[..., j * d : (j + 1) * d].contiguous()))
     return out
 

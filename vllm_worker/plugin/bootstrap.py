@@ -73,7 +73,7 @@ def _compile_marker() -> str:
     """What our taps add to a compiled graph: the tap layout's version and the inner points tapped."""
     from vllm_worker.protocol.points import SITES_PER_LAYER, enabled_inner
 
-    return f"inspect-lens: taps v3, {SITES_PER_LAYER} sites/layer, inner={','.join(sorted(enabled_inner()))}"
+    return f"inspect-lens: taps v4, {SITES_PER_LAYER} sites/layer, inner={','.join(sorted(enabled_inner()))}"
 
 
 def _declare_settings(quiet: bool) -> None:

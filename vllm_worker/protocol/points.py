@@ -23,8 +23,9 @@ RESID_PRE, RESID_POST, ATTN_OUT, RESID_MID, MLP_OUT = "resid_pre", "resid_post",
 Z = "z"
 MLP_IN = "mlp_in"
 # the MLP's hidden activation entering its down projection (TransformerLens `mlp.hook_post`), d_mlp wide:
-# captured and steered as `mlp_chunks` consecutive sites of d_model-wide pieces (codes MLPPOST..), so
+# captured and steered as `mlp_chunks` consecutive sites of d_model-wide pieces (codes MLP_PIECES..), so
 # every buffer downstream (staging ring, store, result pool) keeps rows of d_model; hooks see the whole row
+# at the tap's own site (code MLPPOST)
 MLP_POST = "mlp_post"
 ROUTER_LOGITS = "router_logits"
 Q, K = "q", "k"
@@ -51,8 +52,12 @@ CODE = {
     MLP_POST: MLPPOST,
 }
 NAME = {c: p for p, c in CODE.items()}
-SITES_PER_LAYER = 16
-MAX_MLP_CHUNKS = SITES_PER_LAYER - MLPPOST  # d_mlp up to 6 x d_model (codes 10..15)
+# A layer's codes: 0..MLP_PIECES-1 for points with one site each (11 used: room for 5 more), then
+# mlp_post's pieces up to the end. Changing any of these changes every site id (and the compiled graphs,
+# which hold them: `plugin.bootstrap._compile_marker`); tests/unit/test_site_layout.py pins them.
+SITES_PER_LAYER = 32
+MLP_PIECES = 16
+MAX_MLP_CHUNKS = SITES_PER_LAYER - MLP_PIECES  # d_mlp up to 16 x d_model (codes 16..31)
 
 
 def mlp_chunks(d_mlp: int, d_model: int) -> int:
@@ -60,10 +65,15 @@ def mlp_chunks(d_mlp: int, d_model: int) -> int:
     return max(1, -(-d_mlp // d_model)) if d_model else 1
 
 
+def mlp_piece_sites(layer: int, chunks: int) -> list[int]:
+    """The sites of the d_model-wide pieces of `layer`'s mlp_post row, in column order."""
+    return [site(layer, MLP_PIECES + j) for j in range(chunks)]
+
+
 def point_sites(point: str, layer: int, chunks: int = 1) -> list[int]:
     """Every site a capture or steering of `point` at `layer` uses: one, or mlp_post's `chunks` pieces."""
     if point == MLP_POST:
-        return [site(layer, MLPPOST + j) for j in range(chunks)]
+        return mlp_piece_sites(layer, chunks)
     return [canonical_site(point, layer)]
 
 
@@ -82,13 +92,13 @@ def site_layer(s: int) -> int:
 def site_point(s: int) -> str:
     """The point a site belongs to (every piece of an mlp_post row is mlp_post)."""
     code = split_site(s)[1]
-    return MLP_POST if code > MLPPOST else NAME[code]
+    return MLP_POST if code >= MLP_PIECES else NAME[code]
 
 
 def describe(s: int) -> str:
     layer, code = split_site(s)
-    if code > MLPPOST:
-        return f"{MLP_POST}[{layer}] piece {code - MLPPOST}"
+    if code >= MLP_PIECES:
+        return f"{MLP_POST}[{layer}] piece {code - MLP_PIECES}"
     return f"{NAME.get(code, code)}[{layer}]"
 
 

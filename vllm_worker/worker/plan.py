@@ -258,6 +258,7 @@ class StepPlan:
     row_cells: dict = field(default_factory=dict)  # batched hooks' `ctx.save_rows` values (`edits.Batch`)
     act_rows: dict = field(default_factory=dict)  # site -> (rows on device, host rows, requests): `actions`
     act_got: list = field(default_factory=list)  # the action rows read at the taps this step
+    gather: frozenset = frozenset()  # mlp_post taps gathered across TP ranks this step (`tp_wide`)
 
     @functools.cached_property
     def seam_sites(self) -> frozenset:
@@ -298,6 +299,7 @@ class StepPlan:
             | frozenset(self.sae_clamp)
             | frozenset(self.act_rows)
             | frozenset(self.probe_rows)
+            | self.gather
         )
 
 

@@ -16,6 +16,7 @@ from vllm_worker.worker import actions, edits, faults, probes, saes, seams, taps
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import HookRun, RequestState, StepPlan
 from vllm_worker.worker.stream_rows import stream_rows
+from vllm_worker.worker.tp_wide import WideGather
 
 # Device memory the stream snapshots of deferred read-only hooks may hold within one step; past it the
 # hooks queued so far run at once (prefill steps with hooks at many layers).
@@ -37,6 +38,7 @@ class PythonPath:
         self.timings = timings  # the runtime's step diagnostics
         self.plan: StepPlan | None = None  # the plan of the forward pass running now
         self.wide: dict[int, list[tuple[int, int, int]]] = {}  # mlp_post: tap site -> its pieces' columns
+        self.tp: WideGather | None = None  # under TP: mlp_post rows gathered across the ranks
 
     @contextlib.contextmanager
     def at(self, plan: StepPlan, kwargs: dict, wanted: frozenset = frozenset()) -> Iterator[None]:
@@ -74,6 +76,9 @@ class PythonPath:
         pieces = self.wide.get(site)
         if pieces is not None:
             plan.fired_sites.update(s for s, _, _ in pieces)
+            if self.tp is not None:
+                self._tp_tap(plan, hidden, site, pieces)
+                return
         if plan.broken:
             return
         try:
@@ -129,6 +134,7 @@ class PythonPath:
         defer = plan.defer_hooks and site in plan.seam_sites
         python = plan.graph is None  # else the kernel steered and captured the pieces already
         if python:
+            edits.steer(site, plan, hidden, None)  # whole-row edits (ablate, cap, norm_match), in their order
             for s, lo, hi in pieces:
                 self._piece(plan, hidden, s, lo, hi, steer=True)
         if defer:
@@ -140,6 +146,23 @@ class PythonPath:
                 self._piece(plan, hidden, s, lo, hi, steer=False)
         if not defer:
             edits.run_hooks((site, True), plan, hidden, None, self._hook_failed)
+
+    def _tp_tap(self, plan: StepPlan, hidden: torch.Tensor, site: int, pieces: list) -> None:
+        """mlp_post under TP (`tp_wide`): the whole row gathered (by every rank, even one whose plan broke:
+        the others wait for it), acted on as with TP=1, this rank's slice written back."""
+        if site not in plan.gather:
+            return
+        assert self.tp is not None
+        try:
+            full = self.tp.gather(hidden)
+            if plan.broken:
+                return
+            faults.check("tap")
+            self._wide_tap(plan, full, site, pieces)
+            self.tp.write_back(full, hidden)
+        except Exception as e:  # noqa: BLE001 - the plan's requests fail; their batch-mates go on
+            plan.broken = True
+            self.fail(plan.requests, f"tap {points.describe(site)}", e)
 
     def _piece(self, plan: StepPlan, hidden: torch.Tensor, s: int, lo: int, hi: int, steer: bool) -> None:
         if steer and (s in plan.steer or s in plan.steer_batched):
@@ -190,3 +213,15 @@ def _touches(r: RequestState, sites: frozenset) -> bool:
     own |= {s for u in r.probes for s in u.weights}
     own |= {u.out_site for u in r.sae if u.out_site is not None}
     return bool(own & sites) or any(s in sites for h in r.hooks for s, _ in h.at)
+
+
+def wide_needs_python(r: RequestState, wide: dict[int, list[tuple[int, int, int]]]) -> bool:
+    """mlp_post work the graph-safe kernel cannot do for request `r`: whole-row edits (at the tap's own site:
+    a projection or norm over every piece), or a hook at the tap that must run before the request's capture
+    of the pieces (the kernel captures before a seam's hooks run: `plan.RequestState.seam_ok` sees only the
+    tap's site, not its pieces')."""
+    if any(s in wide for st in r.steers for s in st.layers):
+        return True
+    early = {s for h in r.hooks for s, late in h.at if not late and s in wide}
+    caps = set(r.capture)
+    return any(p in caps for tap in early for p, _, _ in wide[tap])

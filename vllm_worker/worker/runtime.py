@@ -24,12 +24,12 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors, points
 from vllm_worker.protocol.spec import PAYLOAD_KEY
 from vllm_worker.transport import shm
-from vllm_worker.worker import actions, edits, faults, graph, probes, saes, seams, taps
+from vllm_worker.worker import actions, edits, faults, graph, probes, saes, seams, taps, tp_wide
 from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.params import Params
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import RequestState, Rows, StepPlan, make_plan
-from vllm_worker.worker.python_path import PythonPath
+from vllm_worker.worker.python_path import PythonPath, wide_needs_python
 from vllm_worker.worker.request_results import RequestResults
 from vllm_worker.worker.store import CaptureStore
 
@@ -53,7 +53,7 @@ class LensRuntime:
         self.model_class = compat.model_class(hf_config)
         self.missing = compat.missing_points(hf_config)  # point -> why this model lacks it
         if compat.tp_world_size() > 1:  # each rank holds a slice of the heads
-            for p in (points.Z, points.Q, points.K, points.MLP_POST):  # mlp_post: a slice of d_mlp
+            for p in (points.Z, points.Q, points.K):  # (mlp_post: gathered, `tp_wide`)
                 self.missing.setdefault(p, f"{p} under tensor parallelism is not supported yet")
         if compat.sequence_parallel_moe(runner):  # never a wrong tensor: rank 0's rows are not the batch's
             self.missing.setdefault(
@@ -79,13 +79,19 @@ class LensRuntime:
         # mlp_post: its tap's site -> (site, first column, end column) of each d_model-wide piece
         self.wide = {
             points.site(i, points.MLPPOST): [
-                (points.site(i, points.MLPPOST + j), j * d_model, min((j + 1) * d_model, d_mlp)) for j in range(chunks)
+                (s, j * d_model, min((j + 1) * d_model, d_mlp)) for j, s in enumerate(points.mlp_piece_sites(i, chunks))
             ]
             for i, mods in inner.items()
             if points.MLP_POST in mods
         }
         self._local = frozenset(self.sites)
         self.tp_rank = compat.tp_rank()
+        # under TP each rank's mlp_post tap sees its slice of d_mlp: gathered on the Python path, never the kernel
+        self.tp_wide = tp_wide.WideGather(self.tp_rank, self.wide) if self.wide and compat.tp_world_size() > 1 else None
+        # the kernel never acts at an mlp_post tap's own site (hooks, whole-row edits: Python path), nor under
+        # TP at its pieces
+        pieces = {s for ps in self.wide.values() for s, _, _ in ps} if self.tp_wide is not None else set()
+        pieces |= set(self.wide)
         self.capturing_rank = self.tp_rank == 0
         p = next(self.model.parameters())
         self.device = p.device
@@ -101,7 +107,12 @@ class LensRuntime:
         if graph.enabled():
             try:
                 self.graph = graph.GraphTaps(
-                    self.sites, self._d_model, self.dtype, self.device, compat.max_tokens(runner), self.store.side
+                    [s for s in self.sites if s not in pieces],
+                    self._d_model,
+                    self.dtype,
+                    self.device,
+                    compat.max_tokens(runner),
+                    self.store.side,
                 )
             except Exception as e:  # noqa: BLE001 - the Python path still serves every request
                 logger.warning(
@@ -110,7 +121,7 @@ class LensRuntime:
                     type(e).__name__,
                     e,
                 )
-        if self.graph is not None:
+        if self.graph is not None and self.tp_wide is None:
             self.graph.wide = self.wide
         taps.set_graph(self.graph)
         self._layout: tuple | None = None  # (req_ids, qsl) the cached plan was made for
@@ -120,7 +131,7 @@ class LensRuntime:
         self.persistent = PersistentHooks()  # hooks on every request, and their results
         # steering, hooks and capture from Python at the taps (steps off the graph-safe path, and seams)
         self.python = PythonPath(self._d_model, self._local, self._fail, self.persistent, counters.STEP_TIMINGS)
-        self.python.wide = self.wide
+        self.python.wide, self.python.tp = self.wide, self.tp_wide
         self.saes = saes.WorkerSaes(self.device, self._local_layers)  # `lens_load_sae`
         self.actions = actions.ActionTable(self._d_model, self.device)  # `probe_actions`
         self.probes = probes.WorkerProbes(self.device, self._local_layers)  # `lens_load_probe`
@@ -164,6 +175,11 @@ class LensRuntime:
         payload = None if not args else args.get(PAYLOAD_KEY)
         req = self.admission.admit(req_id, payload) if payload is not None or self.persistent else None
         self._reqs[req_id] = req
+        if req is not None and self.tp_wide is not None:
+            self.tp_wide.admitted(req_id, req)
+        if req is not None and req.entries is not None and self.wide and wide_needs_python(req, self.wide):
+            self._free_entries(req)  # mlp_post work the kernel cannot do: the Python path
+            req.entries = None
         return req
 
     def _ctx(self, saved: dict, external: str) -> HookContext:
@@ -201,6 +217,8 @@ class LensRuntime:
         live = compat.live_request_ids(self.runner)
         for rid in [r for r in self._reqs if r not in live]:
             st = self._reqs.pop(rid)
+            if self.tp_wide is not None:
+                self.tp_wide.forget(rid)
             if st is not None:
                 self._free_entries(st)
                 self._release_actions(st)
@@ -237,6 +255,12 @@ class LensRuntime:
                     active.append((r, s, e))
         return active
 
+    def _gather_taps(self, req_ids: list) -> frozenset:
+        """mlp_post taps this step gathers across TP ranks (`tp_wide`); none without TP."""
+        if self.tp_wide is None:
+            return frozenset()
+        return self.tp_wide.step_taps(req_ids, [self._reqs.get(r) for r in req_ids if r is not None])
+
     def _current_plan(self) -> StepPlan | None:
         """The plan of the step vLLM is preparing: made once per batch composition (decode steps with
         the same requests and row offsets reuse it)."""
@@ -254,6 +278,7 @@ class LensRuntime:
             counters.STEP_TIMINGS["admit_s"] += time.perf_counter() - t
             try:
                 plan = None
+                gather = self._gather_taps(req_ids)
                 if active:
                     faults.check("plan")
                     plan = make_plan(
@@ -261,12 +286,15 @@ class LensRuntime:
                         self.device,
                         self.capturing_rank,
                         self._local,
-                        self.graph,
+                        None if gather else self.graph,  # (a collective: Python path, every rank alike)
                         int(qsl[-1]),
                         seams.enabled(),
                     )
-                    if plan.capture:
-                        self.store.open_plan(plan)
+                if gather:  # every rank gathers at these taps, even one whose requests all failed here
+                    plan = plan or StepPlan(None, {}, {}, {}, {})
+                    plan.gather = gather
+                if plan is not None and plan.capture:
+                    self.store.open_plan(plan)
                 self._cached_plan, self._plan_key = plan, key
             except Exception as e:  # noqa: BLE001 - fail these requests; the step runs plain
                 self._fail([r for r, _, _ in active], "planning", e)

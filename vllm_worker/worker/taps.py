@@ -43,6 +43,7 @@ from vllm_worker.protocol.points import (
     SITES_PER_LAYER,
     Q,
     Z,
+    mlp_piece_sites,
     site,
     split_site,
 )
@@ -225,7 +226,7 @@ def install(
         if Q in mods:
             sites += [site(idx, CODE[Q]), site(idx, CODE[Q] + 1)]  # q and k
         sites += [site(idx, CODE[p]) for p in (Z, ATTN_OUT, RESID_MID, MLP_IN, ROUTER_LOGITS, MLP_OUT) if p in mods]
-        if MLP_POST in mods:
-            sites += [site(idx, CODE[MLP_POST] + j) for j in range(mlp_chunks)]
+        if MLP_POST in mods:  # the tap's own site (hooks) and its pieces' (capture, steering)
+            sites += [site(idx, CODE[MLP_POST]), *mlp_piece_sites(idx, mlp_chunks)]
         sites.append(site(idx, OUT))
     return sorted(sites)
