@@ -37,6 +37,7 @@ class SaeUse:
     clamp: bool = False
     out_site: int | None = None  # a transcoder's clamp: the delta is computed at `site`, added here
     pending: torch.Tensor | None = None  # that delta, between the two taps of one forward pass
+    id_list: tuple[int, ...] = ()  # `ids` on the host (features: a composition's union is made there)
 
 
 class WorkerSaes:
@@ -71,7 +72,9 @@ class WorkerSaes:
                 values = torch.tensor(u["values"], dtype=torch.float32, device=self.device)
             out_site = None if u.get("out_site") is None else int(u["out_site"])
             top_k = int(u.get("top_k") or 0)
-            out.append(SaeUse(u["sae"], sae, int(u["site"]), top_k, ids, values, bool(u.get("clamp")), out_site))
+            use = SaeUse(u["sae"], sae, int(u["site"]), top_k, ids, values, bool(u.get("clamp")), out_site)
+            use.id_list = () if u.get("ids") is None else tuple(int(i) for i in u["ids"])
+            out.append(use)
         return out
 
 
@@ -131,7 +134,8 @@ class SiteFeatures:
         self.slots: torch.Tensor | None = None  # graph-safe path: the rows' stage slots, on the device
         self.saes: dict[str, Sae] = {}  # name -> the SAE its uses here share
         self.top: dict[str, list[int]] = {}  # name -> its top-k sizes
-        self.ids: dict[str, torch.Tensor] = {}  # name -> the union of chosen features (sorted, on the device)
+        self.ids: dict[str, np.ndarray] = {}  # name -> the union of the chosen features, sorted
+        self.ids_dev: dict[str, torch.Tensor] = {}  # ... on the device
 
     def file(self, x: torch.Tensor, pos: np.ndarray | torch.Tensor) -> None:
         """Encode rows `x` (the rows of `items`, in order) once per SAE into this step's row of the record."""
@@ -149,7 +153,7 @@ class SiteFeatures:
         for name, f in encoded.items():
             for k in self.top.get(name, ()):
                 torch.topk(f, k, dim=-1, out=(out[("top", name, k)], out[("topi", name, k)]))
-            ids = self.ids.get(name)
+            ids = self.ids_dev.get(name)
             if ids is not None:
                 torch.index_select(f, 1, ids, out=out[("ids", name)])
 
@@ -165,15 +169,15 @@ class SiteFeatures:
 
     def _plan(self) -> None:
         """Which SAEs to encode, which top-k sizes and features to keep (once per composition)."""
-        chosen: dict[str, list[torch.Tensor]] = {}
+        chosen: dict[str, set[int]] = {}
         for _, _, _, u in self._uses():
             self.saes.setdefault(u.name, u.sae)
             if u.top_k:
                 if u.top_k not in self.top.setdefault(u.name, []):
                     self.top[u.name].append(u.top_k)
             elif u.ids is not None:
-                chosen.setdefault(u.name, []).append(u.ids)
-        self.ids = {name: torch.unique(torch.cat(got)) for name, got in chosen.items()}
+                chosen.setdefault(u.name, set()).update(u.id_list)
+        self.ids = {name: np.array(sorted(got), dtype=np.int64) for name, got in chosen.items()}
 
     def _open(self, device: torch.device, dtypes: dict[str, torch.dtype]) -> StepRecord:
         """The composition's record, and each request's spans of it."""
@@ -184,6 +188,7 @@ class SiteFeatures:
                 blocks[("topi", name, k)] = (k, torch.int64)
         for name, ids in self.ids.items():
             blocks[("ids", name)] = (len(ids), dtypes[name])
+        self.ids_dev = {name: torch.from_numpy(ids).to(device, non_blocking=True) for name, ids in self.ids.items()}
         rows = sum(e - s for _, s, e in self.items)
         rec = StepRecord(rows, blocks, device)
         for r, r0, r1, u in self._uses():
@@ -192,7 +197,8 @@ class SiteFeatures:
             if u.top_k:
                 span = Span(rec, r0, r1, ("top", u.name, u.top_k), slice(None))
             else:
-                span = Span(rec, r0, r1, ("ids", u.name), torch.searchsorted(self.ids[u.name], u.ids))
+                cols = torch.from_numpy(np.searchsorted(self.ids[u.name], np.array(u.id_list, dtype=np.int64)))
+                span = Span(rec, r0, r1, ("ids", u.name), cols)
             r.store.sae.setdefault(u.name, {"ids": u.ids, "spans": []})["spans"].append(span)
         return rec
 
