@@ -45,7 +45,19 @@ def tiny_model() -> Path:
     return dst
 
 
+GC_S = [0.0, 0.0, 0.0]  # seconds in garbage collections this round, per generation
+_gc_t0 = [0.0]
+
+
+def _gc_clock(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_t0[0] = time.perf_counter()
+    else:
+        GC_S[info["generation"]] += time.perf_counter() - _gc_t0[0]
+
+
 def main(rounds: int, new: int) -> None:
+    gc.callbacks.append(_gc_clock)
     import torch
     from monitor_workloads import extra, load_probes
     from vllm import LLM, SamplingParams
@@ -81,10 +93,11 @@ def main(rounds: int, new: int) -> None:
         elif w == "SAE":
             xa = {"output_sae_features": {"sae": "fsae", "top_k": 16}}
         else:
-            xa = extra(w, n_layers, d, None, None)
+            xa = extra(w, n_layers, d, torch.randn(1, d, generator=g), None)
         sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, detokenize=False, extra_args=xa)
         for r in range(1 if w == "W0" else rounds):
             st0, ft0 = dict(counters.STEP_TIMINGS), dict(counters.FETCH_TIMINGS)
+            GC_S[:] = [0.0, 0.0, 0.0]
             t = time.perf_counter()
             llm.generate(prompts, sp, use_tqdm=False)
             wall = time.perf_counter() - t
@@ -104,7 +117,8 @@ def main(rounds: int, new: int) -> None:
                 "admit_s": round(st.get("admit_s", 0), 3),
                 "forward_s": round(st.get("forward_s", 0), 3),
                 "fetch_assemble_s": round(ft.get("assemble_s", 0), 3),
-                "objects": len(gc.get_objects()),
+                "gc_s_by_generation": [round(x, 3) for x in GC_S],
+                "objects": len(gc.get_objects()),  # (not counting those vLLM froze after start-up)
                 "held": {
                     k: status[k] for k in ("stored_requests", "request_states", "probe_score_chunks", "stored_bytes")
                 },

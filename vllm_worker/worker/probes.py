@@ -238,10 +238,11 @@ def payload(got: dict[str, ProbeScores], start: int = 0, running: bool = False) 
     generating (`LensRuntime.probe_progress`): only positions from `start` on, and a probe with nothing
     scored yet is left out instead of being an error."""
     out = {}
+    cache: dict = {}  # (`step_records.Span.pieces`)
     for name, slot in got.items():
         pos, total = None, None
         for site in slot.probe.sites:
-            pieces = _since([pc for sp in slot.spans.get(site, ()) for pc in sp.pieces()], start)
+            pieces = _since([pc for sp in slot.spans.get(site, ()) for pc in sp.pieces(cache=cache)], start)
             if not pieces:
                 if running:  # nothing scored yet: nothing new
                     break

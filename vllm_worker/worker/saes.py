@@ -239,16 +239,19 @@ def stage_features(gp: Any, cap_rows: dict, sae_feat: dict, col: dict[int, int])
 def payload(got: dict[str, dict]) -> dict[str, dict]:
     """A request's features as bytes, per SAE: positions sorted (a position run twice keeps its last run)."""
     out = {}
+    cache: dict = {}  # (`step_records.Span.pieces`)
     for name, slot in got.items():
         spans = slot["spans"]
         if slot["ids"] is None:  # top_k: ids per position, beside their values
             pieces = [
-                (p, v, i) for sp in spans for (p, v), (_, i) in zip(sp.pieces(), sp.pieces(("topi", *sp.key[1:])))
+                (p, v, i)
+                for sp in spans
+                for (p, v), (_, i) in zip(sp.pieces(cache=cache), sp.pieces(("topi", *sp.key[1:]), cache))
             ]
             pos, vals, ind = latest(pieces)
             item = {"indices": tensor_to_bytes(ind.contiguous())}
         else:
-            pos, vals = latest([pc for sp in spans for pc in sp.pieces()])
+            pos, vals = latest([pc for sp in spans for pc in sp.pieces(cache=cache)])
             item = {"indices": tensor_to_bytes(slot["ids"].cpu())}
         out[name] = {"positions": tensor_to_bytes(pos), "values": tensor_to_bytes(vals.contiguous()), **item}
     return out

@@ -71,18 +71,31 @@ class Span:
     key: Any
     cols: slice | torch.Tensor
 
-    def pieces(self, key: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(positions (m,), values (m, k)) per filled chunk, steps in order; `key`: another block, all of
-        its columns (e.g. top-k indices beside their values)."""
-        out = []
-        for pos, blocks, f in self.record.chunks:
-            if not f:
-                continue
-            v = blocks[self.key if key is None else key][:f, self.r0 : self.r1]
-            if key is None:
-                v = v[..., self.cols] if isinstance(self.cols, slice) else v.index_select(-1, self.cols.to(v.device))
-            out.append((pos[:f, self.r0 : self.r1].reshape(-1), v.reshape(-1, v.shape[-1])))
-        return out
+    def pieces(self, key: Any = None, cache: dict | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[(positions (m,), values (m, k))] on the host, steps in order; `key`: another block, all of its
+        columns (e.g. top-k indices beside their values). `cache` (one fetch's): the rows of a record read
+        once for every span of them (a request's probes at one site share its rows): one copy to the host."""
+        k = self.key if key is None else key
+        ck = (id(self.record), self.r0, self.r1, k)
+        got = None if cache is None else cache.get(ck)
+        if got is None:
+            parts = [
+                (pos[:f, self.r0 : self.r1], blocks[k][:f, self.r0 : self.r1])
+                for pos, blocks, f in self.record.chunks
+                if f
+            ]
+            if not parts:
+                return []
+            got = (
+                torch.cat([p.reshape(-1) for p, _ in parts]).to("cpu", torch.int64),
+                torch.cat([v.reshape(-1, v.shape[-1]) for _, v in parts]).to("cpu"),
+            )
+            if cache is not None:
+                cache[ck] = got
+        pos, vals = got
+        if key is None:
+            vals = vals[:, self.cols] if isinstance(self.cols, slice) else vals.index_select(1, self.cols)
+        return [(pos, vals)]
 
 
 def latest(pieces: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
