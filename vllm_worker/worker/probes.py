@@ -6,11 +6,11 @@ and scored each step on the rows of the requests that name them, as SAE features
   `stage_probes`); after the step they are projected there, on the device (`scores_from_stage`).
 - Python path: projected from the rows at the tap (`scores_at`).
 
-Either way one matmul per site serves every request and probe of the step: the weights of the probes used
-at a site are stacked once per batch composition (`SiteProbes`). A multi-layer probe is a sum of one
-projection per layer (mean / std folded into the weights: `Probe.folded`); the per-site parts are added,
-the bias added and the sigmoid applied when the request's scores are fetched (`payload`). Scores wait on
-the device (n_out floats a token) until then.
+Either way one matmul per site serves every request and probe of the step, written into the batch
+composition's record for that site (`SiteProbes`, `step_records`): a step's host work does not grow with
+requests or probes. A multi-layer probe is a sum of one projection per layer (mean / std folded into the
+weights: `Probe.folded`); the per-site parts are added, the bias added and the sigmoid applied when the
+request's scores are fetched (`payload`). Scores wait on the device (n_out floats a token) until then.
 """
 
 from __future__ import annotations
