@@ -23,7 +23,7 @@ from vllm_worker.worker.actions import staged_rows
 from vllm_worker.worker.graph import GraphTaps
 from vllm_worker.worker.probes import SiteProbes, stage_probes
 from vllm_worker.worker.request_results import CaptureLog, RequestResults, StepArena
-from vllm_worker.worker.saes import stage_features
+from vllm_worker.worker.saes import SiteFeatures, stage_features
 
 
 @dataclass
@@ -247,7 +247,7 @@ class StepPlan:
     arena: StepArena | None = None  # host rows of this plan's steps
     graph: "GraphPlan | None" = None  # set: this composition runs on the graph-safe path
     requests: list = field(default_factory=list)  # the RequestStates it serves (failed together)
-    sae_feat: dict = field(default_factory=dict)  # site -> (row index on device, requests): SAE features
+    sae_feat: dict = field(default_factory=dict)  # site -> (row index on device, saes.SiteFeatures)
     sae_clamp: dict = field(default_factory=dict)  # site -> requests clamping SAE features there
     probe_rows: dict = field(default_factory=dict)  # site -> (row index on device, SiteProbes): probe scores
     broken: bool = False  # our code failed during this step: the taps do nothing more
@@ -433,7 +433,7 @@ def make_plan(
         hooks,
         requests=[r for r, _, _ in active],
         groups=hook_groups(),
-        sae_feat={s: (on_device(rows_of(items)), items) for s, items in feat.items()},
+        sae_feat={s: (on_device(rows_of(items)), SiteFeatures(s, items)) for s, items in feat.items()},
         sae_clamp={s: list(dict.fromkeys(v)) for s, v in sae_clamp.items()},
         act_rows={s: (on_device(rw), rw, items) for s, items in act.items() for rw in [action_rows(items)]},
         probe_rows={s: (on_device(rows_of(items)), SiteProbes.of(s, items)) for s, items in probed.items()},

@@ -6,11 +6,11 @@ and scored each step on the rows of the requests that name them, as SAE features
   `stage_probes`); after the step they are projected there, on the device (`scores_from_stage`).
 - Python path: projected from the rows at the tap (`scores_at`).
 
-Either way one matmul per site serves every request and probe of the step: the weights of the probes used
-at a site are stacked once per batch composition (`SiteProbes`). A multi-layer probe is a sum of one
-projection per layer (mean / std folded into the weights: `Probe.folded`); the per-site parts are added,
-the bias added and the sigmoid applied when the request's scores are fetched (`payload`). Scores wait on
-the device (n_out floats a token) until then.
+Either way one matmul per site serves every request and probe of the step, written into the batch
+composition's record for that site (`SiteProbes`, `step_records`): a step's host work does not grow with
+requests or probes. A multi-layer probe is a sum of one projection per layer (mean / std folded into the
+weights: `Probe.folded`); the per-site parts are added, the bias added and the sigmoid applied when the
+request's scores are fetched (`payload`). Scores wait on the device (n_out floats a token) until then.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from vllm_worker.probes.format import Probe, check_probe
 from vllm_worker.protocol.points import canonical_site
 from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
+from vllm_worker.worker.step_records import Span, StepRecord, latest
 from vllm_worker.worker.stream_rows import stream_rows
 
 PROBE_COUNTS = {"rows": 0, "projections": 0}  # rows this process scored, matmuls it ran (tests, benchmarks)
@@ -57,10 +58,12 @@ class WorkerProbes:
         ws, bias = p.folded()
         if len(local) == len(p.layers):
             weights = {s: w.to(self.device) for s, w in zip(sites, ws)}
+        _STACKS.clear()
         self.loaded[name] = DeviceProbe(name, uid, weights, bias, p.output == "sigmoid", sites)
         return {"name": name, "local_layers": local}
 
     def delete(self, name: str) -> bool:
+        _STACKS.clear()
         return self.loaded.pop(name, None) is not None
 
     def uses(self, entries: list[dict[str, Any]]) -> list[DeviceProbe]:
@@ -80,56 +83,87 @@ class WorkerProbes:
 _TENSORS = ("weight", "bias", "mean", "std")
 
 
-@dataclass
 class SiteProbes:
-    """The requests scored at one site in a batch composition, and the stacked weights of their probes."""
+    """The requests scored at one site in a batch composition, the stacked weights of their probes, and the
+    record their scores go to (`step_records`): made at the composition's first step, with each request's
+    spans (its rows, its probes' columns) — after that a step is one projection into the record."""
 
-    items: list  # (request, start row, end row), in staging order
-    weight: torch.Tensor  # (sum of n_out, d) on the device
-    cols: dict[tuple[str, str], tuple[int, int]]  # (name, uid) -> its columns of the projection
+    def __init__(self, site: int, items: list, weight: torch.Tensor, cols: dict) -> None:
+        self.site, self.items, self.weight = site, items, weight
+        self.cols: dict[tuple[str, str], tuple[int, int]] = cols  # (name, uid) -> its columns
+        self.record: StepRecord | None = None
+        self.slots: torch.Tensor | None = None  # graph-safe path: the rows' stage slots, on the device
 
     @classmethod
     def of(cls, site: int, items: list) -> "SiteProbes":
-        used: dict[tuple[str, str], torch.Tensor] = {}
+        used: dict[tuple[str, str], DeviceProbe] = {}
         for r, _, _ in items:
             for u in r.probes:
                 if site in u.weights:
-                    used.setdefault((u.name, u.uid), u.weights[site])
+                    used.setdefault((u.name, u.uid), u)
         cols, c = {}, 0
-        for key, w in used.items():
-            cols[key] = (c, c + w.shape[0])
-            c += w.shape[0]
-        return cls(items, torch.cat(list(used.values())), cols)
+        for key, u in used.items():
+            n = u.weights[site].shape[0]
+            cols[key] = (c, c + n)
+            c += n
+        return cls(site, items, _stacked(site, tuple(used.values())), cols)
+
+    def file(self, x: torch.Tensor, pos: np.ndarray | torch.Tensor) -> None:
+        """Project rows `x` (the rows of `items`, in order) on every probe of the site at once, into this
+        step's row of the record."""
+        rec = self.record
+        if rec is None:
+            rec = self.record = self._open(x.device)
+        out = rec.next(pos)["scores"]
+        torch.mm(x.to(torch.float32), self.weight.T, out=out)
+        PROBE_COUNTS["rows"] += x.shape[0]
+        PROBE_COUNTS["projections"] += 1
+
+    def _open(self, device: torch.device) -> StepRecord:
+        """The composition's record, and each request's spans of it (once per composition)."""
+        rows = sum(e - s for _, s, e in self.items)
+        rec = StepRecord(rows, {"scores": (self.weight.shape[0], torch.float32)}, device)
+        off = 0
+        for r, s, e in self.items:
+            n = e - s
+            if r.store is not None:
+                for u in r.probes:
+                    if self.site in u.weights:
+                        c0, c1 = self.cols[(u.name, u.uid)]
+                        slot = r.store.probes.get(u.name)
+                        if slot is None:
+                            slot = r.store.probes[u.name] = ProbeScores(u)
+                        slot.spans.setdefault(self.site, []).append(Span(rec, off, off + n, "scores", slice(c0, c1)))
+            off += n
+        return rec
+
+
+# stacked weights by (site, probes): a batch composition changing (requests joining, leaving) mostly keeps
+# the same probes; cleared when a probe is loaded or deleted
+_STACKS: dict[tuple, torch.Tensor] = {}
+_MAX_STACKS = 64
+
+
+def _stacked(site: int, used: tuple[DeviceProbe, ...]) -> torch.Tensor:
+    key = (site, *(id(u) for u in used))
+    w = _STACKS.get(key)
+    if w is None:
+        if len(_STACKS) >= _MAX_STACKS:
+            _STACKS.clear()
+        w = _STACKS[key] = torch.cat([u.weights[site] for u in used]) if len(used) > 1 else used[0].weights[site]
+    return w
 
 
 @dataclass
 class ProbeScores:
-    """A request's scores of one probe on this worker: per site, (positions, partial scores) per step."""
+    """A request's scores of one probe on this worker: per site, its spans of the records of the batch
+    compositions it was scored in, in order."""
 
     probe: DeviceProbe
-    chunks: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    spans: dict[int, list[Span]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- per step
-
-
-def file_scores(site: int, x: torch.Tensor, pos: torch.Tensor, sp: SiteProbes) -> None:
-    """Project rows `x` (the rows of `sp.items`, in order) on every probe of the site at once and file each
-    request's columns."""
-    y = x.to(torch.float32) @ sp.weight.T
-    PROBE_COUNTS["rows"] += x.shape[0]
-    PROBE_COUNTS["projections"] += 1
-    off = 0
-    for r, s, e in sp.items:
-        n = e - s
-        for u in r.probes:
-            if site in u.weights and r.store is not None:
-                c0, c1 = sp.cols[(u.name, u.uid)]
-                slot = r.store.probes.get(u.name)
-                if slot is None:
-                    slot = r.store.probes[u.name] = ProbeScores(u)
-                slot.chunks.setdefault(site, []).append((pos[off : off + n], y[off : off + n, c0:c1]))
-        off += n
 
 
 def scores_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -138,16 +172,16 @@ def scores_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor
     if got is None:
         return
     idx, sp = got
-    x = stream_rows(hidden, residual, idx)
-    file_scores(site, x, plan.positions.index_select(0, idx), sp)
+    sp.file(stream_rows(hidden, residual, idx), plan.positions.index_select(0, idx))
 
 
 def scores_from_stage(gp: Any, stage: torch.Tensor, base: int, positions: np.ndarray) -> None:
     """Graph-safe path, after the step: scores of the rows the kernel staged for them (on the device,
     before the ring is reused: later steps' kernels come after these on the same stream)."""
-    for site, (slots, rows, sp) in gp.probes.items():
-        idx = torch.from_numpy(base + slots).to(stage.device, non_blocking=True)
-        file_scores(site, stage.index_select(0, idx), torch.from_numpy(positions[rows]), sp)
+    for slots, rows, sp in gp.probes.values():
+        if sp.slots is None:  # once per composition: a step only moves the ring's base
+            sp.slots = torch.from_numpy(slots).to(stage.device, non_blocking=True)
+        sp.file(stage.narrow(0, base, gp.total).index_select(0, sp.slots), positions[rows])
 
 
 def stage_probes(gp: Any, probe_rows: dict, col: dict[int, int], rows_of: Any) -> None:
@@ -185,28 +219,17 @@ def stage_probes(gp: Any, probe_rows: dict, col: dict[int, int], rows_of: Any) -
 # ---------------------------------------------------------------- fetch
 
 
-def _latest(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions sorted, a position run twice (a preempted request's recompute) keeping its last run."""
-    pos = torch.cat([c[0].to("cpu", torch.int64) for c in chunks])
-    vals = torch.cat([c[1] for c in chunks]).to("cpu")
-    order = torch.sort(pos, stable=True).indices
-    pos, vals = pos[order], vals[order]
-    keep = torch.ones(len(pos), dtype=torch.bool)
-    keep[:-1] = pos[1:] != pos[:-1]
-    return pos[keep], vals[keep]
-
-
-def _since(chunks: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> list:
-    """The latest chunks, back to the first one reaching below position `start` (chunks come in step order)."""
+def _since(pieces: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> list:
+    """The latest pieces, back to the first one reaching below position `start` (pieces come in step order)."""
     if start <= 0:
-        return chunks
-    i = len(chunks)
+        return pieces
+    i = len(pieces)
     while i > 0:
         i -= 1
-        p = chunks[i][0]
+        p = pieces[i][0]
         if len(p) and int(p.min()) < start:
             break
-    return chunks[i:]
+    return pieces[i:]
 
 
 def payload(got: dict[str, ProbeScores], start: int = 0, running: bool = False) -> dict[str, dict[str, Any]]:
@@ -215,15 +238,16 @@ def payload(got: dict[str, ProbeScores], start: int = 0, running: bool = False) 
     generating (`LensRuntime.probe_progress`): only positions from `start` on, and a probe with nothing
     scored yet is left out instead of being an error."""
     out = {}
+    cache: dict = {}  # (`step_records.Span.pieces`)
     for name, slot in got.items():
         pos, total = None, None
         for site in slot.probe.sites:
-            chunks = _since(slot.chunks.get(site) or [], start)
-            if not chunks:
+            pieces = _since([pc for sp in slot.spans.get(site, ()) for pc in sp.pieces(cache=cache)], start)
+            if not pieces:
                 if running:  # nothing scored yet: nothing new
                     break
                 raise RuntimeError(f"probe {name!r}: no rows were scored at {site} (site)")
-            p, v = _latest(chunks)
+            p, v = latest(pieces)
             if running:
                 keep = p >= start
                 p, v = p[keep], v[keep]

@@ -117,7 +117,7 @@ class RequestResults:
     error: errors.Failure | None = None
     nonfinite: dict = field(default_factory=dict)  # hook -> device flag: it returned NaN/inf (not applied)
     expected: int = 0  # bytes announced to the result pool when the request arrived (`ResultPool.expect`)
-    sae: dict = field(default_factory=dict)  # SAE name -> {"ids", "chunks": [(positions, values, indices)]}
+    sae: dict = field(default_factory=dict)  # SAE name -> {"ids", "spans": [`step_records.Span`]}
     # probe actions' outcome (`actions.ActionTable.outcome`), or how to read it while the request is live
     actions: Any = None
     probes: dict = field(default_factory=dict)  # probe name -> `worker.probes.ProbeScores`

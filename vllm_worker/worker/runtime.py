@@ -522,7 +522,7 @@ class LensRuntime:
             # is seen at the next step)
             "request_states": sum(v is not None for v in self._reqs.values()),
             "steering_entries": 0 if self.graph is None else self.graph.entries.in_use(),
-            "probe_score_chunks": self.store.probe_chunks(),
+            "probe_score_chunks": self.store.probe_records(),
             **self.actions.status(),
         }
 

@@ -22,6 +22,7 @@ import torch
 from vllm_worker.counters import SAE_COUNTS
 from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.sae import Sae, load
+from vllm_worker.worker.step_records import Span, StepRecord, latest
 from vllm_worker.worker.stream_rows import stream_rows
 
 
@@ -36,6 +37,7 @@ class SaeUse:
     clamp: bool = False
     out_site: int | None = None  # a transcoder's clamp: the delta is computed at `site`, added here
     pending: torch.Tensor | None = None  # that delta, between the two taps of one forward pass
+    id_list: tuple[int, ...] = ()  # `ids` on the host (features: a composition's union is made there)
 
 
 class WorkerSaes:
@@ -70,7 +72,9 @@ class WorkerSaes:
                 values = torch.tensor(u["values"], dtype=torch.float32, device=self.device)
             out_site = None if u.get("out_site") is None else int(u["out_site"])
             top_k = int(u.get("top_k") or 0)
-            out.append(SaeUse(u["sae"], sae, int(u["site"]), top_k, ids, values, bool(u.get("clamp")), out_site))
+            use = SaeUse(u["sae"], sae, int(u["site"]), top_k, ids, values, bool(u.get("clamp")), out_site)
+            use.id_list = () if u.get("ids") is None else tuple(int(i) for i in u["ids"])
+            out.append(use)
         return out
 
 
@@ -105,42 +109,98 @@ def features_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tens
     got = plan.sae_feat.get(site)
     if got is None:
         return
-    idx, items = got
-    x = stream_rows(hidden, residual, idx)
-    file_features(site, x, plan.positions.index_select(0, idx), items)
+    idx, sf = got
+    sf.file(stream_rows(hidden, residual, idx), plan.positions.index_select(0, idx))
 
 
 def features_from_stage(gp: Any, stage: torch.Tensor, base: int, positions: np.ndarray) -> None:
     """Graph-safe path, after the step: features of the rows the kernel staged for them (on the device,
     before the ring is reused: later steps' kernels come after these on the same stream)."""
-    for site, (slots, rows, items) in gp.sae.items():
-        idx = torch.from_numpy(base + slots).to(stage.device, non_blocking=True)
-        pos = torch.from_numpy(positions[rows])
-        file_features(site, stage.index_select(0, idx), pos, items)
+    for slots, rows, sf in gp.sae.values():
+        if sf.slots is None:  # once per composition: a step only moves the ring's base
+            sf.slots = torch.from_numpy(slots).to(stage.device, non_blocking=True)
+        sf.file(stage.narrow(0, base, gp.total).index_select(0, sf.slots), positions[rows])
 
 
-def file_features(site: int, x: torch.Tensor, pos: torch.Tensor, items: list) -> None:
-    """Encode rows `x` (the requests' rows of `items`, in order) once per SAE and file each request's part."""
-    encoded: dict[str, torch.Tensor] = {}
-    off = 0
-    for r, s, e in items:
-        n = e - s
-        for u in r.sae:
-            if u.clamp or u.site != site:
-                continue
-            f = encoded.get(u.name)
-            if f is None:
-                f = encoded[u.name] = u.sae.encode(x)[0]
-                SAE_COUNTS["feature_rows"] += x.shape[0]
-            rows = f[off : off + n]
+class SiteFeatures:
+    """The requests whose features are encoded at one site in a batch composition. At its first step it
+    makes the record the features go to (`step_records`) and each request's spans of it; a step is then one
+    encode per SAE, one top-k per (SAE, k) and one column pick per SAE (the union of the requests' chosen
+    features), whatever the number of requests."""
+
+    def __init__(self, site: int, items: list) -> None:
+        self.site, self.items = site, items
+        self.record: StepRecord | None = None
+        self.slots: torch.Tensor | None = None  # graph-safe path: the rows' stage slots, on the device
+        self.saes: dict[str, Sae] = {}  # name -> the SAE its uses here share
+        self.top: dict[str, list[int]] = {}  # name -> its top-k sizes
+        self.ids: dict[str, np.ndarray] = {}  # name -> the union of the chosen features, sorted
+        self.ids_dev: dict[str, torch.Tensor] = {}  # ... on the device
+
+    def file(self, x: torch.Tensor, pos: np.ndarray | torch.Tensor) -> None:
+        """Encode rows `x` (the rows of `items`, in order) once per SAE into this step's row of the record."""
+        first = self.record is None
+        if first:
+            self._plan()
+        encoded = {}
+        for name, sae in self.saes.items():
+            encoded[name] = sae.encode(x)[0]
+            SAE_COUNTS["feature_rows"] += x.shape[0]
+        rec = self.record
+        if rec is None:
+            rec = self.record = self._open(x.device, {n: f.dtype for n, f in encoded.items()})
+        out = rec.next(pos)
+        for name, f in encoded.items():
+            for k in self.top.get(name, ()):
+                torch.topk(f, k, dim=-1, out=(out[("top", name, k)], out[("topi", name, k)]))
+            ids = self.ids_dev.get(name)
+            if ids is not None:
+                torch.index_select(f, 1, ids, out=out[("ids", name)])
+
+    def _uses(self) -> list[tuple[Any, int, int, SaeUse]]:
+        """(request, first row, end row, use) of every feature use here, in staging order."""
+        out, off = [], 0
+        for r, s, e in self.items:
+            for u in r.sae:
+                if not u.clamp and u.site == self.site:
+                    out.append((r, off, off + e - s, u))
+            off += e - s
+        return out
+
+    def _plan(self) -> None:
+        """Which SAEs to encode, which top-k sizes and features to keep (once per composition)."""
+        chosen: dict[str, set[int]] = {}
+        for _, _, _, u in self._uses():
+            self.saes.setdefault(u.name, u.sae)
             if u.top_k:
-                top = rows.topk(u.top_k, dim=-1)
-                chunk = (pos[off : off + n], top.values, top.indices)
+                if u.top_k not in self.top.setdefault(u.name, []):
+                    self.top[u.name].append(u.top_k)
+            elif u.ids is not None:
+                chosen.setdefault(u.name, set()).update(u.id_list)
+        self.ids = {name: np.array(sorted(got), dtype=np.int64) for name, got in chosen.items()}
+
+    def _open(self, device: torch.device, dtypes: dict[str, torch.dtype]) -> StepRecord:
+        """The composition's record, and each request's spans of it."""
+        blocks: dict[Any, tuple[int, torch.dtype]] = {}
+        for name, ks in self.top.items():
+            for k in ks:
+                blocks[("top", name, k)] = (k, dtypes[name])
+                blocks[("topi", name, k)] = (k, torch.int64)
+        for name, ids in self.ids.items():
+            blocks[("ids", name)] = (len(ids), dtypes[name])
+        self.ids_dev = {name: torch.from_numpy(ids).to(device, non_blocking=True) for name, ids in self.ids.items()}
+        rows = sum(e - s for _, s, e in self.items)
+        rec = StepRecord(rows, blocks, device)
+        for r, r0, r1, u in self._uses():
+            if r.store is None:
+                continue
+            if u.top_k:
+                span = Span(rec, r0, r1, ("top", u.name, u.top_k), slice(None))
             else:
-                chunk = (pos[off : off + n], rows.index_select(1, u.ids), None)
-            slot = r.store.sae.setdefault(u.name, {"ids": u.ids, "chunks": []})
-            slot["chunks"].append(chunk)
-        off += n
+                cols = torch.from_numpy(np.searchsorted(self.ids[u.name], np.array(u.id_list, dtype=np.int64)))
+                span = Span(rec, r0, r1, ("ids", u.name), cols)
+            r.store.sae.setdefault(u.name, {"ids": u.ids, "spans": []})["spans"].append(span)
+        return rec
 
 
 def stage_features(gp: Any, cap_rows: dict, sae_feat: dict, col: dict[int, int]) -> None:
@@ -167,7 +227,7 @@ def stage_features(gp: Any, cap_rows: dict, sae_feat: dict, col: dict[int, int])
                 extra_cols.append(np.full(e - s, col[site]))
             slots.append(np.arange(o, o + e - s))
             rows.append(np.arange(s, e))
-        gp.sae[site] = (np.concatenate(slots), np.concatenate(rows), items)
+        gp.sae[site] = (np.concatenate(slots), np.concatenate(rows), SiteFeatures(site, items))
     gp.cap_rows = np.concatenate(extra_rows).astype(np.int64)
     gp.cap_cols = np.concatenate(extra_cols).astype(np.int64)
     gp.n_extra = off - n_cap
@@ -179,19 +239,19 @@ def stage_features(gp: Any, cap_rows: dict, sae_feat: dict, col: dict[int, int])
 def payload(got: dict[str, dict]) -> dict[str, dict]:
     """A request's features as bytes, per SAE: positions sorted (a position run twice keeps its last run)."""
     out = {}
+    cache: dict = {}  # (`step_records.Span.pieces`)
     for name, slot in got.items():
-        chunks = slot["chunks"]
-        pos = torch.cat([c[0].to("cpu", torch.int64) for c in chunks])
-        vals = torch.cat([c[1] for c in chunks]).cpu()
-        order = torch.sort(pos, stable=True).indices
-        pos, vals = pos[order], vals[order]
-        keep = torch.ones(len(pos), dtype=torch.bool)
-        keep[:-1] = pos[1:] != pos[:-1]
-        item = {"positions": tensor_to_bytes(pos[keep]), "values": tensor_to_bytes(vals[keep].contiguous())}
-        if slot["ids"] is None:  # top_k: ids per position
-            ind = torch.cat([c[2] for c in chunks]).cpu()[order]
-            item["indices"] = tensor_to_bytes(ind[keep].contiguous())
+        spans = slot["spans"]
+        if slot["ids"] is None:  # top_k: ids per position, beside their values
+            pieces = [
+                (p, v, i)
+                for sp in spans
+                for (p, v), (_, i) in zip(sp.pieces(cache=cache), sp.pieces(("topi", *sp.key[1:]), cache))
+            ]
+            pos, vals, ind = latest(pieces)
+            item = {"indices": tensor_to_bytes(ind.contiguous())}
         else:
-            item["indices"] = tensor_to_bytes(slot["ids"].cpu())
-        out[name] = item
+            pos, vals = latest([pc for sp in spans for pc in sp.pieces(cache=cache)])
+            item = {"indices": tensor_to_bytes(slot["ids"].cpu())}
+        out[name] = {"positions": tensor_to_bytes(pos), "values": tensor_to_bytes(vals.contiguous()), **item}
     return out

@@ -68,10 +68,18 @@ class CaptureStore:
     def __len__(self) -> int:
         return len(self._stores)
 
-    def probe_chunks(self) -> int:
-        """Probe score chunks the stored requests hold on the device (`lens_status`)."""
+    def probe_records(self) -> int:
+        """Probe score records (one per site and batch composition: `worker.step_records`) the stored
+        requests hold on the device (`lens_status` "probe_score_chunks")."""
         with self.lock:
-            return sum(len(c) for st in self._stores.values() for p in st.probes.values() for c in p.chunks.values())
+            held = {
+                id(sp.record)
+                for st in self._stores.values()
+                for p in st.probes.values()
+                for spans in p.spans.values()
+                for sp in spans
+            }
+            return len(held)
 
     def add(self, key: str, child: int, store: RequestResults) -> None:
         with self.lock:

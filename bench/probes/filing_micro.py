@@ -1,0 +1,99 @@
+"""The worker's per-step host cost of filing probe scores and SAE features, alone: the graph-safe path's
+after-step calls (`probes.scores_from_stage`, `saes.features_from_stage`) on a staged batch of decode rows,
+step after step as one batch composition runs, then every request's fetch (`payload`) — on CPU tensors,
+without an engine, so the figure is the Python and dispatch cost the H200 run saw grow with requests x
+probes (bench/results/2026-12-04-h200-monitors.md §2), not compute.
+
+W10's shape by default: 256 requests x 8 probes (2 a site at 4 sites), 128 steps; SAE: one top-k (k=16)
+feature output per request at one site. Prints one JSON line.
+
+    python bench/probes/filing_micro.py [requests] [steps] [probes]   (probes 1: W9's shape, one site)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from vllm_worker.protocol.wire import tensor_to_bytes
+from vllm_worker.sae import Sae
+from vllm_worker.worker import probes, saes
+from vllm_worker.worker.request_results import RequestResults
+
+D, LAYERS, D_SAE = 128, (2, 4, 6, 8), 512
+
+
+def _gp(n: int) -> SimpleNamespace:
+    e = np.zeros(0, dtype=np.int64)
+    return SimpleNamespace(n=n, cap_rows=e, cap_cols=e, n_extra=0, probes={}, sae={})
+
+
+def _time_steps(fn: object, gp: SimpleNamespace, steps: int, n: int) -> float:
+    g = torch.Generator().manual_seed(0)
+    total = gp.total = len(gp.cap_rows)  # (`plan.GraphPlan.total`)
+    stage = torch.randn(2 * total, D, generator=g)
+    t = 0.0
+    for k in range(steps):
+        pos = np.arange(n, dtype=np.int64) + 24 + k
+        t0 = time.perf_counter()
+        fn(gp, stage, (k % 2) * total, pos)  # type: ignore[operator]
+        t += time.perf_counter() - t0
+    return t
+
+
+def main(n_req: int, steps: int, n_probes: int = 8) -> dict:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    wp = probes.WorkerProbes(torch.device("cpu"), frozenset(range(16)))
+    for j in range(n_probes):
+        w = torch.randn(1, D, generator=g)
+        wire = {"layers": [LAYERS[j // 2]], "point": "resid_post", "output": "logit", "weight": tensor_to_bytes(w)}
+        wp.load(f"m8_{j}", f"u{j}", wire)
+    uses = wp.uses([{"probe": f"m8_{j}", "uid": f"u{j}"} for j in range(n_probes)])
+    sites = sorted({s for u in uses for s in u.weights})
+    reqs = [SimpleNamespace(probes=uses, sae=[], store=RequestResults([])) for _ in range(n_req)]
+    items = [(r, i, i + 1) for i, r in enumerate(reqs)]
+    col = {s: i for i, s in enumerate(sites)}
+    gp = _gp(n_req)
+    probes.stage_probes(gp, {s: list(items) for s in sites}, col, lambda it: np.array([s for _, s, _ in it]))
+    file_s = _time_steps(probes.scores_from_stage, gp, steps, n_req)
+    t0 = time.perf_counter()
+    for r in reqs:
+        probes.payload(r.store.probes)
+    fetch_s = time.perf_counter() - t0
+
+    sae = Sae("resid_post", 4, "standard", torch.randn(D, D_SAE, generator=g) / D**0.5, torch.zeros(D_SAE) - 0.1,
+              torch.randn(D_SAE, D, generator=g) / D**0.5, torch.zeros(D))  # fmt: skip
+    site = sites[0]
+    sreqs = [
+        SimpleNamespace(probes=[], sae=[saes.SaeUse("s", sae, site, 16)], store=RequestResults([]))
+        for _ in range(n_req)
+    ]
+    sitems = [(r, i, i + 1) for i, r in enumerate(sreqs)]
+    gp = _gp(n_req)
+    saes.stage_features(gp, {}, {site: sitems}, col)
+    sae_s = _time_steps(saes.features_from_stage, gp, steps, n_req)
+    t0 = time.perf_counter()
+    for r in sreqs:
+        saes.payload(r.store.sae)
+    sae_fetch_s = time.perf_counter() - t0
+    return {
+        "requests": n_req,
+        "probes": n_probes,
+        "sites": len(sites),
+        "steps": steps,
+        "probe_file_ms_per_step": round(1e3 * file_s / steps, 3),
+        "probe_fetch_ms_per_request": round(1e3 * fetch_s / n_req, 3),
+        "sae_file_ms_per_step": round(1e3 * sae_s / steps, 3),
+        "sae_fetch_ms_per_request": round(1e3 * sae_fetch_s / n_req, 3),
+    }
+
+
+if __name__ == "__main__":
+    args = [int(a) for a in sys.argv[1:4]]
+    print(json.dumps(main(*(args + [256, 128, 8][len(args) :]))))

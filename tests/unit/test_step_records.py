@@ -1,0 +1,51 @@
+"""`worker/step_records`: a record filled over more steps than one chunk holds (chunks of 1, 2, 4 … 64
+steps) gives each span exactly its rows and columns in step order, from host or device-side positions;
+`latest` sorts positions and keeps the last run of a position filed twice (a preempted request's
+recompute); a fetch's cache reads a record's rows once for every span of them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_worker.worker.step_records import Span, StepRecord, latest
+
+
+def _fill(steps: int, host_pos: bool) -> tuple[StepRecord, torch.Tensor, torch.Tensor]:
+    rec = StepRecord(3, {"s": (4, torch.float32)}, torch.device("cpu"))
+    vals = torch.randn(steps, 3, 4, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(steps).unsqueeze(1).repeat(1, 3) + torch.tensor([0, 1000, 2000])
+    for k in range(steps):
+        p = pos[k].numpy() if host_pos else pos[k].clone()
+        rec.next(p)["s"].copy_(vals[k])
+    return rec, pos, vals
+
+
+def test_spans_read_their_rows_and_columns_across_chunks():
+    for host_pos in (True, False):
+        rec, pos, vals = _fill(150, host_pos)  # 1+2+4+8+16+32+64 = 127 steps, then a second 64-step chunk
+        assert [c[0].shape[0] for c in rec.chunks] == [1, 2, 4, 8, 16, 32, 64, 64] and rec.steps == 150
+        span = Span(rec, 1, 3, "s", slice(1, 3))
+        ((p, v),) = span.pieces()
+        assert torch.equal(p, pos[:, 1:3].reshape(-1))
+        assert torch.equal(v, vals[:, 1:3, 1:3].reshape(-1, 2))
+        picked = Span(rec, 0, 1, "s", torch.tensor([3, 0]))
+        ((p, v),) = picked.pieces()
+        assert torch.equal(p, pos[:, 0]) and torch.equal(v, vals[:, 0][:, [3, 0]])
+
+
+def test_latest_keeps_the_last_run_and_the_cache_reads_once():
+    rec, _, vals = _fill(5, True)
+    again = StepRecord(1, {"s": (4, torch.float32)}, torch.device("cpu"))
+    redo = torch.full((4,), 7.0)
+    again.next(np.array([2]))["s"].copy_(redo.unsqueeze(0))  # position 2 recomputed after a preemption
+    first, second = Span(rec, 0, 1, "s", slice(0, 4)), Span(again, 0, 1, "s", slice(0, 4))
+    pos, got = latest([*first.pieces(), *second.pieces()])
+    assert pos.tolist() == [0, 1, 2, 3, 4]
+    assert torch.equal(got[[0, 1, 3, 4]], vals[[0, 1, 3, 4], 0]) and torch.equal(got[2], redo)
+    cache: dict = {}
+    a, b = Span(rec, 0, 1, "s", slice(0, 1)), Span(rec, 0, 1, "s", slice(1, 4))
+    ((pa, va),) = a.pieces(cache=cache)
+    ((pb, vb),) = b.pieces(cache=cache)
+    assert len(cache) == 1 and pa is pb
+    assert torch.equal(torch.cat([va, vb], 1), vals[:, 0])

@@ -1,0 +1,110 @@
+"""Per-step outputs that stay on the device until fetched (probe scores, SAE features), filed with a
+constant amount of work per step: one record per site and batch composition holds every step's outputs
+for all of that composition's rows; each request keeps spans (its rows, its columns) into the records it
+took part in, made once per composition, and its part is cut out only when it is fetched.
+
+A record's steps live in chunks of (steps, rows, columns) tensors whose step count doubles up to
+`MAX_CHUNK_STEPS` (as the capture arenas: `request_results.StepArena`); a step writes its outputs straight
+into its chunk row (`next`). Positions stay where the step has them: host arrays on the graph-safe path,
+device tensors on the Python path — no copy between the two in a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+Block = tuple[int, torch.dtype]  # (columns, dtype) of one named output of a record
+
+
+class StepRecord:
+    """One site's outputs over the steps of one batch composition: positions (steps, rows) and named
+    blocks (steps, rows, columns)."""
+
+    __slots__ = ("rows", "blocks", "device", "chunks")
+    MAX_CHUNK_STEPS = 64
+
+    def __init__(self, rows: int, blocks: dict[Any, Block], device: torch.device) -> None:
+        self.rows, self.blocks, self.device = rows, blocks, device
+        self.chunks: list[list] = []  # [positions (steps, rows), {key: (steps, rows, cols)}, steps filled]
+
+    def next(self, pos: np.ndarray | torch.Tensor) -> dict[Any, torch.Tensor]:
+        """Record this step's positions (rows,); returns its (rows, cols) views per block to write into."""
+        if not self.chunks or self.chunks[-1][2] == self.chunks[-1][0].shape[0]:
+            c = min(self.MAX_CHUNK_STEPS, 1 << len(self.chunks))
+            pos_dev = pos.device if isinstance(pos, torch.Tensor) else torch.device("cpu")
+            self.chunks.append(
+                [
+                    torch.empty((c, self.rows), dtype=torch.int64, device=pos_dev),
+                    {
+                        k: torch.empty((c, self.rows, n), dtype=dt, device=self.device)
+                        for k, (n, dt) in self.blocks.items()
+                    },
+                    0,
+                ]
+            )
+        ch = self.chunks[-1]
+        k = ch[2]
+        ch[2] += 1
+        if isinstance(pos, torch.Tensor):
+            ch[0][k].copy_(pos, non_blocking=True)
+        else:
+            ch[0].numpy()[k] = pos
+        return {key: t[k] for key, t in ch[1].items()}
+
+    @property
+    def steps(self) -> int:
+        return sum(ch[2] for ch in self.chunks)
+
+
+@dataclass(eq=False)
+class Span:
+    """A request's part of a record: rows r0:r1 of every step, columns `cols` of block `key` (a slice, or
+    column indices)."""
+
+    record: StepRecord
+    r0: int
+    r1: int
+    key: Any
+    cols: slice | torch.Tensor
+
+    def pieces(self, key: Any = None, cache: dict | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[(positions (m,), values (m, k))] on the host, steps in order; `key`: another block, all of its
+        columns (e.g. top-k indices beside their values). `cache` (one fetch's): the rows of a record read
+        once for every span of them (a request's probes at one site share its rows): one copy to the host."""
+        k = self.key if key is None else key
+        ck = (id(self.record), self.r0, self.r1, k)
+        got = None if cache is None else cache.get(ck)
+        if got is None:
+            parts = [
+                (pos[:f, self.r0 : self.r1], blocks[k][:f, self.r0 : self.r1])
+                for pos, blocks, f in self.record.chunks
+                if f
+            ]
+            if not parts:
+                return []
+            got = (
+                torch.cat([p.reshape(-1) for p, _ in parts]).to("cpu", torch.int64),
+                torch.cat([v.reshape(-1, v.shape[-1]) for _, v in parts]).to("cpu"),
+            )
+            if cache is not None:
+                cache[ck] = got
+        pos, vals = got
+        if key is None:
+            vals = vals[:, self.cols] if isinstance(self.cols, slice) else vals.index_select(1, self.cols)
+        return [(pos, vals)]
+
+
+def latest(pieces: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The pieces' (positions, values...) on the host, positions sorted, a position filed twice (a preempted
+    request's recompute) keeping its last one (pieces come in step order)."""
+    pos = torch.cat([p[0].to("cpu", torch.int64) for p in pieces])
+    order = torch.sort(pos, stable=True).indices
+    pos = pos[order]
+    keep = torch.ones(len(pos), dtype=torch.bool)
+    keep[:-1] = pos[1:] != pos[:-1]
+    rest = [torch.cat([p[i] for p in pieces]).to("cpu")[order][keep] for i in range(1, len(pieces[0]))]
+    return (pos[keep], *rest)
