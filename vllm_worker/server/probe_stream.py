@@ -1,8 +1,8 @@
 """Probe scores in a streamed response: each SSE chunk that brings tokens also brings, per choice, the scores
 of the positions scored since the previous chunk (`"probe_scores": {probe: {"positions", "scores"}}`) — the
-positions whose forward passes produced its tokens, and on the first chunk the prompt's. One
-`lens_probe_progress` RPC per chunk, only for requests that asked for probe scores; the full scores and
-aggregates still come in the extra chunk before `[DONE]`."""
+positions whose forward passes produced its tokens, and on the first chunk the prompt's. The scores come
+from `lens_probe_progress` RPCs shared by every stream (`probe_progress`), only for requests that asked for
+probe scores; the full scores and aggregates still come in the extra chunk before `[DONE]`."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from typing import Any
 
 from vllm_worker import compat
 from vllm_worker.frontend.state import pending_of
-from vllm_worker.protocol import rpc
 from vllm_worker.protocol.wire import tensor_from_bytes, to_jsonable
+from vllm_worker.server.probe_progress import ProgressBatcher
 
 
 class ProbeStream:
     """What a stream has sent of each choice's scores: the next position per (choice, probe)."""
 
-    def __init__(self, engine: Any, kind: str, n: int) -> None:
-        self.engine, self.kind, self.n = engine, kind, n
+    def __init__(self, engine: Any, progress: ProgressBatcher, kind: str, n: int) -> None:
+        self.engine, self.progress, self.kind, self.n = engine, progress, kind, n
         self.next: dict[tuple[int, str], int] = {}
         self.wanted: dict[int, list[str]] = {}  # choice -> probes asked for (learnt on its first chunk)
         self.tokens: dict[int, int] = {}  # choice -> tokens streamed so far (this chunk's included)
@@ -52,21 +52,20 @@ class ProbeStream:
         if not asks:
             return False
         changed = False
-        for answer in await compat.rpc_async(self.engine, rpc.PROBE_PROGRESS, asks):
-            for key, child, got in answer or ():
-                c = where.get((key, int(child)))
-                if c is None:
+        for key, child, got in await self.progress.ask(asks):
+            c = where.get((key, int(child)))
+            if c is None:
+                continue
+            out = c.setdefault("probe_scores", {})
+            for name, item in got.items():
+                pos = tensor_from_bytes(item["positions"], f"probe_scores.{name}.positions")
+                at = self.next.get((c["index"], name), 0)
+                # the workers may be a step ahead of the stream: only the positions of its tokens
+                keep = (pos >= at) & (pos < where_end[c["index"]])
+                if not bool(keep.any()):
                     continue
-                out = c.setdefault("probe_scores", {})
-                for name, item in got.items():
-                    pos = tensor_from_bytes(item["positions"], f"probe_scores.{name}.positions")
-                    at = self.next.get((c["index"], name), 0)
-                    # the workers may be a step ahead of the stream: only the positions of its tokens
-                    keep = (pos >= at) & (pos < where_end[c["index"]])
-                    if not bool(keep.any()):
-                        continue
-                    scores = tensor_from_bytes(item["scores"], f"probe_scores.{name}")[keep]
-                    out[name] = {"positions": to_jsonable(pos[keep]), "scores": to_jsonable(scores)}
-                    self.next[(c["index"], name)] = int(pos[keep].max()) + 1
-                    changed = True
+                scores = tensor_from_bytes(item["scores"], f"probe_scores.{name}")[keep]
+                out[name] = {"positions": to_jsonable(pos[keep]), "scores": to_jsonable(scores)}
+                self.next[(c["index"], name)] = int(pos[keep].max()) + 1
+                changed = True
         return changed
