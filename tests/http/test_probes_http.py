@@ -194,3 +194,27 @@ def test_concurrent_streams_share_progress_rpcs(server):
     assert asks == n_chunks  # every chunk that brought tokens asked once
     assert rpcs < asks, (rpcs, asks)  # ... and RPCs served several streams' chunks at once
     assert httpx.delete(f"{server}/v1/lens/probes/p2c", headers=h).status_code == 200
+
+
+def test_load_without_replace_never_swaps_a_different_probe(server):
+    """`"replace": false`: a name loaded with other weights is a 409 naming `name` (the loaded probe stays);
+    the same weights again are a no-op 200; `replace` must be a boolean."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    _save("p2r", [2], "logit")
+    _save("p1r", [1], "logit")
+    url = f"{server}/v1/lens/probes"
+    r = httpx.post(url, json={"name": "pr", "path": "p2r", "replace": False}, headers=h, timeout=60)
+    assert r.status_code == 200, r.text
+    first = r.json()["probe"]["hash"]
+    r = httpx.post(url, json={"name": "pr", "path": "p1r", "replace": False}, headers=h, timeout=60)
+    assert r.status_code == 409 and r.json()["error"]["param"] == "name", r.text
+    assert first in r.json()["error"]["message"]
+    listed = {p["name"]: p for p in httpx.get(url, headers=h).json()["probes"]}
+    assert listed["pr"]["hash"] == first and listed["pr"]["layers"] == [2]
+    r = httpx.post(url, json={"name": "pr", "path": "p2r", "replace": False}, headers=h, timeout=60)
+    assert r.status_code == 200 and r.json()["probe"]["hash"] == first
+    r = httpx.post(url, json={"name": "pr", "path": "p1r", "replace": "no"}, headers=h, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "replace"
+    r = httpx.post(url, json={"name": "pr", "path": "p1r"}, headers=h, timeout=60)  # replace: true by default
+    assert r.status_code == 200 and r.json()["probe"]["layers"] == [1]
+    assert httpx.delete(f"{url}/pr", headers=h).status_code == 200
