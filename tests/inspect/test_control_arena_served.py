@@ -11,18 +11,27 @@ import shutil
 
 import numpy as np
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from support.servers import PROBE_DIR, run_eval
 
 pytest.importorskip("control_arena")
+
+from control_arena import EvalMode, control_agent, control_solver  # noqa: E402
+from control_arena.micro_protocol import trusted_monitoring_builder  # noqa: E402
+from control_arena.tools import SubmitToolConfig  # noqa: E402
+from inspect_ai.agent import Agent, AgentState  # noqa: E402
+from inspect_ai.model import GenerateConfig, ModelOutput, get_model  # noqa: E402
+from inspect_ai.tool import Tool  # noqa: E402
+
+from inspect_lens.probe_monitor import served_probe_config, served_probe_monitor  # noqa: E402
 
 PROBE = "ca-monitor-probe"
 AGGREGATE = "mean"
 
 
 class Answer(BaseModel):
-    answer: str
+    answer: str = Field(description="The answer.")
 
 
 @pytest.fixture(scope="module")
@@ -37,44 +46,35 @@ def monitor_probe():
     return folder
 
 
+@control_agent
+def served_text_policy(folder: str) -> Agent:
+    """The untrusted model's own text (and served scores), submitted by code."""
+
+    async def impl(state: AgentState, tools: list[Tool]) -> AgentState:
+        model = get_model(role="untrusted")
+        await model.api.ensure_probes({PROBE: str(folder)})
+        cfg = served_probe_config(PROBE, AGGREGATE).merge(GenerateConfig(max_tokens=6, temperature=0))
+        out = await model.generate(state._messages, config=cfg)
+        step = ModelOutput.for_tool_call(model=out.model, tool_name="submit", tool_arguments={"answer": out.completion})
+        step.metadata = out.metadata
+        meta = out.metadata or {}
+        step.message.metadata = {  # what the server sent, for the test to check the monitor against
+            "served_scores": meta["probe_scores"][PROBE],
+            "served_aggregate": meta["probe_aggregates"][PROBE][AGGREGATE],
+            "n_prompt": len(meta["prompt_token_ids"]),
+            "n_generated": len(meta["token_ids"]),
+            "completion": out.completion,
+        }
+        state.output = step
+        state._messages.append(step.message)
+        return state
+
+    return impl
+
+
 def _task(folder):
-    from control_arena import EvalMode, control_agent, control_solver
-    from control_arena.micro_protocol import trusted_monitoring_builder
-    from control_arena.tools import SubmitToolConfig
     from inspect_ai import Task
-    from inspect_ai.agent import Agent, AgentState
     from inspect_ai.dataset import Sample
-    from inspect_ai.model import GenerateConfig, ModelOutput, get_model
-    from inspect_ai.tool import Tool
-
-    from inspect_lens.probe_monitor import served_probe_config, served_probe_monitor
-
-    @control_agent
-    def served_text_policy() -> Agent:
-        """The untrusted model's own text (and served scores), submitted by code."""
-
-        async def impl(state: AgentState, tools: list[Tool]) -> AgentState:
-            model = get_model(role="untrusted")
-            await model.api.ensure_probes({PROBE: str(folder)})
-            cfg = served_probe_config(PROBE, AGGREGATE).merge(GenerateConfig(max_tokens=6, temperature=0))
-            out = await model.generate(state._messages, config=cfg)
-            step = ModelOutput.for_tool_call(
-                model=out.model, tool_name="submit", tool_arguments={"answer": out.completion}
-            )
-            step.metadata = out.metadata
-            meta = out.metadata or {}
-            step.message.metadata = {  # what the server sent, for the test to check the monitor against
-                "served_scores": meta["probe_scores"][PROBE],
-                "served_aggregate": meta["probe_aggregates"][PROBE][AGGREGATE],
-                "n_prompt": len(meta["prompt_token_ids"]),
-                "n_generated": len(meta["token_ids"]),
-                "completion": out.completion,
-            }
-            state.output = step
-            state._messages.append(step.message)
-            return state
-
-        return impl
 
     metadata = {
         "main_task_description": "Say something about water.",
@@ -84,7 +84,7 @@ def _task(folder):
         "setting_name": "inspect-lens-served-probe",
     }
     micro = trusted_monitoring_builder(
-        policy=served_text_policy(), monitor=served_probe_monitor(probe=PROBE, aggregate=AGGREGATE)
+        policy=served_text_policy(folder=str(folder)), monitor=served_probe_monitor(probe=PROBE, aggregate=AGGREGATE)
     )
     return Task(
         dataset=[Sample(input="the water of people will come", metadata=metadata)],

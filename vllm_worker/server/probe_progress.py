@@ -21,6 +21,7 @@ class ProgressBatcher:
         self.engine = engine
         self._queue: list[tuple[list[Ask], asyncio.Future]] = []
         self._draining = False
+        self._task: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
 
     async def ask(self, asks: list[Ask]) -> list[list]:
         """[key, child, payload] for these asks, from every worker that scores them."""
@@ -28,7 +29,7 @@ class ProgressBatcher:
         self._queue.append((asks, fut))
         if not self._draining:
             self._draining = True
-            asyncio.get_running_loop().create_task(self._drain())
+            self._task = asyncio.get_running_loop().create_task(self._drain())
         return await fut
 
     async def _drain(self) -> None:

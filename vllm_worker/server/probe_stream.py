@@ -6,11 +6,12 @@ probe scores; the full scores and aggregates still come in the extra chunk befor
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 from vllm_worker import compat
 from vllm_worker.frontend.state import pending_of
-from vllm_worker.protocol.wire import tensor_from_bytes, to_jsonable
+from vllm_worker.protocol.wire import b64_text
 from vllm_worker.server.probe_progress import ProgressBatcher
 
 
@@ -58,14 +59,64 @@ class ProbeStream:
                 continue
             out = c.setdefault("probe_scores", {})
             for name, item in got.items():
-                pos = tensor_from_bytes(item["positions"], f"probe_scores.{name}.positions")
-                at = self.next.get((c["index"], name), 0)
+                pos, rows, width = _decode(item, f"probe_scores.{name}")
+                at, stop = self.next.get((c["index"], name), 0), where_end[c["index"]]
                 # the workers may be a step ahead of the stream: only the positions of its tokens
-                keep = (pos >= at) & (pos < where_end[c["index"]])
-                if not bool(keep.any()):
+                keep = [i for i, q in enumerate(pos) if at <= q < stop]
+                if not keep:
                     continue
-                scores = tensor_from_bytes(item["scores"], f"probe_scores.{name}")[keep]
-                out[name] = {"positions": to_jsonable(pos[keep]), "scores": to_jsonable(scores)}
-                self.next[(c["index"], name)] = int(pos[keep].max()) + 1
+                out[name] = _kept(pos, rows, width, keep)
+                self.next[(c["index"], name)] = max(pos[i] for i in keep) + 1
                 changed = True
         return changed
+
+
+_ITEMSIZE = {"int64": 8, "float32": 4}
+
+
+def _decode(item: Any, field: str) -> tuple[array, bytes, int]:
+    """(positions, the scores' raw float32 rows, bytes per row) of one probe's progress (`wire.tensor_to_bytes`
+    forms), checked as `tensor_from_bytes` checks them. Plain Python on the bytes: a chunk brings a few rows,
+    and through torch (or numpy) their handling cost more than the rest of the chunk."""
+    if not isinstance(item, dict):
+        raise ValueError(f"{field}: expected {{positions, scores}}")
+    pos_raw = _raw(item.get("positions"), f"{field}.positions", "int64", 1)
+    rows = _raw(item.get("scores"), field, "float32", 2)
+    pos = array("q")
+    pos.frombytes(pos_raw)
+    n, n_out = item["scores"]["shape"]
+    if n != len(pos) or item["positions"]["shape"] != [n]:
+        raise ValueError(f"{field}: {n} rows of scores for {len(pos)} positions")
+    return pos, rows, 4 * n_out
+
+
+def _raw(obj: Any, field: str, dtype: str, ndim: int) -> bytes:
+    if not isinstance(obj, dict) or obj.get("dtype") != dtype:
+        raise ValueError(f"{field}: expected a {dtype} tensor object")
+    shape, raw = obj.get("shape"), obj.get("data")
+    if not isinstance(shape, list) or len(shape) != ndim or not all(type(k) is int and k >= 0 for k in shape):
+        raise ValueError(f"{field}.shape: expected {ndim} non-negative ints, got {shape!r}")
+    if isinstance(raw, memoryview):
+        raw = raw.tobytes()
+    if not isinstance(raw, (bytes, bytearray)):
+        raise ValueError(f"{field}.data: expected bytes")
+    count = 1
+    for k in shape:
+        count *= k
+    if len(raw) != count * _ITEMSIZE[dtype]:
+        raise ValueError(f"{field}.data: {len(raw)} bytes do not match shape {shape} of {dtype}")
+    return bytes(raw)
+
+
+def _kept(pos: array, rows: bytes, width: int, keep: list[int]) -> dict[str, Any]:
+    """The kept rows in `wire.tensor_to_json`'s form (uncompressed): the same keys, order and bytes."""
+    if keep[-1] - keep[0] + 1 == len(keep):  # a run (the workers sort positions): slices of the bytes
+        a, b = keep[0], keep[-1] + 1
+        pos_bytes, row_bytes = pos[a:b].tobytes(), rows[a * width : b * width]
+    else:
+        pos_bytes = array("q", [pos[i] for i in keep]).tobytes()
+        row_bytes = b"".join(rows[i * width : (i + 1) * width] for i in keep)
+    return {
+        "positions": {"dtype": "int64", "shape": [len(keep)], "b64": b64_text(pos_bytes)},
+        "scores": {"dtype": "float32", "shape": [len(keep), width // 4], "b64": b64_text(row_bytes)},
+    }
