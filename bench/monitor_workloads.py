@@ -10,6 +10,7 @@ results must hold (no silent no-op).
 | W12 | ablate one direction at every layer, every request |
 | W13 | cap one direction at one layer, every request |
 | W14 | capture `mlp_post` at one layer (an engine tapping it: the system lens-points, BENCH_LENS_POINTS=mlp_post) |
+| W15 | streaming with the scores of 1 probe against plain streaming, on one server (`bench/stream_scores.py`) |
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ NAMES = {
     "W12": "ablate 1 direction at every layer",
     "W13": "cap 1 direction at 1 layer",
     "W14": "capture mlp_post, 1 layer",
+    "W15": "streaming with 1 probe vs plain streaming",
 }
+STREAM_WORKLOADS = ("W15",)  # over HTTP: bench/stream_scores.py runs them, not worker.py
 
 
 def probe_layers(n_layers: int) -> list[int]:
@@ -90,3 +93,40 @@ def check(workload: str, outs: list, prompt_len: int, new: int, d_mlp: int) -> N
         a = o.activations["mlp_post"]
         assert tuple(a.shape) == (1, n_pos, d_mlp), f"mlp_post: {tuple(a.shape)}"
         assert bool(a.float().isfinite().all()) and float(a.float().abs().sum()) > 0
+
+
+def stream_body(model: str, prompt: list[int], new: int, scored: bool) -> dict:
+    """W15's streamed completion: plain, or with the scores of probe "m1" in each chunk."""
+    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True}
+    if scored:
+        body["vllm_xargs"] = {"output_probe_scores": ["m1"]}
+    return body
+
+
+def check_stream(chunks: list[dict], probe: str, new: int) -> None:
+    """A scored stream: every chunk with tokens brings the scores up to its last token's position, and the
+    chunks' scores together are the final chunk's full scores (no silent drop)."""
+    import torch
+
+    from vllm_worker.protocol.wire import from_jsonable
+
+    bad = [c for c in chunks if "choices" not in c]
+    assert not bad, f"W15: a chunk that is not a completion's: {bad[0]}"[:2000]
+    final = [c for c in chunks if any("activations" in ch for ch in c["choices"])]
+    assert len(final) == 1, f"W15: {len(final)} final chunks"
+    full = from_jsonable(final[0]["choices"][0]["activations"]["probe_scores"][probe])
+    n_prompt, n_tokens, pos, scores = 0, 0, [], []
+    for c in chunks:
+        for ch in c["choices"]:
+            n_prompt = n_prompt or len(ch.get("prompt_token_ids") or [])
+            n_tokens += len(ch.get("token_ids") or [])
+            if ch.get("token_ids"):
+                assert probe in ch.get("probe_scores", {}), f"W15: a chunk without scores: {ch}"
+                got = ch["probe_scores"][probe]
+                p = from_jsonable(got["positions"])
+                assert int(p.max()) == n_prompt + n_tokens - 2, "W15: a chunk's scores stop short of its tokens"
+                pos.append(p)
+                scores.append(from_jsonable(got["scores"]))
+    assert n_tokens == new, f"W15: {n_tokens} tokens streamed, {new} asked"
+    assert torch.equal(torch.cat(pos), torch.arange(n_prompt + new - 1)), "W15: positions missing or repeated"
+    assert torch.equal(torch.cat(scores), full), "W15: streamed scores differ from the final chunk's"

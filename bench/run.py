@@ -422,6 +422,7 @@ def main() -> None:
         },
         # probes, probe actions and ops (#42 §6, #43 §4) against plain vLLM with CUDA graphs; mlp_post (W14) on an
         # engine started with that point listed (lens-points; run with BENCH_LENS_POINTS=mlp_post), its W0 the idle cost
+        # (W15, streaming with 1 probe vs plain streaming, runs over HTTP on one server: bench/stream_scores.py)
         "gpu-monitors": {
             "vllm-compiled": ("W0",),
             "lens": ("W0", "W9", "W10", "W11", "W12", "W13"),

@@ -16,7 +16,8 @@ Samples are ordered honest, deceptive, control, honest, ... so `--limit N` keeps
 Served mode (`-T served=true -T probe=<probe folder>`): the server scores the probe inside the forward
 pass (`output_probe_scores`) and only the per-token scores come back; same windows, aggregate and metrics.
 The folder is a served probe (`LinearProbe.save_served`; a probe trained here is saved so beside the log)
-under the server's `--lens-probe-dir`, or `probe` names one the server has loaded.
+under the server's `--lens-probe-dir` (loaded as `deception-<hash8>` of its files when readable here, so
+evals sharing a server keep their own probes), or `probe` names one the server has loaded.
 `-T aggregate=` (mean, max, last, rolling_max:W, ema:A) turns token scores into the response score.
 """
 

@@ -23,12 +23,20 @@ async def list_probes(root: str, api_key: str | None) -> dict[str, dict[str, Any
     return {p["name"]: p for p in items or []}
 
 
+class ProbeNameTaken(ValueError):
+    """The server has another probe (other weights) under the name: loading would swap it under the feet of
+    whoever loaded it (another eval sharing the server)."""
+
+
 async def load_probe(root: str, api_key: str | None, name: str, path: str) -> dict[str, Any]:
-    """Load the probe folder `path` (on the server's file system) under `name`; what the server says of it."""
+    """Load the probe folder `path` (on the server's file system) under `name`, never replacing a different
+    probe of that name (`replace: false`); what the server says of it."""
     import httpx
 
     async with httpx.AsyncClient(base_url=root, headers=_headers(api_key), timeout=300) as http:
-        resp = await http.post("/v1/lens/probes", json={"name": name, "path": path})
+        resp = await http.post("/v1/lens/probes", json={"name": name, "path": path, "replace": False})
+    if resp.status_code == 409:
+        raise ProbeNameTaken(f"output_probe_scores: probe {name!r} from {path!r}: {resp.text[:500]}")
     if resp.status_code >= 400:
         raise ValueError(f"output_probe_scores: the server refused probe {name!r} from {path!r}: {resp.text[:500]}")
     body = resp.json()

@@ -40,9 +40,23 @@ def probe_map(probes: str | Sequence[str] | Mapping[str, str | None]) -> dict[st
     return out
 
 
+def content_name(base: str, folder: str) -> str:
+    """`base-<8 hex>` from the folder's probe files: evals sharing a server load different probes under
+    different names (and the same probe under the same one) instead of replacing each other's."""
+    import hashlib
+    import os
+
+    h = hashlib.sha256()
+    for f in ("probe.json", "probe.safetensors"):
+        with open(os.path.join(folder, f), "rb") as fh:
+            h.update(f.encode() + b"\0" + fh.read())
+    return f"{base}-{h.hexdigest()[:8]}"
+
+
 def served_probe_arg(probe: str | None, name: str) -> dict[str, str | None]:
-    """An eval's `-T probe=` in served mode: a probe folder (loaded on the server under `name`) or the name
-    of a probe the server has loaded already."""
+    """An eval's `-T probe=` in served mode: a probe folder (loaded on the server under `name-<hash8>` of
+    its files when they are readable here; under `name` when the folder is the server's only, and then
+    never over a different probe of that name) or the name of a probe the server has loaded already."""
     import os
 
     if not probe:
@@ -52,6 +66,8 @@ def served_probe_arg(probe: str | None, name: str) -> dict[str, str | None]:
             f"probe: {probe!r} is a JSON probe file; served mode needs its served folder (written beside a "
             "trained probe, or by LinearProbe.save_served)"
         )
+    if os.path.isdir(probe) and os.path.isfile(os.path.join(probe, "probe.safetensors")):
+        return {content_name(name, probe): probe}
     if os.sep in probe or os.path.isdir(probe):
         return {name: probe}
     return {probe: None}

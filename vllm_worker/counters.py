@@ -78,3 +78,8 @@ HOOK_TIMINGS = {"calls": 0, "in_hooks_s": 0.0, "around_hooks_s": 0.0}
 
 # where time goes after generation (offline, `frontend.fetch`): seconds in worker RPCs and in decoding
 FRONTEND_TIMINGS = {"fetch_rpc_s": 0.0, "decode_s": 0.0}
+
+# ---------------------------------------------------------------- API server process
+
+# streaming with probe scores (`server.probe_progress`): progress RPCs sent, and the chunks' asks they served
+STREAM_PROGRESS = {"rpcs": 0, "asks": 0}

@@ -131,3 +131,90 @@ def test_streamed_chunks_carry_their_scores(server):
     assert n_tokens == 6 and len(pos) >= 2
     assert torch.equal(torch.cat(pos), torch.arange(n_prompt + 5))
     assert torch.equal(torch.cat(scores), full)
+
+
+def test_concurrent_streams_share_progress_rpcs(server):
+    """Streams asking for scores at the same time share the progress RPCs (one serves the chunks of many
+    streams: `server.probe_progress`), and each stream still gets exactly its own scores, chunk by chunk."""
+    import asyncio
+    import json
+
+    from vllm_worker.protocol.wire import from_jsonable
+
+    h = {"Authorization": f"Bearer {KEY}"}
+    _save("p2c", [2], "logit")
+    r = httpx.post(f"{server}/v1/lens/probes", json={"name": "p2c", "path": "p2c"}, headers=h, timeout=60)
+    assert r.status_code == 200, r.text
+    prompts = [PROMPT, "a b c d", "once upon a time there", "the cat", "one two three four five six", "hello"]
+    before = httpx.get(f"{server}/v1/lens/info", headers=h, timeout=60).json()["stream_progress"]
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> list[dict]:
+        body = {
+            "model": str(model_path("llama")),
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "vllm_xargs": {"output_probe_scores": ["p2c"]},
+        }
+        chunks = []
+        async with client.stream("POST", f"{server}/v1/completions", json=body, headers=h) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+        return chunks
+
+    async def all_streams() -> list[list[dict]]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    n_chunks = 0
+    for chunks in asyncio.run(all_streams()):
+        final = [c for c in chunks if any("activations" in ch for ch in c["choices"])]
+        assert len(final) == 1
+        full = from_jsonable(final[0]["choices"][0]["activations"]["probe_scores"]["p2c"])
+        n_prompt, n_tokens, pos, scores = None, 0, [], []
+        for c in chunks:
+            for ch in c["choices"]:
+                n_prompt = n_prompt or len(ch.get("prompt_token_ids") or [])
+                n_tokens += len(ch.get("token_ids") or [])
+                n_chunks += bool(ch.get("token_ids"))
+                if "probe_scores" in ch:
+                    p = from_jsonable(ch["probe_scores"]["p2c"]["positions"])
+                    assert int(p.max()) == n_prompt + n_tokens - 2
+                    pos.append(p)
+                    scores.append(from_jsonable(ch["probe_scores"]["p2c"]["scores"]))
+        assert n_tokens == 8
+        assert torch.equal(torch.cat(pos), torch.arange(n_prompt + 7))
+        assert torch.equal(torch.cat(scores), full)
+    after = httpx.get(f"{server}/v1/lens/info", headers=h, timeout=60).json()["stream_progress"]
+    rpcs, asks = after["rpcs"] - before["rpcs"], after["asks"] - before["asks"]
+    assert asks == n_chunks  # every chunk that brought tokens asked once
+    assert rpcs < asks, (rpcs, asks)  # ... and RPCs served several streams' chunks at once
+    assert httpx.delete(f"{server}/v1/lens/probes/p2c", headers=h).status_code == 200
+
+
+def test_load_without_replace_never_swaps_a_different_probe(server):
+    """`"replace": false`: a name loaded with other weights is a 409 naming `name` (the loaded probe stays);
+    the same weights again are a no-op 200; `replace` must be a boolean."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    _save("p2r", [2], "logit")
+    _save("p1r", [1], "logit")
+    url = f"{server}/v1/lens/probes"
+    r = httpx.post(url, json={"name": "pr", "path": "p2r", "replace": False}, headers=h, timeout=60)
+    assert r.status_code == 200, r.text
+    first = r.json()["probe"]["hash"]
+    r = httpx.post(url, json={"name": "pr", "path": "p1r", "replace": False}, headers=h, timeout=60)
+    assert r.status_code == 409 and r.json()["error"]["param"] == "name", r.text
+    assert first in r.json()["error"]["message"]
+    listed = {p["name"]: p for p in httpx.get(url, headers=h).json()["probes"]}
+    assert listed["pr"]["hash"] == first and listed["pr"]["layers"] == [2]
+    r = httpx.post(url, json={"name": "pr", "path": "p2r", "replace": False}, headers=h, timeout=60)
+    assert r.status_code == 200 and r.json()["probe"]["hash"] == first
+    r = httpx.post(url, json={"name": "pr", "path": "p1r", "replace": "no"}, headers=h, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "replace"
+    r = httpx.post(url, json={"name": "pr", "path": "p1r"}, headers=h, timeout=60)  # replace: true by default
+    assert r.status_code == 200 and r.json()["probe"]["layers"] == [1]
+    assert httpx.delete(f"{url}/pr", headers=h).status_code == 200

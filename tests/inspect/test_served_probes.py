@@ -78,6 +78,7 @@ def test_served_log_is_compact_and_records_provenance(server, probe_files, tmp_p
     dtype, quantization, TP/PP, model, and the probe's name and hash as the server has it."""
     from inspect_ai.log import read_eval_log
 
+    from inspect_lens.served_probes import content_name
     from support.servers import KEY
     from vllm_worker.api.client import LensClient
 
@@ -89,15 +90,16 @@ def test_served_log_is_compact_and_records_provenance(server, probe_files, tmp_p
     )
     samples = read_eval_log(log.location).samples
     listed = {p["name"]: p for p in LensClient(server, api_key=KEY)._http.get("/v1/lens/probes").json()["probes"]}
+    name = content_name("deception", str(folder))
     for s in samples:
         out = s.output.metadata
-        assert "activations" not in out and set(out["probe_scores"]) == {"deception"}
-        rows = out["probe_scores"]["deception"]
+        assert "activations" not in out and set(out["probe_scores"]) == {name}
+        rows = out["probe_scores"][name]
         assert len(rows) == len(out["prompt_token_ids"]) and all(len(r) == 1 for r in rows)
-        assert {"mean", "max", "last"} <= set(out["probe_aggregates"]["deception"])
+        assert {"mean", "max", "last"} <= set(out["probe_aggregates"][name])
         sc = next(iter(s.scores.values()))
         md = sc.metadata
-        assert md["probe"] == "deception" and md["probe_hash"] == listed["deception"]["hash"]
+        assert md["probe"] == name and md["probe_hash"] == listed[name]["hash"]
         assert md["layer"] == LAYER and md["aggregate"] == "mean"
         prov = md["provenance"]
         assert prov["dtype"] == "float32" and prov["quantization"] is None and prov["model"].endswith("tiny-llama")
@@ -240,3 +242,55 @@ def test_model_arg_probes_scores_every_request(server, probe_files, tmp_path):
     sc = next(iter(s.scores.values()))
     assert len(sc.metadata["token_scores"]) == len(out["token_ids"])
     assert sc.value == pytest.approx(out["probe_aggregates"]["every-request"]["mean"][0], abs=1e-5)
+
+
+def test_evals_sharing_a_server_keep_their_own_probes(server, probe_files, tmp_path):
+    """Two served deception evals with different probe folders on one server: each loads its probe under a
+    name of its content (`deception-<hash8>`), so neither replaces the other's; each eval's scores are its own
+    probe's. A probe given by a server-side path under a name already taken by other weights is refused
+    (409 -> ValueError naming the probe), never swapped in."""
+    import asyncio
+
+    import httpx
+    from inspect_ai.model import get_model
+
+    from inspect_lens import LinearProbe
+    from inspect_lens.probe_http import ProbeNameTaken
+    from inspect_lens.served_probes import content_name, served_probe_arg
+    from support.engines import model_path
+    from support.servers import KEY
+
+    probe_a, _, folder_a = probe_files
+    rng = np.random.default_rng(4)
+    probe_b = LinearProbe.fit(rng.normal(size=(60, 128)) * 2, np.r_[np.zeros(30), np.ones(30)], layer=LAYER)
+    folder_b = PROBE_DIR / f"inspect-served-b-{id(probe_b)}"
+    shutil.rmtree(folder_b, ignore_errors=True)
+    probe_b.save_served(folder_b)
+    copy_a = PROBE_DIR / f"inspect-served-copy-{id(probe_b)}"
+    shutil.rmtree(copy_a, ignore_errors=True)
+    shutil.copytree(folder_a, copy_a)
+    name_a, name_b = content_name("deception", str(folder_a)), content_name("deception", str(folder_b))
+    assert name_a != name_b and name_a.startswith("deception-") and len(name_a) == len("deception-") + 8
+    assert served_probe_arg(str(copy_a), "deception") == {name_a: str(copy_a)}  # same files, same name
+
+    mod = _module("deception_probe")
+    kw = dict(served=True, eval_limit=1, control_limit=1)
+    log_a = run_eval(mod.deception_probe(probe=str(folder_a), **kw), server, tmp_path / "a")
+    log_b = run_eval(mod.deception_probe(probe=str(folder_b), **kw), server, tmp_path / "b")
+    h = {"Authorization": f"Bearer {KEY}"}
+    listed = {p["name"]: p for p in httpx.get(f"{server}/v1/lens/probes", headers=h).json()["probes"]}
+    assert listed[name_a]["hash"] != listed[name_b]["hash"]
+    for log, name, probe in ((log_a, name_a, probe_a), (log_b, name_b, probe_b)):
+        for sid, sc in _scores(log).items():
+            assert sc.metadata["probe"] == name and sc.metadata["probe_hash"] == listed[name]["hash"], sid
+    assert not np.allclose(probe_a.coef, probe_b.coef)  # so the two names' scores differ
+
+    async def take_a_name() -> None:
+        model = get_model(f"vllm-lens/{model_path('llama')}", base_url=f"{server}/v1", api_key=KEY)
+        await model.api.ensure_probes({name_a: folder_b.name})  # a server-side path, other weights
+
+    with pytest.raises(ProbeNameTaken, match=name_a):
+        asyncio.run(take_a_name())
+    assert httpx.get(f"{server}/v1/lens/probes", headers=h).json()["probes"]  # still there ...
+    listed2 = {p["name"]: p for p in httpx.get(f"{server}/v1/lens/probes", headers=h).json()["probes"]}
+    assert listed2[name_a]["hash"] == listed[name_a]["hash"]  # ... and unchanged

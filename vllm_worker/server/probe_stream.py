@@ -1,24 +1,25 @@
 """Probe scores in a streamed response: each SSE chunk that brings tokens also brings, per choice, the scores
 of the positions scored since the previous chunk (`"probe_scores": {probe: {"positions", "scores"}}`) — the
-positions whose forward passes produced its tokens, and on the first chunk the prompt's. One
-`lens_probe_progress` RPC per chunk, only for requests that asked for probe scores; the full scores and
-aggregates still come in the extra chunk before `[DONE]`."""
+positions whose forward passes produced its tokens, and on the first chunk the prompt's. The scores come
+from `lens_probe_progress` RPCs shared by every stream (`probe_progress`), only for requests that asked for
+probe scores; the full scores and aggregates still come in the extra chunk before `[DONE]`."""
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 from vllm_worker import compat
 from vllm_worker.frontend.state import pending_of
-from vllm_worker.protocol import rpc
-from vllm_worker.protocol.wire import tensor_from_bytes, to_jsonable
+from vllm_worker.protocol.wire import b64_text
+from vllm_worker.server.probe_progress import ProgressBatcher
 
 
 class ProbeStream:
     """What a stream has sent of each choice's scores: the next position per (choice, probe)."""
 
-    def __init__(self, engine: Any, kind: str, n: int) -> None:
-        self.engine, self.kind, self.n = engine, kind, n
+    def __init__(self, engine: Any, progress: ProgressBatcher, kind: str, n: int) -> None:
+        self.engine, self.progress, self.kind, self.n = engine, progress, kind, n
         self.next: dict[tuple[int, str], int] = {}
         self.wanted: dict[int, list[str]] = {}  # choice -> probes asked for (learnt on its first chunk)
         self.tokens: dict[int, int] = {}  # choice -> tokens streamed so far (this chunk's included)
@@ -52,21 +53,70 @@ class ProbeStream:
         if not asks:
             return False
         changed = False
-        for answer in await compat.rpc_async(self.engine, rpc.PROBE_PROGRESS, asks):
-            for key, child, got in answer or ():
-                c = where.get((key, int(child)))
-                if c is None:
+        for key, child, got in await self.progress.ask(asks):
+            c = where.get((key, int(child)))
+            if c is None:
+                continue
+            out = c.setdefault("probe_scores", {})
+            for name, item in got.items():
+                pos, rows, width = _decode(item, f"probe_scores.{name}")
+                at, stop = self.next.get((c["index"], name), 0), where_end[c["index"]]
+                # the workers may be a step ahead of the stream: only the positions of its tokens
+                keep = [i for i, q in enumerate(pos) if at <= q < stop]
+                if not keep:
                     continue
-                out = c.setdefault("probe_scores", {})
-                for name, item in got.items():
-                    pos = tensor_from_bytes(item["positions"], f"probe_scores.{name}.positions")
-                    at = self.next.get((c["index"], name), 0)
-                    # the workers may be a step ahead of the stream: only the positions of its tokens
-                    keep = (pos >= at) & (pos < where_end[c["index"]])
-                    if not bool(keep.any()):
-                        continue
-                    scores = tensor_from_bytes(item["scores"], f"probe_scores.{name}")[keep]
-                    out[name] = {"positions": to_jsonable(pos[keep]), "scores": to_jsonable(scores)}
-                    self.next[(c["index"], name)] = int(pos[keep].max()) + 1
-                    changed = True
+                out[name] = _kept(pos, rows, width, keep)
+                self.next[(c["index"], name)] = max(pos[i] for i in keep) + 1
+                changed = True
         return changed
+
+
+_ITEMSIZE = {"int64": 8, "float32": 4}
+
+
+def _decode(item: Any, field: str) -> tuple[array, bytes, int]:
+    """(positions, the scores' raw float32 rows, bytes per row) of one probe's progress (`wire.tensor_to_bytes`
+    forms), checked as `tensor_from_bytes` checks them. Plain Python on the bytes: a chunk brings a few rows,
+    and through torch (or numpy) their handling cost more than the rest of the chunk."""
+    if not isinstance(item, dict):
+        raise ValueError(f"{field}: expected {{positions, scores}}")
+    pos_raw = _raw(item.get("positions"), f"{field}.positions", "int64", 1)
+    rows = _raw(item.get("scores"), field, "float32", 2)
+    pos = array("q")
+    pos.frombytes(pos_raw)
+    n, n_out = item["scores"]["shape"]
+    if n != len(pos) or item["positions"]["shape"] != [n]:
+        raise ValueError(f"{field}: {n} rows of scores for {len(pos)} positions")
+    return pos, rows, 4 * n_out
+
+
+def _raw(obj: Any, field: str, dtype: str, ndim: int) -> bytes:
+    if not isinstance(obj, dict) or obj.get("dtype") != dtype:
+        raise ValueError(f"{field}: expected a {dtype} tensor object")
+    shape, raw = obj.get("shape"), obj.get("data")
+    if not isinstance(shape, list) or len(shape) != ndim or not all(type(k) is int and k >= 0 for k in shape):
+        raise ValueError(f"{field}.shape: expected {ndim} non-negative ints, got {shape!r}")
+    if isinstance(raw, memoryview):
+        raw = raw.tobytes()
+    if not isinstance(raw, (bytes, bytearray)):
+        raise ValueError(f"{field}.data: expected bytes")
+    count = 1
+    for k in shape:
+        count *= k
+    if len(raw) != count * _ITEMSIZE[dtype]:
+        raise ValueError(f"{field}.data: {len(raw)} bytes do not match shape {shape} of {dtype}")
+    return bytes(raw)
+
+
+def _kept(pos: array, rows: bytes, width: int, keep: list[int]) -> dict[str, Any]:
+    """The kept rows in `wire.tensor_to_json`'s form (uncompressed): the same keys, order and bytes."""
+    if keep[-1] - keep[0] + 1 == len(keep):  # a run (the workers sort positions): slices of the bytes
+        a, b = keep[0], keep[-1] + 1
+        pos_bytes, row_bytes = pos[a:b].tobytes(), rows[a * width : b * width]
+    else:
+        pos_bytes = array("q", [pos[i] for i in keep]).tobytes()
+        row_bytes = b"".join(rows[i * width : (i + 1) * width] for i in keep)
+    return {
+        "positions": {"dtype": "int64", "shape": [len(keep)], "b64": b64_text(pos_bytes)},
+        "scores": {"dtype": "float32", "shape": [len(keep), width // 4], "b64": b64_text(row_bytes)},
+    }

@@ -1,5 +1,6 @@
-"""`POST /v1/lens/probes {"name", "path"}` (load a probe in every worker; only from the folder the operator
-named with `--lens-probe-dir`, 403 otherwise), `GET /v1/lens/probes` (what is loaded) and
+"""`POST /v1/lens/probes {"name", "path", "replace"}` (load a probe in every worker; only from the folder the
+operator named with `--lens-probe-dir`, 403 otherwise; `"replace": false`: a name already loaded with other
+weights is a 409, so clients sharing a server never swap each other's probe), `GET /v1/lens/probes` (what is loaded) and
 `DELETE /v1/lens/probes/{name}`."""
 
 from __future__ import annotations
@@ -29,10 +30,23 @@ def allowed_path(path: object) -> str:
 @guard
 async def load(request: Request):
     state = state_of(request.app)
-    body = await json_body(request, frozenset({"name", "path"}))
+    body = await json_body(request, frozenset({"name", "path", "replace"}))
+    replace = body.get("replace", True)
+    if not isinstance(replace, bool):
+        raise BadRequest(400, f"replace: expected true or false, got {replace!r}"[:300], "replace")
     path = allowed_path(body.get("path"))
     with caller_input():
         loaded = probes.prepare(body.get("name"), path, shape_of(state))
+    have = engine_state(compat.processor_of_engine_client(state.engine)).probes.get(loaded.name)
+    if have is not None and not replace:
+        if have.uid != loaded.uid:
+            raise BadRequest(
+                409,
+                f"name: probe {loaded.name!r} is loaded with other weights (hash {have.uid}, from {have.path}); "
+                f"this folder's hash is {loaded.uid}: load it under another name, or send replace: true",
+                "name",
+            )
+        return {"status": "ok", "probe": have.describe()}  # the same probe: nothing to load
     answers = await compat.rpc_async(state.engine, rpc.LOAD_PROBE, loaded.name, loaded.uid, loaded.wire())
     try:
         with caller_input():

@@ -12,7 +12,7 @@ from typing import Iterator
 
 from fastapi import APIRouter, Request
 
-from vllm_worker import compat, envs
+from vllm_worker import compat, counters, envs
 from vllm_worker.frontend.fetch import merge_collected, release_results_async
 from vllm_worker.frontend.requests import in_flight_bytes, pending_count
 from vllm_worker.frontend.validation import parse_hooks
@@ -219,6 +219,8 @@ async def info(request: Request):
         # actions' slots): 0 once requests leave — a worker sees a request leave at its next step
         **{k: sum(st.get(k, 0) for st in status) for k in WORKER_COUNTS},
         "limits": envs.limits(),
+        # streaming with probe scores: progress RPCs sent and the chunks they served (one RPC serves many)
+        "stream_progress": dict(counters.STREAM_PROGRESS),
         # what a probe score depends on besides the probe (dtype, quantization, TP/PP, versions, model)
         "provenance": compat.serving_provenance(compat.processor_of_engine_client(state.engine)),
     }

@@ -17,6 +17,7 @@ class LensState:
     persistent_hooks: bool = False
     original_collect: bool = False  # the persistent hooks came in the original's form: collect answers in it
     keyed: bool = False  # started with API keys: named vectors are scoped per key (`frontend.vectors`)
+    progress: Any = None  # streams' probe-score RPCs, batched (`server.probe_progress.batcher_of`)
 
 
 def state_of(app: Any) -> LensState:

@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from vllm_worker.server.choices import Choice, Unmatched, fetch_results, hook_failure
+from vllm_worker.server.probe_progress import batcher_of
 from vllm_worker.server.probe_stream import ProbeStream
 from vllm_worker.server.responses import dumps, error_body
 from vllm_worker.server.state import LensState
@@ -26,7 +27,7 @@ class StreamInjector:
         self.response_id: str | None = None
         self.obj: str | None = None
         self.choices: dict[int, Choice] = {}
-        self.probes = ProbeStream(state.engine, kind, n) if expect else None
+        self.probes = ProbeStream(state.engine, batcher_of(state), kind, n) if expect else None
 
     def _observe(self, event: bytes) -> dict | None:
         if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):

@@ -1,0 +1,73 @@
+"""One `lens_probe_progress` RPC serves every streaming request at once. Each RPC is handled by the engine
+core between steps, so one RPC per chunk would cost the engine a round trip per stream per step; here the
+chunks that arrive while an RPC is in flight (and those of the same event-loop tick) wait for the next one,
+which asks for all of them: about one RPC per engine step, whatever the number of streams."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from vllm_worker import compat, counters
+from vllm_worker.protocol import rpc
+
+Ask = tuple[str, int, int]  # (request key, child, first position wanted)
+
+
+class ProgressBatcher:
+    """Gathers the asks of every stream of one engine client into one RPC at a time."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._queue: list[tuple[list[Ask], asyncio.Future]] = []
+        self._draining = False
+        self._task: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
+
+    async def ask(self, asks: list[Ask]) -> list[list]:
+        """[key, child, payload] for these asks, from every worker that scores them."""
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue.append((asks, fut))
+        if not self._draining:
+            self._draining = True
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                await asyncio.sleep(0)  # the other streams' chunks of this tick join this RPC
+                batch, self._queue = self._queue, []
+                await self._one_rpc(batch)
+        finally:
+            self._draining = False
+
+    async def _one_rpc(self, batch: list[tuple[list[Ask], asyncio.Future]]) -> None:
+        first: dict[tuple[str, int], int] = {}
+        for asks, _ in batch:
+            for key, child, start in asks:
+                first[(key, child)] = min(start, first.get((key, child), start))
+        counters.STREAM_PROGRESS["rpcs"] += 1
+        counters.STREAM_PROGRESS["asks"] += sum(len(a) for a, _ in batch)
+        try:
+            answers = await compat.rpc_async(
+                self.engine, rpc.PROBE_PROGRESS, [(k, c, s) for (k, c), s in first.items()]
+            )
+        except Exception as e:  # noqa: BLE001 - each waiting stream handles it as its own failure
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        by_request: dict[tuple[str, int], list[list]] = {}
+        for answer in answers:
+            for key, child, payload in answer or ():
+                by_request.setdefault((key, int(child)), []).append([key, int(child), payload])
+        for asks, fut in batch:
+            if not fut.done():  # a stream cancelled meanwhile (client gone) waits for nothing
+                fut.set_result([got for key, child, _ in asks for got in by_request.get((key, child), ())])
+
+
+def batcher_of(state: Any) -> ProgressBatcher:
+    """The server's batcher (one per engine client)."""
+    if state.progress is None:
+        state.progress = ProgressBatcher(state.engine)
+    return state.progress
