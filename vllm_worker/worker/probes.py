@@ -232,13 +232,16 @@ def _since(pieces: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> list:
     return pieces[i:]
 
 
-def payload(got: dict[str, ProbeScores], start: int = 0, running: bool = False) -> dict[str, dict[str, Any]]:
+def payload(
+    got: dict[str, ProbeScores], start: int = 0, running: bool = False, cache: dict | None = None
+) -> dict[str, dict[str, Any]]:
     """A request's scores as bytes, per probe: {"positions": (n,) int64, "scores": (n, n_out) float32} —
     the layers' parts added, then the bias, then the sigmoid for `output: sigmoid`. `running`: a request still
     generating (`LensRuntime.probe_progress`): only positions from `start` on, and a probe with nothing
-    scored yet is left out instead of being an error."""
+    scored yet is left out instead of being an error. `cache`: shared by the requests of one progress RPC
+    (`step_records.WHOLE_RECORDS`); by default one request's own."""
     out = {}
-    cache: dict = {}  # (`step_records.Span.pieces`)
+    cache = {} if cache is None else cache  # (`step_records.Span.pieces`)
     for name, slot in got.items():
         pos, total = None, None
         for site in slot.probe.sites:

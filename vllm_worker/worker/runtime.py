@@ -24,7 +24,7 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors, points
 from vllm_worker.protocol.spec import PAYLOAD_KEY
 from vllm_worker.transport import shm
-from vllm_worker.worker import actions, edits, faults, graph, probes, saes, seams, taps, tp_wide
+from vllm_worker.worker import actions, edits, faults, graph, probes, saes, seams, step_records, taps, tp_wide
 from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.params import Params
 from vllm_worker.worker.persistent_hooks import PersistentHooks
@@ -462,10 +462,11 @@ class LensRuntime:
         out: list = []
         if not self.capturing_rank:
             return out
+        cache: dict = {step_records.WHOLE_RECORDS: True}  # each record copied to the host once for all
         for key, child, start in wanted:
             st = self.store.peek(key, child)
             if st is not None and st.probes and st.error is None:
-                got = probes.payload(st.probes, start, running=True)
+                got = probes.payload(st.probes, start, running=True, cache=cache)
                 if got:
                     out.append([key, child, got])
         return out

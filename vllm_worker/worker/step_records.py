@@ -76,6 +76,14 @@ class Span:
         columns (e.g. top-k indices beside their values). `cache` (one fetch's): the rows of a record read
         once for every span of them (a request's probes at one site share its rows): one copy to the host."""
         k = self.key if key is None else key
+        if cache is not None and cache.get(WHOLE_RECORDS):
+            got = self._rows_of_whole(k, cache)
+            if got is None:
+                return []
+            pos, vals = got
+            if key is None:
+                vals = vals[:, self.cols] if isinstance(self.cols, slice) else vals.index_select(1, self.cols)
+            return [(pos, vals)]
         ck = (id(self.record), self.r0, self.r1, k)
         got = None if cache is None else cache.get(ck)
         if got is None:
@@ -96,6 +104,25 @@ class Span:
         if key is None:
             vals = vals[:, self.cols] if isinstance(self.cols, slice) else vals.index_select(1, self.cols)
         return [(pos, vals)]
+
+    def _rows_of_whole(self, k: Any, cache: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This span's rows cut from a host copy of the whole record, made once per `cache` (a progress
+        RPC serving every streaming request at once: one copy per record, not one per request)."""
+        ck = (id(self.record), k)
+        whole = cache.get(ck)
+        if whole is None:
+            parts = [(pos[:f], blocks[k][:f]) for pos, blocks, f in self.record.chunks if f]
+            if not parts:
+                return None
+            whole = cache[ck] = (
+                torch.cat([p for p, _ in parts]).to("cpu", torch.int64),
+                torch.cat([v for _, v in parts]).to("cpu"),
+            )
+        pos, vals = whole
+        return pos[:, self.r0 : self.r1].reshape(-1), vals[:, self.r0 : self.r1].reshape(-1, vals.shape[-1])
+
+
+WHOLE_RECORDS = "whole_records"  # a `cache` key: read whole records once for many requests (`Span.pieces`)
 
 
 def latest(pieces: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
