@@ -38,7 +38,6 @@ class ActionUse:
     slot: int
     stop: bool
     first_watched: int  # the first position watched: the last prompt position
-    last_seen: int = -1  # the last position folded into the aggregate (a recomputed one is not again)
     entries: list[int] | None = None  # graph-path steering entries this action gates
     freed: bool = False  # its slot went back
 
@@ -71,6 +70,9 @@ class ActionTable:
         self.fire_pos = torch.full((n_slots,), -1, dtype=torch.long, device=device)
         self.fire_value = torch.zeros(n_slots, **f32)
         self.gate = torch.zeros(n_slots, **f32)  # 1.0 once fired: what gated steering multiplies by
+        self.first = torch.zeros(n_slots, dtype=torch.long, device=device)  # the first position watched
+        self.last_seen = torch.full((n_slots,), -1, dtype=torch.long, device=device)  # (a recomputed one: not again)
+        self.generation = 0  # counts frees: a step's cached indices (`action_step`) made before one are stale
         self.never = torch.zeros(1, **f32)  # the gate of a vector with no layer on this pipeline stage
         self._free = list(range(n_slots - 1, -1, -1))
         self._wfree = list(range(2 * n_slots - 1, -1, -1))
@@ -104,6 +106,7 @@ class ActionTable:
             self.sigmoid[slot] = bool(a.get("sigmoid", False))
             self.count[slot], self.ema[slot], self.fired[slot] = 0, 0.0, False
             self.fire_pos[slot], self.fire_value[slot], self.gate[slot] = -1, 0.0, 0.0
+            self.first[slot], self.last_seen[slot] = first_watched, -1
             sites = {int(site): r for site, r in zip(a["sites"], rows)}
             out.append(ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched))
         self._by_req[req_id] = out
@@ -117,6 +120,7 @@ class ActionTable:
         for u in uses:
             if not u.freed:  # (a failed request's uses may be given back twice)
                 u.freed = True
+                self.generation += 1
                 self._free.append(u.slot)
                 self._wfree.extend(u.sites.values())
             self._by_req.pop(u.req_id, None)
@@ -144,92 +148,71 @@ class ActionTable:
 
     # ------------------------------------------------------------ per step
 
-    def observe(self, got: list[tuple[torch.Tensor, list[tuple[ActionUse, int, int, int]]]]) -> None:
-        """Fold a step's scores in: `got` holds, per site, the staged rows `x` and for each action there
-        (use, x row, position of that row, the action's weight row for the site). An action's score at a position is the sum of its sites' parts
-        (a multi-layer probe) plus its bias. Positions not watched (the prompt before its last position, or
-        one recomputed after preemption) are skipped on the host."""
-        groups: dict[tuple[int, int], int] = {}  # (use, position) -> score index
-        owner: list[tuple[ActionUse, int]] = []  # per score: (use, position)
-        parts: list[tuple[int, int, int, int]] = []  # (x, x row, weight row, score index)
-        for k, (_, items) in enumerate(got):
-            for u, row, p, wrow in items:
-                if p < u.first_watched or p <= u.last_seen:
-                    continue
-                g = groups.setdefault((id(u), p), len(owner))
-                if g == len(owner):
-                    owner.append((u, p))
-                parts.append((k, row, wrow, g))
-        if not owner:
-            return
-        for u, p in owner:
-            u.last_seen = max(u.last_seen, p)
-        pa = np.array(parts, dtype=np.int64)
-        dev = self.device
-        scores = torch.zeros(len(owner), dtype=torch.float32, device=dev)
-        for k in np.unique(pa[:, 0]).tolist():
-            sel = pa[pa[:, 0] == k]
-            x = got[k][0].index_select(0, torch.from_numpy(sel[:, 1]).to(dev)).float()
-            part = (x * self.W[torch.from_numpy(sel[:, 2]).to(dev)]).sum(-1)
-            scores.index_add_(0, torch.from_numpy(sel[:, 3]).to(dev), part)
-        # rounds: the j-th watched position of each action this step (one, unless drafts brought several)
-        order = sorted(range(len(owner)), key=lambda g: (id(owner[g][0]), owner[g][1]))
-        rounds: list[list[int]] = []
-        last, j = None, 0
-        for g in order:
-            j = j + 1 if owner[g][0] is last else 0
-            last = owner[g][0]
-            while len(rounds) <= j:
-                rounds.append([])
-            rounds[j].append(g)
-        for rd in rounds:
-            idx = torch.tensor(rd, device=dev)
-            sl = torch.tensor([owner[g][0].slot for g in rd], device=dev)
-            ps = torch.tensor([owner[g][1] for g in rd], device=dev)
-            s = scores[idx] + self.B[sl]
-            self._update(sl, torch.where(self.sigmoid[sl], torch.sigmoid(s), s), ps)
+    def fold(self, pslot: torch.Tensor, scores: torch.Tensor, pos: torch.Tensor, rounds: list) -> None:
+        """Fold a step's scores in: per pair (an action and one of its request's staged rows) its slot
+        `pslot`, its probe score without the bias `scores` and the row's position `pos`; `rounds` (`(pairs or
+        None for all, their slots)`) fold the j-th staged row of every action in round j, in position order
+        (one round unless drafts or a prefill chunk staged several rows). Positions not watched (the prompt
+        before its last position, or one already folded: recomputed after a preemption) are masked out on
+        the device."""
+        s = scores + self.B.index_select(0, pslot)
+        s = torch.where(self.sigmoid.index_select(0, pslot), torch.sigmoid(s), s)
+        for pairs, sl in rounds:
+            if pairs is None:
+                self._update(sl, s, pos)
+            else:
+                self._update(sl, s.index_select(0, pairs), pos.index_select(0, pairs))
 
     def _update(self, sl: torch.Tensor, s: torch.Tensor, pos: torch.Tensor) -> None:
+        valid = (pos >= self.first[sl]) & (pos > self.last_seen[sl])
         cnt = self.count[sl]
         a = self.param[sl]
-        ema = torch.where(cnt == 0, s, a * self.ema[sl] + (1 - a) * s)
-        self.ema[sl] = ema
+        old = self.ema[sl]
+        ema = torch.where(cnt == 0, s, a * old + (1 - a) * s)
+        self.ema[sl] = torch.where(valid, ema, old)
         wlen = a.long().clamp(1, MAX_WINDOW)
-        self.window[sl, cnt % wlen] = s
+        at = cnt % wlen
+        self.window[sl, at] = torch.where(valid, s, self.window[sl, at])
         n = torch.minimum(cnt + 1, wlen)
         win = self.window[sl] * (self._arange.unsqueeze(0) < n.unsqueeze(1))
         roll = win.sum(-1) / n
         kind = self.kind[sl]
         agg = torch.where(kind == EMA, ema, torch.where(kind == ROLLING, roll, s))
-        hit = agg > self.thr[sl]  # "exceeds", as calibrated thresholds are meant (`threshold_at_fpr`)
+        hit = valid & (agg > self.thr[sl])  # "exceeds", as calibrated thresholds are meant (`threshold_at_fpr`)
         was = self.fired[sl]
         new = hit & ~was
         self.fire_pos[sl] = torch.where(new, pos, self.fire_pos[sl])
         self.fire_value[sl] = torch.where(new, agg, self.fire_value[sl])
-        self.fired[sl] = was | hit
-        self.gate[sl] = self.fired[sl].float()
-        self.count[sl] = cnt + 1
+        fired = was | hit
+        self.fired[sl] = fired
+        self.gate[sl] = fired.float()
+        self.count[sl] = cnt + valid.long()
+        self.last_seen[sl] = torch.where(valid, pos, self.last_seen[sl])
 
-    def after_step(self, uses: list[ActionUse], entries_gate: torch.Tensor | None) -> None:
-        """After `observe`: gated graph-path entries take their actions' gate, and stop actions' flags
-        start their way to the host (read in `stops`)."""
-        ents = [(e, u.slot) for u in uses if u.entries for e in u.entries]
-        if ents and entries_gate is not None:
-            e = torch.tensor([a for a, _ in ents], device=self.device)
-            s = torch.tensor([b for _, b in ents], device=self.device)
-            entries_gate.index_copy_(0, e, self.gate[s].to(entries_gate.dtype))
-        stops = [u for u in uses if u.stop and u.req_id not in self.stopping]
-        if not stops:
+    def after_step(
+        self,
+        entries: tuple[torch.Tensor, torch.Tensor] | None,
+        entries_gate: torch.Tensor | None,
+        stops: tuple[list[ActionUse], torch.Tensor] | None,
+    ) -> None:
+        """After `fold`: gated graph-path entries (`entries`: their ids, their actions' slots) take their
+        actions' gate, and the flags of stop actions (`stops`: the uses, their slots) start their way to the
+        host (read in `stops`)."""
+        if entries is not None and entries_gate is not None:
+            ent, slots = entries
+            entries_gate.index_copy_(0, ent, self.gate.index_select(0, slots).to(entries_gate.dtype))
+        if stops is None:
             return
-        flags = self.fired[torch.tensor([u.slot for u in stops], device=self.device)]
+        uses, slots = stops
+        flags = self.fired.index_select(0, slots)
         if self.device.type == "cuda":
             host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
             host.copy_(flags, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
-            self._stop_reads.append((stops, host, ev))
+            self._stop_reads.append((uses, host, ev))
         else:
-            self._stop_reads.append((stops, flags, None))
+            self._stop_reads.append((uses, flags, None))
 
     def status(self) -> dict[str, int]:
         """What the table holds for live requests (each returns to 0 once they leave: `lens_status`)."""
@@ -246,8 +229,9 @@ class ActionTable:
         for uses, flags, ev in reads:
             if ev is not None:
                 ev.synchronize()
-            for u, f in zip(uses, flags.tolist()):
-                if f:
+            for i in np.flatnonzero(flags.numpy()).tolist():  # (Python for the fired ones only)
+                u = uses[i]
+                if not u.freed:  # (it left before its flag was read)
                     self.stopping.setdefault(u.req_id, f"probe:{u.name}")
         return dict(self.stopping)
 
@@ -287,15 +271,6 @@ def stage(gp: Any, cap_rows: dict, act_rows: dict, col: dict[int, int]) -> None:
     gp.cap_cols = np.concatenate(cols_all).astype(np.int64)
 
 
-def from_stage(gp: Any, stage_buf: torch.Tensor, base: int, positions: np.ndarray) -> list:
-    """Graph-safe path, after the step: each site's staged rows and the actions reading them."""
-    got = []
-    for site, (offs, rows, items) in gp.act.items():
-        x = stage_buf.index_select(0, torch.from_numpy(base + offs).to(stage_buf.device))
-        got.append((x, _items(site, rows, items, positions)))
-    return got
-
-
 def rows_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
     """Python path, at a tap (after the site's edits): the action rows there, kept for after the forward."""
     got = plan.act_rows.get(site)
@@ -304,20 +279,3 @@ def rows_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor |
     idx, rows, items = got
     x = stream_rows(hidden, residual, idx)
     plan.act_got.append((site, x, rows, items))
-
-
-def from_python(plan: Any, positions: np.ndarray) -> list:
-    return [(x, _items(site, rows, items, positions)) for site, x, rows, items in plan.act_got]
-
-
-def _items(site: int, rows: np.ndarray, items: list, positions: np.ndarray) -> list:
-    out: list[tuple[ActionUse, int, int, int]] = []
-    k = 0
-    for r, s, e in items:
-        n = len(staged_rows(s, e))
-        for u in r.acts:
-            wrow = u.sites.get(site)
-            if wrow is not None:
-                out.extend((u, k + j, int(positions[rows[k + j]]), wrow) for j in range(n))
-        k += n
-    return out

@@ -250,6 +250,7 @@ class StepPlan:
     sae_feat: dict = field(default_factory=dict)  # site -> (row index on device, requests): SAE features
     sae_clamp: dict = field(default_factory=dict)  # site -> requests clamping SAE features there
     probe_rows: dict = field(default_factory=dict)  # site -> (row index on device, SiteProbes): probe scores
+    act_step: Any = None  # the probe actions' device indices for this composition (`action_step.current`)
     broken: bool = False  # our code failed during this step: the taps do nothing more
     fired_sites: set = field(default_factory=set)  # sites whose tap ran from Python this step
     groups: dict[HookAt, list[HookGroup]] = field(default_factory=dict)  # batched hooks
