@@ -57,7 +57,7 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
         pr: list[int] = []
         k = 0
         for r, s, e in items:
-            n = len(staged_rows(s, e))
+            n = len(staged_rows(r, s, e))
             for u in r.acts:
                 w = u.sites.get(site)
                 if w is None or u.freed:

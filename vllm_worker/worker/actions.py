@@ -25,6 +25,7 @@ TOKEN, EMA, ROLLING = 0, 1, 2  # as `frontend.actions`
 MAX_WINDOW = 256  # rolling_max:W's largest W (`frontend.actions.MAX_WINDOW`)
 N_SLOTS = 1024  # actions live at once in one worker
 ROWS_PER_STEP = 8  # a request's last rows of a step staged for its actions (more only with long drafts)
+NO_END = 1 << 62  # the end of an open range of positions watched
 
 
 @dataclass(eq=False)
@@ -37,7 +38,8 @@ class ActionUse:
     sites: dict[int, int]  # site -> its weight row in `ActionTable.W` (a multi-layer probe: one per layer)
     slot: int
     stop: bool
-    first_watched: int  # the first position watched: the last prompt position
+    first_watched: int  # the last prompt position (it produces generated token 0)
+    every_row: bool = False  # it watches prompt positions: every row of a prefill chunk is staged
     entries: list[int] | None = None  # graph-path steering entries this action gates
     freed: bool = False  # its slot went back
 
@@ -70,7 +72,8 @@ class ActionTable:
         self.fire_pos = torch.full((n_slots,), -1, dtype=torch.long, device=device)
         self.fire_value = torch.zeros(n_slots, **f32)
         self.gate = torch.zeros(n_slots, **f32)  # 1.0 once fired: what gated steering multiplies by
-        self.first = torch.zeros(n_slots, dtype=torch.long, device=device)  # the first position watched
+        self.first = torch.zeros(n_slots, dtype=torch.long, device=device)  # positions watched: [first, until)
+        self.until = torch.zeros(n_slots, dtype=torch.long, device=device)
         self.last_seen = torch.full((n_slots,), -1, dtype=torch.long, device=device)  # (a recomputed one: not again)
         self.generation = 0  # counts frees: a step's cached indices (`action_step`) made before one are stale
         self.never = torch.zeros(1, **f32)  # the gate of a vector with no layer on this pipeline stage
@@ -106,9 +109,12 @@ class ActionTable:
             self.sigmoid[slot] = bool(a.get("sigmoid", False))
             self.count[slot], self.ema[slot], self.fired[slot] = 0, 0.0, False
             self.fire_pos[slot], self.fire_value[slot], self.gate[slot] = -1, 0.0, 0.0
-            self.first[slot], self.last_seen[slot] = first_watched, -1
+            lo, hi = int(a.get("lo", -1)), int(a.get("hi", -1))  # (`frontend.actions.watched`)
+            lo = first_watched if lo < 0 else lo
+            self.first[slot], self.until[slot], self.last_seen[slot] = lo, NO_END if hi < 0 else hi, -1
             sites = {int(site): r for site, r in zip(a["sites"], rows)}
-            out.append(ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched))
+            use = ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched, lo < first_watched)
+            out.append(use)
         self._by_req[req_id] = out
         return out
 
@@ -140,7 +146,7 @@ class ActionTable:
                 "name": u.name,
                 "fired": bool(f),
                 "position": int(p),
-                "token_index": int(p) - u.first_watched if f else -1,
+                "token_index": int(p) - u.first_watched if f and p >= u.first_watched else -1,
                 "value": float(v) if f else None,
             }
             for u, f, p, v in zip(uses, fired, pos, val)
@@ -164,7 +170,7 @@ class ActionTable:
                 self._update(sl, s.index_select(0, pairs), pos.index_select(0, pairs))
 
     def _update(self, sl: torch.Tensor, s: torch.Tensor, pos: torch.Tensor) -> None:
-        valid = (pos >= self.first[sl]) & (pos > self.last_seen[sl])
+        valid = (pos >= self.first[sl]) & (pos < self.until[sl]) & (pos > self.last_seen[sl])
         cnt = self.count[sl]
         a = self.param[sl]
         old = self.ema[sl]
@@ -236,10 +242,12 @@ class ActionTable:
         return dict(self.stopping)
 
 
-def staged_rows(s: int, e: int) -> np.ndarray:
-    """The rows of a request staged for its actions: the step's last ones (the one that produces its next
-    token; a few more for drafts)."""
-    return np.arange(max(s, e - ROWS_PER_STEP), e, dtype=np.int64)
+def staged_rows(r: Any, s: int, e: int) -> np.ndarray:
+    """The rows of request `r` (its batch rows [s, e)) staged for its actions: the step's last ones (the one
+    that produces its next token; a few more for drafts) — all of them when an action watches prompt
+    positions."""
+    every = any(u.every_row for u in r.acts)
+    return np.arange(s if every else max(s, e - ROWS_PER_STEP), e, dtype=np.int64)
 
 
 def stage(gp: Any, cap_rows: dict, act_rows: dict, col: dict[int, int]) -> None:
@@ -255,7 +263,7 @@ def stage(gp: Any, cap_rows: dict, act_rows: dict, col: dict[int, int]) -> None:
     off = len(gp.cap_rows)
     rows_all, cols_all = [gp.cap_rows], [gp.cap_cols]
     for site, items in act_rows.items():
-        rows = np.concatenate([staged_rows(s, e) for _, s, e in items])
+        rows = np.concatenate([staged_rows(r, s, e) for r, s, e in items])
         keys = col[site] * n + rows
         i = np.minimum(np.searchsorted(have, keys, sorter=order), max(len(have) - 1, 0))
         found = (have[order[i]] == keys) if len(have) else np.zeros(len(rows), dtype=bool)

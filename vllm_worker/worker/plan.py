@@ -446,4 +446,4 @@ def group_rows(members: list) -> np.ndarray:
 
 def action_rows(items: Rows) -> np.ndarray:
     """The batch rows staged for the actions of `items` (`actions.staged_rows`), in order."""
-    return np.concatenate([staged_rows(s, e) for _, s, e in items])
+    return np.concatenate([staged_rows(r, s, e) for r, s, e in items])
