@@ -6,8 +6,9 @@ W11's shape: `--n` decoding requests (one row each), each with one action at one
 gates one graph-path steering entry. A step is what `runtime._observe` does after a graph-path forward:
 the site's staged rows read from the ring, scored, folded into the aggregates, the entries' gates set.
 With a small `--d` the device work (torch on the CPU) is small, so what is measured is mostly host time:
-`step_us` (wall per step), `py_calls` (Python function calls per step, cProfile: load-independent) and
-`make_ms` (the once-per-composition index build, `action_step.make`).
+`step_us` (wall per step), `py_calls` (Python function calls per step, cProfile: load-independent),
+`aten_ops` (aten ops dispatched per step: on a GPU about one launch each) and `make_ms` (the
+once-per-composition index build, `action_step.make`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2])]
 
@@ -36,6 +38,16 @@ SITE = 7
 @dataclass(eq=False)
 class Req:  # the part of `plan.RequestState` the actions read
     acts: list = field(default_factory=list)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops a step dispatches (on a GPU: about one kernel launch each)."""
+
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.n += 1
+        return func(*args, **(kwargs or {}))
 
 
 def setup(n: int, d: int) -> tuple[ActionTable, dict, torch.Tensor, torch.Tensor]:
@@ -85,6 +97,8 @@ def run(n: int, d: int, steps: int) -> dict:
         one(5 + steps + k)
     prof.disable()
     calls = pstats.Stats(prof).total_calls / 20  # type: ignore[attr-defined]
+    with CountOps() as ops:
+        one(25 + steps)
     assert bool(table.fired[:n].all()) and float(gate[:n].min()) == 1.0, "the actions did not fire"
     return {
         "n": n,
@@ -92,6 +106,7 @@ def run(n: int, d: int, steps: int) -> dict:
         "steps": steps,
         "step_us": round(step_us, 1),
         "py_calls": calls,
+        "aten_ops": ops.n,
         "make_ms": round(make_ms, 2),
     }
 

@@ -191,3 +191,18 @@ def test_bad_positions_and_outputs_name_the_field(llama, plain, positions, field
         llama.generate([PROMPT], [_sp({"probe_actions": [{**act, "positions": "all", "output": 0}]})])
     out = llama.generate([PROMPT], [_sp()], use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == plain[1]
+
+
+def test_draft_tokens_are_read_from_vllm_and_fail_loudly_if_moved(llama):
+    """How many rows a decode step carries per request (`compat.draft_tokens`: the rows actions stage) is
+    read from vLLM's config; a config without the field is an incompatible vLLM, never a guess."""
+    from types import SimpleNamespace
+
+    from vllm_worker import compat
+
+    runner = llama.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    assert runner.vllm_config.speculative_config is None and compat.draft_tokens(runner) == 0
+    spec = SimpleNamespace(num_speculative_tokens=3)
+    assert compat.draft_tokens(SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=spec))) == 3
+    with pytest.raises(compat.LensIncompatibleVLLM, match="speculative_config"):
+        compat.draft_tokens(SimpleNamespace(vllm_config=SimpleNamespace()))

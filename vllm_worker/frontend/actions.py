@@ -2,9 +2,10 @@
 in the frontend and turned into the workers' msgspec-safe action dicts.
 
 Each action watches one linear score at one layer's `resid_post` — a loaded probe's (`"probe": name`) or a
-direction given inline (`"direction": [...]`, `"layer": L`: CAST's condition vector) — aggregates it over
-the positions that produce generated tokens, and when the aggregate first reaches `threshold`, stops the
-request or switches steering on. The steering goes into the request's ordinary steering list with a gate
+direction given inline (`"direction": [...]`, `"layer": L`: CAST's condition vector; one output of a
+multi-output probe: `"output": k`) — aggregates it over the positions it watches (by default those that
+produce generated tokens; `"positions"` names others), and when the aggregate first exceeds `threshold`,
+stops the request or switches steering on. The steering goes into the request's ordinary steering list with a gate
 (`Steer.gate`: the action's index), so it travels and is validated like any other steering vector."""
 
 from __future__ import annotations

@@ -15,19 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_worker.worker.actions import ActionTable, ActionUse, staged_rows
+from vllm_worker.worker.actions import ActionTable, ActionUse, Round
 
 
 @dataclass
 class SiteParts:
-    """One site's score parts: part i is staged row `xrow[i]` · weight row `wrow[i]`, added to pair `pair[i]`
+    """One site's score parts: part i is staged row `xrow[i]` · weight row `w[i]`, added to pair `pair[i]`
     (None: part i is pair i, the common case of one site)."""
 
     site: int
-    xrow: torch.Tensor
-    wrow: torch.Tensor
+    xrow: torch.Tensor | None  # None: the site's staged rows in order
+    w: torch.Tensor  # (parts, d) the weight rows, gathered once (they stay put while the actions live)
     pair: torch.Tensor | None
-    offs: torch.Tensor | None  # graph path: the site's staged rows in the ring, from the step's base
+    offs: torch.Tensor | None  # graph path: each part's staged row in the ring, from the step's base
 
 
 @dataclass
@@ -36,8 +36,9 @@ class ActionStep:
     n_pairs: int  # (action, staged row) pairs
     sites: list[SiteParts]
     brow: torch.Tensor | None  # per pair: its batch row (for the step's position)
-    pslot: torch.Tensor | None  # per pair: its action's slot
-    rounds: list[tuple[torch.Tensor | None, torch.Tensor]]  # per round: (its pairs, None: all; their slots)
+    bias: torch.Tensor | None  # per pair: its action's bias
+    sigmoid: torch.Tensor | None  # per pair: its action's score is sigmoid(score) (None: no action's is)
+    rounds: list[Round]
     entries: tuple[torch.Tensor, torch.Tensor] | None  # (gated graph-path entries, their actions' slots)
     stops: tuple[list[ActionUse], torch.Tensor] | None  # (stop actions, their slots)
 
@@ -57,7 +58,7 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
         pr: list[int] = []
         k = 0
         for r, s, e in items:
-            n = len(staged_rows(r, s, e))
+            n = int(np.count_nonzero((rows >= s) & (rows < e)))  # as staged (its actions may have failed since)
             for u in r.acts:
                 w = u.sites.get(site)
                 if w is None or u.freed:
@@ -74,17 +75,20 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
             k += n
         if xr:
             ident = pr == list(range(len(pairs))) and not sites
-            off_t = torch.as_tensor(np.asarray(offs, dtype=np.int64), device=dev) if graph else None
-            sites.append(SiteParts(site, _t(xr, dev), _t(wr, dev), None if ident else _t(pr, dev), off_t))
-    if sites and sites[0].pair is None and len(pairs) != len(sites[0].xrow):
-        sites[0].pair = torch.arange(len(sites[0].xrow), device=dev)  # (later sites added pairs)
+            w = table.W.index_select(0, _t(wr, dev))
+            off_t = _t(np.asarray(offs, dtype=np.int64)[xr].tolist(), dev) if graph else None
+            xrow = None if graph or xr == list(range(len(rows))) else _t(xr, dev)
+            sites.append(SiteParts(site, xrow, w, None if ident else _t(pr, dev), off_t))
+    if sites and sites[0].pair is None and len(pairs) != len(sites[0].w):
+        sites[0].pair = torch.arange(len(sites[0].w), device=dev)  # (later sites added pairs)
     uses = list({id(u): u for r in _requests(per_site) for u in r.acts if not u.freed}.values())
-    rounds: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+    rounds: list[Round] = []
     js = np.asarray(p_j, dtype=np.int64)
     for j in range(int(js.max()) + 1 if len(js) else 0):
         idx = np.flatnonzero(js == j)
-        slots = _t([p_use[g].slot for g in idx.tolist()], dev)
-        rounds.append((None if len(idx) == len(js) else torch.as_tensor(idx, device=dev), slots))
+        pairs_j = None if len(idx) == len(js) else torch.as_tensor(idx, device=dev)
+        rounds.append(table.round(pairs_j, [p_use[g] for g in idx.tolist()]))
+    pslot = _t([u.slot for u in p_use], dev) if p_use else None
     ents = [(e, u.slot) for u in uses if u.entries for e in u.entries]
     stops = [u for u in uses if u.stop]
     return ActionStep(
@@ -92,7 +96,8 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
         len(p_use),
         sites,
         _t(p_row, dev) if p_use else None,
-        _t([u.slot for u in p_use], dev) if p_use else None,
+        None if pslot is None else table.B.index_select(0, pslot),
+        None if pslot is None or not any(u.sigmoid for u in p_use) else table.sigmoid.index_select(0, pslot),
         rounds,
         (_t([e for e, _ in ents], dev), _t([s for _, s in ents], dev)) if ents else None,
         (stops, _t([u.slot for u in stops], dev)) if stops else None,
@@ -119,13 +124,15 @@ def observe(
     """A step's staged rows (`xs`: site -> rows, as the plan staged them) scored and folded into the
     actions' aggregates; gates and stop flags follow. `positions`: the step's positions on the device."""
     if step.n_pairs:
-        assert step.brow is not None and step.pslot is not None
+        assert step.brow is not None and step.bias is not None
         scores: torch.Tensor | None = None
         for sp in step.sites:
             x = xs.get(sp.site)
             if x is None:  # never a silent skip: the requests acting here fail (`runtime._observe`)
                 raise RuntimeError(f"probe actions: no rows were staged at site {sp.site} this step")
-            part = (x.index_select(0, sp.xrow).float() * table.W.index_select(0, sp.wrow)).sum(-1)
+            if sp.xrow is not None:
+                x = x.index_select(0, sp.xrow)
+            part = torch.linalg.vecdot(x.float(), sp.w)
             if sp.pair is None:
                 scores = part
             else:
@@ -133,7 +140,10 @@ def observe(
                     scores = torch.zeros(step.n_pairs, dtype=torch.float32, device=table.device)
                 scores.index_add_(0, sp.pair, part)
         assert scores is not None
-        table.fold(step.pslot, scores, positions.index_select(0, step.brow), step.rounds)
+        s = scores + step.bias
+        if step.sigmoid is not None:
+            s = torch.where(step.sigmoid, torch.sigmoid(s), s)
+        table.fold(s, positions.index_select(0, step.brow), step.rounds)
     table.after_step(step.entries, entries_gate, step.stops)
 
 

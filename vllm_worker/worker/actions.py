@@ -5,7 +5,8 @@ Why on the device: a steer that switches on when a probe fires must not cost a h
 (nor break CUDA graphs). Each action owns a slot of `ActionTable`'s device buffers (its weight row, bias,
 threshold, aggregate state, `fired`, the position it fired at, and `gate`, the float the steering reads).
 After each forward pass the rows the step staged for actions are scored and folded into the aggregates
-by a few batched torch ops (`observe`); the flags change only there, so a gated vector applies from the
+by a few batched torch ops (`fold`, driven by the composition's device indices in `action_step`); the
+flags change only there, so a gated vector applies from the
 step after the firing one on. Stops are the one thing the host must learn: the flags of stop actions are
 copied back without waiting, and read when the step's output is built (`stops`, through
 `compat.patch_runner_stops`)."""
@@ -24,7 +25,6 @@ from vllm_worker.worker.stream_rows import stream_rows
 TOKEN, EMA, ROLLING = 0, 1, 2  # as `frontend.actions`
 MAX_WINDOW = 256  # rolling_max:W's largest W (`frontend.actions.MAX_WINDOW`)
 N_SLOTS = 1024  # actions live at once in one worker
-ROWS_PER_STEP = 8  # a request's last rows of a step staged for its actions (more only with long drafts)
 NO_END = 1 << 62  # the end of an open range of positions watched
 
 
@@ -40,8 +40,28 @@ class ActionUse:
     stop: bool
     first_watched: int  # the last prompt position (it produces generated token 0)
     every_row: bool = False  # it watches prompt positions: every row of a prefill chunk is staged
+    rows: int = 1  # else a request's last rows staged per step: its next token's, and drafts' (`staged_rows`)
+    kind: int = TOKEN  # its aggregate (a step computes only the aggregates its actions use)
+    sigmoid: bool = False
     entries: list[int] | None = None  # graph-path steering entries this action gates
     freed: bool = False  # its slot went back
+
+
+@dataclass
+class Round:
+    """One fold round of a batch composition: its pairs (None: all), their actions' slots, and what of
+    their actions' state stays put while they live (range watched, threshold, aggregate parameter)."""
+
+    pairs: torch.Tensor | None
+    slots: torch.Tensor
+    first: torch.Tensor
+    until: torch.Tensor
+    thr: torch.Tensor
+    a: torch.Tensor  # EMA's alpha
+    wlen: torch.Tensor  # rolling_max's window
+    kind: torch.Tensor
+    ema: bool  # some action of the round aggregates by EMA
+    rolling: bool
 
 
 class ActionRefused(ValueError):
@@ -75,6 +95,7 @@ class ActionTable:
         self.first = torch.zeros(n_slots, dtype=torch.long, device=device)  # positions watched: [first, until)
         self.until = torch.zeros(n_slots, dtype=torch.long, device=device)
         self.last_seen = torch.full((n_slots,), -1, dtype=torch.long, device=device)  # (a recomputed one: not again)
+        self.rows_per_step = 1  # 1 + the runner's draft tokens (`compat.draft_tokens`)
         self.generation = 0  # counts frees: a step's cached indices (`action_step`) made before one are stale
         self.never = torch.zeros(1, **f32)  # the gate of a vector with no layer on this pipeline stage
         self._free = list(range(n_slots - 1, -1, -1))
@@ -114,6 +135,7 @@ class ActionTable:
             self.first[slot], self.until[slot], self.last_seen[slot] = lo, NO_END if hi < 0 else hi, -1
             sites = {int(site): r for site, r in zip(a["sites"], rows)}
             use = ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched, lo < first_watched)
+            use.kind, use.sigmoid, use.rows = int(a["kind"]), bool(a.get("sigmoid", False)), self.rows_per_step
             out.append(use)
         self._by_req[req_id] = out
         return out
@@ -154,37 +176,56 @@ class ActionTable:
 
     # ------------------------------------------------------------ per step
 
-    def fold(self, pslot: torch.Tensor, scores: torch.Tensor, pos: torch.Tensor, rounds: list) -> None:
-        """Fold a step's scores in: per pair (an action and one of its request's staged rows) its slot
-        `pslot`, its probe score without the bias `scores` and the row's position `pos`; `rounds` (`(pairs or
-        None for all, their slots)`) fold the j-th staged row of every action in round j, in position order
-        (one round unless drafts or a prefill chunk staged several rows). Positions not watched (the prompt
-        before its last position, or one already folded: recomputed after a preemption) are masked out on
-        the device."""
-        s = scores + self.B.index_select(0, pslot)
-        s = torch.where(self.sigmoid.index_select(0, pslot), torch.sigmoid(s), s)
-        for pairs, sl in rounds:
-            if pairs is None:
-                self._update(sl, s, pos)
-            else:
-                self._update(sl, s.index_select(0, pairs), pos.index_select(0, pairs))
+    def round(self, pairs: torch.Tensor | None, uses: list[ActionUse]) -> Round:
+        """A fold round's constants, read once per batch composition (`action_step.make`)."""
+        sl = torch.tensor([u.slot for u in uses], dtype=torch.long, device=self.device)
+        kinds = {u.kind for u in uses}
+        a = self.param.index_select(0, sl)
+        return Round(
+            pairs,
+            sl,
+            self.first.index_select(0, sl),
+            self.until.index_select(0, sl),
+            self.thr.index_select(0, sl),
+            a,
+            a.long().clamp(1, MAX_WINDOW),
+            self.kind.index_select(0, sl),
+            EMA in kinds,
+            ROLLING in kinds,
+        )
 
-    def _update(self, sl: torch.Tensor, s: torch.Tensor, pos: torch.Tensor) -> None:
-        valid = (pos >= self.first[sl]) & (pos < self.until[sl]) & (pos > self.last_seen[sl])
-        cnt = self.count[sl]
-        a = self.param[sl]
-        old = self.ema[sl]
-        ema = torch.where(cnt == 0, s, a * old + (1 - a) * s)
-        self.ema[sl] = torch.where(valid, ema, old)
-        wlen = a.long().clamp(1, MAX_WINDOW)
-        at = cnt % wlen
-        self.window[sl, at] = torch.where(valid, s, self.window[sl, at])
-        n = torch.minimum(cnt + 1, wlen)
-        win = self.window[sl] * (self._arange.unsqueeze(0) < n.unsqueeze(1))
-        roll = win.sum(-1) / n
-        kind = self.kind[sl]
-        agg = torch.where(kind == EMA, ema, torch.where(kind == ROLLING, roll, s))
-        hit = valid & (agg > self.thr[sl])  # "exceeds", as calibrated thresholds are meant (`threshold_at_fpr`)
+    def fold(self, s: torch.Tensor, pos: torch.Tensor, rounds: list[Round]) -> None:
+        """Fold a step's scores in: per pair (an action and one of its request's staged rows) its score `s`
+        (bias and sigmoid applied) and the row's position `pos`; round j folds the j-th staged row of every
+        action, in position order (one round unless drafts or a watched prompt chunk staged several rows).
+        Positions not watched (out of the action's range, or already folded: recomputed after a preemption)
+        are masked out on the device."""
+        for rd in rounds:
+            if rd.pairs is None:
+                self._update(rd, s, pos)
+            else:
+                self._update(rd, s.index_select(0, rd.pairs), pos.index_select(0, rd.pairs))
+
+    def _update(self, rd: Round, s: torch.Tensor, pos: torch.Tensor) -> None:
+        sl = rd.slots
+        last = self.last_seen[sl]
+        valid = (pos >= rd.first) & (pos < rd.until) & (pos > last)
+        agg = s
+        if rd.ema or rd.rolling:
+            cnt = self.count[sl]
+            if rd.ema:
+                old = self.ema[sl]
+                ema = torch.where(cnt == 0, s, rd.a * old + (1 - rd.a) * s)
+                self.ema[sl] = torch.where(valid, ema, old)
+                agg = torch.where(rd.kind == EMA, ema, agg)
+            if rd.rolling:
+                at = cnt % rd.wlen
+                self.window[sl, at] = torch.where(valid, s, self.window[sl, at])
+                n = torch.minimum(cnt + 1, rd.wlen)
+                win = self.window[sl] * (self._arange.unsqueeze(0) < n.unsqueeze(1))
+                agg = torch.where(rd.kind == ROLLING, win.sum(-1) / n, agg)
+            self.count[sl] = cnt + valid.long()
+        hit = valid & (agg > rd.thr)  # "exceeds", as calibrated thresholds are meant (`threshold_at_fpr`)
         was = self.fired[sl]
         new = hit & ~was
         self.fire_pos[sl] = torch.where(new, pos, self.fire_pos[sl])
@@ -192,8 +233,7 @@ class ActionTable:
         fired = was | hit
         self.fired[sl] = fired
         self.gate[sl] = fired.float()
-        self.count[sl] = cnt + valid.long()
-        self.last_seen[sl] = torch.where(valid, pos, self.last_seen[sl])
+        self.last_seen[sl] = torch.where(valid, pos, last)
 
     def after_step(
         self,
@@ -243,11 +283,13 @@ class ActionTable:
 
 
 def staged_rows(r: Any, s: int, e: int) -> np.ndarray:
-    """The rows of request `r` (its batch rows [s, e)) staged for its actions: the step's last ones (the one
-    that produces its next token; a few more for drafts) — all of them when an action watches prompt
-    positions."""
-    every = any(u.every_row for u in r.acts)
-    return np.arange(s if every else max(s, e - ROWS_PER_STEP), e, dtype=np.int64)
+    """The rows of request `r` (its batch rows [s, e)) staged for its actions: the step's last one (the one
+    that produces its next token) and drafts' rows — all of them when an action watches prompt positions.
+    No more: in a prefill chunk only the last row can be a generated position not yet folded (a
+    recompute after preemption folds again nothing but its last row)."""
+    if any(u.every_row for u in r.acts):
+        return np.arange(s, e, dtype=np.int64)
+    return np.arange(max(s, e - max((u.rows for u in r.acts), default=1)), e, dtype=np.int64)
 
 
 def stage(gp: Any, cap_rows: dict, act_rows: dict, col: dict[int, int]) -> None:

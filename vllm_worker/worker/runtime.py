@@ -123,6 +123,7 @@ class LensRuntime:
         self.python.wide = self.wide
         self.saes = saes.WorkerSaes(self.device, self._local_layers)  # `lens_load_sae`
         self.actions = actions.ActionTable(self._d_model, self.device)  # `probe_actions`
+        self.actions.rows_per_step = 1 + compat.draft_tokens(runner)
         self.probes = probes.WorkerProbes(self.device, self._local_layers)  # `lens_load_probe`
         self.admission = Admission(
             runner,
