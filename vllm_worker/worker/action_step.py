@@ -161,7 +161,12 @@ def device_positions(dev_pos: torch.Tensor | None, host_pos: np.ndarray, device:
     """The step's positions on the device: vLLM's own (the forward's `positions`), or the host's copied
     once where those are not one position per row (M-RoPE's three rows)."""
     n = len(host_pos)
-    if dev_pos is not None and dev_pos.ndim == 1 and dev_pos.device == device and not dev_pos.is_floating_point():
+    if (
+        dev_pos is not None
+        and dev_pos.ndim == 1
+        and dev_pos.device.type == device.type
+        and not dev_pos.is_floating_point()
+    ):
         return dev_pos[:n]
     t = torch.from_numpy(np.ascontiguousarray(host_pos, dtype=np.int64))
     if device.type == "cuda":
