@@ -178,6 +178,7 @@ def test_one_output_of_a_multi_output_probe(llama, plain):
         ("prompt", "probe_actions[0].positions"),
         ({"end": 4}, "probe_actions[0].positions"),
         ({"start": -1}, "probe_actions[0].positions.start"),
+        ({"start": None}, "probe_actions[0].positions.start"),
         ({"start": 5, "end": 5}, "probe_actions[0].positions.end"),
         ({"start": 1, "stop": 5}, "probe_actions[0].positions"),
         ([1, 2], "probe_actions[0].positions"),

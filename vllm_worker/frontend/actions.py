@@ -76,7 +76,9 @@ def _action(
         for k in ("layer", "bias"):
             if k in item:
                 raise ValueError(f"{f}.{k}: only with 'direction' (a probe brings its own)")
-        name, sites, w, b, sigmoid = probe_condition(item["probe"], f"{f}.probe", probes, item.get("output"))
+        name, sites, w, b, sigmoid = probe_condition(
+            item["probe"], f"{f}.probe", probes, item.get("output"), f"{f}.output"
+        )
     else:
         if "output" in item:
             raise ValueError(f"{f}.output: only with 'probe' (a direction has one output)")
@@ -156,7 +158,7 @@ def _direction(item: Mapping[str, Any], f: str, shape: ModelShape) -> tuple[int,
 
 
 def probe_condition(
-    name: Any, f: str, probes: Mapping[str, Any], output: Any = None
+    name: Any, f: str, probes: Mapping[str, Any], output: Any = None, fo: str = "output"
 ) -> tuple[str, list[int], torch.Tensor, float, bool]:
     """A loaded probe (`frontend.probes.LoadedProbe`) as a condition: (name, sites, weight rows
     (n_sites, d_model), bias, sigmoid) — `mean` / `std` folded in as the workers score it (`Probe.folded`);
@@ -169,7 +171,6 @@ def probe_condition(
         known = ", ".join(sorted(probes)) or "none"
         raise ValueError(f"{f}: no probe named {name!r} is loaded (loaded: {known})")
     p = loaded.probe
-    fo = f"{f[: -len('.probe')]}.output" if f.endswith(".probe") else f"{f}.output"
     if output is None:
         if p.n_out != 1:
             raise ValueError(f"{fo}: required: probe {name!r} has {p.n_out} outputs (give the index of one)")
@@ -194,7 +195,7 @@ def watched(value: Any, f: str) -> tuple[int, int]:
     if isinstance(value, Mapping) and set(value) and set(value) <= {"start", "end"} and "start" in value:
         lo, hi = value["start"], value.get("end", None)
         for k, v in (("start", lo), ("end", hi)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            if (v is not None or k == "start") and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{f}.{k}: expected a position (an int >= 0), got {v!r}")
         if hi is not None and hi <= lo:
             raise ValueError(f"{f}.end: expected a position after start ({lo}), got {hi!r}")
