@@ -78,3 +78,34 @@ def test_draft_rows_fold_in_order_and_a_recompute_is_not_folded_twice():
     assert int(table.count[a.acts[0].slot]) == 4
     (rb,) = table.outcome(b.acts)
     assert rb["fired"] and rb["position"] == 5 and rb["token_index"] == 3 and rb["value"] == pytest.approx(s2[3])
+
+
+def test_token_actions_fold_all_rows_at_once():
+    """Actions that all aggregate by "token" fold a step's rows in one pass (`fold_tokens`): the firing
+    position is the first crossing among the rows, a fired action keeps its first crossing, a recompute
+    folds nothing twice — as row by row."""
+    g = torch.Generator().manual_seed(1)
+    table = ActionTable(D, torch.device("cpu"), n_slots=8)
+    table.rows_per_step = 4
+    w = torch.randn(D, generator=g)
+    x = torch.randn(8, D, generator=g)
+    s = (x @ w + 0.25).tolist()
+    a_rows, b_rows = s[0:4], s[4:8]
+    j = next((j for j in range(1, 4) if a_rows[j] > max(a_rows[:j]) + 1e-4), None)
+    if j is None:
+        pytest.skip("no crossing after the first row")
+    thr = (max(a_rows[:j]) + a_rows[j]) / 2
+    a = Req(table.uses("A", [_action(w, thr, TOKEN, 0.0)], frozenset({SITE}), 20))
+    b = Req(table.uses("B", [_action(w, 1e9, TOKEN, 0.0)], frozenset({SITE}), 20))
+    _step(table, [(a, 0, 4), (b, 4, 8)], x, [20, 21, 22, 23, 30, 31, 32, 33])
+    (ra,) = table.outcome(a.acts)
+    assert ra["fired"] and ra["position"] == 20 + j and ra["value"] == pytest.approx(a_rows[j], abs=1e-5)
+    assert not table.outcome(b.acts)[0]["fired"]
+    assert int(table.last_seen[a.acts[0].slot]) == 23 and int(table.last_seen[b.acts[0].slot]) == 33
+    # B's threshold is high, A already fired: a recompute of 32, 33 and a new 34, 35 change only B's last_seen
+    table.thr[b.acts[0].slot] = -1e9  # (B would fire at the first new position, not a recomputed one)
+    _step(table, [(a, 0, 4), (b, 4, 8)], x, [24, 25, 26, 27, 32, 33, 34, 35])
+    (ra2,) = table.outcome(a.acts)
+    (rb,) = table.outcome(b.acts)
+    assert ra2 == ra
+    assert rb["fired"] and rb["position"] == 34 and rb["value"] == pytest.approx(b_rows[2], abs=1e-5)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_worker.worker.actions import ActionTable, ActionUse, Round
+from vllm_worker.worker.actions import TOKEN, ActionTable, ActionUse, Round
 
 
 @dataclass
@@ -39,6 +39,7 @@ class ActionStep:
     bias: torch.Tensor | None  # per pair: its action's bias
     sigmoid: torch.Tensor | None  # per pair: its action's score is sigmoid(score) (None: no action's is)
     rounds: list[Round]
+    tokens: tuple[Round, torch.Tensor, torch.Tensor] | None  # all rows at once (`ActionTable.fold_tokens`)
     entries: tuple[torch.Tensor, torch.Tensor] | None  # (gated graph-path entries, their actions' slots)
     stops: tuple[list[ActionUse], torch.Tensor] | None  # (stop actions, their slots)
 
@@ -89,6 +90,12 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
         pairs_j = None if len(idx) == len(js) else torch.as_tensor(idx, device=dev)
         rounds.append(table.round(pairs_j, [p_use[g] for g in idx.tolist()]))
     pslot = _t([u.slot for u in p_use], dev) if p_use else None
+    tokens = None
+    if len(rounds) > 1 and all(u.kind == TOKEN for u in p_use):  # several rows, no running state: at once
+        order = list({id(u): u for u in p_use}.values())
+        local = {id(u): i for i, u in enumerate(order)}
+        tokens = (table.round(None, p_use), _t([local[id(u)] for u in p_use], dev), _t([u.slot for u in order], dev))
+        rounds = []
     ents = [(e, u.slot) for u in uses if u.entries for e in u.entries]
     stops = [u for u in uses if u.stop]
     return ActionStep(
@@ -99,6 +106,7 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
         None if pslot is None else table.B.index_select(0, pslot),
         None if pslot is None or not any(u.sigmoid for u in p_use) else table.sigmoid.index_select(0, pslot),
         rounds,
+        tokens,
         (_t([e for e, _ in ents], dev), _t([s for _, s in ents], dev)) if ents else None,
         (stops, _t([u.slot for u in stops], dev)) if stops else None,
     )
@@ -143,7 +151,11 @@ def observe(
         s = scores + step.bias
         if step.sigmoid is not None:
             s = torch.where(step.sigmoid, torch.sigmoid(s), s)
-        table.fold(s, positions.index_select(0, step.brow), step.rounds)
+        pos = positions.index_select(0, step.brow)
+        if step.tokens is not None:
+            table.fold_tokens(*step.tokens, s, pos)
+        else:
+            table.fold(s, pos, step.rounds)
     table.after_step(step.entries, entries_gate, step.stops)
 
 

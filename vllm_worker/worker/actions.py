@@ -206,6 +206,34 @@ class ActionTable:
             else:
                 self._update(rd, s.index_select(0, rd.pairs), pos.index_select(0, rd.pairs))
 
+    def fold_tokens(
+        self, rd: Round, local: torch.Tensor, slots: torch.Tensor, s: torch.Tensor, pos: torch.Tensor
+    ) -> None:
+        """`fold` for a step whose actions all aggregate by "token" and that holds several rows of one
+        request (drafts, a watched prompt chunk): all rows at once, whatever their number — an action's
+        first crossing is its smallest crossing position. `rd`: per pair; `local`: each pair's action in
+        `slots` (the step's actions)."""
+        valid = (pos >= rd.first) & (pos < rd.until) & (pos > self.last_seen[rd.slots])
+        hit = valid & (s > rd.thr)
+        p = pos.long()
+        m = slots.shape[0]
+        first = torch.full((m,), NO_END, dtype=torch.long, device=self.device)
+        first.scatter_reduce_(0, local, torch.where(hit, p, NO_END), "amin")
+        at_first = hit & (p == first.index_select(0, local))
+        value = torch.zeros(m, dtype=torch.float32, device=self.device).index_add_(
+            0, local, torch.where(at_first, s, 0.0)
+        )
+        seen = torch.full((m,), -1, dtype=torch.long, device=self.device)
+        seen.scatter_reduce_(0, local, torch.where(valid, p, -1), "amax")
+        was = self.fired[slots]
+        new = (first < NO_END) & ~was
+        self.fire_pos[slots] = torch.where(new, first, self.fire_pos[slots])
+        self.fire_value[slots] = torch.where(new, value, self.fire_value[slots])
+        fired = was | new
+        self.fired[slots] = fired
+        self.gate[slots] = fired.float()
+        self.last_seen[slots] = torch.maximum(self.last_seen[slots], seen)
+
     def _update(self, rd: Round, s: torch.Tensor, pos: torch.Tensor) -> None:
         sl = rd.slots
         last = self.last_seen[sl]
