@@ -62,6 +62,7 @@ def setup(n: int, d: int) -> tuple[ActionTable, dict, torch.Tensor, torch.Tensor
         "kind": 0,
         "param": 0.0,
         "stop": False,
+        "ranges": [[-1, -1]],
     }
     items = []
     for i in range(n):

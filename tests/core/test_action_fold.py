@@ -34,8 +34,7 @@ def _action(w: torch.Tensor, thr: float, kind: int, param: float, lo: int = -1, 
         "kind": kind,
         "param": param,
         "stop": False,
-        "lo": lo,
-        "hi": hi,
+        "ranges": [[lo, hi]],
     }
 
 

@@ -112,6 +112,28 @@ def test_a_range_watches_only_its_positions(llama, plain):
     assert not out.activations["probe_actions"][0]["fired"] and len(out.outputs[0].token_ids) == N_NEW
 
 
+def test_a_list_of_positions_and_ranges(llama, plain):
+    """`[p, q, {"start": a, "end": b}]`: single prompt positions and a range of generated ones; the
+    aggregate (EMA) runs over exactly those positions, in order."""
+    hf = hf_model("llama")
+    w = _direction(seed=5)
+    prompt_ids, tokens = plain
+    first = len(prompt_ids) - 1
+    s = _scores(hf, prompt_ids + tokens, w)
+    watched = [2, 5] + list(range(first + 2, first + 8))
+    agg = _ema([s[p] for p in watched], 0.5)
+    j = _rise(agg, 0, len(agg))
+    thr = (max(agg[:j]) + agg[j]) / 2
+    positions = [2, 5, {"start": first + 2, "end": first + 8}]
+    act = {"direction": w.tolist(), "layer": LAYER, "threshold": thr, "aggregate": "ema:0.5", "positions": positions}
+    out = llama.generate([PROMPT], [_sp({"probe_actions": [{**act, "then": "stop"}]})], use_tqdm=False)[0]
+    (rep,) = out.activations["probe_actions"]
+    assert rep["position"] == watched[j] and rep["value"] == pytest.approx(agg[j], abs=1e-4)
+    got = list(out.outputs[0].token_ids)
+    k = max(watched[j] - first, 0)
+    assert len(got) in (k + 1, k + 2) and got == tokens[: len(got)]
+
+
 def test_prompt_positions_under_chunked_prefill_and_a_warm_prefix_cache(engine_factory):
     """A prompt of several 16-token chunks whose blocks another request already put in the prefix cache:
     every prompt position is still scored (the action's request reads no cached KV), the EMA runs across
@@ -181,7 +203,10 @@ def test_one_output_of_a_multi_output_probe(llama, plain):
         ({"start": None}, "probe_actions[0].positions.start"),
         ({"start": 5, "end": 5}, "probe_actions[0].positions.end"),
         ({"start": 1, "stop": 5}, "probe_actions[0].positions"),
-        ([1, 2], "probe_actions[0].positions"),
+        ([1, "x"], "probe_actions[0].positions[1]"),
+        ([1, {"start": 4, "end": 2}], "probe_actions[0].positions[1].end"),
+        ([], "probe_actions[0].positions"),
+        (list(range(17)), "probe_actions[0].positions"),
     ],
 )
 def test_bad_positions_and_outputs_name_the_field(llama, plain, positions, field):

@@ -26,6 +26,7 @@ GENERATED, ALL = "generated", "all"  # `positions`' names
 THEN = ("stop", "steer")
 MAX_WINDOW = 256  # rolling_max:W, the most positions a window holds (its state lives on the device)
 MAX_ACTIONS = 8  # per request
+MAX_RANGES = 16  # ranges / single positions in one action's `positions` (the workers' table holds as many)
 # the aggregate kinds as the workers know them
 TOKEN, EMA, ROLLING = 0, 1, 2
 
@@ -93,7 +94,7 @@ def _action(
         raise ValueError(f"{f}.threshold: required")
     thr = finite_number(item["threshold"], f"{f}.threshold")
     kind, param = _aggregate(item.get("aggregate", "token"), f"{f}.aggregate")
-    lo, hi = watched(item.get("positions", GENERATED), f"{f}.positions")
+    ranges = watched(item.get("positions", GENERATED), f"{f}.positions")
     then = item.get("then")
     out: dict[str, Any] = {
         "name": name,
@@ -105,8 +106,7 @@ def _action(
         "kind": kind,
         "param": float(param),
         "stop": then == "stop",
-        "lo": lo,
-        "hi": hi,
+        "ranges": ranges,
     }
     if then == "stop":
         return out
@@ -185,25 +185,41 @@ def probe_condition(
     return label, sites, torch.stack([w[k] for w in ws]).contiguous(), float(bias[k]), p.output == "sigmoid"
 
 
-def watched(value: Any, f: str) -> tuple[int, int]:
-    """`positions` as the absolute range [lo, hi) the workers watch (-1: lo = the last prompt position,
-    `"generated"`; hi = no end)."""
+def watched(value: Any, f: str) -> list[list[int]]:
+    """`positions` as the absolute ranges [lo, hi) the workers watch (lo -1: the last prompt position,
+    `"generated"`; hi -1: no end)."""
     if value == GENERATED:
-        return -1, -1
+        return [[-1, -1]]
     if value == ALL:
-        return 0, -1
-    if isinstance(value, Mapping) and set(value) and set(value) <= {"start", "end"} and "start" in value:
-        lo, hi = value["start"], value.get("end", None)
-        for k, v in (("start", lo), ("end", hi)):
-            if (v is not None or k == "start") and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"{f}.{k}: expected a position (an int >= 0), got {v!r}")
-        if hi is not None and hi <= lo:
-            raise ValueError(f"{f}.end: expected a position after start ({lo}), got {hi!r}")
-        return int(lo), -1 if hi is None else int(hi)
+        return [[0, -1]]
+    if isinstance(value, Mapping):
+        return [_range(value, f)]
+    if isinstance(value, (list, tuple)) and value and len(value) <= MAX_RANGES:
+        out = []
+        for j, v in enumerate(value):
+            if isinstance(v, Mapping):
+                out.append(_range(v, f"{f}[{j}]"))
+            elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{f}[{j}]: expected a position (an int >= 0) or a range, got {v!r}")
+            else:
+                out.append([v, v + 1])
+        return out
     raise ValueError(
-        f'{f}: expected "generated" (default), "all" or {{"start": position, "end": position (optional, '
-        f"exclusive)}}, got {value!r}"
+        f'{f}: expected "generated" (default), "all", a range {{"start": position, "end": position (optional, '
+        f"exclusive)}} or a list of at most {MAX_RANGES} positions and ranges, got {value!r}"
     )
+
+
+def _range(value: Mapping[str, Any], f: str) -> list[int]:
+    if not set(value) or not set(value) <= {"start", "end"} or "start" not in value:
+        raise ValueError(f'{f}: expected a range {{"start": position, "end": position (optional)}}, got {value!r}')
+    lo, hi = value["start"], value.get("end", None)
+    for k, v in (("start", lo), ("end", hi)):
+        if (v is not None or k == "start") and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{f}.{k}: expected a position (an int >= 0), got {v!r}")
+    if hi is not None and hi <= lo:
+        raise ValueError(f"{f}.end: expected a position after start ({lo}), got {hi!r}")
+    return [int(lo), -1 if hi is None else int(hi)]
 
 
 def _aggregate(value: Any, f: str) -> tuple[int, float]:

@@ -26,6 +26,7 @@ TOKEN, EMA, ROLLING = 0, 1, 2  # as `frontend.actions`
 MAX_WINDOW = 256  # rolling_max:W's largest W (`frontend.actions.MAX_WINDOW`)
 N_SLOTS = 1024  # actions live at once in one worker
 NO_END = 1 << 62  # the end of an open range of positions watched
+MAX_RANGES = 16  # ranges / single positions an action watches (`frontend.actions.MAX_RANGES`)
 
 
 @dataclass(eq=False)
@@ -92,8 +93,9 @@ class ActionTable:
         self.fire_pos = torch.full((n_slots,), -1, dtype=torch.long, device=device)
         self.fire_value = torch.zeros(n_slots, **f32)
         self.gate = torch.zeros(n_slots, **f32)  # 1.0 once fired: what gated steering multiplies by
-        self.first = torch.zeros(n_slots, dtype=torch.long, device=device)  # positions watched: [first, until)
-        self.until = torch.zeros(n_slots, dtype=torch.long, device=device)
+        # positions watched: any of MAX_RANGES ranges [first, until) (unused ones empty)
+        self.first = torch.zeros((n_slots, MAX_RANGES), dtype=torch.long, device=device)
+        self.until = torch.zeros((n_slots, MAX_RANGES), dtype=torch.long, device=device)
         self.last_seen = torch.full((n_slots,), -1, dtype=torch.long, device=device)  # (a recomputed one: not again)
         self.rows_per_step = 1  # 1 + the runner's draft tokens (`compat.draft_tokens`)
         self.generation = 0  # counts frees: a step's cached indices (`action_step`) made before one are stale
@@ -130,9 +132,14 @@ class ActionTable:
             self.sigmoid[slot] = bool(a.get("sigmoid", False))
             self.count[slot], self.ema[slot], self.fired[slot] = 0, 0.0, False
             self.fire_pos[slot], self.fire_value[slot], self.gate[slot] = -1, 0.0, 0.0
-            lo, hi = int(a.get("lo", -1)), int(a.get("hi", -1))  # (`frontend.actions.watched`)
-            lo = first_watched if lo < 0 else lo
-            self.first[slot], self.until[slot], self.last_seen[slot] = lo, NO_END if hi < 0 else hi, -1
+            ranges = [(first_watched if lo < 0 else lo, NO_END if hi < 0 else hi) for lo, hi in a["ranges"]]
+            firsts, untils = [0] * MAX_RANGES, [0] * MAX_RANGES  # (`frontend.actions.watched`; -1: generated / open)
+            for j, (lo, hi) in enumerate(ranges):
+                firsts[j], untils[j] = lo, hi
+            self.first[slot] = torch.tensor(firsts, dtype=torch.long)
+            self.until[slot] = torch.tensor(untils, dtype=torch.long)
+            self.last_seen[slot] = -1
+            lo = min(r[0] for r in ranges)
             sites = {int(site): r for site, r in zip(a["sites"], rows)}
             use = ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched, lo < first_watched)
             use.kind, use.sigmoid, use.rows = int(a["kind"]), bool(a.get("sigmoid", False)), self.rows_per_step
@@ -213,7 +220,7 @@ class ActionTable:
         request (drafts, a watched prompt chunk): all rows at once, whatever their number — an action's
         first crossing is its smallest crossing position. `rd`: per pair; `local`: each pair's action in
         `slots` (the step's actions)."""
-        valid = (pos >= rd.first) & (pos < rd.until) & (pos > self.last_seen[rd.slots])
+        valid = _in_ranges(rd, pos) & (pos > self.last_seen[rd.slots])
         hit = valid & (s > rd.thr)
         p = pos.long()
         m = slots.shape[0]
@@ -237,7 +244,7 @@ class ActionTable:
     def _update(self, rd: Round, s: torch.Tensor, pos: torch.Tensor) -> None:
         sl = rd.slots
         last = self.last_seen[sl]
-        valid = (pos >= rd.first) & (pos < rd.until) & (pos > last)
+        valid = _in_ranges(rd, pos) & (pos > last)
         agg = s
         if rd.ema or rd.rolling:
             cnt = self.count[sl]
@@ -357,3 +364,8 @@ def rows_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor |
     idx, rows, items = got
     x = stream_rows(hidden, residual, idx)
     plan.act_got.append((site, x, rows, items))
+
+
+def _in_ranges(rd: Round, pos: torch.Tensor) -> torch.Tensor:
+    p = pos.unsqueeze(1)
+    return ((p >= rd.first) & (p < rd.until)).any(1)
