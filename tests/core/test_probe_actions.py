@@ -276,7 +276,7 @@ def test_a_loaded_probe_stops_at_its_crossing(llama, plain, output):
     # the scores the request also asked for are the ones the action read
     scores = out.activations["probe_scores"]["act-probe"][len(prompt_ids) - 1 :, 0]
     assert series(scores, "ema:0.6")[k].item() == pytest.approx(agg[k], abs=1e-4)
-    with pytest.raises(ValueError, match=r"probe_actions\[0\]\.probe: .*2 outputs"):
+    with pytest.raises(ValueError, match=r"probe_actions\[0\]\.output: .*2 outputs"):
         llama.load_probe("two-out", weight=torch.randn(2, D), layers=[1])
         llama.generate([PROMPTS[0]], [_sp({"probe_actions": [{**act, "probe": "two-out"}]})])
 

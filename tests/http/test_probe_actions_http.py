@@ -66,6 +66,24 @@ def test_stop_reason_and_firing_position_over_http_equal_offline(server, llama):
     r = httpx.post(f"{server}/v1/completions", json=bad, headers=H, timeout=60)
     assert r.status_code == 400 and "probe_actions[0].aggregate" in r.text
 
+    # positions the action names (here every one, prompt included): the outcome offline gives
+    wide = {**act, "positions": "all"}
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, extra_args={"probe_actions": [wide]})
+    want = llama.generate([PROMPT], sp, use_tqdm=False)[0]
+    r = httpx.post(
+        f"{server}/v1/completions",
+        json={**body, "vllm_xargs": {"probe_actions": json.dumps([wide])}},
+        headers=H,
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want.outputs[0].text
+    assert decode_activations(r.json())[0]["probe_actions"] == want.activations["probe_actions"]
+    for value, field in (({"start": 3, "end": 2}, "positions.end"), ("prompt", "positions")):
+        bad = {**body, "vllm_xargs": {"probe_actions": json.dumps([{**act, "positions": value}])}}
+        r = httpx.post(f"{server}/v1/completions", json=bad, headers=H, timeout=60)
+        assert r.status_code == 400 and f"probe_actions[0].{field}" in r.text
+
 
 def test_info_counts_what_probes_and_actions_hold_while_a_request_runs(server):
     """`/v1/lens/info` counts the workers' per-request state of probe scores and actions (the soak reads

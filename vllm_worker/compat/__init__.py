@@ -100,6 +100,7 @@ from vllm_worker.compat.requests import (  # noqa: F401  # noqa: F401
 )
 from vllm_worker.compat.runner import (  # noqa: F401
     batch_layout,
+    draft_tokens,
     ensure_pp_buffers,
     forward_replays_full_graph,
     full_graphs_unsupported,

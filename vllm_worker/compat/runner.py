@@ -395,3 +395,13 @@ def full_graphs_unsupported() -> str | None:
     if "batch_descriptor" not in getattr(ForwardContext, "__dataclass_fields__", {}):
         return "vLLM internal moved: ForwardContext has no batch_descriptor"
     return None
+
+
+def draft_tokens(runner: Any) -> int:
+    """Draft tokens a decode step of this runner may carry per request (speculative decoding; 0 without):
+    a request's rows in a step are its last token and those drafts, or a prefill chunk."""
+    cfg = require(runner, "vllm_config", type(runner).__name__)
+    if not hasattr(cfg, "speculative_config"):
+        raise LensIncompatibleVLLM("vLLM internal moved: VllmConfig.speculative_config not found")
+    spec = cfg.speculative_config
+    return 0 if spec is None else int(require(spec, "num_speculative_tokens", "SpeculativeConfig") or 0)

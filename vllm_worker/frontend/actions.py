@@ -2,9 +2,10 @@
 in the frontend and turned into the workers' msgspec-safe action dicts.
 
 Each action watches one linear score at one layer's `resid_post` — a loaded probe's (`"probe": name`) or a
-direction given inline (`"direction": [...]`, `"layer": L`: CAST's condition vector) — aggregates it over
-the positions that produce generated tokens, and when the aggregate first reaches `threshold`, stops the
-request or switches steering on. The steering goes into the request's ordinary steering list with a gate
+direction given inline (`"direction": [...]`, `"layer": L`: CAST's condition vector; one output of a
+multi-output probe: `"output": k`) — aggregates it over the positions it watches (by default those that
+produce generated tokens; `"positions"` names others), and when the aggregate first exceeds `threshold`,
+stops the request or switches steering on. The steering goes into the request's ordinary steering list with a gate
 (`Steer.gate`: the action's index), so it travels and is validated like any other steering vector."""
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from vllm_worker.protocol.checks import finite_number
 from vllm_worker.protocol.spec import ACTIONS_KEY, ModelShape, RequestSpec, Steer, from_json_string
 from vllm_worker.protocol.wire import tensor_from_json, tensor_to_bytes
 
-FIELDS = {"probe", "name", "direction", "layer", "bias", "threshold", "aggregate", "then"}
+FIELDS = {"probe", "output", "name", "direction", "layer", "bias", "threshold", "aggregate", "positions", "then"}
+GENERATED, ALL = "generated", "all"  # `positions`' names
 THEN = ("stop", "steer")
 MAX_WINDOW = 256  # rolling_max:W, the most positions a window holds (its state lives on the device)
 MAX_ACTIONS = 8  # per request
+MAX_RANGES = 16  # ranges / single positions in one action's `positions` (the workers' table holds as many)
 # the aggregate kinds as the workers know them
 TOKEN, EMA, ROLLING = 0, 1, 2
 
@@ -74,8 +77,12 @@ def _action(
         for k in ("layer", "bias"):
             if k in item:
                 raise ValueError(f"{f}.{k}: only with 'direction' (a probe brings its own)")
-        name, sites, w, b, sigmoid = probe_condition(item["probe"], f"{f}.probe", probes)
+        name, sites, w, b, sigmoid = probe_condition(
+            item["probe"], f"{f}.probe", probes, item.get("output"), f"{f}.output"
+        )
     else:
+        if "output" in item:
+            raise ValueError(f"{f}.output: only with 'probe' (a direction has one output)")
         layer, w, b = _direction(item, f, shape)
         name, sites, sigmoid = item.get("name", "direction"), [pts.canonical_site(pts.RESID_POST, layer)], False
         w = w.unsqueeze(0)
@@ -87,6 +94,7 @@ def _action(
         raise ValueError(f"{f}.threshold: required")
     thr = finite_number(item["threshold"], f"{f}.threshold")
     kind, param = _aggregate(item.get("aggregate", "token"), f"{f}.aggregate")
+    ranges = watched(item.get("positions", GENERATED), f"{f}.positions")
     then = item.get("then")
     out: dict[str, Any] = {
         "name": name,
@@ -98,6 +106,7 @@ def _action(
         "kind": kind,
         "param": float(param),
         "stop": then == "stop",
+        "ranges": ranges,
     }
     if then == "stop":
         return out
@@ -148,10 +157,13 @@ def _direction(item: Mapping[str, Any], f: str, shape: ModelShape) -> tuple[int,
     return layer % shape.n_layers, w, float(b)
 
 
-def probe_condition(name: Any, f: str, probes: Mapping[str, Any]) -> tuple[str, list[int], torch.Tensor, float, bool]:
+def probe_condition(
+    name: Any, f: str, probes: Mapping[str, Any], output: Any = None, fo: str = "output"
+) -> tuple[str, list[int], torch.Tensor, float, bool]:
     """A loaded probe (`frontend.probes.LoadedProbe`) as a condition: (name, sites, weight rows
     (n_sites, d_model), bias, sigmoid) — `mean` / `std` folded in as the workers score it (`Probe.folded`);
-    a multi-layer probe is the sum of one part per layer. One output."""
+    a multi-layer probe is the sum of one part per layer. `output`: which output column (required when the
+    probe has several; the action is then named `<probe>[k]`, so each output's stop reason is its own)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"{f}: expected a probe name, got {name!r}")
     loaded = probes.get(name)
@@ -159,11 +171,55 @@ def probe_condition(name: Any, f: str, probes: Mapping[str, Any]) -> tuple[str, 
         known = ", ".join(sorted(probes)) or "none"
         raise ValueError(f"{f}: no probe named {name!r} is loaded (loaded: {known})")
     p = loaded.probe
-    if p.n_out != 1:
-        raise ValueError(f"{f}: probe {name!r} has {p.n_out} outputs; actions take a probe with one output")
+    if output is None:
+        if p.n_out != 1:
+            raise ValueError(f"{fo}: required: probe {name!r} has {p.n_out} outputs (give the index of one)")
+        k = 0
+    elif isinstance(output, bool) or not isinstance(output, int) or not 0 <= output < p.n_out:
+        raise ValueError(f"{fo}: expected an output index in 0..{p.n_out - 1} of probe {name!r}, got {output!r}")
+    else:
+        k = output
     ws, bias = p.folded()
     sites = [pts.canonical_site(p.point, int(layer)) for layer in p.layers]
-    return name, sites, torch.stack([w[0] for w in ws]).contiguous(), float(bias[0]), p.output == "sigmoid"
+    label = name if p.n_out == 1 else f"{name}[{k}]"
+    return label, sites, torch.stack([w[k] for w in ws]).contiguous(), float(bias[k]), p.output == "sigmoid"
+
+
+def watched(value: Any, f: str) -> list[list[int]]:
+    """`positions` as the absolute ranges [lo, hi) the workers watch (lo -1: the last prompt position,
+    `"generated"`; hi -1: no end)."""
+    if value == GENERATED:
+        return [[-1, -1]]
+    if value == ALL:
+        return [[0, -1]]
+    if isinstance(value, Mapping):
+        return [_range(value, f)]
+    if isinstance(value, (list, tuple)) and value and len(value) <= MAX_RANGES:
+        out = []
+        for j, v in enumerate(value):
+            if isinstance(v, Mapping):
+                out.append(_range(v, f"{f}[{j}]"))
+            elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{f}[{j}]: expected a position (an int >= 0) or a range, got {v!r}")
+            else:
+                out.append([v, v + 1])
+        return out
+    raise ValueError(
+        f'{f}: expected "generated" (default), "all", a range {{"start": position, "end": position (optional, '
+        f"exclusive)}} or a list of at most {MAX_RANGES} positions and ranges, got {value!r}"
+    )
+
+
+def _range(value: Mapping[str, Any], f: str) -> list[int]:
+    if not set(value) or not set(value) <= {"start", "end"} or "start" not in value:
+        raise ValueError(f'{f}: expected a range {{"start": position, "end": position (optional)}}, got {value!r}')
+    lo, hi = value["start"], value.get("end", None)
+    for k, v in (("start", lo), ("end", hi)):
+        if (v is not None or k == "start") and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{f}.{k}: expected a position (an int >= 0), got {v!r}")
+    if hi is not None and hi <= lo:
+        raise ValueError(f"{f}.end: expected a position after start ({lo}), got {hi!r}")
+    return [int(lo), -1 if hi is None else int(hi)]
 
 
 def _aggregate(value: Any, f: str) -> tuple[int, float]:

@@ -5,7 +5,8 @@ Why on the device: a steer that switches on when a probe fires must not cost a h
 (nor break CUDA graphs). Each action owns a slot of `ActionTable`'s device buffers (its weight row, bias,
 threshold, aggregate state, `fired`, the position it fired at, and `gate`, the float the steering reads).
 After each forward pass the rows the step staged for actions are scored and folded into the aggregates
-by a few batched torch ops (`observe`); the flags change only there, so a gated vector applies from the
+by a few batched torch ops (`fold`, driven by the composition's device indices in `action_step`); the
+flags change only there, so a gated vector applies from the
 step after the firing one on. Stops are the one thing the host must learn: the flags of stop actions are
 copied back without waiting, and read when the step's output is built (`stops`, through
 `compat.patch_runner_stops`)."""
@@ -24,7 +25,8 @@ from vllm_worker.worker.stream_rows import stream_rows
 TOKEN, EMA, ROLLING = 0, 1, 2  # as `frontend.actions`
 MAX_WINDOW = 256  # rolling_max:W's largest W (`frontend.actions.MAX_WINDOW`)
 N_SLOTS = 1024  # actions live at once in one worker
-ROWS_PER_STEP = 8  # a request's last rows of a step staged for its actions (more only with long drafts)
+NO_END = 1 << 62  # the end of an open range of positions watched
+MAX_RANGES = 16  # ranges / single positions an action watches (`frontend.actions.MAX_RANGES`)
 
 
 @dataclass(eq=False)
@@ -37,10 +39,30 @@ class ActionUse:
     sites: dict[int, int]  # site -> its weight row in `ActionTable.W` (a multi-layer probe: one per layer)
     slot: int
     stop: bool
-    first_watched: int  # the first position watched: the last prompt position
-    last_seen: int = -1  # the last position folded into the aggregate (a recomputed one is not again)
+    first_watched: int  # the last prompt position (it produces generated token 0)
+    every_row: bool = False  # it watches prompt positions: every row of a prefill chunk is staged
+    rows: int = 1  # else a request's last rows staged per step: its next token's, and drafts' (`staged_rows`)
+    kind: int = TOKEN  # its aggregate (a step computes only the aggregates its actions use)
+    sigmoid: bool = False
     entries: list[int] | None = None  # graph-path steering entries this action gates
     freed: bool = False  # its slot went back
+
+
+@dataclass
+class Round:
+    """One fold round of a batch composition: its pairs (None: all), their actions' slots, and what of
+    their actions' state stays put while they live (range watched, threshold, aggregate parameter)."""
+
+    pairs: torch.Tensor | None
+    slots: torch.Tensor
+    first: torch.Tensor
+    until: torch.Tensor
+    thr: torch.Tensor
+    a: torch.Tensor  # EMA's alpha
+    wlen: torch.Tensor  # rolling_max's window
+    kind: torch.Tensor
+    ema: bool  # some action of the round aggregates by EMA
+    rolling: bool
 
 
 class ActionRefused(ValueError):
@@ -71,6 +93,12 @@ class ActionTable:
         self.fire_pos = torch.full((n_slots,), -1, dtype=torch.long, device=device)
         self.fire_value = torch.zeros(n_slots, **f32)
         self.gate = torch.zeros(n_slots, **f32)  # 1.0 once fired: what gated steering multiplies by
+        # positions watched: any of MAX_RANGES ranges [first, until) (unused ones empty)
+        self.first = torch.zeros((n_slots, MAX_RANGES), dtype=torch.long, device=device)
+        self.until = torch.zeros((n_slots, MAX_RANGES), dtype=torch.long, device=device)
+        self.last_seen = torch.full((n_slots,), -1, dtype=torch.long, device=device)  # (a recomputed one: not again)
+        self.rows_per_step = 1  # 1 + the runner's draft tokens (`compat.draft_tokens`)
+        self.generation = 0  # counts frees: a step's cached indices (`action_step`) made before one are stale
         self.never = torch.zeros(1, **f32)  # the gate of a vector with no layer on this pipeline stage
         self._free = list(range(n_slots - 1, -1, -1))
         self._wfree = list(range(2 * n_slots - 1, -1, -1))
@@ -104,8 +132,18 @@ class ActionTable:
             self.sigmoid[slot] = bool(a.get("sigmoid", False))
             self.count[slot], self.ema[slot], self.fired[slot] = 0, 0.0, False
             self.fire_pos[slot], self.fire_value[slot], self.gate[slot] = -1, 0.0, 0.0
+            ranges = [(first_watched if lo < 0 else lo, NO_END if hi < 0 else hi) for lo, hi in a["ranges"]]
+            firsts, untils = [0] * MAX_RANGES, [0] * MAX_RANGES  # (`frontend.actions.watched`; -1: generated / open)
+            for j, (lo, hi) in enumerate(ranges):
+                firsts[j], untils[j] = lo, hi
+            self.first[slot] = torch.tensor(firsts, dtype=torch.long)
+            self.until[slot] = torch.tensor(untils, dtype=torch.long)
+            self.last_seen[slot] = -1
+            lo = min(r[0] for r in ranges)
             sites = {int(site): r for site, r in zip(a["sites"], rows)}
-            out.append(ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched))
+            use = ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched, lo < first_watched)
+            use.kind, use.sigmoid, use.rows = int(a["kind"]), bool(a.get("sigmoid", False)), self.rows_per_step
+            out.append(use)
         self._by_req[req_id] = out
         return out
 
@@ -117,6 +155,7 @@ class ActionTable:
         for u in uses:
             if not u.freed:  # (a failed request's uses may be given back twice)
                 u.freed = True
+                self.generation += 1
                 self._free.append(u.slot)
                 self._wfree.extend(u.sites.values())
             self._by_req.pop(u.req_id, None)
@@ -136,7 +175,7 @@ class ActionTable:
                 "name": u.name,
                 "fired": bool(f),
                 "position": int(p),
-                "token_index": int(p) - u.first_watched if f else -1,
+                "token_index": int(p) - u.first_watched if f and p >= u.first_watched else -1,
                 "value": float(v) if f else None,
             }
             for u, f, p, v in zip(uses, fired, pos, val)
@@ -144,92 +183,117 @@ class ActionTable:
 
     # ------------------------------------------------------------ per step
 
-    def observe(self, got: list[tuple[torch.Tensor, list[tuple[ActionUse, int, int, int]]]]) -> None:
-        """Fold a step's scores in: `got` holds, per site, the staged rows `x` and for each action there
-        (use, x row, position of that row, the action's weight row for the site). An action's score at a position is the sum of its sites' parts
-        (a multi-layer probe) plus its bias. Positions not watched (the prompt before its last position, or
-        one recomputed after preemption) are skipped on the host."""
-        groups: dict[tuple[int, int], int] = {}  # (use, position) -> score index
-        owner: list[tuple[ActionUse, int]] = []  # per score: (use, position)
-        parts: list[tuple[int, int, int, int]] = []  # (x, x row, weight row, score index)
-        for k, (_, items) in enumerate(got):
-            for u, row, p, wrow in items:
-                if p < u.first_watched or p <= u.last_seen:
-                    continue
-                g = groups.setdefault((id(u), p), len(owner))
-                if g == len(owner):
-                    owner.append((u, p))
-                parts.append((k, row, wrow, g))
-        if not owner:
-            return
-        for u, p in owner:
-            u.last_seen = max(u.last_seen, p)
-        pa = np.array(parts, dtype=np.int64)
-        dev = self.device
-        scores = torch.zeros(len(owner), dtype=torch.float32, device=dev)
-        for k in np.unique(pa[:, 0]).tolist():
-            sel = pa[pa[:, 0] == k]
-            x = got[k][0].index_select(0, torch.from_numpy(sel[:, 1]).to(dev)).float()
-            part = (x * self.W[torch.from_numpy(sel[:, 2]).to(dev)]).sum(-1)
-            scores.index_add_(0, torch.from_numpy(sel[:, 3]).to(dev), part)
-        # rounds: the j-th watched position of each action this step (one, unless drafts brought several)
-        order = sorted(range(len(owner)), key=lambda g: (id(owner[g][0]), owner[g][1]))
-        rounds: list[list[int]] = []
-        last, j = None, 0
-        for g in order:
-            j = j + 1 if owner[g][0] is last else 0
-            last = owner[g][0]
-            while len(rounds) <= j:
-                rounds.append([])
-            rounds[j].append(g)
-        for rd in rounds:
-            idx = torch.tensor(rd, device=dev)
-            sl = torch.tensor([owner[g][0].slot for g in rd], device=dev)
-            ps = torch.tensor([owner[g][1] for g in rd], device=dev)
-            s = scores[idx] + self.B[sl]
-            self._update(sl, torch.where(self.sigmoid[sl], torch.sigmoid(s), s), ps)
+    def round(self, pairs: torch.Tensor | None, uses: list[ActionUse]) -> Round:
+        """A fold round's constants, read once per batch composition (`action_step.make`)."""
+        sl = torch.tensor([u.slot for u in uses], dtype=torch.long, device=self.device)
+        kinds = {u.kind for u in uses}
+        a = self.param.index_select(0, sl)
+        return Round(
+            pairs,
+            sl,
+            self.first.index_select(0, sl),
+            self.until.index_select(0, sl),
+            self.thr.index_select(0, sl),
+            a,
+            a.long().clamp(1, MAX_WINDOW),
+            self.kind.index_select(0, sl),
+            EMA in kinds,
+            ROLLING in kinds,
+        )
 
-    def _update(self, sl: torch.Tensor, s: torch.Tensor, pos: torch.Tensor) -> None:
-        cnt = self.count[sl]
-        a = self.param[sl]
-        ema = torch.where(cnt == 0, s, a * self.ema[sl] + (1 - a) * s)
-        self.ema[sl] = ema
-        wlen = a.long().clamp(1, MAX_WINDOW)
-        self.window[sl, cnt % wlen] = s
-        n = torch.minimum(cnt + 1, wlen)
-        win = self.window[sl] * (self._arange.unsqueeze(0) < n.unsqueeze(1))
-        roll = win.sum(-1) / n
-        kind = self.kind[sl]
-        agg = torch.where(kind == EMA, ema, torch.where(kind == ROLLING, roll, s))
-        hit = agg > self.thr[sl]  # "exceeds", as calibrated thresholds are meant (`threshold_at_fpr`)
+    def fold(self, s: torch.Tensor, pos: torch.Tensor, rounds: list[Round]) -> None:
+        """Fold a step's scores in: per pair (an action and one of its request's staged rows) its score `s`
+        (bias and sigmoid applied) and the row's position `pos`; round j folds the j-th staged row of every
+        action, in position order (one round unless drafts or a watched prompt chunk staged several rows).
+        Positions not watched (out of the action's range, or already folded: recomputed after a preemption)
+        are masked out on the device."""
+        for rd in rounds:
+            if rd.pairs is None:
+                self._update(rd, s, pos)
+            else:
+                self._update(rd, s.index_select(0, rd.pairs), pos.index_select(0, rd.pairs))
+
+    def fold_tokens(
+        self, rd: Round, local: torch.Tensor, slots: torch.Tensor, s: torch.Tensor, pos: torch.Tensor
+    ) -> None:
+        """`fold` for a step whose actions all aggregate by "token" and that holds several rows of one
+        request (drafts, a watched prompt chunk): all rows at once, whatever their number — an action's
+        first crossing is its smallest crossing position. `rd`: per pair; `local`: each pair's action in
+        `slots` (the step's actions)."""
+        valid = _in_ranges(rd, pos) & (pos > self.last_seen[rd.slots])
+        hit = valid & (s > rd.thr)
+        p = pos.long()
+        m = slots.shape[0]
+        first = torch.full((m,), NO_END, dtype=torch.long, device=self.device)
+        first.scatter_reduce_(0, local, torch.where(hit, p, NO_END), "amin")
+        at_first = hit & (p == first.index_select(0, local))
+        value = torch.zeros(m, dtype=torch.float32, device=self.device).index_add_(
+            0, local, torch.where(at_first, s, 0.0)
+        )
+        seen = torch.full((m,), -1, dtype=torch.long, device=self.device)
+        seen.scatter_reduce_(0, local, torch.where(valid, p, -1), "amax")
+        was = self.fired[slots]
+        new = (first < NO_END) & ~was
+        self.fire_pos[slots] = torch.where(new, first, self.fire_pos[slots])
+        self.fire_value[slots] = torch.where(new, value, self.fire_value[slots])
+        fired = was | new
+        self.fired[slots] = fired
+        self.gate[slots] = fired.float()
+        self.last_seen[slots] = torch.maximum(self.last_seen[slots], seen)
+
+    def _update(self, rd: Round, s: torch.Tensor, pos: torch.Tensor) -> None:
+        sl = rd.slots
+        last = self.last_seen[sl]
+        valid = _in_ranges(rd, pos) & (pos > last)
+        agg = s
+        if rd.ema or rd.rolling:
+            cnt = self.count[sl]
+            if rd.ema:
+                old = self.ema[sl]
+                ema = torch.where(cnt == 0, s, rd.a * old + (1 - rd.a) * s)
+                self.ema[sl] = torch.where(valid, ema, old)
+                agg = torch.where(rd.kind == EMA, ema, agg)
+            if rd.rolling:
+                at = cnt % rd.wlen
+                self.window[sl, at] = torch.where(valid, s, self.window[sl, at])
+                n = torch.minimum(cnt + 1, rd.wlen)
+                win = self.window[sl] * (self._arange.unsqueeze(0) < n.unsqueeze(1))
+                agg = torch.where(rd.kind == ROLLING, win.sum(-1) / n, agg)
+            self.count[sl] = cnt + valid.long()
+        hit = valid & (agg > rd.thr)  # "exceeds", as calibrated thresholds are meant (`threshold_at_fpr`)
         was = self.fired[sl]
         new = hit & ~was
         self.fire_pos[sl] = torch.where(new, pos, self.fire_pos[sl])
         self.fire_value[sl] = torch.where(new, agg, self.fire_value[sl])
-        self.fired[sl] = was | hit
-        self.gate[sl] = self.fired[sl].float()
-        self.count[sl] = cnt + 1
+        fired = was | hit
+        self.fired[sl] = fired
+        self.gate[sl] = fired.float()
+        self.last_seen[sl] = torch.where(valid, pos, last)
 
-    def after_step(self, uses: list[ActionUse], entries_gate: torch.Tensor | None) -> None:
-        """After `observe`: gated graph-path entries take their actions' gate, and stop actions' flags
-        start their way to the host (read in `stops`)."""
-        ents = [(e, u.slot) for u in uses if u.entries for e in u.entries]
-        if ents and entries_gate is not None:
-            e = torch.tensor([a for a, _ in ents], device=self.device)
-            s = torch.tensor([b for _, b in ents], device=self.device)
-            entries_gate.index_copy_(0, e, self.gate[s].to(entries_gate.dtype))
-        stops = [u for u in uses if u.stop and u.req_id not in self.stopping]
-        if not stops:
+    def after_step(
+        self,
+        entries: tuple[torch.Tensor, torch.Tensor] | None,
+        entries_gate: torch.Tensor | None,
+        stops: tuple[list[ActionUse], torch.Tensor] | None,
+    ) -> None:
+        """After `fold`: gated graph-path entries (`entries`: their ids, their actions' slots) take their
+        actions' gate, and the flags of stop actions (`stops`: the uses, their slots) start their way to the
+        host (read in `stops`)."""
+        if entries is not None and entries_gate is not None:
+            ent, slots = entries
+            entries_gate.index_copy_(0, ent, self.gate.index_select(0, slots).to(entries_gate.dtype))
+        if stops is None:
             return
-        flags = self.fired[torch.tensor([u.slot for u in stops], device=self.device)]
+        uses, slots = stops
+        flags = self.fired.index_select(0, slots)
         if self.device.type == "cuda":
             host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
             host.copy_(flags, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
-            self._stop_reads.append((stops, host, ev))
+            self._stop_reads.append((uses, host, ev))
         else:
-            self._stop_reads.append((stops, flags, None))
+            self._stop_reads.append((uses, flags, None))
 
     def status(self) -> dict[str, int]:
         """What the table holds for live requests (each returns to 0 once they leave: `lens_status`)."""
@@ -246,16 +310,21 @@ class ActionTable:
         for uses, flags, ev in reads:
             if ev is not None:
                 ev.synchronize()
-            for u, f in zip(uses, flags.tolist()):
-                if f:
+            for i in np.flatnonzero(flags.numpy()).tolist():  # (Python for the fired ones only)
+                u = uses[i]
+                if not u.freed:  # (it left before its flag was read)
                     self.stopping.setdefault(u.req_id, f"probe:{u.name}")
         return dict(self.stopping)
 
 
-def staged_rows(s: int, e: int) -> np.ndarray:
-    """The rows of a request staged for its actions: the step's last ones (the one that produces its next
-    token; a few more for drafts)."""
-    return np.arange(max(s, e - ROWS_PER_STEP), e, dtype=np.int64)
+def staged_rows(r: Any, s: int, e: int) -> np.ndarray:
+    """The rows of request `r` (its batch rows [s, e)) staged for its actions: the step's last one (the one
+    that produces its next token) and drafts' rows — all of them when an action watches prompt positions.
+    No more: in a prefill chunk only the last row can be a generated position not yet folded (a
+    recompute after preemption folds again nothing but its last row)."""
+    if any(u.every_row for u in r.acts):
+        return np.arange(s, e, dtype=np.int64)
+    return np.arange(max(s, e - max((u.rows for u in r.acts), default=1)), e, dtype=np.int64)
 
 
 def stage(gp: Any, cap_rows: dict, act_rows: dict, col: dict[int, int]) -> None:
@@ -271,7 +340,7 @@ def stage(gp: Any, cap_rows: dict, act_rows: dict, col: dict[int, int]) -> None:
     off = len(gp.cap_rows)
     rows_all, cols_all = [gp.cap_rows], [gp.cap_cols]
     for site, items in act_rows.items():
-        rows = np.concatenate([staged_rows(s, e) for _, s, e in items])
+        rows = np.concatenate([staged_rows(r, s, e) for r, s, e in items])
         keys = col[site] * n + rows
         i = np.minimum(np.searchsorted(have, keys, sorter=order), max(len(have) - 1, 0))
         found = (have[order[i]] == keys) if len(have) else np.zeros(len(rows), dtype=bool)
@@ -287,15 +356,6 @@ def stage(gp: Any, cap_rows: dict, act_rows: dict, col: dict[int, int]) -> None:
     gp.cap_cols = np.concatenate(cols_all).astype(np.int64)
 
 
-def from_stage(gp: Any, stage_buf: torch.Tensor, base: int, positions: np.ndarray) -> list:
-    """Graph-safe path, after the step: each site's staged rows and the actions reading them."""
-    got = []
-    for site, (offs, rows, items) in gp.act.items():
-        x = stage_buf.index_select(0, torch.from_numpy(base + offs).to(stage_buf.device))
-        got.append((x, _items(site, rows, items, positions)))
-    return got
-
-
 def rows_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
     """Python path, at a tap (after the site's edits): the action rows there, kept for after the forward."""
     got = plan.act_rows.get(site)
@@ -306,18 +366,6 @@ def rows_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor |
     plan.act_got.append((site, x, rows, items))
 
 
-def from_python(plan: Any, positions: np.ndarray) -> list:
-    return [(x, _items(site, rows, items, positions)) for site, x, rows, items in plan.act_got]
-
-
-def _items(site: int, rows: np.ndarray, items: list, positions: np.ndarray) -> list:
-    out: list[tuple[ActionUse, int, int, int]] = []
-    k = 0
-    for r, s, e in items:
-        n = len(staged_rows(s, e))
-        for u in r.acts:
-            wrow = u.sites.get(site)
-            if wrow is not None:
-                out.extend((u, k + j, int(positions[rows[k + j]]), wrow) for j in range(n))
-        k += n
-    return out
+def _in_ranges(rd: Round, pos: torch.Tensor) -> torch.Tensor:
+    p = pos.unsqueeze(1)
+    return ((p >= rd.first) & (p < rd.until)).any(1)

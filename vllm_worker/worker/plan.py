@@ -250,6 +250,7 @@ class StepPlan:
     sae_feat: dict = field(default_factory=dict)  # site -> (row index on device, saes.SiteFeatures)
     sae_clamp: dict = field(default_factory=dict)  # site -> requests clamping SAE features there
     probe_rows: dict = field(default_factory=dict)  # site -> (row index on device, SiteProbes): probe scores
+    act_step: Any = None  # the probe actions' device indices for this composition (`action_step.current`)
     broken: bool = False  # our code failed during this step: the taps do nothing more
     fired_sites: set = field(default_factory=set)  # sites whose tap ran from Python this step
     groups: dict[HookAt, list[HookGroup]] = field(default_factory=dict)  # batched hooks
@@ -447,4 +448,4 @@ def group_rows(members: list) -> np.ndarray:
 
 def action_rows(items: Rows) -> np.ndarray:
     """The batch rows staged for the actions of `items` (`actions.staged_rows`), in order."""
-    return np.concatenate([staged_rows(s, e) for _, s, e in items])
+    return np.concatenate([staged_rows(r, s, e) for r, s, e in items])

@@ -24,7 +24,19 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors, points
 from vllm_worker.protocol.spec import PAYLOAD_KEY
 from vllm_worker.transport import shm
-from vllm_worker.worker import actions, edits, faults, graph, probes, saes, seams, step_records, taps, tp_wide
+from vllm_worker.worker import (
+    action_step,
+    actions,
+    edits,
+    faults,
+    graph,
+    probes,
+    saes,
+    seams,
+    step_records,
+    taps,
+    tp_wide,
+)
 from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.params import Params
 from vllm_worker.worker.persistent_hooks import PersistentHooks
@@ -134,6 +146,7 @@ class LensRuntime:
         self.python.wide, self.python.tp = self.wide, self.tp_wide
         self.saes = saes.WorkerSaes(self.device, self._local_layers)  # `lens_load_sae`
         self.actions = actions.ActionTable(self._d_model, self.device)  # `probe_actions`
+        self.actions.rows_per_step = 1 + compat.draft_tokens(runner)
         self.probes = probes.WorkerProbes(self.device, self._local_layers)  # `lens_load_probe`
         self.admission = Admission(
             runner,
@@ -231,16 +244,19 @@ class LensRuntime:
             self.actions.free(r.acts)
             r.acts = []
 
-    def _observe(self, plan: StepPlan, got: list) -> None:
-        """After a step: the probe actions' scores folded in on the device, gates and stops updated."""
-        reqs = [r for r in plan.requests if r.acts]
+    def _observe(self, plan: StepPlan, stage: tuple[torch.Tensor, int] | None, dev_pos: Any, pos: np.ndarray) -> None:
+        """After a step: the probe actions' scores folded in on the device, gates and stops updated (`stage`:
+        the graph path's ring and the step's base; None: the Python path's rows)."""
         try:
             faults.check("actions")
-            self.actions.observe(got)
-            uses = [u for r in reqs for u in r.acts]
-            self.actions.after_step(uses, None if self.graph is None else self.graph.entries.gate)
+            step = action_step.current(self.actions, plan)
+            xs = action_step.python_rows(plan) if stage is None else action_step.graph_rows(step, *stage)
+            positions = action_step.device_positions(dev_pos, pos, self.device)
+            action_step.observe(
+                self.actions, step, xs, positions, None if self.graph is None else self.graph.entries.gate
+            )
         except Exception as e:  # noqa: BLE001 - these requests fail; everyone else goes on
-            self._fail(reqs, "probe actions", e)
+            self._fail([r for r in plan.requests if r.acts], "probe actions", e)
 
     def _active(self, req_ids: list, qsl) -> Rows:
         """(request, start row, end row) of this batch's requests that use a feature."""
@@ -359,7 +375,8 @@ class LensRuntime:
             )
         self.python.fail_missed(plan, plan.sites, "the taps at {} did not run (a CUDA graph replayed?)")
         if plan.act_got and self._layout is not None:
-            self._observe(plan, actions.from_python(plan, compat.host_positions(self.runner, self._layout[1])))
+            pos = compat.host_positions(self.runner, self._layout[1])
+            self._observe(plan, None, kwargs.get("positions"), pos)
         self.steps_with_features += 1
         counters.STEP_TIMINGS["python_steps"] += 1
         if plan.captured and not plan.broken:
@@ -426,7 +443,7 @@ class LensRuntime:
             except Exception as e:  # noqa: BLE001
                 self._fail([r for r in plan.requests if r.sae], "encoding SAE features", e)
         if gp.act:  # probe actions' rows, scored on the device before the ring is reused
-            self._observe(plan, actions.from_stage(gp, g.stage, base, pos))
+            self._observe(plan, (g.stage, base), kwargs.get("positions"), pos)
         if gp.probes:  # probe scores of staged rows, likewise
             try:
                 faults.check("probes")

@@ -1,0 +1,126 @@
+"""What the probe actions' per-step bookkeeping costs on the host: a CPU micro-benchmark without an engine.
+
+    PYTHONPATH=. .venv/bin/python bench/probes/action_step_cost.py [--n 256] [--d 128] [--steps 200]
+
+W11's shape: `--n` decoding requests (one row each), each with one action at one site whose `then: steer`
+gates one graph-path steering entry. A step is what `runtime._observe` does after a graph-path forward:
+the site's staged rows read from the ring, scored, folded into the aggregates, the entries' gates set.
+With a small `--d` the device work (torch on the CPU) is small, so what is measured is mostly host time:
+`step_us` (wall per step), `py_calls` (Python function calls per step, cProfile: load-independent),
+`aten_ops` (aten ops dispatched per step: on a GPU about one launch each) and `make_ms` (the
+once-per-composition index build, `action_step.make`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2])]
+
+from vllm_worker.protocol.wire import tensor_to_bytes  # noqa: E402
+from vllm_worker.worker import action_step  # noqa: E402
+from vllm_worker.worker.actions import ActionTable  # noqa: E402
+
+SITE = 7
+
+
+@dataclass(eq=False)
+class Req:  # the part of `plan.RequestState` the actions read
+    acts: list = field(default_factory=list)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops a step dispatches (on a GPU: about one kernel launch each)."""
+
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def setup(n: int, d: int) -> tuple[ActionTable, dict, torch.Tensor, torch.Tensor]:
+    table = ActionTable(d, torch.device("cpu"))
+    w = tensor_to_bytes(torch.randn(1, d))
+    action = {
+        "name": "m1",
+        "sites": [SITE],
+        "w": w,
+        "b": 0.0,
+        "threshold": -1e9,
+        "kind": 0,
+        "param": 0.0,
+        "stop": False,
+        "ranges": [[-1, -1]],
+    }
+    items = []
+    for i in range(n):
+        r = Req(table.uses(f"r{i}", [action], frozenset({SITE}), 10))
+        r.acts[0].entries = [i]
+        items.append((r, i, i + 1))
+    rows = np.arange(n, dtype=np.int64)
+    per_site = {SITE: (rows.copy(), rows, items)}  # stage offsets = rows: the ring holds only these
+    return table, per_site, torch.randn(n, d), torch.zeros(4 * n)
+
+
+def run(n: int, d: int, steps: int) -> dict:
+    table, per_site, stage, gate = setup(n, d)
+    t = time.perf_counter()
+    step = action_step.make(table, per_site, graph=True)
+    make_ms = (time.perf_counter() - t) * 1e3
+
+    def one(k: int) -> None:
+        pos = np.full(n, 20 + k, dtype=np.int64)
+        xs = action_step.graph_rows(step, stage, 0)
+        positions = action_step.device_positions(torch.from_numpy(pos), pos, table.device)
+        action_step.observe(table, step, xs, positions, gate)
+
+    for k in range(5):
+        one(k)
+    t = time.perf_counter()
+    for k in range(steps):
+        one(5 + k)
+    step_us = (time.perf_counter() - t) / steps * 1e6
+    prof = cProfile.Profile()
+    prof.enable()
+    for k in range(20):
+        one(5 + steps + k)
+    prof.disable()
+    calls = pstats.Stats(prof).total_calls / 20  # type: ignore[attr-defined]
+    with CountOps() as ops:
+        one(25 + steps)
+    assert bool(table.fired[:n].all()) and float(gate[:n].min()) == 1.0, "the actions did not fire"
+    return {
+        "n": n,
+        "d": d,
+        "steps": steps,
+        "step_us": round(step_us, 1),
+        "py_calls": calls,
+        "aten_ops": ops.n,
+        "make_ms": round(make_ms, 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=200)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    print(json.dumps(run(a.n, a.d, a.steps)))
+
+
+if __name__ == "__main__":
+    main()
