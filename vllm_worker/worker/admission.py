@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -22,6 +23,7 @@ from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph, seams
 from vllm_worker.worker.actions import ActionRefused
 from vllm_worker.worker.device_copy import to_device
+from vllm_worker.worker.graph_entries import digest
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, hook_at, split_steers
 from vllm_worker.worker.request_results import RequestResults
@@ -87,6 +89,10 @@ class Admission:
         self.esize = torch.empty((), dtype=dtype).element_size()
         self._moves = ToDevice(device)
         self._pending: list[RequestState] = []  # admitted since the last flush, with steering to move
+        # steering vectors on the device by content (`DeviceSteer.digest`): requests sending the same vector
+        # share one device copy, held while one of them lives; and those queued for the next flush
+        self._on_device: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueDictionary()
+        self._queued: dict[bytes, list[Callable[[torch.Tensor], Any]]] = {}
 
     def flush(self) -> None:
         """After a step's admissions, before it is planned: their steering reaches the device, one copy per
@@ -103,6 +109,7 @@ class Admission:
         """After a failed `flush`: the requests whose steering it was moving (to be failed), queue emptied."""
         failed, self._pending = self._pending, []
         self._moves.clear()
+        self._queued = {}
         if self.graph is not None:
             self.graph.drop_new_entries()
         return failed
@@ -172,6 +179,7 @@ class Admission:
                         s.hi,
                         s.span,
                         keep,
+                        None if self.graph is None else digest(s.vectors),  # (entries shared by content)
                     )
                 )
             # result memory the frontend let go of: free before this request's result is announced
@@ -219,7 +227,7 @@ class Admission:
             if got is not None:
                 entries, entry_ids = got
         for st in per_request:  # what the Python path steers with, to the device with the step's others
-            self._moves.add(st.vectors, functools.partial(setattr, st, "vectors"))
+            self._move_vectors(st)
             if st.lut is not None:
                 self._moves.add(st.lut, functools.partial(setattr, st, "lut"))
             if st.keep is not None:
@@ -245,6 +253,28 @@ class Admission:
         if per_request or simple or entry_ids:
             self._pending.append(state)
         return state
+
+    def _move_vectors(self, st: DeviceSteer) -> None:
+        """`st.vectors` to the device at the next flush, or the copy already there (or queued) of the same
+        content: 256 requests steering with one vector move it once."""
+        put = functools.partial(setattr, st, "vectors")
+        key = st.digest
+        if key is None:
+            self._moves.add(st.vectors, put)
+            return
+        got = self._on_device.get(key)
+        if got is not None:
+            put(got)
+        elif key in self._queued:
+            self._queued[key].append(put)
+        else:
+            self._queued[key] = [put]
+            self._moves.add(st.vectors, functools.partial(self._moved, key))
+
+    def _moved(self, key: bytes, t: torch.Tensor) -> None:
+        self._on_device[key] = t
+        for put in self._queued.pop(key):
+            put(t)
 
     def _action_uses(self, req_id: str, spec: Any) -> list:
         """Slots for the request's probe actions at this stage's layers (`actions.ActionTable`)."""

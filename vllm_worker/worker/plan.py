@@ -41,6 +41,7 @@ class DeviceSteer:
     hi: float | None = None
     span: tuple[int, int] | None = None  # absolute positions of its phase; None: all
     keep: torch.Tensor | None = None  # set: 1 where the activation is kept (heads not listed), 0 where written
+    digest: bytes | None = None  # of `vectors` as sent (`graph_entries.item_key`: identical entries shared)
 
     @property
     def plain(self) -> bool:
