@@ -4,8 +4,8 @@ counts, and what the worker and frontend hold (request states, steering entries,
 the control table's memo, Python objects alive, the garbage collector's collections). Anything that grows
 round after round while the work is the same is the drift's suspect.
 
-Run: `python bench/probes/rounds_drift.py [MODEL_DIR] [workload: W0 | W13 | W12 | W9] [rounds] [requests]`
-(default: the tests' tiny llama)."""
+Run: `python bench/probes/rounds_drift.py [MODEL_DIR or -] [workloads: W0,W9,W12,W13] [rounds] [requests]`
+(default: the tests' tiny llama; several workloads run in that order each round, as the benchmark does)."""
 
 from __future__ import annotations
 
@@ -35,10 +35,26 @@ def _gc_timer(phase: str, info: dict) -> None:
         GC_STATS[-1] += time.perf_counter()
 
 
+def sizes(prefix: str, obj: object) -> dict:
+    """The length of every container attribute of `obj` (what could grow round after round)."""
+    out = {}
+    for k, v in vars(obj).items():
+        if isinstance(v, (dict, list, set, tuple)) or type(v).__name__ in ("deque", "WeakValueDictionary"):
+            out[f"{prefix}.{k}"] = len(v)  # type: ignore[arg-type]
+    return out
+
+
 def worker_view(worker) -> dict:
     rt = worker._lens_rt()
     g = rt.graph
-    out = {
+    out = {}
+    for name in ("store", "admission", "graph", "probes", "actions", "saes", "persistent", "python"):
+        part = getattr(rt, name, None)
+        if part is not None and hasattr(part, "__dict__"):
+            out |= sizes(name, part)
+    if g is not None:
+        out |= sizes("table", g.table) | sizes("entries", g.entries) | sizes("ring", g.ring)
+    out |= {
         "reqs": len(rt._reqs),
         "stores": len(rt.store._stores),
         "evicted": len(rt.store._evicted),
@@ -57,7 +73,7 @@ def worker_view(worker) -> dict:
 def main() -> None:
     tiny = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inspect-lens/test-models-v1/tiny-llama"
     model = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "-" else str(tiny)
-    workload = sys.argv[2] if len(sys.argv) > 2 else "W13"
+    workloads = (sys.argv[2] if len(sys.argv) > 2 else "W13").split(",")
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 6
     n = int(sys.argv[4]) if len(sys.argv) > 4 else 64
     llm = LLM(model, dtype="float32", max_model_len=256, kv_cache_memory_bytes=256 << 20, seed=0)
@@ -65,41 +81,45 @@ def main() -> None:
     d, n_layers = cfg.hidden_size, cfg.num_hidden_layers
     unit = torch.nn.functional.normalize(torch.randn(1, d, generator=torch.Generator().manual_seed(0)), dim=-1)
     mid = n_layers // 2
-    if workload == "W13":
-        extra = {"apply_steering_vectors": [SteeringVector(unit, [mid], op="cap", lo=-1.0, hi=1.0)]}
-    elif workload == "W12":
-        extra = {
+    llm.load_probe("m1", weight=torch.randn(1, d), bias=torch.zeros(1), layers=[mid])
+    extras = {
+        "W0": {},
+        "W9": {"output_probe_scores": ["m1"]},
+        "W12": {
             "apply_steering_vectors": [
                 SteeringVector(unit.expand(n_layers, d).clone(), list(range(n_layers)), op="ablate")
             ]
-        }
-    elif workload == "W9":
-        llm.load_probe("m1", weight=torch.randn(1, d), bias=torch.zeros(1), layers=[mid])
-        extra = {"output_probe_scores": ["m1"]}
-    else:
-        extra = {}
+        },
+        "W13": {"apply_steering_vectors": [SteeringVector(unit, [mid], op="cap", lo=-1.0, hi=1.0)]},
+    }
     prompts = [f"the water of people number {i} will come down to the side" for i in range(n)]
     gc.callbacks.append(_gc_timer)
     for r in range(rounds):
-        sps = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=16, extra_args=dict(extra)) for _ in prompts]
-        before = dict(STEP_TIMINGS)
-        g0 = len(GC_STATS)
-        t = time.perf_counter()
-        llm.generate(prompts, sps, use_tqdm=False)
-        wall = time.perf_counter() - t
-        delta = {
-            k: round(STEP_TIMINGS[k] - before[k], 3)
-            for k in ("graph_steps", "python_steps", "admit_s", "plan_s", "after_s", "forward_s")
-        }
-        status = llm.collective_rpc("lens_status")[0]
-        counts = {k: status.get(k) for k in ("request_states", "steering_entries", "stored_requests")}
-        view = llm.collective_rpc(worker_view)[0]
-        gcs = GC_STATS[g0:]
-        print(
-            f"round {r}: wall {wall:.3f} s  {delta}  {counts}  worker {view}  objects {len(gc.get_objects())}  "
-            f"gen2 gc {len(gcs)} x {sum(gcs):.3f} s",
-            flush=True,
-        )
+        for workload in workloads:
+            run_round(llm, r, workload, prompts, extras[workload])
+
+
+def run_round(llm: LLM, r: int, workload: str, prompts: list[str], extra: dict) -> None:
+    sps = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=16, extra_args=dict(extra)) for _ in prompts]
+    before = dict(STEP_TIMINGS)
+    g0 = len(GC_STATS)
+    t = time.perf_counter()
+    llm.generate(prompts, sps, use_tqdm=False)
+    wall = time.perf_counter() - t
+    keys = ("graph_steps", "python_steps", "admit_s", "plan_s", "after_s", "forward_s")
+    delta = {k: round(STEP_TIMINGS[k] - before[k], 3) for k in keys}
+    status = llm.collective_rpc("lens_status")[0]
+    counts = {k: status.get(k) for k in ("request_states", "steering_entries", "stored_requests")}
+    view = llm.collective_rpc(worker_view)[0]
+    from vllm_worker.frontend.state import engine_state
+
+    view |= sizes("frontend", engine_state(llm))
+    gcs = GC_STATS[g0:]
+    print(
+        f"round {r} {workload}: wall {wall:.3f} s  {delta}  {counts}  worker {view}  "
+        f"objects {len(gc.get_objects())}  gen2 gc {len(gcs)} x {sum(gcs):.3f} s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -148,6 +148,10 @@ class GraphPlan:
     st_ents: np.ndarray  # ... and that entry
     # (start, end, col, positions, entries, default, generated entry, first generated position or -1)
     st_pos: list[tuple[int, int, int, np.ndarray, np.ndarray, int, int, int]]
+    # rows whose entry depends on their phase only (prompt or generated): row, column, the prompt entry,
+    # the generated one, the first generated position; chosen for all of them at once each step
+    ph: tuple[np.ndarray, ...] = ()
+    settled: bool = False  # every phase row was generated at the last fill: later steps' tables are the same
     n_extra: int = 0  # staged rows after the captures, read on the device only (SAE features)
     sae: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `saes.stage_features`
     act: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `actions.stage`
@@ -169,13 +173,15 @@ class GraphPlan:
             frozenset(self.cap_cols.tolist())
             | frozenset(self.st_cols.tolist())
             | frozenset(c for _, _, c, *_ in self.st_pos)
+            | (frozenset(self.ph[1].tolist()) if self.ph else frozenset())
         )
 
     @property
     def steady(self) -> bool:
         """Every step of this plan has the same table (no entry depends on the position): once uploaded it
-        serves the plan's next steps as it is (uploaded as their owner: `GraphTaps.reuse`)."""
-        return not self.st_pos
+        serves the plan's next steps as it is (uploaded as their owner: `GraphTaps.reuse`). Rows choosing
+        by phase count once all are generated (positions only grow within a plan)."""
+        return not self.st_pos and (not self.ph or self.settled)
 
     def fill(self, ctl: np.ndarray, positions: np.ndarray) -> None:
         """Write this step into the host table (`ctl[col, row]`, the live columns' rows already -1; staging
@@ -192,6 +198,11 @@ class GraphPlan:
             else:
                 got = np.full(len(ps), default, dtype=np.int32)
             ctl[col, s:e, 1] = got if split < 0 else np.where(ps >= split, gen, got)
+        if self.ph:
+            rows, cols, prompt, generated, first = self.ph
+            later = positions[rows] >= first
+            ctl[cols, rows, 1] = np.where(later, generated, prompt)
+            self.settled = bool(later.all())
 
 
 def rows_of(items: Rows) -> np.ndarray:
@@ -213,14 +224,17 @@ def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, i
         cr.append(rows)
         cc.append(np.full(len(rows), col[layer]))
     sr, sc, se, pos = [], [], [], []
+    ph: list[tuple[int, int, int, int, int, int]] = []  # (start, end, col, prompt entry, generated, split)
     for r, s, e in active:
         assert r.entries is not None, "a request whose entries did not fit the table is not graph-safe"
         for layer, (default, ps, ents, gen, split) in r.entries.items():
             c = col.get(layer)
             if c is None:
                 continue
-            if len(ps) or split >= 0:
+            if len(ps):
                 pos.append((s, e, c, ps, ents, default, gen, split))
+            elif split >= 0:
+                ph.append((s, e, c, default, gen, split))
             elif default >= 0:
                 sr.append(np.arange(s, e))
                 sc.append(np.full(e - s, c))
@@ -229,7 +243,14 @@ def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, i
     def cat(a: list) -> np.ndarray:
         return np.concatenate(a).astype(np.int64) if a else np.zeros(0, dtype=np.int64)
 
-    return GraphPlan(n, cat(cr), cat(cc), cat(sr), cat(sc), cat(se).astype(np.int32), pos)
+    phase: tuple[np.ndarray, ...] = ()
+    if ph:
+        a = np.array(ph, dtype=np.int64)
+        lens = a[:, 1] - a[:, 0]
+        rows = np.repeat(a[:, 0] - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
+        cols, prompt, generated, first = (np.repeat(a[:, k], lens) for k in (2, 3, 4, 5))
+        phase = (rows, cols, prompt.astype(np.int32), generated.astype(np.int32), first)
+    return GraphPlan(n, cat(cr), cat(cc), cat(sr), cat(sc), cat(se).astype(np.int32), pos, ph=phase)
 
 
 @dataclass
