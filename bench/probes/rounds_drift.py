@@ -15,14 +15,15 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # 1: the engine core in its own process, as served
 
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from vllm_worker import SteeringVector  # noqa: E402
-from vllm_worker.counters import STEP_TIMINGS  # noqa: E402
+from vllm_worker.counters import FRONTEND_TIMINGS  # noqa: E402
 
+LAST: dict = {}  # the worker's step counters after the last round
 GC_STATS: list[float] = []  # seconds in each gen-2 collection
 
 
@@ -101,16 +102,22 @@ def main() -> None:
 
 def run_round(llm: LLM, r: int, workload: str, prompts: list[str], extra: dict) -> None:
     sps = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=16, extra_args=dict(extra)) for _ in prompts]
-    before = dict(STEP_TIMINGS)
+    front = dict(FRONTEND_TIMINGS)
     g0 = len(GC_STATS)
     t = time.perf_counter()
     llm.generate(prompts, sps, use_tqdm=False)
     wall = time.perf_counter() - t
     keys = ("graph_steps", "python_steps", "admit_s", "plan_s", "after_s", "forward_s")
-    delta = {k: round(STEP_TIMINGS[k] - before[k], 3) for k in keys}
     status = llm.collective_rpc("lens_status")[0]
+    worker = {k: v for k, v in status["step_timings"].items() if k in keys}  # (cumulative, in the worker)
+    delta = {k: round(v - LAST.get(k, 0), 3) for k, v in worker.items()}
+    LAST.update(worker)
+    delta |= {k: round(FRONTEND_TIMINGS[k] - front[k], 3) for k in FRONTEND_TIMINGS}
     counts = {k: status.get(k) for k in ("request_states", "steering_entries", "stored_requests")}
-    view = llm.collective_rpc(worker_view)[0]
+    try:  # (a function as RPC: the in-process engine; a separate engine core may refuse it)
+        view = llm.collective_rpc(worker_view)[0]
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        view = {"worker_view": type(e).__name__}
     from vllm_worker.frontend.state import engine_state
 
     view |= sizes("frontend", engine_state(llm))

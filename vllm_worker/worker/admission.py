@@ -29,6 +29,9 @@ from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, hook_at,
 from vllm_worker.worker.request_results import RequestResults
 from vllm_worker.worker.store import CaptureStore
 
+HOST_VECTORS_KEPT = 8  # host copies of recent steering vectors in the model's dtype, by content ...
+HOST_VECTOR_MAX_BYTES = 16 << 20  # ... each at most this large
+
 
 class ToDevice:
     """Host tensors bound for the device, moved together at `flush`: one copy per dtype (`device_copy.to_device`);
@@ -93,6 +96,7 @@ class Admission:
         # share one device copy, held while one of them lives; and those queued for the next flush
         self._on_device: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueDictionary()
         self._queued: dict[bytes, list[Callable[[torch.Tensor], Any]]] = {}
+        self._converted: dict[bytes, torch.Tensor] = {}  # content -> host copy in the model's dtype (LRU)
 
     def flush(self) -> None:
         """After a step's admissions, before it is planned: their steering reaches the device, one copy per
@@ -157,6 +161,7 @@ class Admission:
             if spec.actions:
                 act_uses = self._action_uses(req_id, spec)
             for s in spec.steers:
+                content = None if self.graph is None else digest(s.vectors)  # (entries shared by content)
                 lut = keep = None
                 if s.cols is not None:
                     keep = torch.ones(s.vectors.shape[-1], dtype=self.dtype)
@@ -167,7 +172,7 @@ class Admission:
                 steers.append(
                     DeviceSteer(
                         {l: i for i, l in enumerate(s.layers)},
-                        s.vectors.to(dtype=self.dtype),
+                        self._host_vectors(content, s.vectors),
                         lut,
                         s.scale,
                         s.norm_match,
@@ -179,7 +184,7 @@ class Admission:
                         s.hi,
                         s.span,
                         keep,
-                        None if self.graph is None else digest(s.vectors),  # (entries shared by content)
+                        content,
                     )
                 )
             # result memory the frontend let go of: free before this request's result is announced
@@ -253,6 +258,22 @@ class Admission:
         if per_request or simple or entry_ids:
             self._pending.append(state)
         return state
+
+    def _host_vectors(self, key: bytes | None, t: torch.Tensor) -> torch.Tensor:
+        """`t` in the model's dtype, converted once for the last few contents (`HOST_VECTORS_KEPT`): a batch
+        of requests sending one vector converts it once. Never written: entries and device copies are
+        made from it."""
+        if key is None:
+            return t.to(dtype=self.dtype)
+        got = self._converted.pop(key, None)
+        if got is None:
+            got = t.to(dtype=self.dtype)
+            if got.numel() * got.element_size() > HOST_VECTOR_MAX_BYTES:  # (a large 3-D patch: not kept)
+                return got
+            if len(self._converted) >= HOST_VECTORS_KEPT:
+                self._converted.pop(next(iter(self._converted)))
+        self._converted[key] = got  # (most recent last)
+        return got
 
     def _move_vectors(self, st: DeviceSteer) -> None:
         """`st.vectors` to the device at the next flush, or the copy already there (or queued) of the same
