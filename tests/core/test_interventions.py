@@ -14,6 +14,7 @@ from vllm import SamplingParams
 from support.reference import greedy, hf_model, point_activations, residuals
 from vllm_worker import Hook, SteeringVector
 from vllm_worker.counters import STEP_TIMINGS
+from vllm_worker.frontend.fetch import attach_outputs
 
 D = 128
 N_HEADS, D_HEAD = 4, 32
@@ -513,6 +514,7 @@ def test_requests_with_the_same_vector_share_entries_and_each_equals_hf(llama, p
                 done[o.request_id] = o
         s = _status(llama)
         seen.append((len(done), s["steering_entries"], s["steering_shared_chains"]))
+    attach_outputs(llama, list(done.values()))  # (what `generate` does: their results are fetched, and freed)
     assert seen[0] == (0, 5, 5), seen  # 3 requests x 4 layers of one content: 4 entries; the cap: 1
     after_first = [e for n, e, _ in seen if n == 1]
     assert after_first and set(after_first) == {5}, seen  # one user left: the others still hold the chain
@@ -534,3 +536,4 @@ def test_requests_with_the_same_vector_share_entries_and_each_equals_hf(llama, p
     llama.generate([PROMPTS[0]], _sp({}, max_tokens=1), use_tqdm=False)  # (a worker sees leavers at its next step)
     s = _status(llama)
     assert s["steering_entries"] == 0 and s["steering_shared_chains"] == 0 and s["steer_table_full"] == 0, s
+    assert s["stored_requests"] == 0 and s["request_states"] == 0, s
