@@ -4,7 +4,7 @@ B is used). Entries beyond addition (`op`: ablate, cap with `lo` / `hi`, set) an
 in order (`nxt`: the next entry, -1 none) are made by `interventions.chain_entries`. A request's entries
 are written once, when it arrives, and given back when it leaves.
 
-Identical chains are shared: a chain made from the same content (`chain_key`: the vectors' bytes, op,
+Identical chains are shared: a chain made from the same content (`item_key`: the vectors' bytes, op,
 scale, range...) is stored once and counted per user, so 256 requests ablating one direction at 32 layers
 hold 32 entries, not 8,192. Whole chains are the unit of sharing, so a shared entry's `nxt` is the same for
 every user. Gated entries (a probe action's gate is per request) are never shared.
@@ -193,14 +193,15 @@ class SteeringEntries:
         the free list when its last user leaves, and a shared chain's key goes with its head."""
         for j in idx:
             r = self._refs[j] - 1
+            if r < 0:  # (a bug of ours: never hand the entry out twice, never stop the engine's step)
+                logger.error("inspect-lens: steering entry %d given back more often than taken", j)
+                continue
             self._refs[j] = r
             if r == 0:
                 self._free.append(j)
                 key = self._key_at.pop(j, None)
                 if key is not None:
                     self._chains.pop(key, None)
-            elif r < 0:
-                raise RuntimeError(f"steering entry {j} given back more often than taken")
 
     def clear(self) -> None:
         """Drop the queued entries (their requests failed: `Admission.abandon`, which frees them next): no
