@@ -363,3 +363,27 @@ def test_phase_rows_choose_their_entry_together_and_settle_once_generated():
     assert ctl[1, :2, 1].tolist() == [3, -1] and not gp.steady
     gp.fill(ctl, np.array([6, 2]))
     assert ctl[1, :2, 1].tolist() == [4, 7] and gp.steady
+
+
+def test_fixed_entries_of_many_requests_and_layers_are_planned_in_one_go():
+    """The plan's fixed entries (every row of a request at a column takes one entry) are laid out without
+    a Python loop per (request, layer): the same rows, columns and entries, in request then column order,
+    as the plain expansion; a request's entries changing (failed: none left) are seen by the next plan."""
+    from vllm_worker.worker.plan import RequestState, graph_plan
+
+    reqs = []
+    for i in range(5):
+        r = RequestState([], {}, 0, [], [], None)
+        r.entries = {
+            l: (10 * i + l, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32), -1, -1) for l in range(4)
+        }
+        reqs.append(r)
+    active = [(r, 3 * i, 3 * i + 1 + i % 3) for i, r in enumerate(reqs)]
+    col = {l: 3 - l for l in range(4)}
+    gp = graph_plan(active, {}, 15, col)
+    want = [(row, col[l], 10 * i + l) for i, (_, s, e) in enumerate(active) for l in range(4) for row in range(s, e)]
+    assert list(zip(gp.st_rows.tolist(), gp.st_cols.tolist(), gp.st_ents.tolist())) == want
+    assert gp.st_ents.dtype == np.int32 and gp.steady
+    reqs[1].entries = {}
+    gp = graph_plan(active, {}, 15, col)
+    assert not any(3 <= row < 5 for row in gp.st_rows.tolist())

@@ -99,6 +99,7 @@ class RequestState:
     sae: list = field(default_factory=list)  # `saes.SaeUse`s: features to return, clamps
     acts: list = field(default_factory=list)  # `actions.ActionUse`s: probe actions at this stage's sites
     probes: list = field(default_factory=list)  # `probes.DeviceProbe`s scored for this request
+    graph_parts: Any = None  # (column map, entries, their split): `_entry_parts`, made once
 
     @property
     def failed(self) -> bool:
@@ -223,22 +224,26 @@ def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, i
         rows = rows_of(items)
         cr.append(rows)
         cc.append(np.full(len(rows), col[layer]))
-    sr, sc, se, pos = [], [], [], []
+    pos: list = []
     ph: list[tuple[int, int, int, int, int, int]] = []  # (start, end, col, prompt entry, generated, split)
+    spans, cols, ents = [], [], []  # requests with fixed entries: (start, rows, columns), their columns, entries
     for r, s, e in active:
         assert r.entries is not None, "a request whose entries did not fit the table is not graph-safe"
-        for layer, (default, ps, ents, gen, split) in r.entries.items():
-            c = col.get(layer)
-            if c is None:
-                continue
-            if len(ps):
-                pos.append((s, e, c, ps, ents, default, gen, split))
-            elif split >= 0:
-                ph.append((s, e, c, default, gen, split))
-            elif default >= 0:
-                sr.append(np.arange(s, e))
-                sc.append(np.full(e - s, c))
-                se.append(np.full(e - s, default))
+        fixed_cols, fixed_ents, by_pos, by_phase = _entry_parts(r, col)
+        if len(fixed_cols):
+            spans.append((s, e - s, len(fixed_cols)))
+            cols.append(fixed_cols)
+            ents.append(fixed_ents)
+        pos += [(s, e, c, ps, pe, default, gen, split) for c, ps, pe, default, gen, split in by_pos]
+        ph += [(s, e, c, default, gen, split) for c, default, gen, split in by_phase]
+    sr = sc = np.zeros(0, dtype=np.int64)
+    se = np.zeros(0, dtype=np.int32)
+    if spans:  # every (request, column) pair over the request's rows, in request then column order
+        sp = np.array(spans, dtype=np.int64)
+        lens = np.repeat(sp[:, 1], sp[:, 2])
+        sr = np.repeat(np.repeat(sp[:, 0], sp[:, 2]) - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+        sc = np.repeat(np.concatenate(cols), lens)
+        se = np.repeat(np.concatenate(ents), lens)
 
     def cat(a: list) -> np.ndarray:
         return np.concatenate(a).astype(np.int64) if a else np.zeros(0, dtype=np.int64)
@@ -248,9 +253,34 @@ def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, i
         a = np.array(ph, dtype=np.int64)
         lens = a[:, 1] - a[:, 0]
         rows = np.repeat(a[:, 0] - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
-        cols, prompt, generated, first = (np.repeat(a[:, k], lens) for k in (2, 3, 4, 5))
-        phase = (rows, cols, prompt.astype(np.int32), generated.astype(np.int32), first)
-    return GraphPlan(n, cat(cr), cat(cc), cat(sr), cat(sc), cat(se).astype(np.int32), pos, ph=phase)
+        ph_cols, prompt, generated, first = (np.repeat(a[:, k], lens) for k in (2, 3, 4, 5))
+        phase = (rows, ph_cols, prompt.astype(np.int32), generated.astype(np.int32), first)
+    return GraphPlan(n, cat(cr), cat(cc), sr, sc, se, pos, ph=phase)
+
+
+def _entry_parts(r: RequestState, col: dict[int, int]) -> tuple:
+    """A request's graph-path entries at this stage's columns, split by how a step picks them: fixed
+    (columns, entries), by named position, by phase. Made once per request (a plan is made at every change
+    of the batch, and a request ablating at 32 layers has 32 of them)."""
+    got = r.graph_parts
+    if got is not None and got[0] is col and got[1] is r.entries:
+        return got[2]
+    cols, ents, by_pos, by_phase = [], [], [], []
+    assert r.entries is not None
+    for layer, (default, ps, pe, gen, split) in r.entries.items():
+        c = col.get(layer)
+        if c is None:
+            continue
+        if len(ps):
+            by_pos.append((c, ps, pe, default, gen, split))
+        elif split >= 0:
+            by_phase.append((c, default, gen, split))
+        elif default >= 0:
+            cols.append(c)
+            ents.append(default)
+    parts = (np.array(cols, dtype=np.int64), np.array(ents, dtype=np.int32), by_pos, by_phase)
+    r.graph_parts = (col, r.entries, parts)
+    return parts
 
 
 @dataclass
