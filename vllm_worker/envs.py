@@ -195,8 +195,9 @@ SETTINGS: dict[str, Setting] = {
             "VLLM_LENS_STEER_MB",
             float,
             64.0,
-            "device table of steering entries of the graph-safe path; a request whose entries do not fit "
-            "takes the Python path",
+            "device table of steering entries of the graph-safe path (identical entries are stored once for "
+            "all requests using them); a request whose entries do not fit takes the Python path, counted as "
+            "steer_table_full in lens_status and logged once",
             unit="MB",
         ),
         Setting(

@@ -300,3 +300,90 @@ def test_triton_kernel_matches_the_torch_semantics():
     line = [l for l in proc.stdout.splitlines() if l.startswith("WORST")]
     assert line, proc.stderr[-3000:]
     assert float(line[0].split()[1]) <= 1e-4
+
+
+def test_identical_steering_is_one_refcounted_chain(monkeypatch):
+    """Requests with the same content (vector bytes, op, scale, range) hold the same entries; each gives
+    its use back, the entries go back to the free list with the last user, and content queued but never
+    copied (a failed flush) is never found by a later request. Probe actions' gated entries are never
+    shared (their gate is per request)."""
+    from vllm_worker.protocol.ops import ABLATE
+    from vllm_worker.worker.plan import DeviceSteer
+
+    g = _graph_taps(monkeypatch)
+    v = torch.nn.functional.normalize(torch.randn(2, 8), dim=-1)
+
+    def ablate(t: torch.Tensor) -> DeviceSteer:
+        return DeviceSteer({0: 0, 1: 1}, t.clone(), None, 1.0, False, op=ABLATE)
+
+    a = graph.request_entries(g, [ablate(v)])
+    b = graph.request_entries(g, [ablate(v)])
+    c = graph.request_entries(g, [ablate(v.flip(0))])  # the same rows at other sites: other content
+    assert a is not None and b is not None and c is not None
+    assert a[0][0][0] == b[0][0][0] and a[0][1][0] == b[0][1][0] and g.entries.in_use() == 4
+    g.flush_entries()
+    g.free_entries(a[1])
+    assert g.entries.in_use() == 4 and torch.equal(g.A[b[0][0][0]], v[0])  # b still holds it, unchanged
+    g.free_entries(b[1])
+    g.free_entries(c[1])
+    assert g.entries.in_use() == 0 and g.entries.shared_chains() == 0
+    plain = DeviceSteer({2: 0}, torch.ones(1, 8), None, 2.0, False)
+    x = graph.request_entries(g, [plain], gated=True)
+    y = graph.request_entries(g, [plain], gated=True)
+    assert x is not None and y is not None and set(x[1]).isdisjoint(y[1])
+    g.free_entries(x[1] + y[1])
+    d = graph.request_entries(g, [ablate(v)])
+    assert d is not None
+    g.drop_new_entries()  # its flush failed: the request is failed and frees its entries
+    g.free_entries(d[1])
+    e = graph.request_entries(g, [ablate(v)])
+    assert e is not None and set(e[1]) == set(g.entries._new)  # stored anew, to be copied at the next flush
+    g.flush_entries()
+    assert torch.equal(g.A[e[0][0][0]], v[0]) and g.entries.in_use() == 2
+
+
+def test_phase_rows_choose_their_entry_together_and_settle_once_generated():
+    """Entries chosen by phase (prompt / generated) are picked for all rows at once from the step's
+    positions; once every such row is generated the plan's table no longer changes (`steady`: reused)."""
+    from vllm_worker.worker.plan import RequestState, graph_plan
+
+    def req(default: int, gen: int, split: int) -> RequestState:
+        r = RequestState([], {}, 0, [], [], None)
+        r.entries = {0: (default, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32), gen, split)}
+        return r
+
+    a, b = req(3, 4, 5), req(-1, 7, 2)  # b: generated phase only (its prompt rows take no entry)
+    gp = graph_plan([(a, 0, 6), (b, 6, 7)], {}, 7, {0: 1})
+    ctl = np.full((2, 8, 2), -1, dtype=np.int32)
+    gp.fill(ctl, np.array([0, 1, 2, 3, 4, 5, 9]))  # a's prefill crosses its split at position 5
+    assert ctl[1, :7, 1].tolist() == [3, 3, 3, 3, 3, 4, 7] and gp.live_cols == frozenset({1}) and not gp.steady
+    gp = graph_plan([(a, 0, 1), (b, 1, 2)], {}, 2, {0: 1})
+    ctl = np.full((2, 8, 2), -1, dtype=np.int32)
+    gp.fill(ctl, np.array([4, 1]))
+    assert ctl[1, :2, 1].tolist() == [3, -1] and not gp.steady
+    gp.fill(ctl, np.array([6, 2]))
+    assert ctl[1, :2, 1].tolist() == [4, 7] and gp.steady
+
+
+def test_fixed_entries_of_many_requests_and_layers_are_planned_in_one_go():
+    """The plan's fixed entries (every row of a request at a column takes one entry) are laid out without
+    a Python loop per (request, layer): the same rows, columns and entries, in request then column order,
+    as the plain expansion; a request's entries changing (failed: none left) are seen by the next plan."""
+    from vllm_worker.worker.plan import RequestState, graph_plan
+
+    reqs = []
+    for i in range(5):
+        r = RequestState([], {}, 0, [], [], None)
+        r.entries = {
+            l: (10 * i + l, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32), -1, -1) for l in range(4)
+        }
+        reqs.append(r)
+    active = [(r, 3 * i, 3 * i + 1 + i % 3) for i, r in enumerate(reqs)]
+    col = {l: 3 - l for l in range(4)}
+    gp = graph_plan(active, {}, 15, col)
+    want = [(row, col[l], 10 * i + l) for i, (_, s, e) in enumerate(active) for l in range(4) for row in range(s, e)]
+    assert list(zip(gp.st_rows.tolist(), gp.st_cols.tolist(), gp.st_ents.tolist())) == want
+    assert gp.st_ents.dtype == np.int32 and gp.steady
+    reqs[1].entries = {}
+    gp = graph_plan(active, {}, 15, col)
+    assert not any(3 <= row < 5 for row in gp.st_rows.tolist())

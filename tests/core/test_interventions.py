@@ -14,6 +14,7 @@ from vllm import SamplingParams
 from support.reference import greedy, hf_model, point_activations, residuals
 from vllm_worker import Hook, SteeringVector
 from vllm_worker.counters import STEP_TIMINGS
+from vllm_worker.frontend.fetch import attach_outputs
 
 D = 128
 N_HEADS, D_HEAD = 4, 32
@@ -482,3 +483,57 @@ def test_head_scaling_by_phase(llama):
     z = out.activations["z"][0].flatten(-2)
     assert (z - ref["z"][1][: len(z)]).abs().max() <= 1e-4
     assert z[n:, cols].abs().max() == 0 and z[:n, cols].abs().max() > 0
+
+
+# ---------------------------------------------------------------- identical entries shared across requests
+
+
+def _status(llm) -> dict:
+    return llm.collective_rpc("lens_status")[0]
+
+
+def test_requests_with_the_same_vector_share_entries_and_each_equals_hf(llama, plain):
+    """Three requests ablating the same direction at every layer (one stopping early) and one capping
+    another: the table holds one chain per distinct content (4 + 1 entries, not 13) while they run; each
+    equals HF with its own edit, the one that left early changes nothing for the others, and the table is
+    empty once they are gone."""
+    mean = plain[0].mean(dim=1)
+    ablate = [SteeringVector(mean, LAYERS, op="ablate")]
+    p = (plain[0][2] @ (mean[2] / mean[2].norm())).median().item()
+    cap = [SteeringVector(mean[[2]], [2], op="cap", lo=p - 0.5, hi=p - 0.2)]
+    cases = [ablate, ablate, ablate, cap]
+    tokens = [2, MAX_TOKENS, MAX_TOKENS, MAX_TOKENS]
+    engine = llama.llm_engine
+    for i, (c, n) in enumerate(zip(cases, tokens)):
+        engine.add_request(f"shared-{i}", PROMPTS[i], _sp({"apply_steering_vectors": c}, max_tokens=n))
+    done: dict = {}
+    seen = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        s = _status(llama)
+        seen.append((len(done), s["steering_entries"], s["steering_shared_chains"]))
+    attach_outputs(llama, list(done.values()))  # (what `generate` does: their results are fetched, and freed)
+    assert seen[0] == (0, 5, 5), seen  # 3 requests x 4 layers of one content: 4 entries; the cap: 1
+    after_first = [e for n, e, _ in seen if n == 1]
+    assert after_first and set(after_first) == {5}, seen  # one user left: the others still hold the chain
+    hf = hf_model("llama")
+    for i, c in enumerate(cases):
+        prompt = list(done[f"shared-{i}"].prompt_token_ids)
+        got = list(done[f"shared-{i}"].outputs[0].token_ids)
+        assert len(got) == tokens[i] and got == greedy(hf, prompt, len(got), hf_edit(c, len(prompt)))
+    outs = llama.generate(
+        PROMPTS[:4],
+        [
+            _sp({"apply_steering_vectors": c, "output_residual_stream": LAYERS}, max_tokens=n)
+            for c, n in zip(cases, tokens)
+        ],
+        use_tqdm=False,
+    )
+    for out, c in zip(outs, cases):
+        check_hf(out, c)
+    llama.generate([PROMPTS[0]], _sp({}, max_tokens=1), use_tqdm=False)  # (a worker sees leavers at its next step)
+    s = _status(llama)
+    assert s["steering_entries"] == 0 and s["steering_shared_chains"] == 0 and s["steer_table_full"] == 0, s
+    assert s["stored_requests"] == 0 and s["request_states"] == 0, s

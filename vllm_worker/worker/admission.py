@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -22,10 +23,14 @@ from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph, seams
 from vllm_worker.worker.actions import ActionRefused
 from vllm_worker.worker.device_copy import to_device
+from vllm_worker.worker.graph_entries import digest
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, hook_at, split_steers
 from vllm_worker.worker.request_results import RequestResults
 from vllm_worker.worker.store import CaptureStore
+
+HOST_VECTORS_KEPT = 8  # host copies of recent steering vectors in the model's dtype, by content ...
+HOST_VECTOR_MAX_BYTES = 16 << 20  # ... each at most this large
 
 
 class ToDevice:
@@ -87,6 +92,11 @@ class Admission:
         self.esize = torch.empty((), dtype=dtype).element_size()
         self._moves = ToDevice(device)
         self._pending: list[RequestState] = []  # admitted since the last flush, with steering to move
+        # steering vectors on the device by content (`DeviceSteer.digest`): requests sending the same vector
+        # share one device copy, held while one of them lives; and those queued for the next flush
+        self._on_device: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueDictionary()
+        self._queued: dict[bytes, list[Callable[[torch.Tensor], Any]]] = {}
+        self._converted: dict[bytes, torch.Tensor] = {}  # content -> host copy in the model's dtype (LRU)
 
     def flush(self) -> None:
         """After a step's admissions, before it is planned: their steering reaches the device, one copy per
@@ -103,6 +113,7 @@ class Admission:
         """After a failed `flush`: the requests whose steering it was moving (to be failed), queue emptied."""
         failed, self._pending = self._pending, []
         self._moves.clear()
+        self._queued = {}
         if self.graph is not None:
             self.graph.drop_new_entries()
         return failed
@@ -150,6 +161,7 @@ class Admission:
             if spec.actions:
                 act_uses = self._action_uses(req_id, spec)
             for s in spec.steers:
+                content = None if self.graph is None else digest(s.vectors)  # (entries shared by content)
                 lut = keep = None
                 if s.cols is not None:
                     keep = torch.ones(s.vectors.shape[-1], dtype=self.dtype)
@@ -160,7 +172,7 @@ class Admission:
                 steers.append(
                     DeviceSteer(
                         {l: i for i, l in enumerate(s.layers)},
-                        s.vectors.to(dtype=self.dtype),
+                        self._host_vectors(content, s.vectors),
                         lut,
                         s.scale,
                         s.norm_match,
@@ -172,6 +184,7 @@ class Admission:
                         s.hi,
                         s.span,
                         keep,
+                        content,
                     )
                 )
             # result memory the frontend let go of: free before this request's result is announced
@@ -219,7 +232,7 @@ class Admission:
             if got is not None:
                 entries, entry_ids = got
         for st in per_request:  # what the Python path steers with, to the device with the step's others
-            self._moves.add(st.vectors, functools.partial(setattr, st, "vectors"))
+            self._move_vectors(st)
             if st.lut is not None:
                 self._moves.add(st.lut, functools.partial(setattr, st, "lut"))
             if st.keep is not None:
@@ -245,6 +258,44 @@ class Admission:
         if per_request or simple or entry_ids:
             self._pending.append(state)
         return state
+
+    def _host_vectors(self, key: bytes | None, t: torch.Tensor) -> torch.Tensor:
+        """`t` in the model's dtype, converted once for the last few contents (`HOST_VECTORS_KEPT`): a batch
+        of requests sending one vector converts it once. Never written: entries and device copies are
+        made from it."""
+        if key is None:
+            return t.to(dtype=self.dtype)
+        got = self._converted.pop(key, None)
+        if got is None:
+            got = t.to(dtype=self.dtype)
+            if got.numel() * got.element_size() > HOST_VECTOR_MAX_BYTES:  # (a large 3-D patch: not kept)
+                return got
+            if len(self._converted) >= HOST_VECTORS_KEPT:
+                self._converted.pop(next(iter(self._converted)))
+        self._converted[key] = got  # (most recent last)
+        return got
+
+    def _move_vectors(self, st: DeviceSteer) -> None:
+        """`st.vectors` to the device at the next flush, or the copy already there (or queued) of the same
+        content: 256 requests steering with one vector move it once."""
+        put = functools.partial(setattr, st, "vectors")
+        key = st.digest
+        if key is None:
+            self._moves.add(st.vectors, put)
+            return
+        got = self._on_device.get(key)
+        if got is not None:
+            put(got)
+        elif key in self._queued:
+            self._queued[key].append(put)
+        else:
+            self._queued[key] = [put]
+            self._moves.add(st.vectors, functools.partial(self._moved, key))
+
+    def _moved(self, key: bytes, t: torch.Tensor) -> None:
+        self._on_device[key] = t
+        for put in self._queued.pop(key):
+            put(t)
 
     def _action_uses(self, req_id: str, spec: Any) -> list:
         """Slots for the request's probe actions at this stage's layers (`actions.ActionTable`)."""

@@ -56,6 +56,8 @@ class Unsupported:
             "result_pool": None,
             "request_states": 0,
             "steering_entries": 0,
+            "steering_shared_chains": 0,
+            "steer_table_full": 0,
             "probe_score_chunks": 0,
             "action_slots": 0,
             "action_requests": 0,

@@ -2,18 +2,32 @@
 `A + B * |stream|` to a row (B: norm-matched vectors, already scaled and unit-normed; `bflag` says whether
 B is used). Entries beyond addition (`op`: ablate, cap with `lo` / `hi`, set) and chains of entries applied
 in order (`nxt`: the next entry, -1 none) are made by `interventions.chain_entries`. A request's entries
-are written once, when it arrives, and freed when it leaves."""
+are written once, when it arrives, and given back when it leaves.
+
+Identical chains are shared: a chain made from the same content (`item_key`: the vectors' bytes, op,
+scale, range...) is stored once and counted per user, so 256 requests ablating one direction at 32 layers
+hold 32 entries, not 8,192. Whole chains are the unit of sharing, so a shared entry's `nxt` is the same for
+every user. Gated entries (a probe action's gate is per request) are never shared.
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import logging
 import math
-from typing import Any
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 import torch
 
+from vllm_worker.protocol.ops import ADD
 from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.interventions import chain_entries
+
+logger = logging.getLogger("vllm_worker")
+
+Step = tuple[int, torch.Tensor, torch.Tensor, float, float]  # (op, A row, B row, lo, hi): one entry
 
 
 class SteeringEntries:
@@ -32,6 +46,12 @@ class SteeringEntries:
         # what an entry's add is multiplied by: 1, or a probe action's gate (0 until it fires: `actions`)
         self.gate = torch.ones((n_entries,), dtype=torch.float32, device=device)
         self._free = list(range(n_entries - 1, -1, -1))
+        self._refs = [0] * n_entries  # users of each entry (a shared chain's entries: one per user)
+        self._chains: dict[Hashable, list[int]] = {}  # content key -> its chain's entries, head first
+        self._key_at: dict[int, Hashable] = {}  # a shared chain's head -> its key
+        self.shared_hits = 0  # chains found already stored (`lens_status`)
+        self.full = 0  # requests refused because the table was full (`lens_status`)
+        self._warned = False
         # entries stored since the last `flush`: index -> (A row, B row, B's flag, (op, next, lo, hi), gated) on the host
         self._new: dict[int, tuple[torch.Tensor, torch.Tensor, bool, tuple, bool]] = {}
 
@@ -53,6 +73,8 @@ class SteeringEntries:
         if k > len(self._free):
             return None
         idx = [self._free.pop() for _ in range(k)]
+        for j in idx:
+            self._refs[j] = 1
         flags = (b.abs().amax(dim=1) > 0).tolist()
         a, b = a.to(self.dtype), b.to(self.dtype)
         for i, j in enumerate(idx):  # (a later entry at the same index replaces an earlier one)
@@ -90,16 +112,123 @@ class SteeringEntries:
         self.gate.index_copy_(0, idx, gates)
         self._new = {}
 
+    def add_chains(
+        self, chains: Sequence[tuple[Hashable | None, Any]], gated: bool = False
+    ) -> tuple[list[int], list[int]] | None:
+        """Chains of entries, each `(key, steps)`: `steps` a list of `Step`s, or a function making them
+        (called only when no chain with that key is stored); `key` None: never shared. Returns each
+        chain's head and every entry taken (one per use: what `free` gives back), or None when the table
+        is full (nothing taken)."""
+        keys = [None if gated else k for k, _ in chains]
+        made: dict[Hashable, list[Step]] = {}
+        fresh: list[tuple[int, list[Step]]] = []  # (chain index, steps) stored anew
+        for i, (key, steps) in enumerate(chains):
+            if key is not None and (key in self._chains or key in made):
+                continue
+            steps = steps() if callable(steps) else steps
+            if key is not None:
+                made[key] = steps
+            fresh.append((i, steps))
+        if sum(len(st) for _, st in fresh) > len(self._free):
+            self.refused()
+            return None
+        stored: dict[int, list[int]] = {}
+        for i, steps in fresh:
+            if not steps:
+                stored[i] = []
+                continue
+            n = len(steps)
+            ids = self.add(
+                torch.stack([s[1] for s in steps]),
+                torch.stack([s[2] for s in steps]),
+                ops=[s[0] for s in steps],
+                lo=[s[3] for s in steps],
+                hi=[s[4] for s in steps],
+                nxt=[j + 1 if j + 1 < n else -1 for j in range(n)],
+                gated=gated,
+            )
+            assert ids is not None  # (room was checked above)
+            stored[i] = ids
+            if keys[i] is not None:  # (found by later requests until its last user leaves)
+                self._chains[keys[i]] = ids
+                self._key_at[ids[0]] = keys[i]
+        heads: list[int] = []
+        taken: list[int] = []
+        for i, key in enumerate(keys):
+            ids = stored.get(i)
+            if ids is None:  # stored before (or earlier in this call): one more user
+                ids = self._chains.get(key, [])  # (a chain without steps is never stored)
+                for j in ids:
+                    self._refs[j] += 1
+                self.shared_hits += bool(ids)
+            heads.append(ids[0] if ids else -1)
+            taken += ids
+        return heads, taken
+
+    def refused(self) -> None:
+        """A request's entries did not fit: it takes the Python path (slow under CUDA graphs). Counted
+        for `lens_status` and said once in the log, naming the setting that sizes the table."""
+        self.full += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "inspect-lens: the steering-entry table is full (%d entries of d=%d, %d in use): requests "
+                "that do not fit take the Python path, much slower under CUDA graphs; raise "
+                "VLLM_LENS_STEER_MB (counted as steer_table_full in lens_status)",
+                self.A.shape[0],
+                self.d,
+                self.in_use(),
+            )
+
     def in_use(self) -> int:
         """Entries held by live requests (`lens_status`)."""
         return self.A.shape[0] - len(self._free)
 
+    def shared_chains(self) -> int:
+        """Chains stored under a content key (`lens_status`)."""
+        return len(self._chains)
+
     def free(self, idx: list[int]) -> None:
-        self._free.extend(idx)
+        """Give back entries taken by `add` / `add_chains` (each listed once per use): an entry returns to
+        the free list when its last user leaves, and a shared chain's key goes with its head."""
+        for j in idx:
+            r = self._refs[j] - 1
+            if r < 0:  # (a bug of ours: never hand the entry out twice, never stop the engine's step)
+                logger.error("inspect-lens: steering entry %d given back more often than taken", j)
+                continue
+            self._refs[j] = r
+            if r == 0:
+                self._free.append(j)
+                key = self._key_at.pop(j, None)
+                if key is not None:
+                    self._chains.pop(key, None)
 
     def clear(self) -> None:
-        """Drop the queued entries (their requests failed: `Admission.abandon`)."""
+        """Drop the queued entries (their requests failed: `Admission.abandon`, which frees them next): no
+        later request may find a chain whose entries never reached the device."""
+        for j in self._new:
+            key = self._key_at.pop(j, None)
+            if key is not None:
+                self._chains.pop(key, None)
         self._new = {}
+
+
+def digest(t: torch.Tensor) -> bytes:
+    """A content digest of a host tensor's bytes (its dtype and shape included)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    if t.numel():
+        h.update(t.contiguous().view(torch.uint8).numpy())
+    return h.digest()
+
+
+def item_key(st: Any, row: int, k: int = -1) -> tuple:
+    """What one steering row contributes to a chain, as a key: its vector's content (`DeviceSteer.digest`),
+    which row (and position row `k` of a 3-D vector), and every field the arithmetic reads."""
+    if st.digest is None:
+        st.digest = digest(st.vectors)
+    keep = None if st.keep is None else digest(st.keep)
+    return (st.digest, row, k, st.op, float(st.scale), bool(st.norm_match), st.lo, st.hi, keep)
 
 
 def entries_for(
@@ -108,58 +237,73 @@ def entries_for(
     """A request's steering (`plan.DeviceSteer`s) as entries of `table`: per site this stage holds (`sites`:
     site -> column), one default entry (its position-independent vectors) and one per position its 3-D
     vectors name (the default plus those). None when the table is full (the request then takes the Python
-    path). Steering beyond plain addition: `interventions.chain_entries`."""
+    path). Steering beyond plain addition: `interventions.chain_entries`. Entries with the same content
+    as stored ones are shared (`SteeringEntries.add_chains`)."""
     if not all(st.plain for st in steers):
         if gated:  # (validation keeps a probe action's steering to plain additions)
             raise ValueError("a probe action's steering is a plain addition")
-        return chain_entries(table, sites, steers)
-    rows_a: list[torch.Tensor] = []
-    rows_b: list[torch.Tensor] = []
+        return chain_entries(table, sites, steers, item_key)
+    chains: list[tuple[Hashable, Any]] = []
     layout: list[tuple[int, bool, list[int]]] = []
-    zero = torch.zeros(table.d, dtype=torch.float32)  # (on the host: `add` takes host rows)
     for layer in sorted({l for st in steers for l in st.layers if l in sites}):  # `layer`: a site
-        da, db, has_default = zero.clone(), zero.clone(), False
-        pa: dict[int, torch.Tensor] = {}
-        pb: dict[int, torch.Tensor] = {}
-        for st in steers:
-            row = st.layers.get(layer)
-            if row is None:
-                continue
-            v = st.vectors[row].float()
-            if st.norm_match:
-                v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            v = v * st.scale
-            if st.positions is None:
-                if st.norm_match:
-                    db += v
-                else:
-                    da += v
-                has_default = True
-            else:
-                mine = {p: k for k, p in enumerate(st.positions)}  # a repeated position: the last row wins
-                target = pb if st.norm_match else pa
-                for p, k in mine.items():
-                    target[p] = v[k] if p not in target else target[p] + v[k]
-        positions = sorted(set(pa) | set(pb))
-        layout.append((layer, has_default, positions))
-        if has_default:
-            rows_a.append(da)
-            rows_b.append(db)
+        mine = [(st, st.layers[layer]) for st in steers if layer in st.layers]
+        defaults = [(st, row) for st, row in mine if st.positions is None]
+        named: dict[int, list[tuple[Any, int, int]]] = {}
+        for st, row in mine:
+            if st.positions is not None:
+                last = {p: k for k, p in enumerate(st.positions)}  # a repeated position: the last row wins
+                for p, k in last.items():
+                    named.setdefault(p, []).append((st, row, k))
+        positions = sorted(named)
+        base = tuple(item_key(st, row) for st, row in defaults)
+        if defaults:
+            chains.append((("add", base, ()), functools.partial(_plain_step, table.d, defaults, [])))
         for p in positions:
-            rows_a.append(da + pa[p] if p in pa else da)
-            rows_b.append(db + pb[p] if p in pb else db)
-    if not rows_a:
+            key = ("add", base, tuple(item_key(st, row, k) for st, row, k in named[p]))
+            chains.append((key, functools.partial(_plain_step, table.d, defaults, named[p])))
+        layout.append((layer, bool(defaults), positions))
+    if not chains:
         return {}, []
-    ids = table.add(torch.stack(rows_a), torch.stack(rows_b), gated=gated)
-    if ids is None:
+    got = table.add_chains(chains, gated)
+    if got is None:
         return None
+    heads, ids = got
     out: dict[int, tuple[int, np.ndarray, np.ndarray, int, int]] = {}
     k = 0
     for layer, has_default, positions in layout:
         default = -1
         if has_default:
-            default, k = ids[k], k + 1
-        ents = np.array(ids[k : k + len(positions)], dtype=np.int32)
+            default, k = heads[k], k + 1
+        ents = np.array(heads[k : k + len(positions)], dtype=np.int32)
         k += len(positions)
         out[layer] = (default, np.array(positions, dtype=np.int64), ents, -1, -1)  # (no phase: `interventions`)
     return out, ids
+
+
+def _plain_step(d: int, defaults: list, named: list) -> list[Step]:
+    """One entry adding the position-independent rows (`defaults`: (steer, row)) and a position's rows
+    (`named`: (steer, row, k)): `A` the plain sum, `B` the norm-matched one."""
+    da, db = torch.zeros(d), torch.zeros(d)  # (on the host: `add` takes host rows)
+    for st, row in defaults:
+        v = _scaled(st, st.vectors[row].float())
+        if st.norm_match:
+            db += v
+        else:
+            da += v
+    if not named:
+        return [(ADD, da, db, -math.inf, math.inf)]
+    pa: torch.Tensor | None = None
+    pb: torch.Tensor | None = None
+    for st, row, k in named:
+        v = _scaled(st, st.vectors[row][k].float())
+        if st.norm_match:
+            pb = v if pb is None else pb + v
+        else:
+            pa = v if pa is None else pa + v
+    return [(ADD, da if pa is None else da + pa, db if pb is None else db + pb, -math.inf, math.inf)]
+
+
+def _scaled(st: Any, v: torch.Tensor) -> torch.Tensor:
+    if st.norm_match:
+        v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return v * st.scale

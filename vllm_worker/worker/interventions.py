@@ -15,8 +15,9 @@ the activation is rounded to the model's dtype once, after the last step.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from typing import Any, Callable, Hashable
 
 import numpy as np
 import torch
@@ -128,21 +129,25 @@ def _chain(items: list) -> list[tuple[int, torch.Tensor, torch.Tensor, float, fl
     return out
 
 
-def chain_entries(table: Any, sites: dict[int, int], steers: list) -> tuple[dict, list[int]] | None:
+def chain_entries(
+    table: Any, sites: dict[int, int], steers: list, key_of: Callable[..., Hashable]
+) -> tuple[dict, list[int]] | None:
     """A request's steering (some of it beyond plain addition) as chains of entries of `table`
     (`graph_entries.SteeringEntries`), per site this stage holds: `{site: (prompt entry, named positions,
     their entries, generated entry, split)}` — rows at positions >= split (its phases' boundary; -1: none)
-    take the generated chain. None when the table is full."""
+    take the generated chain. A chain is keyed by what it is made of (`key_of(steer, row, k)` per item), so
+    the table stores one copy of chains several requests (or sites) share. None when the table is full."""
     splits = {st.span[0] if st.span[0] > 0 else st.span[1] for st in steers if st.span is not None}
     split = max(splits) if splits else -1  # (one prompt length per request)
-    chains: list[list] = []
+    chains: list[tuple[Hashable, Any]] = []
     layout: list[tuple[int, int, list[int], list[int], int]] = []
 
-    def add_chain(items: list) -> int:
-        steps = _chain(items)
-        if not steps:
+    def add_chain(items: list[tuple[Any, int, int]]) -> int:
+        """`items`: (steer, row, k: its position row of a 3-D vector or -1), in order."""
+        if not items:
             return -1
-        chains.append(steps)
+        key = ("chain", tuple(key_of(st, row, k) for st, row, k in items))
+        chains.append((key, functools.partial(_chain_of, items)))
         return len(chains) - 1
 
     def applies(st: Any, p: int) -> bool:
@@ -152,12 +157,10 @@ def chain_entries(table: Any, sites: dict[int, int], steers: list) -> tuple[dict
         mine = [(st, st.layers[layer]) for st in steers if layer in st.layers]
         named = sorted({p for st, _ in mine if st.positions is not None for p in st.positions})
         prompt_p = 0 if split < 0 else split - 1  # any position of the class does
-        default = add_chain(
-            [(st, st.vectors[row]) for st, row in mine if st.positions is None and applies(st, prompt_p)]
-        )
+        default = add_chain([(st, row, -1) for st, row in mine if st.positions is None and applies(st, prompt_p)])
         gen = -1
         if split >= 0:
-            gen = add_chain([(st, st.vectors[row]) for st, row in mine if st.positions is None and applies(st, split)])
+            gen = add_chain([(st, row, -1) for st, row in mine if st.positions is None and applies(st, split)])
         per_pos = []
         for p in named:
             items = []
@@ -165,34 +168,18 @@ def chain_entries(table: Any, sites: dict[int, int], steers: list) -> tuple[dict
                 if not applies(st, p):
                     continue
                 if st.positions is None:
-                    items.append((st, st.vectors[row]))
+                    items.append((st, row, -1))
                 elif p in st.positions:
                     k = len(st.positions) - 1 - st.positions[::-1].index(p)  # a repeated position: the last row
-                    items.append((st, st.vectors[row][k]))
+                    items.append((st, row, k))
             per_pos.append(add_chain(items))
         layout.append((layer, default, named, per_pos, gen))
-    steps = [s for c in chains for s in c]
-    if not steps:
+    if not chains:
         return {}, []
-    nxt: list[int] = []
-    for c in chains:
-        base = len(nxt)
-        nxt.extend(base + i + 1 if i + 1 < len(c) else -1 for i in range(len(c)))
-    ids = table.add(
-        torch.stack([s[1] for s in steps]),
-        torch.stack([s[2] for s in steps]),
-        ops=[s[0] for s in steps],
-        lo=[s[3] for s in steps],
-        hi=[s[4] for s in steps],
-        nxt=nxt,
-    )
-    if ids is None:
+    got = table.add_chains(chains)
+    if got is None:
         return None
-    heads = []
-    k = 0
-    for c in chains:
-        heads.append(ids[k])
-        k += len(c)
+    heads, ids = got
 
     def first(i: int) -> int:
         return -1 if i < 0 else heads[i]
@@ -205,6 +192,10 @@ def chain_entries(table: Any, sites: dict[int, int], steers: list) -> tuple[dict
         ents = np.array([c for _, c in keep], dtype=np.int32)
         out[layer] = (first(default), pos, ents, first(gen), split)
     return out, ids
+
+
+def _chain_of(items: list[tuple[Any, int, int]]) -> list[tuple[int, torch.Tensor, torch.Tensor, float, float]]:
+    return _chain([(st, st.vectors[row] if k < 0 else st.vectors[row][k]) for st, row, k in items])
 
 
 def apply_entries(

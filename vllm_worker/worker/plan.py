@@ -41,6 +41,7 @@ class DeviceSteer:
     hi: float | None = None
     span: tuple[int, int] | None = None  # absolute positions of its phase; None: all
     keep: torch.Tensor | None = None  # set: 1 where the activation is kept (heads not listed), 0 where written
+    digest: bytes | None = None  # of `vectors` as sent (`graph_entries.item_key`: identical entries shared)
 
     @property
     def plain(self) -> bool:
@@ -98,6 +99,7 @@ class RequestState:
     sae: list = field(default_factory=list)  # `saes.SaeUse`s: features to return, clamps
     acts: list = field(default_factory=list)  # `actions.ActionUse`s: probe actions at this stage's sites
     probes: list = field(default_factory=list)  # `probes.DeviceProbe`s scored for this request
+    graph_parts: Any = None  # (column map, entries, their split): `_entry_parts`, made once
 
     @property
     def failed(self) -> bool:
@@ -147,6 +149,10 @@ class GraphPlan:
     st_ents: np.ndarray  # ... and that entry
     # (start, end, col, positions, entries, default, generated entry, first generated position or -1)
     st_pos: list[tuple[int, int, int, np.ndarray, np.ndarray, int, int, int]]
+    # rows whose entry depends on their phase only (prompt or generated): row, column, the prompt entry,
+    # the generated one, the first generated position; chosen for all of them at once each step
+    ph: tuple[np.ndarray, ...] = ()
+    settled: bool = False  # every phase row was generated at the last fill: later steps' tables are the same
     n_extra: int = 0  # staged rows after the captures, read on the device only (SAE features)
     sae: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `saes.stage_features`
     act: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `actions.stage`
@@ -168,13 +174,15 @@ class GraphPlan:
             frozenset(self.cap_cols.tolist())
             | frozenset(self.st_cols.tolist())
             | frozenset(c for _, _, c, *_ in self.st_pos)
+            | (frozenset(self.ph[1].tolist()) if self.ph else frozenset())
         )
 
     @property
     def steady(self) -> bool:
         """Every step of this plan has the same table (no entry depends on the position): once uploaded it
-        serves the plan's next steps as it is (uploaded as their owner: `GraphTaps.reuse`)."""
-        return not self.st_pos
+        serves the plan's next steps as it is (uploaded as their owner: `GraphTaps.reuse`). Rows choosing
+        by phase count once all are generated (positions only grow within a plan)."""
+        return not self.st_pos and (not self.ph or self.settled)
 
     def fill(self, ctl: np.ndarray, positions: np.ndarray) -> None:
         """Write this step into the host table (`ctl[col, row]`, the live columns' rows already -1; staging
@@ -191,6 +199,11 @@ class GraphPlan:
             else:
                 got = np.full(len(ps), default, dtype=np.int32)
             ctl[col, s:e, 1] = got if split < 0 else np.where(ps >= split, gen, got)
+        if self.ph:
+            rows, cols, prompt, generated, first = self.ph
+            later = positions[rows] >= first
+            ctl[cols, rows, 1] = np.where(later, generated, prompt)
+            self.settled = bool(later.all())
 
 
 def rows_of(items: Rows) -> np.ndarray:
@@ -211,24 +224,63 @@ def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, i
         rows = rows_of(items)
         cr.append(rows)
         cc.append(np.full(len(rows), col[layer]))
-    sr, sc, se, pos = [], [], [], []
+    pos: list = []
+    ph: list[tuple[int, int, int, int, int, int]] = []  # (start, end, col, prompt entry, generated, split)
+    spans, cols, ents = [], [], []  # requests with fixed entries: (start, rows, columns), their columns, entries
     for r, s, e in active:
         assert r.entries is not None, "a request whose entries did not fit the table is not graph-safe"
-        for layer, (default, ps, ents, gen, split) in r.entries.items():
-            c = col.get(layer)
-            if c is None:
-                continue
-            if len(ps) or split >= 0:
-                pos.append((s, e, c, ps, ents, default, gen, split))
-            elif default >= 0:
-                sr.append(np.arange(s, e))
-                sc.append(np.full(e - s, c))
-                se.append(np.full(e - s, default))
+        fixed_cols, fixed_ents, by_pos, by_phase = _entry_parts(r, col)
+        if len(fixed_cols):
+            spans.append((s, e - s, len(fixed_cols)))
+            cols.append(fixed_cols)
+            ents.append(fixed_ents)
+        pos += [(s, e, c, ps, pe, default, gen, split) for c, ps, pe, default, gen, split in by_pos]
+        ph += [(s, e, c, default, gen, split) for c, default, gen, split in by_phase]
+    sr = sc = np.zeros(0, dtype=np.int64)
+    se = np.zeros(0, dtype=np.int32)
+    if spans:  # every (request, column) pair over the request's rows, in request then column order
+        sp = np.array(spans, dtype=np.int64)
+        lens = np.repeat(sp[:, 1], sp[:, 2])
+        sr = np.repeat(np.repeat(sp[:, 0], sp[:, 2]) - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+        sc = np.repeat(np.concatenate(cols), lens)
+        se = np.repeat(np.concatenate(ents), lens)
 
     def cat(a: list) -> np.ndarray:
         return np.concatenate(a).astype(np.int64) if a else np.zeros(0, dtype=np.int64)
 
-    return GraphPlan(n, cat(cr), cat(cc), cat(sr), cat(sc), cat(se).astype(np.int32), pos)
+    phase: tuple[np.ndarray, ...] = ()
+    if ph:
+        a = np.array(ph, dtype=np.int64)
+        lens = a[:, 1] - a[:, 0]
+        rows = np.repeat(a[:, 0] - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
+        ph_cols, prompt, generated, first = (np.repeat(a[:, k], lens) for k in (2, 3, 4, 5))
+        phase = (rows, ph_cols, prompt.astype(np.int32), generated.astype(np.int32), first)
+    return GraphPlan(n, cat(cr), cat(cc), sr, sc, se, pos, ph=phase)
+
+
+def _entry_parts(r: RequestState, col: dict[int, int]) -> tuple:
+    """A request's graph-path entries at this stage's columns, split by how a step picks them: fixed
+    (columns, entries), by named position, by phase. Made once per request (a plan is made at every change
+    of the batch, and a request ablating at 32 layers has 32 of them)."""
+    got = r.graph_parts
+    if got is not None and got[0] is col and got[1] is r.entries:
+        return got[2]
+    cols, ents, by_pos, by_phase = [], [], [], []
+    assert r.entries is not None
+    for layer, (default, ps, pe, gen, split) in r.entries.items():
+        c = col.get(layer)
+        if c is None:
+            continue
+        if len(ps):
+            by_pos.append((c, ps, pe, default, gen, split))
+        elif split >= 0:
+            by_phase.append((c, default, gen, split))
+        elif default >= 0:
+            cols.append(c)
+            ents.append(default)
+    parts = (np.array(cols, dtype=np.int64), np.array(ents, dtype=np.int32), by_pos, by_phase)
+    r.graph_parts = (col, r.entries, parts)
+    return parts
 
 
 @dataclass

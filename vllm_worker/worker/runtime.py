@@ -540,6 +540,9 @@ class LensRuntime:
             # is seen at the next step)
             "request_states": sum(v is not None for v in self._reqs.values()),
             "steering_entries": 0 if self.graph is None else self.graph.entries.in_use(),
+            # chains stored once for the requests sharing them, and requests refused by a full table
+            "steering_shared_chains": 0 if self.graph is None else self.graph.entries.shared_chains(),
+            "steer_table_full": 0 if self.graph is None else self.graph.entries.full,
             "probe_score_chunks": self.store.probe_records(),
             **self.actions.status(),
         }
