@@ -223,6 +223,15 @@ def bench_model(
                 tag = r.get("error") or f"{r['out_tokens'] / r['wall']:.0f} tok/s"
                 print(f"[{label}] rep {rep} {w} {s}: {tag}", flush=True)
         progress(out)
+    # BENCH_W0_END=N: N more W0 runs on every engine after the rounds; against W0 in the rounds they say
+    # whether an engine itself slowed down over the call (round_diagnostics renders it)
+    for rep in range(int(os.environ.get("BENCH_W0_END", "0"))):
+        for s in procs:
+            r = procs[s].ask(workload="W0", **size)
+            out["systems"][s].setdefault("w0_end", []).append(r)
+            tag = r.get("error") or f"{r['out_tokens'] / r['wall']:.0f} tok/s"
+            print(f"[{label}] end {rep} W0 {s}: {tag}", flush=True)
+        progress(out)
     if args.bulk and label == "small" and "lens" in procs:
         out["bulk"] = procs["lens"].ask(workload="BULK", n=1000, new=4, prompt_len=16)
     for p in procs.values():
@@ -276,6 +285,8 @@ def fmt(v, spec: str) -> str:
 
 
 def write_results(results: list[dict], args, started: float) -> Path:
+    from bench import round_diagnostics  # the repo root is on the path (main, or an importer of bench.run)
+
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = args.machine or f"{platform.node() or 'cpu'}-{os.cpu_count()}cpu"
@@ -318,6 +329,7 @@ def write_results(results: list[dict], args, started: float) -> Path:
             for w, c in e.get("checks", {}).items():
                 lines.append(f"- check {s} {w}: {c}")
         lines.append("")
+        lines += round_diagnostics.render(res)
         if res.get("bulk"):
             b = res["bulk"]
             lines += [f"Bulk capture (this project): {b.get('error') or b.get('detail')}", ""]

@@ -28,6 +28,7 @@ import time
 import traceback
 
 import monitor_workloads
+import round_diagnostics
 from hf_system import HFSystem
 from nnsight_vllm_system import NNsightVLLMSystem
 from system_base import engine_room, kv_cache_tokens, prompts
@@ -344,6 +345,13 @@ class VLLMSystem:
                 use1 = self._rusage()
                 if use0 and use1:
                     self.timings["rusage"] = _delta(use0, use1)
+                # what is held after the run, and after one plain step that sees the batch leave (round_diagnostics)
+                self.timings["held_after"] = round_diagnostics.worker_counts(st)
+                self.timings["frontend"] = round_diagnostics.frontend_counts(self.llm)
+                if os.environ.get("BENCH_SETTLE", "1") == "1":
+                    st = round_diagnostics.settle(self.llm, ps[0])
+                    self.timings["held_settled"] = round_diagnostics.worker_counts(st)
+                    self._last_status = {"step": st["step_timings"], "fetch": st["fetch_timings"]}  # flush not counted
             except Exception as e:  # noqa: BLE001 - diagnostics only
                 self.timings["step"] = f"{type(e).__name__}: {e}"
         if workload in ("W1", "W2"):  # results must really be there (no silent no-op)

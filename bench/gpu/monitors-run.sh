@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The monitors run on the lent H200 (#42 probes and probe actions, #43 ops and neuron points): the check
+# (bench/probes/gpu_monitors_check.py), W15 (streaming with scores, bench/stream_scores.py) and plan
+# gpu-monitors, from a code folder staged beside vLLM 0.26's parts in G (default /work/main/.gpu/mon:
+# p1 p2 whl srvx dev model vllm026s.sha256; code = the commit measured, what the device needs of it).
+#
+# Here first:   bash bench/gpu/monitors-run.sh stage COMMIT   (G/code afresh; prints each call's carry size)
+# Then three device calls, back to back (the machine goes back after 30 s idle, /root with it):
+#   call 1, carry [G/p1]:   mkdir -p /root/stage && cp .gpu/mon/p1/vpart.* /root/stage/ && nvidia-smi -L
+#   call 2, carry [G/p2 G/whl G/srvx G/dev G/model G/code G/vllm026s.sha256]:
+#                           bash .gpu/mon/code/bench/gpu/monitors-run.sh check
+#   call 3, carry [G/dev G/model G/code]:
+#                           bash .gpu/mon/code/bench/gpu/monitors-run.sh bench
+#
+# p1 / p2: vLLM 0.26's stripped .tar.xz (../../shared/gpu/prepare.sh) split 56 MB + 15 MB, so that each call has room.
+# srvx/srv.tar.xz: the wheels `vllm-lens serve` needs beyond whl/ (../../shared/gpu/prepare.sh's srvwhl list),
+# unpacked into one site folder and xz'd (10.6 MB instead of 21.3: calls 1 and 2 each carry ~65 MB otherwise).
+# check: joins and installs vLLM 0.26 (+ the server's packages) into /root/site, this code into /root/lens, runs
+# the check (one engine, CUDA graphs; $OUT/check.log, $OUT/check.json), then W15 on one `vllm-lens serve`
+# ($OUT/w15.json, $OUT/w15.log) when bench/stream_scores.py exists.
+# bench: plan gpu-monitors (REPEATS, default 3; BENCH_W0_END, default 2: W0 again on every engine at the end),
+# the lens-points engine tapping mlp_post; VLLM_LENS_STEER_MB only when set by the caller. Writes the results'
+# .md/.json/.png, $OUT/bench.log and $OUT/logs.tgz (each engine's log). BENCH_WORKLOADS / BENCH_SYSTEMS narrow it.
+# cpu-smoke (here, on the CPU engine, the shipped tiny model): the same Python parts, small sizes.
+set -uo pipefail
+MODE=${1:?"check | bench | cpu-smoke"}
+HERE="$(cd "$(dirname "$0")/../.." && pwd)"  # the code folder (repo root of the commit measured)
+O=${OUT:-/tmp/monitors-run}
+mkdir -p "$O"
+cd "$HERE"
+
+case "$MODE" in
+stage)
+  C=${2:?COMMIT}
+  G=${G:-/work/main/.gpu/mon}
+  rm -rf "$G/code" && mkdir -p "$G/code" || exit 1
+  # what the device runs: the packages, the bench code (not its results), the tests' support helpers
+  git archive "$C" -- pyproject.toml README.md vllm_worker inspect_lens tests/support \
+    $(git ls-tree --name-only "$C" bench/ | grep -v '^bench/results$') | tar -x -C "$G/code" || exit 1
+  git rev-parse "$C" > "$G/code/COMMIT"
+  TREE=$(cd /work/main && git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
+  mb() { du -sbL "$@" | awk -v t="$TREE" '{s+=$1} END {printf "%.1f MB (64 MiB = 67.1 MB)", (s+t)/1e6}'; }
+  echo "tree $((TREE / 1000)) kB; call 1: $(mb "$G/p1")"
+  echo "call 2: $(mb "$G"/{p2,whl,srvx,dev,model,code,vllm026s.sha256})"
+  echo "call 3: $(mb "$G"/{dev,model,code})"
+  ;;
+check)
+  ln -sfn .. .gpu  # code/.gpu -> G: the staged parts under the names setup.sh and gpu.sh use
+  bash .gpu/dev/setup.sh || exit 1
+  if [ -f .gpu/srvx/srv.tar.xz ]; then
+    (cd .gpu/srvx && sha256sum -c srv.sha256 >/dev/null) || { echo "srvx: checksum"; exit 1; }
+    python3 -c "import tarfile; tarfile.open('.gpu/srvx/srv.tar.xz').extractall('/root/site')" && echo "server packages in /root/site"
+  fi
+  # shellcheck disable=SC1091
+  source .gpu/dev/env.sh
+  rm -rf /root/lens && python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/lens . >/dev/null || exit 1
+  export PYTHONPATH=/root/lens:$PYTHONPATH
+  python3 -c 'import torch, vllm, vllm_worker; print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name(), "lens", vllm_worker.__file__)' | tee "$O/env.txt"
+  T0=$(date +%s)
+  VLLM_CACHE_ROOT=/root/vcache/check timeout 420 python3 bench/probes/gpu_monitors_check.py "$PWD/.gpu/model" > "$O/check.log" 2>&1
+  echo "check rc=$? in $(( $(date +%s) - T0 )) s"
+  grep -E '^(PASS|FAIL) ' "$O/check.log" | cut -c1-600
+  grep -h '^CHECK ' "$O/check.log" | cut -c7- > "$O/check.json"
+  [ -s "$O/check.json" ] || tail -40 "$O/check.log"
+  if [ -f bench/stream_scores.py ]; then  # W15: one server, plain and scored streams interleaved
+    T0=$(date +%s)
+    VLLM_CACHE_ROOT=/root/vcache/w15 timeout "${W15_TIMEOUT:-300}" python3 bench/stream_scores.py --model "$PWD/.gpu/model" \
+      --streams 256 --new 128 --prompt-len 30 --repeats 3 --out "$O/w15.json" \
+      --serve-args "--load-format dummy --dtype bfloat16 --gpu-memory-utilization 0.5 --max-num-seqs 256" > "$O/w15.log" 2>&1
+    echo "W15 rc=$? in $(( $(date +%s) - T0 )) s"
+    cp /tmp/stream-scores-*.log "$O/w15-server.log" 2>/dev/null
+    [ -s "$O/w15.json" ] && cat "$O/w15.json" || tail -30 "$O/w15.log"
+  fi
+  ;;
+bench)
+  ln -sfn .. .gpu
+  # shellcheck disable=SC1091
+  source .gpu/dev/env.sh
+  [ -d /root/site/vllm ] || { echo "vLLM not staged (run the check call first)"; exit 1; }
+  rm -rf /root/lens && python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/lens . >/dev/null || exit 1
+  export BENCH_LENS_POINTS=mlp_post BENCH_W0_END=${BENCH_W0_END:-2} REPEATS=${REPEATS:-3} OUT="$O"
+  T0=$(date +%s)
+  timeout "${BENCH_TIMEOUT:-560}" bash bench/gpu.sh --models "gpu-monitors=$PWD/.gpu/model" > "$O/bench.log" 2>&1
+  echo "bench rc=$? in $(( $(date +%s) - T0 )) s"
+  tar -czf "$O/logs.tgz" bench/logs 2>/dev/null
+  grep -E '^\[gpu-monitors\] (rep|end|WARNING)|ready in|Error|error' "$O/bench.log" | cut -c1-300 | tail -80
+  ;;
+cpu-smoke)
+  # shellcheck disable=SC1091
+  [ -f scripts/env.sh ] && source scripts/env.sh
+  PY=${PY:-.venv/bin/python}
+  M=$($PY -m vllm_worker.shipped_model)
+  CHECK_DEVICE=cpu CHECK_DTYPE=float32 CHECK_DUMMY=0 CHECK_N_NEW=8 timeout 900 $PY bench/probes/gpu_monitors_check.py "$M" > "$O/check.log" 2>&1
+  echo "check rc=$?"
+  grep -E '^(PASS|FAIL) ' "$O/check.log" | cut -c1-300
+  BENCH_LENS_POINTS=mlp_post BENCH_W0_END=1 BENCH_KV_BYTES=$((1 << 30)) timeout 1500 $PY bench/run.py --models "gpu-monitors=$M" \
+    --n 8 --prompt-len 16 --new 8 --repeats 2 --machine cpu-smoke --no-bulk --out "$O" > "$O/bench.log" 2>&1
+  echo "bench rc=$?"
+  grep -E 'rep |end |error|Error' "$O/bench.log" | tail -40
+  ;;
+*)
+  echo "unknown mode $MODE" >&2
+  exit 2
+  ;;
+esac

@@ -1,0 +1,131 @@
+"""Per-round diagnostics of this project's engines in a benchmark call: what the worker and the frontend
+hold after each timed run, and the W0 runs repeated at the end of the call. A wall that grows round after
+round (W9 / W13 on the H200, 2026-12-04) is then attributed: to state left behind (counts that do not
+return to 0), to the step loop (step counters), or to the engine itself (W0 at the end slower than in the
+rounds).
+
+Used by worker.py (the counts, in the lens process) and run.py (the tables, in the results' .md).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+from typing import Any
+
+# step counters shown per round (cumulative in the worker; worker.py records each run's difference)
+STEP_KEYS = ("graph_steps", "python_steps", "plan_s", "forward_s", "after_s", "admit_s")
+# what the worker holds for live requests (each back to 0 once they leave, seen at the next step)
+HELD_KEYS = ("request_states", "steering_entries", "probe_score_chunks", "action_slots", "stored_requests")
+
+
+def worker_counts(status: dict[str, Any]) -> dict[str, Any]:
+    """The scalar counts of one `lens_status` answer (the result pool's too, as `pool_*`)."""
+    out = {k: v for k, v in status.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    pool = status.get("result_pool")
+    if isinstance(pool, dict):
+        out.update({f"pool_{k}": v for k, v in pool.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return out
+
+
+def frontend_counts(llm: Any) -> dict[str, Any]:
+    """What the frontend process holds: the plugin's pending requests and cached capture specs, vLLM's
+    output-processor request states, and Python's live object count (its growth is a leak's sign)."""
+    # gc-tracked objects made since vLLM froze its start-up ones (gc.freeze), and Python's allocated blocks
+    out: dict[str, Any] = {"py_objects": len(gc.get_objects()), "alloc_blocks": sys.getallocatedblocks()}
+    try:
+        from vllm_worker.frontend.state import engine_state
+
+        st = engine_state(llm)
+        out["pending"] = len(st.pending)
+        out["capture_specs"] = len(st.capture_specs)
+    except Exception as e:  # noqa: BLE001 - diagnostics only (an older tree)
+        out["frontend_error"] = type(e).__name__
+    try:
+        out["vllm_request_states"] = len(llm.llm_engine.output_processor.request_states)
+    except Exception:  # noqa: BLE001 - a vLLM without that attribute
+        pass
+    return out
+
+
+def settle(llm: Any, prompt: list[int]) -> dict[str, Any]:
+    """One plain 1-token request (untimed), so the worker sees the last batch leave; then `lens_status`:
+    what is still held was left behind."""
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
+    return llm.collective_rpc("lens_status")[0]
+
+
+# ---------------------------------------------------------------------------------------------- tables
+
+
+def _tok_s(r: dict) -> float | None:
+    return r["out_tokens"] / r["wall"] if r.get("wall") else None
+
+
+def render(result: dict) -> list[str]:
+    """Markdown lines: per lens system and workload, one row per round (wall, step loop split, step
+    counters, what is held after the run and after a flush step); then W0 at the end of the call."""
+    lines: list[str] = []
+    for system, entry in result.get("systems", {}).items():
+        rows = []
+        for w, runs in entry.get("runs", {}).items():
+            for i, r in enumerate(runs):
+                lt = r.get("lens_timings")
+                if not isinstance(lt, dict):
+                    continue
+                step = lt.get("step") if isinstance(lt.get("step"), dict) else {}
+                span = lt.get("span") or {}
+                after = lt.get("held_after") or {}
+                settled = lt.get("held_settled") or {}
+                fe = lt.get("frontend") or {}
+                steps = "/".join(_num(step.get(k)) for k in STEP_KEYS)
+                held = "/".join(_num(after.get(k)) for k in HELD_KEYS)
+                held2 = "/".join(_num(settled.get(k)) for k in HELD_KEYS)
+                split = "/".join(_num(span.get(k)) for k in ("lead_s", "loop_s", "tail_s"))
+                rows.append(
+                    f"| {w} | {i} | {_num(r.get('wall'))} | {split} | {steps} | {held} | {held2} | "
+                    f"{_num(fe.get('pending'))} / {_num(fe.get('py_objects'))} |"
+                )
+        if not rows:
+            continue
+        lines += [
+            f"### Per round: {system}",
+            "",
+            "Steps: " + "/".join(STEP_KEYS) + " (this run's share). Held: " + "/".join(HELD_KEYS) + " after the run,"
+            " then after one plain 1-token request (settled: should be 0 / 0 / 0 / 0 / 0 or the one request).",
+            "",
+            "| workload | round | wall s | lead/loop/tail s | steps | held after | held settled | frontend pending / objects |",
+            "|---|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    end = []
+    for system, entry in result.get("systems", {}).items():
+        runs = [x for x in (_tok_s(r) for r in entry.get("runs", {}).get("W0", [])) if x]
+        tail = [x for x in (_tok_s(r) for r in entry.get("w0_end", [])) if x]
+        if runs and tail:
+            ratio = statistics.median(tail) / statistics.median(runs)
+            end.append(
+                f"| {system} | {' / '.join(f'{x:.0f}' for x in runs)} | {' / '.join(f'{x:.0f}' for x in tail)} | {ratio:.3f} |"
+            )
+    if end:
+        lines += [
+            "### W0 at the end of the call (did the engine itself slow down?)",
+            "",
+            "| system | W0 tok/s in the rounds | W0 tok/s at the end | end / rounds (medians) |",
+            "|---|---|---|---|",
+            *end,
+            "",
+        ]
+    return lines
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
