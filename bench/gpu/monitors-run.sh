@@ -44,7 +44,7 @@ stage)
   echo "call 2: $(mb "$G"/{p2,whl,srvx,dev,model,code,vllm026s.sha256})"
   echo "call 3: $(mb "$G"/{dev,model,code})"
   ;;
-check)
+check | install)
   ln -sfn .. .gpu  # code/.gpu -> G: the staged parts under the names setup.sh and gpu.sh use
   bash .gpu/dev/setup.sh || exit 1
   if [ -f .gpu/srvx/srv.tar.xz ]; then
@@ -56,6 +56,7 @@ check)
   rm -rf /root/lens && python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/lens . >/dev/null || exit 1
   export PYTHONPATH=/root/lens:$PYTHONPATH
   python3 -c 'import torch, vllm, vllm_worker; print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name(), "lens", vllm_worker.__file__)' | tee "$O/env.txt"
+  [ "$MODE" = install ] && exit 0
   T0=$(date +%s)
   VLLM_CACHE_ROOT=/root/vcache/check timeout 420 python3 bench/probes/gpu_monitors_check.py "$PWD/.gpu/model" > "$O/check.log" 2>&1
   echo "check rc=$? in $(( $(date +%s) - T0 )) s"
@@ -84,6 +85,34 @@ bench)
   echo "bench rc=$? in $(( $(date +%s) - T0 )) s"
   tar -czf "$O/logs.tgz" bench/logs 2>/dev/null
   grep -E '^\[gpu-monitors\] (rep|end|WARNING)|ready in|Error|error' "$O/bench.log" | cut -c1-300 | tail -80
+  ;;
+profile)
+  # host-side py-spy of one round of each workload (plain vLLM beside it for the ratios; BENCH_SYSTEMS narrows),
+  # then W15's server (both legs, one round); G/spy holds py-spy's wheel. After `install`, same machine.
+  ln -sfn .. .gpu
+  # shellcheck disable=SC1091
+  source .gpu/dev/env.sh
+  [ -d /root/site/vllm ] || { echo "vLLM not staged (run the install call first)"; exit 1; }
+  rm -rf /root/lens /root/pyspy && python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/lens . >/dev/null || exit 1
+  python3 -m pip install -q --no-deps --no-index --target /root/pyspy .gpu/spy/*.whl >/dev/null || exit 1
+  export PYTHONPATH=/root/lens:$PYTHONPATH
+  mkdir -p "$O/spy"
+  export BENCH_LENS_POINTS=mlp_post BENCH_W0_END=0 REPEATS=1 OUT="$O"
+  export BENCH_PYSPY="$O/spy" BENCH_PYSPY_BIN=/root/pyspy/bin/py-spy BENCH_PYSPY_WORKLOADS=W0,W9,W10,W11,W12,W13,W14
+  T0=$(date +%s)
+  timeout "${BENCH_TIMEOUT:-400}" bash bench/gpu.sh --models "gpu-monitors=$PWD/.gpu/model" > "$O/bench.log" 2>&1
+  echo "profile bench rc=$? in $(( $(date +%s) - T0 )) s"
+  grep -E '^\[gpu-monitors\] (rep|end|WARNING)|ready in|Error|error' "$O/bench.log" | cut -c1-300 | tail -30
+  if [ "${W15_PROFILE:-1}" = 1 ] && [ -f bench/stream_scores.py ]; then
+    T0=$(date +%s)
+    VLLM_CACHE_ROOT=/root/vcache/w15 timeout "${W15_TIMEOUT:-170}" /root/pyspy/bin/py-spy record --subprocesses --threads --idle \
+      --nonblocking --rate 200 --format raw --output "$O/spy/pyspy-w15.txt" -- python3 bench/stream_scores.py \
+      --model "$PWD/.gpu/model" --streams 256 --new 128 --prompt-len 30 --repeats 1 --out "$O/w15.json" \
+      --serve-args "--load-format dummy --dtype bfloat16 --gpu-memory-utilization 0.5 --max-num-seqs 256" > "$O/w15.log" 2>&1
+    echo "W15 profile rc=$? in $(( $(date +%s) - T0 )) s"
+    [ -s "$O/w15.json" ] && cat "$O/w15.json" | cut -c1-1500 || tail -20 "$O/w15.log"
+  fi
+  ls -la "$O/spy" | head -30
   ;;
 cpu-smoke)
   # shellcheck disable=SC1091
