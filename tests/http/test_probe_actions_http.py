@@ -127,6 +127,8 @@ def test_info_counts_what_probes_and_actions_hold_while_a_request_runs(server):
         assert httpx.post(f"{server}/v1/completions", json={**plain, "max_tokens": 1}, headers=H).status_code == 200
         info = httpx.get(f"{server}/v1/lens/info", headers=H, timeout=60).json()
         held = ("request_states", "steering_entries", "probe_score_chunks", "action_slots", "action_requests")
+        held += ("steering_shared_chains",)
         assert {k: info[k] for k in (*held, "action_stops")} == dict.fromkeys((*held, "action_stops"), 0), info
+        assert isinstance(info["steer_table_full"], int) and info["steer_table_full"] >= 0, info  # cumulative
     finally:  # (the server is the session's: its probe list is checked elsewhere)
         assert httpx.delete(f"{server}/v1/lens/probes/pinfo", headers=H, timeout=60).status_code == 200

@@ -218,6 +218,10 @@ async def info(request: Request):
         # what the workers keep per running request (request states, steering entries, probe scores, probe
         # actions' slots): 0 once requests leave — a worker sees a request leave at its next step
         **{k: sum(st.get(k, 0) for st in status) for k in WORKER_COUNTS},
+        # the graph-safe steering table: chains shared by identical entries (held while requests run), and
+        # how many times a request did not fit and took the Python path (cumulative: raise VLLM_LENS_STEER_MB)
+        "steering_shared_chains": sum(st.get("steering_shared_chains", 0) for st in status),
+        "steer_table_full": sum(st.get("steer_table_full", 0) for st in status),
         "limits": envs.limits(),
         # streaming with probe scores: progress RPCs sent and the chunks they served (one RPC serves many)
         "stream_progress": dict(counters.STREAM_PROGRESS),
