@@ -96,7 +96,10 @@ class SteeringVector(BaseModel):
         1-D registered vector is added at every listed layer; otherwise as `activations`.
 
     Positional or keyword construction: `SteeringVector(v, [15], scale=4.0)`. Immutable (frozen); the
-    plugin never modifies it and copies it when the request is submitted.
+    plugin never modifies it and copies it when the request is submitted. `copy.deepcopy` returns the
+    object itself, as for other immutable values: vLLM deep-copies every request's sampling parameters
+    before the plugin reads them, and copying the tensors there would be wasted (modify a clone of
+    `activations`, never the tensor of a vector already built).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
@@ -131,6 +134,9 @@ class SteeringVector(BaseModel):
             position_indices=position_indices,
             **kwargs,
         )
+
+    def __deepcopy__(self, memo: dict | None = None) -> "SteeringVector":
+        return self
 
     @model_validator(mode="before")
     @classmethod

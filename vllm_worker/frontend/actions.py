@@ -17,7 +17,7 @@ import torch
 from vllm_worker.api.steering import SteeringVector
 from vllm_worker.probes import aggregation
 from vllm_worker.protocol import points as pts
-from vllm_worker.protocol.checks import finite_number
+from vllm_worker.protocol.checks import all_finite, finite_number
 from vllm_worker.protocol.spec import ACTIONS_KEY, ModelShape, RequestSpec, Steer, from_json_string
 from vllm_worker.protocol.wire import tensor_from_json, tensor_to_bytes
 
@@ -151,7 +151,7 @@ def _direction(item: Mapping[str, Any], f: str, shape: ModelShape) -> tuple[int,
         raise ValueError(f"{f}.direction: expected a list of {shape.d_model} numbers or a tensor") from None
     if w.ndim != 1 or w.shape[0] != shape.d_model:
         raise ValueError(f"{f}.direction: expected shape ({shape.d_model},), got {tuple(w.shape)}")
-    if not torch.isfinite(w).all():
+    if not all_finite(w):
         raise ValueError(f"{f}.direction: contains NaN or inf")
     b = finite_number(item.get("bias", 0.0), f"{f}.bias")
     return layer % shape.n_layers, w, float(b)

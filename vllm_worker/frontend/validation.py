@@ -20,7 +20,7 @@ from vllm_worker.frontend import probes as probe_keys
 from vllm_worker.frontend import saes as sae_keys
 from vllm_worker.protocol import ops as intervention
 from vllm_worker.protocol import points as pts
-from vllm_worker.protocol.checks import finite_number, int_list
+from vllm_worker.protocol.checks import all_finite, finite_number, int_list
 from vllm_worker.protocol.spec import (
     ACTIONS_KEY,
     ACTIVATIONS_KEY,
@@ -122,7 +122,7 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
     if acts.shape[-1] != width:
         raise ValueError(f"{f}.activations: last dimension {acts.shape[-1]} != {width_name} {width}")
     acts = acts.detach().to("cpu", torch.float32).clone()
-    if not torch.isfinite(acts).all():
+    if not all_finite(acts):
         raise ValueError(f"{f}.activations: contains NaN or inf")
     scale = finite_number(item.scale, f"{f}.scale")
     if not isinstance(item.norm_match, bool):

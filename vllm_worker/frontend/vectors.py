@@ -28,7 +28,7 @@ import torch
 from vllm_worker import envs
 from vllm_worker.api.steering import SteeringVector
 from vllm_worker.frontend.state import engine_state
-from vllm_worker.protocol.checks import unknown_vector, vector_name
+from vllm_worker.protocol.checks import all_finite, unknown_vector, vector_name
 from vllm_worker.protocol.spec import ACTIONS_KEY, STEER_KEY, ModelShape, from_json_string
 from vllm_worker.protocol.wire import dtype_name
 
@@ -70,7 +70,7 @@ def check_vector(t: Any, shape: ModelShape, field: str = "activations") -> torch
     if t.numel() == 0:
         raise ValueError(f"{field}: empty tensor, shape {tuple(t.shape)}")
     t = t.detach().to("cpu").clone()
-    if not torch.isfinite(t).all():
+    if not all_finite(t):
         raise ValueError(f"{field}: contains NaN or inf")
     return t
 

@@ -1,5 +1,6 @@
 """The field checks shared by the objects callers build (`api`) and the request payload (`spec`): one rule
-for a list of ints and one for a finite number, each error naming the field."""
+for a list of ints, one for a finite number and one for a tensor of finite values, each error naming the
+field."""
 
 from __future__ import annotations
 
@@ -62,3 +63,15 @@ _UNKNOWN_VECTOR = re.compile(f"unknown vector '({_VECTOR_NAME.pattern})'")
 def unknown_vectors(text: str) -> list[str]:
     """The names an `unknown_vector` error (anywhere in `text`) says are not registered."""
     return _UNKNOWN_VECTOR.findall(text)
+
+
+def all_finite(t: Any) -> bool:
+    """Whether a host tensor holds no NaN / inf. float32 / float64 are checked by numpy over the same memory:
+    one pass on the calling thread, where torch's check dispatches to its intra-op thread pool (every
+    request's vectors pass here, on the thread that feeds the engine)."""
+    import numpy as np
+    import torch
+
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
+        return bool(np.isfinite(t.detach().numpy()).all())
+    return bool(torch.isfinite(t).all())

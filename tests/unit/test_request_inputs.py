@@ -1,0 +1,47 @@
+"""What every request's inputs cost on the thread that feeds the engine: vLLM deep-copies each request's
+sampling parameters, and the plugin checks every vector it is sent."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from vllm_worker.api.steering import SteeringVector
+from vllm_worker.protocol.checks import all_finite
+from vllm_worker.worker.graph_entries import digest
+
+
+def test_a_deep_copy_of_a_steering_vector_is_the_vector_itself():
+    """Immutable like a tuple: the copy vLLM makes of a request's extra_args shares it (the plugin copies the
+    tensor once, when it validates the request), inside containers too."""
+    v = torch.randn(32, 64)
+    sv = SteeringVector(activations=v, layer_indices=list(range(32)), op="ablate")
+    assert copy.deepcopy(sv) is sv
+    args = {"apply_steering_vectors": [sv], "probe_actions": [{"probe": "p", "then": {"steer": sv}}]}
+    c = copy.deepcopy(args)
+    assert c is not args and c["apply_steering_vectors"] is not args["apply_steering_vectors"]
+    assert c["apply_steering_vectors"][0] is sv and c["probe_actions"][0]["then"]["steer"] is sv
+    assert torch.equal(sv.activations, v)  # untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_all_finite_finds_nan_and_inf_anywhere(dtype):
+    t = torch.zeros(3, 70_000, dtype=dtype)
+    assert all_finite(t) and all_finite(t[:, ::7]) and all_finite(torch.zeros(0, dtype=dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        u = t.clone()
+        u[2, 69_999] = bad
+        assert not all_finite(u), (dtype, bad)
+        assert not all_finite(u.T), (dtype, bad)  # not contiguous
+
+
+def test_the_content_digest_tells_dtype_shape_and_every_byte_apart():
+    a = torch.randn(32, 512)
+    assert digest(a) == digest(a.clone()) and len(digest(a)) == 16
+    assert digest(a) != digest(a.reshape(512, 32)) and digest(a) != digest(a.double())
+    b = a.clone()
+    b.view(torch.int32)[31, 511] ^= 1  # one bit of the last value
+    assert digest(a) != digest(b)
+    assert digest(a.T) == digest(a.T.contiguous())
