@@ -58,13 +58,14 @@ def assemble_all(
     at once (`assembly`), in a few threads for large fetches. As bytes (no pool: another machine, or
     no room): one request at a time."""
     claimed = claimed or {}
+    cache = probes.fetch_cache()  # every request's probe scores cut from one host copy of each record
     out: list[dict | None] = [None] * len(todo)
     items, where = [], []
     for i, (_, _, st, n) in enumerate(todo if pool is not None else ()):
         dest = claimed.pop(id(st), None)
         used = False
         try:
-            payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved)
+            payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved, cache)
             if dest is not None and early_asm is not None and mine is not None:
                 got = early_asm.finish(payload, st, n, mine, dest)
                 if got is not None:
@@ -102,7 +103,7 @@ def assemble_all(
                 out[i] = _internal(e)
     for i, (_, _, st, n) in enumerate(todo):
         if out[i] is None:
-            out[i] = _guarded(_assemble, st, n, layer_ids, assemble_saved)
+            out[i] = _guarded(_assemble, st, n, layer_ids, assemble_saved, cache)
     return out
 
 
@@ -125,9 +126,11 @@ def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
         return _internal(e)
 
 
-def _prelude(st: RequestResults, layer_ids: list[int], assemble_saved: Any) -> tuple[dict, list[int] | None, dict]:
+def _prelude(
+    st: RequestResults, layer_ids: list[int], assemble_saved: Any, cache: dict | None = None
+) -> tuple[dict, list[int] | None, dict]:
     """The payload without captures (error, hook state), the captured layers this rank holds (None: no
-    captures to assemble) and capture slot -> output index."""
+    captures to assemble) and capture slot -> output index. `cache`: the fetch's (`probes.fetch_cache`)."""
     if st.layers:
         faults.check("assemble")
     payload: dict[str, Any] = {}
@@ -148,7 +151,7 @@ def _prelude(st: RequestResults, layer_ids: list[int], assemble_saved: Any) -> t
     if st.actions is not None and st.error is None:
         payload["actions"] = st.actions() if callable(st.actions) else st.actions
     if st.probes and st.error is None:
-        payload["probes"] = probes.payload(st.probes)
+        payload["probes"] = probes.payload(st.probes, cache=cache)
     mine = [l for l in st.layers if l in layer_ids]
     if not mine:  # no captures, or (pipeline parallelism) all of them on other stages: theirs to report
         return payload, None, {}
@@ -165,9 +168,11 @@ def _result_bytes(st: RequestResults, n_pos: int) -> int:
     return 0
 
 
-def _assemble(st: RequestResults, n_pos: int, layer_ids: list[int], assemble_saved: Any) -> dict[str, Any]:
+def _assemble(
+    st: RequestResults, n_pos: int, layer_ids: list[int], assemble_saved: Any, cache: dict | None = None
+) -> dict[str, Any]:
     """One request, as bytes (no result pool: a frontend on another machine)."""
-    payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved)
+    payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved, cache)
     return payload if mine is None else _as_bytes(payload, st, n_pos, mine, out_of_slot)
 
 

@@ -24,7 +24,7 @@ import torch
 from vllm_worker.probes.format import Probe, check_probe
 from vllm_worker.protocol.points import canonical_site
 from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
-from vllm_worker.worker.step_records import Span, StepRecord, latest
+from vllm_worker.worker.step_records import WHOLE_RECORDS, Span, StepRecord, latest
 from vllm_worker.worker.stream_rows import stream_rows
 
 PROBE_COUNTS = {"rows": 0, "projections": 0}  # rows this process scored, matmuls it ran (tests, benchmarks)
@@ -230,6 +230,12 @@ def _since(pieces: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> list:
         if len(p) and int(p.min()) < start:
             break
     return pieces[i:]
+
+
+def fetch_cache() -> dict:
+    """One fetch's (or progress RPC's) `cache` for `payload`: each score record is copied to the host once,
+    whole, and every request's rows are cut from that copy — not one device read per request and record."""
+    return {WHOLE_RECORDS: True}
 
 
 def payload(
