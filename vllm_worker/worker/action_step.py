@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from vllm_worker.worker.actions import TOKEN, ActionTable, ActionUse, Round
+from vllm_worker.worker.device_copy import to_device
 
 
 @dataclass
@@ -87,7 +88,7 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
     js = np.asarray(p_j, dtype=np.int64)
     for j in range(int(js.max()) + 1 if len(js) else 0):
         idx = np.flatnonzero(js == j)
-        pairs_j = None if len(idx) == len(js) else torch.as_tensor(idx, device=dev)
+        pairs_j = None if len(idx) == len(js) else to_device(torch.from_numpy(idx), dev)
         rounds.append(table.round(pairs_j, [p_use[g] for g in idx.tolist()]))
     pslot = _t([u.slot for u in p_use], dev) if p_use else None
     tokens = None
@@ -191,4 +192,5 @@ def _requests(per_site: dict[int, tuple[Any, np.ndarray, list]]) -> list:
 
 
 def _t(values: list[int], dev: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=dev)
+    """Indices on the device, copied in the stream's order (`device_copy`: no wait for the running step)."""
+    return to_device(torch.tensor(values, dtype=torch.long), dev)

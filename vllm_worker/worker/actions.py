@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from vllm_worker.protocol.wire import tensor_from_bytes
+from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.stream_rows import stream_rows
 
 TOKEN, EMA, ROLLING = 0, 1, 2  # as `frontend.actions`
@@ -125,7 +126,11 @@ class ActionTable:
             slot = self._free.pop()
             w = tensor_from_bytes(a["w"], f"probe_actions[{i}].w").to(torch.float32).reshape(len(a["sites"]), -1)
             rows = [self._wfree.pop() for _ in a["sites"]]
-            self.W[torch.tensor(rows, device=self.device)] = w.to(self.device)
+            # (host -> device writes from pinned memory, in the stream's order: a pageable copy would wait for
+            # the step running on the device, once per request admitted)
+            self.W.index_copy_(
+                0, to_device(torch.tensor(rows, dtype=torch.long), self.device), to_device(w, self.device)
+            )
             for buf, v in ((self.B, a["b"]), (self.thr, a["threshold"]), (self.param, a["param"])):
                 buf[slot] = float(v)
             self.kind[slot] = int(a["kind"])
@@ -136,8 +141,8 @@ class ActionTable:
             firsts, untils = [0] * MAX_RANGES, [0] * MAX_RANGES  # (`frontend.actions.watched`; -1: generated / open)
             for j, (lo, hi) in enumerate(ranges):
                 firsts[j], untils[j] = lo, hi
-            self.first[slot] = torch.tensor(firsts, dtype=torch.long)
-            self.until[slot] = torch.tensor(untils, dtype=torch.long)
+            self.first[slot].copy_(to_device(torch.tensor(firsts, dtype=torch.long), self.device))
+            self.until[slot].copy_(to_device(torch.tensor(untils, dtype=torch.long), self.device))
             self.last_seen[slot] = -1
             lo = min(r[0] for r in ranges)
             sites = {int(site): r for site, r in zip(a["sites"], rows)}
@@ -185,7 +190,7 @@ class ActionTable:
 
     def round(self, pairs: torch.Tensor | None, uses: list[ActionUse]) -> Round:
         """A fold round's constants, read once per batch composition (`action_step.make`)."""
-        sl = torch.tensor([u.slot for u in uses], dtype=torch.long, device=self.device)
+        sl = to_device(torch.tensor([u.slot for u in uses], dtype=torch.long), self.device)
         kinds = {u.kind for u in uses}
         a = self.param.index_select(0, sl)
         return Round(

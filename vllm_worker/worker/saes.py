@@ -22,6 +22,7 @@ import torch
 from vllm_worker.counters import SAE_COUNTS
 from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.sae import Sae, load
+from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.step_records import Span, StepRecord, latest
 from vllm_worker.worker.stream_rows import stream_rows
 
@@ -66,10 +67,10 @@ class WorkerSaes:
             sae = got[1]
             if sae is None:
                 continue
-            ids = None if u.get("ids") is None else torch.tensor(u["ids"], dtype=torch.long, device=self.device)
+            ids = None if u.get("ids") is None else to_device(torch.tensor(u["ids"], dtype=torch.long), self.device)
             values = None
             if u.get("clamp"):
-                values = torch.tensor(u["values"], dtype=torch.float32, device=self.device)
+                values = to_device(torch.tensor(u["values"], dtype=torch.float32), self.device)
             out_site = None if u.get("out_site") is None else int(u["out_site"])
             top_k = int(u.get("top_k") or 0)
             use = SaeUse(u["sae"], sae, int(u["site"]), top_k, ids, values, bool(u.get("clamp")), out_site)
