@@ -23,8 +23,8 @@ import torch
 
 from vllm_worker.probes.format import Probe, check_probe
 from vllm_worker.protocol.points import canonical_site
-from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
-from vllm_worker.worker.step_records import WHOLE_RECORDS, Span, StepRecord, latest
+from vllm_worker.protocol.wire import tensor_from_bytes
+from vllm_worker.worker.step_records import WHOLE_RECORDS, Span, StepRecord, latest_np
 from vllm_worker.worker.stream_rows import stream_rows
 
 PROBE_COUNTS = {"rows": 0, "projections": 0}  # rows this process scored, matmuls it ran (tests, benchmarks)
@@ -219,7 +219,7 @@ def stage_probes(gp: Any, probe_rows: dict, col: dict[int, int], rows_of: Any) -
 # ---------------------------------------------------------------- fetch
 
 
-def _since(pieces: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> list:
+def _since(pieces: list[tuple[np.ndarray, np.ndarray]], start: int) -> list:
     """The latest pieces, back to the first one reaching below position `start` (pieces come in step order)."""
     if start <= 0:
         return pieces
@@ -244,32 +244,39 @@ def payload(
     """A request's scores as bytes, per probe: {"positions": (n,) int64, "scores": (n, n_out) float32} —
     the layers' parts added, then the bias, then the sigmoid for `output: sigmoid`. `running`: a request still
     generating (`LensRuntime.probe_progress`): only positions from `start` on, and a probe with nothing
-    scored yet is left out instead of being an error. `cache`: shared by the requests of one progress RPC
-    (`step_records.WHOLE_RECORDS`); by default one request's own."""
+    scored yet is left out instead of being an error. `cache`: shared by the requests of one fetch or
+    progress RPC (`fetch_cache`: each record read to the host once); by default one request's own. Numpy
+    on the host copies: a request costs a few array operations per probe, not a device read each."""
     out = {}
-    cache = {} if cache is None else cache  # (`step_records.Span.pieces`)
+    cache = fetch_cache() if cache is None else cache
     for name, slot in got.items():
-        pos, total = None, None
+        pos: np.ndarray | None = None
+        total: np.ndarray | None = None
         for site in slot.probe.sites:
-            pieces = _since([pc for sp in slot.spans.get(site, ()) for pc in sp.pieces(cache=cache)], start)
+            pieces = _since([pc for sp in slot.spans.get(site, ()) if (pc := sp.host_rows(cache)) is not None], start)
             if not pieces:
                 if running:  # nothing scored yet: nothing new
                     break
                 raise RuntimeError(f"probe {name!r}: no rows were scored at {site} (site)")
-            p, v = latest(pieces)
+            p, v = latest_np(pieces)
             if running:
                 keep = p >= start
                 p, v = p[keep], v[keep]
-            if pos is None:
-                pos, total = p, v.clone()
-            elif not torch.equal(p, pos):
+            if pos is None or total is None:
+                pos, total = p, v.copy()
+            elif not np.array_equal(p, pos):
                 raise RuntimeError(f"probe {name!r}: its layers were scored at different positions")
             else:
                 total += v
         if pos is None or total is None:
             continue
-        total += slot.probe.bias
+        total += slot.probe.bias.numpy()
         if slot.probe.sigmoid:
-            total = torch.sigmoid(total)
-        out[name] = {"positions": tensor_to_bytes(pos), "scores": tensor_to_bytes(total.contiguous())}
+            total = torch.sigmoid(torch.from_numpy(total)).numpy()
+        out[name] = {"positions": _np_bytes(pos, "int64"), "scores": _np_bytes(total, "float32")}
     return out
+
+
+def _np_bytes(a: np.ndarray, dtype: str) -> dict[str, Any]:
+    """`wire.tensor_to_bytes`'s form of a numpy array of that dtype."""
+    return {"dtype": dtype, "shape": list(a.shape), "data": np.ascontiguousarray(a).tobytes() if a.size else b""}

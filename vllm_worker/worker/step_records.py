@@ -121,6 +121,26 @@ class Span:
         pos, vals = whole
         return pos[:, self.r0 : self.r1].reshape(-1), vals[:, self.r0 : self.r1].reshape(-1, vals.shape[-1])
 
+    def host_rows(self, cache: dict) -> tuple[np.ndarray, np.ndarray] | None:
+        """This span's (positions (m,), values (m, k)) as numpy arrays cut from one host copy of its whole
+        record, made once per `cache` (one fetch or progress RPC, for every request in it): a request's part
+        is then a few array slices, not device reads and torch calls per request. Float32 / int64 blocks
+        (probe scores); None when nothing was filed."""
+        ck = (id(self.record), self.key, "numpy")
+        whole = cache.get(ck)
+        if whole is None:
+            parts = [(pos[:f], blocks[self.key][:f]) for pos, blocks, f in self.record.chunks if f]
+            if not parts:
+                return None
+            whole = cache[ck] = (
+                torch.cat([p for p, _ in parts]).to("cpu", torch.int64).numpy(),
+                torch.cat([v for _, v in parts]).to("cpu").numpy(),
+            )
+        pos, vals = whole
+        p = pos[:, self.r0 : self.r1].reshape(-1)
+        v = vals[:, self.r0 : self.r1].reshape(-1, vals.shape[-1])
+        return p, (v[:, self.cols] if isinstance(self.cols, slice) else v[:, self.cols.cpu().numpy()])
+
 
 WHOLE_RECORDS = "whole_records"  # a `cache` key: read whole records once for many requests (`Span.pieces`)
 
@@ -135,3 +155,15 @@ def latest(pieces: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     keep[:-1] = pos[1:] != pos[:-1]
     rest = [torch.cat([p[i] for p in pieces]).to("cpu")[order][keep] for i in range(1, len(pieces[0]))]
     return (pos[keep], *rest)
+
+
+def latest_np(pieces: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """`latest` for numpy pieces (`Span.host_rows`): positions sorted (stable), a position filed twice
+    keeping its last row."""
+    pos = np.concatenate([p for p, _ in pieces]) if len(pieces) > 1 else pieces[0][0]
+    order = np.argsort(pos, kind="stable")
+    pos = pos[order]
+    keep = np.ones(len(pos), dtype=bool)
+    keep[:-1] = pos[1:] != pos[:-1]
+    vals = np.concatenate([v for _, v in pieces]) if len(pieces) > 1 else pieces[0][1]
+    return pos[keep], vals[order][keep]
