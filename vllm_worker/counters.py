@@ -83,3 +83,6 @@ FRONTEND_TIMINGS = {"fetch_rpc_s": 0.0, "decode_s": 0.0}
 
 # streaming with probe scores (`server.probe_progress`): progress RPCs sent, and the chunks' asks they served
 STREAM_PROGRESS = {"rpcs": 0, "asks": 0}
+# async fetches (the HTTP server's responses, `AsyncLLM` callers) and the batches they went in together
+# (`frontend.fetch.FetchBatcher`)
+FETCH_BATCHES = {"batches": 0, "fetches": 0}

@@ -146,7 +146,8 @@ def test_concurrent_streams_share_progress_rpcs(server):
     r = httpx.post(f"{server}/v1/lens/probes", json={"name": "p2c", "path": "p2c"}, headers=h, timeout=60)
     assert r.status_code == 200, r.text
     prompts = [PROMPT, "a b c d", "once upon a time there", "the cat", "one two three four five six", "hello"]
-    before = httpx.get(f"{server}/v1/lens/info", headers=h, timeout=60).json()["stream_progress"]
+    info = httpx.get(f"{server}/v1/lens/info", headers=h, timeout=60).json()
+    before, fetched_before = info["stream_progress"], info["fetch_batches"]
 
     async def one(client: httpx.AsyncClient, prompt: str) -> list[dict]:
         body = {
@@ -189,10 +190,15 @@ def test_concurrent_streams_share_progress_rpcs(server):
         assert n_tokens == 8
         assert torch.equal(torch.cat(pos), torch.arange(n_prompt + 7))
         assert torch.equal(torch.cat(scores), full)
-    after = httpx.get(f"{server}/v1/lens/info", headers=h, timeout=60).json()["stream_progress"]
+    info = httpx.get(f"{server}/v1/lens/info", headers=h, timeout=60).json()
+    after, fetched = info["stream_progress"], info["fetch_batches"]
     rpcs, asks = after["rpcs"] - before["rpcs"], after["asks"] - before["asks"]
     assert asks == n_chunks  # every chunk that brought tokens asked once
     assert rpcs < asks, (rpcs, asks)  # ... and RPCs served several streams' chunks at once
+    # the streams end in the same step: their final fetches (full scores, aggregates) share round trips,
+    # each still getting its own results (checked above against its chunks)
+    batches, fetches = fetched["batches"] - fetched_before["batches"], fetched["fetches"] - fetched_before["fetches"]
+    assert fetches == len(prompts) and batches < fetches, (batches, fetches)
     assert httpx.delete(f"{server}/v1/lens/probes/p2c", headers=h).status_code == 200
 
 

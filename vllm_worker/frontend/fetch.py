@@ -4,6 +4,7 @@ the outputs of `LLM.generate`, `LLMEngine.step` and `AsyncLLM.generate`."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Generator
 
@@ -11,7 +12,7 @@ import torch
 
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookError, UnsupportedError
-from vllm_worker.counters import FRONTEND_TIMINGS
+from vllm_worker.counters import FETCH_BATCHES, FRONTEND_TIMINGS
 from vllm_worker.envs import limit
 from vllm_worker.frontend import mlp_post
 from vllm_worker.frontend.probe_results import probe_outputs
@@ -131,6 +132,56 @@ async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, in
         merged = done.value
     FRONTEND_TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
     return merged
+
+
+class FetchBatcher:
+    """Fetches made at the same time through one async engine client (every response of an HTTP server
+    finishing in the same step) share their RPC round trips: each RPC is handled by the engine core between
+    steps, so one per response would queue hundreds behind each other. Fetches that arrive while an RPC is in
+    flight (and those of the same event-loop tick) go together in the next one; each caller gets its own
+    requests' results, and a failure of the round trip is every waiting caller's."""
+
+    def __init__(self, engine_client: Any) -> None:
+        self.engine = engine_client
+        self._queue: list[tuple[list[tuple[Pending, dict[int, int]]], asyncio.Future]] = []
+        self._draining = False
+        self._task: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
+
+    async def fetch(self, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue.append((todo, fut))
+        if not self._draining:
+            self._draining = True
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                await asyncio.sleep(0)  # the other responses finishing in this tick join this round trip
+                batch, self._queue = self._queue, []
+                FETCH_BATCHES["batches"] += 1
+                FETCH_BATCHES["fetches"] += len(batch)
+                try:
+                    merged = await fetch_async(self.engine, [item for todo, _ in batch for item in todo])
+                except Exception as e:  # noqa: BLE001 - each waiting caller handles it as its own failure
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(e)
+                    continue
+                for todo, fut in batch:
+                    if not fut.done():  # (a caller cancelled meanwhile: its results are dropped, released)
+                        fut.set_result({p.key: merged[p.key] for p, _ in todo if p.key in merged})
+        finally:
+            self._draining = False
+
+
+async def fetch_batched(engine_client: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
+    """`fetch_async` through the engine's `FetchBatcher` (made on first use)."""
+    state = engine_state(engine_client)
+    if state.fetches is None:
+        state.fetches = FetchBatcher(engine_client)
+    return await state.fetches.fetch(todo)
 
 
 def release_results(engine: Any) -> int:
@@ -349,7 +400,6 @@ async def attach_async_output(
     `CompletionOutput` — all in the final `RequestOutput`, except with DELTA outputs and n > 1, where a
     sample that finished earlier keeps them on its own last delta — and `out.activations` is sample 0's.
     Decoded off the event loop."""
-    import asyncio
 
     pending = pending_of(compat.processor_of_engine_client(engine_client))
     p = pending.pop(getattr(out, "request_id", ""), None) or (
@@ -359,7 +409,7 @@ async def attach_async_output(
         return
     samples = dict(last) or {c.index: c for c in out.outputs}
     todo = [(out, p, samples, _positions(out, p, samples, generated))]
-    merged = await fetch_async(engine_client, [(p, todo[0][3])])
+    merged = await fetch_batched(engine_client, [(p, todo[0][3])])
     failures = await asyncio.to_thread(_apply, todo, merged)
     if failures:
         raise _hook_error(failures, [out])

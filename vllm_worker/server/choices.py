@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_worker import compat
-from vllm_worker.frontend.fetch import decode_sample, fetch_async
+from vllm_worker.frontend.fetch import decode_sample, fetch_batched
 from vllm_worker.frontend.state import Pending, pending_of
 from vllm_worker.protocol import rpc
 from vllm_worker.protocol.errors import Failure, all_internal, messages
@@ -83,7 +83,7 @@ async def fetch_results(
                 f"inspect-lens: no pending results for engine request {rid!r} of response "
                 f"{response_id!r} (did vLLM change its request-id format?)"
             )
-    merged = await fetch_async(state.engine, [(p, ch) for _, p, ch in todo])
+    merged = await fetch_batched(state.engine, [(p, ch) for _, p, ch in todo])
     # decoding and JSON conversion of large captures run in a worker thread: the event loop (health
     # checks, other requests' streams) keeps answering meanwhile
     out, errors = await asyncio.to_thread(decode_results, todo, by_request, merged, dialect)

@@ -225,6 +225,8 @@ async def info(request: Request):
         "limits": envs.limits(),
         # streaming with probe scores: progress RPCs sent and the chunks they served (one RPC serves many)
         "stream_progress": dict(counters.STREAM_PROGRESS),
+        # responses' result fetches and the batches they shared round trips in (one batch serves many)
+        "fetch_batches": dict(counters.FETCH_BATCHES),
         # what a probe score depends on besides the probe (dtype, quantization, TP/PP, versions, model)
         "provenance": compat.serving_provenance(compat.processor_of_engine_client(state.engine)),
     }
