@@ -131,19 +131,11 @@ class ActionTable:
             self.W.index_copy_(
                 0, to_device(torch.tensor(rows, dtype=torch.long), self.device), to_device(w, self.device)
             )
-            for buf, v in ((self.B, a["b"]), (self.thr, a["threshold"]), (self.param, a["param"])):
-                buf[slot] = float(v)
-            self.kind[slot] = int(a["kind"])
-            self.sigmoid[slot] = bool(a.get("sigmoid", False))
-            self.count[slot], self.ema[slot], self.fired[slot] = 0, 0.0, False
-            self.fire_pos[slot], self.fire_value[slot], self.gate[slot] = -1, 0.0, 0.0
             ranges = [(first_watched if lo < 0 else lo, NO_END if hi < 0 else hi) for lo, hi in a["ranges"]]
             firsts, untils = [0] * MAX_RANGES, [0] * MAX_RANGES  # (`frontend.actions.watched`; -1: generated / open)
             for j, (lo, hi) in enumerate(ranges):
                 firsts[j], untils[j] = lo, hi
-            self.first[slot].copy_(to_device(torch.tensor(firsts, dtype=torch.long), self.device))
-            self.until[slot].copy_(to_device(torch.tensor(untils, dtype=torch.long), self.device))
-            self.last_seen[slot] = -1
+            self._write_slot(slot, a, firsts, untils)
             lo = min(r[0] for r in ranges)
             sites = {int(site): r for site, r in zip(a["sites"], rows)}
             use = ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched, lo < first_watched)
@@ -151,6 +143,26 @@ class ActionTable:
             out.append(use)
         self._by_req[req_id] = out
         return out
+
+    def _write_slot(self, slot: int, a: dict, firsts: list[int], untils: list[int]) -> None:
+        """A new action's constants and fresh state in its slot: three host rows uploaded from pinned memory
+        and copied into place on the device, in the stream's order. (Writing a Python number into a device
+        tensor, `t[slot] = 0`, copies from pageable memory and waits for the running step: a dozen fields of
+        every request admitted.)"""
+        f = to_device(
+            torch.tensor([a["b"], a["threshold"], a["param"], 0.0, 0.0, 0.0], dtype=torch.float32), self.device
+        )
+        n = to_device(torch.tensor([int(a["kind"]), 0, -1, -1, *firsts, *untils], dtype=torch.long), self.device)
+        b = to_device(torch.tensor([bool(a.get("sigmoid", False)), False]), self.device)
+        one = slice(slot, slot + 1)
+        for k, buf in enumerate((self.B, self.thr, self.param, self.ema, self.fire_value, self.gate)):
+            buf[one].copy_(f[k : k + 1])
+        for k, buf in enumerate((self.kind, self.count, self.fire_pos, self.last_seen)):
+            buf[one].copy_(n[k : k + 1])
+        self.first[slot].copy_(n[4 : 4 + MAX_RANGES])
+        self.until[slot].copy_(n[4 + MAX_RANGES : 4 + 2 * MAX_RANGES])
+        self.sigmoid[one].copy_(b[0:1])
+        self.fired[one].copy_(b[1:2])
 
     def drop(self, req_id: str) -> None:
         """Admission failed after the request's slots were taken: give them back."""

@@ -341,7 +341,7 @@ def _batch(g: HookGroup, plan: StepPlan) -> Batch:
     if b is not None and len(members) == len(b.members):
         b.epoch = _FAILURES[0]
         return b
-    idx = g.idx if len(members) == len(g.members) else torch.from_numpy(group_rows(members)).to(g.idx.device)
+    idx = g.idx if len(members) == len(g.members) else to_device(torch.from_numpy(group_rows(members)), g.idx.device)
     b = g.batch = Batch(members, idx, plan.row_cells)
     return b
 

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_worker.worker.device_copy import to_device
+
 COL_INDEXES_KEPT = 256  # device index tensors of column sets remembered (then the memo starts over)
 
 
@@ -91,7 +93,7 @@ class ControlTable:
         if got is None:
             if len(self._col_index) >= COL_INDEXES_KEPT:
                 self._col_index.clear()
-            got = self._col_index[key] = torch.tensor(cols, dtype=torch.long, device=self.device)
+            got = self._col_index[key] = to_device(torch.tensor(cols, dtype=torch.long), self.device)
         return got
 
     def clear(self) -> None:

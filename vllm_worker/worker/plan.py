@@ -20,6 +20,7 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol.points import CODE, IN, OUT, READ_ONLY, RESID_PRE, site
 from vllm_worker.worker.actions import stage as stage_actions
 from vllm_worker.worker.actions import staged_rows
+from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.graph import GraphTaps
 from vllm_worker.worker.probes import SiteProbes, stage_probes
 from vllm_worker.worker.request_results import CaptureLog, RequestResults, StepArena
@@ -429,7 +430,7 @@ def make_plan(
                     cap_rows.setdefault(layer, []).append(item)
 
     def on_device(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
+        return to_device(torch.from_numpy(a), device)
 
     # a request is listed once per layer even if several of its vectors/hooks act there
     hooks = {k: list(dict.fromkeys(v)) for k, v in hooks.items()}

@@ -24,6 +24,7 @@ import torch
 from vllm_worker.probes.format import Probe, check_probe
 from vllm_worker.protocol.points import canonical_site
 from vllm_worker.protocol.wire import tensor_from_bytes
+from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.step_records import WHOLE_RECORDS, Span, StepRecord, latest_np
 from vllm_worker.worker.stream_rows import stream_rows
 
@@ -180,7 +181,7 @@ def scores_from_stage(gp: Any, stage: torch.Tensor, base: int, positions: np.nda
     before the ring is reused: later steps' kernels come after these on the same stream)."""
     for slots, rows, sp in gp.probes.values():
         if sp.slots is None:  # once per composition: a step only moves the ring's base
-            sp.slots = torch.from_numpy(slots).to(stage.device, non_blocking=True)
+            sp.slots = to_device(torch.from_numpy(slots), stage.device)
         sp.file(stage.narrow(0, base, gp.total).index_select(0, sp.slots), positions[rows])
 
 

@@ -119,7 +119,7 @@ def features_from_stage(gp: Any, stage: torch.Tensor, base: int, positions: np.n
     before the ring is reused: later steps' kernels come after these on the same stream)."""
     for slots, rows, sf in gp.sae.values():
         if sf.slots is None:  # once per composition: a step only moves the ring's base
-            sf.slots = torch.from_numpy(slots).to(stage.device, non_blocking=True)
+            sf.slots = to_device(torch.from_numpy(slots), stage.device)
         sf.file(stage.narrow(0, base, gp.total).index_select(0, sf.slots), positions[rows])
 
 
@@ -189,7 +189,7 @@ class SiteFeatures:
                 blocks[("topi", name, k)] = (k, torch.int64)
         for name, ids in self.ids.items():
             blocks[("ids", name)] = (len(ids), dtypes[name])
-        self.ids_dev = {name: torch.from_numpy(ids).to(device, non_blocking=True) for name, ids in self.ids.items()}
+        self.ids_dev = {name: to_device(torch.from_numpy(ids), device) for name, ids in self.ids.items()}
         rows = sum(e - s for _, s, e in self.items)
         rec = StepRecord(rows, blocks, device)
         for r, r0, r1, u in self._uses():
