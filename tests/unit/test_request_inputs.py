@@ -45,3 +45,16 @@ def test_the_content_digest_tells_dtype_shape_and_every_byte_apart():
     b.view(torch.int32)[31, 511] ^= 1  # one bit of the last value
     assert digest(a) != digest(b)
     assert digest(a.T) == digest(a.T.contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_host_float32_is_an_exact_float32_copy_of_its_own(dtype):
+    from vllm_worker.protocol.checks import host_float32
+
+    t = torch.randn(32, 4096, dtype=torch.float64).to(dtype)
+    for src in (t, t.T, t.expand(2, 32, 4096)[1], t[:, ::3]):
+        before = src.clone()
+        got = host_float32(src)
+        assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, src.to(torch.float32))
+        got.add_(1.0)  # its own memory: the caller's tensor is untouched
+        assert torch.equal(src, before)

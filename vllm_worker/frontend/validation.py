@@ -20,7 +20,7 @@ from vllm_worker.frontend import probes as probe_keys
 from vllm_worker.frontend import saes as sae_keys
 from vllm_worker.protocol import ops as intervention
 from vllm_worker.protocol import points as pts
-from vllm_worker.protocol.checks import all_finite, finite_number, int_list
+from vllm_worker.protocol.checks import all_finite, finite_number, host_float32, int_list
 from vllm_worker.protocol.spec import (
     ACTIONS_KEY,
     ACTIVATIONS_KEY,
@@ -121,7 +121,7 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
     width, width_name = (shape.d_mlp, "d_mlp") if point == pts.MLP_POST else (shape.d_model, "d_model")
     if acts.shape[-1] != width:
         raise ValueError(f"{f}.activations: last dimension {acts.shape[-1]} != {width_name} {width}")
-    acts = acts.detach().to("cpu", torch.float32).clone()
+    acts = host_float32(acts)
     if not all_finite(acts):
         raise ValueError(f"{f}.activations: contains NaN or inf")
     scale = finite_number(item.scale, f"{f}.scale")

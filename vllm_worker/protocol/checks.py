@@ -75,3 +75,16 @@ def all_finite(t: Any) -> bool:
     if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
         return bool(np.isfinite(t.detach().numpy()).all())
     return bool(torch.isfinite(t).all())
+
+
+def host_float32(t: Any) -> Any:
+    """A float32 copy of tensor `t` on the host, of its own memory. From a float32 / float64 host tensor numpy
+    copies it on the calling thread: torch spreads a copy this size over its intra-op threads, which in a
+    process beside a busy engine cost milliseconds a request (`all_finite` says why that thread matters)."""
+    import numpy as np
+    import torch
+
+    t = t.detach()
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.array(t.numpy(), dtype=np.float32, order="C", copy=True))
+    return torch.empty(t.shape, dtype=torch.float32).copy_(t)
