@@ -7,8 +7,9 @@ gates one graph-path steering entry. A step is what `runtime._observe` does afte
 the site's staged rows read from the ring, scored, folded into the aggregates, the entries' gates set.
 With a small `--d` the device work (torch on the CPU) is small, so what is measured is mostly host time:
 `step_us` (wall per step), `py_calls` (Python function calls per step, cProfile: load-independent),
-`aten_ops` (aten ops dispatched per step: on a GPU about one launch each) and `make_ms` (the
-once-per-composition index build, `action_step.make`).
+`aten_ops` (aten ops dispatched per step: on a GPU about one launch each), `make_ms` / `make_ops` (the
+once-per-composition index build, `action_step.make`) and `admit_ms` / `uses_ops` + `flush_ops` (admitting the `--n`
+requests' action slots: `ActionTable.uses` each, then the step's `flush`).
 """
 
 from __future__ import annotations
@@ -69,15 +70,39 @@ def setup(n: int, d: int) -> tuple[ActionTable, dict, torch.Tensor, torch.Tensor
         r = Req(table.uses(f"r{i}", [action], frozenset({SITE}), 10))
         r.acts[0].entries = [i]
         items.append((r, i, i + 1))
+    getattr(table, "flush", lambda: None)()  # (the step's admissions reach the device: `Admission.flush`)
     rows = np.arange(n, dtype=np.int64)
     per_site = {SITE: (rows.copy(), rows, items)}  # stage offsets = rows: the ring holds only these
     return table, per_site, torch.randn(n, d), torch.zeros(4 * n)
 
 
+def admit(n: int, d: int) -> tuple[float, int, int]:
+    """Admitting `n` requests' actions as a step's admissions do (`uses` each, then the table's one
+    `flush`, where it has one): wall ms, aten ops in `uses` and in `flush` (on a GPU the ops on the
+    table's buffers are launches; those decoding a request's weights run on host tensors)."""
+    setup(n, d)  # (warm-up)
+    t = time.perf_counter()
+    setup(n, d)
+    ms = (time.perf_counter() - t) * 1e3
+    flush = getattr(ActionTable, "flush", None)
+    if flush is not None:  # (`setup` flushes: count the two apart)
+        ActionTable.flush = lambda self: None  # type: ignore[method-assign]
+    with CountOps() as ops:
+        table, *_ = setup(n, d)
+    with CountOps() as fops:
+        if flush is not None:
+            flush(table)
+    if flush is not None:
+        ActionTable.flush = flush  # type: ignore[method-assign]
+    return ms, ops.n, fops.n
+
+
 def run(n: int, d: int, steps: int) -> dict:
+    admit_ms, uses_ops, flush_ops = admit(n, d)
     table, per_site, stage, gate = setup(n, d)
     t = time.perf_counter()
-    step = action_step.make(table, per_site, graph=True)
+    with CountOps() as make_ops:
+        step = action_step.make(table, per_site, graph=True)
     make_ms = (time.perf_counter() - t) * 1e3
 
     def one(k: int) -> None:
@@ -109,6 +134,10 @@ def run(n: int, d: int, steps: int) -> dict:
         "py_calls": calls,
         "aten_ops": ops.n,
         "make_ms": round(make_ms, 2),
+        "make_ops": make_ops.n,
+        "admit_ms": round(admit_ms, 2),
+        "uses_ops": uses_ops,
+        "flush_ops": flush_ops,
     }
 
 

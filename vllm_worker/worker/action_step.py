@@ -48,6 +48,7 @@ class ActionStep:
 def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], graph: bool) -> ActionStep:
     """`per_site`: site -> (graph path: stage offsets; Python path: unused, batch rows, requests) as the
     plan staged them (`actions.stage` / `plan.act_rows`)."""
+    table.flush()  # (the step's admissions flushed already: `Admission.flush`; a no-op then)
     dev = table.device
     pairs: dict[tuple[int, int], int] = {}
     p_use: list[ActionUse] = []
