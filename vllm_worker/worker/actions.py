@@ -265,26 +265,26 @@ class ActionTable:
         )
         seen = torch.full((m,), -1, dtype=torch.long, device=self.device)
         seen.scatter_reduce_(0, local, torch.where(valid, p, -1), "amax")
-        was = self.fired[slots]
+        was = self.fired.index_select(0, slots)
         new = (first < NO_END) & ~was
-        self.fire_pos[slots] = torch.where(new, first, self.fire_pos[slots])
-        self.fire_value[slots] = torch.where(new, value, self.fire_value[slots])
+        self.fire_pos.index_copy_(0, slots, torch.where(new, first, self.fire_pos.index_select(0, slots)))
+        self.fire_value.index_copy_(0, slots, torch.where(new, value, self.fire_value.index_select(0, slots)))
         fired = was | new
-        self.fired[slots] = fired
-        self.gate[slots] = fired.float()
-        self.last_seen[slots] = torch.maximum(self.last_seen[slots], seen)
+        self.fired.index_copy_(0, slots, fired)
+        self.gate.index_copy_(0, slots, fired.float())
+        self.last_seen.index_copy_(0, slots, torch.maximum(self.last_seen.index_select(0, slots), seen))
 
     def _update(self, rd: Round, s: torch.Tensor, pos: torch.Tensor) -> None:
         sl = rd.slots
-        last = self.last_seen[sl]
+        last = self.last_seen.index_select(0, sl)
         valid = _in_ranges(rd, pos) & (pos > last)
         agg = s
         if rd.ema or rd.rolling:
-            cnt = self.count[sl]
+            cnt = self.count.index_select(0, sl)
             if rd.ema:
-                old = self.ema[sl]
+                old = self.ema.index_select(0, sl)
                 ema = torch.where(cnt == 0, s, rd.a * old + (1 - rd.a) * s)
-                self.ema[sl] = torch.where(valid, ema, old)
+                self.ema.index_copy_(0, sl, torch.where(valid, ema, old))
                 agg = torch.where(rd.kind == EMA, ema, agg)
             if rd.rolling:
                 at = cnt % rd.wlen
@@ -292,16 +292,16 @@ class ActionTable:
                 n = torch.minimum(cnt + 1, rd.wlen)
                 win = self.window[sl] * (self._arange.unsqueeze(0) < n.unsqueeze(1))
                 agg = torch.where(rd.kind == ROLLING, win.sum(-1) / n, agg)
-            self.count[sl] = cnt + valid.long()
+            self.count.index_copy_(0, sl, cnt + valid.long())
         hit = valid & (agg > rd.thr)  # "exceeds", as calibrated thresholds are meant (`threshold_at_fpr`)
-        was = self.fired[sl]
+        was = self.fired.index_select(0, sl)
         new = hit & ~was
-        self.fire_pos[sl] = torch.where(new, pos, self.fire_pos[sl])
-        self.fire_value[sl] = torch.where(new, agg, self.fire_value[sl])
+        self.fire_pos.index_copy_(0, sl, torch.where(new, pos, self.fire_pos.index_select(0, sl)))
+        self.fire_value.index_copy_(0, sl, torch.where(new, agg, self.fire_value.index_select(0, sl)))
         fired = was | hit
-        self.fired[sl] = fired
-        self.gate[sl] = fired.float()
-        self.last_seen[sl] = torch.where(valid, pos, last)
+        self.fired.index_copy_(0, sl, fired)
+        self.gate.index_copy_(0, sl, fired.float())
+        self.last_seen.index_copy_(0, sl, torch.where(valid, pos, last))
 
     def after_step(
         self,
