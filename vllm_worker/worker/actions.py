@@ -125,12 +125,13 @@ class ActionTable:
         n_rows = sum(len(a["sites"]) for _, a in mine)
         if len(mine) > len(self._free) or n_rows > len(self._wfree):
             raise ActionRefused("limit", f"probe_actions: the worker's action table is full ({N_SLOTS} live actions)")
-        out = []
+        out: list[ActionUse] = []
+        self._by_req[req_id] = out  # (filled as slots are taken: `drop` gives back those of a failure midway)
         for i, a in mine:
-            slot = self._free.pop()
             w = tensor_from_bytes(a["w"], f"probe_actions[{i}].w").to(torch.float32).reshape(len(a["sites"]), -1)
             if w.shape[1] != self.d:  # (checked here: a bad row must fail its request, not the step's flush)
                 raise ValueError(f"probe_actions[{i}].w: {w.shape[1]} columns, the model's width is {self.d}")
+            slot = self._free.pop()
             rows = [self._wfree.pop() for _ in a["sites"]]
             for r, wr in zip(rows, w):
                 self._new_w[r] = wr
@@ -146,7 +147,6 @@ class ActionTable:
             use = ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched, lo < first_watched)
             use.kind, use.sigmoid, use.rows = int(a["kind"]), sigmoid, self.rows_per_step
             out.append(use)
-        self._by_req[req_id] = out
         return out
 
     def flush(self) -> None:
