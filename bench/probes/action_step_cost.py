@@ -6,9 +6,11 @@ W11's shape: `--n` decoding requests (one row each), each with one action at one
 gates one graph-path steering entry. A step is what `runtime._observe` does after a graph-path forward:
 the site's staged rows read from the ring, scored, folded into the aggregates, the entries' gates set.
 With a small `--d` the device work (torch on the CPU) is small, so what is measured is mostly host time:
-`step_us` (wall per step), `py_calls` (Python function calls per step, cProfile: load-independent),
-`aten_ops` (aten ops dispatched per step: on a GPU about one launch each) and `make_ms` (the
-once-per-composition index build, `action_step.make`).
+`step_us` (wall per step once the actions fired, as W11's do at once; `watch_*`: the same for actions
+that never fire), `py_calls` (Python function calls per step, cProfile: load-independent),
+`aten_ops` (aten ops dispatched per step: on a GPU about one launch each), `make_ms` / `make_ops` (the
+once-per-composition index build, `action_step.make`) and `admit_ms` / `uses_ops` + `flush_ops` (admitting the `--n`
+requests' action slots: `ActionTable.uses` each, then the step's `flush`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def setup(n: int, d: int) -> tuple[ActionTable, dict, torch.Tensor, torch.Tensor]:
+def setup(n: int, d: int, threshold: float = -1e9) -> tuple[ActionTable, dict, torch.Tensor, torch.Tensor]:
     table = ActionTable(d, torch.device("cpu"))
     w = tensor_to_bytes(torch.randn(1, d))
     action = {
@@ -58,7 +60,7 @@ def setup(n: int, d: int) -> tuple[ActionTable, dict, torch.Tensor, torch.Tensor
         "sites": [SITE],
         "w": w,
         "b": 0.0,
-        "threshold": -1e9,
+        "threshold": threshold,
         "kind": 0,
         "param": 0.0,
         "stop": False,
@@ -69,18 +71,46 @@ def setup(n: int, d: int) -> tuple[ActionTable, dict, torch.Tensor, torch.Tensor
         r = Req(table.uses(f"r{i}", [action], frozenset({SITE}), 10))
         r.acts[0].entries = [i]
         items.append((r, i, i + 1))
+    getattr(table, "flush", lambda: None)()  # (the step's admissions reach the device: `Admission.flush`)
     rows = np.arange(n, dtype=np.int64)
     per_site = {SITE: (rows.copy(), rows, items)}  # stage offsets = rows: the ring holds only these
     return table, per_site, torch.randn(n, d), torch.zeros(4 * n)
 
 
-def run(n: int, d: int, steps: int) -> dict:
-    table, per_site, stage, gate = setup(n, d)
+def admit(n: int, d: int) -> tuple[float, int, int]:
+    """Admitting `n` requests' actions as a step's admissions do (`uses` each, then the table's one
+    `flush`, where it has one): wall ms, aten ops in `uses` and in `flush` (on a GPU the ops on the
+    table's buffers are launches; those decoding a request's weights run on host tensors)."""
+    setup(n, d)  # (warm-up)
     t = time.perf_counter()
-    step = action_step.make(table, per_site, graph=True)
+    setup(n, d)
+    ms = (time.perf_counter() - t) * 1e3
+    flush = getattr(ActionTable, "flush", None)
+    if flush is not None:  # (`setup` flushes: count the two apart)
+        ActionTable.flush = lambda self: None  # type: ignore[method-assign]
+    with CountOps() as ops:
+        table, *_ = setup(n, d)
+    with CountOps() as fops:
+        if flush is not None:
+            flush(table)
+    if flush is not None:
+        ActionTable.flush = flush  # type: ignore[method-assign]
+    return ms, ops.n, fops.n
+
+
+def steady(n: int, d: int, steps: int, threshold: float) -> tuple[float, float, int, float, int]:
+    """A step as `runtime._observe` runs it after a graph-path forward, `steps` times: (step_us, py_calls,
+    aten_ops, make_ms, make_ops). threshold -1e9: every action fires on the first step (W11); 1e9: none ever
+    does (the per-step cost of watching)."""
+    table, per_site, stage, gate = setup(n, d, threshold)
+    t = time.perf_counter()
+    with CountOps() as make_ops:
+        step = action_step.make(table, per_site, graph=True)
     make_ms = (time.perf_counter() - t) * 1e3
 
     def one(k: int) -> None:
+        if getattr(action_step, "settled", lambda s: False)(step):
+            return
         pos = np.full(n, 20 + k, dtype=np.int64)
         xs = action_step.graph_rows(step, stage, 0)
         positions = action_step.device_positions(torch.from_numpy(pos), pos, table.device)
@@ -100,15 +130,30 @@ def run(n: int, d: int, steps: int) -> dict:
     calls = pstats.Stats(prof).total_calls / 20  # type: ignore[attr-defined]
     with CountOps() as ops:
         one(25 + steps)
-    assert bool(table.fired[:n].all()) and float(gate[:n].min()) == 1.0, "the actions did not fire"
+    fired = threshold < 0
+    assert bool(table.fired[:n].all()) == fired and (float(gate[:n].min()) == 1.0) == fired, "fired?"
+    return step_us, calls, ops.n, make_ms, make_ops.n
+
+
+def run(n: int, d: int, steps: int) -> dict:
+    admit_ms, uses_ops, flush_ops = admit(n, d)
+    step_us, calls, aten_ops, make_ms, make_ops = steady(n, d, steps, -1e9)
+    watch_us, watch_calls, watch_ops, _, _ = steady(n, d, steps, 1e9)
     return {
         "n": n,
         "d": d,
         "steps": steps,
         "step_us": round(step_us, 1),
         "py_calls": calls,
-        "aten_ops": ops.n,
+        "aten_ops": aten_ops,
         "make_ms": round(make_ms, 2),
+        "make_ops": make_ops,
+        "watch_step_us": round(watch_us, 1),
+        "watch_py_calls": watch_calls,
+        "watch_aten_ops": watch_ops,
+        "admit_ms": round(admit_ms, 2),
+        "uses_ops": uses_ops,
+        "flush_ops": flush_ops,
     }
 
 

@@ -43,11 +43,15 @@ class ActionStep:
     tokens: tuple[Round, torch.Tensor, torch.Tensor] | None  # all rows at once (`ActionTable.fold_tokens`)
     entries: tuple[torch.Tensor, torch.Tensor] | None  # (gated graph-path entries, their actions' slots)
     stops: tuple[list[ActionUse], torch.Tensor] | None  # (stop actions, their slots)
+    settled_slots: torch.Tensor | None = None  # all "token" actions: once all fired, nothing a step does changes
+    settled_read: tuple[torch.Tensor, Any] | None = None  # (host flag, its copy's event): last step's "all fired"
+    settled: bool = False  # every action of the composition fired: its steps skip the fold (`observe`)
 
 
 def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], graph: bool) -> ActionStep:
     """`per_site`: site -> (graph path: stage offsets; Python path: unused, batch rows, requests) as the
     plan staged them (`actions.stage` / `plan.act_rows`)."""
+    table.flush()  # (the step's admissions flushed already: `Admission.flush`; a no-op then)
     dev = table.device
     pairs: dict[tuple[int, int], int] = {}
     p_use: list[ActionUse] = []
@@ -99,7 +103,7 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
         rounds = []
     ents = [(e, u.slot) for u in uses if u.entries for e in u.entries]
     stops = [u for u in uses if u.stop]
-    return ActionStep(
+    step = ActionStep(
         table.generation,
         len(p_use),
         sites,
@@ -111,6 +115,9 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
         (_t([e for e, _ in ents], dev), _t([s for _, s in ents], dev)) if ents else None,
         (stops, _t([u.slot for u in stops], dev)) if stops else None,
     )
+    if p_use and all(u.kind == TOKEN for u in uses):  # (a fired "token" action's outcome is final)
+        step.settled_slots = _t([u.slot for u in uses], dev)
+    return step
 
 
 def current(table: ActionTable, plan: Any) -> ActionStep:
@@ -131,7 +138,11 @@ def observe(
     entries_gate: torch.Tensor | None,
 ) -> None:
     """A step's staged rows (`xs`: site -> rows, as the plan staged them) scored and folded into the
-    actions' aggregates; gates and stop flags follow. `positions`: the step's positions on the device."""
+    actions' aggregates; gates and stop flags follow. `positions`: the step's positions on the device.
+    A composition whose actions all aggregate by "token" and have all fired does nothing more: its outcome,
+    gates and stop flags are final (learnt from the previous step's flag without waiting for the device)."""
+    if settled(step):
+        return
     if step.n_pairs:
         assert step.brow is not None and step.bias is not None
         scores: torch.Tensor | None = None
@@ -158,6 +169,32 @@ def observe(
         else:
             table.fold(s, pos, step.rounds)
     table.after_step(step.entries, entries_gate, step.stops)
+    if step.settled_slots is not None:
+        flag = table.fired.index_select(0, step.settled_slots).all().reshape(1)
+        if flag.device.type == "cuda":
+            host = torch.empty((1,), dtype=torch.bool, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            step.settled_read = (host, ev)
+        else:
+            step.settled_read = (flag, None)
+
+
+def settled(step: ActionStep) -> bool:
+    """Whether every action of the composition has fired for good, as the previous step's flag says (never
+    waits for it: a flag still on its way reads as not yet)."""
+    if step.settled:
+        return True
+    read = step.settled_read
+    if read is None:
+        return False
+    host, ev = read
+    if ev is not None and not ev.query():
+        return False
+    step.settled_read = None
+    step.settled = bool(host[0])
+    return step.settled
 
 
 def graph_rows(step: ActionStep, stage_buf: torch.Tensor, base: int) -> dict[int, torch.Tensor]:

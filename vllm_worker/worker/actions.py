@@ -107,6 +107,10 @@ class ActionTable:
         self._stop_reads: list[tuple[list[ActionUse], torch.Tensor, Any]] = []
         self.stopping: dict[str, str] = {}  # request id -> stop reason, until the request leaves
         self._by_req: dict[str, list[ActionUse]] = {}  # request id -> its actions (slots held)
+        # slots / weight rows taken since the last `flush`, on the host: slot -> ((b, threshold, param),
+        # [kind, sigmoid, firsts..., untils...]); weight row -> its (d,) row (a slot taken again: the last wins)
+        self._new: dict[int, tuple[tuple[float, float, float], list[int]]] = {}
+        self._new_w: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------ per request
 
@@ -121,48 +125,59 @@ class ActionTable:
         n_rows = sum(len(a["sites"]) for _, a in mine)
         if len(mine) > len(self._free) or n_rows > len(self._wfree):
             raise ActionRefused("limit", f"probe_actions: the worker's action table is full ({N_SLOTS} live actions)")
-        out = []
+        out: list[ActionUse] = []
+        self._by_req[req_id] = out  # (filled as slots are taken: `drop` gives back those of a failure midway)
         for i, a in mine:
-            slot = self._free.pop()
             w = tensor_from_bytes(a["w"], f"probe_actions[{i}].w").to(torch.float32).reshape(len(a["sites"]), -1)
+            if w.shape[1] != self.d:  # (checked here: a bad row must fail its request, not the step's flush)
+                raise ValueError(f"probe_actions[{i}].w: {w.shape[1]} columns, the model's width is {self.d}")
+            slot = self._free.pop()
             rows = [self._wfree.pop() for _ in a["sites"]]
-            # (host -> device writes from pinned memory, in the stream's order: a pageable copy would wait for
-            # the step running on the device, once per request admitted)
-            self.W.index_copy_(
-                0, to_device(torch.tensor(rows, dtype=torch.long), self.device), to_device(w, self.device)
-            )
+            for r, wr in zip(rows, w):
+                self._new_w[r] = wr
             ranges = [(first_watched if lo < 0 else lo, NO_END if hi < 0 else hi) for lo, hi in a["ranges"]]
             firsts, untils = [0] * MAX_RANGES, [0] * MAX_RANGES  # (`frontend.actions.watched`; -1: generated / open)
             for j, (lo, hi) in enumerate(ranges):
                 firsts[j], untils[j] = lo, hi
-            self._write_slot(slot, a, firsts, untils)
+            sigmoid = bool(a.get("sigmoid", False))
+            floats = (float(a["b"]), float(a["threshold"]), float(a["param"]))
+            self._new[slot] = (floats, [int(a["kind"]), int(sigmoid), *firsts, *untils])
             lo = min(r[0] for r in ranges)
             sites = {int(site): r for site, r in zip(a["sites"], rows)}
             use = ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched, lo < first_watched)
-            use.kind, use.sigmoid, use.rows = int(a["kind"]), bool(a.get("sigmoid", False)), self.rows_per_step
+            use.kind, use.sigmoid, use.rows = int(a["kind"]), sigmoid, self.rows_per_step
             out.append(use)
-        self._by_req[req_id] = out
         return out
 
-    def _write_slot(self, slot: int, a: dict, firsts: list[int], untils: list[int]) -> None:
-        """A new action's constants and fresh state in its slot: three host rows uploaded from pinned memory
-        and copied into place on the device, in the stream's order. (Writing a Python number into a device
-        tensor, `t[slot] = 0`, copies from pageable memory and waits for the running step: a dozen fields of
-        every request admitted.)"""
-        f = to_device(
-            torch.tensor([a["b"], a["threshold"], a["param"], 0.0, 0.0, 0.0], dtype=torch.float32), self.device
-        )
-        n = to_device(torch.tensor([int(a["kind"]), 0, -1, -1, *firsts, *untils], dtype=torch.long), self.device)
-        b = to_device(torch.tensor([bool(a.get("sigmoid", False)), False]), self.device)
-        one = slice(slot, slot + 1)
-        for k, buf in enumerate((self.B, self.thr, self.param, self.ema, self.fire_value, self.gate)):
-            buf[one].copy_(f[k : k + 1])
-        for k, buf in enumerate((self.kind, self.count, self.fire_pos, self.last_seen)):
-            buf[one].copy_(n[k : k + 1])
-        self.first[slot].copy_(n[4 : 4 + MAX_RANGES])
-        self.until[slot].copy_(n[4 + MAX_RANGES : 4 + 2 * MAX_RANGES])
-        self.sigmoid[one].copy_(b[0:1])
-        self.fired[one].copy_(b[1:2])
+    def flush(self) -> None:
+        """The slots taken since the last flush reach the device: their constants and fresh state, for all
+        of a step's admissions at once (two host-to-device copies and one indexed write per buffer, never
+        per request). Called after a step's admissions (`Admission.flush`) and before any read of the table."""
+        if not self._new and not self._new_w:
+            return
+        new, self._new = self._new, {}
+        new_w, self._new_w = self._new_w, {}
+        k, m = len(new), len(new_w)
+        longs = torch.tensor([*new, *new_w, *(v for _, ls in new.values() for v in ls)], dtype=torch.long)
+        fvals = torch.tensor([v for fs, _ in new.values() for v in fs], dtype=torch.float32)
+        floats = torch.cat([fvals, torch.stack(list(new_w.values())).reshape(-1)]) if m else fvals
+        dl, df = to_device(longs, self.device), to_device(floats, self.device)
+        if m:
+            self.W.index_copy_(0, dl[k : k + m], df[3 * k :].view(m, self.d))
+        if not k:
+            return
+        sl = dl[:k]
+        f = df[: 3 * k].view(k, 3)
+        ls = dl[k + m :].view(k, 2 + 2 * MAX_RANGES)
+        for buf, col in ((self.B, f[:, 0]), (self.thr, f[:, 1]), (self.param, f[:, 2]), (self.kind, ls[:, 0])):
+            buf.index_copy_(0, sl, col)
+        self.sigmoid.index_copy_(0, sl, ls[:, 1].bool())
+        self.first.index_copy_(0, sl, ls[:, 2 : 2 + MAX_RANGES])
+        self.until.index_copy_(0, sl, ls[:, 2 + MAX_RANGES :])
+        for buf, v in ((self.count, 0), (self.ema, 0.0), (self.fired, False), (self.fire_pos, -1)):
+            buf.index_fill_(0, sl, v)
+        for buf, v in ((self.fire_value, 0.0), (self.gate, 0.0), (self.last_seen, -1)):
+            buf.index_fill_(0, sl, v)
 
     def drop(self, req_id: str) -> None:
         """Admission failed after the request's slots were taken: give them back."""
@@ -182,6 +197,7 @@ class ActionTable:
         """What each action did (read from the device: when the request leaves, or at its fetch)."""
         if not uses:
             return []
+        self.flush()
         slots = torch.tensor([u.slot for u in uses], device=self.device)
         fired = self.fired[slots].tolist()
         pos = self.fire_pos[slots].tolist()
@@ -249,26 +265,26 @@ class ActionTable:
         )
         seen = torch.full((m,), -1, dtype=torch.long, device=self.device)
         seen.scatter_reduce_(0, local, torch.where(valid, p, -1), "amax")
-        was = self.fired[slots]
+        was = self.fired.index_select(0, slots)
         new = (first < NO_END) & ~was
-        self.fire_pos[slots] = torch.where(new, first, self.fire_pos[slots])
-        self.fire_value[slots] = torch.where(new, value, self.fire_value[slots])
+        self.fire_pos.index_copy_(0, slots, torch.where(new, first, self.fire_pos.index_select(0, slots)))
+        self.fire_value.index_copy_(0, slots, torch.where(new, value, self.fire_value.index_select(0, slots)))
         fired = was | new
-        self.fired[slots] = fired
-        self.gate[slots] = fired.float()
-        self.last_seen[slots] = torch.maximum(self.last_seen[slots], seen)
+        self.fired.index_copy_(0, slots, fired)
+        self.gate.index_copy_(0, slots, fired.float())
+        self.last_seen.index_copy_(0, slots, torch.maximum(self.last_seen.index_select(0, slots), seen))
 
     def _update(self, rd: Round, s: torch.Tensor, pos: torch.Tensor) -> None:
         sl = rd.slots
-        last = self.last_seen[sl]
+        last = self.last_seen.index_select(0, sl)
         valid = _in_ranges(rd, pos) & (pos > last)
         agg = s
         if rd.ema or rd.rolling:
-            cnt = self.count[sl]
+            cnt = self.count.index_select(0, sl)
             if rd.ema:
-                old = self.ema[sl]
+                old = self.ema.index_select(0, sl)
                 ema = torch.where(cnt == 0, s, rd.a * old + (1 - rd.a) * s)
-                self.ema[sl] = torch.where(valid, ema, old)
+                self.ema.index_copy_(0, sl, torch.where(valid, ema, old))
                 agg = torch.where(rd.kind == EMA, ema, agg)
             if rd.rolling:
                 at = cnt % rd.wlen
@@ -276,16 +292,16 @@ class ActionTable:
                 n = torch.minimum(cnt + 1, rd.wlen)
                 win = self.window[sl] * (self._arange.unsqueeze(0) < n.unsqueeze(1))
                 agg = torch.where(rd.kind == ROLLING, win.sum(-1) / n, agg)
-            self.count[sl] = cnt + valid.long()
+            self.count.index_copy_(0, sl, cnt + valid.long())
         hit = valid & (agg > rd.thr)  # "exceeds", as calibrated thresholds are meant (`threshold_at_fpr`)
-        was = self.fired[sl]
+        was = self.fired.index_select(0, sl)
         new = hit & ~was
-        self.fire_pos[sl] = torch.where(new, pos, self.fire_pos[sl])
-        self.fire_value[sl] = torch.where(new, agg, self.fire_value[sl])
+        self.fire_pos.index_copy_(0, sl, torch.where(new, pos, self.fire_pos.index_select(0, sl)))
+        self.fire_value.index_copy_(0, sl, torch.where(new, agg, self.fire_value.index_select(0, sl)))
         fired = was | hit
-        self.fired[sl] = fired
-        self.gate[sl] = fired.float()
-        self.last_seen[sl] = torch.where(valid, pos, last)
+        self.fired.index_copy_(0, sl, fired)
+        self.gate.index_copy_(0, sl, fired.float())
+        self.last_seen.index_copy_(0, sl, torch.where(valid, pos, last))
 
     def after_step(
         self,

@@ -91,7 +91,7 @@ class Admission:
         self.probes = probes  # `probes.WorkerProbes`
         self.esize = torch.empty((), dtype=dtype).element_size()
         self._moves = ToDevice(device)
-        self._pending: list[RequestState] = []  # admitted since the last flush, with steering to move
+        self._pending: list[RequestState] = []  # admitted since the last flush, with steering / action slots to move
         # steering vectors on the device by content (`DeviceSteer.digest`): requests sending the same vector
         # share one device copy, held while one of them lives; and those queued for the next flush
         self._on_device: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueDictionary()
@@ -107,6 +107,8 @@ class Admission:
         self._moves.flush()
         if self.graph is not None:
             self.graph.flush_entries()
+        if self.actions is not None:
+            self.actions.flush()  # the action slots taken, for all of the step's admissions at once
         self._pending = []
 
     def abandon(self) -> list[RequestState]:
@@ -255,7 +257,7 @@ class Admission:
         )
         if act_uses and store is not None and self.capturing_rank:  # read at fetch unless it left first
             store.actions = functools.partial(self.actions.outcome, act_uses)
-        if per_request or simple or entry_ids:
+        if per_request or simple or entry_ids or act_uses:
             self._pending.append(state)
         return state
 
