@@ -1,17 +1,25 @@
 """One `lens_probe_progress` RPC serves every streaming request at once. Each RPC is handled by the engine
 core between steps, so one RPC per chunk would cost the engine a round trip per stream per step; here the
 chunks that arrive while an RPC is in flight (and those of the same event-loop tick) wait for the next one,
-which asks for all of them: about one RPC per engine step, whatever the number of streams."""
+which asks for all of them. The engine core serves an RPC between steps, and its cost grows with the
+streaming requests (each one's scores cut and encoded), so back-to-back RPCs would stall generation for a
+large share of the time: after each RPC the next one waits `PACE` times as long as that one took (at most
+`MAX_PAUSE_S`), which bounds the engine's share spent on them. The chunks that wait meanwhile lose nothing:
+the engine merges a stream's outputs until the stream takes them, and the next RPC brings all their rows."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from vllm_worker import compat, counters
 from vllm_worker.protocol import rpc
 
 Ask = tuple[str, int, int]  # (request key, child, first position wanted)
+
+PACE = 2.0  # pause after an RPC, as a multiple of its round trip (docs/decisions.md: streamfast)
+MAX_PAUSE_S = 0.1  # a chunk's scores never wait much longer than this for the pause
 
 
 class ProgressBatcher:
@@ -37,7 +45,9 @@ class ProgressBatcher:
             while self._queue:
                 await asyncio.sleep(0)  # the other streams' chunks of this tick join this RPC
                 batch, self._queue = self._queue, []
+                t0 = time.perf_counter()
                 await self._one_rpc(batch)
+                await asyncio.sleep(min(PACE * (time.perf_counter() - t0), MAX_PAUSE_S))
         finally:
             self._draining = False
 
