@@ -1,11 +1,11 @@
 """One `lens_probe_progress` RPC serves every streaming request at once. Each RPC is handled by the engine
 core between steps, so one RPC per chunk would cost the engine a round trip per stream per step; here the
 chunks that arrive while an RPC is in flight (and those of the same event-loop tick) wait for the next one,
-which asks for all of them. The engine core serves an RPC between steps, and its cost grows with the
-streaming requests (each one's scores cut and encoded), so back-to-back RPCs would stall generation for a
-large share of the time: after each RPC the next one waits `PACE` times as long as that one took (at most
-`MAX_PAUSE_S`), which bounds the engine's share spent on them. The chunks that wait meanwhile lose nothing:
-the engine merges a stream's outputs until the stream takes them, and the next RPC brings all their rows."""
+which asks for all of them. An RPC's cost in the engine grows with the streaming requests (each one's scores
+cut and encoded), so back-to-back RPCs would still stall generation much of the time: after each one the
+next waits `VLLM_LENS_STREAM_PACE` times its round trip (at most `VLLM_LENS_STREAM_MAX_PAUSE_MS`). The chunks
+that wait lose nothing: the engine merges a stream's outputs until the stream takes them, and the next RPC
+brings all their rows."""
 
 from __future__ import annotations
 
@@ -13,13 +13,10 @@ import asyncio
 import time
 from typing import Any
 
-from vllm_worker import compat, counters
+from vllm_worker import compat, counters, envs
 from vllm_worker.protocol import rpc
 
 Ask = tuple[str, int, int]  # (request key, child, first position wanted)
-
-PACE = 2.0  # pause after an RPC, as a multiple of its round trip (docs/decisions.md: streamfast)
-MAX_PAUSE_S = 0.1  # a chunk's scores never wait much longer than this for the pause
 
 
 class ProgressBatcher:
@@ -47,7 +44,11 @@ class ProgressBatcher:
                 batch, self._queue = self._queue, []
                 t0 = time.perf_counter()
                 await self._one_rpc(batch)
-                await asyncio.sleep(min(PACE * (time.perf_counter() - t0), MAX_PAUSE_S))
+                took = time.perf_counter() - t0
+                pause = pause_after(took)
+                counters.STREAM_PROGRESS["rpc_s"] += took
+                counters.STREAM_PROGRESS["pause_s"] += pause
+                await asyncio.sleep(pause)
         finally:
             self._draining = False
 
@@ -74,6 +75,12 @@ class ProgressBatcher:
         for asks, fut in batch:
             if not fut.done():  # a stream cancelled meanwhile (client gone) waits for nothing
                 fut.set_result([got for key, child, _ in asks for got in by_request.get((key, child), ())])
+
+
+def pause_after(took: float) -> float:
+    """Seconds to wait after an RPC that took `took` seconds before the next one."""
+    cap = envs.get("VLLM_LENS_STREAM_MAX_PAUSE_MS") / 1000.0
+    return max(0.0, min(envs.get("VLLM_LENS_STREAM_PACE") * took, cap))
 
 
 def batcher_of(state: Any) -> ProgressBatcher:
