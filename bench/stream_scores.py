@@ -183,6 +183,9 @@ def main() -> None:
         "ratio": rate["scores"] / rate["plain"],
         "ratio_median": median["scores"] / median["plain"],
         "progress_rpcs": after["rpcs"] - before["rpcs"],
+        # the RPCs' round trips and the pauses between them (builds before the pacing: absent)
+        "progress_rpc_s": after.get("rpc_s", 0.0) - before.get("rpc_s", 0.0),
+        "progress_pause_s": after.get("pause_s", 0.0) - before.get("pause_s", 0.0),
         "progress_asks": after["asks"] - before["asks"],
     }
     print(json.dumps(report, indent=1))

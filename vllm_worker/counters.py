@@ -81,8 +81,9 @@ FRONTEND_TIMINGS = {"fetch_rpc_s": 0.0, "decode_s": 0.0}
 
 # ---------------------------------------------------------------- API server process
 
-# streaming with probe scores (`server.probe_progress`): progress RPCs sent, and the chunks' asks they served
-STREAM_PROGRESS = {"rpcs": 0, "asks": 0}
+# streaming with probe scores (`server.probe_progress`): progress RPCs sent, the chunks' asks they served,
+# their round trips and the pauses between them (seconds)
+STREAM_PROGRESS = {"rpcs": 0, "asks": 0, "rpc_s": 0.0, "pause_s": 0.0}
 # async fetches (the HTTP server's responses, `AsyncLLM` callers) and the batches they went in together
 # (`frontend.fetch.FetchBatcher`)
 FETCH_BATCHES = {"batches": 0, "fetches": 0}

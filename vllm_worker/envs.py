@@ -269,6 +269,21 @@ SETTINGS: dict[str, Setting] = {
             unit="ms",
         ),
         Setting(
+            "VLLM_LENS_STREAM_PACE",
+            float,
+            2.0,
+            "streams with probe scores: after each shared progress RPC the API server waits this many times its "
+            "round trip before the next (the engine core answers them between steps; chunks merge meanwhile, "
+            "scores unchanged); 0: back to back",
+        ),
+        Setting(
+            "VLLM_LENS_STREAM_MAX_PAUSE_MS",
+            float,
+            100.0,
+            "the longest of those waits: how much later than its tokens a chunk's scores may be held back",
+            unit="ms",
+        ),
+        Setting(
             "VLLM_LENS_INJECT_FAULT",
             str,
             None,

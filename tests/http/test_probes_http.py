@@ -10,6 +10,7 @@ from vllm import SamplingParams
 
 from support.engines import model_path
 from support.servers import KEY, PROBE_DIR
+from vllm_worker import envs
 from vllm_worker.api.client import decode_activations
 from vllm_worker.probes import save_probe
 
@@ -199,6 +200,10 @@ def test_concurrent_streams_share_progress_rpcs(server):
     # each still getting its own results (checked above against its chunks)
     batches, fetches = fetched["batches"] - fetched_before["batches"], fetched["fetches"] - fetched_before["fetches"]
     assert fetches == len(prompts) and batches < fetches, (batches, fetches)
+    # each RPC is followed by a pause (paced: VLLM_LENS_STREAM_PACE), never longer than the setting's cap
+    paused = after["pause_s"] - before["pause_s"]
+    assert 0 < paused <= rpcs * envs.get("VLLM_LENS_STREAM_MAX_PAUSE_MS") / 1000 + 1e-9, (paused, rpcs)
+    assert after["rpc_s"] > before["rpc_s"]
     assert httpx.delete(f"{server}/v1/lens/probes/p2c", headers=h).status_code == 200
 
 

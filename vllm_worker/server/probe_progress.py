@@ -1,14 +1,19 @@
 """One `lens_probe_progress` RPC serves every streaming request at once. Each RPC is handled by the engine
 core between steps, so one RPC per chunk would cost the engine a round trip per stream per step; here the
 chunks that arrive while an RPC is in flight (and those of the same event-loop tick) wait for the next one,
-which asks for all of them: about one RPC per engine step, whatever the number of streams."""
+which asks for all of them. An RPC's cost in the engine grows with the streaming requests (each one's scores
+cut and encoded), so back-to-back RPCs would still stall generation much of the time: after each one the
+next waits `VLLM_LENS_STREAM_PACE` times its round trip (at most `VLLM_LENS_STREAM_MAX_PAUSE_MS`). The chunks
+that wait lose nothing: the engine merges a stream's outputs until the stream takes them, and the next RPC
+brings all their rows. A stream's last chunk ends the wait: it is all that holds the stream open."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
-from vllm_worker import compat, counters
+from vllm_worker import compat, counters, envs
 from vllm_worker.protocol import rpc
 
 Ask = tuple[str, int, int]  # (request key, child, first position wanted)
@@ -22,11 +27,18 @@ class ProgressBatcher:
         self._queue: list[tuple[list[Ask], asyncio.Future]] = []
         self._draining = False
         self._task: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
+        self._wake: asyncio.Event | None = None  # set by a last chunk's ask: the pause ends at once
+        self._hurry = False  # a last chunk's ask is queued: no pause before the next RPC
 
-    async def ask(self, asks: list[Ask]) -> list[list]:
-        """[key, child, payload] for these asks, from every worker that scores them."""
+    async def ask(self, asks: list[Ask], last: bool = False) -> list[list]:
+        """[key, child, payload] for these asks, from every worker that scores them. `last`: a stream's final
+        chunk, sent with the next RPC without waiting for the pause."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queue.append((asks, fut))
+        if last:
+            self._hurry = True
+            if self._wake is not None:
+                self._wake.set()
         if not self._draining:
             self._draining = True
             self._task = asyncio.get_running_loop().create_task(self._drain())
@@ -36,10 +48,29 @@ class ProgressBatcher:
         try:
             while self._queue:
                 await asyncio.sleep(0)  # the other streams' chunks of this tick join this RPC
-                batch, self._queue = self._queue, []
+                batch, self._queue, self._hurry = self._queue, [], False
+                t0 = time.perf_counter()
                 await self._one_rpc(batch)
+                took = time.perf_counter() - t0
+                pause = pause_after(took)
+                counters.STREAM_PROGRESS["rpc_s"] += took
+                await self._pause(pause)
         finally:
             self._draining = False
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait `seconds`, or until a stream's last chunk asks; the time waited is counted."""
+        if self._hurry:
+            return
+        t0 = time.perf_counter()
+        self._wake = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
+            pass
+        finally:
+            self._wake = None
+            counters.STREAM_PROGRESS["pause_s"] += time.perf_counter() - t0
 
     async def _one_rpc(self, batch: list[tuple[list[Ask], asyncio.Future]]) -> None:
         first: dict[tuple[str, int], int] = {}
@@ -64,6 +95,12 @@ class ProgressBatcher:
         for asks, fut in batch:
             if not fut.done():  # a stream cancelled meanwhile (client gone) waits for nothing
                 fut.set_result([got for key, child, _ in asks for got in by_request.get((key, child), ())])
+
+
+def pause_after(took: float) -> float:
+    """Seconds to wait after an RPC that took `took` seconds before the next one."""
+    cap = envs.get("VLLM_LENS_STREAM_MAX_PAUSE_MS") / 1000.0
+    return max(0.0, min(envs.get("VLLM_LENS_STREAM_PACE") * took, cap))
 
 
 def batcher_of(state: Any) -> ProgressBatcher:

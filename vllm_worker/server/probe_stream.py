@@ -35,7 +35,7 @@ class ProbeStream:
 
     async def add_scores(self, response_id: str, chunk: dict) -> bool:
         """Put the new scores into `chunk`'s choices; whether it changed."""
-        asks, where = [], {}
+        asks, where, last = [], {}, False
         where_end: dict[int, int] = {}  # choice -> first position past those that produced its tokens
         for c in chunk.get("choices") or []:
             if not c.get("token_ids"):
@@ -49,11 +49,12 @@ class ProbeStream:
             names = self.wanted.setdefault(c["index"], list(p.probes))
             start = min(self.next.get((c["index"], name), 0) for name in names)
             asks.append((p.key, child, start))
+            last = last or bool(c.get("finish_reason"))
             where[(p.key, child)] = c
         if not asks:
             return False
         changed = False
-        for key, child, got in await self.progress.ask(asks):
+        for key, child, got in await self.progress.ask(asks, last):
             c = where.get((key, int(child)))
             if c is None:
                 continue
