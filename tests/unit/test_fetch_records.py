@@ -92,3 +92,13 @@ def test_latest_of_one_piece_sorts_when_positions_do_not_rise():
     assert p.tolist() == [0, 1, 2, 3] and torch.equal(v, vals[[0, 1, 3, 4]])
     p, v = latest([(pos[[0, 1, 2, 4]], vals[[0, 1, 2, 4]])])
     assert p.tolist() == [0, 1, 2, 3] and torch.equal(v, vals[[0, 1, 2, 4]])
+
+
+def test_latest_of_rising_pieces_joins_them_as_they_are():
+    vals = torch.arange(12.0).reshape(6, 2)
+    p, v = latest(
+        [(torch.tensor([0, 1, 2]), vals[:3]), (torch.tensor([3]), vals[3:4]), (torch.tensor([4, 5]), vals[4:])]
+    )
+    assert p.tolist() == list(range(6)) and torch.equal(v, vals)
+    p, v = latest([(torch.tensor([3, 4]), vals[:2]), (torch.tensor([0, 1, 2]), vals[2:5])])  # out of order
+    assert p.tolist() == [0, 1, 2, 3, 4] and torch.equal(v, vals[[2, 3, 4, 0, 1]])

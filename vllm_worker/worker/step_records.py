@@ -128,11 +128,12 @@ WHOLE_RECORDS = "whole_records"  # a `cache` key: read whole records once for ma
 def latest(pieces: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     """The pieces' (positions, values...) on the host, positions sorted, a position filed twice (a preempted
     request's recompute) keeping its last one (pieces come in step order)."""
-    if len(pieces) == 1:  # one record: steps in order, so positions usually rise already
-        pos = pieces[0][0].to("cpu", torch.int64)
-        if len(pos) < 2 or bool((pos[1:] > pos[:-1]).all()):
+    one = len(pieces) == 1
+    pos = pieces[0][0].to("cpu", torch.int64) if one else torch.cat([p[0].to("cpu", torch.int64) for p in pieces])
+    if len(pos) < 2 or bool((pos[1:] > pos[:-1]).all()):  # steps in order: positions usually rise already
+        if one:
             return (pos, *(v.to("cpu") for v in pieces[0][1:]))
-    pos = torch.cat([p[0].to("cpu", torch.int64) for p in pieces])
+        return (pos, *(torch.cat([p[i] for p in pieces]).to("cpu") for i in range(1, len(pieces[0]))))
     order = torch.sort(pos, stable=True).indices
     pos = pos[order]
     keep = torch.ones(len(pos), dtype=torch.bool)
