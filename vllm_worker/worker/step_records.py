@@ -76,16 +76,13 @@ class Span:
         columns (e.g. top-k indices beside their values). `cache` (one fetch's): the rows of a record read
         once for every span of them (a request's probes at one site share its rows): one copy to the host."""
         k = self.key if key is None else key
-        if cache is not None and cache.get(WHOLE_RECORDS):
+        ck = (id(self.record), self.r0, self.r1, k)
+        got = None if cache is None else cache.get(ck)
+        if got is None and cache is not None and cache.get(WHOLE_RECORDS):
             got = self._rows_of_whole(k, cache)
             if got is None:
                 return []
-            pos, vals = got
-            if key is None:
-                vals = vals[:, self.cols] if isinstance(self.cols, slice) else vals.index_select(1, self.cols)
-            return [(pos, vals)]
-        ck = (id(self.record), self.r0, self.r1, k)
-        got = None if cache is None else cache.get(ck)
+            cache[ck] = got  # the request's other probes at this site read the same rows
         if got is None:
             parts = [
                 (pos[:f, self.r0 : self.r1], blocks[k][:f, self.r0 : self.r1])
