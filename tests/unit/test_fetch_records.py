@@ -42,24 +42,38 @@ def _requests(n_req: int) -> list[SimpleNamespace]:
     ]
 
 
-def _run(reqs: list[SimpleNamespace], lengths: list[int], g: torch.Generator) -> None:
-    """Steps with the requests still running as one composition each time one finishes (new records);
-    position 5 of every request is filed twice (the second run wins)."""
+def _stage(reqs: list, live: list[int], width: int) -> SimpleNamespace:
+    """A composition of the `live` requests, `width` rows each."""
     sites = reqs[0].sites
     col = {s: i for i, s in enumerate(sites)}
-    step, live = 0, list(range(len(reqs)))
+    items = [(reqs[r], i * width, (i + 1) * width) for i, r in enumerate(live)]
+    gp = _gp(len(live) * width)
+    rows = lambda it: np.concatenate([np.arange(a, b) for _, a, b in it])  # noqa: E731
+    probes.stage_probes(gp, {s: list(items) for s in sites}, col, rows)
+    saes.stage_features(gp, {}, {sites[0]: list(items)}, col)
+    gp.total = len(gp.cap_rows)
+    return gp
+
+
+def _file(gp: SimpleNamespace, pos: np.ndarray, g: torch.Generator) -> None:
+    stage = torch.randn(gp.total, D, generator=g)
+    probes.scores_from_stage(gp, stage, 0, pos)
+    saes.features_from_stage(gp, stage, 0, pos)
+
+
+def _run(reqs: list[SimpleNamespace], lengths: list[int], g: torch.Generator) -> None:
+    """A prefill of positions 0, 1 (two rows a request), then decode steps with the requests still running
+    as one composition each time one finishes (new records); position 5 of every request is filed twice
+    (the second run wins)."""
+    live = list(range(len(reqs)))
+    _file(_stage(reqs, live, 2), np.tile(np.arange(2), len(live)), g)
+    step = 2
+    live = [r for r in live if lengths[r] > step]
     while live:
-        items = [(reqs[r], i, i + 1) for i, r in enumerate(live)]
-        gp = _gp(len(live))
-        probes.stage_probes(gp, {s: list(items) for s in sites}, col, lambda it: np.array([s for _, s, _ in it]))
-        saes.stage_features(gp, {}, {sites[0]: list(items)}, col)
-        total = gp.total = len(gp.cap_rows)
+        gp = _stage(reqs, live, 1)
         end = min(lengths[r] for r in live)
         while step < end:
-            stage = torch.randn(total, D, generator=g)
-            pos = np.array([step if step != 6 else 5 for _ in live], dtype=np.int64)
-            probes.scores_from_stage(gp, stage, 0, pos)
-            saes.features_from_stage(gp, stage, 0, pos)
+            _file(gp, np.full(len(live), step if step != 6 else 5, dtype=np.int64), g)
             step += 1
         live = [r for r in live if lengths[r] > end]
 
