@@ -1,6 +1,7 @@
 """The worker's per-step host cost of filing probe scores and SAE features, alone: the graph-safe path's
 after-step calls (`probes.scores_from_stage`, `saes.features_from_stage`) on a staged batch of decode rows,
-step after step as one batch composition runs, then every request's fetch (`payload`) — on CPU tensors,
+step after step as one batch composition runs, then every request's fetch (`payload`: alone, and as one
+fetch of them all sharing the records' host copies, `fetch.shared_records`) — on CPU tensors,
 without an engine, so the figure is the Python and dispatch cost the H200 run saw grow with requests x
 probes (bench/results/2026-12-04-h200-monitors.md §2), not compute.
 
@@ -22,7 +23,7 @@ import torch
 
 from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.sae import Sae
-from vllm_worker.worker import probes, saes
+from vllm_worker.worker import fetch, probes, saes
 from vllm_worker.worker.request_results import RequestResults
 
 D, LAYERS, D_SAE = 128, (2, 4, 6, 8), 512
@@ -66,6 +67,11 @@ def main(n_req: int, steps: int, n_probes: int = 8) -> dict:
     for r in reqs:
         probes.payload(r.store.probes)
     fetch_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    records = fetch.shared_records(n_req)  # one fetch of them all, as `fetch.assemble_all` does
+    for r in reqs:
+        probes.payload(r.store.probes, cache=records)
+    fetch_shared_s = time.perf_counter() - t0
 
     sae = Sae("resid_post", 4, "standard", torch.randn(D, D_SAE, generator=g) / D**0.5, torch.zeros(D_SAE) - 0.1,
               torch.randn(D_SAE, D, generator=g) / D**0.5, torch.zeros(D))  # fmt: skip
@@ -82,6 +88,11 @@ def main(n_req: int, steps: int, n_probes: int = 8) -> dict:
     for r in sreqs:
         saes.payload(r.store.sae)
     sae_fetch_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    records = fetch.shared_records(n_req)
+    for r in sreqs:
+        saes.payload(r.store.sae, records)
+    sae_fetch_shared_s = time.perf_counter() - t0
     return {
         "requests": n_req,
         "probes": n_probes,
@@ -89,8 +100,10 @@ def main(n_req: int, steps: int, n_probes: int = 8) -> dict:
         "steps": steps,
         "probe_file_ms_per_step": round(1e3 * file_s / steps, 3),
         "probe_fetch_ms_per_request": round(1e3 * fetch_s / n_req, 3),
+        "probe_fetch_shared_ms_per_request": round(1e3 * fetch_shared_s / n_req, 3),
         "sae_file_ms_per_step": round(1e3 * sae_s / steps, 3),
         "sae_fetch_ms_per_request": round(1e3 * sae_fetch_s / n_req, 3),
+        "sae_fetch_shared_ms_per_request": round(1e3 * sae_fetch_shared_s / n_req, 3),
     }
 
 

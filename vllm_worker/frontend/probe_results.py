@@ -25,14 +25,14 @@ def _dense(pos: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def chosen(n: int, prompt_len: int, positions: Any) -> torch.Tensor:
-    """The positions (< n) that aggregates are taken over."""
+def chosen(n: int, prompt_len: int, positions: Any) -> torch.Tensor | slice:
+    """The positions (< n) that aggregates are taken over: a range as a slice (a view, no copy)."""
     if positions == "all":
-        return torch.arange(n)
+        return slice(0, n)
     if positions == "prompt":
-        return torch.arange(min(n, prompt_len))
+        return slice(0, min(n, prompt_len))
     if positions == "generated":
-        return torch.arange(max(prompt_len - 1, 0), n)
+        return slice(max(prompt_len - 1, 0), n)
     return torch.tensor([p for p in positions if p < n], dtype=torch.long)
 
 

@@ -70,7 +70,7 @@ def tensor_from_bytes(obj: dict[str, Any], field: str = "tensor") -> torch.Tenso
     n = 1
     for s in shape:
         n *= s
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if len(raw) != n * itemsize:
         raise ValueError(f"{field}.data: {len(raw)} bytes do not match shape {list(shape)} of {name}")
     if n == 0:

@@ -20,7 +20,7 @@ from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.transport import assembly, early
 from vllm_worker.transport.early_regions import State
 from vllm_worker.transport.result_pool import ResultPool, host_array
-from vllm_worker.worker import faults, probes, saes
+from vllm_worker.worker import faults, probes, saes, step_records
 from vllm_worker.worker.request_results import RequestResults
 
 logger = logging.getLogger("vllm_worker")
@@ -58,14 +58,14 @@ def assemble_all(
     at once (`assembly`), in a few threads for large fetches. As bytes (no pool: another machine, or
     no room): one request at a time."""
     claimed = claimed or {}
-    cache = probes.fetch_cache()  # every request's probe scores cut from one host copy of each record
     out: list[dict | None] = [None] * len(todo)
     items, where = [], []
+    records = shared_records(len(todo))
     for i, (_, _, st, n) in enumerate(todo if pool is not None else ()):
         dest = claimed.pop(id(st), None)
         used = False
         try:
-            payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved, cache)
+            payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved, records)
             if dest is not None and early_asm is not None and mine is not None:
                 got = early_asm.finish(payload, st, n, mine, dest)
                 if got is not None:
@@ -103,8 +103,15 @@ def assemble_all(
                 out[i] = _internal(e)
     for i, (_, _, st, n) in enumerate(todo):
         if out[i] is None:
-            out[i] = _guarded(_assemble, st, n, layer_ids, assemble_saved, cache)
+            out[i] = _guarded(_assemble, st, n, layer_ids, assemble_saved, records)
     return out
+
+
+def shared_records(n_requests: int) -> dict | None:
+    """The step-record cache of a fetch of `n_requests`: with more than one, each record's rows are copied
+    to the host once for all of them (`step_records.WHOLE_RECORDS`) instead of once per request and site;
+    a lone request copies only its own rows (a record may hold many still-running requests)."""
+    return {step_records.WHOLE_RECORDS: True} if n_requests > 1 else None
 
 
 def _internal(e: Exception) -> dict[str, Any]:
@@ -127,10 +134,10 @@ def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
 
 
 def _prelude(
-    st: RequestResults, layer_ids: list[int], assemble_saved: Any, cache: dict | None = None
+    st: RequestResults, layer_ids: list[int], assemble_saved: Any, records: dict | None = None
 ) -> tuple[dict, list[int] | None, dict]:
     """The payload without captures (error, hook state), the captured layers this rank holds (None: no
-    captures to assemble) and capture slot -> output index. `cache`: the fetch's (`probes.fetch_cache`)."""
+    captures to assemble) and capture slot -> output index. `records`: the fetch's step-record cache."""
     if st.layers:
         faults.check("assemble")
     payload: dict[str, Any] = {}
@@ -147,11 +154,11 @@ def _prelude(
     if st.saved:
         payload["hooks"] = assemble_saved(st.saved)
     if st.sae and st.error is None:
-        payload["sae"] = saes.payload(st.sae)
+        payload["sae"] = saes.payload(st.sae, records)
     if st.actions is not None and st.error is None:
         payload["actions"] = st.actions() if callable(st.actions) else st.actions
     if st.probes and st.error is None:
-        payload["probes"] = probes.payload(st.probes, cache=cache)
+        payload["probes"] = probes.payload(st.probes, cache=records)
     mine = [l for l in st.layers if l in layer_ids]
     if not mine:  # no captures, or (pipeline parallelism) all of them on other stages: theirs to report
         return payload, None, {}
@@ -169,10 +176,10 @@ def _result_bytes(st: RequestResults, n_pos: int) -> int:
 
 
 def _assemble(
-    st: RequestResults, n_pos: int, layer_ids: list[int], assemble_saved: Any, cache: dict | None = None
+    st: RequestResults, n_pos: int, layer_ids: list[int], assemble_saved: Any, records: dict | None = None
 ) -> dict[str, Any]:
     """One request, as bytes (no result pool: a frontend on another machine)."""
-    payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved, cache)
+    payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved, records)
     return payload if mine is None else _as_bytes(payload, st, n_pos, mine, out_of_slot)
 
 

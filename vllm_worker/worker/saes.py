@@ -237,10 +237,11 @@ def stage_features(gp: Any, cap_rows: dict, sae_feat: dict, col: dict[int, int])
 # ---------------------------------------------------------------- fetch
 
 
-def payload(got: dict[str, dict]) -> dict[str, dict]:
-    """A request's features as bytes, per SAE: positions sorted (a position run twice keeps its last run)."""
+def payload(got: dict[str, dict], cache: dict | None = None) -> dict[str, dict]:
+    """A request's features as bytes, per SAE: positions sorted (a position run twice keeps its last run).
+    `cache`: shared by the requests of one fetch (`step_records.Span.pieces`); by default this request's own."""
     out = {}
-    cache: dict = {}  # (`step_records.Span.pieces`)
+    cache = {} if cache is None else cache
     for name, slot in got.items():
         spans = slot["spans"]
         if slot["ids"] is None:  # top_k: ids per position, beside their values

@@ -76,16 +76,13 @@ class Span:
         columns (e.g. top-k indices beside their values). `cache` (one fetch's): the rows of a record read
         once for every span of them (a request's probes at one site share its rows): one copy to the host."""
         k = self.key if key is None else key
-        if cache is not None and cache.get(WHOLE_RECORDS):
+        ck = (id(self.record), self.r0, self.r1, k)
+        got = None if cache is None else cache.get(ck)
+        if got is None and cache is not None and cache.get(WHOLE_RECORDS):
             got = self._rows_of_whole(k, cache)
             if got is None:
                 return []
-            pos, vals = got
-            if key is None:
-                vals = vals[:, self.cols] if isinstance(self.cols, slice) else vals.index_select(1, self.cols)
-            return [(pos, vals)]
-        ck = (id(self.record), self.r0, self.r1, k)
-        got = None if cache is None else cache.get(ck)
+            cache[ck] = got  # the request's other probes at this site read the same rows
         if got is None:
             parts = [
                 (pos[:f, self.r0 : self.r1], blocks[k][:f, self.r0 : self.r1])
@@ -148,7 +145,12 @@ WHOLE_RECORDS = "whole_records"  # a `cache` key: read whole records once for ma
 def latest(pieces: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     """The pieces' (positions, values...) on the host, positions sorted, a position filed twice (a preempted
     request's recompute) keeping its last one (pieces come in step order)."""
-    pos = torch.cat([p[0].to("cpu", torch.int64) for p in pieces])
+    one = len(pieces) == 1
+    pos = pieces[0][0].to("cpu", torch.int64) if one else torch.cat([p[0].to("cpu", torch.int64) for p in pieces])
+    if len(pos) < 2 or bool((pos[1:] > pos[:-1]).all()):  # steps in order: positions usually rise already
+        if one:
+            return (pos, *(v.to("cpu") for v in pieces[0][1:]))
+        return (pos, *(torch.cat([p[i] for p in pieces]).to("cpu") for i in range(1, len(pieces[0]))))
     order = torch.sort(pos, stable=True).indices
     pos = pos[order]
     keep = torch.ones(len(pos), dtype=torch.bool)
@@ -161,9 +163,11 @@ def latest_np(pieces: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, 
     """`latest` for numpy pieces (`Span.host_rows`): positions sorted (stable), a position filed twice
     keeping its last row."""
     pos = np.concatenate([p for p, _ in pieces]) if len(pieces) > 1 else pieces[0][0]
+    vals = np.concatenate([v for _, v in pieces]) if len(pieces) > 1 else pieces[0][1]
+    if len(pos) < 2 or bool((pos[1:] > pos[:-1]).all()):  # steps in order: positions usually rise already
+        return pos, vals
     order = np.argsort(pos, kind="stable")
     pos = pos[order]
     keep = np.ones(len(pos), dtype=bool)
     keep[:-1] = pos[1:] != pos[:-1]
-    vals = np.concatenate([v for _, v in pieces]) if len(pieces) > 1 else pieces[0][1]
     return pos[keep], vals[order][keep]
