@@ -24,6 +24,7 @@ from pydantic import (
 from vllm_worker.protocol import ops as intervention
 from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number, int_list
+from vllm_worker.protocol.host_threads import one_thread
 from vllm_worker.protocol.wire import tensor_from_json, tensor_to_json
 
 # A tensor object inside a model_validate() input is bounded like one arriving over HTTP.
@@ -136,6 +137,13 @@ class SteeringVector(BaseModel):
     @classmethod
     def _no_unknown_fields(cls, data: Any) -> Any:
         return no_unknown_fields(cls, data)
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> SteeringVector:
+        """pydantic's deep copy, its tensor copy in one thread: vLLM deep-copies each request's sampling
+        params (and so this vector) on the submitting thread, where torch's thread pool costs more than
+        the copy (protocol/host_threads.py)."""
+        with one_thread():
+            return super().__deepcopy__(memo)
 
     @field_validator("activations", mode="before")
     @classmethod

@@ -121,7 +121,9 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
     width, width_name = (shape.d_mlp, "d_mlp") if point == pts.MLP_POST else (shape.d_model, "d_model")
     if acts.shape[-1] != width:
         raise ValueError(f"{f}.activations: last dimension {acts.shape[-1]} != {width_name} {width}")
-    acts = acts.detach().to("cpu", torch.float32).clone()
+    acts = acts.detach().to("cpu", torch.float32)
+    if op not in ("ablate", "cap"):  # (those are divided by their norms below: a new tensor already)
+        acts = acts.clone()
     if not torch.isfinite(acts).all():
         raise ValueError(f"{f}.activations: contains NaN or inf")
     scale = finite_number(item.scale, f"{f}.scale")

@@ -1,0 +1,75 @@
+"""Per-request tensor work in one thread (protocol/host_threads): the pool is restored, and the copies and
+validated rows are exactly those torch's pool gives."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+from vllm_worker.api.steering import SteeringVector
+from vllm_worker.frontend.validation import parse_request
+from vllm_worker.protocol.host_threads import one_thread
+from vllm_worker.protocol.spec import ModelShape
+
+SHAPE = ModelShape(n_layers=4, d_model=40000)  # rows wide enough for torch to split over its pool
+
+
+def _pool(n: int) -> None:
+    torch.set_num_threads(n)
+
+
+@pytest.fixture()
+def two_threads():
+    before = torch.get_num_threads()
+    _pool(2)
+    yield
+    _pool(before)
+
+
+def test_one_thread_restores_the_pool_even_on_error(two_threads: None) -> None:
+    with one_thread():
+        assert torch.get_num_threads() == 1
+        with one_thread():  # nested: still one, and the outer block's setting comes back
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+    with pytest.raises(RuntimeError), one_thread():
+        raise RuntimeError("boom")
+    assert torch.get_num_threads() == 2
+
+
+def test_deepcopy_is_pydantic_copy_in_one_thread(two_threads: None) -> None:
+    acts = torch.randn(4, SHAPE.d_model)
+    sv = SteeringVector(activations=acts, layer_indices=[0, 1, 2, 3], op="ablate", phase="generated")
+    ours, theirs = copy.deepcopy(sv), BaseModel.__deepcopy__(sv, {})
+    assert torch.get_num_threads() == 2
+    assert ours.activations is not acts and ours.activations.data_ptr() != acts.data_ptr()
+    assert torch.equal(ours.activations, theirs.activations)
+    assert ours.model_dump(exclude={"activations"}) == sv.model_dump(exclude={"activations"})
+
+
+@pytest.mark.parametrize("op", ["add", "ablate", "cap", "set"])
+def test_validated_rows_identical_and_not_the_callers(op: str, two_threads: None) -> None:
+    acts = torch.randn(4, SHAPE.d_model, generator=torch.Generator().manual_seed(1))
+    keep = acts.clone()
+    kw = {"lo": -1.0, "hi": 1.0} if op == "cap" else {}
+    sv = SteeringVector(activations=acts, layer_indices=[0, 1, 2, 3], op=op, **kw)
+    pooled = parse_request({"apply_steering_vectors": [sv]}, SHAPE, 8).steers[0].vectors
+    with one_thread():
+        single = parse_request({"apply_steering_vectors": [sv]}, SHAPE, 8).steers[0].vectors
+    assert torch.equal(pooled, single)  # bit-identical, whatever the thread count
+    assert single.data_ptr() != acts.data_ptr()  # a copy of its own: the caller's tensor may change later
+    acts.add_(1.0)
+    assert torch.equal(single, pooled) and not torch.equal(acts, keep)
+
+
+def test_bad_rows_still_named(two_threads: None) -> None:
+    acts = torch.randn(4, SHAPE.d_model)
+    acts[2, 5] = float("nan")
+    sv = SteeringVector(activations=acts, layer_indices=[0, 1, 2, 3], op="ablate")
+    with pytest.raises(ValueError, match=r"apply_steering_vectors\[0\]\.activations"), one_thread():
+        parse_request({"apply_steering_vectors": [sv]}, SHAPE, 8)
+    assert torch.get_num_threads() == 2

@@ -1,0 +1,28 @@
+"""Per-request tensor work on the host in one thread.
+
+A request's vectors are small (at most a few MB): torch splits their copies and reductions over its intra-op
+thread pool, and on a host whose cores are busy (the engine core spinning beside the frontend, other
+workers) waking that pool costs far more than the work itself (docs/decisions.md, "Frontend steering cost").
+The results do not depend on it: a copy is a copy, and row-wise reductions run each row in one thread.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op pool limited to this thread while the block runs (restored after, even on error)."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
