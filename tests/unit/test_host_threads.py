@@ -73,3 +73,20 @@ def test_bad_rows_still_named(two_threads: None) -> None:
     with pytest.raises(ValueError, match=r"apply_steering_vectors\[0\]\.activations"), one_thread():
         parse_request({"apply_steering_vectors": [sv]}, SHAPE, 8)
     assert torch.get_num_threads() == 2
+
+
+def test_deepcopy_keeps_autograd_and_shared_tensors() -> None:
+    leaf = torch.randn(1, 8, requires_grad=True)
+    sv = SteeringVector(activations=leaf, layer_indices=[0])
+    out = copy.deepcopy(sv).activations
+    assert out.requires_grad and out is not leaf and torch.equal(out.detach(), leaf.detach())
+    shared = torch.randn(1, 8)
+    pair = [
+        SteeringVector(activations=shared, layer_indices=[0]),
+        SteeringVector(activations=shared, layer_indices=[1]),
+    ]
+    a, b = copy.deepcopy(pair)  # one copy of a tensor the originals share, as copy.deepcopy gives
+    assert a.activations is b.activations and a.activations is not shared
+    view = torch.randn(3, 8)[1:2]
+    v = copy.deepcopy(SteeringVector(activations=view, layer_indices=[0])).activations
+    assert torch.equal(v, view) and v.data_ptr() != view.data_ptr()

@@ -64,6 +64,17 @@ def no_unknown_fields(cls: type[BaseModel], data: Any) -> Any:
     return data
 
 
+def _plain(t: Any) -> bool:
+    """A dense tensor without autograd state or attributes of its own: `clone()` copies all it holds."""
+    return (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and not t.requires_grad
+        and t.grad_fn is None
+        and not t.__dict__
+    )
+
+
 class SteeringVector(BaseModel):
     """Vectors added to the residual stream after the listed decoder layers (or at another hook `point`).
 
@@ -141,8 +152,13 @@ class SteeringVector(BaseModel):
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> SteeringVector:
         """pydantic's deep copy, its tensor copy in one thread: vLLM deep-copies each request's sampling
         params (and so this vector) on the submitting thread, where torch's thread pool costs more than
-        the copy (protocol/host_threads.py)."""
+        the copy (protocol/host_threads.py). A plain tensor is cloned directly (torch's `__deepcopy__`
+        enters no_grad and copies the whole storage: slow on a busy host), handed to pydantic through memo."""
+        memo = {} if memo is None else memo
+        acts = self.activations
         with one_thread():
+            if acts is not None and _plain(acts) and id(acts) not in memo:
+                memo[id(acts)] = acts.clone()
             return super().__deepcopy__(memo)
 
     @field_validator("activations", mode="before")
