@@ -214,12 +214,14 @@ class SteeringEntries:
 
 
 def digest(t: torch.Tensor) -> bytes:
-    """A content digest of a host tensor's bytes (its dtype and shape included)."""
-    h = hashlib.blake2b(digest_size=16)
+    """A content digest of a host tensor's bytes (its dtype and shape included). SHA-256 (128 bits kept):
+    OpenSSL runs it on the CPU's SHA instructions, about twice blake2b's speed on a 512 KB vector, and
+    every steering request of a graph step pays it once at admission."""
+    h = hashlib.sha256()
     h.update(f"{t.dtype}{tuple(t.shape)}".encode())
     if t.numel():
         h.update(t.contiguous().view(torch.uint8).numpy())
-    return h.digest()
+    return h.digest()[:16]
 
 
 def item_key(st: Any, row: int, k: int = -1) -> tuple:
