@@ -90,3 +90,10 @@ def test_deepcopy_keeps_autograd_and_shared_tensors() -> None:
     view = torch.randn(3, 8)[1:2]
     v = copy.deepcopy(SteeringVector(activations=view, layer_indices=[0])).activations
     assert torch.equal(v, view) and v.data_ptr() != view.data_ptr()
+
+
+def test_this_build_uses_openmp() -> None:
+    """The guard only acts on OpenMP builds (the wheels vLLM runs on): fail loudly if that changes here."""
+    from vllm_worker.protocol import host_threads
+
+    assert host_threads._OPENMP

@@ -13,12 +13,15 @@ from typing import Iterator
 
 import torch
 
+_OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
 
 @contextmanager
 def one_thread() -> Iterator[None]:
-    """torch's intra-op pool limited to this thread while the block runs (restored after, even on error)."""
+    """torch's intra-op pool limited to this thread while the block runs (restored after, even on error).
+    OpenMP builds only: torch's native pool cannot be resized once used (it warns and keeps its size)."""
     n = torch.get_num_threads()
-    if n == 1:
+    if n == 1 or not _OPENMP:
         yield
         return
     torch.set_num_threads(1)
