@@ -18,11 +18,12 @@ SHAPE = ModelShape(n_layers=4, d_model=40000)  # rows wide enough for torch to s
 
 
 def _pool(n: int) -> None:
-    torch.set_num_threads(n)
+    torch._C.set_num_threads(n)  # (vLLM's in-process CPU worker replaces torch.set_num_threads)
 
 
 @pytest.fixture()
-def two_threads():
+def two_threads(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)  # as in a GPU server's frontend
     before = torch.get_num_threads()
     _pool(2)
     yield
@@ -97,3 +98,16 @@ def test_this_build_uses_openmp() -> None:
     from vllm_worker.protocol import host_threads
 
     assert host_threads._OPENMP
+
+
+def test_left_alone_where_vllm_replaced_set_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-process CPU engine: vLLM's replacement warns and does nothing; we must not call it per request."""
+    calls: list[int] = []
+
+    def replaced(n: int) -> None:  # a Python function, as vLLM's `skip_set_num_threads`
+        calls.append(n)
+
+    monkeypatch.setattr(torch, "set_num_threads", replaced)
+    with one_thread():
+        pass
+    assert calls == []

@@ -9,6 +9,7 @@ The results do not depend on it: a copy is a copy, and row-wise reductions run e
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import BuiltinFunctionType
 from typing import Iterator
 
 import torch
@@ -21,7 +22,9 @@ def one_thread() -> Iterator[None]:
     """torch's intra-op pool limited to this thread while the block runs (restored after, even on error).
     OpenMP builds only: torch's native pool cannot be resized once used (it warns and keeps its size)."""
     n = torch.get_num_threads()
-    if n == 1 or not _OPENMP:
+    # vLLM's CPU worker replaces `torch.set_num_threads` in its process (its threads are bound to cores):
+    # an in-process CPU engine keeps its pool as vLLM set it
+    if n == 1 or not _OPENMP or not isinstance(torch.set_num_threads, BuiltinFunctionType):
         yield
         return
     torch.set_num_threads(1)
