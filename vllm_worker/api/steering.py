@@ -24,6 +24,7 @@ from pydantic import (
 from vllm_worker.protocol import ops as intervention
 from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number, int_list
+from vllm_worker.protocol.host_threads import one_thread
 from vllm_worker.protocol.wire import tensor_from_json, tensor_to_json
 
 # A tensor object inside a model_validate() input is bounded like one arriving over HTTP.
@@ -63,6 +64,17 @@ def no_unknown_fields(cls: type[BaseModel], data: Any) -> Any:
     return data
 
 
+def _plain(t: Any) -> bool:
+    """A dense tensor without autograd state or attributes of its own: `clone()` copies all it holds."""
+    return (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and not t.requires_grad
+        and t.grad_fn is None
+        and not t.__dict__
+    )
+
+
 class SteeringVector(BaseModel):
     """Vectors added to the residual stream after the listed decoder layers (or at another hook `point`).
 
@@ -96,10 +108,7 @@ class SteeringVector(BaseModel):
         1-D registered vector is added at every listed layer; otherwise as `activations`.
 
     Positional or keyword construction: `SteeringVector(v, [15], scale=4.0)`. Immutable (frozen); the
-    plugin never modifies it and copies it when the request is submitted. `copy.deepcopy` returns the
-    object itself, as for other immutable values: vLLM deep-copies every request's sampling parameters
-    before the plugin reads them, and copying the tensors there would be wasted (modify a clone of
-    `activations`, never the tensor of a vector already built).
+    plugin never modifies it and copies it when the request is submitted.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
@@ -135,13 +144,22 @@ class SteeringVector(BaseModel):
             **kwargs,
         )
 
-    def __deepcopy__(self, memo: dict | None = None) -> "SteeringVector":
-        return self
-
     @model_validator(mode="before")
     @classmethod
     def _no_unknown_fields(cls, data: Any) -> Any:
         return no_unknown_fields(cls, data)
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> SteeringVector:
+        """pydantic's deep copy, its tensor copy in one thread: vLLM deep-copies each request's sampling
+        params (and so this vector) on the submitting thread, where torch's thread pool costs more than
+        the copy (protocol/host_threads.py). A plain tensor is cloned directly (torch's `__deepcopy__`
+        enters no_grad and copies the whole storage: slow on a busy host), handed to pydantic through memo."""
+        memo = {} if memo is None else memo
+        acts = self.activations
+        with one_thread():
+            if acts is not None and _plain(acts) and id(acts) not in memo:
+                memo[id(acts)] = acts.clone()
+            return super().__deepcopy__(memo)
 
     @field_validator("activations", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from vllm_worker.envs import limit
 from vllm_worker.frontend.state import FrontendState, Pending, engine_shape, engine_state, pending_of
 from vllm_worker.frontend.validation import parse_request
 from vllm_worker.frontend.vectors import resolve as resolve_vectors
+from vllm_worker.protocol.host_threads import one_thread
 from vllm_worker.protocol.spec import (
     ACTIVATIONS_KEY,
     CAPTURE_KEY,
@@ -27,7 +28,13 @@ from vllm_worker.transport import result_views, shm
 
 
 def on_new_request(processor: Any, request_id: str, req: Any) -> Any:
-    """Called with vLLM's private `EngineCoreRequest` (its SamplingParams are already a clone)."""
+    """Called with vLLM's private `EngineCoreRequest` (its SamplingParams are already a clone). Its vectors'
+    copies, checks and encoding run in one thread: cheaper than waking torch's pool (host_threads)."""
+    with one_thread():
+        return _on_new_request(processor, request_id, req)
+
+
+def _on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     sp = getattr(req, "sampling_params", None)
     if sp is None or not has_lens_keys(sp.extra_args):
         return req
