@@ -25,7 +25,7 @@ from vllm_worker.probes.format import Probe, check_probe
 from vllm_worker.protocol.points import canonical_site
 from vllm_worker.protocol.wire import tensor_from_bytes
 from vllm_worker.worker.device_copy import to_device
-from vllm_worker.worker.step_records import WHOLE_RECORDS, Span, StepRecord, latest_np
+from vllm_worker.worker.step_records import Span, StepRecord, latest_np
 from vllm_worker.worker.stream_rows import stream_rows
 
 PROBE_COUNTS = {"rows": 0, "projections": 0}  # rows this process scored, matmuls it ran (tests, benchmarks)
@@ -233,12 +233,6 @@ def _since(pieces: list[tuple[np.ndarray, np.ndarray]], start: int) -> list:
     return pieces[i:]
 
 
-def fetch_cache() -> dict:
-    """One fetch's (or progress RPC's) `cache` for `payload`: each score record is copied to the host once,
-    whole, and every request's rows are cut from that copy — not one device read per request and record."""
-    return {WHOLE_RECORDS: True}
-
-
 def payload(
     got: dict[str, ProbeScores], start: int = 0, running: bool = False, cache: dict | None = None
 ) -> dict[str, dict[str, Any]]:
@@ -246,10 +240,10 @@ def payload(
     the layers' parts added, then the bias, then the sigmoid for `output: sigmoid`. `running`: a request still
     generating (`LensRuntime.probe_progress`): only positions from `start` on, and a probe with nothing
     scored yet is left out instead of being an error. `cache`: shared by the requests of one fetch or
-    progress RPC (`fetch_cache`: each record read to the host once); by default one request's own. Numpy
-    on the host copies: a request costs a few array operations per probe, not a device read each."""
+    progress RPC (each record read to the host once, whole: `Span.host_rows`); by default one request's own.
+    Numpy on the host copies: a request costs a few array operations per probe, not a device read each."""
     out = {}
-    cache = fetch_cache() if cache is None else cache
+    cache = {} if cache is None else cache
     for name, slot in got.items():
         pos: np.ndarray | None = None
         total: np.ndarray | None = None

@@ -102,9 +102,10 @@ class Span:
             vals = vals[:, self.cols] if isinstance(self.cols, slice) else vals.index_select(1, self.cols)
         return [(pos, vals)]
 
-    def _rows_of_whole(self, k: Any, cache: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This span's rows cut from a host copy of the whole record, made once per `cache` (a progress
-        RPC serving every streaming request at once: one copy per record, not one per request)."""
+    def _whole(self, k: Any, cache: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The record's positions (steps, rows) and block `k` (steps, rows, columns) on the host, copied once
+        per `cache` (one fetch or progress RPC: one copy per record for every request in it, not one per
+        request); None when nothing was filed."""
         ck = (id(self.record), k)
         whole = cache.get(ck)
         if whole is None:
@@ -115,27 +116,25 @@ class Span:
                 torch.cat([p for p, _ in parts]).to("cpu", torch.int64),
                 torch.cat([v for _, v in parts]).to("cpu"),
             )
+        return whole
+
+    def _rows_of_whole(self, k: Any, cache: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This span's rows of block `k`, cut from the record's host copy (`_whole`)."""
+        whole = self._whole(k, cache)
+        if whole is None:
+            return None
         pos, vals = whole
         return pos[:, self.r0 : self.r1].reshape(-1), vals[:, self.r0 : self.r1].reshape(-1, vals.shape[-1])
 
     def host_rows(self, cache: dict) -> tuple[np.ndarray, np.ndarray] | None:
-        """This span's (positions (m,), values (m, k)) as numpy arrays cut from one host copy of its whole
-        record, made once per `cache` (one fetch or progress RPC, for every request in it): a request's part
-        is then a few array slices, not device reads and torch calls per request. Float32 / int64 blocks
-        (probe scores); None when nothing was filed."""
-        ck = (id(self.record), self.key, "numpy")
-        whole = cache.get(ck)
-        if whole is None:
-            parts = [(pos[:f], blocks[self.key][:f]) for pos, blocks, f in self.record.chunks if f]
-            if not parts:
-                return None
-            whole = cache[ck] = (
-                torch.cat([p for p, _ in parts]).to("cpu", torch.int64).numpy(),
-                torch.cat([v for _, v in parts]).to("cpu").numpy(),
-            )
-        pos, vals = whole
-        p = pos[:, self.r0 : self.r1].reshape(-1)
-        v = vals[:, self.r0 : self.r1].reshape(-1, vals.shape[-1])
+        """This span's (positions (m,), values (m, k)) as numpy arrays over the record's host copy
+        (`_whole`, whatever `cache` says of WHOLE_RECORDS): a request's part is then a few array slices, not
+        device reads and torch calls per request. Float32 / int64 blocks (probe scores); None when nothing
+        was filed."""
+        got = self._rows_of_whole(self.key, cache)
+        if got is None:
+            return None
+        p, v = got[0].numpy(), got[1].numpy()
         return p, (v[:, self.cols] if isinstance(self.cols, slice) else v[:, self.cols.cpu().numpy()])
 
 
