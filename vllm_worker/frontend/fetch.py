@@ -16,6 +16,7 @@ from vllm_worker.counters import FETCH_BATCHES, FRONTEND_TIMINGS
 from vllm_worker.envs import limit
 from vllm_worker.frontend import mlp_post
 from vllm_worker.frontend.probe_results import probe_outputs
+from vllm_worker.frontend.round_trips import RoundTrips
 from vllm_worker.frontend.state import Pending, consumer_of, engine_state, pending_of, result_pools
 from vllm_worker.protocol import rpc
 from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
@@ -134,46 +135,20 @@ async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, in
     return merged
 
 
-class FetchBatcher:
+class FetchBatcher(RoundTrips[list[tuple[Pending, dict[int, int]]]]):
     """Fetches made at the same time through one async engine client (every response of an HTTP server
-    finishing in the same step) share their RPC round trips: each RPC is handled by the engine core between
-    steps, so one per response would queue hundreds behind each other. Fetches that arrive while an RPC is in
-    flight (and those of the same event-loop tick) go together in the next one; each caller gets its own
-    requests' results, and a failure of the round trip is every waiting caller's."""
+    finishing in the same step) share their RPC round trips (`round_trips`); each caller gets its own
+    requests' results. A caller cancelled meanwhile drops its results, which are then released."""
 
     def __init__(self, engine_client: Any) -> None:
+        super().__init__()
         self.engine = engine_client
-        self._queue: list[tuple[list[tuple[Pending, dict[int, int]]], asyncio.Future]] = []
-        self._draining = False
-        self._task: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
 
-    async def fetch(self, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._queue.append((todo, fut))
-        if not self._draining:
-            self._draining = True
-            self._task = asyncio.get_running_loop().create_task(self._drain())
-        return await fut
-
-    async def _drain(self) -> None:
-        try:
-            while self._queue:
-                await asyncio.sleep(0)  # the other responses finishing in this tick join this round trip
-                batch, self._queue = self._queue, []
-                FETCH_BATCHES["batches"] += 1
-                FETCH_BATCHES["fetches"] += len(batch)
-                try:
-                    merged = await fetch_async(self.engine, [item for todo, _ in batch for item in todo])
-                except Exception as e:  # noqa: BLE001 - each waiting caller handles it as its own failure
-                    for _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(e)
-                    continue
-                for todo, fut in batch:
-                    if not fut.done():  # (a caller cancelled meanwhile: its results are dropped, released)
-                        fut.set_result({p.key: merged[p.key] for p, _ in todo if p.key in merged})
-        finally:
-            self._draining = False
+    async def serve(self, asks: list[list[tuple[Pending, dict[int, int]]]]) -> list[dict[str, dict]]:
+        FETCH_BATCHES["batches"] += 1
+        FETCH_BATCHES["fetches"] += len(asks)
+        merged = await fetch_async(self.engine, [item for todo in asks for item in todo])
+        return [{p.key: merged[p.key] for p, _ in todo if p.key in merged} for todo in asks]
 
 
 async def fetch_batched(engine_client: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
@@ -181,7 +156,7 @@ async def fetch_batched(engine_client: Any, todo: list[tuple[Pending, dict[int, 
     state = engine_state(engine_client)
     if state.fetches is None:
         state.fetches = FetchBatcher(engine_client)
-    return await state.fetches.fetch(todo)
+    return await state.fetches.submit(todo)
 
 
 def release_results(engine: Any) -> int:

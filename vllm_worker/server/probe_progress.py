@@ -14,49 +14,43 @@ import time
 from typing import Any
 
 from vllm_worker import compat, counters, envs
+from vllm_worker.frontend.round_trips import RoundTrips
 from vllm_worker.protocol import rpc
 
 Ask = tuple[str, int, int]  # (request key, child, first position wanted)
 
 
-class ProgressBatcher:
-    """Gathers the asks of every stream of one engine client into one RPC at a time."""
+class ProgressBatcher(RoundTrips[list[Ask]]):
+    """Gathers the asks of every stream of one engine client into one RPC at a time (`round_trips`),
+    paced as the module says."""
 
     def __init__(self, engine: Any) -> None:
+        super().__init__()
         self.engine = engine
-        self._queue: list[tuple[list[Ask], asyncio.Future]] = []
-        self._draining = False
-        self._task: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
         self._wake: asyncio.Event | None = None  # set by a last chunk's ask: the pause ends at once
         self._hurry = False  # a last chunk's ask is queued: no pause before the next RPC
+        self._took = 0.0  # the last RPC's round trip
 
     async def ask(self, asks: list[Ask], last: bool = False) -> list[list]:
         """[key, child, payload] for these asks, from every worker that scores them. `last`: a stream's final
         chunk, sent with the next RPC without waiting for the pause."""
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._queue.append((asks, fut))
         if last:
             self._hurry = True
             if self._wake is not None:
                 self._wake.set()
-        if not self._draining:
-            self._draining = True
-            self._task = asyncio.get_running_loop().create_task(self._drain())
-        return await fut
+        return await self.submit(asks)
 
-    async def _drain(self) -> None:
+    async def serve(self, batch: list[list[Ask]]) -> list[list[list]]:
+        self._hurry = False  # (the asks queued so far, a last chunk's among them, go in this RPC)
+        t0 = time.perf_counter()
         try:
-            while self._queue:
-                await asyncio.sleep(0)  # the other streams' chunks of this tick join this RPC
-                batch, self._queue, self._hurry = self._queue, [], False
-                t0 = time.perf_counter()
-                await self._one_rpc(batch)
-                took = time.perf_counter() - t0
-                pause = pause_after(took)
-                counters.STREAM_PROGRESS["rpc_s"] += took
-                await self._pause(pause)
+            return await self._one_rpc(batch)
         finally:
-            self._draining = False
+            self._took = time.perf_counter() - t0
+            counters.STREAM_PROGRESS["rpc_s"] += self._took
+
+    async def after_round(self) -> None:
+        await self._pause(pause_after(self._took))
 
     async def _pause(self, seconds: float) -> None:
         """Wait `seconds`, or until a stream's last chunk asks; the time waited is counted."""
@@ -72,29 +66,19 @@ class ProgressBatcher:
             self._wake = None
             counters.STREAM_PROGRESS["pause_s"] += time.perf_counter() - t0
 
-    async def _one_rpc(self, batch: list[tuple[list[Ask], asyncio.Future]]) -> None:
+    async def _one_rpc(self, batch: list[list[Ask]]) -> list[list[list]]:
         first: dict[tuple[str, int], int] = {}
-        for asks, _ in batch:
+        for asks in batch:
             for key, child, start in asks:
                 first[(key, child)] = min(start, first.get((key, child), start))
         counters.STREAM_PROGRESS["rpcs"] += 1
-        counters.STREAM_PROGRESS["asks"] += sum(len(a) for a, _ in batch)
-        try:
-            answers = await compat.rpc_async(
-                self.engine, rpc.PROBE_PROGRESS, [(k, c, s) for (k, c), s in first.items()]
-            )
-        except Exception as e:  # noqa: BLE001 - each waiting stream handles it as its own failure
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
-            return
+        counters.STREAM_PROGRESS["asks"] += sum(len(a) for a in batch)
+        answers = await compat.rpc_async(self.engine, rpc.PROBE_PROGRESS, [(k, c, s) for (k, c), s in first.items()])
         by_request: dict[tuple[str, int], list[list]] = {}
         for answer in answers:
             for key, child, payload in answer or ():
                 by_request.setdefault((key, int(child)), []).append([key, int(child), payload])
-        for asks, fut in batch:
-            if not fut.done():  # a stream cancelled meanwhile (client gone) waits for nothing
-                fut.set_result([got for key, child, _ in asks for got in by_request.get((key, child), ())])
+        return [[got for key, child, _ in asks for got in by_request.get((key, child), ())] for asks in batch]
 
 
 def pause_after(took: float) -> float:
