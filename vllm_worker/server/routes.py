@@ -182,11 +182,13 @@ info_router = APIRouter(prefix="/v1/lens")
 WORKER_COUNTS = (
     "request_states",
     "steering_entries",
+    "steering_shared_chains",
     "probe_score_chunks",
     "action_slots",
     "action_requests",
     "action_stops",
 )
+WORKER_TOTALS = ("steer_table_full",)
 
 
 @info_router.get("/info")
@@ -215,13 +217,11 @@ async def info(request: Request):
         "result_regions": sum(st.get("result_regions", 0) for st in status),
         # captures admitted and not yet returned, at their largest (counted against VLLM_LENS_MAX_STORED_GB)
         "capture_bytes_in_flight": in_flight_bytes(compat.processor_of_engine_client(state.engine)),
-        # what the workers keep per running request (request states, steering entries, probe scores, probe
-        # actions' slots): 0 once requests leave — a worker sees a request leave at its next step
-        **{k: sum(st.get(k, 0) for st in status) for k in WORKER_COUNTS},
-        # the graph-safe steering table: chains shared by identical entries (held while requests run), and
-        # how many times a request did not fit and took the Python path (cumulative: raise VLLM_LENS_STEER_MB)
-        "steering_shared_chains": sum(st.get("steering_shared_chains", 0) for st in status),
-        "steer_table_full": sum(st.get("steer_table_full", 0) for st in status),
+        # what the workers keep per running request (request states, steering entries and the chains they
+        # share, probe scores, probe actions' slots): 0 once requests leave — a worker sees a request leave
+        # at its next step; and what they counted since start (requests that found the steering table full
+        # and took the Python path: raise VLLM_LENS_STEER_MB)
+        **{k: sum(st.get(k, 0) for st in status) for k in WORKER_COUNTS + WORKER_TOTALS},
         "limits": envs.limits(),
         # streaming with probe scores: progress RPCs sent and the chunks they served (one RPC serves many)
         "stream_progress": dict(counters.STREAM_PROGRESS),
