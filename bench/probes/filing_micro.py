@@ -29,9 +29,23 @@ from vllm_worker.worker.request_results import RequestResults
 D, LAYERS, D_SAE = 128, (2, 4, 6, 8), 512
 
 
-def _gp(n: int) -> SimpleNamespace:
+def empty_plan(n: int) -> SimpleNamespace:
+    """What `probes.stage_probes` / `saes.stage_features` read of a graph plan of `n` batch rows."""
     e = np.zeros(0, dtype=np.int64)
     return SimpleNamespace(n=n, cap_rows=e, cap_cols=e, n_extra=0, probes={}, sae={})
+
+
+def probe_requests(n_req: int, n_probes: int, g: torch.Generator) -> tuple[list[SimpleNamespace], list[int]]:
+    """`n_req` requests scoring probes "m8_0" .. (two a site at LAYERS: W10's shape), loaded on a CPU worker;
+    and their sites, sorted."""
+    wp = probes.WorkerProbes(torch.device("cpu"), frozenset(range(16)))
+    for j in range(n_probes):
+        w = torch.randn(1, D, generator=g)
+        wire = {"layers": [LAYERS[j // 2]], "point": "resid_post", "output": "logit", "weight": tensor_to_bytes(w)}
+        wp.load(f"m8_{j}", f"u{j}", wire)
+    uses = wp.uses([{"probe": f"m8_{j}", "uid": f"u{j}"} for j in range(n_probes)])
+    sites = sorted({s for u in uses for s in u.weights})
+    return [SimpleNamespace(probes=uses, sae=[], store=RequestResults([])) for _ in range(n_req)], sites
 
 
 def _time_steps(fn: object, gp: SimpleNamespace, steps: int, n: int) -> float:
@@ -50,17 +64,10 @@ def _time_steps(fn: object, gp: SimpleNamespace, steps: int, n: int) -> float:
 def main(n_req: int, steps: int, n_probes: int = 8) -> dict:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(1)
-    wp = probes.WorkerProbes(torch.device("cpu"), frozenset(range(16)))
-    for j in range(n_probes):
-        w = torch.randn(1, D, generator=g)
-        wire = {"layers": [LAYERS[j // 2]], "point": "resid_post", "output": "logit", "weight": tensor_to_bytes(w)}
-        wp.load(f"m8_{j}", f"u{j}", wire)
-    uses = wp.uses([{"probe": f"m8_{j}", "uid": f"u{j}"} for j in range(n_probes)])
-    sites = sorted({s for u in uses for s in u.weights})
-    reqs = [SimpleNamespace(probes=uses, sae=[], store=RequestResults([])) for _ in range(n_req)]
+    reqs, sites = probe_requests(n_req, n_probes, g)
     items = [(r, i, i + 1) for i, r in enumerate(reqs)]
     col = {s: i for i, s in enumerate(sites)}
-    gp = _gp(n_req)
+    gp = empty_plan(n_req)
     probes.stage_probes(gp, {s: list(items) for s in sites}, col, lambda it: np.array([s for _, s, _ in it]))
     file_s = _time_steps(probes.scores_from_stage, gp, steps, n_req)
     t0 = time.perf_counter()
@@ -81,7 +88,7 @@ def main(n_req: int, steps: int, n_probes: int = 8) -> dict:
         for _ in range(n_req)
     ]
     sitems = [(r, i, i + 1) for i, r in enumerate(sreqs)]
-    gp = _gp(n_req)
+    gp = empty_plan(n_req)
     saes.stage_features(gp, {}, {site: sitems}, col)
     sae_s = _time_steps(saes.features_from_stage, gp, steps, n_req)
     t0 = time.perf_counter()

@@ -16,36 +16,23 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from filing_micro import D, empty_plan, probe_requests  # (bench/probes: beside this script)
 
 from vllm_worker.frontend.probe_results import probe_outputs
-from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.worker import fetch, probes
-from vllm_worker.worker.request_results import RequestResults
 
-D, LAYERS, PROMPT, STEPS = 128, (2, 4, 6, 8), 30, 128
-
-
-def _gp(n: int) -> SimpleNamespace:
-    e = np.zeros(0, dtype=np.int64)
-    return SimpleNamespace(n=n, cap_rows=e, cap_cols=e, n_extra=0, probes={}, sae={})
+PROMPT, STEPS = 30, 128
 
 
 def _filed(n_req: int, n_probes: int) -> list[SimpleNamespace]:
     """Requests whose scores were filed as the engine does: one prefill composition (PROMPT rows each),
     then one decode composition (a row each) for STEPS steps."""
     g = torch.Generator().manual_seed(1)
-    wp = probes.WorkerProbes(torch.device("cpu"), frozenset(range(16)))
-    for j in range(n_probes):
-        w = torch.randn(1, D, generator=g)
-        wire = {"layers": [LAYERS[j // 2]], "point": "resid_post", "output": "logit", "weight": tensor_to_bytes(w)}
-        wp.load(f"m8_{j}", f"u{j}", wire)
-    uses = wp.uses([{"probe": f"m8_{j}", "uid": f"u{j}"} for j in range(n_probes)])
-    sites = sorted({s for u in uses for s in u.weights})
+    reqs, sites = probe_requests(n_req, n_probes, g)
     col = {s: i for i, s in enumerate(sites)}
-    reqs = [SimpleNamespace(probes=uses, sae=[], store=RequestResults([])) for _ in range(n_req)]
     for width in (PROMPT, 1):
         items = [(r, i * width, (i + 1) * width) for i, r in enumerate(reqs)]
-        gp = _gp(n_req * width)
+        gp = empty_plan(n_req * width)
         probes.stage_probes(
             gp, {s: list(items) for s in sites}, col, lambda it: np.concatenate([np.arange(a, b) for _, a, b in it])
         )
