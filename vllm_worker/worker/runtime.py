@@ -33,7 +33,6 @@ from vllm_worker.worker import (
     probes,
     saes,
     seams,
-    step_records,
     taps,
     tp_wide,
 )
@@ -481,7 +480,7 @@ class LensRuntime:
         out: list = []
         if not self.capturing_rank:
             return out
-        cache: dict = {step_records.WHOLE_RECORDS: True}  # each record copied to the host once for all
+        cache: dict = {}  # shared: each record copied to the host once for all (`Span.host_rows`)
         for key, child, start in wanted:
             st = self.store.peek(key, child)
             if st is not None and st.probes and st.error is None:
