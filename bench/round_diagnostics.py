@@ -16,6 +16,7 @@ from typing import Any
 
 # step counters shown per round (cumulative in the worker; worker.py records each run's difference)
 STEP_KEYS = ("graph_steps", "python_steps", "plan_s", "forward_s", "after_s", "admit_s")
+DEVICE_KEYS = ("dev_fwd_s", "dev_between_s", "med_step_ms", "med_host_fwd_ms", "med_dev_fwd_ms", "med_dev_between_ms")
 # what the worker holds for live requests (each back to 0 once they leave, seen at the next step)
 HELD_KEYS = ("request_states", "steering_entries", "probe_score_chunks", "action_slots", "stored_requests")
 
@@ -85,8 +86,9 @@ def render(result: dict) -> list[str]:
                 held = "/".join(_num(after.get(k)) for k in HELD_KEYS)
                 held2 = "/".join(_num(settled.get(k)) for k in HELD_KEYS)
                 split = "/".join(_num(span.get(k)) for k in ("lead_s", "loop_s", "tail_s"))
+                dev = "/".join(_num(span.get(k)) for k in DEVICE_KEYS) if "dev_fwd_s" in span else "-"
                 rows.append(
-                    f"| {w} | {i} | {_num(r.get('wall'))} | {split} | {steps} | {held} | {held2} | "
+                    f"| {w} | {i} | {_num(r.get('wall'))} | {split} | {steps} | {dev} | {held} | {held2} | "
                     f"{_num(fe.get('pending'))} / {_num(fe.get('py_objects'))} |"
                 )
         if not rows:
@@ -94,11 +96,17 @@ def render(result: dict) -> list[str]:
         lines += [
             f"### Per round: {system}",
             "",
-            "Steps: " + "/".join(STEP_KEYS) + " (this run's share). Held: " + "/".join(HELD_KEYS) + " after the run,"
+            "Steps: "
+            + "/".join(STEP_KEYS)
+            + " (this run's share). Device (`VLLM_LENS_GPU_CLOCK`): "
+            + "/".join(DEVICE_KEYS)
+            + " (medians over decode steps). Held: "
+            + "/".join(HELD_KEYS)
+            + " after the run,"
             " then after one plain 1-token request (settled: should be 0 / 0 / 0 / 0 / 0 or the one request).",
             "",
-            "| workload | round | wall s | lead/loop/tail s | steps | held after | held settled | frontend pending / objects |",
-            "|---|---|---|---|---|---|---|---|",
+            "| workload | round | wall s | lead/loop/tail s | steps | device | held after | held settled | frontend pending / objects |",
+            "|---|---|---|---|---|---|---|---|---|",
             *rows,
             "",
         ]

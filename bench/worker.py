@@ -413,6 +413,30 @@ def split_wall(clock: list, t0: float, t1: float) -> dict | None:
         # last one's (against the same stretch of wall): below it, that thread waited (GIL, device, queue)
         out["loop_cpu_s"] = round(mine[-1][2] - mine[0][2], 4)
         out["loop_to_last_start_s"] = round(mine[-1][0] - first, 4)
+    out.update(device_split(mine))
+    return out
+
+
+def device_split(mine: list) -> dict:
+    """With `VLLM_LENS_GPU_CLOCK=1` (entries carry device ms): the loop's device time inside forwards and
+    between them, and per decode step (all but the first 3) the medians of: host start-to-start, host time
+    inside the forward, device time of the forward, device time from its end to the next forward's start."""
+    if not mine or len(mine[0]) < 5:
+        return {}
+    import statistics
+
+    gaps = [c[4] for c in mine[:-1] if c[4] is not None]
+    dec = mine[3:] if len(mine) > 6 else mine
+    med = statistics.median
+    out = {
+        "dev_fwd_s": round(sum(c[3] for c in mine) / 1e3, 4),
+        "dev_between_s": round(sum(gaps) / 1e3, 4),
+        "dev_fwd_first3_ms": [round(c[3], 2) for c in mine[:3]],
+        "med_step_ms": round(1e3 * med(b[0] - a[0] for a, b in zip(dec, dec[1:])), 3) if len(dec) > 1 else None,
+        "med_host_fwd_ms": round(1e3 * med(c[1] - c[0] for c in dec), 3),
+        "med_dev_fwd_ms": round(med(c[3] for c in dec), 3),
+        "med_dev_between_ms": round(med(c[4] for c in dec[:-1] if c[4] is not None), 3) if len(dec) > 1 else None,
+    }
     return out
 
 

@@ -284,6 +284,14 @@ SETTINGS: dict[str, Setting] = {
             unit="ms",
         ),
         Setting(
+            "VLLM_LENS_GPU_CLOCK",
+            bool,
+            False,
+            "benchmarks only: time each forward pass on the device too (CUDA events around it, read when "
+            "`lens_forward_clock` is asked), so a run's extra wall time can be told apart into device work and "
+            "host work (read at start-up)",
+        ),
+        Setting(
             "VLLM_LENS_INJECT_FAULT",
             str,
             None,

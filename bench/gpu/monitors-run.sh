@@ -79,6 +79,8 @@ bench)
   source .gpu/dev/env.sh
   [ -d /root/site/vllm ] || { echo "vLLM not staged (run the check call first)"; exit 1; }
   rm -rf /root/lens && python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/lens . >/dev/null || exit 1
+  # device time per forward in the lens engines' clock (bench/worker.py device_split), for where the time goes
+  export VLLM_LENS_GPU_CLOCK=${VLLM_LENS_GPU_CLOCK:-1}
   export BENCH_LENS_POINTS=mlp_post BENCH_W0_END=${BENCH_W0_END:-2} REPEATS=${REPEATS:-3} OUT="$O"
   T0=$(date +%s)
   timeout "${BENCH_TIMEOUT:-560}" bash bench/gpu.sh --models "gpu-monitors=$PWD/.gpu/model" > "$O/bench.log" 2>&1

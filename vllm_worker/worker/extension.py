@@ -13,7 +13,7 @@ from typing import Any, Callable
 from vllm_worker import compat, counters
 from vllm_worker.protocol import errors, rpc
 from vllm_worker.transport import shm
-from vllm_worker.worker import seams
+from vllm_worker.worker import gpu_clock, seams
 from vllm_worker.worker.params import UnknownParameter
 from vllm_worker.worker.runtime import LensRuntime
 
@@ -191,8 +191,9 @@ class LensWorkerExtension:
         return self._lens_rt().status()
 
     def lens_forward_clock(self) -> list:
-        """(start, end, thread CPU at start) of the latest forward passes (diagnostics: `counters.FORWARD_CLOCK`)."""
-        return list(counters.FORWARD_CLOCK)
+        """(start, end, thread CPU at start[, device ms of the forward, device ms to the next]) of the latest
+        forward passes (diagnostics: `counters.FORWARD_CLOCK`, `gpu_clock`)."""
+        return gpu_clock.resolve(list(counters.FORWARD_CLOCK))
 
     def lens_rusage(self) -> dict:
         """Cumulative CPU use of this worker (diagnostics for benchmarks): the process, the thread that runs

@@ -29,6 +29,7 @@ from vllm_worker.worker import (
     actions,
     edits,
     faults,
+    gpu_clock,
     graph,
     probes,
     saes,
@@ -106,6 +107,7 @@ class LensRuntime:
         self.capturing_rank = self.tp_rank == 0
         p = next(self.model.parameters())
         self.device = p.device
+        self._gpu_clock = gpu_clock.enabled(self.device)  # benchmarks: device time of each forward
         self.dtype = p.dtype if p.is_floating_point() else torch.float32
         self._reqs: dict[str, RequestState | None] = {}
         self.store = CaptureStore(self.device)
@@ -350,11 +352,13 @@ class LensRuntime:
         # outside forwards (vLLM capturing graphs right after load) they act for the latest loaded
         prev_graph = taps.set_graph(self.graph)
         t, cpu = time.monotonic(), time.thread_time()
+        ev = gpu_clock.mark() if self._gpu_clock else None
         try:
             return self._forward(orig, args, kwargs)
         finally:
             taps.set_graph(prev_graph)
-            counters.FORWARD_CLOCK.append((t, time.monotonic(), cpu))
+            end = time.monotonic()
+            counters.FORWARD_CLOCK.append((t, end, cpu) if ev is None else (t, end, cpu, ev, gpu_clock.mark()))
 
     def _forward(self, orig: Any, args: tuple, kwargs: dict) -> Any:
         plan = self._current_plan()
