@@ -46,6 +46,7 @@ class ActionStep:
     settled_slots: torch.Tensor | None = None  # all "token" actions: once all fired, nothing a step does changes
     settled_read: tuple[torch.Tensor, Any] | None = None  # (host flag, its copy's event): last step's "all fired"
     settled: bool = False  # every action of the composition fired: its steps skip the fold (`observe`)
+    uses: list[ActionUse] | None = None  # its actions (marked `final` once settled)
 
 
 def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], graph: bool) -> ActionStep:
@@ -63,11 +64,14 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
         wr: list[int] = []
         pr: list[int] = []
         k = 0
-        for r, s, e in items:
-            n = int(np.count_nonzero((rows >= s) & (rows < e)))  # as staged (its actions may have failed since)
+        # each request's rows as staged (its actions may have failed since), counted at once
+        ranked = np.sort(rows)
+        ends = np.searchsorted(ranked, [(s, e) for _, s, e in items]) if items else np.zeros((0, 2), np.int64)
+        for (r, _, _), (lo, hi) in zip(items, ends.tolist()):
+            n = hi - lo
             for u in r.acts:
                 w = u.sites.get(site)
-                if w is None or u.freed:
+                if w is None or u.freed or u.final:  # (a final action: nothing a step does changes it)
                     continue
                 for j in range(n):
                     g = pairs.setdefault((id(u), j), len(p_use))
@@ -87,7 +91,7 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
             sites.append(SiteParts(site, xrow, w, None if ident else _t(pr, dev), off_t))
     if sites and sites[0].pair is None and len(pairs) != len(sites[0].w):
         sites[0].pair = torch.arange(len(sites[0].w), device=dev)  # (later sites added pairs)
-    uses = list({id(u): u for r in _requests(per_site) for u in r.acts if not u.freed}.values())
+    uses = list({id(u): u for r in _requests(per_site) for u in r.acts if not (u.freed or u.final)}.values())
     rounds: list[Round] = []
     js = np.asarray(p_j, dtype=np.int64)
     for j in range(int(js.max()) + 1 if len(js) else 0):
@@ -117,16 +121,22 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
     )
     if p_use and all(u.kind == TOKEN for u in uses):  # (a fired "token" action's outcome is final)
         step.settled_slots = _t([u.slot for u in uses], dev)
+        step.uses = uses
+    step.settled = not uses  # every action of the composition is final already: its steps do nothing
     return step
 
 
 def current(table: ActionTable, plan: Any) -> ActionStep:
-    """The plan's step indices, made on its first step (again after a slot of the table was freed)."""
+    """The plan's step indices, made on its first step (again after a slot of the table was freed), for its
+    actions not yet final."""
     step = plan.act_step
     if step is None or step.generation != table.generation:
+        # the composition before: its actions that all fired are final, and left out of this one's
+        for before in {id(s): s for s in (step, table.last_step) if s is not None}.values():
+            settled(before)
         gp = plan.graph
         step = make(table, gp.act if gp is not None else plan.act_rows, gp is not None)
-        plan.act_step = step
+        plan.act_step = table.last_step = step
     return step
 
 
@@ -194,6 +204,9 @@ def settled(step: ActionStep) -> bool:
         return False
     step.settled_read = None
     step.settled = bool(host[0])
+    if step.settled:  # for good: later compositions leave these actions out (`make`)
+        for u in step.uses or ():
+            u.final = True
     return step.settled
 
 
