@@ -111,10 +111,10 @@ def test_token_actions_fold_all_rows_at_once():
 
 
 def test_fired_token_actions_are_left_out_of_later_compositions():
-    """Requests arriving over several compositions (as a batch fills): once a composition's "token" actions
-    all fired (its flag, read when the next composition is made), they are final — later compositions make
-    their indices and fold only for the others, their gate and outcome stay — while an EMA action, or a token
-    action not fired, is never final; a composition of final actions only does nothing at all."""
+    """Requests arriving over several compositions (as a batch fills): a "token" action that fired (its flag,
+    read at the composition's next step or when the next composition is made) is final — later compositions
+    make their indices and fold only for the others, its gate and outcome stay — while an EMA action, or a
+    token action not fired, is never final; a composition of final actions only does nothing at all."""
     from types import SimpleNamespace
 
     g = torch.Generator().manual_seed(2)
@@ -148,6 +148,13 @@ def test_fired_token_actions_are_left_out_of_later_compositions():
     fourth = run(reqs + [ema, late], 6)  # the same composition again: nothing became final
     assert not ema.acts[0].final and not late.acts[0].final and fourth.n_pairs == 2
     assert run(reqs, 7).settled  # only final actions: nothing to do, no indices made
+    # a composition where one action fires and another does not: the one that fired is final on its own
+    more = Req(table.uses("more", [_action(w, -1e9, TOKEN, 0.0)], frozenset({SITE}), 0))
+    table.flush()
+    mixed = run([late, more], 8)
+    assert mixed.n_pairs == 2 and mixed.settled_slots is not None
+    assert not action_step.settled(mixed) and more.acts[0].final and not late.acts[0].final
+    assert run([late, more], 9).n_pairs == 1  # (a new composition of the same requests: only `late`)
     fired = table.fired[[r.acts[0].slot for r in reqs]]
     pos = table.fire_pos[[r.acts[0].slot for r in reqs]]
     assert bool(fired.all()) and pos.tolist() == [3, 3, 4, 4]  # fired where they first folded, kept

@@ -44,7 +44,7 @@ class ActionStep:
     entries: tuple[torch.Tensor, torch.Tensor] | None  # (gated graph-path entries, their actions' slots)
     stops: tuple[list[ActionUse], torch.Tensor] | None  # (stop actions, their slots)
     settled_slots: torch.Tensor | None = None  # all "token" actions: once all fired, nothing a step does changes
-    settled_read: tuple[torch.Tensor, Any] | None = None  # (host flag, its copy's event): last step's "all fired"
+    settled_read: tuple[torch.Tensor, Any] | None = None  # (host flags, their copy's event): last step's "fired"
     settled: bool = False  # every action of the composition fired: its steps skip the fold (`observe`)
     uses: list[ActionUse] | None = None  # its actions (marked `final` once settled)
 
@@ -179,21 +179,22 @@ def observe(
         else:
             table.fold(s, pos, step.rounds)
     table.after_step(step.entries, entries_gate, step.stops)
-    if step.settled_slots is not None:
-        flag = table.fired.index_select(0, step.settled_slots).all().reshape(1)
-        if flag.device.type == "cuda":
-            host = torch.empty((1,), dtype=torch.bool, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
+    if step.settled_slots is not None:  # each action's "fired" on its way to the host (`settled`)
+        flags = table.fired.index_select(0, step.settled_slots)
+        if flags.device.type == "cuda":
+            host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
             step.settled_read = (host, ev)
         else:
-            step.settled_read = (flag, None)
+            step.settled_read = (flags, None)
 
 
 def settled(step: ActionStep) -> bool:
-    """Whether every action of the composition has fired for good, as the previous step's flag says (never
-    waits for it: a flag still on its way reads as not yet)."""
+    """Whether every action of the composition has fired for good, as the previous step's flags say (never
+    waits for them: flags still on their way read as not yet). Each action that fired is final from then on:
+    later compositions leave it out (`make`)."""
     if step.settled:
         return True
     read = step.settled_read
@@ -203,10 +204,11 @@ def settled(step: ActionStep) -> bool:
     if ev is not None and not ev.query():
         return False
     step.settled_read = None
-    step.settled = bool(host[0])
-    if step.settled:  # for good: later compositions leave these actions out (`make`)
-        for u in step.uses or ():
-            u.final = True
+    fired = host.numpy()
+    uses = step.uses or []
+    for i in np.flatnonzero(fired).tolist():  # (only those that fired: no pass over every request a step)
+        uses[i].final = True
+    step.settled = bool(fired.all())
     return step.settled
 
 
