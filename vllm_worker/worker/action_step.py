@@ -5,7 +5,10 @@ each score folds into, which steering entries take which action's gate, which st
 Why: vLLM reuses a plan for every decode step of an unchanged batch, so per-request Python per step (and
 host-to-device index uploads) would cost time proportional to the batch on every step; with the indices
 cached a step is a fixed number of launches per site and per round, no upload and no host sync. Whether
-a row is watched depends on the step's positions: that test runs on the device (`ActionTable.fold`)."""
+a row is watched depends on the step's positions: that test runs on the device (`ActionTable.fold`).
+A "token" action that fired is final (its outcome, gate and stop flag stay): compositions made after the
+host learnt it leave it out, so requests joining a batch over several steps do not rebuild and fold the
+earlier ones' actions again."""
 
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ class ActionStep:
     settled_slots: torch.Tensor | None = None  # all "token" actions: once all fired, nothing a step does changes
     settled_read: tuple[torch.Tensor, Any] | None = None  # (host flags, their copy's event): last step's "fired"
     settled: bool = False  # every action of the composition fired: its steps skip the fold (`observe`)
-    uses: list[ActionUse] | None = None  # its actions (marked `final` once settled)
+    uses: list[ActionUse] | None = None  # its actions, in `settled_slots` order (each `final` once it fired)
 
 
 def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], graph: bool) -> ActionStep:
@@ -131,7 +134,7 @@ def current(table: ActionTable, plan: Any) -> ActionStep:
     actions not yet final."""
     step = plan.act_step
     if step is None or step.generation != table.generation:
-        # the composition before: its actions that all fired are final, and left out of this one's
+        # the composition before: each of its actions that fired is final, and left out of this one
         for before in {id(s): s for s in (step, table.last_step) if s is not None}.values():
             settled(before)
         gp = plan.graph

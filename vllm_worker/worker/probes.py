@@ -9,9 +9,9 @@ and scored each step on the rows of the requests that name them, as SAE features
 Either way one matmul per site serves every request and probe of the step, written into the batch
 composition's record for that site (`SiteProbes`, `step_records`): a step's host work does not grow with
 requests or probes. On the graph-safe path sites alike in rows and columns share one batched matmul and
-one record (`StagedProbes`): nor does it grow with sites. A multi-layer probe is a sum of one projection per layer (mean / std folded into the
-weights: `Probe.folded`); the per-site parts are added, the bias added and the sigmoid applied when the
-request's scores are fetched (`payload`). Scores wait on the device (n_out floats a token) until then.
+one record (`StagedProbes`): nor does it grow with sites. A multi-layer probe is a sum of one projection
+per layer (mean / std folded into the weights: `Probe.folded`); the per-site parts are added, the bias
+added and the sigmoid applied when the request's scores are fetched (`payload`). Scores wait on the device (n_out floats a token) until then.
 """
 
 from __future__ import annotations
