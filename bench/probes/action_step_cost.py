@@ -10,7 +10,8 @@ With a small `--d` the device work (torch on the CPU) is small, so what is measu
 that never fire), `py_calls` (Python function calls per step, cProfile: load-independent),
 `aten_ops` (aten ops dispatched per step: on a GPU about one launch each), `make_ms` / `make_ops` (the
 once-per-composition index build, `action_step.make`) and `admit_ms` / `uses_ops` + `flush_ops` (admitting the `--n`
-requests' action slots: `ActionTable.uses` each, then the step's `flush`).
+requests' action slots: `ActionTable.uses` each, then the step's `flush`); `trickle8_ms` / `trickle8_ops`:
+the requests arriving over 8 compositions, a step each, then a decode step of them all (`trickle`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -135,10 +137,39 @@ def steady(n: int, d: int, steps: int, threshold: float) -> tuple[float, float, 
     return step_us, calls, ops.n, make_ms, make_ops.n
 
 
+def trickle(n: int, d: int, waves: int) -> tuple[float, int]:
+    """Requests arriving over `waves` compositions (each: every request so far; W11's requests reach the
+    engine over several steps), their actions firing at once: a step of each composition as
+    `runtime._observe` runs it (`current`, which makes its indices, then `observe` unless settled), then a
+    decode step of them all: total wall ms and aten ops."""
+    table, per_site, stage, gate = setup(n, d)
+    rows, _, items = per_site[SITE]
+    plans = [
+        SimpleNamespace(act_step=None, graph=SimpleNamespace(act={SITE: (rows[:m], rows[:m], items[:m])}))
+        for m in [n * (w + 1) // waves for w in range(waves)] + [n]
+    ]
+    t = time.perf_counter()
+    with CountOps() as ops:
+        for k, plan in enumerate(plans):
+            for j in range(1):
+                step = action_step.current(table, plan)
+                if action_step.settled(step):
+                    continue
+                pos = np.full(len(plan.graph.act[SITE][1]), 20 + 2 * k + j, dtype=np.int64)
+                xs = action_step.graph_rows(step, stage, 0)
+                positions = action_step.device_positions(torch.from_numpy(pos), pos, table.device)
+                action_step.observe(table, step, xs, positions, gate)
+    ms = (time.perf_counter() - t) * 1e3
+    assert bool(table.fired[:n].all()) and float(gate[:n].min()) == 1.0, "fired?"
+    return ms, ops.n
+
+
 def run(n: int, d: int, steps: int) -> dict:
     admit_ms, uses_ops, flush_ops = admit(n, d)
     step_us, calls, aten_ops, make_ms, make_ops = steady(n, d, steps, -1e9)
     watch_us, watch_calls, watch_ops, _, _ = steady(n, d, steps, 1e9)
+    trickle(n, d, 8)  # (warm-up)
+    trickle_ms, trickle_ops = trickle(n, d, 8)
     return {
         "n": n,
         "d": d,
@@ -151,6 +182,8 @@ def run(n: int, d: int, steps: int) -> dict:
         "watch_step_us": round(watch_us, 1),
         "watch_py_calls": watch_calls,
         "watch_aten_ops": watch_ops,
+        "trickle8_ms": round(trickle_ms, 2),
+        "trickle8_ops": trickle_ops,
         "admit_ms": round(admit_ms, 2),
         "uses_ops": uses_ops,
         "flush_ops": flush_ops,

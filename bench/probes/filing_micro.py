@@ -3,7 +3,8 @@ after-step calls (`probes.scores_from_stage`, `saes.features_from_stage`) on a s
 step after step as one batch composition runs, then every request's fetch (`payload`: alone, and as one
 fetch of them all sharing the records' host copies, `fetch.shared_records`) — on CPU tensors,
 without an engine, so the figure is the Python and dispatch cost the H200 run saw grow with requests x
-probes (bench/results/2026-12-04-h200-monitors.md §2), not compute.
+probes (bench/results/2026-12-04-h200-monitors.md §2), not compute; and the torch operations a steady step
+dispatches (views not counted): each a launch on CUDA, the H200 host's main per-step cost there.
 
 W10's shape by default: 256 requests x 8 probes (2 a site at 4 sites), 128 steps; SAE: one top-k (k=16)
 feature output per request at one site. Prints one JSON line.
@@ -20,6 +21,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.sae import Sae
@@ -27,6 +29,7 @@ from vllm_worker.worker import fetch, probes, saes
 from vllm_worker.worker.request_results import RequestResults
 
 D, LAYERS, D_SAE = 128, (2, 4, 6, 8), 512
+STAGE_DTYPE = torch.bfloat16  # the ring's rows are the model's dtype (bf16 on the H200)
 
 
 def empty_plan(n: int) -> SimpleNamespace:
@@ -48,17 +51,42 @@ def probe_requests(n_req: int, n_probes: int, g: torch.Generator) -> tuple[list[
     return [SimpleNamespace(probes=uses, sae=[], store=RequestResults([])) for _ in range(n_req)], sites
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the aten operations dispatched (a device launch each on CUDA, roughly: on the H200 host each
+    costs tens of microseconds, bench/results/2026-12-04-h200-sync-probe.jsonl)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func not in _VIEWS:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+# no kernel: views (and `.numpy()`'s detach)
+_VIEWS = {getattr(torch.ops.aten, n).default for n in ("narrow", "view", "t", "alias", "permute", "detach")}
+_VIEWS |= {torch.ops.aten.select.int, torch.ops.aten.slice.Tensor, torch.ops.aten.transpose.int}
+OPS: dict[str, int] = {}  # ops of one (steady) step, by the function timed
+
+
 def _time_steps(fn: object, gp: SimpleNamespace, steps: int, n: int) -> float:
     g = torch.Generator().manual_seed(0)
     total = gp.total = len(gp.cap_rows)  # (`plan.GraphPlan.total`)
-    stage = torch.randn(2 * total, D, generator=g)
+    stage = torch.randn(2 * total, D, generator=g).to(STAGE_DTYPE)
     t = 0.0
     for k in range(steps):
         pos = np.arange(n, dtype=np.int64) + 24 + k
+        if k == 4:  # (not a chunk's first step: chunks of 1, 2, 4 ... steps)
+            with _OpCount() as c:
+                fn(gp, stage, (k % 2) * total, pos)  # type: ignore[operator]
+            OPS[getattr(fn, "__name__", "?")] = c.n
+            continue
         t0 = time.perf_counter()
         fn(gp, stage, (k % 2) * total, pos)  # type: ignore[operator]
         t += time.perf_counter() - t0
-    return t
+    return t * steps / (steps - 1)
 
 
 def main(n_req: int, steps: int, n_probes: int = 8) -> dict:
@@ -106,9 +134,11 @@ def main(n_req: int, steps: int, n_probes: int = 8) -> dict:
         "sites": len(sites),
         "steps": steps,
         "probe_file_ms_per_step": round(1e3 * file_s / steps, 3),
+        "probe_file_ops_per_step": OPS.get("scores_from_stage"),
         "probe_fetch_ms_per_request": round(1e3 * fetch_s / n_req, 3),
         "probe_fetch_shared_ms_per_request": round(1e3 * fetch_shared_s / n_req, 3),
         "sae_file_ms_per_step": round(1e3 * sae_s / steps, 3),
+        "sae_file_ops_per_step": OPS.get("features_from_stage"),
         "sae_fetch_ms_per_request": round(1e3 * sae_fetch_s / n_req, 3),
         "sae_fetch_shared_ms_per_request": round(1e3 * sae_fetch_shared_s / n_req, 3),
     }

@@ -108,3 +108,55 @@ def test_token_actions_fold_all_rows_at_once():
     (rb,) = table.outcome(b.acts)
     assert ra2 == ra
     assert rb["fired"] and rb["position"] == 34 and rb["value"] == pytest.approx(b_rows[2], abs=1e-5)
+
+
+def test_fired_token_actions_are_left_out_of_later_compositions():
+    """Requests arriving over several compositions (as a batch fills): a "token" action that fired (its flag,
+    read at the composition's next step or when the next composition is made) is final — later compositions
+    make their indices and fold only for the others, its gate and outcome stay — while an EMA action, or a
+    token action not fired, is never final; a composition of final actions only does nothing at all."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(2)
+    table = ActionTable(D, torch.device("cpu"), n_slots=16)
+    w = torch.randn(D, generator=g)
+    reqs = [Req(table.uses(f"t{i}", [_action(w, -1e9, TOKEN, 0.0)], frozenset({SITE}), 0)) for i in range(4)]
+    ema = Req(table.uses("e", [_action(w, -1e9, EMA, 0.5)], frozenset({SITE}), 0))
+    late = Req(table.uses("late", [_action(w, 1e9, TOKEN, 0.0)], frozenset({SITE}), 0))  # never fires
+    for r in reqs + [ema, late]:
+        r.acts[0].entries = [r.acts[0].slot]
+    table.flush()
+    x = torch.randn(8, D, generator=g)
+    gate = torch.zeros(16)
+
+    def run(members: list, pos: int) -> action_step.ActionStep:
+        items = [(r, i, i + 1) for i, r in enumerate(members)]
+        rows = np.arange(len(items), dtype=np.int64)
+        plan = SimpleNamespace(act_step=None, graph=SimpleNamespace(act={SITE: (rows, rows, items)}))
+        step = action_step.current(table, plan)
+        if not action_step.settled(step):
+            action_step.observe(table, step, action_step.graph_rows(step, x, 0), torch.full((len(items),), pos), gate)
+        return step
+
+    first = run(reqs[:2], 3)  # both fire
+    assert first.n_pairs == 2 and not any(u.final for r in reqs for u in r.acts)
+    second = run(reqs[:4], 4)  # the first two are final now: only the new two are folded
+    assert [r.acts[0].final for r in reqs] == [True, True, False, False] and second.n_pairs == 2
+    third = run(reqs + [ema, late], 5)
+    assert all(r.acts[0].final for r in reqs) and third.n_pairs == 2  # ema, late
+    assert third.settled_slots is None  # (an EMA action: the composition never settles)
+    fourth = run(reqs + [ema, late], 6)  # the same composition again: nothing became final
+    assert not ema.acts[0].final and not late.acts[0].final and fourth.n_pairs == 2
+    assert run(reqs, 7).settled  # only final actions: nothing to do, no indices made
+    # a composition where one action fires and another does not: the one that fired is final on its own
+    more = Req(table.uses("more", [_action(w, -1e9, TOKEN, 0.0)], frozenset({SITE}), 0))
+    table.flush()
+    mixed = run([late, more], 8)
+    assert mixed.n_pairs == 2 and mixed.settled_slots is not None
+    assert not action_step.settled(mixed) and more.acts[0].final and not late.acts[0].final
+    assert run([late, more], 9).n_pairs == 1  # (a new composition of the same requests: only `late`)
+    fired = table.fired[[r.acts[0].slot for r in reqs]]
+    pos = table.fire_pos[[r.acts[0].slot for r in reqs]]
+    assert bool(fired.all()) and pos.tolist() == [3, 3, 4, 4]  # fired where they first folded, kept
+    assert gate[[r.acts[0].slot for r in reqs]].tolist() == [1.0] * 4
+    assert gate[late.acts[0].slot] == 0.0 and not bool(table.fired[late.acts[0].slot])

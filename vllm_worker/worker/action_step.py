@@ -5,7 +5,10 @@ each score folds into, which steering entries take which action's gate, which st
 Why: vLLM reuses a plan for every decode step of an unchanged batch, so per-request Python per step (and
 host-to-device index uploads) would cost time proportional to the batch on every step; with the indices
 cached a step is a fixed number of launches per site and per round, no upload and no host sync. Whether
-a row is watched depends on the step's positions: that test runs on the device (`ActionTable.fold`)."""
+a row is watched depends on the step's positions: that test runs on the device (`ActionTable.fold`).
+A "token" action that fired is final (its outcome, gate and stop flag stay): compositions made after the
+host learnt it leave it out, so requests joining a batch over several steps do not rebuild and fold the
+earlier ones' actions again."""
 
 from __future__ import annotations
 
@@ -44,8 +47,9 @@ class ActionStep:
     entries: tuple[torch.Tensor, torch.Tensor] | None  # (gated graph-path entries, their actions' slots)
     stops: tuple[list[ActionUse], torch.Tensor] | None  # (stop actions, their slots)
     settled_slots: torch.Tensor | None = None  # all "token" actions: once all fired, nothing a step does changes
-    settled_read: tuple[torch.Tensor, Any] | None = None  # (host flag, its copy's event): last step's "all fired"
+    settled_read: tuple[torch.Tensor, Any] | None = None  # (host flags, their copy's event): last step's "fired"
     settled: bool = False  # every action of the composition fired: its steps skip the fold (`observe`)
+    uses: list[ActionUse] | None = None  # its actions, in `settled_slots` order (each `final` once it fired)
 
 
 def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], graph: bool) -> ActionStep:
@@ -63,11 +67,14 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
         wr: list[int] = []
         pr: list[int] = []
         k = 0
-        for r, s, e in items:
-            n = int(np.count_nonzero((rows >= s) & (rows < e)))  # as staged (its actions may have failed since)
+        # each request's rows as staged (its actions may have failed since), counted at once
+        ranked = np.sort(rows)
+        ends = np.searchsorted(ranked, [(s, e) for _, s, e in items]) if items else np.zeros((0, 2), np.int64)
+        for (r, _, _), (lo, hi) in zip(items, ends.tolist()):
+            n = hi - lo
             for u in r.acts:
                 w = u.sites.get(site)
-                if w is None or u.freed:
+                if w is None or u.freed or u.final:  # (a final action: nothing a step does changes it)
                     continue
                 for j in range(n):
                     g = pairs.setdefault((id(u), j), len(p_use))
@@ -87,7 +94,7 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
             sites.append(SiteParts(site, xrow, w, None if ident else _t(pr, dev), off_t))
     if sites and sites[0].pair is None and len(pairs) != len(sites[0].w):
         sites[0].pair = torch.arange(len(sites[0].w), device=dev)  # (later sites added pairs)
-    uses = list({id(u): u for r in _requests(per_site) for u in r.acts if not u.freed}.values())
+    uses = list({id(u): u for r in _requests(per_site) for u in r.acts if not (u.freed or u.final)}.values())
     rounds: list[Round] = []
     js = np.asarray(p_j, dtype=np.int64)
     for j in range(int(js.max()) + 1 if len(js) else 0):
@@ -117,16 +124,22 @@ def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], 
     )
     if p_use and all(u.kind == TOKEN for u in uses):  # (a fired "token" action's outcome is final)
         step.settled_slots = _t([u.slot for u in uses], dev)
+        step.uses = uses
+    step.settled = not uses  # every action of the composition is final already: its steps do nothing
     return step
 
 
 def current(table: ActionTable, plan: Any) -> ActionStep:
-    """The plan's step indices, made on its first step (again after a slot of the table was freed)."""
+    """The plan's step indices, made on its first step (again after a slot of the table was freed), for its
+    actions not yet final."""
     step = plan.act_step
     if step is None or step.generation != table.generation:
+        # the composition before: each of its actions that fired is final, and left out of this one
+        for before in {id(s): s for s in (step, table.last_step) if s is not None}.values():
+            settled(before)
         gp = plan.graph
         step = make(table, gp.act if gp is not None else plan.act_rows, gp is not None)
-        plan.act_step = step
+        plan.act_step = table.last_step = step
     return step
 
 
@@ -169,21 +182,22 @@ def observe(
         else:
             table.fold(s, pos, step.rounds)
     table.after_step(step.entries, entries_gate, step.stops)
-    if step.settled_slots is not None:
-        flag = table.fired.index_select(0, step.settled_slots).all().reshape(1)
-        if flag.device.type == "cuda":
-            host = torch.empty((1,), dtype=torch.bool, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
+    if step.settled_slots is not None:  # each action's "fired" on its way to the host (`settled`)
+        flags = table.fired.index_select(0, step.settled_slots)
+        if flags.device.type == "cuda":
+            host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
             step.settled_read = (host, ev)
         else:
-            step.settled_read = (flag, None)
+            step.settled_read = (flags, None)
 
 
 def settled(step: ActionStep) -> bool:
-    """Whether every action of the composition has fired for good, as the previous step's flag says (never
-    waits for it: a flag still on its way reads as not yet)."""
+    """Whether every action of the composition has fired for good, as the previous step's flags say (never
+    waits for them: flags still on their way read as not yet). Each action that fired is final from then on:
+    later compositions leave it out (`make`)."""
     if step.settled:
         return True
     read = step.settled_read
@@ -193,7 +207,11 @@ def settled(step: ActionStep) -> bool:
     if ev is not None and not ev.query():
         return False
     step.settled_read = None
-    step.settled = bool(host[0])
+    fired = host.numpy()
+    uses = step.uses or []
+    for i in np.flatnonzero(fired).tolist():  # (only those that fired: no pass over every request a step)
+        uses[i].final = True
+    step.settled = bool(fired.all())
     return step.settled
 
 

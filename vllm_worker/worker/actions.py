@@ -47,6 +47,7 @@ class ActionUse:
     sigmoid: bool = False
     entries: list[int] | None = None  # graph-path steering entries this action gates
     freed: bool = False  # its slot went back
+    final: bool = False  # a "token" action that fired: its outcome, gate and stop flag stay (`action_step`)
 
 
 @dataclass
@@ -101,6 +102,7 @@ class ActionTable:
         self.rows_per_step = 1  # 1 + the runner's draft tokens (`compat.draft_tokens`)
         self.generation = 0  # counts frees: a step's cached indices (`action_step`) made before one are stale
         self.never = torch.zeros(1, **f32)  # the gate of a vector with no layer on this pipeline stage
+        self.last_step: Any = None  # the latest composition's `action_step.ActionStep` (its flag read at the next)
         self._free = list(range(n_slots - 1, -1, -1))
         self._wfree = list(range(2 * n_slots - 1, -1, -1))
         self._arange = torch.arange(MAX_WINDOW, device=device)

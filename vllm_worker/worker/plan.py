@@ -157,7 +157,7 @@ class GraphPlan:
     n_extra: int = 0  # staged rows after the captures, read on the device only (SAE features)
     sae: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `saes.stage_features`
     act: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, requests): `actions.stage`
-    probes: dict = field(default_factory=dict)  # site -> (stage slots, batch rows, SiteProbes): `probes.stage_probes`
+    probes: dict = field(default_factory=dict)  # sites -> `probes.StagedProbes` of them: `probes.stage_probes`
 
     @property
     def n_capture(self) -> int:

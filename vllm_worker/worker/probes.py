@@ -8,9 +8,10 @@ and scored each step on the rows of the requests that name them, as SAE features
 
 Either way one matmul per site serves every request and probe of the step, written into the batch
 composition's record for that site (`SiteProbes`, `step_records`): a step's host work does not grow with
-requests or probes. A multi-layer probe is a sum of one projection per layer (mean / std folded into the
-weights: `Probe.folded`); the per-site parts are added, the bias added and the sigmoid applied when the
-request's scores are fetched (`payload`). Scores wait on the device (n_out floats a token) until then.
+requests or probes. On the graph-safe path sites alike in rows and columns share one batched matmul and
+one record (`StagedProbes`): nor does it grow with sites. A multi-layer probe is a sum of one projection
+per layer (mean / std folded into the weights: `Probe.folded`); the per-site parts are added, the bias
+added and the sigmoid applied when the request's scores are fetched (`payload`). Scores wait on the device (n_out floats a token) until then.
 """
 
 from __future__ import annotations
@@ -89,11 +90,11 @@ class SiteProbes:
     record their scores go to (`step_records`): made at the composition's first step, with each request's
     spans (its rows, its probes' columns) — after that a step is one projection into the record."""
 
-    def __init__(self, site: int, items: list, weight: torch.Tensor, cols: dict) -> None:
+    def __init__(self, site: int, items: list, weight: torch.Tensor, cols: dict, key: tuple = ()) -> None:
         self.site, self.items, self.weight = site, items, weight
+        self.key = key  # (site, its probes' ids): `_STACKS`' key of `weight`
         self.cols: dict[tuple[str, str], tuple[int, int]] = cols  # (name, uid) -> its columns
-        self.record: StepRecord | None = None
-        self.slots: torch.Tensor | None = None  # graph-safe path: the rows' stage slots, on the device
+        self.record: StepRecord | None = None  # (Python path)
 
     @classmethod
     def of(cls, site: int, items: list) -> "SiteProbes":
@@ -107,24 +108,28 @@ class SiteProbes:
             n = u.weights[site].shape[0]
             cols[key] = (c, c + n)
             c += n
-        return cls(site, items, _stacked(site, tuple(used.values())), cols)
+        stack_key = (site, *(id(u) for u in used.values()))
+        return cls(site, items, _stacked(stack_key, tuple(used.values())), cols, stack_key)
 
     def file(self, x: torch.Tensor, pos: np.ndarray | torch.Tensor) -> None:
-        """Project rows `x` (the rows of `items`, in order) on every probe of the site at once, into this
-        step's row of the record."""
+        """Python path: project rows `x` (the rows of `items`, in order) on every probe of the site at once,
+        into this step's row of the record."""
         rec = self.record
         if rec is None:
-            rec = self.record = self._open(x.device)
+            rec = self.record = StepRecord(self.rows, {"scores": (self.weight.shape[0], torch.float32)}, x.device)
+            self.spans(rec, 0)
         out = rec.next(pos)["scores"]
         torch.mm(x.to(torch.float32), self.weight.T, out=out)
         PROBE_COUNTS["rows"] += x.shape[0]
         PROBE_COUNTS["projections"] += 1
 
-    def _open(self, device: torch.device) -> StepRecord:
-        """The composition's record, and each request's spans of it (once per composition)."""
-        rows = sum(e - s for _, s, e in self.items)
-        rec = StepRecord(rows, {"scores": (self.weight.shape[0], torch.float32)}, device)
-        off = 0
+    @property
+    def rows(self) -> int:
+        return sum(e - s for _, s, e in self.items)
+
+    def spans(self, rec: StepRecord, row0: int) -> None:
+        """Each request's spans of `rec`, whose rows from `row0` on are this site's (once per composition)."""
+        off = row0
         for r, s, e in self.items:
             n = e - s
             if r.store is not None:
@@ -136,6 +141,50 @@ class SiteProbes:
                             slot = r.store.probes[u.name] = ProbeScores(u)
                         slot.spans.setdefault(self.site, []).append(Span(rec, off, off + n, "scores", slice(c0, c1)))
             off += n
+
+
+class StagedProbes:
+    """Graph-safe path: the probe sites of a composition with as many rows and columns each, scored together
+    — one batched projection a step for all of them ((sites, rows, d) x (sites, d, columns)) into one record
+    whose rows are the sites' rows one site after another: a step's launches do not grow with sites. Their
+    staged rows are one slice of the ring when `stage_probes` gave them consecutive slots (no gather)."""
+
+    def __init__(self, parts: list[SiteProbes], slots: np.ndarray, rows: np.ndarray) -> None:
+        self.parts, self.slots = parts, slots
+        self.rows = rows  # the batch row of each record row (for the step's positions)
+        n = len(slots)
+        self.first: int | None = int(slots[0]) if n and np.array_equal(slots, slots[0] + np.arange(n)) else None
+        self.dev_slots: torch.Tensor | None = None  # (slots not consecutive) on the device, once
+        self.weight = _stacked_sites(parts)  # (cols, d) for one site; (sites, d, cols) for several
+        self.record: StepRecord | None = None
+
+    def file(self, stage: torch.Tensor, base: int, total: int, positions: np.ndarray) -> None:
+        """This step's scores of every part's staged rows (ring rows from `base`; `total` staged a step)."""
+        if self.first is not None:
+            x = stage.narrow(0, base + self.first, len(self.slots))
+        else:
+            if self.dev_slots is None:  # once per composition: a step only moves the ring's base
+                self.dev_slots = to_device(torch.from_numpy(self.slots), stage.device)
+            x = stage.narrow(0, base, total).index_select(0, self.dev_slots)
+        rec = self.record
+        if rec is None:
+            rec = self.record = self._open(stage.device)
+        out = rec.next(positions[self.rows])["scores"]
+        if len(self.parts) == 1:
+            torch.mm(x.to(torch.float32), self.weight.T, out=out)
+        else:
+            s, c = self.weight.shape[0], self.weight.shape[2]
+            torch.bmm(x.to(torch.float32).view(s, -1, x.shape[-1]), self.weight, out=out.view(s, -1, c))
+        PROBE_COUNTS["rows"] += x.shape[0]
+        PROBE_COUNTS["projections"] += 1
+
+    def _open(self, device: torch.device) -> StepRecord:
+        """The composition's record, and each request's spans of it at each site (once per composition)."""
+        rec = StepRecord(len(self.rows), {"scores": (self.parts[0].weight.shape[0], torch.float32)}, device)
+        row0 = 0
+        for sp in self.parts:
+            sp.spans(rec, row0)
+            row0 += sp.rows
         return rec
 
 
@@ -145,13 +194,27 @@ _STACKS: dict[tuple, torch.Tensor] = {}
 _MAX_STACKS = 64
 
 
-def _stacked(site: int, used: tuple[DeviceProbe, ...]) -> torch.Tensor:
-    key = (site, *(id(u) for u in used))
+def _stacked(key: tuple, used: tuple[DeviceProbe, ...]) -> torch.Tensor:
+    site = key[0]
     w = _STACKS.get(key)
     if w is None:
         if len(_STACKS) >= _MAX_STACKS:
             _STACKS.clear()
         w = _STACKS[key] = torch.cat([u.weights[site] for u in used]) if len(used) > 1 else used[0].weights[site]
+    return w
+
+
+def _stacked_sites(parts: list[SiteProbes]) -> torch.Tensor:
+    """The parts' weights as `StagedProbes.file` multiplies by them: one site's (cols, d); several sites'
+    (sites, d, cols), stacked once per set of sites and probes."""
+    if len(parts) == 1:
+        return parts[0].weight
+    key = ("sites", *(sp.key for sp in parts))
+    w = _STACKS.get(key)
+    if w is None:
+        if len(_STACKS) >= _MAX_STACKS:
+            _STACKS.clear()
+        w = _STACKS[key] = torch.stack([sp.weight for sp in parts]).transpose(1, 2)
     return w
 
 
@@ -179,16 +242,15 @@ def scores_at(site: int, plan: Any, hidden: torch.Tensor, residual: torch.Tensor
 def scores_from_stage(gp: Any, stage: torch.Tensor, base: int, positions: np.ndarray) -> None:
     """Graph-safe path, after the step: scores of the rows the kernel staged for them (on the device,
     before the ring is reused: later steps' kernels come after these on the same stream)."""
-    for slots, rows, sp in gp.probes.values():
-        if sp.slots is None:  # once per composition: a step only moves the ring's base
-            sp.slots = to_device(torch.from_numpy(slots), stage.device)
-        sp.file(stage.narrow(0, base, gp.total).index_select(0, sp.slots), positions[rows])
+    for group in gp.probes.values():
+        group.file(stage, base, gp.total, positions)
 
 
 def stage_probes(gp: Any, probe_rows: dict, col: dict[int, int], rows_of: Any) -> None:
     """Graph-safe plan: the rows each probe site reads, staged by the kernel. A row already staged at that
     site (a capture, an SAE's) lends its slot — a row has one slot per site in the table; the others get
-    slots after everything staged so far (`gp.n_extra`: never copied to the host)."""
+    slots after everything staged so far (`gp.n_extra`: never copied to the host). Sites with as many rows
+    and columns are scored together (`StagedProbes`), their slots consecutive when none was lent."""
     if not probe_rows:
         return
     width = gp.n + 1
@@ -197,6 +259,7 @@ def stage_probes(gp: Any, probe_rows: dict, col: dict[int, int], rows_of: Any) -
     sorted_keys = keys[order]
     total = len(keys)
     extra_rows, extra_cols = [gp.cap_rows], [gp.cap_cols]
+    shapes: dict[tuple[int, int], list] = {}  # (rows, columns) -> [(slots, rows, SiteProbes)] of its sites
     for site, items in probe_rows.items():
         rows = rows_of(items)
         c = col[site]
@@ -210,7 +273,12 @@ def stage_probes(gp: Any, probe_rows: dict, col: dict[int, int], rows_of: Any) -
         total += k
         extra_rows.append(rows[new])
         extra_cols.append(np.full(k, c))
-        gp.probes[site] = (slots, rows, SiteProbes.of(site, items))
+        sp = SiteProbes.of(site, items)
+        shapes.setdefault((len(rows), sp.weight.shape[0]), []).append((slots, rows, sp))
+    for parts in shapes.values():
+        slots = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        rows = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        gp.probes[tuple(p[2].site for p in parts)] = StagedProbes([p[2] for p in parts], slots, rows)
     added = total - len(keys)
     gp.cap_rows = np.concatenate(extra_rows).astype(np.int64)
     gp.cap_cols = np.concatenate(extra_cols).astype(np.int64)
