@@ -52,6 +52,33 @@ def chosen(n: int, prompt_len: int, positions: Any) -> torch.Tensor | slice:
     return torch.tensor([p for p in positions if p < n], dtype=torch.long)
 
 
+def _plain(obj: Any) -> bool:
+    """A float32 (n, n_out) score object whose bytes match its shape (anything else: `tensor_from_bytes`)."""
+    if not isinstance(obj, dict) or obj.get("dtype") != "float32" or not isinstance(obj.get("data"), bytes):
+        return False
+    shape = obj.get("shape")
+    return (
+        isinstance(shape, list)
+        and len(shape) == 2
+        and all(type(n) is int and n >= 0 for n in shape)
+        and len(obj["data"]) == 4 * shape[0] * shape[1]
+    )
+
+
+def _decoded(probes: dict[str, dict]) -> list[torch.Tensor]:
+    """The score tensors of one part's probes: one writable buffer for the part (one copy of its bytes, one
+    tensor made), each probe's scores a view of it — not a buffer and a tensor per probe."""
+    items = [(name, got["scores"]) for name, got in probes.items()]
+    if len(items) < 2 or not all(_plain(obj) for _, obj in items):
+        return [tensor_from_bytes(obj, f"probe_scores.{name}") for name, obj in items]
+    raw = b"".join(obj["data"] for _, obj in items)
+    if not raw:
+        return [torch.empty(obj["shape"], dtype=torch.float32) for _, obj in items]
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.float32)
+    sizes = [len(obj["data"]) // 4 for _, obj in items]
+    return [t.view(obj["shape"]) for t, (_, obj) in zip(flat.split(sizes), items)]
+
+
 Outputs = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]
 
 
@@ -69,9 +96,9 @@ def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]]
     for parts, wanted, prompt_len in samples:
         scores: dict[str, torch.Tensor] = {}
         for part in parts:
-            for name, got in (part.get("probes") or {}).items():
-                pos = _positions(got["positions"], f"probe_scores.{name}.positions")
-                scores[name] = _dense(pos, tensor_from_bytes(got["scores"], f"probe_scores.{name}"))
+            got = part.get("probes") or {}
+            for (name, item), values in zip(got.items(), _decoded(got)):
+                scores[name] = _dense(_positions(item["positions"], f"probe_scores.{name}.positions"), values)
         for name, opts in wanted.items():
             s = scores.get(name)
             if s is None:
