@@ -155,3 +155,19 @@ def test_apply_decodes_every_sample_and_keeps_a_failure_apart():
         acts = out.outputs[0].activations
         _check((acts["probe_scores"], acts["probe_aggregates"]), _reference(*samples[i]))
         assert out.activations is acts
+
+
+def test_parts_in_other_forms_decode_as_tensor_from_bytes():
+    """A part whose score objects are not plain float32 bytes (a memoryview, another dtype) decodes probe by
+    probe; a bad one names its field."""
+    pos = tensor_to_bytes(torch.arange(3))
+    a = torch.randn(3, 1)
+    plain = {"positions": pos, "scores": tensor_to_bytes(a)}
+    view = {"positions": pos, "scores": {**tensor_to_bytes(a * 2), "data": memoryview(tensor_to_bytes(a * 2)["data"])}}
+    wanted = {"p": {"aggregate": ["max"], "positions": "all"}, "q": {"aggregate": ["max"], "positions": "all"}}
+    scores, aggs = probe_outputs([{"probes": {"p": plain, "q": view}}], wanted, 1)
+    assert torch.equal(scores["p"], a) and torch.equal(scores["q"], a * 2)
+    assert torch.equal(aggs["q"]["max"], (a * 2).max(0).values)
+    short = {"positions": pos, "scores": {**tensor_to_bytes(a), "data": b"\0" * 8}}
+    with pytest.raises(ValueError, match=r"probe_scores\.q\.data"):
+        probe_outputs([{"probes": {"p": plain, "q": short}}], wanted, 1)

@@ -117,3 +117,15 @@ def test_nothing_scored_is_an_error_when_finished_and_left_out_while_running():
     assert payload(got, 0, running=True) == {}
     with pytest.raises(RuntimeError, match="no rows were scored"):
         payload(got)
+
+
+def test_a_two_site_probe_with_one_site_unscored_is_left_out_while_running():
+    """Never a partial sum: a progress RPC leaves out a probe until every one of its sites has rows."""
+    g = torch.Generator().manual_seed(6)
+    rec = _record(1, [[0], [1]], g)
+    empty = StepRecord(1, {"scores": (COLS, torch.float32)}, torch.device("cpu"))
+    spans = {4: [Span(rec, 0, 1, "scores", slice(0, 1))], 6: [Span(empty, 0, 1, "scores", slice(0, 1))]}
+    got = {"two": ProbeScores(_probe("two", [4, 6], False, g), spans)}
+    assert payload(got, 0, running=True) == {}
+    with pytest.raises(RuntimeError, match="no rows were scored at 6"):
+        payload(got)
