@@ -171,3 +171,21 @@ def test_parts_in_other_forms_decode_as_tensor_from_bytes():
     short = {"positions": pos, "scores": {**tensor_to_bytes(a), "data": b"\0" * 8}}
     with pytest.raises(ValueError, match=r"probe_scores\.q\.data"):
         probe_outputs([{"probes": {"p": plain, "q": short}}], wanted, 1)
+
+
+def test_one_part_with_many_probes_reads_shared_positions_once_and_others_apart():
+    """A worker's part holds all its probes: equal positions are read once, other ones (a gap, fewer) and
+    another width still give each probe its own scores by position."""
+    g = torch.Generator().manual_seed(13)
+    spec = {"x": ([0, 1, 2, 3, 4], 1), "y": ([0, 1, 2, 3, 4], 1), "z": ([0, 2, 3], 1), "w": ([0, 1, 2, 3, 4], 2)}
+    probes = {}
+    for name, (pos, width) in spec.items():
+        probes[name] = _part(pos, torch.randn(len(pos), width, generator=g), name)["probes"][name]
+    wanted = {name: {"aggregate": ["mean", "ema:0.5"], "positions": "all"} for name in spec}
+    for names in (["x", "y", "z"], ["x", "y", "w", "z"]):
+        parts = [{"probes": {n: probes[n] for n in names}}]
+        got = probe_outputs(parts, {n: wanted[n] for n in names}, 2)
+        _check(got, _reference(parts, {n: wanted[n] for n in names}, 2))
+        assert bool(got[0]["z"][1].isnan().all()) and got[0]["z"].shape == (4, 1)
+        got[0]["x"][0, 0] = 99.0  # each probe's scores are its own rows of the part's buffer
+        assert got[0]["y"][0, 0].item() != 99.0

@@ -16,9 +16,8 @@ from vllm_worker.probes.aggregation import aggregates_many
 from vllm_worker.protocol.wire import tensor_from_bytes
 
 
-def _dense(pos: np.ndarray, scores: torch.Tensor) -> torch.Tensor:
-    """Scores by position 0 .. max; a position no worker scored is NaN (never a silent shift)."""
-    n = int(pos.max()) + 1 if len(pos) else 0
+def _dense(pos: np.ndarray, n: int, scores: torch.Tensor) -> torch.Tensor:
+    """Scores by position 0 .. max (`n`: max + 1); a position no worker scored is NaN (never a silent shift)."""
     if len(pos) == n:  # every position once, sorted (the workers sort): as it is
         return scores
     out = torch.full((n, scores.shape[1]), math.nan, dtype=torch.float32)
@@ -26,9 +25,23 @@ def _dense(pos: np.ndarray, scores: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _positions(obj: dict, field: str) -> np.ndarray:
-    """A probe's positions: read in place (no tensor of their own: callers see only the scores by position),
-    checked as `tensor_from_bytes` checks them."""
+def _positions(obj: dict, field: str, seen: dict) -> tuple[np.ndarray, int]:
+    """A probe's positions and their max + 1: read in place (no tensor of their own: callers see only the
+    scores by position), checked as `tensor_from_bytes` checks them. `seen`: a part's positions by their
+    bytes (its probes at one site, often at all, have the same ones: read once)."""
+    data = obj.get("data") if isinstance(obj, dict) else None
+    got = seen.get(data) if type(data) is bytes else None
+    if got is not None and obj.get("dtype") == "int64" and obj.get("shape") == [len(got[0])]:
+        return got
+    pos = _checked(obj, field)
+    got = (pos, int(pos.max()) + 1 if len(pos) else 0)
+    if type(data) is bytes:
+        seen[data] = got
+    return got
+
+
+def _checked(obj: dict, field: str) -> np.ndarray:
+    """Positions as a numpy array over their bytes (no copy), or through `tensor_from_bytes` (its checks)."""
     if (
         isinstance(obj, dict)
         and obj.get("dtype") == "int64"
@@ -75,6 +88,9 @@ def _decoded(probes: dict[str, dict]) -> list[torch.Tensor]:
     if not raw:
         return [torch.empty(obj["shape"], dtype=torch.float32) for _, obj in items]
     flat = torch.frombuffer(bytearray(raw), dtype=torch.float32)
+    width = items[0][1]["shape"][1]
+    if width and all(obj["shape"][1] == width for _, obj in items):  # one width (W10's): (n, width) views at once
+        return list(flat.view(-1, width).split([obj["shape"][0] for _, obj in items]))
     sizes = [len(obj["data"]) // 4 for _, obj in items]
     return [t.view(obj["shape"]) for t, (_, obj) in zip(flat.split(sizes), items)]
 
@@ -97,8 +113,9 @@ def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]]
         scores: dict[str, torch.Tensor] = {}
         for part in parts:
             got = part.get("probes") or {}
+            seen: dict[bytes, tuple[np.ndarray, int]] = {}
             for (name, item), values in zip(got.items(), _decoded(got)):
-                scores[name] = _dense(_positions(item["positions"], f"probe_scores.{name}.positions"), values)
+                scores[name] = _dense(*_positions(item["positions"], f"probe_scores.{name}.positions", seen), values)
         for name, opts in wanted.items():
             s = scores.get(name)
             if s is None:
