@@ -126,6 +126,17 @@ class Span:
         pos, vals = whole[0], whole[1]
         return pos[:, self.r0 : self.r1].reshape(-1), vals[:, self.r0 : self.r1].reshape(-1, vals.shape[-1])
 
+    def host_copy(self, cache: dict) -> tuple[np.ndarray, np.ndarray]:
+        """The record's (positions (steps, rows), block (steps, rows, columns)) host copy of this span's
+        float32 / int64 block as numpy arrays (`_whole`), for gathers over many spans of it at once."""
+        whole = self._whole(self.key, cache)
+        assert whole is not None and whole[3] is not None, "host_copy: a filed float32 / int64 block"
+        return whole[2], whole[3]
+
+    def filed(self, cache: dict) -> bool:
+        """Whether the record has rows of this span's block (`_whole` is not None: read to the host once)."""
+        return self._whole(self.key, cache) is not None
+
     def host_positions(self, cache: dict) -> np.ndarray | None:
         """This span's positions (m,) over the record's host copy (`_whole`); None when nothing was filed."""
         whole = self._whole(self.key, cache)
