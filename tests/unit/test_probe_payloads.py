@@ -106,3 +106,18 @@ def test_a_fetch_gives_every_request_its_own_payload_either_way():
     assert "probes" not in together[2] and together[2]["error"]["kind"] == "hook"
     scores = tensor_from_bytes(together[0]["probes"]["b"]["scores"])
     assert scores.shape == (4, 2) and bool(((scores > 0) & (scores < 1)).all())  # sigmoid, two outputs
+
+
+def test_a_failure_of_the_batched_pass_leaves_every_request_to_its_own(monkeypatch, caplog):
+    lengths = [4, 9, 9]
+    reqs = _requests([["a", "b", "c"]] * 3)
+    _run(reqs, lengths, False)
+    todo = [(None, None, r.store, n) for r, n in zip(reqs, lengths)]
+    want = fetch.assemble_all(todo, [], None, None)
+
+    def boom(*_: object) -> None:
+        raise IndexError("boom")
+
+    monkeypatch.setattr(probe_payloads, "payloads", boom)
+    assert fetch.assemble_all(todo, [], None, None) == want
+    assert [r.levelname for r in caplog.records if r.name == "vllm_worker"] == ["WARNING"]  # said, not silent
