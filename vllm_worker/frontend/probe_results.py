@@ -70,12 +70,10 @@ def _plain(obj: Any) -> bool:
     if not isinstance(obj, dict) or obj.get("dtype") != "float32" or not isinstance(obj.get("data"), bytes):
         return False
     shape = obj.get("shape")
-    return (
-        isinstance(shape, list)
-        and len(shape) == 2
-        and all(type(n) is int and n >= 0 for n in shape)
-        and len(obj["data"]) == 4 * shape[0] * shape[1]
-    )
+    if type(shape) is not list or len(shape) != 2:
+        return False
+    n, k = shape
+    return type(n) is int and type(k) is int and n >= 0 and k >= 0 and len(obj["data"]) == 4 * n * k
 
 
 def _decoded(probes: dict[str, dict]) -> list[torch.Tensor]:
