@@ -146,7 +146,7 @@ def aggregates_many(items: list[tuple[torch.Tensor, list[str]]]) -> list[dict[st
     out: list[dict[str, torch.Tensor]] = [{} for _ in items]
     groups: dict[tuple, list[int]] = {}
     for i, (scores, _) in enumerate(items):
-        groups.setdefault(tuple(scores.shape), []).append(i)
+        groups.setdefault((tuple(scores.shape), scores.dtype), []).append(i)
     for members in groups.values():
         x = torch.stack([items[i][0] for i in members]).to(torch.float32)
         for name in dict.fromkeys(n for i in members for n in items[i][1]):
