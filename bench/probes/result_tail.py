@@ -1,10 +1,12 @@
 """The tail after the last forward of a probe workload, on CPU without an engine: the worker's fetch of every
-request's probe scores (`fetch.assemble_all`: payloads as bytes) and the frontend's reading of them
-(`probe_results.probe_outputs`: scores by position and their aggregates), per request. W10's shape by
-default: 256 requests x 8 probes (2 a site at 4 sites), a 30-token prompt's prefill then 128 decode steps
-(158 positions), aggregates mean, max, last over the generated positions. Prints one JSON line.
+request's probe scores (`fetch.assemble_all`: payloads as bytes) and the frontend's decoding of them onto
+the finished outputs (`frontend.fetch._apply`, as `LLM.generate` does: scores by position and their
+aggregates), reported apart. W10's shape by default: 256 requests x 8 probes (2 a site at 4 sites), a
+30-token prompt's prefill then 128 decode steps (158 positions), the default aggregates mean, max, last over
+the generated positions (`AGGREGATES` adds rolling_max:16 and ema:0.9). Best of `REPEATS` (5) passes.
+Prints one JSON line.
 
-    python bench/probes/result_tail.py [requests] [probes]   (probes 1: W9's shape)
+    python bench/probes/result_tail.py [requests] [probes] [more]   (probes 1: W9's shape; more 1: AGGREGATES)
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import numpy as np
 import torch
 from filing_micro import D, empty_plan, probe_requests  # (bench/probes: beside this script)
 
-from vllm_worker.frontend.probe_results import probe_outputs
+from vllm_worker.frontend import fetch as frontend_fetch
+from vllm_worker.frontend.state import Pending
 from vllm_worker.worker import fetch, probes
 
-PROMPT, STEPS = 30, 128
+PROMPT, STEPS, REPEATS = 30, 128, 5
+AGGREGATES = ["rolling_max:16", "ema:0.9"]
 
 
 def _filed(n_req: int, n_probes: int) -> list[SimpleNamespace]:
@@ -44,27 +48,47 @@ def _filed(n_req: int, n_probes: int) -> list[SimpleNamespace]:
     return reqs
 
 
-def main(n_req: int, n_probes: int) -> dict:
+def _outputs(n_req: int, wanted: dict) -> list[tuple]:
+    """`_apply`'s todo: finished outputs (one sample each) and their pending entries."""
+    todo = []
+    for i in range(n_req):
+        c = SimpleNamespace(index=0, token_ids=[0] * STEPS)
+        out = SimpleNamespace(request_id=f"r{i}", outputs=[c], prompt_token_ids=[0] * PROMPT)
+        p = Pending(key=f"r{i}", n=1, layers=[], d_model=D, probes=wanted, prompt_len=PROMPT)
+        todo.append((out, p, {0: c}, {0: PROMPT + STEPS - 1}))
+    return todo
+
+
+def main(n_req: int, n_probes: int, more: int = 0) -> dict:
     torch.set_num_threads(1)
     reqs = _filed(n_req, n_probes)
     todo = [(None, None, r.store, PROMPT + STEPS) for r in reqs]
-    t0 = time.perf_counter()
-    got = fetch.assemble_all(todo, [], None, None)
-    t1 = time.perf_counter()
-    wanted = {f"m8_{j}": {"aggregate": ["mean", "max", "last"]} for j in range(n_probes)}
-    for part in got:
-        probe_outputs([part], wanted, PROMPT)
-    t2 = time.perf_counter()
+    aggs = ["mean", "max", "last"] + (AGGREGATES if more else [])
+    wanted = {f"m8_{j}": {"aggregate": aggs, "positions": "generated"} for j in range(n_probes)}
+    worker, frontend = [], []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        got = fetch.assemble_all(todo, [], None, None)
+        t1 = time.perf_counter()
+        outs = _outputs(n_req, wanted)
+        fetched = {f"r{i}": {0: [part]} for i, part in enumerate(got)}
+        t2 = time.perf_counter()
+        failures = frontend_fetch._apply(outs, fetched)
+        t3 = time.perf_counter()
+        assert not failures, failures
+        worker.append(t1 - t0)
+        frontend.append(t3 - t2)
     return {
         "requests": n_req,
         "probes": n_probes,
+        "aggregates": aggs,
         "positions": PROMPT + STEPS,
-        "worker_fetch_ms_per_request": round(1e3 * (t1 - t0) / n_req, 3),
-        "frontend_ms_per_request": round(1e3 * (t2 - t1) / n_req, 3),
-        "tail_s": round(t2 - t0, 3),
+        "worker_fetch_ms_per_request": round(1e3 * min(worker) / n_req, 3),
+        "frontend_ms_per_request": round(1e3 * min(frontend) / n_req, 3),
+        "tail_s": round(min(worker) + min(frontend), 4),
     }
 
 
 if __name__ == "__main__":
-    args = [int(a) for a in sys.argv[1:3]]
-    print(json.dumps(main(*(args + [256, 8][len(args) :]))))
+    args = [int(a) for a in sys.argv[1:4]]
+    print(json.dumps(main(*(args + [256, 8, 0][len(args) :]))))

@@ -15,7 +15,7 @@ from vllm_worker.api.hooks import HookError, UnsupportedError
 from vllm_worker.counters import FETCH_BATCHES, FRONTEND_TIMINGS
 from vllm_worker.envs import limit
 from vllm_worker.frontend import mlp_post
-from vllm_worker.frontend.probe_results import probe_outputs
+from vllm_worker.frontend.probe_results import Outputs, probe_outputs, probe_outputs_many
 from vllm_worker.frontend.round_trips import RoundTrips
 from vllm_worker.frontend.state import Pending, consumer_of, engine_state, pending_of, result_pools
 from vllm_worker.protocol import rpc
@@ -245,8 +245,11 @@ def by_point(t: torch.Tensor, sites: list[int], points: dict[str, list[int]], sh
     return acts
 
 
-def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict | None, Failure | None]:
-    """(activations, hook_results, failure) of one sample from merged fetch results."""
+def decode_sample(
+    p: Pending, got: dict, child: int, probed: Outputs | None = None
+) -> tuple[dict | None, dict | None, Failure | None]:
+    """(activations, hook_results, failure) of one sample from merged fetch results (`probed`: its probe
+    outputs when the fetch computed them for all its samples at once: `_probes_of`)."""
     if "error" in got:
         return None, None, got["error"]
     parts = got.get(child)
@@ -268,7 +271,7 @@ def decode_sample(p: Pending, got: dict, child: int) -> tuple[dict | None, dict 
     if fired:
         acts = {**(acts or {}), "probe_actions": sorted(fired, key=lambda a: a["action"])}
     if p.probes:
-        scores, aggs = probe_outputs(parts, p.probes, p.prompt_len)
+        scores, aggs = probed or probe_outputs(parts, p.probes, p.prompt_len)
         acts = {**(acts or {}), "probe_scores": scores, "probe_aggregates": aggs}
     hook_parts = [part["hooks"] for part in parts if "hooks" in part]
     hooks = merge_stage_results([_unpickle(h) for h in hook_parts]) if hook_parts else None
@@ -338,11 +341,12 @@ def _apply(todo: list, fetched: dict) -> dict[str, Failure]:
     """Decode fetched results onto their samples; returns {request id: hook failure}."""
     failures: dict[str, Failure] = {}
     t = time.perf_counter()
+    probed = _probes_of(todo, fetched)
     for out, p, samples, _ in todo:
         got = fetched.get(p.key, {})
         for i, c in samples.items():
             child = i if p.n > 1 else 0
-            c.activations, c.hook_results, f = decode_sample(p, got, child)
+            c.activations, c.hook_results, f = decode_sample(p, got, child, probed.get((p.key, child)))
             c.hook_error = None if f is None else f["message"]
             if f is not None:
                 failures[out.request_id if p.n == 1 else f"{out.request_id}#{child}"] = f
@@ -350,6 +354,23 @@ def _apply(todo: list, fetched: dict) -> dict[str, Failure]:
         out.activations, out.hook_results, out.hook_error = first.activations, first.hook_results, first.hook_error
     FRONTEND_TIMINGS["decode_s"] += time.perf_counter() - t
     return failures
+
+
+def _probes_of(todo: list, fetched: dict) -> dict[tuple[str, int], Outputs]:
+    """{(key, child): probe outputs} of every sample in `todo` that asked for probe scores and has its
+    parts without a failure: their aggregates computed together (`probe_outputs_many`), not per sample."""
+    keys, samples = [], []
+    for _, p, chosen, _ in todo:
+        got = fetched.get(p.key, {})
+        if not p.probes or "error" in got:
+            continue
+        for i in chosen:
+            child = i if p.n > 1 else 0
+            parts = got.get(child)
+            if parts and not any("error" in part for part in parts):
+                keys.append((p.key, child))
+                samples.append((parts, p.probes, p.prompt_len))
+    return dict(zip(keys, probe_outputs_many(samples))) if len(samples) > 1 else {}
 
 
 def attach_engine_outputs(engine: Any, outputs: list) -> list:

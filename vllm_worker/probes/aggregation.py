@@ -74,12 +74,7 @@ def series(scores: torch.Tensor, name: str) -> torch.Tensor:
         count = (n - lo.double()).reshape(-1, *([1] * (x.dim() - 1)))
         return ((c[1:] - c[lo]) / count).to(torch.float32)
     if kind == "ema":
-        out = torch.empty_like(x)
-        e = x[0] if x.shape[0] else x.new_zeros(x.shape[1:])
-        for t in range(x.shape[0]):
-            e = arg * e + (1.0 - arg) * x[t] if t else x[0]
-            out[t] = e
-        return out
+        return _ema_rows(x.unsqueeze(0), arg)[0]
     raise ValueError(f"aggregate: {name!r} has no running form (only token, rolling_max:W, ema:A)")
 
 
@@ -106,3 +101,60 @@ def aggregate(scores: torch.Tensor, name: str) -> torch.Tensor:
 def aggregates(scores: torch.Tensor, wanted: Iterable[str]) -> dict[str, torch.Tensor]:
     """{name: aggregate} for every name in `wanted`."""
     return {n: aggregate(scores, n) for n in wanted}
+
+
+def _ema_rows(x: torch.Tensor, a: float) -> torch.Tensor:
+    """The ema series of every row of `x` (rows, n, ...) at once: one step of the recurrence per position
+    for all rows, the same float32 operations as one row alone (so the same bits), not a loop per row."""
+    out = torch.empty_like(x)
+    if x.shape[1]:
+        e = out[:, 0] = x[:, 0]
+        for t in range(1, x.shape[1]):
+            e = out[:, t] = a * e + (1.0 - a) * x[:, t]
+    return out
+
+
+def _stacked_aggregate(x: torch.Tensor, name: str) -> torch.Tensor:
+    """`aggregate` of each of the equal-shaped series stacked in `x` (rows, n, ...) -> (rows, ...): the
+    same reductions along the same axis per series, so bit-identical to one series at a time
+    (tests/unit/test_aggregation_many.py)."""
+    kind, arg = parse(name)
+    if x.shape[1] == 0:
+        return torch.full((x.shape[0], *x.shape[2:]), math.nan, dtype=torch.float32)
+    if kind == "mean" or (kind == "rolling_max" and x.shape[1] < int(arg)):
+        return x.mean(1)
+    if kind == "last":
+        return x[:, -1].clone()  # (not a view: each row would keep every series alive)
+    if kind == "max":
+        return x.max(1).values
+    if kind == "rolling_max":
+        w = int(arg)
+        c = torch.cat([torch.zeros_like(x[:, :1], dtype=torch.float64), x.cumsum(1, dtype=torch.float64)], 1)
+        n = torch.arange(1, x.shape[1] + 1, dtype=torch.float64)
+        lo = (n - w).clamp(min=0).long()
+        count = (n - lo.double()).reshape(1, -1, *([1] * (x.dim() - 2)))
+        return ((c[:, 1:] - c[:, lo]) / count).to(torch.float32)[:, w - 1 :].max(1).values
+    if kind == "ema":
+        return _ema_rows(x, arg).max(1).values
+    raise ValueError("aggregate: 'token' is a series, not an aggregate (use max)")
+
+
+def aggregates_many(items: list[tuple[torch.Tensor, list[str]]]) -> list[dict[str, torch.Tensor]]:
+    """`aggregates(scores, wanted)` of every (scores, wanted) item at once: series of one shape are stacked
+    and each aggregate is a few tensor operations for all of them (a fetch's requests x probes), instead of
+    a few per series. Equal to `aggregates` bit for bit; each result is its own row of a shared tensor."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in items]
+    groups: dict[tuple, list[int]] = {}
+    for i, (scores, _) in enumerate(items):
+        groups.setdefault((tuple(scores.shape), scores.dtype), []).append(i)
+    for members in groups.values():
+        x = torch.stack([items[i][0] for i in members]).to(torch.float32)
+        for name in dict.fromkeys(n for i in members for n in items[i][1]):
+            rows = _stacked_aggregate(x, name).unbind(0)
+            for i, row in zip(members, rows):
+                if name in items[i][1]:
+                    out[i][name] = row
+    for i, (_, wanted) in enumerate(items):  # each dict in `wanted`'s order, as `aggregates` makes it
+        if list(out[i]) != list(wanted):
+            out[i] = {n: out[i][n] for n in wanted}
+    return out

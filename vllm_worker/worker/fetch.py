@@ -20,7 +20,7 @@ from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.transport import assembly, early
 from vllm_worker.transport.early_regions import State
 from vllm_worker.transport.result_pool import ResultPool, host_array
-from vllm_worker.worker import faults, probes, saes, step_records
+from vllm_worker.worker import faults, probe_payloads, probes, saes, step_records
 from vllm_worker.worker.request_results import RequestResults
 
 logger = logging.getLogger("vllm_worker")
@@ -61,11 +61,12 @@ def assemble_all(
     out: list[dict | None] = [None] * len(todo)
     items, where = [], []
     records = shared_records(len(todo))
+    scored = _probes_together(todo, records)
     for i, (_, _, st, n) in enumerate(todo if pool is not None else ()):
         dest = claimed.pop(id(st), None)
         used = False
         try:
-            payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved, records)
+            payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved, records, scored.get(id(st)))
             if dest is not None and early_asm is not None and mine is not None:
                 got = early_asm.finish(payload, st, n, mine, dest)
                 if got is not None:
@@ -103,8 +104,25 @@ def assemble_all(
                 out[i] = _internal(e)
     for i, (_, _, st, n) in enumerate(todo):
         if out[i] is None:
-            out[i] = _guarded(_assemble, st, n, layer_ids, assemble_saved, records)
+            out[i] = _guarded(_assemble, st, n, layer_ids, assemble_saved, records, scored.get(id(st)))
     return out
+
+
+def _probes_together(todo: list, records: dict | None) -> dict[int, dict]:
+    """{id(request results): probe payload} of the fetch's requests whose probe scores are computed together
+    (`probe_payloads`); the others' are made one request at a time (`probes.payload`) in `_prelude`. A
+    failure here leaves every request to that path (where a failure is that request's error)."""
+    if records is None:
+        return {}
+    sts = [st for _, _, st, _ in todo if st.probes and st.error is None]
+    if len(sts) < 2:
+        return {}
+    try:
+        got = probe_payloads.payloads([st.probes for st in sts], records)
+    except Exception as e:  # noqa: BLE001 - our own failure: the per-request path decides each request's fate
+        logger.warning("inspect-lens: probe payloads of a fetch together failed (%s: %s)", type(e).__name__, e)
+        return {}
+    return {id(st): p for st, p in zip(sts, got) if p is not None}
 
 
 def shared_records(n_requests: int) -> dict | None:
@@ -134,10 +152,15 @@ def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
 
 
 def _prelude(
-    st: RequestResults, layer_ids: list[int], assemble_saved: Any, records: dict | None = None
+    st: RequestResults,
+    layer_ids: list[int],
+    assemble_saved: Any,
+    records: dict | None = None,
+    scored: dict | None = None,
 ) -> tuple[dict, list[int] | None, dict]:
     """The payload without captures (error, hook state), the captured layers this rank holds (None: no
-    captures to assemble) and capture slot -> output index. `records`: the fetch's step-record cache."""
+    captures to assemble) and capture slot -> output index. `records`: the fetch's step-record cache;
+    `scored`: the request's probe payload when the fetch made it with others' (`_probes_together`)."""
     if st.layers:
         faults.check("assemble")
     payload: dict[str, Any] = {}
@@ -158,7 +181,7 @@ def _prelude(
     if st.actions is not None and st.error is None:
         payload["actions"] = st.actions() if callable(st.actions) else st.actions
     if st.probes and st.error is None:
-        payload["probes"] = probes.payload(st.probes, cache=records)
+        payload["probes"] = scored if scored is not None else probes.payload(st.probes, cache=records)
     mine = [l for l in st.layers if l in layer_ids]
     if not mine:  # no captures, or (pipeline parallelism) all of them on other stages: theirs to report
         return payload, None, {}
@@ -176,10 +199,15 @@ def _result_bytes(st: RequestResults, n_pos: int) -> int:
 
 
 def _assemble(
-    st: RequestResults, n_pos: int, layer_ids: list[int], assemble_saved: Any, records: dict | None = None
+    st: RequestResults,
+    n_pos: int,
+    layer_ids: list[int],
+    assemble_saved: Any,
+    records: dict | None = None,
+    scored: dict | None = None,
 ) -> dict[str, Any]:
     """One request, as bytes (no result pool: a frontend on another machine)."""
-    payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved, records)
+    payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved, records, scored)
     return payload if mine is None else _as_bytes(payload, st, n_pos, mine, out_of_slot)
 
 

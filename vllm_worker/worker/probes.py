@@ -26,7 +26,7 @@ from vllm_worker.probes.format import Probe, check_probe
 from vllm_worker.protocol.points import canonical_site
 from vllm_worker.protocol.wire import tensor_from_bytes
 from vllm_worker.worker.device_copy import to_device
-from vllm_worker.worker.step_records import Span, StepRecord, latest_np
+from vllm_worker.worker.step_records import Span, StepRecord
 from vllm_worker.worker.stream_rows import stream_rows
 
 PROBE_COUNTS = {"rows": 0, "projections": 0}  # rows this process scored, matmuls it ran (tests, benchmarks)
@@ -288,17 +288,54 @@ def stage_probes(gp: Any, probe_rows: dict, col: dict[int, int], rows_of: Any) -
 # ---------------------------------------------------------------- fetch
 
 
-def _since(pieces: list[tuple[np.ndarray, np.ndarray]], start: int) -> list:
-    """The latest pieces, back to the first one reaching below position `start` (pieces come in step order)."""
+def _since(positions: list[np.ndarray], start: int) -> int:
+    """Index of the first piece to read: the latest pieces, back to the first one reaching below position
+    `start` (pieces come in step order)."""
     if start <= 0:
-        return pieces
-    i = len(pieces)
+        return 0
+    i = len(positions)
     while i > 0:
         i -= 1
-        p = pieces[i][0]
+        p = positions[i]
         if len(p) and int(p.min()) < start:
             break
-    return pieces[i:]
+    return i
+
+
+@dataclass(eq=False)
+class _Rows:
+    """A request's positions at one site (shared by its probes there: the same rows of the same records):
+    which of its spans to read, the positions, the row order that sorts them and keeps a position filed
+    twice once (None: already in order) and their bytes."""
+
+    first: int
+    pos: np.ndarray
+    order: np.ndarray | None
+    wire: dict[str, Any]
+
+
+def _rows(spans: list[Span], cache: dict, start: int, running: bool) -> _Rows | None:
+    """The positions of `spans`, as `step_records.latest_np` orders them (None: nothing scored)."""
+    got = [(i, p) for i, sp in enumerate(spans) if (p := sp.host_positions(cache)) is not None]
+    first = _since([p for _, p in got], start)
+    got = got[first:]
+    if not got:
+        return None
+    pos = np.concatenate([p for _, p in got]) if len(got) > 1 else got[0][1]
+    order = None
+    if len(pos) >= 2 and not bool((pos[1:] > pos[:-1]).all()):  # a recompute: sorted, the last one kept
+        idx = np.argsort(pos, kind="stable")
+        sorted_pos = pos[idx]
+        keep = np.ones(len(pos), dtype=bool)
+        keep[:-1] = sorted_pos[1:] != sorted_pos[:-1]
+        order = idx[keep]
+    if running:
+        kept = (pos if order is None else pos[order]) >= start
+        if not kept.all():
+            order = np.flatnonzero(kept) if order is None else order[kept]
+    if order is not None:
+        pos = pos[order]
+    return _Rows(got[0][0], pos, order, _np_bytes(pos, "int64"))
 
 
 def payload(
@@ -308,35 +345,39 @@ def payload(
     the layers' parts added, then the bias, then the sigmoid for `output: sigmoid`. `running`: a request still
     generating (`LensRuntime.probe_progress`): only positions from `start` on, and a probe with nothing
     scored yet is left out instead of being an error. `cache`: shared by the requests of one fetch or
-    progress RPC (each record read to the host once, whole: `Span.host_rows`); by default one request's own.
-    Numpy on the host copies: a request costs a few array operations per probe, not a device read each."""
+    progress RPC (each record read to the host once, whole: `Span.host_values`); by default one request's own.
+    Numpy on the host copies, the positions once for the probes at a site: a probe costs a few array
+    operations, not a device read each."""
     out = {}
     cache = {} if cache is None else cache
+    sites: dict[tuple, _Rows | None] = {}  # this request's positions by its spans' rows
     for name, slot in got.items():
-        pos: np.ndarray | None = None
+        rows: _Rows | None = None
         total: np.ndarray | None = None
         for site in slot.probe.sites:
-            pieces = _since([pc for sp in slot.spans.get(site, ()) if (pc := sp.host_rows(cache)) is not None], start)
-            if not pieces:
+            spans = slot.spans.get(site, [])
+            key = tuple((id(sp.record), sp.r0, sp.r1) for sp in spans)
+            r = sites[key] if key in sites else sites.setdefault(key, _rows(spans, cache, start, running))
+            if r is None:
                 if running:  # nothing scored yet: nothing new
+                    rows = None
                     break
                 raise RuntimeError(f"probe {name!r}: no rows were scored at {site} (site)")
-            p, v = latest_np(pieces)
-            if running:
-                keep = p >= start
-                p, v = p[keep], v[keep]
-            if pos is None or total is None:
-                pos, total = p, v.copy()
-            elif not np.array_equal(p, pos):
+            if rows is not None and r is not rows and not np.array_equal(r.pos, rows.pos):
                 raise RuntimeError(f"probe {name!r}: its layers were scored at different positions")
+            vals = [v for sp in spans[r.first :] if (v := sp.host_values(cache)) is not None]
+            v = np.concatenate(vals) if len(vals) > 1 else vals[0]
+            v = v[r.order] if r.order is not None else v
+            if total is None:
+                rows, total = r, (v if r.order is not None or len(vals) > 1 else v.copy())
             else:
                 total += v
-        if pos is None or total is None:
+        if rows is None or total is None:
             continue
         total += slot.probe.bias.numpy()
         if slot.probe.sigmoid:
             total = torch.sigmoid(torch.from_numpy(total)).numpy()
-        out[name] = {"positions": _np_bytes(pos, "int64"), "scores": _np_bytes(total, "float32")}
+        out[name] = {"positions": rows.wire, "scores": _np_bytes(total, "float32")}
     return out
 
 

@@ -102,20 +102,20 @@ class Span:
             vals = vals[:, self.cols] if isinstance(self.cols, slice) else vals.index_select(1, self.cols)
         return [(pos, vals)]
 
-    def _whole(self, k: Any, cache: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The record's positions (steps, rows) and block `k` (steps, rows, columns) on the host, copied once
-        per `cache` (one fetch or progress RPC: one copy per record for every request in it, not one per
-        request); None when nothing was filed."""
+    def _whole(self, k: Any, cache: dict) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray | None] | None:
+        """The record's positions (steps, rows) and block `k` (steps, rows, columns) on the host, as tensors
+        and as numpy arrays over them, copied once per `cache` (one fetch or progress RPC: one copy per record
+        for every request in it, not one per request); None when nothing was filed."""
         ck = (id(self.record), k)
         whole = cache.get(ck)
         if whole is None:
             parts = [(pos[:f], blocks[k][:f]) for pos, blocks, f in self.record.chunks if f]
             if not parts:
                 return None
-            whole = cache[ck] = (
-                torch.cat([p for p, _ in parts]).to("cpu", torch.int64),
-                torch.cat([v for _, v in parts]).to("cpu"),
-            )
+            pos = torch.cat([p for p, _ in parts]).to("cpu", torch.int64)
+            vals = torch.cat([v for _, v in parts]).to("cpu")
+            np_vals = vals.numpy() if vals.dtype in (torch.float32, torch.int64) else None  # (numpy has no bf16)
+            whole = cache[ck] = (pos, vals, pos.numpy(), np_vals)
         return whole
 
     def _rows_of_whole(self, k: Any, cache: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -123,19 +123,41 @@ class Span:
         whole = self._whole(k, cache)
         if whole is None:
             return None
-        pos, vals = whole
+        pos, vals = whole[0], whole[1]
         return pos[:, self.r0 : self.r1].reshape(-1), vals[:, self.r0 : self.r1].reshape(-1, vals.shape[-1])
 
-    def host_rows(self, cache: dict) -> tuple[np.ndarray, np.ndarray] | None:
-        """This span's (positions (m,), values (m, k)) as numpy arrays over the record's host copy
-        (`_whole`, whatever `cache` says of WHOLE_RECORDS): a request's part is then a few array slices, not
-        device reads and torch calls per request. Float32 / int64 blocks (probe scores); None when nothing
-        was filed."""
-        got = self._rows_of_whole(self.key, cache)
-        if got is None:
+    def host_copy(self, cache: dict) -> tuple[np.ndarray, np.ndarray]:
+        """The record's (positions (steps, rows), block (steps, rows, columns)) host copy of this span's
+        float32 / int64 block as numpy arrays (`_whole`), for gathers over many spans of it at once."""
+        whole = self._whole(self.key, cache)
+        assert whole is not None and whole[3] is not None, "host_copy: a filed float32 / int64 block"
+        return whole[2], whole[3]
+
+    def filed(self, cache: dict) -> bool:
+        """Whether the record has rows of this span's block (`_whole` is not None: read to the host once)."""
+        return self._whole(self.key, cache) is not None
+
+    def host_positions(self, cache: dict) -> np.ndarray | None:
+        """This span's positions (m,) over the record's host copy (`_whole`); None when nothing was filed."""
+        whole = self._whole(self.key, cache)
+        return None if whole is None else whole[2][:, self.r0 : self.r1].reshape(-1)
+
+    def host_values(self, cache: dict) -> np.ndarray | None:
+        """This span's values (m, k): its rows and columns of the record's host copy, as numpy slices (a
+        request's part is a few array slices, not device reads and torch calls per request). Float32 / int64
+        blocks (probe scores); None when nothing was filed."""
+        whole = self._whole(self.key, cache)
+        if whole is None:
             return None
-        p, v = got[0].numpy(), got[1].numpy()
-        return p, (v[:, self.cols] if isinstance(self.cols, slice) else v[:, self.cols.cpu().numpy()])
+        vals = whole[3]
+        assert vals is not None, "host_values reads float32 / int64 blocks"
+        v = vals[:, self.r0 : self.r1].reshape(-1, vals.shape[-1])
+        return v[:, self.cols] if isinstance(self.cols, slice) else v[:, self.cols.cpu().numpy()]
+
+    def host_rows(self, cache: dict) -> tuple[np.ndarray, np.ndarray] | None:
+        """This span's (positions (m,), values (m, k)) as numpy arrays (`host_positions`, `host_values`)."""
+        p = self.host_positions(cache)
+        return None if p is None else (p, self.host_values(cache))  # type: ignore[return-value]
 
 
 WHOLE_RECORDS = "whole_records"  # a `cache` key: read whole records once for many requests (`Span.pieces`)

@@ -1,0 +1,123 @@
+"""A fetch's probe payloads computed together (`worker.probe_payloads`) equal each request's own
+`probes.payload` bit for bit — requests of different lengths (compositions changing as requests finish, so
+requests' rows span different records: several groups), logit and sigmoid probes of one and two outputs —
+and what it does not cover is left to `probes.payload` (None): a probe over two layers, a position filed
+twice; `fetch.assemble_all` gives every request the same payload either way."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
+from vllm_worker.worker import fetch, probe_payloads, probes
+from vllm_worker.worker.request_results import RequestResults
+
+D = 16
+PROBES = {"a": ([1], "logit", 1), "b": ([1], "sigmoid", 2), "c": ([3], "sigmoid", 1), "two": ([1, 3], "logit", 1)}
+
+
+def _requests(names_of: list[list[str]]) -> list[SimpleNamespace]:
+    g = torch.Generator().manual_seed(3)
+    wp = probes.WorkerProbes(torch.device("cpu"), frozenset(range(4)))
+    for name, (layers, output, n_out) in PROBES.items():
+        w = torch.randn(n_out, D * len(layers), generator=g)
+        wire = {"layers": layers, "point": "resid_post", "output": output, "weight": tensor_to_bytes(w)}
+        wp.load(name, name, {**wire, "bias": tensor_to_bytes(torch.randn(n_out, generator=g))})
+    return [
+        SimpleNamespace(probes=wp.uses([{"probe": n, "uid": n} for n in names]), store=RequestResults([]))
+        for names in names_of
+    ]
+
+
+def _stage(reqs: list, live: list[int], width: int) -> SimpleNamespace:
+    """A composition of the `live` requests, `width` rows each, at every site their probes read."""
+    sites = sorted({s for r in reqs for u in r.probes for s in u.weights})
+    col = {s: i for i, s in enumerate(sites)}
+    e = np.zeros(0, dtype=np.int64)
+    gp = SimpleNamespace(n=len(live) * width, cap_rows=e, cap_cols=e, n_extra=0, probes={}, sae={})
+    by_site = {
+        s: [
+            (reqs[r], i * width, (i + 1) * width)
+            for i, r in enumerate(live)
+            if any(s in u.weights for u in reqs[r].probes)
+        ]
+        for s in sites
+    }
+    rows = lambda it: np.concatenate([np.arange(a, b) for _, a, b in it])  # noqa: E731
+    probes.stage_probes(gp, {s: it for s, it in by_site.items() if it}, col, rows)
+    gp.total = len(gp.cap_rows)
+    return gp
+
+
+def _run(reqs: list, lengths: list[int], redo: bool) -> None:
+    """A prefill of positions 0..2 (three rows a request), then decode steps as one composition each time a
+    request finishes; `redo`: position 5 is filed twice (a preempted request's recompute)."""
+    g = torch.Generator().manual_seed(4)
+    live = list(range(len(reqs)))
+    gp = _stage(reqs, live, 3)
+    probes.scores_from_stage(gp, torch.randn(gp.total, D, generator=g), 0, np.tile(np.arange(3), len(live)))
+    step = 3
+    live = [r for r in live if lengths[r] > step]
+    while live:
+        gp = _stage(reqs, live, 1)
+        end = min(lengths[r] for r in live)
+        while step < end:
+            pos = np.full(len(live), 5 if (redo and step == 6) else step, dtype=np.int64)
+            probes.scores_from_stage(gp, torch.randn(gp.total, D, generator=g), 0, pos)
+            step += 1
+        live = [r for r in live if lengths[r] > end]
+
+
+@pytest.mark.parametrize("redo", [False, True])
+def test_payloads_together_equal_each_request_alone(redo):
+    lengths = [4, 9, 9, 20, 7, 30, 3, 20]
+    names = [["a", "b", "c"]] * 6 + [["a", "two"], ["c"]]
+    reqs = _requests(names)
+    _run(reqs, lengths, redo)
+    cache = fetch.shared_records(len(reqs))
+    assert cache is not None
+    together = probe_payloads.payloads([r.store.probes for r in reqs], cache)
+    for i, r in enumerate(reqs):
+        alone = probes.payload(r.store.probes)
+        covered = "two" not in names[i] and not (redo and lengths[i] > 6)
+        assert (together[i] is not None) == covered, i
+        if together[i] is not None:
+            assert together[i] == alone  # the same bytes, shapes and dtypes
+            assert list(together[i]) == names[i]  # type: ignore[arg-type]
+        pos = tensor_from_bytes(alone["a" if "a" in alone else "c"]["positions"]).tolist()
+        assert pos == sorted({k if not (redo and k == 6) else 5 for k in range(lengths[i])})
+
+
+def test_a_fetch_gives_every_request_its_own_payload_either_way():
+    lengths = [4, 9, 9, 20, 7]
+    names = [["a", "b", "c"]] * 4 + [["a", "two"]]
+    reqs = _requests(names)
+    _run(reqs, lengths, False)
+    reqs[2].store.error = {"kind": "hook", "message": "failed"}
+    todo = [(None, None, r.store, n) for r, n in zip(reqs, lengths)]
+    together = fetch.assemble_all(todo, [], None, None)
+    for i in range(len(reqs)):
+        (alone,) = fetch.assemble_all([todo[i]], [], None, None)
+        assert together[i] == alone
+    assert "probes" not in together[2] and together[2]["error"]["kind"] == "hook"
+    scores = tensor_from_bytes(together[0]["probes"]["b"]["scores"])
+    assert scores.shape == (4, 2) and bool(((scores > 0) & (scores < 1)).all())  # sigmoid, two outputs
+
+
+def test_a_failure_of_the_batched_pass_leaves_every_request_to_its_own(monkeypatch, caplog):
+    lengths = [4, 9, 9]
+    reqs = _requests([["a", "b", "c"]] * 3)
+    _run(reqs, lengths, False)
+    todo = [(None, None, r.store, n) for r, n in zip(reqs, lengths)]
+    want = fetch.assemble_all(todo, [], None, None)
+
+    def boom(*_: object) -> None:
+        raise IndexError("boom")
+
+    monkeypatch.setattr(probe_payloads, "payloads", boom)
+    assert fetch.assemble_all(todo, [], None, None) == want
+    assert [r.levelname for r in caplog.records if r.name == "vllm_worker"] == ["WARNING"]  # said, not silent
