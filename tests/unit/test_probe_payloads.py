@@ -121,3 +121,27 @@ def test_a_failure_of_the_batched_pass_leaves_every_request_to_its_own(monkeypat
     monkeypatch.setattr(probe_payloads, "payloads", boom)
     assert fetch.assemble_all(todo, [], None, None) == want
     assert [r.levelname for r in caplog.records if r.name == "vllm_worker"] == ["WARNING"]  # said, not silent
+
+
+@pytest.mark.parametrize("redo", [False, True])
+def test_progress_together_equals_each_running_request_alone(redo):
+    """A progress RPC's asks (each from its own start: 0, inside, at the end, past it) computed together
+    equal `probes.payload(..., running=True)` of each request bit for bit."""
+    lengths = [4, 9, 9, 20, 7, 30, 3, 20]
+    names = [["a", "b", "c"]] * 6 + [["a", "two"], ["c"]]
+    starts = [0, 2, 9, 5, 40, 17, 1, 19]
+    reqs = _requests(names)
+    _run(reqs, lengths, redo)
+    asks = [(f"k{i}", 0, s, r.store) for i, (r, s) in enumerate(zip(reqs, starts))]
+    together = probe_payloads.progress(asks, {})
+    for i, r in enumerate(reqs):
+        alone = probes.payload(r.store.probes, starts[i], running=True, cache={})
+        covered = "two" not in names[i] and not (redo and lengths[i] > 6)
+        assert (together[i] is not None) == covered, i
+        if together[i] is not None:
+            assert together[i] == alone, i  # the same bytes, shapes and dtypes
+        pos = tensor_from_bytes(alone["a" if "a" in alone else "c"]["positions"]).tolist()
+        assert pos == [
+            k for k in sorted({k if not (redo and k == 6) else 5 for k in range(lengths[i])}) if k >= starts[i]
+        ]
+    assert probe_payloads.progress(asks[:1], {}) == [None]  # one ask: the per-request path

@@ -7,6 +7,7 @@ results these equal bit for bit (tests/unit/test_probe_payloads.py)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -15,12 +16,17 @@ import torch
 from vllm_worker.worker.probes import ProbeScores
 from vllm_worker.worker.step_records import Span
 
+logger = logging.getLogger("vllm_worker")
+
 Member = tuple[int, str, ProbeScores, list[Span]]  # (request index, probe name, its scores, spans read)
 
 
-def payloads(requests: list[dict[str, ProbeScores]], cache: dict) -> list[dict[str, dict[str, Any]] | None]:
+def payloads(
+    requests: list[dict[str, ProbeScores]], cache: dict, starts: list[int] | None = None
+) -> list[dict[str, dict[str, Any]] | None]:
     """Each request's `probes.payload(got, cache=cache)`, or None where `probes.payload` must make it (some
-    probe not covered here)."""
+    probe not covered here). `starts`: running requests (a progress RPC): request i's positions from
+    `starts[i]` on, as `probes.payload(got, starts[i], running=True, cache=cache)`."""
     groups: dict[tuple, list[Member]] = {}
     left: set[int] = set()
     filed: dict[int, bool] = {}  # records with something filed, by id
@@ -36,7 +42,7 @@ def payloads(requests: list[dict[str, ProbeScores]], cache: dict) -> list[dict[s
     for key, members in groups.items():
         members = [m for m in members if m[0] not in left]
         if members:
-            left |= _group(key, members, cache, done)
+            left |= _group(key, members, cache, done, starts)
     out: list[dict[str, dict[str, Any]] | None] = []
     for i, got in enumerate(requests):
         out.append(None if i in left else {name: done[(i, name)] for name in got})
@@ -72,9 +78,10 @@ def _key(spans: list[Span]) -> tuple | None:
     return tuple(key)
 
 
-def _group(key: tuple, members: list[Member], cache: dict, done: dict) -> set[int]:
+def _group(key: tuple, members: list[Member], cache: dict, done: dict, starts: list[int] | None) -> set[int]:
     """The payloads of one group's members into `done`; returns the requests left to `probes.payload` (a
-    position filed twice, or not rising)."""
+    position filed twice, or not rising). `starts`: each request's first position wanted (rising positions:
+    a suffix of its rows)."""
     pos_parts, val_parts = [], []
     n = len(members)
     for j, (_, rows, width) in enumerate(key):
@@ -102,17 +109,38 @@ def _group(key: tuple, members: list[Member], cache: dict, done: dict) -> set[in
     # positions: one bytes object for the members with the same ones (a composition's requests often have)
     same = (pos == pos[0]).all(axis=1) if n > 1 else np.ones(n, dtype=bool)
     first = pos[0].tobytes()
-    shape, wshape = [pos.shape[1]], [pos.shape[1], vals.shape[2]]
     left = set()
+    suffix: dict[int, bytes] = {0: first}  # the shared positions' bytes from a row on
     for k, (i, name, slot, _) in enumerate(members):
         if not rising[k]:
             left.add(i)
             continue
-        total = vals[k]
+        lo = int(np.searchsorted(pos[k], starts[i])) if starts is not None and starts[i] > 0 else 0
+        total = vals[k, lo:]
         if slot.probe.sigmoid:  # one sample's own call, as payload makes it (the same elementwise loop)
             total = torch.sigmoid(torch.from_numpy(total)).numpy()
+        if same[k]:
+            got = suffix.get(lo)
+            if got is None:
+                got = suffix[lo] = pos[0, lo:].tobytes()
+        else:
+            got = pos[k, lo:].tobytes()
+        m = pos.shape[1] - lo
         done[(i, name)] = {
-            "positions": {"dtype": "int64", "shape": list(shape), "data": first if same[k] else pos[k].tobytes()},
-            "scores": {"dtype": "float32", "shape": list(wshape), "data": total.tobytes()},
+            "positions": {"dtype": "int64", "shape": [m], "data": got},
+            "scores": {"dtype": "float32", "shape": [m, vals.shape[2]], "data": total.tobytes()},
         }
     return left
+
+
+def progress(asks: list[tuple[str, int, int, Any]], cache: dict) -> list[dict[str, dict[str, Any]] | None]:
+    """A progress RPC's asks `(key, child, start, request results)` computed together (`payloads` with their
+    starts): each one's payload, or None where `probes.payload(..., running=True)` makes it. A failure here
+    leaves every ask to that path (where a failure is that request's own)."""
+    if len(asks) < 2:
+        return [None] * len(asks)
+    try:
+        return payloads([a[3].probes for a in asks], cache, [a[2] for a in asks])
+    except Exception as e:  # noqa: BLE001 - our own failure: the per-request path decides each request's fate
+        logger.warning("inspect-lens: probe progress together failed (%s: %s)", type(e).__name__, e)
+        return [None] * len(asks)

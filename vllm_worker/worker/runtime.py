@@ -31,6 +31,7 @@ from vllm_worker.worker import (
     faults,
     gpu_clock,
     graph,
+    probe_payloads,
     probes,
     saes,
     seams,
@@ -485,12 +486,17 @@ class LensRuntime:
         if not self.capturing_rank:
             return out
         cache: dict = {}  # shared: each record copied to the host once for all (`Span.host_rows`)
+        asks = []
         for key, child, start in wanted:
             st = self.store.peek(key, child)
             if st is not None and st.probes and st.error is None:
+                asks.append((key, child, start, st))
+        together = probe_payloads.progress(asks, cache)
+        for (key, child, start, st), got in zip(asks, together):
+            if got is None:
                 got = probes.payload(st.probes, start, running=True, cache=cache)
-                if got:
-                    out.append([key, child, got])
+            if got:
+                out.append([key, child, got])
         return out
 
     # ---------------------------------------------------------------- persistent hooks (RPC)
