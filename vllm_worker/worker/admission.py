@@ -233,33 +233,38 @@ class Admission:
             got = self._entries(steers, act_uses) if steers else ({}, [])
             if got is not None:
                 entries, entry_ids = got
-        for st in per_request:  # what the Python path steers with, to the device with the step's others
-            self._move_vectors(st)
-            if st.lut is not None:
-                self._moves.add(st.lut, functools.partial(setattr, st, "lut"))
-            if st.keep is not None:
-                self._moves.add(st.keep, functools.partial(setattr, st, "keep"))
-        for layer, v in simple.items():
-            self._moves.add(v, functools.partial(simple.__setitem__, layer))
-        state = RequestState(
-            capture,
-            {l: i for i, l in enumerate(capture)},
-            child,
-            per_request,
-            hooks,
-            store,
-            simple,
-            entries,
-            entry_ids,
-            sae=sae_uses,
-            acts=act_uses,
-            probes=probe_uses,
-        )
-        if act_uses and store is not None and self.capturing_rank:  # read at fetch unless it left first
-            store.actions = functools.partial(self.actions.outcome, act_uses)
-        if per_request or simple or entry_ids or act_uses:
-            self._pending.append(state)
-        return state
+        try:
+            for st in per_request:  # what the Python path steers with, to the device with the step's others
+                self._move_vectors(st)
+                if st.lut is not None:
+                    self._moves.add(st.lut, functools.partial(setattr, st, "lut"))
+                if st.keep is not None:
+                    self._moves.add(st.keep, functools.partial(setattr, st, "keep"))
+            for layer, v in simple.items():
+                self._moves.add(v, functools.partial(simple.__setitem__, layer))
+            state = RequestState(
+                capture,
+                {l: i for i, l in enumerate(capture)},
+                child,
+                per_request,
+                hooks,
+                store,
+                simple,
+                entries,
+                entry_ids,
+                sae=sae_uses,
+                acts=act_uses,
+                probes=probe_uses,
+            )
+            if act_uses and store is not None and self.capturing_rank:  # read at fetch unless it left first
+                store.actions = functools.partial(self.actions.outcome, act_uses)
+            if per_request or simple or entry_ids or act_uses:
+                self._pending.append(state)
+            return state
+        except BaseException:  # the request fails (`admit`): its uses of shared entries go back, none left counted
+            if entry_ids:
+                self.graph.free_entries(entry_ids)
+            raise
 
     def _host_vectors(self, key: bytes | None, t: torch.Tensor) -> torch.Tensor:
         """`t` in the model's dtype, converted once for the last few contents (`HOST_VECTORS_KEPT`): a batch
@@ -343,7 +348,11 @@ class Admission:
         entries: dict = {}
         ids: list[int] = []
         for key, group in groups.items():
-            got = graph.request_entries(self.graph, group, gated=key != -1)
+            try:
+                got = graph.request_entries(self.graph, group, gated=key != -1)
+            except BaseException:  # (the groups before it give their entries back, as when one does not fit)
+                self.graph.free_entries(ids)
+                raise
             if got is None:
                 self.graph.free_entries(ids)
                 return None

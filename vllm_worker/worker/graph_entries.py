@@ -51,6 +51,7 @@ class SteeringEntries:
         self._key_at: dict[int, Hashable] = {}  # a shared chain's head -> its key
         self.shared_hits = 0  # chains found already stored (`lens_status`)
         self.full = 0  # requests refused because the table was full (`lens_status`)
+        self.layouts: dict = {}  # request layouts by content (`interventions.chain_entries`; no tensors)
         self._warned = False
         # entries stored since the last `flush`: index -> (A row, B row, B's flag, (op, next, lo, hi), gated) on the host
         self._new: dict[int, tuple[torch.Tensor, torch.Tensor, bool, tuple, bool]] = {}
