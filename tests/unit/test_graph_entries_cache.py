@@ -241,3 +241,35 @@ def test_steering_rows_lay_out_as_before_for_named_positions(monkeypatch):
     assert pos.tolist() == [3, 9] and split == 5 and default == -1 and gen == -1
     g.flush_entries()
     assert ents[0] >= 0 and ents[1] == -1 and int(g.entries.op[ents[0]]) == ABLATE
+
+
+def test_gated_chains_are_never_shared_and_reuse_only_their_rows(monkeypatch):
+    """A probe action's steering (gated per request) gets entries of its own even when an ungated request
+    stores the same content (never a chain found stored and silently left without entries), with rows
+    equal to a table filled without the memo; the rows memo is bounded and holds no view of a request's
+    vectors."""
+    from vllm_worker.worker import graph_entries
+
+    g = _taps(monkeypatch)
+    v = _unit(7, 1)
+    plain = DeviceSteer({1: 0}, v.clone(), None, 2.0, False)
+    p = graph.request_entries(g, [plain])
+    assert p is not None and p[0][1][0] >= 0
+    gated = [DeviceSteer({1: 0}, v.clone(), None, 2.0, False) for _ in range(3)]
+    got = [graph.request_entries(g, [st], gated=True) for st in gated]
+    heads = [x[0][1][0] for x in got if x is not None]
+    assert len(heads) == 3 and min(heads) >= 0 and len({p[0][1][0], *heads}) == 4
+    assert g.entries.in_use() == 4
+    g.flush_entries()
+    assert all(float(g.entries.gate[h]) == 0.0 for h in heads) and float(g.entries.gate[p[0][1][0]]) == 1.0
+    for h in heads:
+        assert torch.equal(g.A[h], g.A[p[0][1][0]]) and torch.equal(g.A[h], 2.0 * v[0])
+    ptrs = {st.vectors.untyped_storage().data_ptr() for st in gated} | {plain.vectors.untyped_storage().data_ptr()}
+    for a, b, *_ in g.entries._rows_memo.values():
+        assert a.untyped_storage().data_ptr() not in ptrs and b.untyped_storage().data_ptr() not in ptrs
+    monkeypatch.setattr(graph_entries, "ROWS_KEPT", 2)
+    for seed in range(6):
+        st = DeviceSteer({0: 0}, _unit(seed + 20, 1), None, 1.0, False)
+        x = graph.request_entries(g, [st], gated=True)
+        assert x is not None
+        assert len(g.entries._rows_memo) <= 2
