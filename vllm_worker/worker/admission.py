@@ -145,7 +145,7 @@ class Admission:
     def _new(self, req_id: str, payload: Any) -> RequestState:
         import cloudpickle
 
-        spec = None if payload is None else decode(payload)
+        spec = None if payload is None else decode(payload, view=True)  # (vectors: `_host_vectors` copies)
         n = 1 if payload is None else int(payload.get("n", 1))
         child = compat.child_index(req_id, n)
         external = compat.external_request_id(req_id, n)
@@ -268,13 +268,13 @@ class Admission:
 
     def _host_vectors(self, key: bytes | None, t: torch.Tensor) -> torch.Tensor:
         """`t` in the model's dtype, converted once for the last few contents (`HOST_VECTORS_KEPT`): a batch
-        of requests sending one vector converts it once. Never written: entries and device copies are
-        made from it."""
+        of requests sending one vector converts it once. Always a copy of `t` (a view of the payload's
+        bytes: `decode`), never written: entries and device copies are made from it."""
         if key is None:
-            return t.to(dtype=self.dtype)
+            return t.to(dtype=self.dtype, copy=True)
         got = self._converted.pop(key, None)
         if got is None:
-            got = t.to(dtype=self.dtype)
+            got = t.to(dtype=self.dtype, copy=True)
             if got.numel() * got.element_size() > HOST_VECTOR_MAX_BYTES:  # (a large 3-D patch: not kept)
                 return got
             if len(self._converted) >= HOST_VECTORS_KEPT:
