@@ -22,8 +22,8 @@ from vllm_worker.protocol.points import describe, site_layer, site_point
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph, seams
 from vllm_worker.worker.actions import ActionRefused
+from vllm_worker.worker.content_digests import RecentDigests
 from vllm_worker.worker.device_copy import to_device
-from vllm_worker.worker.graph_entries import digest
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, hook_at, split_steers
 from vllm_worker.worker.request_results import RequestResults
@@ -97,6 +97,7 @@ class Admission:
         self._on_device: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueDictionary()
         self._queued: dict[bytes, list[Callable[[torch.Tensor], Any]]] = {}
         self._converted: dict[bytes, torch.Tensor] = {}  # content -> host copy in the model's dtype (LRU)
+        self._digests = RecentDigests()  # contents of recent payloads' vectors
 
     def flush(self) -> None:
         """After a step's admissions, before it is planned: their steering reaches the device, one copy per
@@ -162,8 +163,9 @@ class Admission:
                 probe_uses = self.probes.uses(spec.probes)
             if spec.actions:
                 act_uses = self._action_uses(req_id, spec)
-            for s in spec.steers:
-                content = None if self.graph is None else digest(s.vectors)  # (entries shared by content)
+            for s, sent in zip(spec.steers, payload.get("steer") or ()):
+                # (entries shared by content; the bytes as sent: `content_digests`)
+                content = None if self.graph is None else self._digests.of(sent["vec"].get("data"), s.vectors)
                 lut = keep = None
                 if s.cols is not None:
                     keep = torch.ones(s.vectors.shape[-1], dtype=self.dtype)
