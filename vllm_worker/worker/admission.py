@@ -372,6 +372,8 @@ class Admission:
         wanted = set(spec.capture) | {s for st in spec.steers for s in st.layers} | {s for h in hooks for s, _ in h.at}
         wanted |= {int(u[k]) for u in spec.sae for k in ("site", "out_site") if u.get(k) is not None}
         wanted |= {s for u in probes for s in u.weights}
+        if self.local.issuperset(wanted):  # (every site tapped here: W12 names 32 per request)
+            return
         lacking = sorted(s for s in wanted if site_layer(s) in self.local_layers and s not in self.local)
         if not lacking:
             return
