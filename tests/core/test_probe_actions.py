@@ -134,6 +134,34 @@ def test_steer_switches_on_from_the_token_after_the_firing_one(llama, plain):
     assert list(outs[1].outputs[0].token_ids) == plain[0][1]
 
 
+def test_a_gated_steer_equal_to_a_batch_mates_plain_steer_still_applies(llama, plain):
+    """A batch-mate admitted first stores the same vector plainly (the same content key in the shared
+    entry table); the action's steering, gated per request, gets entries of its own and switches on as
+    alone — never a chain found stored and left without entries (it was silently not applied)."""
+    hf = hf_model("llama")
+    w = _direction()
+    prompt_ids, tokens = plain[2]
+    agg = _watched_scores(hf, prompt_ids, tokens, w)
+    k = _first_rise(agg)
+    thr = _threshold_firing_at(agg, k)
+    v = torch.randn(1, D, generator=torch.Generator().manual_seed(11))
+    v = v / v.norm() * 8.0
+    act = {"direction": w.tolist(), "layer": LAYER, "threshold": thr, "then": {"steer": SteeringVector(v, [1])}}
+    mate = {"apply_steering_vectors": [SteeringVector(v.clone(), [1])]}
+    before = dict(STEP_TIMINGS)
+    outs = llama.generate([PROMPTS[0], PROMPTS[2]], [_sp(mate), _sp({"probe_actions": [act]})], use_tqdm=False)
+    assert STEP_TIMINGS["graph_steps"] - before["graph_steps"] >= N_NEW - 1, "the steps ran on the Python path"
+    fire_pos = len(prompt_ids) - 1 + k
+    positions = list(range(fire_pos + 1, len(prompt_ids) + N_NEW))
+    want = greedy(hf, prompt_ids, N_NEW, steer_edit({1: v[0].expand(len(positions), D)}, positions=positions))
+    assert want != tokens, "the vector is strong enough to change the continuation"
+    assert list(outs[1].outputs[0].token_ids) == want
+    mate_ids = list(outs[0].prompt_token_ids)
+    all_pos = list(range(len(mate_ids) + N_NEW))
+    mate_want = greedy(hf, mate_ids, N_NEW, steer_edit({1: v[0].expand(len(all_pos), D)}, positions=all_pos))
+    assert list(outs[0].outputs[0].token_ids) == mate_want
+
+
 @pytest.mark.parametrize(
     ("action", "field"),
     [

@@ -111,3 +111,23 @@ def test_left_alone_where_vllm_replaced_set_num_threads(monkeypatch: pytest.Monk
     with one_thread():
         pass
     assert calls == []
+
+
+@pytest.mark.parametrize("op", ["ablate", "cap"])
+def test_unit_directions_are_the_rows_over_their_norms_and_the_callers_stay(op: str) -> None:
+    """ablate / cap rows: one norm pass (`check_directions` hands its norms back) and the division in the
+    validated copy give exactly `acts / acts.norm(...)`; the caller's tensor is untouched; a zero row is
+    refused naming the field."""
+    acts = torch.randn(4, SHAPE.d_model, generator=torch.Generator().manual_seed(2)) * 3
+    keep = acts.clone()
+    kw = {"lo": -1.0, "hi": 1.0} if op == "cap" else {}
+    sv = SteeringVector(activations=acts, layer_indices=[0, 1, 2, 3], op=op, **kw)
+    with one_thread():
+        got = parse_request({"apply_steering_vectors": [sv]}, SHAPE, 8).steers[0].vectors
+        want = keep / keep.norm(dim=-1, keepdim=True)
+    assert torch.equal(got, want) and torch.equal(acts, keep)
+    zero = keep.clone()
+    zero[1] = 0.0
+    item = {"activations": zero, "layer_indices": [0, 1, 2, 3], "op": op, **kw}
+    with pytest.raises(ValueError, match=r"apply_steering_vectors\[0\]\.activations: row \[1\] is zero"):
+        parse_request({"apply_steering_vectors": [item]}, SHAPE, 8)

@@ -148,3 +148,53 @@ def test_pending_map_keeps_the_sum_of_reservations():
     assert m.pop("missing", None) is None and m.reserved == 5
     del m["b"]
     assert m.reserved == 0 and not m
+
+
+def test_a_view_reads_the_payload_bytes_and_the_worker_keeps_only_copies(monkeypatch):
+    """`tensor_from_bytes(view=True)` (the worker's admission) reads the payload's bytes without a copy and
+    without torch's warning; the default copies. What admission keeps of a steering vector is a copy, so
+    nothing ever writes through the view into the payload's `bytes`."""
+    import warnings
+
+    from vllm_worker.protocol.ops import ABLATE
+    from vllm_worker.protocol.spec import RequestSpec, Steer, decode, encode
+    from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
+    from vllm_worker.worker.admission import Admission
+    from vllm_worker.worker.store import CaptureStore
+
+    t = torch.randn(3, 8)
+    obj = tensor_to_bytes(t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        v = tensor_from_bytes(obj, view=True)
+    c = tensor_from_bytes(obj)
+    assert torch.equal(v, t) and torch.equal(c, t) and v.dtype == c.dtype == torch.float32
+    addr = lambda x: x.untyped_storage().data_ptr()  # noqa: E731
+    view_again = tensor_from_bytes(obj, view=True)
+    assert addr(view_again) == addr(v)  # both read the same bytes object
+    assert addr(c) != addr(v)
+    for dtype in (torch.float32, torch.bfloat16):
+        payload = encode(RequestSpec(key="k", steers=[Steer([0, 1], t[:2].clone(), None, 1.0, False, op=ABLATE)]))
+        spec = decode(payload, view=True)
+        assert addr(spec.steers[0].vectors) == addr(tensor_from_bytes(payload["steer"][0]["vec"], view=True))
+        adm = Admission(
+            None,
+            torch.device("cpu"),
+            dtype,
+            8,
+            frozenset({0, 1}),
+            frozenset({0, 1}),
+            {},
+            True,
+            None,
+            CaptureStore(torch.device("cpu")),
+            None,
+            None,
+            None,  # type: ignore[arg-type]
+        )
+        state = adm.admit("r0", payload)
+        assert state.store is None and len(state.steers) == 1
+        for _ in range(2):  # on the host until the step's flush, then on the device
+            kept = state.steers[0].vectors
+            assert addr(kept) != addr(spec.steers[0].vectors) and torch.equal(kept, t[:2].to(dtype))
+            adm.flush()

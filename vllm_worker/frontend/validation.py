@@ -129,8 +129,8 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
         raise ValueError(f"{f}.norm_match: expected a bool, got {item.norm_match!r}")
     intervention.check_fields(op, phase, lo, hi, scale, item.norm_match, True, acts.ndim == 3, f)
     if op in ("ablate", "cap"):  # (with heads: the direction within those heads)
-        intervention.check_directions(op, acts, f)
-        acts = acts / acts.norm(dim=-1, keepdim=True)
+        norms = intervention.check_directions(op, acts, f)
+        acts.div_(norms)  # (`acts`: host_float32's copy, ours to write; one pass, no second norm)
     positions = None
     if acts.ndim == 3:
         n_pos = acts.shape[1]

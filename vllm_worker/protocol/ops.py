@@ -72,14 +72,16 @@ def check_fields(
         )
 
 
-def check_directions(op: str, acts: torch.Tensor, prefix: str = "") -> None:
-    """ablate / cap need a direction in every row (a zero row has none)."""
+def check_directions(op: str, acts: torch.Tensor, prefix: str = "") -> torch.Tensor | None:
+    """ablate / cap need a direction in every row (a zero row has none). Returns the rows' norms
+    (`(..., 1)`, float32; None for other ops): a caller making unit rows divides by them, not a second pass."""
     if op not in ("ablate", "cap"):
-        return
-    norms = acts.float().norm(dim=-1)
+        return None
+    norms = acts.float().norm(dim=-1, keepdim=True)
     if bool((norms == 0).any()):
-        at = [int(i) for i in torch.nonzero(norms == 0)[0]]
+        at = [int(i) for i in torch.nonzero(norms.squeeze(-1) == 0)[0]]
         raise ValueError(f"{_f(prefix, 'activations')}: row {at} is zero; op={op!r} needs a non-zero direction")
+    return norms
 
 
 def span(phase: str, prompt_len: int) -> tuple[int, int] | None:

@@ -259,7 +259,9 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
     return payload
 
 
-def decode(payload: Mapping[str, Any]) -> RequestSpec:
+def decode(payload: Mapping[str, Any], view: bool = False) -> RequestSpec:
+    """The payload `encode` made; `view`: steering vectors read the payload's bytes (`wire.tensor_from_bytes`:
+    never written, copied where kept)."""
     if payload.get("v") != 1:
         raise ValueError(f"{PAYLOAD_KEY}: unsupported payload version {payload.get('v')!r}")
     capture = list(payload.get("capture") or ())
@@ -273,7 +275,7 @@ def decode(payload: Mapping[str, Any]) -> RequestSpec:
         steers=[
             Steer(
                 list(s["layers"]),
-                tensor_from_bytes(s["vec"], "steer.vec"),
+                tensor_from_bytes(s["vec"], "steer.vec", view),
                 None if s.get("positions") is None else list(s["positions"]),
                 float(s["scale"]),
                 bool(s["norm_match"]),

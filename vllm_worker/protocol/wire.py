@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import warnings
 import zlib
 from typing import Any
 
@@ -49,8 +50,10 @@ def tensor_to_bytes(t: torch.Tensor) -> dict[str, Any]:
     return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data": raw}
 
 
-def tensor_from_bytes(obj: dict[str, Any], field: str = "tensor") -> torch.Tensor:
-    """Inverse of `tensor_to_bytes`; validates sizes and names `field` in errors."""
+def tensor_from_bytes(obj: dict[str, Any], field: str = "tensor", view: bool = False) -> torch.Tensor:
+    """Inverse of `tensor_to_bytes`; validates sizes and names `field` in errors. `view`: the tensor reads
+    the payload's own (immutable) bytes, no copy — only for a caller that never writes it and copies what
+    it keeps (the worker's admission: `spec.decode`); writing it would change a `bytes` object."""
     if not isinstance(obj, dict):
         raise ValueError(f"{field}: expected a tensor object, got {type(obj).__name__}")
     name = obj.get("dtype")
@@ -75,6 +78,10 @@ def tensor_from_bytes(obj: dict[str, Any], field: str = "tensor") -> torch.Tenso
         raise ValueError(f"{field}.data: {len(raw)} bytes do not match shape {list(shape)} of {name}")
     if n == 0:
         return torch.empty(shape, dtype=dtype)
+    if view:
+        with warnings.catch_warnings():  # (torch's warning that the buffer is not writable: known, never written)
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
 
 

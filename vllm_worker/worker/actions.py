@@ -135,8 +135,8 @@ class ActionTable:
                 raise ValueError(f"probe_actions[{i}].w: {w.shape[1]} columns, the model's width is {self.d}")
             slot = self._free.pop()
             rows = [self._wfree.pop() for _ in a["sites"]]
-            for r, wr in zip(rows, w):
-                self._new_w[r] = wr
+            for k, r in enumerate(rows):  # (indexing: iterating a tensor unbinds it, several times the cost)
+                self._new_w[r] = w[k]
             ranges = [(first_watched if lo < 0 else lo, NO_END if hi < 0 else hi) for lo, hi in a["ranges"]]
             firsts, untils = [0] * MAX_RANGES, [0] * MAX_RANGES  # (`frontend.actions.watched`; -1: generated / open)
             for j, (lo, hi) in enumerate(ranges):

@@ -22,8 +22,8 @@ from vllm_worker.protocol.points import describe, site_layer, site_point
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph, seams
 from vllm_worker.worker.actions import ActionRefused
+from vllm_worker.worker.content_digests import RecentDigests
 from vllm_worker.worker.device_copy import to_device
-from vllm_worker.worker.graph_entries import digest
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, hook_at, split_steers
 from vllm_worker.worker.request_results import RequestResults
@@ -97,6 +97,7 @@ class Admission:
         self._on_device: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueDictionary()
         self._queued: dict[bytes, list[Callable[[torch.Tensor], Any]]] = {}
         self._converted: dict[bytes, torch.Tensor] = {}  # content -> host copy in the model's dtype (LRU)
+        self._digests = RecentDigests()  # contents of recent payloads' vectors
 
     def flush(self) -> None:
         """After a step's admissions, before it is planned: their steering reaches the device, one copy per
@@ -145,7 +146,7 @@ class Admission:
     def _new(self, req_id: str, payload: Any) -> RequestState:
         import cloudpickle
 
-        spec = None if payload is None else decode(payload)
+        spec = None if payload is None else decode(payload, view=True)  # (vectors: `_host_vectors` copies)
         n = 1 if payload is None else int(payload.get("n", 1))
         child = compat.child_index(req_id, n)
         external = compat.external_request_id(req_id, n)
@@ -162,8 +163,9 @@ class Admission:
                 probe_uses = self.probes.uses(spec.probes)
             if spec.actions:
                 act_uses = self._action_uses(req_id, spec)
-            for s in spec.steers:
-                content = None if self.graph is None else digest(s.vectors)  # (entries shared by content)
+            for s, sent in zip(spec.steers, payload.get("steer") or ()):
+                # (entries shared by content; the bytes as sent: `content_digests`)
+                content = None if self.graph is None else self._digests.of(sent["vec"].get("data"), s.vectors)
                 lut = keep = None
                 if s.cols is not None:
                     keep = torch.ones(s.vectors.shape[-1], dtype=self.dtype)
@@ -233,43 +235,48 @@ class Admission:
             got = self._entries(steers, act_uses) if steers else ({}, [])
             if got is not None:
                 entries, entry_ids = got
-        for st in per_request:  # what the Python path steers with, to the device with the step's others
-            self._move_vectors(st)
-            if st.lut is not None:
-                self._moves.add(st.lut, functools.partial(setattr, st, "lut"))
-            if st.keep is not None:
-                self._moves.add(st.keep, functools.partial(setattr, st, "keep"))
-        for layer, v in simple.items():
-            self._moves.add(v, functools.partial(simple.__setitem__, layer))
-        state = RequestState(
-            capture,
-            {l: i for i, l in enumerate(capture)},
-            child,
-            per_request,
-            hooks,
-            store,
-            simple,
-            entries,
-            entry_ids,
-            sae=sae_uses,
-            acts=act_uses,
-            probes=probe_uses,
-        )
-        if act_uses and store is not None and self.capturing_rank:  # read at fetch unless it left first
-            store.actions = functools.partial(self.actions.outcome, act_uses)
-        if per_request or simple or entry_ids or act_uses:
-            self._pending.append(state)
-        return state
+        try:
+            for st in per_request:  # what the Python path steers with, to the device with the step's others
+                self._move_vectors(st)
+                if st.lut is not None:
+                    self._moves.add(st.lut, functools.partial(setattr, st, "lut"))
+                if st.keep is not None:
+                    self._moves.add(st.keep, functools.partial(setattr, st, "keep"))
+            for layer, v in simple.items():
+                self._moves.add(v, functools.partial(simple.__setitem__, layer))
+            state = RequestState(
+                capture,
+                {l: i for i, l in enumerate(capture)},
+                child,
+                per_request,
+                hooks,
+                store,
+                simple,
+                entries,
+                entry_ids,
+                sae=sae_uses,
+                acts=act_uses,
+                probes=probe_uses,
+            )
+            if act_uses and store is not None and self.capturing_rank:  # read at fetch unless it left first
+                store.actions = functools.partial(self.actions.outcome, act_uses)
+            if per_request or simple or entry_ids or act_uses:
+                self._pending.append(state)
+            return state
+        except BaseException:  # the request fails (`admit`): its uses of shared entries go back, none left counted
+            if entry_ids:
+                self.graph.free_entries(entry_ids)
+            raise
 
     def _host_vectors(self, key: bytes | None, t: torch.Tensor) -> torch.Tensor:
         """`t` in the model's dtype, converted once for the last few contents (`HOST_VECTORS_KEPT`): a batch
-        of requests sending one vector converts it once. Never written: entries and device copies are
-        made from it."""
+        of requests sending one vector converts it once. Always a copy of `t` (a view of the payload's
+        bytes: `decode`), never written: entries and device copies are made from it."""
         if key is None:
-            return t.to(dtype=self.dtype)
+            return t.to(dtype=self.dtype, copy=True)
         got = self._converted.pop(key, None)
         if got is None:
-            got = t.to(dtype=self.dtype)
+            got = t.to(dtype=self.dtype, copy=True)
             if got.numel() * got.element_size() > HOST_VECTOR_MAX_BYTES:  # (a large 3-D patch: not kept)
                 return got
             if len(self._converted) >= HOST_VECTORS_KEPT:
@@ -343,7 +350,11 @@ class Admission:
         entries: dict = {}
         ids: list[int] = []
         for key, group in groups.items():
-            got = graph.request_entries(self.graph, group, gated=key != -1)
+            try:
+                got = graph.request_entries(self.graph, group, gated=key != -1)
+            except BaseException:  # (the groups before it give their entries back, as when one does not fit)
+                self.graph.free_entries(ids)
+                raise
             if got is None:
                 self.graph.free_entries(ids)
                 return None
@@ -361,6 +372,8 @@ class Admission:
         wanted = set(spec.capture) | {s for st in spec.steers for s in st.layers} | {s for h in hooks for s, _ in h.at}
         wanted |= {int(u[k]) for u in spec.sae for k in ("site", "out_site") if u.get(k) is not None}
         wanted |= {s for u in probes for s in u.weights}
+        if self.local.issuperset(wanted):  # (every site tapped here: W12 names 32 per request)
+            return
         lacking = sorted(s for s in wanted if site_layer(s) in self.local_layers and s not in self.local)
         if not lacking:
             return

@@ -28,6 +28,10 @@ from vllm_worker.worker.interventions import chain_entries
 logger = logging.getLogger("vllm_worker")
 
 Step = tuple[int, torch.Tensor, torch.Tensor, float, float]  # (op, A row, B row, lo, hi): one entry
+# a chain's entries as stored: A, B (k, d) in the table's dtype, B's flags, (op, next of these k, lo, hi) each
+Rows = tuple[torch.Tensor, torch.Tensor, list[bool], list[tuple[int, int, float, float]]]
+ROWS_KEPT = 64  # chains' rows remembered by content (`SteeringEntries._chain_rows`) ...
+ROWS_MAX_BYTES = 256 << 10  # ... each at most this large
 
 
 class SteeringEntries:
@@ -51,6 +55,8 @@ class SteeringEntries:
         self._key_at: dict[int, Hashable] = {}  # a shared chain's head -> its key
         self.shared_hits = 0  # chains found already stored (`lens_status`)
         self.full = 0  # requests refused because the table was full (`lens_status`)
+        self.layouts: dict = {}  # request layouts by content (`interventions.chain_entries`; no tensors)
+        self._rows_memo: dict[Hashable, Rows] = {}  # chains' rows by content (`_chain_rows`)
         self._warned = False
         # entries stored since the last `flush`: index -> (A row, B row, B's flag, (op, next, lo, hi), gated) on the host
         self._new: dict[int, tuple[torch.Tensor, torch.Tensor, bool, tuple, bool]] = {}
@@ -69,22 +75,42 @@ class SteeringEntries:
         next entry of each as an index into these k, -1 none — default: additions, no chains); None when
         the table is full. They reach the device with the next `flush` (`Admission.flush`: one copy for a
         step's new requests). `gated`: their gate starts at 0 (a probe action sets it)."""
-        k = a.shape[0]
-        if k > len(self._free):
+        if a.shape[0] > len(self._free):
             return None
-        idx = [self._free.pop() for _ in range(k)]
-        for j in idx:
-            self._refs[j] = 1
+        return self._put(self._rows(a, b, ops, lo, hi, nxt), gated)
+
+    def _rows(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        ops: list[int] | None,
+        lo: list[float] | None,
+        hi: list[float] | None,
+        nxt: list[int] | None,
+    ) -> Rows:
+        """k entries as the table stores them: A and B in its dtype, B's flags, (op, next as an index into
+        these k or -1, lo, hi) each."""
         flags = (b.abs().amax(dim=1) > 0).tolist()
-        a, b = a.to(self.dtype), b.to(self.dtype)
-        for i, j in enumerate(idx):  # (a later entry at the same index replaces an earlier one)
-            extra = (
+        extras = [
+            (
                 0 if ops is None else ops[i],
-                -1 if nxt is None or nxt[i] < 0 else idx[nxt[i]],
+                -1 if nxt is None else nxt[i],
                 -math.inf if lo is None else lo[i],
                 math.inf if hi is None else hi[i],
             )
-            self._new[j] = (a[i], b[i], flags[i], extra, gated)
+            for i in range(a.shape[0])
+        ]
+        return a.to(self.dtype), b.to(self.dtype), flags, extras
+
+    def _put(self, rows: Rows, gated: bool) -> list[int]:
+        """Take free entries for `rows` (room checked by the caller), queued for the next `flush`."""
+        a, b, flags, extras = rows
+        idx = [self._free.pop() for _ in extras]
+        for j in idx:
+            self._refs[j] = 1
+        for i, j in enumerate(idx):  # (a later entry at the same index replaces an earlier one)
+            op, nx, lo, hi = extras[i]
+            self._new[j] = (a[i], b[i], flags[i], (op, -1 if nx < 0 else idx[nx], lo, hi), gated)
         return idx
 
     def flush(self) -> None:
@@ -120,38 +146,26 @@ class SteeringEntries:
         chain's head and every entry taken (one per use: what `free` gives back), or None when the table
         is full (nothing taken)."""
         keys = [None if gated else k for k, _ in chains]
-        made: dict[Hashable, list[Step]] = {}
-        fresh: list[tuple[int, list[Step]]] = []  # (chain index, steps) stored anew
+        made: set[Hashable] = set()
+        fresh: list[tuple[int, Rows | None]] = []  # (chain index, its rows; None: no steps) stored anew
         for i, (key, steps) in enumerate(chains):
-            if key is not None and (key in self._chains or key in made):
+            if keys[i] is not None and (key in self._chains or key in made):
                 continue
-            steps = steps() if callable(steps) else steps
-            if key is not None:
-                made[key] = steps
-            fresh.append((i, steps))
-        if sum(len(st) for _, st in fresh) > len(self._free):
+            if keys[i] is not None:
+                made.add(key)
+            fresh.append((i, self._chain_rows(key, steps)))
+        if sum(len(r[3]) for _, r in fresh if r is not None) > len(self._free):
             self.refused()
             return None
         stored: dict[int, list[int]] = {}
-        for i, steps in fresh:
-            if not steps:
+        for i, rows in fresh:
+            if rows is None:
                 stored[i] = []
                 continue
-            n = len(steps)
-            ids = self.add(
-                torch.stack([s[1] for s in steps]),
-                torch.stack([s[2] for s in steps]),
-                ops=[s[0] for s in steps],
-                lo=[s[3] for s in steps],
-                hi=[s[4] for s in steps],
-                nxt=[j + 1 if j + 1 < n else -1 for j in range(n)],
-                gated=gated,
-            )
-            assert ids is not None  # (room was checked above)
-            stored[i] = ids
+            stored[i] = self._put(rows, gated)
             if keys[i] is not None:  # (found by later requests until its last user leaves)
-                self._chains[keys[i]] = ids
-                self._key_at[ids[0]] = keys[i]
+                self._chains[keys[i]] = stored[i]
+                self._key_at[stored[i][0]] = keys[i]
         heads: list[int] = []
         taken: list[int] = []
         for i, key in enumerate(keys):
@@ -164,6 +178,32 @@ class SteeringEntries:
             heads.append(ids[0] if ids else -1)
             taken += ids
         return heads, taken
+
+    def _chain_rows(self, key: Hashable | None, steps: Any) -> Rows | None:
+        """A chain's rows as the table stores them (`steps`: its `Step`s or a function making them; None:
+        no steps), remembered by content (`key`; LRU, `ROWS_KEPT`): requests whose chains are never shared
+        (a probe action's, gated per request) or stored again after their last holder left skip building
+        them. The memo holds rows made here (stacked anew), never a view of a request's vectors."""
+        got = None if key is None else self._rows_memo.pop(key, None)
+        if got is None:
+            steps = steps() if callable(steps) else steps
+            if not steps:
+                return None
+            n = len(steps)
+            got = self._rows(
+                torch.stack([s[1] for s in steps]),
+                torch.stack([s[2] for s in steps]),
+                [s[0] for s in steps],
+                [s[3] for s in steps],
+                [s[4] for s in steps],
+                [j + 1 if j + 1 < n else -1 for j in range(n)],
+            )
+            if key is None or 2 * got[0].numel() * got[0].element_size() > ROWS_MAX_BYTES:
+                return got
+            while self._rows_memo and len(self._rows_memo) >= ROWS_KEPT:
+                self._rows_memo.pop(next(iter(self._rows_memo)))
+        self._rows_memo[key] = got  # (most recent last)
+        return got
 
     def refused(self) -> None:
         """A request's entries did not fit: it takes the Python path (slow under CUDA graphs). Counted

@@ -129,6 +129,9 @@ def _chain(items: list) -> list[tuple[int, torch.Tensor, torch.Tensor, float, fl
     return out
 
 
+LAYOUTS_KEPT = 64  # request layouts remembered per table (`chain_entries`), least recently used dropped
+
+
 def chain_entries(
     table: Any, sites: dict[int, int], steers: list, key_of: Callable[..., Hashable]
 ) -> tuple[dict, list[int]] | None:
@@ -136,66 +139,101 @@ def chain_entries(
     (`graph_entries.SteeringEntries`), per site this stage holds: `{site: (prompt entry, named positions,
     their entries, generated entry, split)}` — rows at positions >= split (its phases' boundary; -1: none)
     take the generated chain. A chain is keyed by what it is made of (`key_of(steer, row, k)` per item), so
-    the table stores one copy of chains several requests (or sites) share. None when the table is full."""
-    splits = {st.span[0] if st.span[0] > 0 else st.span[1] for st in steers if st.span is not None}
-    split = max(splits) if splits else -1  # (one prompt length per request)
-    chains: list[tuple[Hashable, Any]] = []
-    layout: list[tuple[int, int, list[int], list[int], int]] = []
+    the table stores one copy of chains several requests (or sites) share. None when the table is full.
 
-    def add_chain(items: list[tuple[Any, int, int]]) -> int:
-        """`items`: (steer, row, k: its position row of a 3-D vector or -1), in order."""
-        if not items:
-            return -1
-        key = ("chain", tuple(key_of(st, row, k) for st, row, k in items))
-        chains.append((key, functools.partial(_chain_of, items)))
-        return len(chains) - 1
-
-    def applies(st: Any, p: int) -> bool:
-        return st.span is None or st.span[0] <= p < st.span[1]
-
-    for layer in sorted({l for st in steers for l in st.layers if l in sites}):
-        mine = [(st, st.layers[layer]) for st in steers if layer in st.layers]
-        named = sorted({p for st, _ in mine if st.positions is not None for p in st.positions})
-        prompt_p = 0 if split < 0 else split - 1  # any position of the class does
-        default = add_chain([(st, row, -1) for st, row in mine if st.positions is None and applies(st, prompt_p)])
-        gen = -1
-        if split >= 0:
-            gen = add_chain([(st, row, -1) for st, row in mine if st.positions is None and applies(st, split)])
-        per_pos = []
-        for p in named:
-            items = []
-            for st, row in mine:
-                if not applies(st, p):
-                    continue
-                if st.positions is None:
-                    items.append((st, row, -1))
-                elif p in st.positions:
-                    k = len(st.positions) - 1 - st.positions[::-1].index(p)  # a repeated position: the last row
-                    items.append((st, row, k))
-            per_pos.append(add_chain(items))
-        layout.append((layer, default, named, per_pos, gen))
-    if not chains:
-        return {}, []
-    got = table.add_chains(chains)
+    The layout (which chains, their keys, which site takes which) depends only on the steering's content
+    and fields, so it is remembered per table by that content (`table.layouts`, LRU): a request equal to
+    an earlier one costs a lookup and the table's refcounts. The memo holds keys and indexes only, never
+    a request's tensors; chains not stored are built from the current request's vectors. The result is
+    shared by such requests (read-only)."""
+    local = sorted({l for st in steers for l in st.layers if l in sites})
+    rkey = (tuple(_steer_key(st, key_of) for st in steers), tuple(local))
+    memo: dict = table.layouts
+    got = memo.pop(rkey, None)
     if got is None:
+        got = _layout(local, steers, key_of)
+        while memo and len(memo) >= LAYOUTS_KEPT:
+            memo.pop(next(iter(memo)))
+    if LAYOUTS_KEPT > 0:
+        memo[rkey] = got  # (most recent last)
+    specs, layout, last = got
+    if not specs:
+        return {}, []
+    chains = [(key, functools.partial(_chain_at, steers, items)) for key, items in specs]
+    taken = table.add_chains(chains)
+    if taken is None:
         return None
-    heads, ids = got
+    heads, ids = taken
+    if last and last[0] == heads:
+        return last[1], ids
 
     def first(i: int) -> int:
         return -1 if i < 0 else heads[i]
 
     out: dict[int, tuple] = {}
-    for layer, default, named, per_pos, gen in layout:
-        # a named position without steps of its own falls back to the prompt chain
-        keep = [(p, first(c)) for p, c in zip(named, per_pos)]
-        pos = np.array([p for p, _ in keep], dtype=np.int64)
-        ents = np.array([c for _, c in keep], dtype=np.int32)
+    for layer, default, pos, per_pos, gen, split in layout:
+        # (-1: a named position without steps of its own; the plan falls back to the prompt chain)
+        ents = np.array([first(c) for c in per_pos], dtype=np.int32)
+        ents.flags.writeable = False
         out[layer] = (first(default), pos, ents, first(gen), split)
+    last[:] = [heads, out]
     return out, ids
 
 
-def _chain_of(items: list[tuple[Any, int, int]]) -> list[tuple[int, torch.Tensor, torch.Tensor, float, float]]:
-    return _chain([(st, st.vectors[row] if k < 0 else st.vectors[row][k]) for st, row, k in items])
+def _steer_key(st: Any, key_of: Callable[..., Hashable]) -> Hashable:
+    """Everything of one steer that `_layout` and `_chain` read: its content (`key_of`) and where it applies."""
+    pos = None if st.positions is None else tuple(st.positions)
+    return (key_of(st, -1, -1), tuple(st.layers.items()), pos, None if st.span is None else tuple(st.span))
+
+
+def _layout(local: list[int], steers: list, key_of: Callable[..., Hashable]) -> tuple[list, list, list]:
+    """The chains a request's steering makes at `local` sites: (key, items as (steer index, row, k)) each,
+    and per site (site, prompt chain, named positions, their chains, generated chain, split) as indexes
+    into those chains (-1: none); and an empty slot for `chain_entries`' last result."""
+    splits = {st.span[0] if st.span[0] > 0 else st.span[1] for st in steers if st.span is not None}
+    split = max(splits) if splits else -1  # (one prompt length per request)
+    specs: list[tuple[Hashable, tuple]] = []
+    layout: list[tuple] = []
+
+    def add_chain(items: list[tuple[int, int, int]]) -> int:
+        """`items`: (steer index, row, k: its position row of a 3-D vector or -1), in order."""
+        if not items:
+            return -1
+        specs.append((("chain", tuple(key_of(steers[i], row, k) for i, row, k in items)), tuple(items)))
+        return len(specs) - 1
+
+    def applies(st: Any, p: int) -> bool:
+        return st.span is None or st.span[0] <= p < st.span[1]
+
+    for layer in local:
+        mine = [(i, st, st.layers[layer]) for i, st in enumerate(steers) if layer in st.layers]
+        named = sorted({p for _, st, _ in mine if st.positions is not None for p in st.positions})
+        prompt_p = 0 if split < 0 else split - 1  # any position of the class does
+        default = add_chain([(i, row, -1) for i, st, row in mine if st.positions is None and applies(st, prompt_p)])
+        gen = -1
+        if split >= 0:
+            gen = add_chain([(i, row, -1) for i, st, row in mine if st.positions is None and applies(st, split)])
+        per_pos = []
+        for p in named:
+            items = []
+            for i, st, row in mine:
+                if not applies(st, p):
+                    continue
+                if st.positions is None:
+                    items.append((i, row, -1))
+                elif p in st.positions:
+                    k = len(st.positions) - 1 - st.positions[::-1].index(p)  # a repeated position: the last row
+                    items.append((i, row, k))
+            per_pos.append(add_chain(items))
+        pos = np.array(named, dtype=np.int64)
+        pos.flags.writeable = False
+        layout.append((layer, default, pos, per_pos, gen, split))
+    return specs, layout, []
+
+
+def _chain_at(steers: list, items: tuple) -> list[tuple[int, torch.Tensor, torch.Tensor, float, float]]:
+    """The entries of one chain (`_layout`'s items) from this request's vectors."""
+    return _chain([(steers[i], steers[i].vectors[row] if k < 0 else steers[i].vectors[row][k]) for i, row, k in items])
 
 
 def apply_entries(
