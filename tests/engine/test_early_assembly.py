@@ -437,3 +437,55 @@ def test_direct_writes_turned_off_mid_arena_fall_back_to_host_copies(llama, monk
     assert after["direct_only_steps"] > before["direct_only_steps"]  # written directly before the switch ...
     assert after["early_bytes"] > before["early_bytes"]  # ... and copied on the host after it
     assert after["early_fallbacks"] == before["early_fallbacks"]
+
+
+def test_mlp_post_rows_interleave_on_every_path_and_equal_hf(llama, monkeypatch):
+    """mlp_post's d_model-wide pieces are laid out with each position's pieces adjacent (`row_layout`), so the
+    frontend hands the d_mlp rows out as a view: the same bytes with early assembly off (fetch-time), on
+    (host copies) and with direct writes, beside a resid_post capture between two mlp_post layers, a request
+    that stops early (its region compacted) among them — and HF's values at prompt and generated positions."""
+    from support.reference import point_activations
+
+    capture = {"mlp_post": [0, 2], "resid_post": [1]}
+    prompts = [_prompt(n, i) for i, n in enumerate((120, 40, 90))]
+
+    def params(stop: int | None) -> list[SamplingParams]:
+        sps = [
+            SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, extra_args={"output_activations": capture})
+            for m in (12, 20, 9)
+        ]
+        if stop is not None:
+            sps[-1] = SamplingParams(
+                max_tokens=20, temperature=0, stop_token_ids=[stop], extra_args={"output_activations": capture}
+            )
+        return sps
+
+    stop = _run(llama, prompts, params(None))[-1].outputs[0].token_ids[2]
+    sps = params(stop)
+    runs, counts = [], []
+    for early, direct in (("0", "0"), ("1", "0"), ("1", "1")):
+        monkeypatch.setenv("VLLM_LENS_EARLY_ASSEMBLY", early)
+        monkeypatch.setenv("VLLM_LENS_DIRECT_POOL", direct)
+        before = _timings(llama)
+        runs.append(_run(llama, prompts, sps))
+        after = _timings(llama)
+        counts.append({k: after[k] - before[k] for k in ("early_requests", "direct_rows", "early_compact_s")})
+    assert counts[0]["early_requests"] == 0 and counts[1]["early_requests"] == len(prompts)  # each path ran
+    assert counts[1]["direct_rows"] == 0 and counts[2]["direct_rows"] > 0
+    assert counts[1]["early_compact_s"] > 0  # the request that stopped early: its region compacted
+    assert len(runs[0][-1].outputs[0].token_ids) < 20  # it stopped early
+    for got in runs[1:]:
+        for x, y in zip(got, runs[0], strict=True):
+            assert list(x.outputs[0].token_ids) == list(y.outputs[0].token_ids)
+            for point in capture:
+                assert torch.equal(x.activations[point], y.activations[point]), point
+    hf = hf_model("llama")
+    for out in (runs[2][0], runs[2][-1]):
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        ref, _ = point_activations(hf, "llama", ids[:-1])
+        post = out.activations["mlp_post"]
+        assert post.shape == (2, len(ids) - 1, 256)
+        assert post.untyped_storage().data_ptr() == out.activations["resid_post"].untyped_storage().data_ptr()
+        for k, layer in enumerate(capture["mlp_post"]):
+            assert (post[k] - ref["mlp_post"][layer]).abs().max() <= 1e-4
+        assert (out.activations["resid_post"][0] - ref["resid_post"][1]).abs().max() <= 1e-4

@@ -97,3 +97,14 @@ def test_tp2_mlp_post_ablate_and_cap_over_the_whole_row_equal_hf(tp2):
     ref, _ = point_activations(hf_model("llama"), "llama", ids(out), edit)
     for p, layers in capture.items():
         close(out.activations[p], ref[p][layers], f"tp2 whole-row ops {p}")
+
+
+def test_pp2_mlp_post_on_both_stages_equals_hf(pp2):
+    """PP=2: each stage lays out its own mlp_post rows (pieces interleaved, `transport.row_layout`); the
+    frontend merges the stages' parts site by site and still returns whole d_mlp rows equal to HF."""
+    capture = {"mlp_post": [0, 3], "resid_post": [1, 2]}
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, extra_args={"output_activations": capture})
+    out = pp2.generate([PROMPT], sp, use_tqdm=False)[0]
+    ref, _ = point_activations(hf_model("llama"), "llama", ids(out))
+    for p, layers in capture.items():
+        close(out.activations[p], ref[p][layers], f"pp2 {p}")

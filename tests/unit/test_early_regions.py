@@ -129,7 +129,8 @@ def test_column_maps_for_host_copies_and_direct_writes():
     a, b = _dest(sa, fa, 0, 4), _dest(sb, fb, 8, 4)  # two segments: two targets
     users = [(0, 1, a, 0), (1, 1, b, 0), (2, 1, a, 1), (3, 1, b, 1)]  # (column, n, dest, slot)
     cols = early_maps.user_columns(users, lambda e: True, lambda e: e.rows)
-    base, npos, targets, blocks = early_maps.block_map(4, cols)
+    base, npos, targets, blocks, stride = early_maps.block_map(4, cols)
+    assert stride.tolist() == [1] * 4  # no mlp_post pieces: positions are consecutive rows
     assert base.tolist() == [0, 8, 4, 12] and npos.tolist() == [4] * 4 and len(targets) == 2
     assert sorted(blocks) == [(0, 0, 1, 2, 2), (1, 1, 1, 2, 2)]  # [target, first column, w, gap, m]
     assert early_maps.block_map(4, None) is None
@@ -144,6 +145,7 @@ def test_column_maps_for_host_copies_and_direct_writes():
 
 def test_complete_fills_only_the_rows_not_written():
     region = np.zeros((2, 4, D), np.float32)
+    at = np.arange(8).reshape(2, 4)  # (output, position) -> row of the region
     got = np.zeros((2, 4), bool)
     got[0, :2] = True
     region[0, :2] = 7
@@ -155,6 +157,6 @@ def test_complete_fills_only_the_rows_not_written():
             return [(pos, arena_rows)]
 
     seg = type("Seg", (), {"slot": 0, "offset": 0, "n": 4, "log": type("L", (), {"arena": Arena(), "col": 0})()})()
-    early_maps.complete(region, got, [seg], {0: 0}, 4)
+    early_maps.complete(region.reshape(8, D), at, got, [seg], {0: 0}, 4)
     assert (region[0, :2] == 7).all() and np.array_equal(region[0, 2:], arena_rows[0, 2:].numpy())
     assert got[0].all() and not got[1].any()

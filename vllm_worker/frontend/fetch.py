@@ -23,7 +23,7 @@ from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
 from vllm_worker.protocol.points import MLP_POST, RESID_POST, ROUTER_LOGITS, K, Q, Z, point_sites
 from vllm_worker.protocol.spec import ModelShape
 from vllm_worker.protocol.wire import dtype_from_name, tensor_from_bytes
-from vllm_worker.transport import result_views, shm
+from vllm_worker.transport import result_views, row_layout, shm
 
 FETCH_GROUP_BYTES = 512 << 20  # per RPC round trip when results travel inside the RPC reply
 # ... and when they travel through the shared-memory result pool (the reply holds only region names): one
@@ -195,33 +195,69 @@ def discard_parts(parts: list[dict]) -> None:
             result_views.discard(part["pool"])
 
 
-def _assemble(p: Pending, parts: list[dict]) -> torch.Tensor:
+def _assemble(p: Pending, parts: list[dict]) -> tuple[torch.Tensor, bool]:
+    """The sample's captures `(sites, n_pos, d)` in `p.layers`' order, and whether their mlp_post pieces
+    interleave (`row_layout`: the one part holding every site kept as the worker laid it out)."""
     by_layer: dict[int, torch.Tensor] = {}
     for part in parts:
         if "tensor" not in part and "pool" not in part:
             continue
         t = _part_tensor(part)
         layers = part["layers"]
+        mixed = bool(part.get(row_layout.INTERLEAVED))
         if layers == p.layers or list(layers) == list(p.layers):  # one stage holds every layer: no re-stacking
-            return t
+            return t, mixed
+        if mixed:  # stages' parts stacked site by site: this one's rows in plain order first (a copy)
+            t = _plain(t, list(layers))
         for i, layer in enumerate(part["layers"]):
             by_layer.setdefault(layer, t[i])
     missing = [l for l in p.layers if l not in by_layer]
     if missing:
         raise RuntimeError(f"inspect-lens: no worker returned captures for layers {missing}")
-    return torch.stack([by_layer[l] for l in p.layers])
+    return torch.stack([by_layer[l] for l in p.layers]), False
 
 
-def by_point(t: torch.Tensor, sites: list[int], points: dict[str, list[int]], shape: ModelShape) -> dict[str, Any]:
+def _plain(t: torch.Tensor, sites: list[int]) -> torch.Tensor:
+    """Interleaved captures (`row_layout`) as `(sites, n_pos, d)` with each site's positions in order (a copy)."""
+    n = t.shape[1]
+    at = torch.from_numpy(row_layout.rows(sites, n, n))
+    return t.reshape(-1, t.shape[-1])[at]
+
+
+def _mlp_rows(t: torch.Tensor, starts: list[int], c: int) -> torch.Tensor:
+    """`(layers, n_pos, c * d)`: the interleaved mlp_post blocks starting at rows `starts` of `t` — a view when
+    they are evenly spaced (one layer, or layers with the same other sites between them), else stacked."""
+    n, d = t.shape[1], t.shape[-1]
+    gaps = {b - a for a, b in zip(starts, starts[1:])}
+    if t.is_contiguous() and len(gaps) <= 1:
+        step = gaps.pop() if gaps else c
+        return t.as_strided((len(starts), n, c * d), (step * n * d, c * d, 1), t.storage_offset() + starts[0] * n * d)
+    return torch.stack([t[s0 : s0 + c].reshape(n, c * d) for s0 in starts])
+
+
+def by_point(
+    t: torch.Tensor, sites: list[int], points: dict[str, list[int]], shape: ModelShape, mixed: bool = False
+) -> dict[str, Any]:
     """`activations` of a sample: one `(n_layers, n_pos, d)` tensor per point asked for (layers in the order
     asked; `z` / `q`: `(n_layers, n_pos, n_heads, d_head)`, `k`: `n_kv_heads`, `router_logits`: n_experts
     wide, with `expert_ids`), `points` = {point: layers}, and `residual_stream` / `layers` for `resid_post`
     (the same tensor object: the original's names). A point whose rows are consecutive in `t` is a view,
-    never a copy."""
+    never a copy; so is mlp_post when `mixed` (`t` as the worker laid it out, `row_layout`: each position's
+    pieces adjacent)."""
     row = {s: i for i, s in enumerate(sites)}
     acts: dict[str, Any] = {}
+    groups = set(row_layout.mlp_groups(sites)) if mixed else set()
     for point, layers in points.items():
         idx = [row[s] for l in layers for s in point_sites(point, l, shape.mlp_chunks)]
+        c = shape.mlp_chunks
+        if point == MLP_POST and groups and c > 1:
+            starts = [idx[k * c] for k in range(len(layers))]
+            if all(
+                (s0, c) in groups and idx[k * c : (k + 1) * c] == list(range(s0, s0 + c)) for k, s0 in enumerate(starts)
+            ):
+                acts[point] = _mlp_rows(t, starts, c)[..., : shape.d_mlp]
+                continue
+            t, groups = _plain(t, sites), set()  # (never expected: the worker lays out what was asked)
         if len(idx) == 1 or idx == list(range(idx[0], idx[0] + len(idx))):
             # (every row of `t`: `t` itself, one tensor fewer per request)
             acts[point] = t if idx[0] == 0 and len(idx) == t.shape[0] else t[idx[0] : idx[0] + len(idx)]
@@ -261,7 +297,10 @@ def decode_sample(
             discard_parts(parts)
             return None, None, part["error"]
         more = more or "sae" in part or "hooks" in part or "probes" in part or "actions" in part
-    acts = by_point(_assemble(p, parts), p.layers, p.points, p.shape or ModelShape(0, 0)) if p.layers else None
+    acts = None
+    if p.layers:
+        t, mixed = _assemble(p, parts)
+        acts = by_point(t, p.layers, p.points, p.shape or ModelShape(0, 0), mixed)
     if not more:  # captures only (most requests)
         return acts, None, None
     features = sae_features(parts)

@@ -22,6 +22,7 @@ import torch
 
 from vllm_worker.protocol import errors
 from vllm_worker.protocol.wire import dtype_name
+from vllm_worker.transport import row_layout
 from vllm_worker.transport.result_pool import ResultPool, host_array, np_dtype
 
 BLOCK_BYTES = 64 << 20  # one copy job at most (threads take jobs)
@@ -29,7 +30,8 @@ BLOCK_BYTES = 64 << 20  # one copy job at most (threads take jobs)
 
 @dataclass
 class FetchRegion:
-    """Where one request's captures go: rows `base + slot * n_pos + position` of its segment."""
+    """Where one request's captures go: rows `base + r0[slot] + position * stride[slot]` of its segment
+    (`row_layout`)."""
 
     payload: dict
     mine: list[int]
@@ -40,6 +42,8 @@ class FetchRegion:
     d: int
     dtype: torch.dtype
     nbytes: int
+    r0: np.ndarray
+    stride: np.ndarray
 
 
 def note_missing(payload: dict, mine: list[int], filled: np.ndarray) -> None:
@@ -60,7 +64,10 @@ def note_missing(payload: dict, mine: list[int], filled: np.ndarray) -> None:
 def pool_result(
     payload: dict, pool: ResultPool, region: tuple, nbytes: int, dtype: torch.dtype, shape: list[int], mine: list[int]
 ) -> dict:
-    """`payload` pointing at a request's captures in the result pool (the frontend maps them there)."""
+    """`payload` pointing at a request's captures in the result pool (the frontend maps them there), laid out
+    as `row_layout` says (`INTERLEAVED` when some output's rows interleave)."""
+    if row_layout.interleaved(mine):
+        payload[row_layout.INTERLEAVED] = True
     path, off, size = region[0], region[1], region[2]
     payload.update(
         {
@@ -121,7 +128,9 @@ def assemble(
             dests.append(None)
             continue
         path, off = region[0], region[1]
-        dest = FetchRegion(payload, mine, n_pos, path, off // row, region, d, dtype, nbytes)
+        dest = FetchRegion(
+            payload, mine, n_pos, path, off // row, region, d, dtype, nbytes, *row_layout.layout(mine, n_pos)
+        )
         dests.append(dest)
         if (path, dtype, d) not in rows_of:
             rows_of[(path, dtype, d)] = pool.rows(path, dtype, d)
@@ -137,8 +146,9 @@ def assemble(
     filled: dict[str, np.ndarray] = {}
     for data, pos, f, uses in chunks.values():
         u = np.array(
-            [(c, n, dest.base + slot * dest.n_pos, dest.n_pos) for c, n, dest, slot in uses], dtype=np.int64
-        ).reshape(-1, 4)
+            [(c, n, dest.base + dest.r0[slot], dest.n_pos, dest.stride[slot]) for c, n, dest, slot in uses],
+            dtype=np.int64,
+        ).reshape(-1, 5)
         paths = sorted({dest.path for _, _, dest, _ in uses})
         code_of = {p: i for i, p in enumerate(paths)}
         u_code = np.array([code_of[dest.path] for _, _, dest, _ in uses], dtype=np.int64)
@@ -149,6 +159,7 @@ def assemble(
         cols = np.arange(int(lens.sum())) + np.repeat(u[:, 0] - starts, lens)  # arena columns, sorted
         base = np.repeat(u[:, 2], lens)  # destination row of position 0, per column
         npos = np.repeat(u[:, 3], lens)
+        stride = np.repeat(u[:, 4], lens)
         seg_code = np.repeat(u_code, lens)
         src_np = host_array(data)  # (steps, rows, d)
         pos_np = pos.numpy()[:f]
@@ -159,7 +170,7 @@ def assemble(
             path = paths[int(seg_code[a])]
             dst_rows = rows_of[(path, data.dtype, d)]
             p = pos_np[:, c0:c1]
-            dst = base[None, a:b] + p
+            dst = base[None, a:b] + p * stride[None, a:b]
             ok = (p >= 0) & (p < npos[None, a:b])
             fill = filled.setdefault(path, np.zeros(dst_rows.shape[0], dtype=bool))
             if ok.all():
@@ -195,13 +206,10 @@ def assemble(
         path, off, size, arr = dest.region
         d, dtype = dest.d, dest.dtype
         done = filled.get(path)
-        got = (
-            done[dest.base : dest.base + len(mine) * n_pos].reshape(len(mine), n_pos)
-            if done is not None
-            else np.zeros((len(mine), n_pos), dtype=bool)
-        )
+        at = row_layout.rows(mine, n_pos, n_pos)  # (output, position) -> row of the region
+        got = done[dest.base + at] if done is not None else np.zeros((len(mine), n_pos), dtype=bool)
         if not got.all():
-            arr.view(np_dtype(dtype)).reshape(len(mine), n_pos, d)[~got] = 0  # never another request's old rows
+            arr.view(np_dtype(dtype)).reshape(len(mine) * n_pos, d)[at[~got]] = 0  # never another request's old rows
             note_missing(payload, mine, got)
         out.append(pool_result(payload, pool, dest.region, dest.nbytes, dtype, [len(mine), n_pos, d], mine))
     return out

@@ -49,7 +49,7 @@ import torch
 
 from vllm_worker.envs import get
 from vllm_worker.protocol import errors
-from vllm_worker.transport import early_maps
+from vllm_worker.transport import early_maps, row_layout
 from vllm_worker.transport.assembly import note_missing, pool_result
 from vllm_worker.transport.early_maps import run, split
 from vllm_worker.transport.early_regions import EarlyRegion, Regions, State, esize, held
@@ -146,16 +146,18 @@ class EarlyAssembler(Regions):
         t = time.perf_counter()
         L, N, d = len(mine), dest.n_max, dest.d
         block = dest.rows[dest.base : dest.base + L * N]
-        got = dest.fill[dest.base : dest.base + L * N].reshape(L, N)[:, :n_pos]
+        at = row_layout.rows(mine, N, n_pos)  # (output, position) -> row of `block`
+        got = dest.fill[dest.base + at]
         if not got.all():  # rows the thread did not copy (it failed, or a member joined late): from the arenas
-            early_maps.complete(block.reshape(L, N, d), got, segs, dest.out_of_slot, n_pos)
+            early_maps.complete(block, at, got, segs, dest.out_of_slot, n_pos)
         if not got.all():
-            block.reshape(L, N, d)[:, :n_pos][~got] = 0  # never another request's old rows
+            block[at[~got]] = 0  # never another request's old rows
             note_missing(payload, mine, got)
         nbytes = L * n_pos * dest.row
-        if n_pos < N:  # stopped before max_tokens: layers moved together (numpy copes with the overlap)
-            for i in range(1, L):
-                block[i * n_pos : (i + 1) * n_pos] = block[i * N : i * N + n_pos]
+        if n_pos < N:  # stopped before max_tokens: outputs moved together (numpy copes with the overlap)
+            for src, dst, n in row_layout.compaction(mine, N, n_pos):
+                if src != dst:
+                    block[dst : dst + n] = block[src : src + n]
             pool.shrink(dest.region[0], dest.region[1], nbytes)
             self._timings["early_compact_s"] += time.perf_counter() - t
         return pool_result(payload, pool, dest.region, nbytes, dest.dtype, [L, n_pos, d], mine)

@@ -25,10 +25,11 @@ def block_map(n_cols: int, cols: tuple | None) -> tuple | None:
     key = np.full(n_cols, -1, dtype=np.int64)
     base = np.zeros(n_cols, dtype=np.int64)
     npos = np.zeros(n_cols, dtype=np.int64)
+    stride = np.ones(n_cols, dtype=np.int64)
     targets: list[tuple[np.ndarray, np.ndarray]] = []
     if cols is not None:
-        idx, _, rows, bounds, codes, _, firsts = cols
-        base[idx], npos[idx], key[idx] = rows, bounds, codes
+        idx, _, rows, bounds, codes, _, firsts, strides = cols
+        base[idx], npos[idx], key[idx], stride[idx] = rows, bounds, codes, strides
         targets = [(e.rows, e.fill) for e in firsts]
     if not targets:
         return None
@@ -51,7 +52,7 @@ def block_map(n_cols: int, cols: tuple | None) -> tuple | None:
                 continue
         blocks.append([k, a, b - a, 0, 1])
         latest[k] = blocks[-1]
-    return base, npos, targets, [tuple(b) for b in blocks]
+    return base, npos, targets, [tuple(b) for b in blocks], stride
 
 
 def direct_map(n_cols: int, cols: tuple | None, d: int, esize: int) -> tuple | None:
@@ -60,37 +61,39 @@ def direct_map(n_cols: int, cols: tuple | None, d: int, esize: int) -> tuple | N
     and which segment's marks it sets; None when no member is left."""
     if cols is None:
         return None
-    idx, n_arr, rows, bounds, codes, who, firsts = cols
+    idx, n_arr, rows, bounds, codes, who, firsts, strides = cols
     origin = min(e.addr for e in who)
     end = max(e.addr + e.rows.shape[0] * e.row for e in who)
     start = np.array([(e.addr - origin) // esize for e in who], dtype=np.int64)
     off0 = np.zeros(n_cols, dtype=np.int64)
     npos = np.zeros(n_cols, dtype=np.int64)
     row0 = np.zeros(n_cols, dtype=np.int64)
+    stride = np.ones(n_cols, dtype=np.int64)
     tkey = np.full(n_cols, -1, dtype=np.int64)
     off0[idx] = np.repeat(start, n_arr) + rows * d
     npos[idx] = bounds
     row0[idx] = rows
+    stride[idx] = strides
     tkey[idx] = codes
     # per target segment its columns (None: it has every written column)
     marks = [(e.fill, None if len(firsts) == 1 else np.flatnonzero(tkey == k)) for k, e in enumerate(firsts)]
-    return origin, end - origin, off0, npos, row0, marks
+    return origin, end - origin, off0, npos, row0, marks, stride
 
 
 def mark_direct(got: tuple, pos: np.ndarray, d: int) -> tuple[np.ndarray, int, int]:
     """This step's element offsets (-1: not written) under `direct_map`'s answer, its rows marked written:
     (offsets, origin, span)."""
-    origin, span, off0, npos, row0, marks = got
+    origin, span, off0, npos, row0, marks, stride = got
     p = pos.astype(np.int64, copy=False)
     ok = (p >= 0) & (p < npos)
-    offs = off0 + p * d
+    at = p * stride  # rows from position 0's (`row_layout`)
+    offs = off0 + at * d
     offs[~ok] = -1
     for fill, cols in marks:  # per target segment: its columns' rows at this step's positions
         if cols is None:
-            fill[(row0 + p)[ok]] = True
+            fill[(row0 + at)[ok]] = True
         else:
-            pk = p[cols]
-            fill[(row0[cols] + pk)[ok[cols]]] = True
+            fill[(row0[cols] + at[cols])[ok[cols]]] = True
     return offs, origin, span
 
 
@@ -99,7 +102,7 @@ def jobs(chunk: list, s0: int, s1: int, cmap: tuple, out: list, marks: list) -> 
     (segment rows, destination rows (steps, m, w), the source rows (steps, m, w, d): a strided view).
     `marks`: (segment's written-rows flags, rows) to set once the copies are done (a batch that fails
     halfway marks nothing: `finish` completes those rows from the arenas)."""
-    base, npos, targets, blocks = cmap
+    base, npos, targets, blocks, stride = cmap
     data, pos = chunk[0], chunk[1]
     a3 = host_array(data)[s0:s1]  # (steps, columns, d)
     p = pos.numpy()[s0:s1]
@@ -111,7 +114,7 @@ def jobs(chunk: list, s0: int, s1: int, cmap: tuple, out: list, marks: list) -> 
         pb = block(p, 1, c0, w, gap, m)  # (steps, m, w)
         bb, nb = block(base, 0, c0, w, gap, m), block(npos, 0, c0, w, gap, m)  # (m, w)
         src = block(a3, 1, c0, w, gap, m)  # (steps, m, w, d)
-        dst = bb + pb  # (steps, m, w)
+        dst = bb + pb * block(stride, 0, c0, w, gap, m)  # (steps, m, w) (`row_layout`)
         ok = (pb >= 0) & (pb < nb)
         if ok.all():
             marks.append((fill, dst))
@@ -130,10 +133,11 @@ def user_columns(states: list, keep: Callable[[EarlyRegion], bool], by: Callable
     on CPU). The users kept: those whose state is a live `EarlyRegion` holding their slot that `keep` accepts.
     Returns (their columns; per user its column count; per column its region's row of position 0, its
     positions' bound and its target's code — regions grouped by `by(dest)`; per user its EarlyRegion; one EarlyRegion per
-    target, in code order), or None when no user is kept."""
+    target, in code order; per column the rows between its positions: `row_layout`), or None when no user is kept."""
     cols: list[int] = []
     ns: list[int] = []
     rows: list[int] = []
+    strides: list[int] = []
     codes: list[int] = []
     who: list[EarlyRegion] = []
     firsts: list[EarlyRegion] = []
@@ -151,7 +155,8 @@ def user_columns(states: list, keep: Callable[[EarlyRegion], bool], by: Callable
             firsts.append(e)
         cols.append(col)
         ns.append(n)
-        rows.append(e.base + i * e.n_max)
+        rows.append(e.base + int(e.r0[i]))
+        strides.append(int(e.stride[i]))
         codes.append(k)
         who.append(e)
     if not cols:
@@ -163,12 +168,12 @@ def user_columns(states: list, keep: Callable[[EarlyRegion], bool], by: Callable
         return np.repeat(np.array(values, dtype=np.int64), n_arr)
 
     bounds = per_column([e.n_max for e in who])
-    return idx, n_arr, per_column(rows), bounds, per_column(codes), who, firsts
+    return idx, n_arr, per_column(rows), bounds, per_column(codes), who, firsts, per_column(strides)
 
 
-def complete(region: np.ndarray, got: np.ndarray, segs: list, out_of_slot: dict, n_pos: int) -> None:
-    """Rows of `region` (out, position, d) not written (`got[out, position]` False) copied from the request's arena rows (the
-    fetch-time path's source), marked in `got`."""
+def complete(region: np.ndarray, at: np.ndarray, got: np.ndarray, segs: list, out_of_slot: dict, n_pos: int) -> None:
+    """Rows of `region` (rows, d) not written (`got[out, position]` False; `at[out, position]`: its row)
+    copied from the request's arena rows (the fetch-time path's source), marked in `got`."""
     for s in segs:
         i = out_of_slot[s.slot]
         for pos, rows in s.log.arena.parts(s.log.col + s.offset, s.n):
@@ -177,7 +182,7 @@ def complete(region: np.ndarray, got: np.ndarray, segs: list, out_of_slot: dict,
             keep = (p >= 0) & (p < n_pos)
             keep[keep] = ~got[i, p[keep]]
             if keep.any():
-                region[i, p[keep]] = src[keep]
+                region[at[i, p[keep]]] = src[keep]
                 got[i, p[keep]] = True
 
 

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from vllm_worker.transport import row_layout
 from vllm_worker.transport.lock_order import LockOrder, Ordered
 from vllm_worker.transport.result_pool import ResultPool
 
@@ -69,16 +70,32 @@ def move(st: Any, to: State, dest: EarlyRegion | None = None) -> None:
 
 
 class EarlyRegion:
-    """Where one request's captured rows go: row `base + out * n_max + position` of `rows` (its segment).
-    `addr`: the segment's address when the GPU writes the rows itself (direct), else 0."""
+    """Where one request's captured rows go: row `base + r0[out] + position * stride[out]` of `rows` (its
+    segment; `row_layout`). `addr`: the segment's address when the GPU writes the rows itself (direct), else 0."""
 
-    __slots__ = ("region", "base", "n_max", "d", "dtype", "row", "rows", "fill", "mine", "out_of_slot", "dead", "addr")
+    __slots__ = (
+        "region",
+        "base",
+        "n_max",
+        "d",
+        "dtype",
+        "row",
+        "rows",
+        "fill",
+        "mine",
+        "out_of_slot",
+        "dead",
+        "addr",
+        "r0",
+        "stride",
+    )
 
     def __init__(self, region: tuple, row: int, n_max: int, d: int, dtype: torch.dtype, mine: list, out_of_slot: dict):
         self.region = region
         self.base = region[1] // row
         self.n_max, self.d, self.dtype, self.row = n_max, d, dtype, row
         self.mine, self.out_of_slot = mine, out_of_slot
+        self.r0, self.stride = row_layout.layout(mine, n_max)
         self.rows: np.ndarray | None = None
         self.fill: np.ndarray | None = None
         self.dead = False
