@@ -108,7 +108,9 @@ def test_never_firing_equals_the_request_without_actions(llama, plain):
         assert [r["fired"] for r in reps] == [False, False] and [r["position"] for r in reps] == [-1, -1]
 
 
-def test_steer_switches_on_from_the_token_after_the_firing_one(llama, plain):
+def _steer_firing_at_the_first_rise(plain) -> tuple:
+    """(HF model, prompt ids, plain tokens, k, the vector, the action): a `then: steer` action on PROMPTS[2]
+    whose threshold makes it fire at the k-th watched position (the first rise of its scores)."""
     hf = hf_model("llama")
     w = _direction()
     prompt_ids, tokens = plain[2]
@@ -118,6 +120,11 @@ def test_steer_switches_on_from_the_token_after_the_firing_one(llama, plain):
     v = torch.randn(1, D, generator=torch.Generator().manual_seed(11))
     v = v / v.norm() * 8.0
     act = {"direction": w.tolist(), "layer": LAYER, "threshold": thr, "then": {"steer": SteeringVector(v, [1])}}
+    return hf, prompt_ids, tokens, k, v, act
+
+
+def test_steer_switches_on_from_the_token_after_the_firing_one(llama, plain):
+    hf, prompt_ids, tokens, k, v, act = _steer_firing_at_the_first_rise(plain)
     outs = llama.generate([PROMPTS[2], PROMPTS[0]], [_sp({"probe_actions": [act]}), _sp()], use_tqdm=False)
     fire_pos = len(prompt_ids) - 1 + k
     # HF: the vector at layer 1 on every position after the firing one
@@ -138,15 +145,7 @@ def test_a_gated_steer_equal_to_a_batch_mates_plain_steer_still_applies(llama, p
     """A batch-mate admitted first stores the same vector plainly (the same content key in the shared
     entry table); the action's steering, gated per request, gets entries of its own and switches on as
     alone — never a chain found stored and left without entries (it was silently not applied)."""
-    hf = hf_model("llama")
-    w = _direction()
-    prompt_ids, tokens = plain[2]
-    agg = _watched_scores(hf, prompt_ids, tokens, w)
-    k = _first_rise(agg)
-    thr = _threshold_firing_at(agg, k)
-    v = torch.randn(1, D, generator=torch.Generator().manual_seed(11))
-    v = v / v.norm() * 8.0
-    act = {"direction": w.tolist(), "layer": LAYER, "threshold": thr, "then": {"steer": SteeringVector(v, [1])}}
+    hf, prompt_ids, tokens, k, v, act = _steer_firing_at_the_first_rise(plain)
     mate = {"apply_steering_vectors": [SteeringVector(v.clone(), [1])]}
     before = dict(STEP_TIMINGS)
     outs = llama.generate([PROMPTS[0], PROMPTS[2]], [_sp(mate), _sp({"probe_actions": [act]})], use_tqdm=False)
