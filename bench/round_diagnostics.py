@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import statistics
 import sys
+import time
 from typing import Any
 
 # step counters shown per round (cumulative in the worker; worker.py records each run's difference)
@@ -87,9 +88,11 @@ def render(result: dict) -> list[str]:
                 held2 = "/".join(_num(settled.get(k)) for k in HELD_KEYS)
                 split = "/".join(_num(span.get(k)) for k in ("lead_s", "loop_s", "tail_s"))
                 dev = "/".join(_num(span.get(k)) for k in DEVICE_KEYS) if "dev_fwd_s" in span else "-"
+                gcs = lt.get("gc") or {}
+                gc2 = f"{_num(gcs.get('gen2', 0))} / {_num(gcs.get('gen2_s', 0.0))}" if "gc" in lt else "-"
                 rows.append(
                     f"| {w} | {i} | {_num(r.get('wall'))} | {split} | {steps} | {dev} | {held} | {held2} | "
-                    f"{_num(fe.get('pending'))} / {_num(fe.get('py_objects'))} |"
+                    f"{_num(fe.get('pending'))} / {_num(fe.get('py_objects'))} | {gc2} |"
                 )
         if not rows:
             continue
@@ -105,8 +108,8 @@ def render(result: dict) -> list[str]:
             + " after the run,"
             " then after one plain 1-token request (settled: should be 0 / 0 / 0 / 0 / 0 or the one request).",
             "",
-            "| workload | round | wall s | lead/loop/tail s | steps | device | held after | held settled | frontend pending / objects |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| workload | round | wall s | lead/loop/tail s | steps | device | held after | held settled | frontend pending / objects | full GCs / s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
             *rows,
             "",
         ]
@@ -137,3 +140,31 @@ def _num(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
     return str(v)
+
+
+class GcClock:
+    """This process's garbage collections during a run (`gc.callbacks`): count and seconds per generation —
+    a full collection over the frontend's live objects can stall a run's tail (W10: `decode_s` 0.5 s in one
+    round, 0.06 in the next)."""
+
+    def __init__(self) -> None:
+        self._t0: float | None = None
+        self._by: dict[int, list] = {}
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            got = self._by.setdefault(int(info.get("generation", -1)), [0, 0.0])
+            got[0] += 1
+            got[1] += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def take(self) -> dict[str, Any]:
+        """{"gen<g>": collections, "gen<g>_s": seconds} since the last call."""
+        out: dict[str, Any] = {}
+        for g, (n, s) in sorted(self._by.items()):
+            out[f"gen{g}"], out[f"gen{g}_s"] = n, round(s, 4)
+        self._by = {}
+        return out

@@ -108,6 +108,7 @@ class VLLMSystem:
         self.z_refused: str | None = None  # why the plugin refused point "z" (W7), once probed
         self._checked: set[str] = set()
         self._last_status: dict = {}
+        self._gc: round_diagnostics.GcClock | None = None  # the frontend's collections per run (lens systems)
         try:  # what the engine really runs (CUDA graphs or not), for the results' start-up line
             comp = self.llm.llm_engine.vllm_config.compilation_config
             self.engine_mode = {
@@ -318,6 +319,10 @@ class VLLMSystem:
         chunk = int(os.environ.get("BENCH_W2_CHUNK", "0")) if workload == "W2" and self.kind == "vllm-lens" else 0
         outs = []
         use0 = self._rusage()
+        if self._gc is None and self.kind.startswith("lens"):
+            self._gc = round_diagnostics.GcClock()
+        if self._gc is not None:
+            self._gc.take()  # (the collections before this run are not its own)
         t_gen = time.monotonic()
         for s in range(0, n, chunk or n):
             outs += self.llm.generate(
@@ -331,6 +336,8 @@ class VLLMSystem:
             from vllm_worker import frontend
 
             self.timings = dict(frontend.FRONTEND_TIMINGS)
+            if self._gc is not None:
+                self.timings["gc"] = self._gc.take()  # the frontend's collections during the generate call
             try:  # the worker's host seconds around graph-path steps (plan / forward / after) and in fetches
                 st = self.llm.collective_rpc("lens_status")[0]
                 now = {"step": st["step_timings"], "fetch": st["fetch_timings"]}
