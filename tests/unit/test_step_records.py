@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_worker.worker.step_records import Span, StepRecord, latest, latest_np
+from vllm_worker.worker.step_records import Span, StepRecord, latest, latest_order
 
 
 def _fill(steps: int, host_pos: bool) -> tuple[StepRecord, torch.Tensor, torch.Tensor]:
@@ -51,7 +51,7 @@ def test_latest_keeps_the_last_run_and_the_cache_reads_once():
     assert torch.equal(torch.cat([va, vb], 1), vals[:, 0])
 
 
-def test_host_rows_and_latest_np_equal_the_torch_pieces_with_one_host_copy_per_record():
+def test_host_rows_and_latest_order_equal_the_torch_pieces_with_one_host_copy_per_record():
     """The numpy path (fetches and progress RPCs: `probes.payload`) equals `pieces` + `latest` bit for bit —
     columns by slice or index, across chunks, a recomputed position keeping its last row — and copies each
     record to the host once for every span cut from it."""
@@ -63,9 +63,14 @@ def test_host_rows_and_latest_np_equal_the_torch_pieces_with_one_host_copy_per_r
         for r0, r1, cols in ((0, 1, slice(0, 4)), (1, 3, slice(1, 3)), (2, 3, torch.tensor([3, 0]))):
             spans = [Span(rec, r0, r1, "s", cols), Span(again, r0, r1, "s", cols)]
             want_p, want_v = latest([pc for sp in spans for pc in sp.pieces()])
-            got_p, got_v = latest_np([hr for sp in spans if (hr := sp.host_rows(cache)) is not None])
+            filed = [sp for sp in spans if sp.host_positions(cache) is not None]
+            got_p = np.concatenate([sp.host_positions(cache) for sp in filed])
+            got_v = np.concatenate([sp.host_values(cache) for sp in filed])
+            order = latest_order(got_p)
+            if order is not None:
+                got_p, got_v = got_p[order], got_v[order]
             assert np.array_equal(got_p, want_p.numpy()) and got_p.dtype == np.int64
             assert np.array_equal(got_v, want_v.numpy()) and got_v.dtype == np.float32
         assert len(cache) == 2  # one host copy per record, whatever the number of spans
     empty = StepRecord(1, {"s": (4, torch.float32)}, torch.device("cpu"))
-    assert Span(empty, 0, 1, "s", slice(0, 4)).host_rows({}) is None
+    assert Span(empty, 0, 1, "s", slice(0, 4)).host_positions({}) is None

@@ -26,7 +26,7 @@ from vllm_worker.probes.format import Probe, check_probe
 from vllm_worker.protocol.points import canonical_site
 from vllm_worker.protocol.wire import tensor_from_bytes
 from vllm_worker.worker.device_copy import to_device
-from vllm_worker.worker.step_records import Span, StepRecord
+from vllm_worker.worker.step_records import Span, StepRecord, latest_order
 from vllm_worker.worker.stream_rows import stream_rows
 
 PROBE_COUNTS = {"rows": 0, "projections": 0}  # rows this process scored, matmuls it ran (tests, benchmarks)
@@ -315,20 +315,14 @@ class _Rows:
 
 
 def _rows(spans: list[Span], cache: dict, start: int, running: bool) -> _Rows | None:
-    """The positions of `spans`, as `step_records.latest_np` orders them (None: nothing scored)."""
+    """The positions of `spans`, as `step_records.latest_order` orders them (None: nothing scored)."""
     got = [(i, p) for i, sp in enumerate(spans) if (p := sp.host_positions(cache)) is not None]
     first = _since([p for _, p in got], start)
     got = got[first:]
     if not got:
         return None
     pos = np.concatenate([p for _, p in got]) if len(got) > 1 else got[0][1]
-    order = None
-    if len(pos) >= 2 and not bool((pos[1:] > pos[:-1]).all()):  # a recompute: sorted, the last one kept
-        idx = np.argsort(pos, kind="stable")
-        sorted_pos = pos[idx]
-        keep = np.ones(len(pos), dtype=bool)
-        keep[:-1] = sorted_pos[1:] != sorted_pos[:-1]
-        order = idx[keep]
+    order = latest_order(pos)  # (a recompute: sorted, the last one kept)
     if running:
         kept = (pos if order is None else pos[order]) >= start
         if not kept.all():

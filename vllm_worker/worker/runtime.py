@@ -485,7 +485,7 @@ class LensRuntime:
         out: list = []
         if not self.capturing_rank:
             return out
-        cache: dict = {}  # shared: each record copied to the host once for all (`Span.host_rows`)
+        cache: dict = {}  # shared: each record copied to the host once for all (`Span.host_values`)
         asks = []
         for key, child, start in wanted:
             st = self.store.peek(key, child)

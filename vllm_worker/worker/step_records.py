@@ -154,11 +154,6 @@ class Span:
         v = vals[:, self.r0 : self.r1].reshape(-1, vals.shape[-1])
         return v[:, self.cols] if isinstance(self.cols, slice) else v[:, self.cols.cpu().numpy()]
 
-    def host_rows(self, cache: dict) -> tuple[np.ndarray, np.ndarray] | None:
-        """This span's (positions (m,), values (m, k)) as numpy arrays (`host_positions`, `host_values`)."""
-        p = self.host_positions(cache)
-        return None if p is None else (p, self.host_values(cache))  # type: ignore[return-value]
-
 
 WHOLE_RECORDS = "whole_records"  # a `cache` key: read whole records once for many requests (`Span.pieces`)
 
@@ -180,15 +175,13 @@ def latest(pieces: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     return (pos[keep], *rest)
 
 
-def latest_np(pieces: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """`latest` for numpy pieces (`Span.host_rows`): positions sorted (stable), a position filed twice
-    keeping its last row."""
-    pos = np.concatenate([p for p, _ in pieces]) if len(pieces) > 1 else pieces[0][0]
-    vals = np.concatenate([v for _, v in pieces]) if len(pieces) > 1 else pieces[0][1]
-    if len(pos) < 2 or bool((pos[1:] > pos[:-1]).all()):  # steps in order: positions usually rise already
-        return pos, vals
-    order = np.argsort(pos, kind="stable")
-    pos = pos[order]
+def latest_order(pos: np.ndarray) -> np.ndarray | None:
+    """`latest`'s row order for numpy positions (`Span.host_positions`): the rows that sort them (stable),
+    a position filed twice keeping its last row; None when they already rise (steps in order: usually)."""
+    if len(pos) < 2 or bool((pos[1:] > pos[:-1]).all()):
+        return None
+    idx = np.argsort(pos, kind="stable")
+    sorted_pos = pos[idx]
     keep = np.ones(len(pos), dtype=bool)
-    keep[:-1] = pos[1:] != pos[:-1]
-    return pos[keep], vals[order][keep]
+    keep[:-1] = sorted_pos[1:] != sorted_pos[:-1]
+    return idx[keep]
