@@ -26,6 +26,7 @@ from vllm_worker.worker.content_digests import RecentDigests
 from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, hook_at, split_steers
+from vllm_worker.worker.recent import recall, remember
 from vllm_worker.worker.request_results import RequestResults
 from vllm_worker.worker.store import CaptureStore
 
@@ -274,14 +275,11 @@ class Admission:
         bytes: `decode`), never written: entries and device copies are made from it."""
         if key is None:
             return t.to(dtype=self.dtype, copy=True)
-        got = self._converted.pop(key, None)
+        got = recall(self._converted, key)
         if got is None:
             got = t.to(dtype=self.dtype, copy=True)
-            if got.numel() * got.element_size() > HOST_VECTOR_MAX_BYTES:  # (a large 3-D patch: not kept)
-                return got
-            if len(self._converted) >= HOST_VECTORS_KEPT:
-                self._converted.pop(next(iter(self._converted)))
-        self._converted[key] = got  # (most recent last)
+            if got.numel() * got.element_size() <= HOST_VECTOR_MAX_BYTES:  # (a large 3-D patch: not kept)
+                remember(self._converted, key, got, HOST_VECTORS_KEPT)
         return got
 
     def _move_vectors(self, st: DeviceSteer) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from vllm_worker.worker.graph_entries import digest
+from vllm_worker.worker.recent import recall, remember
 
 KEPT = 8  # recent payload byte strings remembered ...
 MAX_BYTES = 16 << 20  # ... each at most this large
@@ -30,10 +31,8 @@ class RecentDigests:
         if not isinstance(raw, bytes) or not MIN_BYTES <= len(raw) <= MAX_BYTES:
             return digest(t)
         key = (t.dtype, tuple(t.shape), raw[:_EDGE], raw[-_EDGE:])
-        got = self._memo.pop(key, None)
+        got = recall(self._memo, key)
         if got is None or got[0] != raw:  # (bytes comparison: exact)
             got = (raw, digest(t))
-            while self._memo and len(self._memo) >= KEPT:
-                self._memo.pop(next(iter(self._memo)))
-        self._memo[key] = got  # (most recent last)
+            remember(self._memo, key, got, KEPT)
         return got[1]

@@ -24,6 +24,7 @@ import torch
 from vllm_worker.protocol.ops import ADD
 from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.interventions import chain_entries
+from vllm_worker.worker.recent import recall, remember
 
 logger = logging.getLogger("vllm_worker")
 
@@ -184,7 +185,7 @@ class SteeringEntries:
         no steps), remembered by content (`key`; LRU, `ROWS_KEPT`): requests whose chains are never shared
         (a probe action's, gated per request) or stored again after their last holder left skip building
         them. The memo holds rows made here (stacked anew), never a view of a request's vectors."""
-        got = None if key is None else self._rows_memo.pop(key, None)
+        got = None if key is None else recall(self._rows_memo, key)
         if got is None:
             steps = steps() if callable(steps) else steps
             if not steps:
@@ -198,11 +199,8 @@ class SteeringEntries:
                 [s[4] for s in steps],
                 [j + 1 if j + 1 < n else -1 for j in range(n)],
             )
-            if key is None or 2 * got[0].numel() * got[0].element_size() > ROWS_MAX_BYTES:
-                return got
-            while self._rows_memo and len(self._rows_memo) >= ROWS_KEPT:
-                self._rows_memo.pop(next(iter(self._rows_memo)))
-        self._rows_memo[key] = got  # (most recent last)
+            if key is not None and 2 * got[0].numel() * got[0].element_size() <= ROWS_MAX_BYTES:
+                remember(self._rows_memo, key, got, ROWS_KEPT)
         return got
 
     def refused(self) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from vllm_worker.protocol.ops import ABLATE, ADD, CAP, SET
+from vllm_worker.worker.recent import recall, remember
 
 INF = math.inf
 
@@ -148,14 +149,10 @@ def chain_entries(
     shared by such requests (read-only)."""
     local = sorted({l for st in steers for l in st.layers if l in sites})
     rkey = (tuple(_steer_key(st, key_of) for st in steers), tuple(local))
-    memo: dict = table.layouts
-    got = memo.pop(rkey, None)
+    got = recall(table.layouts, rkey)
     if got is None:
         got = _layout(local, steers, key_of)
-        while memo and len(memo) >= LAYOUTS_KEPT:
-            memo.pop(next(iter(memo)))
-    if LAYOUTS_KEPT > 0:
-        memo[rkey] = got  # (most recent last)
+        remember(table.layouts, rkey, got, LAYOUTS_KEPT)
     specs, layout, last = got
     if not specs:
         return {}, []
