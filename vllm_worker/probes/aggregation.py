@@ -67,12 +67,7 @@ def series(scores: torch.Tensor, name: str) -> torch.Tensor:
     if kind in (TOKEN, "max"):
         return x
     if kind == "rolling_max":
-        w = int(arg)
-        c = torch.cat([torch.zeros_like(x[:1]), x.cumsum(0, dtype=torch.float64)])
-        n = torch.arange(1, x.shape[0] + 1, dtype=torch.float64)
-        lo = (n - w).clamp(min=0).long()
-        count = (n - lo.double()).reshape(-1, *([1] * (x.dim() - 1)))
-        return ((c[1:] - c[lo]) / count).to(torch.float32)
+        return _rolling_rows(x.unsqueeze(0), int(arg))[0]
     if kind == "ema":
         return _ema_rows(x.unsqueeze(0), arg)[0]
     raise ValueError(f"aggregate: {name!r} has no running form (only token, rolling_max:W, ema:A)")
@@ -103,6 +98,16 @@ def aggregates(scores: torch.Tensor, wanted: Iterable[str]) -> dict[str, torch.T
     return {n: aggregate(scores, n) for n in wanted}
 
 
+def _rolling_rows(x: torch.Tensor, w: int) -> torch.Tensor:
+    """The rolling mean (window `w`; of the first w - 1 positions: of those so far) of every row of `x`
+    (rows, n, ...) along its positions, from float64 running sums."""
+    c = torch.cat([torch.zeros_like(x[:, :1], dtype=torch.float64), x.cumsum(1, dtype=torch.float64)], 1)
+    n = torch.arange(1, x.shape[1] + 1, dtype=torch.float64)
+    lo = (n - w).clamp(min=0).long()
+    count = (n - lo.double()).reshape(1, -1, *([1] * (x.dim() - 2)))
+    return ((c[:, 1:] - c[:, lo]) / count).to(torch.float32)
+
+
 def _ema_rows(x: torch.Tensor, a: float) -> torch.Tensor:
     """The ema series of every row of `x` (rows, n, ...) at once: one step of the recurrence per position
     for all rows, the same float32 operations as one row alone (so the same bits), not a loop per row."""
@@ -128,12 +133,7 @@ def _stacked_aggregate(x: torch.Tensor, name: str) -> torch.Tensor:
     if kind == "max":
         return x.max(1).values
     if kind == "rolling_max":
-        w = int(arg)
-        c = torch.cat([torch.zeros_like(x[:, :1], dtype=torch.float64), x.cumsum(1, dtype=torch.float64)], 1)
-        n = torch.arange(1, x.shape[1] + 1, dtype=torch.float64)
-        lo = (n - w).clamp(min=0).long()
-        count = (n - lo.double()).reshape(1, -1, *([1] * (x.dim() - 2)))
-        return ((c[:, 1:] - c[:, lo]) / count).to(torch.float32)[:, w - 1 :].max(1).values
+        return _rolling_rows(x, int(arg))[:, int(arg) - 1 :].max(1).values
     if kind == "ema":
         return _ema_rows(x, arg).max(1).values
     raise ValueError("aggregate: 'token' is a series, not an aggregate (use max)")
