@@ -133,7 +133,7 @@ def test_progress_together_equals_each_running_request_alone(redo):
     reqs = _requests(names)
     _run(reqs, lengths, redo)
     asks = [(f"k{i}", 0, s, r.store) for i, (r, s) in enumerate(zip(reqs, starts))]
-    together = probe_payloads.progress(asks, {})
+    together = probe_payloads.together([a[3].probes for a in asks], {}, [a[2] for a in asks])
     for i, r in enumerate(reqs):
         alone = probes.payload(r.store.probes, starts[i], running=True, cache={})
         covered = "two" not in names[i] and not (redo and lengths[i] > 6)
@@ -144,4 +144,4 @@ def test_progress_together_equals_each_running_request_alone(redo):
         assert pos == [
             k for k in sorted({k if not (redo and k == 6) else 5 for k in range(lengths[i])}) if k >= starts[i]
         ]
-    assert probe_payloads.progress(asks[:1], {}) == [None]  # one ask: the per-request path
+    assert probe_payloads.together([asks[0][3].probes], {}, [asks[0][2]]) == [None]  # one ask: the per-request path

@@ -115,13 +115,7 @@ def _probes_together(todo: list, records: dict | None) -> dict[int, dict]:
     if records is None:
         return {}
     sts = [st for _, _, st, _ in todo if st.probes and st.error is None]
-    if len(sts) < 2:
-        return {}
-    try:
-        got = probe_payloads.payloads([st.probes for st in sts], records)
-    except Exception as e:  # noqa: BLE001 - our own failure: the per-request path decides each request's fate
-        logger.warning("inspect-lens: probe payloads of a fetch together failed (%s: %s)", type(e).__name__, e)
-        return {}
+    got = probe_payloads.together([st.probes for st in sts], records)
     return {id(st): p for st, p in zip(sts, got) if p is not None}
 
 

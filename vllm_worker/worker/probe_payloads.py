@@ -133,14 +133,16 @@ def _group(key: tuple, members: list[Member], cache: dict, done: dict, starts: l
     return left
 
 
-def progress(asks: list[tuple[str, int, int, Any]], cache: dict) -> list[dict[str, dict[str, Any]] | None]:
-    """A progress RPC's asks `(key, child, start, request results)` computed together (`payloads` with their
-    starts): each one's payload, or None where `probes.payload(..., running=True)` makes it. A failure here
-    leaves every ask to that path (where a failure is that request's own)."""
-    if len(asks) < 2:
-        return [None] * len(asks)
+def together(
+    requests: list[dict[str, ProbeScores]], cache: dict, starts: list[int] | None = None
+) -> list[dict[str, dict[str, Any]] | None]:
+    """`payloads` for a fetch's requests or a progress RPC's asks (`starts`), or None for each where
+    `probes.payload` makes it: a lone request, or all of them when this pass fails (logged; there a failure
+    is that request's own)."""
+    if len(requests) < 2:
+        return [None] * len(requests)
     try:
-        return payloads([a[3].probes for a in asks], cache, [a[2] for a in asks])
+        return payloads(requests, cache, starts)
     except Exception as e:  # noqa: BLE001 - our own failure: the per-request path decides each request's fate
-        logger.warning("inspect-lens: probe progress together failed (%s: %s)", type(e).__name__, e)
-        return [None] * len(asks)
+        logger.warning("inspect-lens: probe payloads together failed (%s: %s)", type(e).__name__, e)
+        return [None] * len(requests)

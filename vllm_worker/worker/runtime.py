@@ -491,7 +491,7 @@ class LensRuntime:
             st = self.store.peek(key, child)
             if st is not None and st.probes and st.error is None:
                 asks.append((key, child, start, st))
-        together = probe_payloads.progress(asks, cache)
+        together = probe_payloads.together([a[3].probes for a in asks], cache, [a[2] for a in asks])
         for (key, child, start, st), got in zip(asks, together):
             if got is None:
                 got = probes.payload(st.probes, start, running=True, cache=cache)
