@@ -4,7 +4,7 @@
 # gpu-monitors, from a code folder staged beside vLLM 0.26's parts in G (default /work/main/.gpu/mon:
 # p1 p2 whl srvx dev model vllm026s.sha256; code = the commit measured, what the device needs of it).
 #
-# Here first:   bash bench/gpu/monitors-run.sh stage COMMIT   (G/code afresh; prints each call's carry size)
+# Here first:   bash bench/gpu/monitors-prepare.sh (once a machine), then bash bench/gpu/monitors-run.sh stage COMMIT   (G/code afresh; prints each call's carry size)
 # Then three device calls, back to back (the machine goes back after 30 s idle, /root with it):
 #   call 1, carry [G/p1]:   mkdir -p /root/stage && cp .gpu/mon/p1/vpart.* /root/stage/ && nvidia-smi -L
 #   call 2, carry [G/p2 G/whl G/srvx G/dev G/model G/code G/vllm026s.sha256]:
@@ -114,7 +114,8 @@ profile)
     echo "W15 profile rc=$? in $(( $(date +%s) - T0 )) s"
     [ -s "$O/w15.json" ] && cat "$O/w15.json" | cut -c1-1500 || tail -20 "$O/w15.log"
   fi
-  ls -la "$O/spy" | head -30
+  # one archive: the device returns only so many files a call (a dozen raw profiles were left out once)
+  tar -czf "$O/spy.tgz" -C "$O" spy && rm -rf "$O/spy" && ls -la "$O/spy.tgz"
   ;;
 cpu-smoke)
   # shellcheck disable=SC1091

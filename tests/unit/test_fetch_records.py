@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from support.filing import file_steps
 from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
 from vllm_worker.sae import Sae
 from vllm_worker.worker import fetch, probes, saes
@@ -62,20 +63,9 @@ def _file(gp: SimpleNamespace, pos: np.ndarray, g: torch.Generator) -> None:
 
 
 def _run(reqs: list[SimpleNamespace], lengths: list[int], g: torch.Generator) -> None:
-    """A prefill of positions 0, 1 (two rows a request), then decode steps with the requests still running
-    as one composition each time one finishes (new records); position 5 of every request is filed twice
-    (the second run wins)."""
-    live = list(range(len(reqs)))
-    _file(_stage(reqs, live, 2), np.tile(np.arange(2), len(live)), g)
-    step = 2
-    live = [r for r in live if lengths[r] > step]
-    while live:
-        gp = _stage(reqs, live, 1)
-        end = min(lengths[r] for r in live)
-        while step < end:
-            _file(gp, np.full(len(live), step if step != 6 else 5, dtype=np.int64), g)
-            step += 1
-        live = [r for r in live if lengths[r] > end]
+    """A prefill of positions 0, 1 (two rows a request), then decode steps; position 5 of every request is
+    filed twice (the second run wins)."""
+    file_steps(lambda live, rows: _stage(reqs, live, rows), lambda gp, pos: _file(gp, pos, g), lengths, 2, (6, 5))
 
 
 def test_one_fetch_of_many_matches_each_alone():

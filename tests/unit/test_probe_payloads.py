@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from support.filing import file_steps
 from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
 from vllm_worker.worker import fetch, probe_payloads, probes
 from vllm_worker.worker.request_results import RequestResults
@@ -54,22 +55,14 @@ def _stage(reqs: list, live: list[int], width: int) -> SimpleNamespace:
 
 
 def _run(reqs: list, lengths: list[int], redo: bool) -> None:
-    """A prefill of positions 0..2 (three rows a request), then decode steps as one composition each time a
-    request finishes; `redo`: position 5 is filed twice (a preempted request's recompute)."""
+    """A prefill of positions 0..2 (three rows a request), then decode steps; `redo`: position 5 is filed
+    twice (a preempted request's recompute)."""
     g = torch.Generator().manual_seed(4)
-    live = list(range(len(reqs)))
-    gp = _stage(reqs, live, 3)
-    probes.scores_from_stage(gp, torch.randn(gp.total, D, generator=g), 0, np.tile(np.arange(3), len(live)))
-    step = 3
-    live = [r for r in live if lengths[r] > step]
-    while live:
-        gp = _stage(reqs, live, 1)
-        end = min(lengths[r] for r in live)
-        while step < end:
-            pos = np.full(len(live), 5 if (redo and step == 6) else step, dtype=np.int64)
-            probes.scores_from_stage(gp, torch.randn(gp.total, D, generator=g), 0, pos)
-            step += 1
-        live = [r for r in live if lengths[r] > end]
+
+    def file(gp: SimpleNamespace, pos: np.ndarray) -> None:
+        probes.scores_from_stage(gp, torch.randn(gp.total, D, generator=g), 0, pos)
+
+    file_steps(lambda live, rows: _stage(reqs, live, rows), file, lengths, 3, (6, 5) if redo else None)
 
 
 @pytest.mark.parametrize("redo", [False, True])
