@@ -252,7 +252,7 @@ class LensRuntime:
         try:
             faults.check("actions")
             step = action_step.current(self.actions, plan)
-            if action_step.settled(step):  # every action fired for good: nothing to fold (`action_step`)
+            if action_step.settled(step, self.actions):  # every action fired for good: nothing to fold (`action_step`)
                 return
             xs = action_step.python_rows(plan) if stage is None else action_step.graph_rows(step, *stage)
             positions = action_step.device_positions(dev_pos, pos, self.device)
