@@ -183,8 +183,10 @@ class ActionTable:
         new_w, self._new_w = self._new_w, {}
         k, m = len(new), len(new_w)
         sent, which = distinct_rows(list(new_w.values()))
-        longs = torch.tensor([*new, *new_w, *which, *(v for _, ls in new.values() for v in ls)], dtype=torch.long)
-        fvals = torch.tensor([v for fs, _ in new.values() for v in fs], dtype=torch.float32)
+        consts = np.array([ls for _, ls in new.values()], dtype=np.int64).reshape(-1)  # (numpy: no per-value Python)
+        order = np.fromiter((*new, *new_w, *which), dtype=np.int64, count=k + 2 * m)
+        longs = torch.from_numpy(np.concatenate([order, consts]))
+        fvals = torch.from_numpy(np.array([fs for fs, _ in new.values()], dtype=np.float32).reshape(-1))
         floats = torch.cat([fvals, torch.stack(sent).reshape(-1)]) if m else fvals
         dl, df = to_device(longs, self.device), to_device(floats, self.device)
         if m:

@@ -123,9 +123,10 @@ class SteeringEntries:
         pending = self._new
         # A, B, ... of each entry; rows equal requests share (`_chain_rows`' memo) cross once
         sent, which = distinct_rows([r for a, b, *_ in pending.values() for r in (a, b)])
-        idx = to_device(torch.tensor([*pending, *which], dtype=torch.long), self.device)
+        spread = len(sent) < len(which)
+        idx = to_device(torch.tensor([*pending, *(which if spread else ())], dtype=torch.long), self.device)
         rows = to_device(torch.stack(sent), self.device)
-        if len(sent) < len(which):
+        if spread:
             rows = rows.index_select(0, idx[len(pending) :])
         idx = idx[: len(pending)]
         ints = [(f, x[0], x[1]) for _, _, f, x, _ in pending.values()]
