@@ -179,3 +179,26 @@ def test_once_every_live_action_is_final_compositions_are_settled_without_an_ind
     for r in reqs[:3]:
         table.free(r.acts)
     assert table.open == 0 and table.status()["action_slots"] == 0
+
+
+def test_the_outcomes_of_requests_leaving_together_are_read_at_once_and_equal_each_read_alone(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(D, generator=g), torch.randn(8, D, generator=g)
+    table = ActionTable(D, torch.device("cpu"), n_slots=16)
+    thresholds = [-1e9, 1e9, float(x[2] @ w) + 0.25 - 1e-3, -1e9]  # fires, never, fires at row 2's score, fires
+    reqs = [Req(table.uses(f"r{i}", [_action(w, t)], frozenset({SITE}), 7)) for i, t in enumerate(thresholds)]
+    two = Req(table.uses("two", [_action(w, -1e9), _action(w, 1e9, lo=40)], frozenset({SITE}), 7))
+    table.flush()
+    plan = _plan(reqs + [two])
+    for p in (7, 8, 9):
+        _observe(table, plan, x, p)
+    groups = [r.acts for r in reqs + [two]] + [[]]
+    alone = [table.outcome(g) for g in groups]
+    assert alone[0][0]["fired"] and not alone[1][0]["fired"] and alone[1][0]["value"] is None
+    assert alone[4][0]["position"] == 7 and alone[4][0]["token_index"] == 0 and not alone[4][1]["fired"]
+    assert alone[2][0]["value"] == float(table.fire_value[reqs[2].acts[0].slot])  # (a float32 value, exactly)
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
+    assert table.outcomes(groups) == alone
+    assert len(reads) == 1  # (on a GPU each read waits for the device)
