@@ -11,7 +11,9 @@ that never fire), `py_calls` (Python function calls per step, cProfile: load-ind
 `aten_ops` (aten ops dispatched per step: on a GPU about one launch each), `make_ms` / `make_ops` (the
 once-per-composition index build, `action_step.make`) and `admit_ms` / `uses_ops` + `flush_ops` (admitting the `--n`
 requests' action slots: `ActionTable.uses` each, then the step's `flush`); `trickle8_ms` / `trickle8_ops`:
-the requests arriving over 8 compositions, a step each, then a decode step of them all (`trickle`).
+the requests arriving over 8 compositions, a step each, then a decode step of them all (`trickle`);
+`leave_ms` / `leave_ops`: after they fired, the requests leaving two a step (a new composition each: W11's
+end), every step as `runtime._observe` runs it (`leave`).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def steady(n: int, d: int, steps: int, threshold: float) -> tuple[float, float, 
     make_ms = (time.perf_counter() - t) * 1e3
 
     def one(k: int) -> None:
-        if getattr(action_step, "settled", lambda s: False)(step):
+        if _settled(step, table):
             return
         pos = np.full(n, 20 + k, dtype=np.int64)
         xs = action_step.graph_rows(step, stage, 0)
@@ -153,7 +155,7 @@ def trickle(n: int, d: int, waves: int) -> tuple[float, int]:
         for k, plan in enumerate(plans):
             for j in range(1):
                 step = action_step.current(table, plan)
-                if action_step.settled(step):
+                if _settled(step, table):
                     continue
                 pos = np.full(len(plan.graph.act[SITE][1]), 20 + 2 * k + j, dtype=np.int64)
                 xs = action_step.graph_rows(step, stage, 0)
@@ -164,12 +166,52 @@ def trickle(n: int, d: int, waves: int) -> tuple[float, int]:
     return ms, ops.n
 
 
+def _settled(step: object, table: ActionTable) -> bool:
+    try:  # (the table counts final actions: `ActionTable.finalize`; older code took the step alone)
+        return action_step.settled(step, table)  # type: ignore[call-arg,arg-type]
+    except TypeError:
+        return action_step.settled(step)  # type: ignore[arg-type]
+
+
+def leave(n: int, d: int) -> tuple[float, int]:
+    """The `n` requests' actions fire, then they leave two a step (each step a new composition, a slot freed
+    since the last): total wall ms and aten ops of those steps as `runtime._observe` runs them."""
+    table, per_site, stage, gate = setup(n, d)
+    rows, _, items = per_site[SITE]
+
+    def one(m: int, k: int) -> None:
+        plan = SimpleNamespace(act_step=None, graph=SimpleNamespace(act={SITE: (rows[:m], rows[:m], items[:m])}))
+        step = action_step.current(table, plan)
+        if _settled(step, table):
+            return
+        pos = np.full(m, 20 + k, dtype=np.int64)
+        xs = action_step.graph_rows(step, stage, 0)
+        positions = action_step.device_positions(torch.from_numpy(pos), pos, table.device)
+        action_step.observe(table, step, xs, positions, gate)
+
+    plan = SimpleNamespace(act_step=None, graph=SimpleNamespace(act={SITE: (rows, rows, items)}))
+    for k in range(3):  # (fire, then learn it)
+        step = action_step.current(table, plan)
+        if not _settled(step, table):
+            pos = np.full(n, 20 + k, dtype=np.int64)
+            xs = action_step.graph_rows(step, stage, 0)
+            action_step.observe(table, step, xs, torch.from_numpy(pos), gate)
+    t = time.perf_counter()
+    with CountOps() as ops:
+        for k, m in enumerate(range(n - 2, 0, -2)):
+            table.free(items[m][0].acts + items[m + 1][0].acts)
+            one(m, 3 + k)
+    return (time.perf_counter() - t) * 1e3, ops.n
+
+
 def run(n: int, d: int, steps: int) -> dict:
     admit_ms, uses_ops, flush_ops = admit(n, d)
     step_us, calls, aten_ops, make_ms, make_ops = steady(n, d, steps, -1e9)
     watch_us, watch_calls, watch_ops, _, _ = steady(n, d, steps, 1e9)
     trickle(n, d, 8)  # (warm-up)
     trickle_ms, trickle_ops = trickle(n, d, 8)
+    leave(n, d)  # (warm-up)
+    leave_ms, leave_ops = leave(n, d)
     return {
         "n": n,
         "d": d,
@@ -184,6 +226,8 @@ def run(n: int, d: int, steps: int) -> dict:
         "watch_aten_ops": watch_ops,
         "trickle8_ms": round(trickle_ms, 2),
         "trickle8_ops": trickle_ops,
+        "leave_ms": round(leave_ms, 2),
+        "leave_ops": leave_ops,
         "admit_ms": round(admit_ms, 2),
         "uses_ops": uses_ops,
         "flush_ops": flush_ops,

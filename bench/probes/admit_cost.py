@@ -3,17 +3,20 @@ layer of an 8B-shaped model: d = 4096, 32 layers), W13's (cap at one layer) and 
 the middle layer, `then: steer` one layer later: its payload made by the frontend's `parse_request`),
 admitted through the worker's `Admission` (payload decode, action slots, entries, the step's flush) into
 tables like the H200 run's. Prints ms per request (min and median of `ADMIT_REPEATS` batches, default 5)
-and the table's entries in use.
-Run: `python bench/probes/admit_cost.py [n_requests] [workloads, e.g. W11,W12]`."""
+and the table's entries in use; then, load-independent, the aten ops of one batch (admissions and flush: on
+a GPU the flush's are launches, the others host work) and the bytes it hands to the device (`to_device`).
+Run: `[ADMIT_STEADY=1] python bench/probes/admit_cost.py [n_requests] [workloads, e.g. W11,W12]`."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
 import types
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_worker import compat
 from vllm_worker.api.steering import SteeringVector
@@ -21,13 +24,42 @@ from vllm_worker.frontend.validation import parse_request
 from vllm_worker.protocol.ops import ABLATE, CAP
 from vllm_worker.protocol.points import OUT, site
 from vllm_worker.protocol.spec import ModelShape, RequestSpec, Steer, encode
-from vllm_worker.worker import graph
+from vllm_worker.worker import actions as actions_mod
+from vllm_worker.worker import admission as admission_mod
+from vllm_worker.worker import graph, graph_entries
 from vllm_worker.worker.actions import ActionTable
 from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.store import CaptureStore
 
 D, LAYERS = 4096, 32
 REPEATS = int(os.environ.get("ADMIT_REPEATS", "5"))  # batches per workload (min and median reported)
+STEADY = os.environ.get("ADMIT_STEADY") == "1"  # one torch thread, no garbage collection inside a batch
+
+
+class Counts(TorchDispatchMode):
+    """Aten ops dispatched, and bytes handed to `to_device` by admission, the action table and the entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.bytes = 0
+        self._saved = [(m, m.to_device) for m in (admission_mod, actions_mod, graph_entries)]
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        for m, f in self._saved:
+            m.to_device = lambda t, d, f=f: self._moved(t) or f(t, d)  # type: ignore[attr-defined]
+        return super().__enter__()
+
+    def __exit__(self, *a):  # type: ignore[no-untyped-def]
+        for m, f in self._saved:
+            m.to_device = f  # type: ignore[attr-defined]
+        return super().__exit__(*a)
+
+    def _moved(self, t: torch.Tensor) -> None:
+        self.bytes += t.numel() * t.element_size()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
 
 
 class Runner:
@@ -64,6 +96,8 @@ def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     workloads = sys.argv[2].split(",") if len(sys.argv) > 2 else ["W11", "W12", "W13"]
     os.environ.setdefault("VLLM_LENS_STEER_MB", "64")
+    if STEADY:  # (on a shared VM: a collection over vLLM's objects, ~0.3 s here, lands in some batch)
+        torch.set_num_threads(1)
     unit = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(0)), dim=0)
     compat.pp_last_stage()  # (its first call imports vLLM's distributed modules: not a request's cost)
     for workload in workloads:
@@ -71,9 +105,13 @@ def main() -> None:
         runs = [one_run(workload, msgs) for _ in range(REPEATS)]
         admit = sorted(r[0] for r in runs)
         flush = sorted(r[1] for r in runs)
+        counts = Counts()
+        with counts:
+            one_run(workload, msgs)
         print(
             f"{workload}: {n} requests, admit {admit[0]:.3f} ms/request (min of {REPEATS}; median "
-            f"{admit[REPEATS // 2]:.3f}), flush {flush[0]:.1f} ms (min), {runs[-1][2]}"
+            f"{admit[REPEATS // 2]:.3f}), flush {flush[0]:.1f} ms (min), {runs[-1][2]}; a batch: "
+            f"{counts.ops} aten ops, {counts.bytes} bytes to the device"
         )
 
 
@@ -83,11 +121,15 @@ def one_run(workload: str, msgs: list[dict]) -> tuple[float, float, str]:
     g = graph.GraphTaps([site(l, OUT) for l in range(LAYERS)], D, torch.bfloat16, torch.device("cpu"), 256, None)
     actions = ActionTable(D, torch.device("cpu")) if workload == "W11" else None
     adm = admission(g, n, actions)
+    if STEADY:
+        gc.collect()
+        gc.disable()
     t0 = time.perf_counter()
     states = [adm.admit(f"r{i}", m) for i, m in enumerate(msgs)]
     t1 = time.perf_counter()
     adm.flush()
     t2 = time.perf_counter()
+    gc.enable()
     failed = [s.store.error for s in states if s.store is not None and s.store.error is not None]
     assert not failed, failed[0]
     on_graph = sum(s.entries is not None for s in states)

@@ -50,6 +50,7 @@ class ActionStep:
     settled_read: tuple[torch.Tensor, Any] | None = None  # (host flags, their copy's event): last step's "fired"
     settled: bool = False  # every action of the composition fired: its steps skip the fold (`observe`)
     uses: list[ActionUse] | None = None  # its actions, in `settled_slots` order (each `final` once it fired)
+    flags: tuple[torch.Tensor, Any] | None = None  # CUDA: the pinned host flags and event its steps reuse
 
 
 def make(table: ActionTable, per_site: dict[int, tuple[Any, np.ndarray, list]], graph: bool) -> ActionStep:
@@ -136,9 +137,12 @@ def current(table: ActionTable, plan: Any) -> ActionStep:
     if step is None or step.generation != table.generation:
         # the composition before: each of its actions that fired is final, and left out of this one
         for before in {id(s): s for s in (step, table.last_step) if s is not None}.values():
-            settled(before)
-        gp = plan.graph
-        step = make(table, gp.act if gp is not None else plan.act_rows, gp is not None)
+            settled(before, table)
+        if table.open == 0:  # every live action is final: nothing to index (W11's requests leaving, step by step)
+            step = ActionStep(table.generation, 0, [], None, None, None, [], None, None, None, settled=True)
+        else:
+            gp = plan.graph
+            step = make(table, gp.act if gp is not None else plan.act_rows, gp is not None)
         plan.act_step = table.last_step = step
     return step
 
@@ -154,7 +158,7 @@ def observe(
     actions' aggregates; gates and stop flags follow. `positions`: the step's positions on the device.
     A composition whose actions all aggregate by "token" and have all fired does nothing more: its outcome,
     gates and stop flags are final (learnt from the previous step's flag without waiting for the device)."""
-    if settled(step):
+    if settled(step, table):
         return
     if step.n_pairs:
         assert step.brow is not None and step.bias is not None
@@ -184,20 +188,22 @@ def observe(
     table.after_step(step.entries, entries_gate, step.stops)
     if step.settled_slots is not None:  # each action's "fired" on its way to the host (`settled`)
         flags = table.fired.index_select(0, step.settled_slots)
-        if flags.device.type == "cuda":
-            host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+        if flags.device.type == "cuda":  # (one pinned buffer and event a composition: read only once landed)
+            if step.flags is None:
+                step.flags = (torch.empty(flags.shape, dtype=torch.bool, pin_memory=True), torch.cuda.Event())
+            host, ev = step.flags
             host.copy_(flags, non_blocking=True)
-            ev = torch.cuda.Event()
             ev.record()
             step.settled_read = (host, ev)
         else:
             step.settled_read = (flags, None)
 
 
-def settled(step: ActionStep) -> bool:
+def settled(step: ActionStep, table: ActionTable | None = None) -> bool:
     """Whether every action of the composition has fired for good, as the previous step's flags say (never
     waits for them: flags still on their way read as not yet). Each action that fired is final from then on:
-    later compositions leave it out (`make`)."""
+    later compositions leave it out (`make`); `table` counts it (`ActionTable.finalize`; None: not counted,
+    so `current` keeps making compositions)."""
     if step.settled:
         return True
     read = step.settled_read
@@ -210,7 +216,10 @@ def settled(step: ActionStep) -> bool:
     fired = host.numpy()
     uses = step.uses or []
     for i in np.flatnonzero(fired).tolist():  # (only those that fired: no pass over every request a step)
-        uses[i].final = True
+        if table is None:
+            uses[i].final = True
+        else:
+            table.finalize(uses[i])
     step.settled = bool(fired.all())
     return step.settled
 

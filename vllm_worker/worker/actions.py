@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from vllm_worker.protocol.wire import tensor_from_bytes
-from vllm_worker.worker.device_copy import to_device
+from vllm_worker.worker.device_copy import distinct_rows, to_device
+from vllm_worker.worker.recent import recall, remember
 from vllm_worker.worker.stream_rows import stream_rows
 
 TOKEN, EMA, ROLLING = 0, 1, 2  # as `frontend.actions`
@@ -28,6 +29,8 @@ MAX_WINDOW = 256  # rolling_max:W's largest W (`frontend.actions.MAX_WINDOW`)
 N_SLOTS = 1024  # actions live at once in one worker
 NO_END = 1 << 62  # the end of an open range of positions watched
 MAX_RANGES = 16  # ranges / single positions an action watches (`frontend.actions.MAX_RANGES`)
+WEIGHTS_KEPT = 8  # decoded weight rows remembered by their payload bytes (`ActionTable._weights`) ...
+WEIGHTS_MAX_BYTES = 4 << 20  # ... each at most this large
 
 
 @dataclass(eq=False)
@@ -103,6 +106,7 @@ class ActionTable:
         self.generation = 0  # counts frees: a step's cached indices (`action_step`) made before one are stale
         self.never = torch.zeros(1, **f32)  # the gate of a vector with no layer on this pipeline stage
         self.last_step: Any = None  # the latest composition's `action_step.ActionStep` (its flag read at the next)
+        self.open = 0  # live actions not final: at 0 every composition is settled (`action_step.current`)
         self._free = list(range(n_slots - 1, -1, -1))
         self._wfree = list(range(2 * n_slots - 1, -1, -1))
         self._arange = torch.arange(MAX_WINDOW, device=device)
@@ -113,6 +117,7 @@ class ActionTable:
         # [kind, sigmoid, firsts..., untils...]); weight row -> its (d,) row (a slot taken again: the last wins)
         self._new: dict[int, tuple[tuple[float, float, float], list[int]]] = {}
         self._new_w: dict[int, torch.Tensor] = {}
+        self._decoded: dict[tuple, tuple[bytes, torch.Tensor]] = {}  # recent weights by payload bytes (`_weights`)
 
     # ------------------------------------------------------------ per request
 
@@ -130,7 +135,7 @@ class ActionTable:
         out: list[ActionUse] = []
         self._by_req[req_id] = out  # (filled as slots are taken: `drop` gives back those of a failure midway)
         for i, a in mine:
-            w = tensor_from_bytes(a["w"], f"probe_actions[{i}].w").to(torch.float32).reshape(len(a["sites"]), -1)
+            w = self._weights(a["w"], f"probe_actions[{i}].w").reshape(len(a["sites"]), -1)
             if w.shape[1] != self.d:  # (checked here: a bad row must fail its request, not the step's flush)
                 raise ValueError(f"probe_actions[{i}].w: {w.shape[1]} columns, the model's width is {self.d}")
             slot = self._free.pop()
@@ -149,28 +154,51 @@ class ActionTable:
             use = ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched, lo < first_watched)
             use.kind, use.sigmoid, use.rows = int(a["kind"]), sigmoid, self.rows_per_step
             out.append(use)
+            self.open += 1
         return out
+
+    def _weights(self, obj: Any, field: str) -> torch.Tensor:
+        """A payload's weight rows as float32 on the host, decoded once for the last few byte strings
+        (`WEIGHTS_KEPT`; compared byte for byte, so only equal bytes share): 256 requests acting on one
+        probe decode it once, and `flush` uploads its rows once. Never written (`flush` copies them)."""
+        raw = obj.get("data") if isinstance(obj, dict) else None
+        if not isinstance(raw, bytes) or len(raw) > WEIGHTS_MAX_BYTES:
+            return tensor_from_bytes(obj, field).to(torch.float32)
+        key = (obj.get("dtype"), repr(obj.get("shape")), raw[:64], raw[-64:])
+        got = recall(self._decoded, key)
+        if got is None or got[0] != raw:  # (bytes comparison: exact)
+            got = (raw, tensor_from_bytes(obj, field).to(torch.float32))
+            remember(self._decoded, key, got, WEIGHTS_KEPT)
+        return got[1]
 
     def flush(self) -> None:
         """The slots taken since the last flush reach the device: their constants and fresh state, for all
         of a step's admissions at once (two host-to-device copies and one indexed write per buffer, never
-        per request). Called after a step's admissions (`Admission.flush`) and before any read of the table."""
+        per request). Weight rows that are one host row (requests of one probe: `_weights`) cross once
+        and are spread on the device. Called after a step's admissions (`Admission.flush`) and before any
+        read of the table."""
         if not self._new and not self._new_w:
             return
         new, self._new = self._new, {}
         new_w, self._new_w = self._new_w, {}
         k, m = len(new), len(new_w)
-        longs = torch.tensor([*new, *new_w, *(v for _, ls in new.values() for v in ls)], dtype=torch.long)
-        fvals = torch.tensor([v for fs, _ in new.values() for v in fs], dtype=torch.float32)
-        floats = torch.cat([fvals, torch.stack(list(new_w.values())).reshape(-1)]) if m else fvals
+        sent, which = distinct_rows(list(new_w.values()))
+        consts = np.array([ls for _, ls in new.values()], dtype=np.int64).reshape(-1)  # (numpy: no per-value Python)
+        order = np.fromiter((*new, *new_w, *which), dtype=np.int64, count=k + 2 * m)
+        longs = torch.from_numpy(np.concatenate([order, consts]))
+        fvals = torch.from_numpy(np.array([fs for fs, _ in new.values()], dtype=np.float32).reshape(-1))
+        floats = torch.cat([fvals, torch.stack(sent).reshape(-1)]) if m else fvals
         dl, df = to_device(longs, self.device), to_device(floats, self.device)
         if m:
-            self.W.index_copy_(0, dl[k : k + m], df[3 * k :].view(m, self.d))
+            rows = df[3 * k :].view(len(sent), self.d)
+            if len(sent) < m:  # (some rows are one: spread on the device)
+                rows = rows.index_select(0, dl[k + m : k + 2 * m])
+            self.W.index_copy_(0, dl[k : k + m], rows)
         if not k:
             return
         sl = dl[:k]
         f = df[: 3 * k].view(k, 3)
-        ls = dl[k + m :].view(k, 2 + 2 * MAX_RANGES)
+        ls = dl[k + 2 * m :].view(k, 2 + 2 * MAX_RANGES)
         for buf, col in ((self.B, f[:, 0]), (self.thr, f[:, 1]), (self.param, f[:, 2]), (self.kind, ls[:, 0])):
             buf.index_copy_(0, sl, col)
         self.sigmoid.index_copy_(0, sl, ls[:, 1].bool())
@@ -189,22 +217,35 @@ class ActionTable:
         for u in uses:
             if not u.freed:  # (a failed request's uses may be given back twice)
                 u.freed = True
+                self.open -= not u.final
                 self.generation += 1
                 self._free.append(u.slot)
                 self._wfree.extend(u.sites.values())
             self._by_req.pop(u.req_id, None)
             self.stopping.pop(u.req_id, None)
 
+    def finalize(self, u: ActionUse) -> None:
+        """`u` fired for good (a "token" action: `action_step.settled`): no step changes it any more."""
+        if not u.final:
+            u.final = True
+            self.open -= not u.freed
+
     def outcome(self, uses: list[ActionUse]) -> list[dict[str, Any]]:
         """What each action did (read from the device: when the request leaves, or at its fetch)."""
+        return self.outcomes([uses])[0]
+
+    def outcomes(self, groups: list[list[ActionUse]]) -> list[list[dict[str, Any]]]:
+        """`outcome` of each group (the requests leaving in one step) in one read: every read of a device
+        value waits for the device, and it was three reads (and a pageable write) per request. Positions
+        (< 2**53) and float32 values are exact in float64, so one float64 block carries all three."""
+        uses = [u for g in groups for u in g]
         if not uses:
-            return []
+            return [[] for _ in groups]
         self.flush()
-        slots = torch.tensor([u.slot for u in uses], device=self.device)
-        fired = self.fired[slots].tolist()
-        pos = self.fire_pos[slots].tolist()
-        val = self.fire_value[slots].tolist()
-        return [
+        slots = to_device(torch.tensor([u.slot for u in uses], dtype=torch.long), self.device)
+        got = torch.stack([buf.index_select(0, slots).double() for buf in (self.fired, self.fire_pos, self.fire_value)])
+        fired, pos, val = got.tolist()
+        out = [
             {
                 "action": u.index,
                 "name": u.name,
@@ -215,6 +256,11 @@ class ActionTable:
             }
             for u, f, p, v in zip(uses, fired, pos, val)
         ]
+        split, k = [], 0
+        for g in groups:
+            split.append(out[k : k + len(g)])
+            k += len(g)
+        return split
 
     # ------------------------------------------------------------ per step
 

@@ -12,3 +12,18 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def distinct_rows(rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """Host rows (1-D, one dtype and length) that are one row in memory counted once: the distinct ones, and
+    each row's place among them. Rows that live tensors share (a memo's: equal requests) cross to the device
+    once and are spread there (`torch.index_select`), byte for byte what copying each would give."""
+    seen: dict[tuple[int, int], int] = {}  # (address, stride): live tensors never give two contents one
+    out: list[torch.Tensor] = []
+    which: list[int] = []
+    for row in rows:
+        j = seen.setdefault((row.data_ptr(), row.stride(0)), len(out))
+        if j == len(out):
+            out.append(row)
+        which.append(j)
+    return out, which

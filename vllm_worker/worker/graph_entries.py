@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from vllm_worker.protocol.ops import ADD
-from vllm_worker.worker.device_copy import to_device
+from vllm_worker.worker.device_copy import distinct_rows, to_device
 from vllm_worker.worker.interventions import chain_entries
 from vllm_worker.worker.recent import recall, remember
 
@@ -121,8 +121,14 @@ class SteeringEntries:
         if not self._new:
             return
         pending = self._new
-        idx = to_device(torch.tensor(list(pending), dtype=torch.long), self.device)
-        rows = to_device(torch.stack([r for a, b, *_ in pending.values() for r in (a, b)]), self.device)  # A, B, ...
+        # A, B, ... of each entry; rows equal requests share (`_chain_rows`' memo) cross once
+        sent, which = distinct_rows([r for a, b, *_ in pending.values() for r in (a, b)])
+        spread = len(sent) < len(which)
+        idx = to_device(torch.tensor([*pending, *(which if spread else ())], dtype=torch.long), self.device)
+        rows = to_device(torch.stack(sent), self.device)
+        if spread:
+            rows = rows.index_select(0, idx[len(pending) :])
+        idx = idx[: len(pending)]
         ints = [(f, x[0], x[1]) for _, _, f, x, _ in pending.values()]
         ints_d = to_device(torch.tensor(ints, dtype=torch.int32), self.device)  # flag, op, next
         bounds = to_device(

@@ -230,19 +230,25 @@ class LensRuntime:
         not tracked yet, so as many may have joined as left (their steering entries and action slots would
         stay held until a batch with fewer requests)."""
         live = compat.live_request_ids(self.runner)
+        left = []
         for rid in [r for r in self._reqs if r not in live]:
             st = self._reqs.pop(rid)
             if self.tp_wide is not None:
                 self.tp_wide.forget(rid)
             if st is not None:
                 self._free_entries(st)
-                self._release_actions(st)
+                left.append(st)
+        self._release_actions(left)
 
-    def _release_actions(self, r: RequestState) -> None:
-        """The request left: its actions' outcome stays in its results, their slots go back."""
-        if r.acts:
-            if r.store is not None and self.capturing_rank:
-                r.store.actions = self.actions.outcome(r.acts)
+    def _release_actions(self, left: list[RequestState]) -> None:
+        """The requests left: their actions' outcome stays in their results (read together: one wait for
+        the device a step, not three a request), their slots go back."""
+        acting = [r for r in left if r.acts]
+        kept = [r for r in acting if r.store is not None and self.capturing_rank]
+        for r, out in zip(kept, self.actions.outcomes([r.acts for r in kept])):
+            assert r.store is not None
+            r.store.actions = out
+        for r in acting:
             self.actions.free(r.acts)
             r.acts = []
 
@@ -252,7 +258,7 @@ class LensRuntime:
         try:
             faults.check("actions")
             step = action_step.current(self.actions, plan)
-            if action_step.settled(step):  # every action fired for good: nothing to fold (`action_step`)
+            if action_step.settled(step, self.actions):  # every action fired for good: nothing to fold (`action_step`)
                 return
             xs = action_step.python_rows(plan) if stage is None else action_step.graph_rows(step, *stage)
             positions = action_step.device_positions(dev_pos, pos, self.device)
