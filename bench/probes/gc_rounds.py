@@ -7,6 +7,7 @@ does it in a caller's process). `--mp`: vLLM's multiprocess engine (the H200 ben
 in-process. Prints one JSON line per round.
 
     python bench/probes/gc_rounds.py MODEL [--mp] [--freeze] [--rounds 8] [--requests 256] [--new 32]
+        [--dtype float32] [--load-format auto] [--kv-gb 0.25] [--eager]
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--load-format", default="auto")  # "dummy" for the H200's 8B-shaped .gpu/model
+    ap.add_argument("--kv-gb", type=float, default=0.25)
+    ap.add_argument("--eager", action="store_true")  # (the CPU runs of 2026-12-04-vm-tailgc.md)
     a = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if a.mp else "0"
     import torch
@@ -59,7 +64,16 @@ def main() -> None:
 
     from vllm_worker.counters import FRONTEND_TIMINGS
 
-    llm = LLM(a.model, dtype="float32", max_model_len=256, enforce_eager=True, kv_cache_memory_bytes=256 << 20, seed=0)
+    kv = int(a.kv_gb * (1 << 30))
+    llm = LLM(
+        a.model,
+        dtype=a.dtype,
+        load_format=a.load_format,
+        max_model_len=256,
+        kv_cache_memory_bytes=kv,
+        seed=0,
+        enforce_eager=a.eager,
+    )
     cfg = llm.llm_engine.model_config.hf_config
     if len(set(probe_layers(cfg.num_hidden_layers))) == 4:
         load_probes(llm, cfg.num_hidden_layers, cfg.hidden_size)
