@@ -17,7 +17,7 @@ from vllm_worker.frontend import fetch
 from vllm_worker.frontend.probe_results import chosen, probe_outputs, probe_outputs_many
 from vllm_worker.frontend.state import Pending
 from vllm_worker.probes import aggregation
-from vllm_worker.protocol.wire import tensor_to_bytes
+from vllm_worker.protocol import probe_wire
 
 NAMES = ["mean", "max", "last", "rolling_max:3", "rolling_max:50", "ema:0.9", "ema:0", "ema:0.37"]
 
@@ -70,7 +70,7 @@ def test_stacked_aggregates_refuse_a_series_name():
 
 def _part(pos: list[int], scores: torch.Tensor, name: str) -> dict:
     """One worker's part as `worker.probes.payload` writes it."""
-    return {"probes": {name: {"positions": tensor_to_bytes(torch.tensor(pos)), "scores": tensor_to_bytes(scores)}}}
+    return {"probes": {name: probe_wire.pack_arrays(np.array(pos, dtype=np.int64), scores.numpy())}}
 
 
 def _samples() -> list[tuple[list[dict], dict, int]]:
@@ -95,9 +95,8 @@ def _reference(parts: list[dict], wanted: dict, prompt_len: int) -> tuple[dict, 
     scores = {}
     for part in parts:
         for name, got in part["probes"].items():
-            pos = np.frombuffer(got["positions"]["data"], dtype=np.int64)
-            s = torch.from_numpy(np.frombuffer(got["scores"]["data"], dtype=np.float32).copy())
-            s = s.reshape(got["scores"]["shape"])
+            pos, raw = probe_wire.arrays(got, name)
+            s = torch.from_numpy(raw.copy())
             dense = torch.full((int(pos.max()) + 1, s.shape[1]), math.nan)
             dense[torch.from_numpy(pos.copy())] = s
             scores[name] = dense
@@ -139,9 +138,7 @@ def test_apply_decodes_every_sample_and_keeps_a_failure_apart():
     err = {"kind": "hook", "message": "boom", "stage": "hook output"}
     todo, fetched = [], {}
     for i, (parts, wanted, prompt) in enumerate(samples):
-        n_pos = max(
-            int(np.frombuffer(p["probes"][k]["positions"]["data"], np.int64).max()) for p in parts for k in p["probes"]
-        )
+        n_pos = max(int(np.frombuffer(p["probes"][k]["positions"], np.int64).max()) for p in parts for k in p["probes"])
         c = CompletionOutput(0, "", list(range(n_pos + 1 - prompt)), None, None)
         out = RequestOutput(f"r{i}", None, list(range(prompt)), None, [c], True)
         todo.append((out, Pending(f"k{i}", 1, [], 8, probes=wanted, prompt_len=prompt), {0: c}, {0: n_pos}))
@@ -157,20 +154,25 @@ def test_apply_decodes_every_sample_and_keeps_a_failure_apart():
         assert out.activations is acts
 
 
-def test_parts_in_other_forms_decode_as_tensor_from_bytes():
-    """A part whose score objects are not plain float32 bytes (a memoryview, another dtype) decodes probe by
-    probe; a bad one names its field."""
-    pos = tensor_to_bytes(torch.arange(3))
+def test_parts_with_memoryviews_decode_and_a_bad_item_names_its_field():
+    """A part whose bytes arrive as memoryviews decodes as bytes do; a bad item (scores not n x n_out float32,
+    positions not int64, n_out not an int) is a ValueError naming its field."""
     a = torch.randn(3, 1)
-    plain = {"positions": pos, "scores": tensor_to_bytes(a)}
-    view = {"positions": pos, "scores": {**tensor_to_bytes(a * 2), "data": memoryview(tensor_to_bytes(a * 2)["data"])}}
+    plain = probe_wire.pack_arrays(np.arange(3), a.numpy())
+    twice = probe_wire.pack_arrays(np.arange(3), (a * 2).numpy())
+    view = {**twice, "positions": memoryview(twice["positions"]), "scores": memoryview(twice["scores"])}
     wanted = {"p": {"aggregate": ["max"], "positions": "all"}, "q": {"aggregate": ["max"], "positions": "all"}}
     scores, aggs = probe_outputs([{"probes": {"p": plain, "q": view}}], wanted, 1)
     assert torch.equal(scores["p"], a) and torch.equal(scores["q"], a * 2)
     assert torch.equal(aggs["q"]["max"], (a * 2).max(0).values)
-    short = {"positions": pos, "scores": {**tensor_to_bytes(a), "data": b"\0" * 8}}
-    with pytest.raises(ValueError, match=r"probe_scores\.q\.data"):
-        probe_outputs([{"probes": {"p": plain, "q": short}}], wanted, 1)
+    for bad, field in (
+        ({**plain, "scores": b"\0" * 8}, "scores"),
+        ({**plain, "positions": b"\0" * 7}, "positions"),
+        ({**plain, "n_out": 1.0}, "n_out"),
+        ([plain], ""),
+    ):
+        with pytest.raises(ValueError, match=rf"probe_scores\.q\b\.?{field}"):
+            probe_outputs([{"probes": {"p": plain, "q": bad}}], wanted, 1)
 
 
 def test_one_part_with_many_probes_reads_shared_positions_once_and_others_apart():

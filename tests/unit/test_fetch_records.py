@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from support.filing import file_steps
+from vllm_worker.protocol import probe_wire
 from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
 from vllm_worker.sae import Sae
 from vllm_worker.worker import fetch, probes, saes
@@ -85,7 +86,7 @@ def test_one_fetch_of_many_matches_each_alone():
         assert set(alone["probes"]) == {"p0", "p1", "p2"} and set(alone["sae"]) == {"s"}
         want = sorted({k if k != 6 else 5 for k in range(n)})
         for j in ("p0", "p1", "p2"):
-            assert tensor_from_bytes(alone["probes"][j]["positions"]).tolist() == want
+            assert probe_wire.arrays(alone["probes"][j], j)[0].tolist() == want
         assert tensor_from_bytes(alone["sae"]["s"]["positions"]).tolist() == want
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_worker.protocol.wire import tensor_from_bytes
+from vllm_worker.protocol import probe_wire
 from vllm_worker.worker.probes import DeviceProbe, ProbeScores, payload
 from vllm_worker.worker.step_records import Span, StepRecord, latest
 
@@ -84,8 +84,7 @@ def _want(got: dict[str, ProbeScores], start: int, running: bool) -> dict[str, t
 def _check(got: dict, want: dict) -> None:
     assert list(got) == list(want)
     for name, (pos, scores) in want.items():
-        p = tensor_from_bytes(got[name]["positions"])
-        s = tensor_from_bytes(got[name]["scores"])
+        p, s = (torch.from_numpy(a.copy()) for a in probe_wire.arrays(got[name], name))
         assert p.dtype == torch.int64 and s.dtype == torch.float32
         assert torch.equal(p, pos) and torch.equal(s, scores), name
 
@@ -96,7 +95,7 @@ def test_payload_equals_the_torch_pieces_bit_for_bit(shared):
     cache: dict = {}
     for got in reqs:
         _check(payload(got, cache=cache if shared else None), _want(got, 0, False))
-    assert tensor_from_bytes(payload(reqs[1])["one"]["positions"]).tolist() == list(range(7))
+    assert probe_wire.arrays(payload(reqs[1])["one"], "one")[0].tolist() == list(range(7))
 
 
 def test_progress_payload_from_start_equals_the_torch_pieces():
@@ -105,8 +104,7 @@ def test_progress_payload_from_start_equals_the_torch_pieces():
         for got in reqs:
             _check(payload(got, start, running=True, cache={}), _want(got, start, True))
     assert payload(reqs[0], 7, running=True) == {  # nothing new: every probe, no rows
-        name: {"positions": {"dtype": "int64", "shape": [0], "data": b""}, "scores": s}
-        for name, s in ((n, {"dtype": "float32", "shape": [0, 1], "data": b""}) for n in ("one", "two", "sig"))
+        name: {"positions": b"", "scores": b"", "n_out": 1} for name in ("one", "two", "sig")
     }
 
 

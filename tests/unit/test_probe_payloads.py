@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from support.filing import file_steps
-from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
+from vllm_worker.protocol import probe_wire
+from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.worker import fetch, probe_payloads, probes
 from vllm_worker.worker.request_results import RequestResults
 
@@ -81,7 +82,7 @@ def test_payloads_together_equal_each_request_alone(redo):
         if together[i] is not None:
             assert together[i] == alone  # the same bytes, shapes and dtypes
             assert list(together[i]) == names[i]  # type: ignore[arg-type]
-        pos = tensor_from_bytes(alone["a" if "a" in alone else "c"]["positions"]).tolist()
+        pos = probe_wire.arrays(alone["a" if "a" in alone else "c"], "a")[0].tolist()
         assert pos == sorted({k if not (redo and k == 6) else 5 for k in range(lengths[i])})
 
 
@@ -97,7 +98,7 @@ def test_a_fetch_gives_every_request_its_own_payload_either_way():
         (alone,) = fetch.assemble_all([todo[i]], [], None, None)
         assert together[i] == alone
     assert "probes" not in together[2] and together[2]["error"]["kind"] == "hook"
-    scores = tensor_from_bytes(together[0]["probes"]["b"]["scores"])
+    scores = torch.from_numpy(probe_wire.arrays(together[0]["probes"]["b"], "b")[1].copy())
     assert scores.shape == (4, 2) and bool(((scores > 0) & (scores < 1)).all())  # sigmoid, two outputs
 
 
@@ -133,7 +134,7 @@ def test_progress_together_equals_each_running_request_alone(redo):
         assert (together[i] is not None) == covered, i
         if together[i] is not None:
             assert together[i] == alone, i  # the same bytes, shapes and dtypes
-        pos = tensor_from_bytes(alone["a" if "a" in alone else "c"]["positions"]).tolist()
+        pos = probe_wire.arrays(alone["a" if "a" in alone else "c"], "a")[0].tolist()
         assert pos == [
             k for k in sorted({k if not (redo and k == 6) else 5 for k in range(lengths[i])}) if k >= starts[i]
         ]

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from vllm_worker.protocol import probe_wire
 from vllm_worker.protocol.points import canonical_site
-from vllm_worker.protocol.wire import tensor_from_bytes, tensor_to_bytes
+from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.worker import probes
 from vllm_worker.worker.request_results import RequestResults
 
@@ -84,7 +85,7 @@ def _same(staged: list, alone: list) -> None:
         assert set(got) == set(want) == {u.name for u in a.probes}
         for name in got:
             assert got[name]["positions"] == want[name]["positions"]
-            g, w = (tensor_from_bytes(x[name]["scores"]) for x in (got, want))
+            g, w = (torch.from_numpy(probe_wire.arrays(x[name], name)[1].copy()) for x in (got, want))
             assert g.shape == w.shape and (g - w).abs().max() <= 1e-6 * max(1.0, float(w.abs().max())), name
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from vllm_worker.probes.aggregation import aggregates_many
-from vllm_worker.protocol.wire import tensor_from_bytes
+from vllm_worker.protocol import probe_wire
 
 
 def _dense(pos: np.ndarray, n: int, scores: torch.Tensor) -> torch.Tensor:
@@ -25,33 +25,15 @@ def _dense(pos: np.ndarray, n: int, scores: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _positions(obj: dict, field: str, seen: dict) -> tuple[np.ndarray, int]:
+def _positions(pos: bytes, seen: dict) -> tuple[np.ndarray, int]:
     """A probe's positions and their max + 1: read in place (no tensor of their own: callers see only the
-    scores by position), checked as `tensor_from_bytes` checks them. `seen`: a part's positions by their
-    bytes (its probes at one site, often at all, have the same ones: read once)."""
-    data = obj.get("data") if isinstance(obj, dict) else None
-    got = seen.get(data) if type(data) is bytes else None
-    if got is not None and obj.get("dtype") == "int64" and obj.get("shape") == [len(got[0])]:
-        return got
-    pos = _checked(obj, field)
-    got = (pos, int(pos.max()) + 1 if len(pos) else 0)
-    if type(data) is bytes:
-        seen[data] = got
+    scores by position). `seen`: a part's positions by their bytes (its probes at one site, often at all,
+    have the same ones: read once)."""
+    got = seen.get(pos)
+    if got is None:
+        arr = np.frombuffer(pos, dtype=np.int64)
+        got = seen[pos] = (arr, int(arr.max()) + 1 if len(arr) else 0)
     return got
-
-
-def _checked(obj: dict, field: str) -> np.ndarray:
-    """Positions as a numpy array over their bytes (no copy), or through `tensor_from_bytes` (its checks)."""
-    if (
-        isinstance(obj, dict)
-        and obj.get("dtype") == "int64"
-        and isinstance(obj.get("data"), bytes)
-        and isinstance(obj.get("shape"), list)
-        and len(obj["shape"]) == 1
-        and len(obj["data"]) == 8 * obj["shape"][0]
-    ):
-        return np.frombuffer(obj["data"], dtype=np.int64)
-    return tensor_from_bytes(obj, field).numpy()  # anything else: its checks name the field
 
 
 def chosen(n: int, prompt_len: int, positions: Any) -> torch.Tensor | slice:
@@ -65,32 +47,20 @@ def chosen(n: int, prompt_len: int, positions: Any) -> torch.Tensor | slice:
     return torch.tensor([p for p in positions if p < n], dtype=torch.long)
 
 
-def _plain(obj: Any) -> bool:
-    """A float32 (n, n_out) score object whose bytes match its shape (anything else: `tensor_from_bytes`)."""
-    if not isinstance(obj, dict) or obj.get("dtype") != "float32" or not isinstance(obj.get("data"), bytes):
-        return False
-    shape = obj.get("shape")
-    if type(shape) is not list or len(shape) != 2:
-        return False
-    n, k = shape
-    return type(n) is int and type(k) is int and n >= 0 and k >= 0 and len(obj["data"]) == 4 * n * k
-
-
-def _decoded(probes: dict[str, dict]) -> list[torch.Tensor]:
-    """The score tensors of one part's probes: one writable buffer for the part (one copy of its bytes, one
-    tensor made), each probe's scores a view of it — not a buffer and a tensor per probe."""
-    items = [(name, got["scores"]) for name, got in probes.items()]
-    if len(items) < 2 or not all(_plain(obj) for _, obj in items):
-        return [tensor_from_bytes(obj, f"probe_scores.{name}") for name, obj in items]
-    raw = b"".join(obj["data"] for _, obj in items)
+def _decoded(probes: dict[str, Any]) -> list[tuple[bytes, torch.Tensor]]:
+    """(positions' bytes, scores) of one part's probes (`protocol.probe_wire` items, checked): one writable
+    buffer for the part (one copy of its bytes, one tensor made), each probe's `(n, n_out)` scores a view of
+    it — not a buffer and a tensor per probe."""
+    items = [probe_wire.unpack(got, f"probe_scores.{name}") for name, got in probes.items()]
+    raw = b"".join(vals for _, vals, _, _ in items)
     if not raw:
-        return [torch.empty(obj["shape"], dtype=torch.float32) for _, obj in items]
+        return [(pos, torch.empty((n, k), dtype=torch.float32)) for pos, _, n, k in items]
     flat = torch.frombuffer(bytearray(raw), dtype=torch.float32)
-    width = items[0][1]["shape"][1]
-    if width and all(obj["shape"][1] == width for _, obj in items):  # one width (W10's): (n, width) views at once
-        return list(flat.view(-1, width).split([obj["shape"][0] for _, obj in items]))
-    sizes = [len(obj["data"]) // 4 for _, obj in items]
-    return [t.view(obj["shape"]) for t, (_, obj) in zip(flat.split(sizes), items)]
+    width = items[0][3]
+    if width and all(k == width for _, _, _, k in items):  # one width (W10's): (n, width) views at once
+        return list(zip([pos for pos, _, _, _ in items], flat.view(-1, width).split([n for _, _, n, _ in items])))
+    parts = flat.split([n * k for _, _, n, k in items])
+    return [(pos, t.view(n, k)) for t, (pos, _, n, k) in zip(parts, items)]
 
 
 Outputs = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]
@@ -112,8 +82,8 @@ def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]]
         for part in parts:
             got = part.get("probes") or {}
             seen: dict[bytes, tuple[np.ndarray, int]] = {}
-            for (name, item), values in zip(got.items(), _decoded(got)):
-                scores[name] = _dense(*_positions(item["positions"], f"probe_scores.{name}.positions", seen), values)
+            for name, (pos, values) in zip(got, _decoded(got)):
+                scores[name] = _dense(*_positions(pos, seen), values)
         for name, opts in wanted.items():
             s = scores.get(name)
             if s is None:

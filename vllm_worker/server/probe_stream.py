@@ -11,6 +11,7 @@ from typing import Any
 
 from vllm_worker import compat
 from vllm_worker.frontend.state import pending_of
+from vllm_worker.protocol import probe_wire
 from vllm_worker.protocol.wire import b64_text
 from vllm_worker.server.probe_progress import ProgressBatcher
 
@@ -72,41 +73,14 @@ class ProbeStream:
         return changed
 
 
-_ITEMSIZE = {"int64": 8, "float32": 4}
-
-
 def _decode(item: Any, field: str) -> tuple[array, bytes, int]:
-    """(positions, the scores' raw float32 rows, bytes per row) of one probe's progress (`wire.tensor_to_bytes`
-    forms), checked as `tensor_from_bytes` checks them. Plain Python on the bytes: a chunk brings a few rows,
-    and through torch (or numpy) their handling cost more than the rest of the chunk."""
-    if not isinstance(item, dict):
-        raise ValueError(f"{field}: expected {{positions, scores}}")
-    pos_raw = _raw(item.get("positions"), f"{field}.positions", "int64", 1)
-    rows = _raw(item.get("scores"), field, "float32", 2)
+    """(positions, the scores' raw float32 rows, bytes per row) of one probe's progress (`protocol.probe_wire`,
+    checked). Plain Python on the bytes: a chunk brings a few rows, and through torch (or numpy) their
+    handling cost more than the rest of the chunk."""
+    pos_raw, rows, _, n_out = probe_wire.unpack(item, field)
     pos = array("q")
     pos.frombytes(pos_raw)
-    n, n_out = item["scores"]["shape"]
-    if n != len(pos) or item["positions"]["shape"] != [n]:
-        raise ValueError(f"{field}: {n} rows of scores for {len(pos)} positions")
     return pos, rows, 4 * n_out
-
-
-def _raw(obj: Any, field: str, dtype: str, ndim: int) -> bytes:
-    if not isinstance(obj, dict) or obj.get("dtype") != dtype:
-        raise ValueError(f"{field}: expected a {dtype} tensor object")
-    shape, raw = obj.get("shape"), obj.get("data")
-    if not isinstance(shape, list) or len(shape) != ndim or not all(type(k) is int and k >= 0 for k in shape):
-        raise ValueError(f"{field}.shape: expected {ndim} non-negative ints, got {shape!r}")
-    if isinstance(raw, memoryview):
-        raw = raw.tobytes()
-    if not isinstance(raw, (bytes, bytearray)):
-        raise ValueError(f"{field}.data: expected bytes")
-    count = 1
-    for k in shape:
-        count *= k
-    if len(raw) != count * _ITEMSIZE[dtype]:
-        raise ValueError(f"{field}.data: {len(raw)} bytes do not match shape {shape} of {dtype}")
-    return bytes(raw)
 
 
 def _kept(pos: array, rows: bytes, width: int, keep: list[int]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_worker.protocol import probe_wire
 from vllm_worker.worker.probes import ProbeScores
 from vllm_worker.worker.step_records import Span
 
@@ -125,11 +126,7 @@ def _group(key: tuple, members: list[Member], cache: dict, done: dict, starts: l
                 got = suffix[lo] = pos[0, lo:].tobytes()
         else:
             got = pos[k, lo:].tobytes()
-        m = pos.shape[1] - lo
-        done[(i, name)] = {
-            "positions": {"dtype": "int64", "shape": [m], "data": got},
-            "scores": {"dtype": "float32", "shape": [m, vals.shape[2]], "data": total.tobytes()},
-        }
+        done[(i, name)] = probe_wire.pack(got, total.tobytes(), int(vals.shape[2]))
     return left
 
 

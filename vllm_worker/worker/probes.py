@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from vllm_worker.probes.format import Probe, check_probe
+from vllm_worker.protocol import probe_wire
 from vllm_worker.protocol.points import canonical_site
 from vllm_worker.protocol.wire import tensor_from_bytes
 from vllm_worker.worker.device_copy import to_device
@@ -311,7 +312,7 @@ class _Rows:
     first: int
     pos: np.ndarray
     order: np.ndarray | None
-    wire: dict[str, Any]
+    wire: bytes
 
 
 def _rows(spans: list[Span], cache: dict, start: int, running: bool) -> _Rows | None:
@@ -329,13 +330,13 @@ def _rows(spans: list[Span], cache: dict, start: int, running: bool) -> _Rows | 
             order = np.flatnonzero(kept) if order is None else order[kept]
     if order is not None:
         pos = pos[order]
-    return _Rows(got[0][0], pos, order, _np_bytes(pos, "int64"))
+    return _Rows(got[0][0], pos, order, np.ascontiguousarray(pos, dtype=np.int64).tobytes())
 
 
 def payload(
     got: dict[str, ProbeScores], start: int = 0, running: bool = False, cache: dict | None = None
 ) -> dict[str, dict[str, Any]]:
-    """A request's scores as bytes, per probe: {"positions": (n,) int64, "scores": (n, n_out) float32} —
+    """A request's scores as bytes, per probe (`protocol.probe_wire`: (n,) int64 positions, (n, n_out) float32) —
     the layers' parts added, then the bias, then the sigmoid for `output: sigmoid`. `running`: a request still
     generating (`LensRuntime.probe_progress`): only positions from `start` on, and a probe with nothing
     scored yet is left out instead of being an error. `cache`: shared by the requests of one fetch or
@@ -371,10 +372,5 @@ def payload(
         total += slot.probe.bias.numpy()
         if slot.probe.sigmoid:
             total = torch.sigmoid(torch.from_numpy(total)).numpy()
-        out[name] = {"positions": rows.wire, "scores": _np_bytes(total, "float32")}
+        out[name] = probe_wire.pack(rows.wire, np.ascontiguousarray(total, dtype=np.float32).tobytes(), total.shape[1])
     return out
-
-
-def _np_bytes(a: np.ndarray, dtype: str) -> dict[str, Any]:
-    """`wire.tensor_to_bytes`'s form of a numpy array of that dtype."""
-    return {"dtype": dtype, "shape": list(a.shape), "data": np.ascontiguousarray(a).tobytes() if a.size else b""}

@@ -1,0 +1,50 @@
+"""One probe's scores of one request as they travel from a worker to the frontend (a fetch's part, a
+progress RPC's answer): `{"positions": <int64 bytes>, "scores": <float32 bytes, row-major>, "n_out": k}`.
+
+Flat on purpose: a dict holding only ints and bytes is never tracked by Python's garbage collector (nor
+once decoded by msgspec or pickle), so a fetch of many requests x probes adds no tracked objects for it;
+`wire.tensor_to_bytes`'s form (a dict per tensor with a `shape` list) made five per probe and request,
+which a frontend's next full collection walks (docs/decisions.md, tailgc)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def pack(positions: bytes, scores: bytes, n_out: int) -> dict[str, Any]:
+    """The item of `n` positions (`positions`: n int64) and their `(n, n_out)` float32 scores."""
+    return {"positions": positions, "scores": scores, "n_out": n_out}
+
+
+def pack_arrays(positions: np.ndarray, scores: np.ndarray) -> dict[str, Any]:
+    """`pack` of a (n,) int64 and a (n, n_out) float32 array (little-endian hosts: the wire's byte order)."""
+    pos = np.ascontiguousarray(positions, dtype=np.int64).tobytes() if positions.size else b""
+    vals = np.ascontiguousarray(scores, dtype=np.float32).tobytes() if scores.size else b""
+    return pack(pos, vals, int(scores.shape[1]))
+
+
+def unpack(item: Any, field: str) -> tuple[bytes, bytes, int, int]:
+    """(positions' bytes, scores' bytes, n, n_out) of an item, checked: a ValueError names `field`."""
+    if not isinstance(item, dict):
+        raise ValueError(f"{field}: expected {{positions, scores, n_out}}, got {type(item).__name__}")
+    pos, vals, n_out = item.get("positions"), item.get("scores"), item.get("n_out")
+    if isinstance(pos, memoryview):
+        pos = pos.tobytes()
+    if isinstance(vals, memoryview):
+        vals = vals.tobytes()
+    if not isinstance(pos, (bytes, bytearray)) or len(pos) % 8:
+        raise ValueError(f"{field}.positions: expected int64 bytes")
+    if type(n_out) is not int or n_out < 0:
+        raise ValueError(f"{field}.n_out: expected a non-negative int, got {n_out!r}")
+    n = len(pos) // 8
+    if not isinstance(vals, (bytes, bytearray)) or len(vals) != 4 * n * n_out:
+        raise ValueError(f"{field}.scores: expected {n} x {n_out} float32 bytes")
+    return bytes(pos), bytes(vals), n, n_out
+
+
+def arrays(item: Any, field: str) -> tuple[np.ndarray, np.ndarray]:
+    """(positions (n,) int64, scores (n, n_out) float32) of an item as read-only views of its bytes."""
+    pos, vals, n, n_out = unpack(item, field)
+    return np.frombuffer(pos, dtype=np.int64), np.frombuffer(vals, dtype=np.float32).reshape(n, n_out)
