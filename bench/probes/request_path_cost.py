@@ -4,7 +4,7 @@ our frontend (`on_new_request`: names resolved, validation, encode), vLLM's IPC 
 `EngineCoreRequest` (`MsgpackEncoder` / `MsgpackDecoder` from `vllm.v1.serial_utils`: what crosses to the
 engine-core process) and the worker's admission (`Admission.admit`, then the step's flush).
 W12: ablate one direction at every layer, a fresh (32, 4096) tensor per request; W12n: the same ablation
-naming a registered vector; W13: cap at one layer (a (1, 4096) vector): the difference is what scales with bytes.
+naming a registered (4096,) vector (by reference; `PATH_REFS=0`: as without a consumer, by bytes); W13: cap at one layer (a (1, 4096) vector): the difference is what scales with bytes.
 Prints ms per request (least of `PATH_REPEATS` batches, default 3) and the payload bytes per request.
 Run: `python bench/probes/request_path_cost.py [n_requests] [workloads]`."""
 
@@ -24,11 +24,13 @@ from bench.probes.admit_cost import admission
 from vllm_worker import compat
 from vllm_worker.api.steering import SteeringVector
 from vllm_worker.frontend.requests import on_new_request
-from vllm_worker.frontend.state import STATE_ATTR, FrontendState
+from vllm_worker.frontend import vector_refs
+from vllm_worker.frontend.state import STATE_ATTR, FrontendState, engine_state
 from vllm_worker.frontend.vectors import registry_of
 from vllm_worker.protocol.points import OUT, site
 from vllm_worker.protocol.spec import PAYLOAD_KEY, ModelShape
 from vllm_worker.worker import graph
+from vllm_worker.worker import vector_refs as worker_refs
 
 D, LAYERS = 4096, 32
 REPEATS = int(os.environ.get("PATH_REPEATS", "3"))
@@ -44,12 +46,21 @@ def extra(workload: str, unit: torch.Tensor) -> dict:
     return {"apply_steering_vectors": [sv]}
 
 
-def processor(unit: torch.Tensor) -> types.SimpleNamespace:
-    """An input processor as `on_new_request` reads it: the engine's state, its shape fixed, one engine."""
+def processor(unit: torch.Tensor, refs: bool) -> types.SimpleNamespace:
+    """An input processor as `on_new_request` reads it: the engine's state, its shape fixed, one engine;
+    `refs`: with a consumer (every request fetched) and "dir" held by the workers, as `llm.register_vector`
+    leaves it (its push: `vector_refs.forms` to the worker's `HeldVectors`), so W12n goes by reference."""
     proc = types.SimpleNamespace()
     state = FrontendState(shape=ModelShape(n_layers=LAYERS, d_model=D), engines_fed=1)
     setattr(proc, STATE_ATTR, state)
-    registry_of(proc).register("", "dir", unit.expand(LAYERS, D).clone())
+    registry = registry_of(proc)
+    registry.register("", "dir", unit.clone())
+    if refs:
+        state.consumer = "offline"
+        entry = registry.entry("", "dir", "name")
+        held = vector_refs.forms(entry)
+        worker_refs.HELD.put([held.wire(entry.vid)], [])
+        registry.held(entry, held)
     return proc
 
 
@@ -80,6 +91,8 @@ def one_run(workload: str, n: int, unit: torch.Tensor, proc: types.SimpleNamespa
     t.append(time.perf_counter())
     failed = [s.store.error for s in states if s.store is not None and s.store.error is not None]
     assert not failed, failed[0]
+    for i in range(n):  # (what a fetch does: the request's pending entry goes, its vectors are unpinned)
+        engine_state(proc).pending.pop(f"r{i}", None)
     for s in states:
         g.free_entries(s.entry_ids)
     nbytes = sum(len(memoryview(b)) for b in frames[0])
@@ -92,9 +105,9 @@ def main() -> None:
     os.environ.setdefault("VLLM_LENS_STEER_MB", "64")
     unit = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(0)), dim=0)
     compat.pp_last_stage()
-    proc = processor(unit)
     print("ms/request: clone | frontend | ipc encode | ipc decode | admit | flush | total ; bytes/request")
     for workload in workloads:
+        proc = processor(unit, refs=os.environ.get("PATH_REFS", "1") == "1")
         best: list[float] = []
         for _ in range(REPEATS):
             ms, nbytes = one_run(workload, n, unit, proc)

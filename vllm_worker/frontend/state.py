@@ -23,6 +23,7 @@ class Pending:
     # probes scored (`RequestSpec.probe_outputs`) and where the prompt ends: the aggregates' positions
     probes: dict[str, dict[str, Any]] = field(default_factory=dict)
     prompt_len: int = 0
+    vector_refs: tuple[str, ...] = ()  # named vectors it names by reference (`frontend.vector_refs`), pinned
 
 
 class PendingMap(dict):
@@ -33,6 +34,7 @@ class PendingMap(dict):
     def __init__(self) -> None:
         super().__init__()
         self.reserved = 0
+        self.unpin: Any = None  # the vector registry's `unpin` (set with the first request pinning vectors)
 
     def __setitem__(self, key: str, value: Pending) -> None:
         old = dict.get(self, key)
@@ -44,6 +46,8 @@ class PendingMap(dict):
         p = super().pop(key, *default)
         if had:
             self.reserved -= p.reserved
+            if p.vector_refs and self.unpin is not None:
+                self.unpin(p.vector_refs)
         return p
 
     def __delitem__(self, key: str) -> None:
