@@ -23,8 +23,8 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from bench.probes.admit_cost import admission
 from vllm_worker import compat
 from vllm_worker.api.steering import SteeringVector
-from vllm_worker.frontend.requests import on_new_request
 from vllm_worker.frontend import vector_refs
+from vllm_worker.frontend.requests import on_new_request
 from vllm_worker.frontend.state import STATE_ATTR, FrontendState, engine_state
 from vllm_worker.frontend.vectors import registry_of
 from vllm_worker.protocol.points import OUT, site
