@@ -9,7 +9,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from vllm_worker.worker.recent import recall, remember
+
 DROPS_KEY = "drop_vectors"  # (`frontend.vector_refs.DROPS_KEY`)
+ROWS_KEPT = 16  # repeated rows remembered (a registration named with several layer counts and ops)
 
 
 class HeldVectors:
@@ -56,9 +59,10 @@ class HeldVectors:
         if form is None:
             raise LookupError(f"steering vector {vid} has no unit rows (a zero row)")
         key = (vid, unit, repeat)
-        data = self._rows.get(key)
+        data = recall(self._rows, key)
         if data is None:
-            data = self._rows[key] = form * repeat
+            data = form * repeat
+            remember(self._rows, key, data, ROWS_KEPT)
         shape = [held[2][0] * repeat, *held[2][1:]]
         return {"dtype": "float32", "shape": shape, "data": data}
 
