@@ -4,8 +4,10 @@
 carries a name, not megabytes.
 
 A name is resolved here, in the frontend, when the request is admitted: the entry gets the stored tensor
-and is validated exactly like an inline vector, so the workers (and the graph-safe path) receive tensors
-as before, and steering by name gives the numbers of steering with the same tensor inline.
+and is validated exactly like an inline vector, so steering by name gives the numbers of steering with the
+same tensor inline. Where the workers hold the registration (`frontend.vector_refs`) the rows then travel
+as its id instead of bytes; each registration has its own id, so replacing a name never changes what a
+request in flight named.
 
 Names live in scopes: offline and on a server without API keys there is one (""); on a server started
 with `--api-key`, each key has its own, so callers sharing a server never see or use each other's
