@@ -20,6 +20,7 @@ class HeldVectors:
         self._held: dict[str, tuple[bytes, bytes | None, list[int]]] = {}
         self._rows: dict[tuple[str, bool, int], bytes] = {}  # (vid, unit, repeat) -> the repeated rows
         self._lock = threading.Lock()
+        self.resolved = 0  # steers made back from references (diagnostics: `lens_status`)
 
     def put(self, items: list, drop: list) -> int:
         with self._lock:
@@ -45,6 +46,7 @@ class HeldVectors:
                 out["steer"] = list(steers)
                 for i in refs:
                     out["steer"][i] = {**steers[i], "vec": self._vec(steers[i]["vec"])}
+                self.resolved += len(refs)
             if drop:
                 self._forget(drop)
         out.pop(DROPS_KEY, None)
