@@ -28,8 +28,9 @@ class Pending:
 
 class PendingMap(dict):
     """Request id -> Pending, keeping the sum of their capture reservations (admission checks it for every
-    new request: summing a 100k-request offline batch each time would be quadratic). Only item setting,
-    `pop` and `del` are used on it (they keep the sum)."""
+    new request: summing a 100k-request offline batch each time would be quadratic), and unpinning the
+    named vectors an entry names by reference when it goes. Only item setting, `pop` and `del` are used on
+    it (they keep both)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,6 +41,8 @@ class PendingMap(dict):
         old = dict.get(self, key)
         self.reserved += value.reserved - (old.reserved if old is not None else 0)
         super().__setitem__(key, value)
+        if old is not None and old.vector_refs and self.unpin is not None:
+            self.unpin(old.vector_refs)
 
     def pop(self, key: str, *default: Any) -> Any:
         had = key in self
