@@ -143,3 +143,17 @@ def test_errors_still_name_the_field(llama, names):
             PROMPTS[:1],
             [_sp([{"name": "ref-zero", "layer_indices": [1]}, {"name": "ref-none", "layer_indices": [1]}])],
         )
+
+
+def test_an_aborted_request_unpins_what_it_named(llama, names):
+    llama.register_vector("ref-abort", _vec(7))
+    engine = llama.llm_engine
+    held = HELD.count()
+    engine.add_request("abort-0", PROMPTS[0], _sp([SteeringVector(name="ref-abort", layer_indices=[1], scale=2.0)]))
+    assert llama.delete_vector("ref-abort")  # retired, still named by the request in flight
+    engine.abort_request(["abort-0"])
+    drops = VECTOR_REFS["drops_sent"]
+    out = llama.generate(PROMPTS[:1], [_sp([SteeringVector(_vec(8)[None], [2])])], use_tqdm=False)[0]
+    _check(out, [("add", _vec(8)[None], [2], 1.0)])
+    assert VECTOR_REFS["drops_sent"] - drops == 1 and HELD.count() == held - 1
+    assert not engine.has_unfinished_requests()
