@@ -8,6 +8,7 @@ results must hold (no silent no-op).
 | W10 | 8 probes at 4 layers (2 a layer), every request |
 | W11 | conditional steering: a probe action `then: steer` on every request (fires at the first watched position) |
 | W12 | ablate one direction at every layer, every request |
+| W12n | W12 naming a registered vector (`llm.register_vector` at start: sent by reference) |
 | W13 | cap one direction at one layer, every request |
 | W14 | capture `mlp_post` at one layer (an engine tapping it: the system lens-points, BENCH_LENS_POINTS=mlp_post) |
 | W15 | streaming with the scores of 1 probe against plain streaming, on one server (`bench/stream_scores.py`) |
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
-MONITOR_WORKLOADS = ("W9", "W10", "W11", "W12", "W13", "W14")
+MONITOR_WORKLOADS = ("W9", "W10", "W11", "W12", "W12n", "W13", "W14")
+VECTOR = "w12n_dir"  # W12n's registered vector (`register_vectors`)
 NAMES = {
     "W9": "1 probe scored, every request",
     "W10": "8 probes at 4 layers, every request",
     "W11": "probe action then steer, every request",
     "W12": "ablate 1 direction at every layer",
+    "W12n": "W12 by a registered name",
     "W13": "cap 1 direction at 1 layer",
     "W14": "capture mlp_post, 1 layer",
     "W15": "streaming with 1 probe vs plain streaming",
@@ -47,6 +50,11 @@ def load_probes(llm: Any, n_layers: int, d: int) -> None:
         llm.load_probe(f"m8_{j}", weight=torch.randn(1, d, generator=g), bias=torch.zeros(1), layers=[layer])
 
 
+def register_vectors(llm: Any, vec: Any) -> None:
+    """W12n's vector: W12's direction (`vec`: W3's `(1, d)` vector), registered once."""
+    llm.register_vector(VECTOR, (vec / vec.norm())[0])
+
+
 def extra(workload: str, n_layers: int, d: int, vec: Any, SteeringVector: Any) -> dict:
     """One request's extra_args for a monitor workload (`vec`: W3's `(1, d)` vector)."""
     mid = n_layers // 2
@@ -65,6 +73,10 @@ def extra(workload: str, n_layers: int, d: int, vec: Any, SteeringVector: Any) -
                     activations=unit.expand(n_layers, d).clone(), layer_indices=list(range(n_layers)), op="ablate"
                 )
             ]
+        }
+    if workload == "W12n":
+        return {
+            "apply_steering_vectors": [SteeringVector(name=VECTOR, layer_indices=list(range(n_layers)), op="ablate")]
         }
     if workload == "W13":
         return {

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPS = ROOT / "bench" / ".deps"
 BASE = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5")
 POINTS = ("W6", "W7", "W8")  # hook points (issue #24): this project only
-MONITORS = ("W9", "W10", "W11", "W12", "W13", "W14")  # probes, probe actions, ops, mlp_post (#42, #43)
+MONITORS = ("W9", "W10", "W11", "W12", "W12n", "W13", "W14")  # probes, probe actions, ops, mlp_post (#42, #43)
 CORE = BASE + ("W4b", "W4m", "W4r", "W4rb") + POINTS  # W4b, W4r, W4rb, W6-W8: this project only
 ALL = CORE + MONITORS  # W9-W14: this project only, plan gpu-monitors
 NAMES = {
@@ -46,6 +46,7 @@ NAMES = {
     "W10": "8 probes at 4 layers, every request",
     "W11": "probe action then steer, every request",
     "W12": "ablate 1 direction at every layer",
+    "W12n": "W12 by a registered name",
     "W13": "cap 1 direction at 1 layer",
     "W14": "capture mlp_post, 1 layer",
 }
@@ -439,7 +440,7 @@ def main() -> None:
         # (W15, streaming with 1 probe vs plain streaming, runs over HTTP on one server: bench/stream_scores.py)
         "gpu-monitors": {
             "vllm-compiled": ("W0",),
-            "lens": ("W0", "W9", "W10", "W11", "W12", "W13"),
+            "lens": ("W0", "W9", "W10", "W11", "W12", "W12n", "W13"),
             "lens-points": ("W0", "W14"),
         },
         "gpu-before": {

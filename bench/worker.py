@@ -134,6 +134,8 @@ class VLLMSystem:
         self.vec = torch.randn(1, self.d, generator=g) * 2.0
         if kind.startswith("lens") and hasattr(self.llm, "load_probe"):  # W9-W11's probes (older builds: none)
             monitor_workloads.load_probes(self.llm, self.n_layers, self.d)
+        if kind.startswith("lens") and hasattr(self.llm, "register_vector"):  # W12n's (older builds: none)
+            monitor_workloads.register_vectors(self.llm, self.vec)
 
     def _types(self):
         if self.kind == "vllm-lens":

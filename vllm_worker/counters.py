@@ -87,3 +87,6 @@ STREAM_PROGRESS = {"rpcs": 0, "asks": 0, "rpc_s": 0.0, "pause_s": 0.0}
 # async fetches (the HTTP server's responses, `AsyncLLM` callers) and the batches they went in together
 # (`frontend.fetch.FetchBatcher`)
 FETCH_BATCHES = {"batches": 0, "fetches": 0}
+
+# named vectors (`frontend.vector_refs`): steers sent by reference (no bytes), registrations dropped on the workers
+VECTOR_REFS = {"sent": 0, "drops_sent": 0}

@@ -58,3 +58,26 @@ def test_multiprocess_matches_inprocess_and_keeps_user_extension(mp_llama, llama
         assert torch.equal(x.activations["residual_stream"], y.activations["residual_stream"])
     after = mp_llama.collective_rpc("lens_status")[0]
     assert after["stored_requests"] == 0 and after["steps_with_features"] > status["steps_with_features"]
+
+
+def test_named_vector_by_reference_across_processes(mp_llama, llama):
+    """A registered vector pushed to the worker process and named by reference there (its id crosses
+    msgspec, the rows came by RPC): the numbers of the same tensor inline in the in-process engine."""
+    v = torch.randn(128, generator=torch.Generator().manual_seed(2)) * 3
+    mp_llama.register_vector("mp-dir", v)
+    try:
+        before = mp_llama.collective_rpc("lens_status")[0]
+        assert before["held_vectors"] >= 1
+
+        def sp(steer):
+            extra = {"output_residual_stream": [0, 3], "apply_steering_vectors": [steer]}
+            return SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args=extra)
+
+        named = mp_llama.generate(["the water of people will come"], sp(SteeringVector(name="mp-dir", layer_indices=[1, 2], op="ablate")), use_tqdm=False)[0]  # fmt: skip
+        inline = llama.generate(["the water of people will come"], sp(SteeringVector(v.expand(2, 128).clone(), [1, 2], op="ablate")), use_tqdm=False)[0]  # fmt: skip
+        assert named.outputs[0].token_ids == inline.outputs[0].token_ids
+        assert torch.equal(named.activations["residual_stream"], inline.activations["residual_stream"])
+        after = mp_llama.collective_rpc("lens_status")[0]
+        assert after["vector_refs_resolved"] == before["vector_refs_resolved"] + 1  # by reference, not bytes
+    finally:
+        mp_llama.delete_vector("mp-dir")

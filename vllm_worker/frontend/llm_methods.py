@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from vllm_worker import compat
 from vllm_worker.api.hooks import Hook
-from vllm_worker.frontend import probes, saes
+from vllm_worker.frontend import probes, saes, vector_refs
 from vllm_worker.frontend.fetch import merge_collected
 from vllm_worker.frontend.state import engine_shape, engine_state
 from vllm_worker.frontend.validation import parse_hooks
@@ -63,7 +63,10 @@ def register_vector(self: Any, name: str, tensor: Any) -> dict[str, Any]:
     (name, shape, dtype, bytes). The tensor is copied: later edits of the caller's do not reach it."""
     proc = compat.processor_of_llm(self)
     vec = check_vector(tensor, engine_shape(proc), "register_vector.tensor")
-    return registry_of(proc).register("", check_name(name, "register_vector.name"), vec)
+    registry = registry_of(proc)
+    info = registry.register("", check_name(name, "register_vector.name"), vec)
+    vector_refs.push(self, proc, registry, registry.entry("", info["name"], "register_vector.name"))
+    return info
 
 
 def list_vectors(self: Any) -> list[dict[str, Any]]:

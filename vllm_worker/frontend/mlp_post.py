@@ -45,7 +45,8 @@ def split_steers(steers: list[Steer], shape: ModelShape, field: str) -> list[Ste
         v = torch.nn.functional.pad(st.vectors, (0, n * d - st.vectors.shape[-1]))
         for j in range(n):
             sites = [pts.mlp_piece_sites(pts.site_layer(s), n)[j] for s in st.layers]
-            out.append(replace(st, layers=sites, vectors=v[..., j * d : (j + 1) * d].contiguous()))
+            piece = v[..., j * d : (j + 1) * d].contiguous()  # (new rows: not the whole row's bytes / digest)
+            out.append(replace(st, layers=sites, vectors=piece, raw=None, digest=None))
     return out
 
 

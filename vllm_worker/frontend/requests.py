@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm_worker import compat
 from vllm_worker.envs import limit
+from vllm_worker.frontend import vector_refs
 from vllm_worker.frontend.state import FrontendState, Pending, engine_shape, engine_state, pending_of
 from vllm_worker.frontend.validation import parse_request
 from vllm_worker.frontend.vectors import resolve as resolve_vectors
@@ -42,11 +43,12 @@ def _on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     shape = engine_shape(processor)
     d_model = shape.d_model
     prompt_len = compat.request_prompt_len(req)
+    named: list = []  # the registrations `apply_steering_vectors` names (which may go by reference)
     try:
         spec = _capture_spec(state, sp.extra_args, shape)
         if spec is None:
             spec = parse_request(
-                resolve_vectors(sp.extra_args, state.vectors), shape, prompt_len, state.saes, state.probes
+                resolve_vectors(sp.extra_args, state.vectors, named), shape, prompt_len, state.saes, state.probes
             )
     except PermissionError as e:
         raise compat.forbidden_error_cls()(str(e)) from None
@@ -95,13 +97,22 @@ def _on_new_request(processor: Any, request_id: str, req: Any) -> Any:
                 parameter="vllm_xargs",
             )
         reserved = _admit_capture(processor, state, spec.capture, prompt_len, sp, d_model, engines)
+        # (by reference only where this pending entry unpins them: it goes when the request is fetched or aborted)
+        refs = vector_refs.by_reference(processor, spec, payload, named) if named and engines == 1 else ()
+        if refs:
+            state.pending.unpin = state.vectors.unpin
         state.pending[request_id] = Pending(
-            spec.key, int(sp.n), spec.capture, d_model, reserved, spec.points, shape, spec.probe_outputs, prompt_len
-        )
+            spec.key, int(sp.n), spec.capture, d_model, reserved, spec.points, shape, spec.probe_outputs, prompt_len,
+            vector_refs=refs,
+        )  # fmt: skip
     salt = cache_salt(spec)
     if salt is not None:
         # Steered / hooked KV is stored under its own hash: no other request can ever read it.
         compat.set_request_cache_salt(req, salt)
+    if engines == 1 and state.vectors is not None:
+        gone = vector_refs.drops(processor)  # (last: a request refused above would lose them)
+        if gone:
+            payload[vector_refs.DROPS_KEY] = gone
     return req
 
 

@@ -23,27 +23,34 @@ class Pending:
     # probes scored (`RequestSpec.probe_outputs`) and where the prompt ends: the aggregates' positions
     probes: dict[str, dict[str, Any]] = field(default_factory=dict)
     prompt_len: int = 0
+    vector_refs: tuple[str, ...] = ()  # named vectors it names by reference (`frontend.vector_refs`), pinned
 
 
 class PendingMap(dict):
     """Request id -> Pending, keeping the sum of their capture reservations (admission checks it for every
-    new request: summing a 100k-request offline batch each time would be quadratic). Only item setting,
-    `pop` and `del` are used on it (they keep the sum)."""
+    new request: summing a 100k-request offline batch each time would be quadratic), and unpinning the
+    named vectors an entry names by reference when it goes. Only item setting, `pop` and `del` are used on
+    it (they keep both)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reserved = 0
+        self.unpin: Any = None  # the vector registry's `unpin` (set with the first request pinning vectors)
 
     def __setitem__(self, key: str, value: Pending) -> None:
         old = dict.get(self, key)
         self.reserved += value.reserved - (old.reserved if old is not None else 0)
         super().__setitem__(key, value)
+        if old is not None and old.vector_refs and self.unpin is not None:
+            self.unpin(old.vector_refs)
 
     def pop(self, key: str, *default: Any) -> Any:
         had = key in self
         p = super().pop(key, *default)
         if had:
             self.reserved -= p.reserved
+            if p.vector_refs and self.unpin is not None:
+                self.unpin(p.vector_refs)
         return p
 
     def __delitem__(self, key: str) -> None:

@@ -18,9 +18,10 @@ from vllm_worker.frontend import actions as action_keys
 from vllm_worker.frontend import mlp_post
 from vllm_worker.frontend import probes as probe_keys
 from vllm_worker.frontend import saes as sae_keys
+from vllm_worker.frontend.steer_rows import checked_rows
 from vllm_worker.protocol import ops as intervention
 from vllm_worker.protocol import points as pts
-from vllm_worker.protocol.checks import all_finite, finite_number, host_float32, int_list
+from vllm_worker.protocol.checks import finite_number, int_list
 from vllm_worker.protocol.spec import (
     ACTIONS_KEY,
     ACTIVATIONS_KEY,
@@ -121,16 +122,13 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
     width, width_name = (shape.d_mlp, "d_mlp") if point == pts.MLP_POST else (shape.d_model, "d_model")
     if acts.shape[-1] != width:
         raise ValueError(f"{f}.activations: last dimension {acts.shape[-1]} != {width_name} {width}")
-    acts = host_float32(acts)
-    if not all_finite(acts):
-        raise ValueError(f"{f}.activations: contains NaN or inf")
     scale = finite_number(item.scale, f"{f}.scale")
     if not isinstance(item.norm_match, bool):
         raise ValueError(f"{f}.norm_match: expected a bool, got {item.norm_match!r}")
     intervention.check_fields(op, phase, lo, hi, scale, item.norm_match, True, acts.ndim == 3, f)
-    if op in ("ablate", "cap"):  # (with heads: the direction within those heads)
-        norms = intervention.check_directions(op, acts, f)
-        acts.div_(norms)  # (`acts`: host_float32's copy, ours to write; one pass, no second norm)
+    # float32 rows, finite, unit rows for ablate / cap (with heads: the direction within those heads);
+    # remembered by content: an input equal to a recent one skips the passes (`steer_rows`)
+    acts, raw, digest = checked_rows(acts, op, f)
     positions = None
     if acts.ndim == 3:
         n_pos = acts.shape[1]
@@ -163,6 +161,8 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
         hi=hi,
         span=intervention.span(phase, prompt_len),
         cols=cols if op == "set" else None,
+        raw=raw,
+        digest=digest,
     )
 
 

@@ -4,8 +4,10 @@
 carries a name, not megabytes.
 
 A name is resolved here, in the frontend, when the request is admitted: the entry gets the stored tensor
-and is validated exactly like an inline vector, so the workers (and the graph-safe path) receive tensors
-as before, and steering by name gives the numbers of steering with the same tensor inline.
+and is validated exactly like an inline vector, so steering by name gives the numbers of steering with the
+same tensor inline. Where the workers hold the registration (`frontend.vector_refs`) the rows then travel
+as its id instead of bytes; each registration has its own id, so replacing a name never changes what a
+request in flight named.
 
 Names live in scopes: offline and on a server without API keys there is one (""); on a server started
 with `--api-key`, each key has its own, so callers sharing a server never see or use each other's
@@ -20,7 +22,7 @@ import hashlib
 import hmac
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -78,6 +80,11 @@ def check_vector(t: Any, shape: ModelShape, field: str = "activations") -> torch
 @dataclass(frozen=True)
 class Entry:
     tensor: torch.Tensor
+    # this registration's id on the workers (a new one per register: a replaced name's requests in flight
+    # keep theirs) and the rows pushed there under it (`frontend.vector_refs`; None: not pushed, requests
+    # naming it carry the bytes)
+    vid: str = field(default_factory=lambda: secrets.token_hex(8))
+    held: Any = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +99,11 @@ class VectorRegistry:
         self._scopes: dict[str, dict[str, Entry]] = {}
         self.nbytes = 0
         self._lock = threading.Lock()
+        # registrations the workers hold: vid -> requests in flight naming it by reference; a replaced or
+        # deleted one is retired, and dropped on the workers only once no request in flight names it
+        self._pins: dict[str, int] = {}
+        self._retired: set[str] = set()
+        self._drops: list[str] = []
 
     def register(self, scope: str, name: str, tensor: torch.Tensor) -> dict[str, Any]:
         entry = Entry(tensor)
@@ -108,13 +120,62 @@ class VectorRegistry:
                 )
             names[name] = entry
             self.nbytes = total
+            if old is not None:
+                self._retire(old)
         return describe(name, entry)
 
-    def get(self, scope: str, name: str, field: str) -> torch.Tensor:
+    def entry(self, scope: str, name: str, field: str) -> Entry:
         entry = self._scopes.get(scope, {}).get(name)
         if entry is None:
             raise unknown_vector(field, name, sorted(self._scopes.get(scope, {})))
-        return entry.tensor
+        return entry
+
+    def held(self, entry: Entry, forms: Any) -> None:
+        """`entry`'s rows are on every worker now (`forms`: what `vector_refs` pushed), unless it was
+        replaced or deleted meanwhile (then it is dropped there with the next message)."""
+        with self._lock:
+            object.__setattr__(entry, "held", forms)
+            self._pins[entry.vid] = 0
+            if all(e is not entry for names in self._scopes.values() for e in names.values()):
+                self._retire(entry)
+
+    def pin(self, vids: list[str]) -> bool:
+        """A request about to name these registrations by reference: False (it carries the bytes) when one
+        is no longer held; else each counts the request until `unpin`."""
+        with self._lock:
+            if any(v not in self._pins for v in vids):
+                return False
+            for v in vids:
+                self._pins[v] += 1
+            return True
+
+    def unpin(self, vids: tuple[str, ...]) -> None:
+        with self._lock:
+            for v in vids:
+                self._pins[v] -= 1
+                if self._pins[v] == 0 and v in self._retired:
+                    self._drop(v)
+
+    def take_drops(self) -> list[str]:
+        """Registrations the workers may forget now (sent with the next request or push)."""
+        with self._lock:
+            out, self._drops = self._drops, []
+            return out
+
+    def _retire(self, entry: Entry) -> None:
+        if entry.vid not in self._pins:
+            return
+        self._retired.add(entry.vid)
+        if self._pins[entry.vid] == 0:
+            self._drop(entry.vid)
+
+    def _drop(self, vid: str) -> None:
+        self._retired.discard(vid)
+        del self._pins[vid]
+        self._drops.append(vid)
+
+    def get(self, scope: str, name: str, field: str) -> torch.Tensor:
+        return self.entry(scope, name, field).tensor
 
     def list(self, scope: str) -> list[dict[str, Any]]:
         return [describe(n, e) for n, e in sorted(self._scopes.get(scope, {}).items())]
@@ -125,6 +186,7 @@ class VectorRegistry:
             if entry is None:
                 return False
             self.nbytes -= entry.nbytes
+            self._retire(entry)
             return True
 
 
@@ -145,7 +207,9 @@ def registry_of(obj: Any) -> VectorRegistry:
     return state.vectors
 
 
-def _resolve_item(item: Any, i: int | str, registry: VectorRegistry | None, scope: str) -> Any:
+def _resolve_item(
+    item: Any, i: int | str, registry: VectorRegistry | None, scope: str, used: list[Entry] | None = None
+) -> Any:
     """A steering entry naming a vector -> the same entry carrying its tensor (new objects: the caller's
     are never edited). A 1-D vector is used at every listed layer. `i`: its index in the steering list,
     or its field's full name."""
@@ -165,7 +229,10 @@ def _resolve_item(item: Any, i: int | str, registry: VectorRegistry | None, scop
         raise ValueError(f"{f}: give either 'name' (a registered vector) or 'activations', not both")
     if registry is None:
         registry = VectorRegistry()  # nothing registered: the error lists none
-    t = registry.get(scope, name, f"{f}.name")
+    entry = registry.entry(scope, name, f"{f}.name")
+    t = entry.tensor
+    if used is not None:
+        used.append(entry)
     layers = item.layer_indices if isinstance(item, SteeringVector) else item.get("layer_indices")
     if t.ndim == 1 and isinstance(layers, (list, tuple, range)) and len(layers) > 0:
         t = t.expand(len(layers), t.shape[0])
@@ -176,9 +243,12 @@ def _resolve_item(item: Any, i: int | str, registry: VectorRegistry | None, scop
     return out
 
 
-def resolve(extra_args: Mapping[str, Any], registry: VectorRegistry | None) -> Mapping[str, Any]:
+def resolve(
+    extra_args: Mapping[str, Any], registry: VectorRegistry | None, used: list[Entry] | None = None
+) -> Mapping[str, Any]:
     """`extra_args` with named steering entries resolved (and `SCOPE_KEY` consumed): a new dict when
-    anything changed, else `extra_args` itself."""
+    anything changed, else `extra_args` itself. `used`: gets the registrations `apply_steering_vectors`
+    named (those a request may name by reference: `frontend.vector_refs`)."""
     if SCOPE_KEY not in extra_args and STEER_KEY not in extra_args and ACTIONS_KEY not in extra_args:
         return extra_args
     out = dict(extra_args)
@@ -190,7 +260,7 @@ def resolve(extra_args: Mapping[str, Any], registry: VectorRegistry | None) -> M
         single = isinstance(items, (SteeringVector, Mapping))
         seq = [items] if single else items
         if isinstance(seq, (list, tuple)) and any(_names(it) for it in seq):
-            out[STEER_KEY] = [_resolve_item(it, i, registry, scope) for i, it in enumerate(seq)]
+            out[STEER_KEY] = [_resolve_item(it, i, registry, scope, used) for i, it in enumerate(seq)]
         else:
             out[STEER_KEY] = items
     if ACTIONS_KEY in out:

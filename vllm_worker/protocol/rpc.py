@@ -89,6 +89,11 @@ class LensWorkerRpc(Protocol):
 
     def lens_clear_prefetched(self) -> None: ...
 
+    def lens_vectors(self, put: list, drop: list) -> int:
+        """Named vectors' rows to hold (`[vid, rows, unit rows | None, shape]`: requests name them by
+        reference) and registrations to forget; how many are held now."""
+        ...
+
 
 FETCH = "lens_fetch"
 RELEASE = "lens_release"
@@ -109,6 +114,7 @@ DELETE_PROBE = "lens_delete_probe"
 PROBE_PROGRESS = "lens_probe_progress"
 PREFETCH = "lens_prefetch"
 CLEAR_PREFETCHED = "lens_clear_prefetched"
+VECTORS = "lens_vectors"
 
 # every method of the contract (the constants above name exactly these: the contract test checks both)
 METHODS: frozenset[str] = frozenset(n for n in vars(LensWorkerRpc) if n.startswith("lens_"))

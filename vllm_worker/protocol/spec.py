@@ -114,6 +114,10 @@ class Steer:
     hi: float | None = None
     span: tuple[int, int] | None = None  # absolute positions it applies to (its phase); None: all
     cols: list[int] | None = None  # set: the elements written (heads at z); None: all
+    # made by the frontend's validation (`frontend.steer_rows`), None elsewhere: `vectors`' bytes (what
+    # `encode` sends: shared by requests of equal content) and their SHA-256 (what `cache_salt` hashes)
+    raw: bytes | None = field(default=None, repr=False, compare=False)
+    digest: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def plain(self) -> bool:
@@ -235,7 +239,7 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
         payload["steer"] = [
             {
                 "layers": s.layers,
-                "vec": tensor_to_bytes(s.vectors),
+                "vec": tensor_to_bytes(s.vectors) if s.raw is None else _float32_wire(s.vectors, s.raw),
                 "positions": s.positions,
                 "scale": s.scale,
                 "norm_match": s.norm_match,
@@ -322,5 +326,13 @@ def cache_salt(spec: RequestSpec) -> str | None:
         h.update(repr((s.layers, s.positions, s.scale, s.norm_match, s.mul, s.gate, tuple(s.vectors.shape))).encode())
         if not s.plain:  # (plain steering keeps the salts it always had)
             h.update(repr((s.op, s.lo, s.hi, s.span, s.cols)).encode())
-        h.update(s.vectors.numpy().tobytes())
+        # the rows' own digest (the same for the same bytes), not their bytes: one hash per content
+        h.update(s.digest if s.digest is not None else hashlib.sha256(s.vectors.numpy().tobytes()).digest())
     return "inspect-lens:" + h.hexdigest()
+
+
+def _float32_wire(vectors: torch.Tensor, raw: bytes) -> dict[str, Any]:
+    """`wire.tensor_to_bytes(vectors)` where `raw` already holds those float32 rows' bytes."""
+    if vectors.dtype != torch.float32 or len(raw) != vectors.numel() * 4:  # (a steer remade without them)
+        raise AssertionError(f"steering rows {tuple(vectors.shape)} do not match their {len(raw)} wire bytes")
+    return {"dtype": "float32", "shape": list(vectors.shape), "data": raw}

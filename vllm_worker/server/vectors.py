@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from vllm_worker import compat, envs
+from vllm_worker.frontend import vector_refs
 from vllm_worker.frontend.vectors import LIMIT, SCOPE_KEY, check_name, check_vector, registry_of, scope_token
 from vllm_worker.protocol.spec import STEER_KEY, max_payload_bytes
 from vllm_worker.protocol.wire import tensor_from_json
@@ -77,7 +78,11 @@ async def register(request: Request):
 
     with caller_input():  # (the registry's refusal past VLLM_LENS_MAX_VECTORS_MB too)
         vec = await asyncio.to_thread(decode)  # base64 of up to VLLM_LENS_MAX_PAYLOAD_MB: off the event loop
-        info = _registry(state).register(scope_for(state, request.headers), name, vec)
+        scope = scope_for(state, request.headers)
+        registry = _registry(state)
+        info = registry.register(scope, name, vec)
+    entry = registry.entry(scope, name, "name")
+    await vector_refs.push_async(state.engine, compat.processor_of_engine_client(state.engine), registry, entry)
     return {"status": "ok", **info}
 
 

@@ -20,7 +20,7 @@ from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors
 from vllm_worker.protocol.points import describe, site_layer, site_point
 from vllm_worker.protocol.spec import decode
-from vllm_worker.worker import faults, graph, seams
+from vllm_worker.worker import faults, graph, seams, vector_refs
 from vllm_worker.worker.actions import ActionRefused
 from vllm_worker.worker.content_digests import RecentDigests
 from vllm_worker.worker.device_copy import to_device
@@ -147,6 +147,7 @@ class Admission:
     def _new(self, req_id: str, payload: Any) -> RequestState:
         import cloudpickle
 
+        payload = vector_refs.HELD.resolve(payload)  # (named vectors sent by reference: their bytes)
         spec = None if payload is None else decode(payload, view=True)  # (vectors: `_host_vectors` copies)
         n = 1 if payload is None else int(payload.get("n", 1))
         child = compat.child_index(req_id, n)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from vllm_worker import compat, counters
 from vllm_worker.protocol import errors, rpc
 from vllm_worker.transport import shm
-from vllm_worker.worker import gpu_clock, seams
+from vllm_worker.worker import gpu_clock, seams, vector_refs
 from vllm_worker.worker.params import UnknownParameter
 from vllm_worker.worker.runtime import LensRuntime
 
@@ -266,6 +266,9 @@ class LensWorkerExtension:
 
     def lens_clear_prefetched(self) -> None:
         self._lens_rt().params.clear()
+
+    def lens_vectors(self, put: list, drop: list) -> int:
+        return vector_refs.HELD.put(list(put), list(drop))
 
 
 def _as_contract(ext: LensWorkerExtension) -> rpc.LensWorkerRpc:

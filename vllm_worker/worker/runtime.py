@@ -37,6 +37,7 @@ from vllm_worker.worker import (
     seams,
     taps,
     tp_wide,
+    vector_refs,
 )
 from vllm_worker.worker.admission import Admission
 from vllm_worker.worker.params import Params
@@ -561,6 +562,9 @@ class LensRuntime:
             "steering_shared_chains": 0 if self.graph is None else self.graph.entries.shared_chains(),
             "steer_table_full": 0 if self.graph is None else self.graph.entries.full,
             "probe_score_chunks": self.store.probe_records(),
+            # named vectors held for requests naming them by reference, and steers resolved from one
+            "held_vectors": vector_refs.HELD.count(),
+            "vector_refs_resolved": vector_refs.HELD.resolved,
             **self.actions.status(),
         }
 

@@ -1,0 +1,78 @@
+"""Named vectors by reference, without an engine: the registry's pins (a replaced or deleted registration
+is dropped only once no request in flight names it), and the worker's side (a reference made back into
+the bytes the frontend would have sent; vLLM's payload never edited; an unknown reference an error)."""
+
+import copy
+
+import pytest
+import torch
+
+from vllm_worker.frontend import vector_refs
+from vllm_worker.frontend.vectors import VectorRegistry
+from vllm_worker.protocol.spec import decode
+from vllm_worker.worker.vector_refs import DROPS_KEY, HeldVectors
+
+D = 1024
+
+
+def _held(registry: VectorRegistry, name: str, t: torch.Tensor):
+    registry.register("", name, t)
+    entry = registry.entry("", name, "name")
+    held = vector_refs.forms(entry)
+    registry.held(entry, held)
+    return entry, held
+
+
+def test_pins_keep_a_replaced_or_deleted_registration_until_unpinned():
+    reg = VectorRegistry()
+    a, _ = _held(reg, "v", torch.randn(D))
+    assert reg.pin([a.vid]) and reg.pin([a.vid])  # two requests in flight name it
+    b, _ = _held(reg, "v", torch.randn(D))  # replaced: `a` retired, still pinned
+    assert reg.take_drops() == [] and reg.entry("", "v", "name") is b
+    reg.unpin((a.vid,))
+    assert reg.take_drops() == []
+    assert not reg.pin(["unknown"])
+    reg.unpin((a.vid,))
+    assert reg.take_drops() == [a.vid] and reg.take_drops() == []
+    assert not reg.pin([a.vid])  # dropped: a request resolving it now would carry bytes
+    assert reg.delete("", "v") and reg.take_drops() == [b.vid]  # unpinned: dropped at once
+
+
+def test_a_registration_replaced_while_pushing_is_dropped():
+    reg = VectorRegistry()
+    reg.register("", "v", torch.randn(D))
+    old = reg.entry("", "v", "name")
+    reg.register("", "v", torch.randn(D))
+    reg.held(old, vector_refs.forms(old))  # its push returned after the replacement
+    assert reg.take_drops() == [old.vid] and not reg.pin([old.vid])
+
+
+def test_the_worker_makes_references_back_into_bytes():
+    t = torch.randn(D) * 3
+    reg = VectorRegistry()
+    entry, held = _held(reg, "v", t)
+    worker = HeldVectors()
+    assert worker.put([held.wire(entry.vid)], []) == 1
+    payload = {
+        "v": 1,
+        "key": "k",
+        "capture": [],
+        "steer": [
+            {"layers": [1, 2, 3], "vec": {"ref": entry.vid, "unit": True, "repeat": 3}, "positions": None,
+             "scale": 1.0, "norm_match": False, "op": 1, "lo": None, "hi": None, "span": None, "cols": None},
+        ],
+        DROPS_KEY: ["gone"],
+    }  # fmt: skip
+    before = copy.deepcopy(payload)
+    out = worker.resolve(payload)
+    assert payload == before and DROPS_KEY not in out  # vLLM's payload untouched
+    rows = decode(out).steers[0].vectors
+    unit = (t / t.norm()).expand(3, D)
+    assert rows.shape == (3, D) and torch.allclose(rows, unit, atol=1e-7)
+    assert rows.numpy().tobytes() == held.unit * 3  # exactly the pushed rows, repeated
+    assert out["steer"][0]["vec"]["data"] is worker.resolve(payload)["steer"][0]["vec"]["data"]  # one bytes object
+    worker.put([], [entry.vid])
+    with pytest.raises(LookupError, match=f"steering vector {entry.vid} is not held"):
+        worker.resolve(payload)
+    plain = {"v": 1, "key": "k", "capture": []}
+    assert worker.resolve(plain) is plain

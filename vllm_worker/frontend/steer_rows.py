@@ -1,0 +1,82 @@
+"""A steering entry's rows as the workers get them (float32 on the host, checked finite, unit rows for
+ablate / cap), with their wire bytes and content digest, remembered by the exact bytes the caller sent.
+
+Workloads that steer every request with the same vector (each request a fresh tensor, or one registered
+name) made the frontend copy, check, normalise, serialise and SHA-256 the same 512 KB again per request;
+a request whose bytes equal a remembered input's now only pays the comparison (and a copy of the rows it
+keeps). Exact: the key's test is a byte-for-byte comparison with a copy of the earlier input (never the
+caller's object, which the caller may change), so no input can take another content's rows. Only
+successes are remembered; a failing input is checked, and named in its error, every time. Bounded:
+`KEPT` contents, each at most `MAX_BYTES`."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from vllm_worker.protocol import ops as intervention
+from vllm_worker.protocol.checks import all_finite, host_float32
+from vllm_worker.worker.recent import recall, remember
+
+KEPT = 8  # distinct inputs remembered ...
+MAX_BYTES = 16 << 20  # ... each at most this large
+MIN_BYTES = 4096  # below this the passes are as cheap as the lookup
+_EDGE = 64  # bytes from each end in the key (a cheap first test before the full comparison)
+
+
+class Rows(NamedTuple):
+    rows: torch.Tensor  # float32, C order: this request's own copy
+    raw: bytes  # `rows`' bytes (what `spec.encode` sends; shared, immutable)
+    digest: bytes  # SHA-256 of `raw` (what `spec.cache_salt` hashes)
+
+
+_memo: dict[tuple, tuple[np.ndarray, Rows]] = {}  # (unit rows?, dtype, shape, edges) -> (input bytes, rows)
+_lock = threading.Lock()  # (AsyncLLM and the HTTP server may admit from more than one thread)
+
+
+def checked_rows(acts: torch.Tensor, op: str, f: str) -> Rows:
+    """`acts` (already shape-checked) as the rows a worker receives; a ValueError naming `f` for NaN / inf
+    or a zero direction. Bit-identical to the passes it replaces (`host_float32`, `all_finite`,
+    `check_directions` and a division in place)."""
+    unit = op in ("ablate", "cap")
+    src = _input_bytes(acts)
+    if src is None:
+        return _make(acts, op, f)
+    key = (unit, acts.dtype, tuple(acts.shape), src[:_EDGE].tobytes(), src[-_EDGE:].tobytes())
+    with _lock:
+        got = recall(_memo, key)
+    if got is not None and np.array_equal(got[0], src):  # (uint8 against uint8: exact bytes)
+        done = got[1]
+        rows = torch.from_numpy(np.frombuffer(done.raw, dtype=np.float32).reshape(done.rows.shape).copy())
+        return Rows(rows, done.raw, done.digest)
+    done = _make(acts, op, f)
+    with _lock:
+        remember(_memo, key, (src.copy(), done), KEPT)
+    return Rows(done.rows.clone(), done.raw, done.digest)
+
+
+def _make(acts: torch.Tensor, op: str, f: str) -> Rows:
+    rows = host_float32(acts)
+    if not all_finite(rows):
+        raise ValueError(f"{f}.activations: contains NaN or inf")
+    norms = intervention.check_directions(op, rows, f)
+    if norms is not None:
+        rows.div_(norms)  # (`rows`: host_float32's copy, ours to write; one pass, no second norm)
+    raw = rows.numpy().tobytes()
+    return Rows(rows, raw, hashlib.sha256(raw).digest())
+
+
+def _input_bytes(acts: torch.Tensor) -> np.ndarray | None:
+    """The caller's tensor's bytes as a uint8 view (a copy only of a strided one), or None where the memo does not apply (not a
+    dense float32 / float64 host tensor, or outside the sizes kept)."""
+    t = acts.detach()
+    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64):
+        return None
+    if not MIN_BYTES <= t.numel() * t.element_size() <= MAX_BYTES:
+        return None
+    # (a 1-D registered vector arrives expanded over its layers: one dense copy to compare)
+    return t.contiguous().numpy().reshape(-1).view(np.uint8)
