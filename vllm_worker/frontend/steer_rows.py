@@ -20,7 +20,7 @@ import torch
 
 from vllm_worker.protocol import ops as intervention
 from vllm_worker.protocol.checks import all_finite, host_float32
-from vllm_worker.worker.recent import recall, remember
+from vllm_worker.protocol.recent import recall, remember
 
 KEPT = 8  # distinct inputs remembered ...
 MAX_BYTES = 16 << 20  # ... each at most this large

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_worker.protocol.recent import recall, remember
 from vllm_worker.protocol.wire import tensor_from_bytes
 from vllm_worker.worker.device_copy import distinct_rows, to_device
-from vllm_worker.worker.recent import recall, remember
 from vllm_worker.worker.stream_rows import stream_rows
 
 TOKEN, EMA, ROLLING = 0, 1, 2  # as `frontend.actions`

@@ -19,6 +19,7 @@ from vllm_worker import compat
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors
 from vllm_worker.protocol.points import describe, site_layer, site_point
+from vllm_worker.protocol.recent import recall, remember
 from vllm_worker.protocol.spec import decode
 from vllm_worker.worker import faults, graph, seams, vector_refs
 from vllm_worker.worker.actions import ActionRefused
@@ -26,7 +27,6 @@ from vllm_worker.worker.content_digests import RecentDigests
 from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import DeviceSteer, HookRun, RequestState, hook_at, split_steers
-from vllm_worker.worker.recent import recall, remember
 from vllm_worker.worker.request_results import RequestResults
 from vllm_worker.worker.store import CaptureStore
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from vllm_worker.protocol.recent import recall, remember
 from vllm_worker.worker.graph_entries import digest
-from vllm_worker.worker.recent import recall, remember
 
 KEPT = 8  # recent payload byte strings remembered ...
 MAX_BYTES = 16 << 20  # ... each at most this large

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from vllm_worker.protocol.ops import ADD
+from vllm_worker.protocol.recent import recall, remember
 from vllm_worker.worker.device_copy import distinct_rows, to_device
 from vllm_worker.worker.interventions import chain_entries
-from vllm_worker.worker.recent import recall, remember
 
 logger = logging.getLogger("vllm_worker")
 

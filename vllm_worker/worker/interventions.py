@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from vllm_worker.protocol.ops import ABLATE, ADD, CAP, SET
-from vllm_worker.worker.recent import recall, remember
+from vllm_worker.protocol.recent import recall, remember
 
 INF = math.inf
 

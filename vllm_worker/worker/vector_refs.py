@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from vllm_worker.worker.recent import recall, remember
+from vllm_worker.protocol.recent import recall, remember
 
 DROPS_KEY = "drop_vectors"  # (`frontend.vector_refs.DROPS_KEY`)
 ROWS_KEPT = 16  # repeated rows remembered (a registration named with several layer counts and ops)
