@@ -76,3 +76,19 @@ def test_the_worker_makes_references_back_into_bytes():
         worker.resolve(payload)
     plain = {"v": 1, "key": "k", "capture": []}
     assert worker.resolve(plain) is plain
+
+
+def test_a_retired_registration_counts_against_the_limit_while_pinned(monkeypatch):
+    monkeypatch.setenv("VLLM_LENS_MAX_VECTORS_MB", str(3.5 * D * 4 / 1e6))  # room for three vectors, not four
+    reg = VectorRegistry()
+    a, _ = _held(reg, "v", torch.randn(D))
+    assert reg.pin([a.vid])  # a request in flight names it: the workers keep it
+    _held(reg, "v", torch.randn(D))  # replaced: both count
+    assert reg.nbytes == 2 * D * 4
+    _held(reg, "w", torch.randn(D))
+    with pytest.raises(ValueError, match="VLLM_LENS_MAX_VECTORS_MB"):
+        reg.register("", "x", torch.randn(D))
+    reg.unpin((a.vid,))  # the request finished: the old rows go, and so does their count
+    assert reg.nbytes == 2 * D * 4 and reg.take_drops() == [a.vid]
+    reg.register("", "x", torch.randn(D))
+    assert reg.delete("", "x") and reg.nbytes == 2 * D * 4  # never pushed, never pinned: at once

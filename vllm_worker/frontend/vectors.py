@@ -102,7 +102,7 @@ class VectorRegistry:
         # registrations the workers hold: vid -> requests in flight naming it by reference; a replaced or
         # deleted one is retired, and dropped on the workers only once no request in flight names it
         self._pins: dict[str, int] = {}
-        self._retired: set[str] = set()
+        self._retired: dict[str, int] = {}  # vid -> bytes still counted (held for requests in flight)
         self._drops: list[str] = []
 
     def register(self, scope: str, name: str, tensor: torch.Tensor) -> dict[str, Any]:
@@ -110,18 +110,19 @@ class VectorRegistry:
         with self._lock:
             names = self._scopes.setdefault(scope, {})
             old = names.get(name)
-            total = self.nbytes - (old.nbytes if old else 0) + entry.nbytes
+            total = self.nbytes - (old.nbytes if old is not None and not self._pinned(old) else 0) + entry.nbytes
             cap = envs.limit(LIMIT)
             if total > cap:
                 raise ValueError(
                     f"activations: registering {name!r} ({_size(entry.nbytes)}) would bring the engine's "
                     f"named vectors to {_size(total)}, above the limit of {_size(cap)} ({LIMIT}); delete "
-                    "vectors that are no longer needed"
+                    "vectors that are no longer needed (a replaced or deleted one counts until the requests "
+                    "in flight that named it have finished)"
                 )
             names[name] = entry
-            self.nbytes = total
             if old is not None:
-                self._retire(old)
+                self._let_go(old)
+            self.nbytes += entry.nbytes
         return describe(name, entry)
 
     def entry(self, scope: str, name: str, field: str) -> Entry:
@@ -162,15 +163,27 @@ class VectorRegistry:
             out, self._drops = self._drops, []
             return out
 
+    def _pinned(self, entry: Entry) -> bool:
+        return self._pins.get(entry.vid, 0) > 0
+
+    def _let_go(self, entry: Entry) -> None:
+        """A replaced or deleted registration: its bytes stop counting now, or, while requests in flight name
+        it by reference (the workers keep it for them), when the last of them finishes (`_drop`)."""
+        if self._pinned(entry):
+            self._retired[entry.vid] = entry.nbytes
+        else:
+            self.nbytes -= entry.nbytes
+        self._retire(entry)
+
     def _retire(self, entry: Entry) -> None:
         if entry.vid not in self._pins:
             return
-        self._retired.add(entry.vid)
+        self._retired.setdefault(entry.vid, 0)
         if self._pins[entry.vid] == 0:
             self._drop(entry.vid)
 
     def _drop(self, vid: str) -> None:
-        self._retired.discard(vid)
+        self.nbytes -= self._retired.pop(vid, 0)
         del self._pins[vid]
         self._drops.append(vid)
 
@@ -185,8 +198,7 @@ class VectorRegistry:
             entry = self._scopes.get(scope, {}).pop(name, None)
             if entry is None:
                 return False
-            self.nbytes -= entry.nbytes
-            self._retire(entry)
+            self._let_go(entry)
             return True
 
 
