@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPS = ROOT / "bench" / ".deps"
 BASE = ("W0", "W1", "W2", "W3", "W4", "W4n", "W5")
 POINTS = ("W6", "W7", "W8")  # hook points (issue #24): this project only
+# freeze each bench process's GC heap after its warm-up (docs/decisions.md, "W10's tail and the frontend's
+# garbage collector"): a full collection over ~800k start-up objects costs 0.35 s on the H200 host, at random
+GC_FREEZE = os.environ.get("BENCH_GC_FREEZE", "1") == "1"
 MONITORS = ("W9", "W10", "W11", "W12", "W12n", "W13", "W14")  # probes, probe actions, ops, mlp_post (#42, #43)
 CORE = BASE + ("W4b", "W4m", "W4r", "W4rb") + POINTS  # W4b, W4r, W4rb, W6-W8: this project only
 ALL = CORE + MONITORS  # W9-W14: this project only, plan gpu-monitors
@@ -210,6 +213,8 @@ def bench_model(
                 print(f"[{label}] WARNING {system}: {entry['kv_starved']}", flush=True)
         if "error" in warm:
             entry["error"] = warm["error"]
+        elif GC_FREEZE:  # every system alike, after its warm-up (as vLLM's serving benchmark does)
+            entry["gc_frozen"] = p.ask(freeze_gc=True).get("frozen")
         procs[system] = p
         print(f"[{label}] {system} ready in {time.time() - t:.0f}s", flush=True)
     # BENCH_ORDER: the workloads' order within a round (e.g. W2 last: a round's other workloads run after
@@ -301,7 +306,14 @@ def write_results(results: list[dict], args, started: float) -> Path:
         f"Command: `python bench/run.py {' '.join(sys.argv[1:])}` — {time.time() - started:.0f} s end to end. "
         f"Greedy, `ignore_eos`, {args.n} prompts × {args.prompt_len} tokens → {args.new} new tokens each, "
         f"{args.dtype}, medians over {args.repeats} interleaved repeats after one warm-up; ratios are "
-        "computed repeat by repeat (same round), then the median is taken.",
+        "computed repeat by repeat (same round), then the median is taken."
+        + (
+            " Each bench process's garbage-collector heap is frozen after its warm-up (`BENCH_GC_FREEZE=1`, "
+            "every system alike, as `vllm bench serve` does): a full collection then walks only what the "
+            "rounds made, not the ~800k objects vLLM and torch hold."
+            if GC_FREEZE
+            else " The bench processes' garbage collectors are left as they are (`BENCH_GC_FREEZE=0`)."
+        ),
         "",
     ]
     for res in results:

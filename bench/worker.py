@@ -19,6 +19,7 @@ first call (the parent's warm-up) also checks the values once and reports it as 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -506,6 +507,11 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd.get("quit"):
             break
+        if cmd.get("freeze_gc"):  # after the warm-up (bench/run.py: BENCH_GC_FREEZE)
+            gc.collect()
+            gc.freeze()
+            send({"frozen": gc.get_freeze_count()})
+            continue
         try:
             if device == "cuda":
                 import torch
