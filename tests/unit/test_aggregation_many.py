@@ -212,3 +212,19 @@ def test_one_shaped_fetch_read_in_place_equals_each_sample_alone(form, monkeypat
     monkeypatch.setattr(probe_results, "aggregates_many", None)  # (read in place: never stacked per entry)
     for sample, got in zip(samples, probe_outputs_many(samples)):
         _check(got, _reference(*sample))
+
+
+def test_a_sample_keeps_only_its_own_scores_buffer():
+    """Aggregates are read from one fetch-wide array, but each sample's scores are views of its own part's
+    buffer: a caller keeping one request's outputs keeps no other request's scores alive."""
+    g = torch.Generator().manual_seed(17)
+    samples = []
+    for _ in range(3):
+        probes = {k: probe_wire.pack_arrays(np.arange(9), torch.randn(9, 1, generator=g).numpy()) for k in ("a", "b")}
+        samples.append(([{"probes": probes}], {k: {"aggregate": ["mean"], "positions": "all"} for k in "ab"}, 4))
+    got = probe_outputs_many(samples)
+    buffers = [{s.untyped_storage().data_ptr() for s in scores.values()} for scores, _ in got]
+    assert all(len(b) == 1 for b in buffers)  # a sample's probes: one buffer
+    assert len(set.union(*buffers)) == 3  # each sample its own
+    for scores, _ in got:
+        assert scores["a"].untyped_storage().nbytes() == 2 * 9 * 4

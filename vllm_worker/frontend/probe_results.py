@@ -47,21 +47,20 @@ def chosen(n: int, prompt_len: int, positions: Any) -> torch.Tensor | slice:
     return torch.tensor([p for p in positions if p < n], dtype=torch.long)
 
 
-def _decoded(items: list[tuple[bytes, bytes, int, int]]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """Each `(n, n_out)` scores of a fetch's probe items (`probe_wire.unpack`ed) as a view of one writable
-    buffer for them all (one copy of their bytes, one tensor made), not a buffer and a tensor per probe;
-    and that buffer as `(items, n, n_out)` when they all have one shape (W10's), else None."""
-    raw = b"".join([vals for _, vals, _, _ in items])
+def _decoded(raws: list[bytes], ns: list[int], ks: list[int]) -> list[torch.Tensor]:
+    """Each `(n, n_out)` scores of one part's probe items (their bytes, rows and widths) as a view of one
+    writable buffer for the part (one copy of its bytes, one tensor made), not a buffer and a tensor per
+    probe; a part's own buffer, so a caller keeping one request's outputs keeps no other request's."""
+    raw = b"".join(raws)
     if not raw:
-        return [torch.empty((n, k), dtype=torch.float32) for _, _, n, k in items], None
+        return [torch.empty((n, k), dtype=torch.float32) for n, k in zip(ns, ks)]
     flat = torch.frombuffer(bytearray(raw), dtype=torch.float32)
-    n0, k0 = items[0][2], items[0][3]
-    if k0 and all(n == n0 and k == k0 for _, _, n, k in items):  # views in one call
-        whole = flat.view(-1, n0, k0)
-        return list(whole.unbind(0)), whole
-    if k0 and all(k == k0 for _, _, _, k in items):  # one width
-        return list(flat.view(-1, k0).split([n for _, _, n, _ in items])), None
-    return [t.view(n, k) for t, (_, _, n, k) in zip(flat.split([n * k for _, _, n, k in items]), items)], None
+    n0, k0 = ns[0], ks[0]
+    if k0 and ns.count(n0) == len(ns) and ks.count(k0) == len(ks):  # one shape (W10's): views in one call
+        return list(flat.view(-1, n0, k0).unbind(0))
+    if k0 and ks.count(k0) == len(ks):  # one width
+        return list(flat.view(-1, k0).split(ns))
+    return [t.view(n, k) for t, n, k in zip(flat.split([n * k for n, k in zip(ns, ks)]), ns, ks)]
 
 
 Outputs = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]
@@ -76,40 +75,52 @@ def probe_outputs(parts: list[dict], wanted: dict[str, dict[str, Any]], prompt_l
 def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int]]) -> list[Outputs]:
     """`probe_outputs` of every (parts, wanted, prompt_len) sample of a fetch: every sample's scores decoded
     from one buffer, then every sample's and probe's aggregates computed together (`aggregates_stacked`
-    reading that buffer in place when every series has one shape and span; else `aggregates_many`)."""
-    items: list[tuple[bytes, bytes, int, int]] = []
-    names: list[str] = []
+    reading that buffer in place when every series has one shape and span; else `aggregates_many`). Per
+    item only flat lists (of bytes, ints, tensors): no tuple per (request, probe) that lives through the
+    call's young collections (docs/decisions.md, tailgc)."""
+    poss: list[bytes] = []
+    raws: list[bytes] = []
+    ns: list[int] = []
+    ks: list[int] = []
+    decoded: list[torch.Tensor] = []
     for parts, _, _ in samples:
         for part in parts:
+            first = len(raws)
             for name, got in (part.get("probes") or {}).items():
-                items.append(probe_wire.unpack(got, f"probe_scores.{name}"))
-                names.append(name)
-    decoded, whole = _decoded(items) if items else ([], None)
-    values = iter(decoded)
+                pos, vals, n, k_out = probe_wire.unpack(got, f"probe_scores.{name}")
+                poss.append(pos)
+                raws.append(vals)
+                ns.append(n)
+                ks.append(k_out)
+            if len(raws) > first:
+                decoded += _decoded(raws[first:], ns[first:], ks[first:])
     seen: dict[bytes, tuple[np.ndarray, int]] = {}  # positions by their bytes (often the same ones)
     out: list[Outputs] = []
-    todo: list[tuple[torch.Tensor, list[str]]] = []
-    spans: list[tuple[int, slice]] = []  # (item index, positions) of each todo entry read in place
+    series: list[torch.Tensor] = []  # each (sample, wanted probe)'s scores by position,
+    wanted_aggs: list[list[str]] = []  # its aggregates,
+    at: list[int] = []  # the item it is when read in place (-1: not),
+    sels: list[Any] = []  # and its positions chosen
     k = 0
     for parts, wanted, prompt_len in samples:
         scores: dict[str, torch.Tensor] = {}
-        at: dict[str, int] = {}
+        item: dict[str, int] = {}
         for part in parts:
-            for _ in part.get("probes") or ():
-                pos, n = _positions(items[k][0], seen)
-                s = scores[names[k]] = _dense(pos, n, next(values))
-                if s.shape[0] == items[k][2]:
-                    at[names[k]] = k
+            for name in part.get("probes") or ():
+                s = scores[name] = _dense(*_positions(poss[k], seen), decoded[k])
+                if s.shape[0] == ns[k]:
+                    item[name] = k
                 k += 1
         for name, opts in wanted.items():
             s = scores.get(name)
             if s is None:
                 raise RuntimeError(f"inspect-lens: no worker returned the scores of probe {name!r}")
             sel = chosen(s.shape[0], prompt_len, opts.get("positions", "generated"))
-            todo.append((s, opts["aggregate"]))
-            spans.append((at.get(name, -1), sel) if type(sel) is slice else (-1, sel))
+            series.append(s)
+            wanted_aggs.append(opts["aggregate"])
+            at.append(item.get(name, -1) if type(sel) is slice else -1)
+            sels.append(sel)
         out.append((scores, {}))
-    done = iter(_aggregates(todo, spans, whole))
+    done = iter(_aggregates(series, wanted_aggs, at, sels, (raws, ns, ks)))
     for (_, wanted, _), (_, aggs) in zip(samples, out):
         for name in wanted:
             aggs[name] = next(done)
@@ -117,15 +128,18 @@ def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]]
 
 
 def _aggregates(
-    todo: list[tuple[torch.Tensor, list[str]]], spans: list[tuple[int, Any]], whole: torch.Tensor | None
+    series: list[torch.Tensor], wanted: list[list[str]], at: list[int], sels: list[Any], items: tuple[list, ...]
 ) -> list[dict[str, torch.Tensor]]:
-    """The aggregates of each todo entry (scores, names) over its chosen positions (`spans`: the item read in
-    place, -1 if none, and the positions): when every entry is an item of `whole` (one buffer, one shape) with
-    the same slice of positions, the stacked series are that slice of `whole`, copied once — the tensor
-    `aggregates_many` would stack, so the same bits — instead of a slice per entry and a stack of them."""
-    sl = spans[0][1] if spans else None
-    if whole is not None and type(sl) is slice and all(i >= 0 and s == sl for i, s in spans):
-        idx = [i for i, _ in spans]
-        x = whole[:, sl] if idx == list(range(whole.shape[0])) else whole[torch.tensor(idx)][:, sl]
-        return aggregates_stacked(x.contiguous(), [names for _, names in todo])
-    return aggregates_many([(s[sel], names) for (s, names), (_, sel) in zip(todo, spans)])
+    """The aggregates `wanted` of each series over its chosen positions `sels` (`at`: the item of `items` —
+    bytes, rows, widths — it is, -1 if none): when every series is an item of one shape with the same slice
+    of positions, the stacked series are that slice of the items' bytes read as one `(items, n, n_out)`
+    array, copied once — the tensor `aggregates_many` would stack, so the same bits — instead of a slice
+    per series and a stack of them."""
+    raws, ns, ks = items
+    sl = sels[0] if sels else None
+    one_shape = bool(ns) and ks[0] > 0 and ns.count(ns[0]) == len(ns) and ks.count(ks[0]) == len(ks)
+    if one_shape and type(sl) is slice and -1 not in at and sels.count(sl) == len(sels):
+        whole = torch.frombuffer(bytearray(b"".join(raws)), dtype=torch.float32).view(len(raws), ns[0], ks[0])
+        x = whole[:, sl] if at == list(range(len(raws))) else whole[torch.tensor(at)][:, sl]
+        return aggregates_stacked(x.contiguous(), wanted)
+    return aggregates_many([(s[sel], w) for s, w, sel in zip(series, wanted, sels)])
