@@ -13,7 +13,7 @@ import pytest
 import torch
 from vllm.outputs import CompletionOutput, RequestOutput
 
-from vllm_worker.frontend import fetch
+from vllm_worker.frontend import fetch, probe_results
 from vllm_worker.frontend.probe_results import chosen, probe_outputs, probe_outputs_many
 from vllm_worker.frontend.state import Pending
 from vllm_worker.probes import aggregation
@@ -191,3 +191,40 @@ def test_one_part_with_many_probes_reads_shared_positions_once_and_others_apart(
         assert bool(got[0]["z"][1].isnan().all()) and got[0]["z"].shape == (4, 1)
         got[0]["x"][0, 0] = 99.0  # each probe's scores are its own rows of the part's buffer
         assert got[0]["y"][0, 0].item() != 99.0
+
+
+@pytest.mark.parametrize("form", ["uniform", "reordered", "mixed_lists"])
+def test_one_shaped_fetch_read_in_place_equals_each_sample_alone(form, monkeypatch):
+    """W10's form (every sample's probes one shape, the same positions chosen): aggregates read from the one
+    decoded buffer, in the parts' order or not, with one list of names or several, against the definition."""
+    g = torch.Generator().manual_seed(13)
+    pos = list(range(37))
+    samples = []
+    for i in range(9):
+        names = ["p0", "p1", "p2"] if form != "reordered" or i % 2 else ["p2", "p0", "p1"]
+        aggs = NAMES if form != "mixed_lists" else NAMES[: 2 + i % 5]
+        wanted = {k: {"aggregate": aggs, "positions": "generated"} for k in names}
+        probes = {
+            k: probe_wire.pack_arrays(np.array(pos), torch.randn(37, 2, generator=g).numpy())
+            for k in ("p0", "p1", "p2")
+        }
+        samples.append(([{"probes": probes}], wanted, 30))
+    monkeypatch.setattr(probe_results, "aggregates_many", None)  # (read in place: never stacked per entry)
+    for sample, got in zip(samples, probe_outputs_many(samples)):
+        _check(got, _reference(*sample))
+
+
+def test_a_sample_keeps_only_its_own_scores_buffer():
+    """Aggregates are read from one fetch-wide array, but each sample's scores are views of its own part's
+    buffer: a caller keeping one request's outputs keeps no other request's scores alive."""
+    g = torch.Generator().manual_seed(17)
+    samples = []
+    for _ in range(3):
+        probes = {k: probe_wire.pack_arrays(np.arange(9), torch.randn(9, 1, generator=g).numpy()) for k in ("a", "b")}
+        samples.append(([{"probes": probes}], {k: {"aggregate": ["mean"], "positions": "all"} for k in "ab"}, 4))
+    got = probe_outputs_many(samples)
+    buffers = [{s.untyped_storage().data_ptr() for s in scores.values()} for scores, _ in got]
+    assert all(len(b) == 1 for b in buffers)  # a sample's probes: one buffer
+    assert len(set.union(*buffers)) == 3  # each sample its own
+    for scores, _ in got:
+        assert scores["a"].untyped_storage().nbytes() == 2 * 9 * 4

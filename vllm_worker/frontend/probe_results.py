@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_worker.probes.aggregation import aggregates_many
+from vllm_worker.probes.aggregation import aggregates_many, aggregates_stacked
 from vllm_worker.protocol import probe_wire
 
 
@@ -47,20 +47,20 @@ def chosen(n: int, prompt_len: int, positions: Any) -> torch.Tensor | slice:
     return torch.tensor([p for p in positions if p < n], dtype=torch.long)
 
 
-def _decoded(probes: dict[str, Any]) -> list[tuple[bytes, torch.Tensor]]:
-    """(positions' bytes, scores) of one part's probes (`protocol.probe_wire` items, checked): one writable
-    buffer for the part (one copy of its bytes, one tensor made), each probe's `(n, n_out)` scores a view of
-    it — not a buffer and a tensor per probe."""
-    items = [probe_wire.unpack(got, f"probe_scores.{name}") for name, got in probes.items()]
-    raw = b"".join(vals for _, vals, _, _ in items)
+def _decoded(raws: list[bytes], ns: list[int], ks: list[int]) -> list[torch.Tensor]:
+    """Each `(n, n_out)` scores of one part's probe items (their bytes, rows and widths) as a view of one
+    writable buffer for the part (one copy of its bytes, one tensor made), not a buffer and a tensor per
+    probe; a part's own buffer, so a caller keeping one request's outputs keeps no other request's."""
+    raw = b"".join(raws)
     if not raw:
-        return [(pos, torch.empty((n, k), dtype=torch.float32)) for pos, _, n, k in items]
+        return [torch.empty((n, k), dtype=torch.float32) for n, k in zip(ns, ks)]
     flat = torch.frombuffer(bytearray(raw), dtype=torch.float32)
-    width = items[0][3]
-    if width and all(k == width for _, _, _, k in items):  # one width (W10's): (n, width) views at once
-        return list(zip([pos for pos, _, _, _ in items], flat.view(-1, width).split([n for _, _, n, _ in items])))
-    parts = flat.split([n * k for _, _, n, k in items])
-    return [(pos, t.view(n, k)) for t, (pos, _, n, k) in zip(parts, items)]
+    n0, k0 = ns[0], ks[0]
+    if k0 and ns.count(n0) == len(ns) and ks.count(k0) == len(ks):  # one shape (W10's): views in one call
+        return list(flat.view(-1, n0, k0).unbind(0))
+    if k0 and ks.count(k0) == len(ks):  # one width
+        return list(flat.view(-1, k0).split(ns))
+    return [t.view(n, k) for t, n, k in zip(flat.split([n * k for n, k in zip(ns, ks)]), ns, ks)]
 
 
 Outputs = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]
@@ -73,25 +73,73 @@ def probe_outputs(parts: list[dict], wanted: dict[str, dict[str, Any]], prompt_l
 
 
 def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int]]) -> list[Outputs]:
-    """`probe_outputs` of every (parts, wanted, prompt_len) sample of a fetch: each sample's scores decoded,
-    then every sample's and probe's aggregates computed together (`aggregation.aggregates_many`)."""
+    """`probe_outputs` of every (parts, wanted, prompt_len) sample of a fetch: every sample's scores decoded
+    from one buffer, then every sample's and probe's aggregates computed together (`aggregates_stacked`
+    reading that buffer in place when every series has one shape and span; else `aggregates_many`). Per
+    item only flat lists (of bytes, ints, tensors): no tuple per (request, probe) that lives through the
+    call's young collections (docs/decisions.md, tailgc)."""
+    poss: list[bytes] = []
+    raws: list[bytes] = []
+    ns: list[int] = []
+    ks: list[int] = []
+    decoded: list[torch.Tensor] = []
+    for parts, _, _ in samples:
+        for part in parts:
+            first = len(raws)
+            for name, got in (part.get("probes") or {}).items():
+                pos, vals, n, k_out = probe_wire.unpack(got, f"probe_scores.{name}")
+                poss.append(pos)
+                raws.append(vals)
+                ns.append(n)
+                ks.append(k_out)
+            if len(raws) > first:
+                decoded += _decoded(raws[first:], ns[first:], ks[first:])
+    seen: dict[bytes, tuple[np.ndarray, int]] = {}  # positions by their bytes (often the same ones)
     out: list[Outputs] = []
-    todo: list[tuple[torch.Tensor, list[str]]] = []
+    series: list[torch.Tensor] = []  # each (sample, wanted probe)'s scores by position,
+    wanted_aggs: list[list[str]] = []  # its aggregates,
+    at: list[int] = []  # the item it is when read in place (-1: not),
+    sels: list[Any] = []  # and its positions chosen
+    k = 0
     for parts, wanted, prompt_len in samples:
         scores: dict[str, torch.Tensor] = {}
+        item: dict[str, int] = {}
         for part in parts:
-            got = part.get("probes") or {}
-            seen: dict[bytes, tuple[np.ndarray, int]] = {}
-            for name, (pos, values) in zip(got, _decoded(got)):
-                scores[name] = _dense(*_positions(pos, seen), values)
+            for name in part.get("probes") or ():
+                s = scores[name] = _dense(*_positions(poss[k], seen), decoded[k])
+                if s.shape[0] == ns[k]:
+                    item[name] = k
+                k += 1
         for name, opts in wanted.items():
             s = scores.get(name)
             if s is None:
                 raise RuntimeError(f"inspect-lens: no worker returned the scores of probe {name!r}")
-            todo.append((s[chosen(s.shape[0], prompt_len, opts.get("positions", "generated"))], opts["aggregate"]))
+            sel = chosen(s.shape[0], prompt_len, opts.get("positions", "generated"))
+            series.append(s)
+            wanted_aggs.append(opts["aggregate"])
+            at.append(item.get(name, -1) if type(sel) is slice else -1)
+            sels.append(sel)
         out.append((scores, {}))
-    done = iter(aggregates_many(todo))
+    done = iter(_aggregates(series, wanted_aggs, at, sels, (raws, ns, ks)))
     for (_, wanted, _), (_, aggs) in zip(samples, out):
         for name in wanted:
             aggs[name] = next(done)
     return out
+
+
+def _aggregates(
+    series: list[torch.Tensor], wanted: list[list[str]], at: list[int], sels: list[Any], items: tuple[list, ...]
+) -> list[dict[str, torch.Tensor]]:
+    """The aggregates `wanted` of each series over its chosen positions `sels` (`at`: the item of `items` —
+    bytes, rows, widths — it is, -1 if none): when every series is an item of one shape with the same slice
+    of positions, the stacked series are that slice of the items' bytes read as one `(items, n, n_out)`
+    array, copied once — the tensor `aggregates_many` would stack, so the same bits — instead of a slice
+    per series and a stack of them."""
+    raws, ns, ks = items
+    sl = sels[0] if sels else None
+    one_shape = bool(ns) and ks[0] > 0 and ns.count(ns[0]) == len(ns) and ks.count(ks[0]) == len(ks)
+    if one_shape and type(sl) is slice and -1 not in at and sels.count(sl) == len(sels):
+        whole = torch.frombuffer(bytearray(b"".join(raws)), dtype=torch.float32).view(len(raws), ns[0], ks[0])
+        x = whole[:, sl] if at == list(range(len(raws))) else whole[torch.tensor(at)][:, sl]
+        return aggregates_stacked(x.contiguous(), wanted)
+    return aggregates_many([(s[sel], w) for s, w, sel in zip(series, wanted, sels)])

@@ -149,12 +149,23 @@ def aggregates_many(items: list[tuple[torch.Tensor, list[str]]]) -> list[dict[st
         groups.setdefault((tuple(scores.shape), scores.dtype), []).append(i)
     for members in groups.values():
         x = torch.stack([items[i][0] for i in members]).to(torch.float32)
-        for name in dict.fromkeys(n for i in members for n in items[i][1]):
-            rows = _stacked_aggregate(x, name).unbind(0)
-            for i, row in zip(members, rows):
-                if name in items[i][1]:
-                    out[i][name] = row
-    for i, (_, wanted) in enumerate(items):  # each dict in `wanted`'s order, as `aggregates` makes it
-        if list(out[i]) != list(wanted):
-            out[i] = {n: out[i][n] for n in wanted}
+        for i, got in zip(members, aggregates_stacked(x, [items[i][1] for i in members])):
+            out[i] = got
+    return out
+
+
+def aggregates_stacked(x: torch.Tensor, wanted: list[list[str]]) -> list[dict[str, torch.Tensor]]:
+    """`aggregates(x[i], wanted[i])` of every row of `x` (rows, n, ...) float32, the series already stacked
+    (as `aggregates_many` stacks them, or read in place by a caller holding them in one buffer)."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in wanted]
+    if wanted and all(w == wanted[0] for w in wanted):  # one list for every row (a fetch's usual case)
+        per_name = [_stacked_aggregate(x, name).unbind(0) for name in wanted[0]]
+        return [dict(zip(wanted[0], rows)) for rows in zip(*per_name)] if per_name else out
+    for name in dict.fromkeys(n for w in wanted for n in w):
+        for i, row in enumerate(_stacked_aggregate(x, name).unbind(0)):
+            if name in wanted[i]:
+                out[i][name] = row
+    for i, w in enumerate(wanted):  # each dict in `wanted`'s order, as `aggregates` makes it
+        if list(out[i]) != list(w):
+            out[i] = {n: out[i][n] for n in w}
     return out

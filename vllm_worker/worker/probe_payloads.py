@@ -19,7 +19,8 @@ from vllm_worker.worker.step_records import Span
 
 logger = logging.getLogger("vllm_worker")
 
-Member = tuple[int, str, ProbeScores, list[Span]]  # (request index, probe name, its scores, spans read)
+Member = tuple[int, str, ProbeScores, list[Span], tuple]  # (request index, probe name, its scores, spans read,
+# each span's first row and column: r0, c0, r0, c0, ...)
 
 
 def payloads(
@@ -33,100 +34,102 @@ def payloads(
     filed: dict[int, bool] = {}  # records with something filed, by id
     for i, got in enumerate(requests):
         for name, slot in got.items():
-            spans = _spans(slot, cache, filed) if len(slot.probe.sites) == 1 else []
-            key = _key(spans)
-            if key is None:
+            found = _walk(slot, cache, filed) if len(slot.probe.sites) == 1 else None
+            if found is None:
                 left.add(i)
                 break
-            groups.setdefault(key, []).append((i, name, slot, spans))
-    done: dict[tuple[int, str], dict[str, Any]] = {}
+            key, spans, firsts = found
+            groups.setdefault(key, []).append((i, name, slot, spans, firsts))
+    done: list[dict[str, dict[str, Any]]] = [{} for _ in requests]  # each request's payloads by probe
     for key, members in groups.items():
-        members = [m for m in members if m[0] not in left]
+        members = [m for m in members if m[0] not in left] if left else members
         if members:
             left |= _group(key, members, cache, done, starts)
-    out: list[dict[str, dict[str, Any]] | None] = []
-    for i, got in enumerate(requests):
-        out.append(None if i in left else {name: done[(i, name)] for name in got})
-    return out
+    if len(groups) > 1:  # each request's probes in its own order (one group: filed in that order)
+        done = [{name: d[name] for name in got} if len(d) == len(got) else d for d, got in zip(done, requests)]
+    return [None if i in left else d for i, d in enumerate(done)]
 
 
-def _spans(slot: ProbeScores, cache: dict, filed: dict[int, bool]) -> list[Span]:
-    """The spans `probes.payload` reads: those of records with something filed."""
-    out = []
+def _walk(slot: ProbeScores, cache: dict, filed: dict[int, bool]) -> tuple[tuple, list[Span], tuple] | None:
+    """(shape, spans, their first rows and columns) of the spans `probes.payload` reads (those of records
+    with something filed): the shape is (record, rows, columns) per span, columns `slice(c0, c1)` as the
+    filing makes them; None when not covered here (no spans: a probe over several sites, or nothing scored
+    — `probes.payload` says which). One pass per (request, probe): the span walk is the fetch's Python."""
+    key: list[tuple[int, int, int]] = []
+    spans: list[Span] = []
+    firsts: list[int] = []
     for sp in slot.spans.get(slot.probe.sites[0], ()):
-        got = filed.get(id(sp.record))
+        rec = id(sp.record)
+        got = filed.get(rec)
         if got is None:
-            got = filed[id(sp.record)] = sp.filed(cache)
-        if got:
-            out.append(sp)
-    return out
-
-
-def _key(spans: list[Span]) -> tuple | None:
-    """The shape of a one-site probe's spans (records, rows, columns: `slice(c0, c1)` as the filing makes
-    them), or None when it is not covered here (no spans: a probe over several sites, or nothing scored —
-    `probes.payload` says which)."""
-    if not spans:
-        return None
-    key = []
-    for sp in spans:
+            got = filed[rec] = sp.filed(cache)
+        if not got:
+            continue
         c = sp.cols
-        if type(c) is not slice or c.step is not None or type(c.start) is not int or type(c.stop) is not int:
+        if type(c) is not slice or c.step is not None:
             return None
-        if not 0 <= c.start <= c.stop:
+        c0, c1 = c.start, c.stop
+        if type(c0) is not int or type(c1) is not int or not 0 <= c0 <= c1:
             return None
-        key.append((id(sp.record), sp.r1 - sp.r0, c.stop - c.start))
-    return tuple(key)
+        key.append((rec, sp.r1 - sp.r0, c1 - c0))
+        spans.append(sp)
+        firsts += (sp.r0, c0)
+    return (tuple(key), spans, tuple(firsts)) if key else None
 
 
-def _group(key: tuple, members: list[Member], cache: dict, done: dict, starts: list[int] | None) -> set[int]:
+def _group(key: tuple, members: list[Member], cache: dict, done: list[dict], starts: list[int] | None) -> set[int]:
     """The payloads of one group's members into `done`; returns the requests left to `probes.payload` (a
     position filed twice, or not rising). `starts`: each request's first position wanted (rising positions:
     a suffix of its rows)."""
     pos_parts, val_parts = [], []
     n = len(members)
+    firsts = np.array([m[4] for m in members], dtype=np.int64).reshape(n, len(key), 2)
     for j, (_, rows, width) in enumerate(key):
-        spans = [m[3][j] for m in members]
-        all_pos, all_vals = spans[0].host_copy(cache)
-        c = np.array([sp.cols.start for sp in spans], dtype=np.int64)  # type: ignore[union-attr]
+        all_pos, all_vals = members[0][3][j].host_copy(cache)
+        c = firsts[:, j, 1]
         if int(c.max()) + width > all_vals.shape[-1]:
             raise IndexError("a span's columns reach past its record's")
-        r = np.array([sp.r0 for sp in spans], dtype=np.int64)[:, None] + np.arange(rows)  # (members, rows)
-        cols = c[:, None] + np.arange(width)  # (members, width)
-        steps = all_pos.shape[0]
-        pos_parts.append(all_pos[:, r].transpose(1, 0, 2).reshape(n, steps * rows))
-        vals = all_vals[:, r[:, :, None], cols[:, None, :]]  # (steps, members, rows, width)
+        r = firsts[:, j, 0][:, None] + np.arange(rows)  # (members, rows)
+        steps, n_rows, n_cols = all_vals.shape
+        at = (r[:, :, None] * n_cols + (c[:, None] + np.arange(width))[:, None, :]).reshape(-1)
+        # (flat `take`s: the same elements as fancy indexing over (rows, columns), several times faster)
+        got_pos = np.take(all_pos.reshape(steps, n_rows), r.reshape(-1), axis=1)  # (steps, members * rows)
+        pos_parts.append(got_pos.reshape(steps, n, rows).transpose(1, 0, 2).reshape(n, steps * rows))
+        vals = np.take(all_vals.reshape(steps, n_rows * n_cols), at, axis=1).reshape(steps, n, rows, width)
         val_parts.append(vals.transpose(1, 0, 2, 3).reshape(n, steps * rows, width))
     pos = np.concatenate(pos_parts, axis=1) if len(pos_parts) > 1 else np.ascontiguousarray(pos_parts[0])
     vals = np.concatenate(val_parts, axis=1) if len(val_parts) > 1 else np.ascontiguousarray(val_parts[0])
-    rising: np.ndarray = np.ones(n, dtype=bool)
+    rising: list[bool] = [True] * n
     if pos.shape[1] > 1:
-        rising = np.asarray((pos[:, 1:] > pos[:, :-1]).all(axis=1))
-    biases: dict[int, np.ndarray] = {}
-    for m in members:
-        if id(m[2].probe) not in biases:
-            biases[id(m[2].probe)] = m[2].probe.bias.numpy()
-    vals += np.stack([biases[id(m[2].probe)] for m in members])[:, None, :]  # (as payload: bias after the sum)
+        rising = np.asarray((pos[:, 1:] > pos[:, :-1]).all(axis=1)).tolist()
+    which: dict[int, int] = {}  # each probe's row of `bias`, by id
+    at = [which.setdefault(id(m[2].probe), len(which)) for m in members]
+    by_row = {v: m[2].probe for m, v in zip(members, at)}
+    bias = np.stack([by_row[v].bias.numpy() for v in range(len(which))])
+    vals += bias[at][:, None, :]  # (as payload: bias after the sum)
     # positions: one bytes object for the members with the same ones (a composition's requests often have)
-    same = (pos == pos[0]).all(axis=1) if n > 1 else np.ones(n, dtype=bool)
-    first = pos[0].tobytes()
+    same = (pos == pos[0]).all(axis=1).tolist() if n > 1 else [True]
+    k_out = int(vals.shape[2])
+    row_vals = vals.shape[1] * k_out * 4  # bytes of a member's scores
+    flat = vals.tobytes()  # (one copy; each member's bytes a slice of it, not an array and a copy each)
     left = set()
-    suffix: dict[int, bytes] = {0: first}  # the shared positions' bytes from a row on
-    for k, (i, name, slot, _) in enumerate(members):
+    suffix: dict[int, bytes] = {0: pos[0].tobytes()}  # the shared positions' bytes from a row on
+    for k, (i, name, slot, _, _) in enumerate(members):
         if not rising[k]:
             left.add(i)
             continue
         lo = int(np.searchsorted(pos[k], starts[i])) if starts is not None and starts[i] > 0 else 0
-        total = vals[k, lo:]
         if slot.probe.sigmoid:  # one sample's own call, as payload makes it (the same elementwise loop)
-            total = torch.sigmoid(torch.from_numpy(total)).numpy()
+            got_vals = torch.sigmoid(torch.from_numpy(vals[k, lo:])).numpy().tobytes()
+        else:
+            got_vals = flat[k * row_vals + lo * k_out * 4 : (k + 1) * row_vals]
         if same[k]:
             got = suffix.get(lo)
             if got is None:
                 got = suffix[lo] = pos[0, lo:].tobytes()
         else:
             got = pos[k, lo:].tobytes()
-        done[(i, name)] = probe_wire.pack(got, total.tobytes(), int(vals.shape[2]))
+        done[i][name] = probe_wire.pack(got, got_vals, k_out)
     return left
 
 
