@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,6 +103,17 @@ def admit(n: int, d: int) -> tuple[float, int, int]:
     return ms, ops.n, fops.n
 
 
+def _observe(table: Any, step: Any, stage: Any, gate: Any, m: int, k: int) -> None:
+    """One step's observation of `m` requests at position 20 + k, as `runtime._observe` runs it after a
+    graph-path forward (nothing once the step's actions are settled)."""
+    if _settled(step, table):
+        return
+    pos = np.full(m, 20 + k, dtype=np.int64)
+    xs = action_step.graph_rows(step, stage, 0)
+    positions = action_step.device_positions(torch.from_numpy(pos), pos, table.device)
+    action_step.observe(table, step, xs, positions, gate)
+
+
 def steady(n: int, d: int, steps: int, threshold: float) -> tuple[float, float, int, float, int]:
     """A step as `runtime._observe` runs it after a graph-path forward, `steps` times: (step_us, py_calls,
     aten_ops, make_ms, make_ops). threshold -1e9: every action fires on the first step (W11); 1e9: none ever
@@ -113,12 +125,7 @@ def steady(n: int, d: int, steps: int, threshold: float) -> tuple[float, float, 
     make_ms = (time.perf_counter() - t) * 1e3
 
     def one(k: int) -> None:
-        if _settled(step, table):
-            return
-        pos = np.full(n, 20 + k, dtype=np.int64)
-        xs = action_step.graph_rows(step, stage, 0)
-        positions = action_step.device_positions(torch.from_numpy(pos), pos, table.device)
-        action_step.observe(table, step, xs, positions, gate)
+        _observe(table, step, stage, gate, n, k)
 
     for k in range(5):
         one(k)
@@ -181,13 +188,7 @@ def leave(n: int, d: int) -> tuple[float, int]:
 
     def one(m: int, k: int) -> None:
         plan = SimpleNamespace(act_step=None, graph=SimpleNamespace(act={SITE: (rows[:m], rows[:m], items[:m])}))
-        step = action_step.current(table, plan)
-        if _settled(step, table):
-            return
-        pos = np.full(m, 20 + k, dtype=np.int64)
-        xs = action_step.graph_rows(step, stage, 0)
-        positions = action_step.device_positions(torch.from_numpy(pos), pos, table.device)
-        action_step.observe(table, step, xs, positions, gate)
+        _observe(table, action_step.current(table, plan), stage, gate, m, k)
 
     plan = SimpleNamespace(act_step=None, graph=SimpleNamespace(act={SITE: (rows, rows, items)}))
     for k in range(3):  # (fire, then learn it)
