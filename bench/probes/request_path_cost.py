@@ -4,7 +4,8 @@ our frontend (`on_new_request`: names resolved, validation, encode), vLLM's IPC 
 `EngineCoreRequest` (`MsgpackEncoder` / `MsgpackDecoder` from `vllm.v1.serial_utils`: what crosses to the
 engine-core process) and the worker's admission (`Admission.admit`, then the step's flush).
 W12: ablate one direction at every layer, a fresh (32, 4096) tensor per request; W12n: the same ablation
-naming a registered (4096,) vector (by reference; `PATH_REFS=0`: as without a consumer, by bytes); W13: cap at one layer (a (1, 4096) vector): the difference is what scales with bytes.
+naming a registered (4096,) vector (by reference; `PATH_REFS=0`: as without a consumer, by bytes;
+`PATH_VIEW=0`: rows as `bytes`, as a multiprocess executor gets them, instead of `compat.raw_view`); W13: cap at one layer (a (1, 4096) vector): the difference is what scales with bytes.
 Prints ms per request (least of `PATH_REPEATS` batches, default 3) and the payload bytes per request.
 Run: `python bench/probes/request_path_cost.py [n_requests] [workloads]`."""
 
@@ -52,6 +53,7 @@ def processor(unit: torch.Tensor, refs: bool) -> types.SimpleNamespace:
     leaves it (its push: `vector_refs.forms` to the worker's `HeldVectors`), so W12n goes by reference."""
     proc = types.SimpleNamespace()
     state = FrontendState(shape=ModelShape(n_layers=LAYERS, d_model=D), engines_fed=1)
+    state.rows_by_view = os.environ.get("PATH_VIEW", "1") == "1"  # (as `compat.rows_by_view` finds one uni worker)
     setattr(proc, STATE_ATTR, state)
     registry = registry_of(proc)
     registry.register("", "dir", unit.clone())
