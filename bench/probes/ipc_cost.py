@@ -5,11 +5,12 @@ copy=False)`), decodes it (`MsgpackDecoder(EngineCoreRequest)`, as its input thr
 worker's `Admission.admit`), keeping every decoded request alive until the batch ends (as 256 requests in
 flight do). `request_path_cost.py` times the same stages in one process, where one side's memory
 (frames kept alive by views) changes the other side's allocation costs; here each process has its own.
-Prints ms per request (least of `PATH_REPEATS` batches); `PATH_VIEW=0`: rows sent as `bytes`.
+Prints ms per request (least of `PATH_REPEATS` batches); `PATH_VIEW=0`: rows sent as `bytes`; `PATH_SHARE=0`: the clone copies tensors.
 Run: `python bench/probes/ipc_cost.py [n_requests] [workloads]`."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import sys
@@ -22,10 +23,11 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from bench.probes.admit_cost import admission
-from bench.probes.request_path_cost import LAYERS, REPEATS, D, core_request, extra, processor
+from bench.probes.request_path_cost import LAYERS, REPEATS, SHARE, D, core_request, extra, processor
 from vllm_worker import compat
 from vllm_worker.frontend.requests import on_new_request
 from vllm_worker.frontend.state import engine_state
+from vllm_worker.protocol.clone_scope import sharing_tensors
 from vllm_worker.protocol.points import OUT, site
 from vllm_worker.protocol.spec import PAYLOAD_KEY
 from vllm_worker.worker import graph
@@ -71,7 +73,8 @@ def frontend(workload: str, n: int, unit: torch.Tensor, proc, sock, enc) -> list
     t = [0.0, 0.0, 0.0, 0.0]
     for i, sp in enumerate(sps):
         a = time.perf_counter()
-        c = sp.clone()
+        with sharing_tensors() if SHARE else contextlib.nullcontext():
+            c = sp.clone()
         b = time.perf_counter()
         r = on_new_request(proc, f"r{i}", core_request(i, c))
         d = time.perf_counter()

@@ -11,6 +11,7 @@ Run: `python bench/probes/request_path_cost.py [n_requests] [workloads]`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from vllm_worker.frontend import vector_refs
 from vllm_worker.frontend.requests import on_new_request
 from vllm_worker.frontend.state import STATE_ATTR, FrontendState, engine_state
 from vllm_worker.frontend.vectors import registry_of
+from vllm_worker.protocol.clone_scope import sharing_tensors
 from vllm_worker.protocol.points import OUT, site
 from vllm_worker.protocol.spec import PAYLOAD_KEY, ModelShape
 from vllm_worker.worker import graph
@@ -35,6 +37,7 @@ from vllm_worker.worker import vector_refs as worker_refs
 
 D, LAYERS = 4096, 32
 REPEATS = int(os.environ.get("PATH_REPEATS", "3"))
+SHARE = os.environ.get("PATH_SHARE", "1") == "1"  # vLLM's clone inside `process_inputs` (0: a copying clone)
 
 
 def extra(workload: str, unit: torch.Tensor) -> dict:
@@ -79,7 +82,8 @@ def one_run(workload: str, n: int, unit: torch.Tensor, proc: types.SimpleNamespa
     g = graph.GraphTaps([site(l, OUT) for l in range(LAYERS)], D, torch.bfloat16, torch.device("cpu"), 256, None)
     adm = admission(g, n)
     t = [time.perf_counter()]
-    clones = [sp.clone() for sp in sps]
+    with sharing_tensors() if SHARE else contextlib.nullcontext():  # (as `compat.patch_process_inputs`)
+        clones = [sp.clone() for sp in sps]
     t.append(time.perf_counter())
     reqs = [on_new_request(proc, f"r{i}", core_request(i, c)) for i, c in enumerate(clones)]
     t.append(time.perf_counter())
