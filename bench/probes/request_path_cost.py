@@ -4,12 +4,14 @@ our frontend (`on_new_request`: names resolved, validation, encode), vLLM's IPC 
 `EngineCoreRequest` (`MsgpackEncoder` / `MsgpackDecoder` from `vllm.v1.serial_utils`: what crosses to the
 engine-core process) and the worker's admission (`Admission.admit`, then the step's flush).
 W12: ablate one direction at every layer, a fresh (32, 4096) tensor per request; W12n: the same ablation
-naming a registered (4096,) vector (by reference; `PATH_REFS=0`: as without a consumer, by bytes); W13: cap at one layer (a (1, 4096) vector): the difference is what scales with bytes.
+naming a registered (4096,) vector (by reference; `PATH_REFS=0`: as without a consumer, by bytes;
+`PATH_VIEW=0`: rows as `bytes`, as a multiprocess executor gets them, instead of `compat.raw_view`); W13: cap at one layer (a (1, 4096) vector): the difference is what scales with bytes.
 Prints ms per request (least of `PATH_REPEATS` batches, default 3) and the payload bytes per request.
 Run: `python bench/probes/request_path_cost.py [n_requests] [workloads]`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -27,6 +29,7 @@ from vllm_worker.frontend import vector_refs
 from vllm_worker.frontend.requests import on_new_request
 from vllm_worker.frontend.state import STATE_ATTR, FrontendState, engine_state
 from vllm_worker.frontend.vectors import registry_of
+from vllm_worker.protocol.clone_scope import sharing_tensors
 from vllm_worker.protocol.points import OUT, site
 from vllm_worker.protocol.spec import PAYLOAD_KEY, ModelShape
 from vllm_worker.worker import graph
@@ -34,6 +37,7 @@ from vllm_worker.worker import vector_refs as worker_refs
 
 D, LAYERS = 4096, 32
 REPEATS = int(os.environ.get("PATH_REPEATS", "3"))
+SHARE = os.environ.get("PATH_SHARE", "1") == "1"  # vLLM's clone inside `process_inputs` (0: a copying clone)
 
 
 def extra(workload: str, unit: torch.Tensor) -> dict:
@@ -52,6 +56,7 @@ def processor(unit: torch.Tensor, refs: bool) -> types.SimpleNamespace:
     leaves it (its push: `vector_refs.forms` to the worker's `HeldVectors`), so W12n goes by reference."""
     proc = types.SimpleNamespace()
     state = FrontendState(shape=ModelShape(n_layers=LAYERS, d_model=D), engines_fed=1)
+    state.rows_by_view = os.environ.get("PATH_VIEW", "1") == "1"  # (as `compat.rows_by_view` finds one uni worker)
     setattr(proc, STATE_ATTR, state)
     registry = registry_of(proc)
     registry.register("", "dir", unit.clone())
@@ -77,7 +82,8 @@ def one_run(workload: str, n: int, unit: torch.Tensor, proc: types.SimpleNamespa
     g = graph.GraphTaps([site(l, OUT) for l in range(LAYERS)], D, torch.bfloat16, torch.device("cpu"), 256, None)
     adm = admission(g, n)
     t = [time.perf_counter()]
-    clones = [sp.clone() for sp in sps]
+    with sharing_tensors() if SHARE else contextlib.nullcontext():  # (as `compat.patch_process_inputs`)
+        clones = [sp.clone() for sp in sps]
     t.append(time.perf_counter())
     reqs = [on_new_request(proc, f"r{i}", core_request(i, c)) for i, c in enumerate(clones)]
     t.append(time.perf_counter())

@@ -128,6 +128,24 @@ def test_2d_steering_default_position_all_and_scale(llama):
     _check_against_hf(out, {3: v[0]}, [3], scale=2.0)
 
 
+def test_rows_cross_as_views_in_process_and_equal_hf(llama):
+    """One in-process worker (the `uni` executor): rows travel as `compat.raw_view` (here, in-process, the
+    worker reads the `Ext` itself; tests/unit/test_ipc_rows.py: across vLLM's IPC) and steer as bytes did."""
+    from vllm_worker import compat
+    from vllm_worker.frontend.state import engine_state
+
+    v = _vec(23, shape=(2, D), norm=3.0)
+    sp = SamplingParams(
+        max_tokens=5,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"apply_steering_vectors": [SteeringVector(v, [1, 2])], "output_residual_stream": [1, 3]},
+    )
+    out = llama.generate([PROMPTS[4]], sp, use_tqdm=False)[0]
+    assert engine_state(compat.processor_of_llm(llama)).rows_by_view is True
+    _check_against_hf(out, {1: v[0], 2: v[1]}, [1, 3])
+
+
 def test_caller_objects_are_never_mutated(llama):
     v = _vec(31, norm=6.0)
     v_before = v.clone()

@@ -24,6 +24,7 @@ from pydantic import (
 from vllm_worker.protocol import ops as intervention
 from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.checks import finite_number, int_list
+from vllm_worker.protocol.clone_scope import tensors_shared
 from vllm_worker.protocol.host_threads import one_thread
 from vllm_worker.protocol.wire import tensor_from_json, tensor_to_json
 
@@ -158,7 +159,8 @@ class SteeringVector(BaseModel):
         acts = self.activations
         with one_thread():
             if acts is not None and _plain(acts) and id(acts) not in memo:
-                memo[id(acts)] = acts.clone()
+                # (vLLM's own clone, read and dropped by our frontend in the same call: `clone_scope`)
+                memo[id(acts)] = acts if tensors_shared() else acts.clone()
             return super().__deepcopy__(memo)
 
     @field_validator("activations", mode="before")

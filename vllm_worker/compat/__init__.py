@@ -7,7 +7,8 @@ If vLLM moves something we rely on, `check()` (plugin load) and the worker's own
 worker's model runner and CUDA-graph dispatch; `runner_v2`: vLLM's V2 runner, when opted in), `model` (decoder-layer list, parameters across ranks), `layouts` (where each family's inner points are),
 `offline` (what `vllm-lens extract` reads from and builds with vLLM), `cpu_lora` (a vLLM-CPU LoRA fix),
 `data_parallel` (which of several engine cores ran a request, RPC to one or all of them), `stops` (a
-worker ending a request: `probe_actions`), `provenance` (the serving set-up a score depends on).
+worker ending a request: `probe_actions`), `provenance` (the serving set-up a score depends on), `ipc` (steering rows as views of the engine core's
+received frame).
 `tests/core/test_adapter.py` exercises each against the installed vLLM.
 """
 
@@ -42,6 +43,7 @@ from vllm_worker.compat.errors import (  # noqa: F401
     forbidden_error_cls,
     validation_error_cls,
 )
+from vllm_worker.compat.ipc import raw_view, raw_view_code, rows_by_view  # noqa: F401
 from vllm_worker.compat.layouts import (  # noqa: F401
     Layout,
     head_shape,

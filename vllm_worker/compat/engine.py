@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from vllm_worker.compat.ipc import raw_view_code
 from vllm_worker.compat.requests import input_processor_cls, offline_mixin_cls
 from vllm_worker.compat.version import LensIncompatibleVLLM, check_version, require, wrap
 
@@ -191,3 +192,4 @@ def check() -> None:
     engine_args_cls()
     input_processor_cls()
     offline_mixin_cls()
+    raw_view_code()

@@ -10,6 +10,7 @@ import torch
 from vllm_worker.compat.data_parallel import forget_routes, rpc_engines
 from vllm_worker.compat.layouts import head_shape, kv_heads, missing_points, mlp_width, moe_shape
 from vllm_worker.compat.version import LensIncompatibleVLLM, require, wrap
+from vllm_worker.protocol.clone_scope import sharing_tensors
 from vllm_worker.protocol.rpc import DROP
 
 
@@ -22,11 +23,13 @@ def input_processor_cls() -> type:
 
 def patch_process_inputs(post: Callable[[Any, str, Any], Any]) -> None:
     """`post(processor, external_request_id, engine_core_request)` sees every new request after vLLM
-    cloned its `SamplingParams` (so we only ever edit vLLM's private copy)."""
+    cloned its `SamplingParams` (so we only ever edit vLLM's private copy). That clone shares the steering
+    vectors' tensors (`protocol.clone_scope`): `post` reads them and drops them from `extra_args`."""
 
     def make(orig: Callable) -> Callable:
         def process_inputs(self, request_id, prompt, params, *args, **kwargs):
-            req = orig(self, request_id, prompt, params, *args, **kwargs)
+            with sharing_tensors():
+                req = orig(self, request_id, prompt, params, *args, **kwargs)
             return post(self, request_id, req)
 
         return process_inputs

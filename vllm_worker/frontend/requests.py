@@ -113,7 +113,24 @@ def _on_new_request(processor: Any, request_id: str, req: Any) -> Any:
         gone = vector_refs.drops(processor)  # (last: a request refused above would lose them)
         if gone:
             payload[vector_refs.DROPS_KEY] = gone
+    if payload.get("steer") and _rows_by_view(processor, state):
+        payload["steer"] = [_viewed(s) for s in payload["steer"]]
     return req
+
+
+def _rows_by_view(processor: Any, state: Any) -> bool:
+    if state.rows_by_view is None:
+        state.rows_by_view = compat.rows_by_view(processor)
+    return state.rows_by_view
+
+
+def _viewed(steer: dict[str, Any]) -> dict[str, Any]:
+    """The steer with its rows' bytes as `compat.raw_view`: the engine core decodes them as a view of the
+    message it received instead of copying them into new memory (a new dict: `encode`'s may be memoised)."""
+    vec = steer.get("vec")
+    if not isinstance(vec, dict) or not isinstance(vec.get("data"), bytes):
+        return steer  # (by reference: no bytes)
+    return {**steer, "vec": {**vec, "data": compat.raw_view(vec["data"])}}
 
 
 CAPTURE_SPECS_KEPT = 64  # distinct capture specs remembered per engine (then the memo starts over)

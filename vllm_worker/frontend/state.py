@@ -83,6 +83,7 @@ class FrontendState:
     capture_specs: dict[Any, tuple[dict[str, list[int]], list[int]]] = field(default_factory=dict)
     capture_limits: tuple[int, int] | None = None  # (max_model_len, bytes per value), fixed once the engine runs
     engines_fed: int | None = None  # engine cores this frontend feeds (`compat.engines_fed`), fixed likewise
+    rows_by_view: bool | None = None  # steering rows sent as views (`compat.rows_by_view`), fixed likewise
     fetches: Any = None  # concurrent async fetches sharing round trips (`frontend.fetch.FetchBatcher`)
 
 

@@ -13,6 +13,7 @@ import warnings
 import zlib
 from typing import Any
 
+import msgspec
 import torch
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -53,7 +54,8 @@ def tensor_to_bytes(t: torch.Tensor) -> dict[str, Any]:
 def tensor_from_bytes(obj: dict[str, Any], field: str = "tensor", view: bool = False) -> torch.Tensor:
     """Inverse of `tensor_to_bytes`; validates sizes and names `field` in errors. `view`: the tensor reads
     the payload's own (immutable) bytes, no copy — only for a caller that never writes it and copies what
-    it keeps (the worker's admission: `spec.decode`); writing it would change a `bytes` object."""
+    it keeps (the worker's admission: `spec.decode`); writing it would change a `bytes` object or the
+    received message (`compat.raw_view`: the data may be a `memoryview` or a msgpack `Ext`)."""
     if not isinstance(obj, dict):
         raise ValueError(f"{field}: expected a tensor object, got {type(obj).__name__}")
     name = obj.get("dtype")
@@ -65,9 +67,11 @@ def tensor_from_bytes(obj: dict[str, Any], field: str = "tensor", view: bool = F
     ):
         raise ValueError(f"{field}.shape: expected a list of non-negative ints, got {shape!r}")
     raw = obj.get("data")
-    if isinstance(raw, memoryview):
-        raw = raw.tobytes()
-    if not isinstance(raw, (bytes, bytearray)):
+    if isinstance(raw, msgspec.msgpack.Ext):  # (the frontend's view form, in an in-process engine: not serialised)
+        raw = raw.data
+    if isinstance(raw, memoryview):  # (a view of the engine core's received message: read, never written)
+        raw = raw.cast("B") if view else raw.tobytes()
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise ValueError(f"{field}.data: expected bytes")
     dtype = _DTYPES[name]
     n = 1

@@ -2,12 +2,14 @@
 the last few payloads' bytes are kept with their digest and a new payload is compared with them byte for
 byte (a memcmp, several times cheaper than BLAKE3 over the same bytes). Exact comparison, so an equal
 digest is only ever reused for equal bytes: nothing a client sends can take another content's digest.
-Bounded (`KEPT` entries, each at most `MAX_BYTES`); what is kept is the payload's own `bytes` object."""
+Bounded (`KEPT` entries, each at most `MAX_BYTES`); what is kept is the payload's own `bytes` object (or a
+copy of a view's bytes: a view would pin the engine core's received message)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import torch
 
 from vllm_worker.protocol.recent import recall, remember
@@ -27,12 +29,23 @@ class RecentDigests:
 
     def of(self, raw: Any, t: torch.Tensor) -> bytes:
         """The digest of `t` (`graph_entries.digest`), where `raw` is the payload's bytes `t` was read from
-        (anything else, e.g. a memoryview: hashed as it is)."""
-        if not isinstance(raw, bytes) or not MIN_BYTES <= len(raw) <= MAX_BYTES:
+        (a `memoryview` of the received message, `compat.raw_view`, or its `Ext` in-process: compared as
+        bytes, and copied into `bytes` when remembered, never kept itself; anything else: hashed as it is)."""
+        if isinstance(raw, msgspec.msgpack.Ext):
+            raw = raw.data
+        if not isinstance(raw, (bytes, memoryview)) or not MIN_BYTES <= len(raw) <= MAX_BYTES:
             return digest(t)
-        key = (t.dtype, tuple(t.shape), raw[:_EDGE], raw[-_EDGE:])
+        if isinstance(raw, memoryview) and (raw.format != "B" or raw.ndim != 1):
+            return digest(t)
+        key = (t.dtype, tuple(t.shape), bytes(raw[:_EDGE]), bytes(raw[-_EDGE:]))
         got = recall(self._memo, key)
-        if got is None or got[0] != raw:  # (bytes comparison: exact)
-            got = (raw, digest(t))
+        if got is None or not _same(got[0], raw):  # (bytes comparison: exact)
+            got = (raw if isinstance(raw, bytes) else raw.tobytes(), digest(t))
             remember(self._memo, key, got, KEPT)
         return got[1]
+
+
+def _same(kept: bytes, raw: bytes | memoryview) -> bool:
+    """Exact byte equality, a memcmp for a memoryview too (`bytes.startswith` takes any buffer; `memoryview
+    .__eq__` unpacks item by item, ~80x slower at 512 KB)."""
+    return len(kept) == len(raw) and (kept == raw if isinstance(raw, bytes) else kept.startswith(raw))
