@@ -355,6 +355,33 @@ def test_a_fault_while_acting_fails_only_that_request(llama, plain, monkeypatch)
     assert list(out.outputs[0].token_ids) == plain[0][1] and not out.activations["probe_actions"][0]["fired"]
 
 
+def test_a_fault_reading_outcomes_tells_each_leaving_request_and_frees_their_slots(llama, plain, monkeypatch):
+    """Reading the outcomes of the requests leaving in a step failing: each of them gets an internal error
+    naming it (never an outcome silently missing), a plain batch-mate is untouched, and their action slots
+    go back (the next request acts normally; nothing left held)."""
+    from vllm_worker import HookError
+    from vllm_worker.worker import faults
+
+    act = {"direction": _direction().tolist(), "layer": LAYER, "threshold": 1e6, "then": "stop"}
+    monkeypatch.setattr(faults, "STAGE", "outcomes")
+    with pytest.raises(HookError) as info:
+        llama.generate(
+            PROMPTS[:3], [_sp({"probe_actions": [act]}), _sp(), _sp({"probe_actions": [act]})], use_tqdm=False
+        )
+    outs = info.value.outputs
+    for o in (outs[0], outs[2]):
+        # (read where their results are assembled, and again where they leave the batch: either tells it)
+        assert "inspect-lens internal error" in o.hook_error and "'outcomes'" in o.hook_error
+    assert outs[1].hook_error is None and list(outs[1].outputs[0].token_ids) == plain[1][1]
+    # the next batch's first step releases them (reading their outcomes fails again): the step goes on
+    out = llama.generate([PROMPTS[1]], [_sp()], use_tqdm=False)[0]
+    monkeypatch.setattr(faults, "STAGE", None)
+    assert list(out.outputs[0].token_ids) == plain[1][1]
+    assert llama.collective_rpc("lens_status")[0]["action_slots"] == 0
+    out = llama.generate([PROMPTS[0]], [_sp({"probe_actions": [act]})], use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == plain[0][1] and not out.activations["probe_actions"][0]["fired"]
+
+
 def test_each_sample_of_n_acts_on_its_own(llama, plain):
     """`n = 2` (sampled): each child has its own actions; each stops at the first crossing of its own
     scores (HF on its own tokens), or runs to the end without one."""

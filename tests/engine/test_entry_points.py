@@ -124,3 +124,30 @@ def test_requests_added_behind_the_engines_back_are_refused(llama):
     engine = keep_alive(LLMEngine.from_engine_args(EngineArgs(model=str(model_path("llama")), **ENGINE_DEFAULTS)))
     with pytest.raises(ValueError, match="no inspect-lens consumer"):
         engine.input_processor.process_inputs("x", PROMPT, _params(), supported_tasks=engine.get_supported_tasks())
+
+
+def test_a_second_request_with_an_id_in_flight_is_refused(async_llm, llama):
+    """Two requests for results under one client-chosen id (vLLM itself accepts both): the second is refused
+    naming `request_id`, and the first still gets its own numbers (its pending entry is not overwritten)."""
+    engine, loop = async_llm
+
+    async def run(rid: str, sp: SamplingParams):
+        return [o async for o in engine.generate(PROMPT, sp, request_id=rid)]
+
+    async def both():
+        first = engine.generate(PROMPT, _params(), request_id="same-id")
+        outs = [await first.__anext__()]  # its first tokens are out: it is in flight
+        try:
+            await run("same-id", _params(max_tokens=3))
+        except ValueError as e:
+            refused = e
+        else:
+            refused = None
+        return outs + [o async for o in first], refused
+
+    outs, refused = loop.run_until_complete(both())
+    assert refused is not None and "request_id" in str(refused) and "already in flight" in str(refused)
+    _same(outs[-1], llama.generate([PROMPT], _params(), use_tqdm=False)[0])
+    # once it has finished, the id is free again
+    again = loop.run_until_complete(run("same-id", _params()))
+    _same(again[-1], llama.generate([PROMPT], _params(), use_tqdm=False)[0])

@@ -108,4 +108,4 @@ def test_memo_is_bounded():
     for i in range(steer_rows.KEPT + 3):
         _spec(torch.full((L, D), float(i + 1)), "add")
     assert len(steer_rows._memo) == steer_rows.KEPT
-    assert all(isinstance(src, np.ndarray) for src, _ in steer_rows._memo.values())
+    assert all(isinstance(got[0], np.ndarray) for got in steer_rows._memo.values())

@@ -92,3 +92,34 @@ def test_a_retired_registration_counts_against_the_limit_while_pinned(monkeypatc
     assert reg.nbytes == 2 * D * 4 and reg.take_drops() == [a.vid]
     reg.register("", "x", torch.randn(D))
     assert reg.delete("", "x") and reg.nbytes == 2 * D * 4  # never pushed, never pinned: at once
+
+
+def test_drops_sent_with_requests_go_again_with_the_next_push():
+    """A request carrying drops may never reach the workers (aborted while queued): every push re-sends the
+    drops not yet sent with one, until a push succeeds."""
+    reg = VectorRegistry()
+    a, _ = _held(reg, "a", torch.randn(D))
+    b, _ = _held(reg, "b", torch.randn(D))
+    assert reg.delete("", "a") and reg.take_drops() == [a.vid]  # rode a request's payload
+    assert reg.delete("", "b")
+    first = reg.push_drops()
+    assert first == [a.vid, b.vid]  # the push failed: nothing confirmed
+    assert reg.take_drops() == [] and reg.push_drops() == [a.vid, b.vid]
+    reg.pushed([a.vid, b.vid])
+    assert reg.push_drops() == [] and reg.take_drops() == []
+
+
+def test_the_worker_forgets_a_payloads_drops_even_when_its_reference_fails():
+    reg = VectorRegistry()
+    entry, held = _held(reg, "v", torch.randn(D))
+    worker = HeldVectors()
+    worker.put([held.wire(entry.vid)], [])
+    payload = {
+        "v": 1, "key": "k", "capture": [],
+        "steer": [{"layers": [0], "vec": {"ref": "unknown", "unit": False, "repeat": 1}, "positions": None,
+                   "scale": 1.0, "norm_match": False}],
+        DROPS_KEY: [entry.vid],
+    }  # fmt: skip
+    with pytest.raises(LookupError):
+        worker.resolve(payload)
+    assert worker.count() == 0

@@ -96,6 +96,12 @@ def _on_new_request(processor: Any, request_id: str, req: Any) -> Any:
                 "`vllm-lens serve` (or set VLLM_PLUGINS=inspect_lens_worker,inspect_lens_http for `vllm serve`)",
                 parameter="vllm_xargs",
             )
+        if request_id in state.pending:  # its results, and its pins, would go to the one in flight
+            raise compat.validation_error_cls()(
+                f"request_id: {request_id!r} is already in flight with inspect-lens results to fetch; give each "
+                "request its own id",
+                parameter="request_id",
+            )
         reserved = _admit_capture(processor, state, spec.capture, prompt_len, sp, d_model, engines)
         # (by reference only where this pending entry unpins them: it goes when the request is fetched or aborted)
         refs = vector_refs.by_reference(processor, spec, payload, named) if named and engines == 1 else ()

@@ -34,7 +34,8 @@ class Rows(NamedTuple):
     digest: bytes  # SHA-256 of `raw` (what `spec.cache_salt` hashes)
 
 
-_memo: dict[tuple, tuple[np.ndarray, Rows]] = {}  # (unit rows?, dtype, shape, edges) -> (input bytes, rows)
+# (unit rows?, dtype, shape, edges) -> (input bytes, the rows' shape, wire bytes, digest): no tensor kept
+_memo: dict[tuple, tuple[np.ndarray, tuple[int, ...], bytes, bytes]] = {}
 _lock = threading.Lock()  # (AsyncLLM and the HTTP server may admit from more than one thread)
 
 
@@ -50,13 +51,13 @@ def checked_rows(acts: torch.Tensor, op: str, f: str) -> Rows:
     with _lock:
         got = recall(_memo, key)
     if got is not None and np.array_equal(got[0], src):  # (uint8 against uint8: exact bytes)
-        done = got[1]
-        rows = torch.from_numpy(np.frombuffer(done.raw, dtype=np.float32).reshape(done.rows.shape).copy())
-        return Rows(rows, done.raw, done.digest)
+        _, shape, raw, digest = got
+        rows = torch.from_numpy(np.frombuffer(raw, dtype=np.float32).reshape(shape).copy())
+        return Rows(rows, raw, digest)
     done = _make(acts, op, f)
     with _lock:
-        remember(_memo, key, (src.copy(), done), KEPT)
-    return Rows(done.rows.clone(), done.raw, done.digest)
+        remember(_memo, key, (src.copy(), tuple(done.rows.shape), done.raw, done.digest), KEPT)
+    return done
 
 
 def _make(acts: torch.Tensor, op: str, f: str) -> Rows:

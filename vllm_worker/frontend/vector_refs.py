@@ -74,10 +74,12 @@ def push(llm: Any, processor: Any, registry: VectorRegistry, entry: Entry) -> No
         return
     try:
         held = forms(entry)
-        compat.rpc(llm, rpc.VECTORS, [held.wire(entry.vid)], registry.take_drops())
+        gone = registry.push_drops()
+        compat.rpc(llm, rpc.VECTORS, [held.wire(entry.vid)], gone)
     except Exception as e:  # noqa: BLE001 - the vector still serves, by bytes
         logger.warning("inspect-lens: vector not pushed to the workers (requests carry its bytes): %s", e)
         return
+    registry.pushed(gone)
     registry.held(entry, held)
 
 
@@ -87,10 +89,12 @@ async def push_async(engine_client: Any, processor: Any, registry: VectorRegistr
         return
     try:
         held = forms(entry)
-        await compat.rpc_async(engine_client, rpc.VECTORS, [held.wire(entry.vid)], registry.take_drops())
+        gone = registry.push_drops()
+        await compat.rpc_async(engine_client, rpc.VECTORS, [held.wire(entry.vid)], gone)
     except Exception as e:  # noqa: BLE001 - the vector still serves, by bytes
         logger.warning("inspect-lens: vector not pushed to the workers (requests carry its bytes): %s", e)
         return
+    registry.pushed(gone)
     registry.held(entry, held)
 
 

@@ -104,6 +104,7 @@ class VectorRegistry:
         self._pins: dict[str, int] = {}
         self._retired: dict[str, int] = {}  # vid -> bytes still counted (held for requests in flight)
         self._drops: list[str] = []
+        self._unconfirmed: list[str] = []  # drops sent only with requests' payloads so far
 
     def register(self, scope: str, name: str, tensor: torch.Tensor) -> dict[str, Any]:
         entry = Entry(tensor)
@@ -158,10 +159,25 @@ class VectorRegistry:
                     self._drop(v)
 
     def take_drops(self) -> list[str]:
-        """Registrations the workers may forget now (sent with the next request or push)."""
+        """Registrations the workers may forget now, for the next request's payload. That request may never
+        reach the workers (aborted while queued), so they also go with every push until one succeeds
+        (`push_drops`): the workers hold at most what was dropped since the last registration."""
         with self._lock:
             out, self._drops = self._drops, []
+            self._unconfirmed.extend(out)
             return out
+
+    def push_drops(self) -> list[str]:
+        """Every drop not yet sent with a push (forgetting twice is harmless); `pushed` them after success."""
+        with self._lock:
+            out, self._drops = self._unconfirmed + self._drops, []
+            self._unconfirmed = list(out)
+            return out
+
+    def pushed(self, drops: list[str]) -> None:
+        with self._lock:
+            done = set(drops)
+            self._unconfirmed = [v for v in self._unconfirmed if v not in done]
 
     def _pinned(self, entry: Entry) -> bool:
         return self._pins.get(entry.vid, 0) > 0

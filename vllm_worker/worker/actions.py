@@ -21,6 +21,7 @@ import torch
 
 from vllm_worker.protocol.recent import recall, remember
 from vllm_worker.protocol.wire import tensor_from_bytes
+from vllm_worker.worker import faults
 from vllm_worker.worker.device_copy import distinct_rows, to_device
 from vllm_worker.worker.stream_rows import stream_rows
 
@@ -241,6 +242,7 @@ class ActionTable:
         uses = [u for g in groups for u in g]
         if not uses:
             return [[] for _ in groups]
+        faults.check("outcomes")
         self.flush()
         slots = to_device(torch.tensor([u.slot for u in uses], dtype=torch.long), self.device)
         got = torch.stack([buf.index_select(0, slots).double() for buf in (self.fired, self.fire_pos, self.fire_value)])

@@ -6,7 +6,8 @@ Inactive unless a test sets `STAGE` (in-process engines) or the process starts w
 steering moved to the device), plan, fill, tap (the Python path), kernel
 (the graph-safe kernel inside the tap op), file, assemble; probes (scoring the staged rows after a graph-safe
 step: `FEATURE_STAGES`, reached only by requests asking for probe scores); actions (folding probe actions'
-scores in after a step, both paths: reached only by requests with `probe_actions`). At load: layout (the decoder layers are not
+scores in after a step, both paths: reached only by requests with `probe_actions`); outcomes (reading the
+outcomes of the actions of the requests that left). At load: layout (the decoder layers are not
 found, as on a model whose layout the plugin cannot read). In the background: early (the early-assembly
 thread's copy; its failure fails no request: results are then assembled at fetch).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 from vllm_worker import envs
 
 STAGES = ("admission", "flush", "plan", "fill", "tap", "kernel", "file", "assemble")
-FEATURE_STAGES = ("probes", "actions")
+FEATURE_STAGES = ("probes", "actions", "outcomes")
 AT_LOAD = ("layout",)
 BACKGROUND = ("early",)
 STAGE: str | None = None  # set by in-process tests; else `VLLM_LENS_INJECT_FAULT`, read when asked

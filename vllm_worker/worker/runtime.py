@@ -246,12 +246,17 @@ class LensRuntime:
         the device a step, not three a request), their slots go back."""
         acting = [r for r in left if r.acts]
         kept = [r for r in acting if r.store is not None and self.capturing_rank]
-        for r, out in zip(kept, self.actions.outcomes([r.acts for r in kept])):
-            assert r.store is not None
-            r.store.actions = out
-        for r in acting:
-            self.actions.free(r.acts)
-            r.acts = []
+        try:
+            for r, out in zip(kept, self.actions.outcomes([r.acts for r in kept])):
+                assert r.store is not None
+                r.store.actions = out
+        except Exception as e:  # noqa: BLE001 - ours: each of them is told (never an outcome silently missing)
+            for r in kept:
+                r.store.fail(errors.internal("reading probe action outcomes", e))  # type: ignore[union-attr]
+        finally:  # (their slots go back whatever happened)
+            for r in acting:
+                self.actions.free(r.acts)
+                r.acts = []
 
     def _observe(self, plan: StepPlan, stage: tuple[torch.Tensor, int] | None, dev_pos: Any, pos: np.ndarray) -> None:
         """After a step: the probe actions' scores folded in on the device, gates and stops updated (`stage`:

@@ -41,14 +41,14 @@ class HeldVectors:
             return payload
         out = dict(payload)
         with self._lock:
+            if drop:  # (first: a reference this request cannot resolve must not keep them)
+                self._forget(drop)
             if refs:
                 assert steers is not None
                 out["steer"] = list(steers)
                 for i in refs:
                     out["steer"][i] = {**steers[i], "vec": self._vec(steers[i]["vec"])}
                 self.resolved += len(refs)
-            if drop:
-                self._forget(drop)
         out.pop(DROPS_KEY, None)
         return out
 
