@@ -48,6 +48,7 @@ from vllm_worker.worker.graph_table import ControlTable
 from vllm_worker.worker.interventions import apply_entries
 
 logger = logging.getLogger("vllm_worker")
+_NONE: frozenset = frozenset()
 
 
 def enabled() -> bool:
@@ -85,7 +86,8 @@ class GraphTaps:
         self.ctl, self.base, self.stage = self.table.ctl, self.table.base, self.ring.stage
         self.A, self.B, self.bflag, self.gate = self.entries.A, self.entries.B, self.entries.bflag, self.entries.gate
         self.op, self.nxt, self.lo, self.hi = self.entries.op, self.entries.nxt, self.entries.lo, self.entries.hi
-        self.wide: dict[int, list[tuple[int, int, int]]] = {}  # mlp_post: tap site -> its pieces' columns
+        self._wide: dict[int, list[tuple[int, int, int]]] = {}
+        self._merged: dict[int, tuple[int, int, frozenset]] = {}  # (set through `wide`)
         self.active = False  # a step planned for this path is running (the op acts outside graphs)
         self.fired = 0  # kernel calls outside graph capture during the running step
         self.launches_in_capture = 0  # kernel calls recorded into CUDA graphs
@@ -116,27 +118,57 @@ class GraphTaps:
 
     # ------------------------------------------------------------ inside the forward (the tap op)
 
+    @property
+    def wide(self) -> dict[int, list[tuple[int, int, int]]]:
+        """mlp_post: tap site -> its pieces' (site, first column, end column) in the row."""
+        return self._wide
+
+    @wide.setter
+    def wide(self, wide: dict[int, list[tuple[int, int, int]]]) -> None:
+        self._wide = wide
+        # tap site -> the pieces' table columns, when one launch can serve them all: consecutive columns,
+        # piece j at values [j*d, j*d + d) (else a launch per piece)
+        self._merged = {}
+        for s, pieces in wide.items():
+            cols = [self.col.get(p) for p, _, _ in pieces]
+            if cols and cols[0] is not None and cols == list(range(cols[0], cols[0] + len(cols))):
+                if all(lo == j * self.d for j, (_, lo, _) in enumerate(pieces)):
+                    self._merged[s] = (cols[0], len(cols), frozenset(cols))
+
     def apply(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
-        pieces = self.wide.get(site)
+        merged = self._merged.get(site)
+        if merged is not None and self._kernel is not None:  # mlp_post: every piece in one launch
+            first, n_pieces, cols = merged
+            if self._acts(hidden, cols, None):
+                self._launch(hidden, None, first, n_pieces)
+            return
+        pieces = self._wide.get(site)
         if pieces is not None:  # mlp_post: each d_model-wide piece of the row is a site of its own
-            for s, lo, hi in pieces:
-                self._apply_site(hidden[:, lo:hi], None, s)
+            if self.active or hidden.is_cuda:  # (outside a step the CPU path does nothing: no views made)
+                for s, lo, hi in pieces:
+                    self._apply_site(hidden[:, lo:hi], None, s)
             return
         self._apply_site(hidden, residual, site)
 
-    def _apply_site(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
-        col = self.col.get(site)
-        if col is None:
-            return
+    def _acts(self, hidden: torch.Tensor, cols: frozenset, col: int | None) -> bool:
+        """Whether the kernel runs now at `cols` (or the one `col`): recorded into a CUDA graph, or a step of
+        this path that uses one of them; counts the call."""
         if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
             self.launches_in_capture += 1
-        elif not self.active:
+            return True
+        if not self.active:
+            return False
+        self.fired += 1
+        live = self.live_cols
+        if (col not in live) if col is not None else cols.isdisjoint(live):
+            return False  # called from Python: sites nobody uses this step cost nothing
+        faults.check("kernel")
+        return True
+
+    def _apply_site(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        col = self.col.get(site)
+        if col is None or not self._acts(hidden, _NONE, col):
             return
-        else:
-            self.fired += 1
-            if col not in self.live_cols:  # called from Python: sites nobody uses this step cost nothing
-                return
-            faults.check("kernel")
         if self._kernel is not None:
             self._launch(hidden, residual, col)
         else:
@@ -152,13 +184,14 @@ class GraphTaps:
         else:
             self.broken = self.broken or msg
 
-    def _launch(self, hidden: torch.Tensor, residual: torch.Tensor | None, col: int) -> None:
+    def _launch(self, hidden: torch.Tensor, residual: torch.Tensor | None, col: int, pieces: int = 1) -> None:
+        """The kernel over `hidden`'s rows; `pieces` > 1: a row of that many d-wide sites (columns from col)."""
         n = hidden.shape[0]
         if n == 0:
             return
         r = residual if residual is not None else hidden
         assert self._kernel is not None  # CUDA only: the torch version runs elsewhere
-        self._kernel[(n,)](
+        self._kernel[(n, pieces)](
             hidden,
             r,
             self.ctl,

@@ -47,15 +47,19 @@ def make_tap_kernel() -> Any:
         BLOCK: tl.constexpr,
     ):
         i = tl.program_id(0)
-        c = (col * max_rows + i) * 2
+        # piece j of a row wider than d (mlp_post): values [j*d, j*d + d) are site column col + j, so one
+        # launch serves every piece of the tap (a launch per piece cost every step, idle ones too); 0 elsewhere
+        j = tl.program_id(1)
+        c = ((col + j) * max_rows + i) * 2
         slot = tl.load(ctl_ptr + c)
         ent = tl.load(ctl_ptr + c + 1)
         if (slot >= 0) | (ent >= 0):
             offs = tl.arange(0, BLOCK)
-            m = offs < w  # the site's width: d, or fewer values (router logits) in a d-wide staging row
-            hp = h_ptr + i.to(tl.int64) * stride_h + offs
+            # the piece's width: d, fewer values (router logits, an mlp_post row's last piece) in a d-wide row
+            m = offs < tl.minimum(w - j * d, d)
+            hp = h_ptr + i.to(tl.int64) * stride_h + j * d + offs
             h = tl.load(hp, mask=m, other=0.0)
-            if HAS_R:
+            if HAS_R:  # (single-piece sites only: j is 0)
                 r = tl.load(r_ptr + i.to(tl.int64) * stride_r + offs, mask=m, other=0.0).to(tl.float32)
             else:
                 r = tl.zeros([BLOCK], dtype=tl.float32)
