@@ -88,3 +88,53 @@ def test_one_launch_over_the_pieces_equals_one_per_piece():
     assert "BITWISE True" in out, proc.stdout[-2000:] + proc.stderr[-3000:]
     line = [x for x in out if x.startswith("MAXDIFF")]
     assert line and float(line[0].split()[1]) <= 1e-5, proc.stdout[-2000:]
+
+
+class _Grids:
+    """Stands in for the Triton kernel: records each launch's grid and column."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, int]] = []
+
+    def __getitem__(self, grid: tuple):
+        def run(*args, **kwargs):
+            self.calls.append((grid, args[13]))  # (grid, col)
+
+        return run
+
+
+def test_an_mlp_post_tap_launches_once_in_a_step_and_idle_not_at_all():
+    """Where the kernel runs (a recorded graph, or a step using the tap's columns) an mlp_post tap is one
+    launch over (rows, pieces) from its first piece's column; outside a step, or in a step using none of its
+    columns, none; a row whose pieces' columns are not consecutive keeps one launch per piece."""
+    import torch
+
+    from vllm_worker.protocol import points
+    from vllm_worker.worker import graph
+
+    d, d_mlp = 8, 20  # pieces of 8, 8, 4
+    tap0, tap1 = points.site(0, points.MLPPOST), points.site(1, points.MLPPOST)
+    p0, p1 = points.mlp_piece_sites(0, 3), points.mlp_piece_sites(1, 3)
+    out0 = points.site(0, points.OUT)
+    sites = sorted([points.site(0, points.IN), out0, *p0, *p1[:2], points.site(1, points.OUT), p1[2]])
+    g = graph.GraphTaps(sites, d, torch.float32, torch.device("cpu"), 16, None)
+    k = _Grids()
+    g._kernel = k
+    wide = {t: [(s, j * d, min((j + 1) * d, d_mlp)) for j, s in enumerate(ps)] for t, ps in ((tap0, p0), (tap1, p1))}
+    g.wide = wide
+    # layer 1's last piece moved to a column not next to its other pieces': a launch per piece there
+    g.col[p1[2]] = g.n_cols
+    g.wide = wide
+    x = torch.zeros(5, d_mlp)
+    g.apply(x, None, tap0)
+    assert k.calls == []  # idle: no step running
+    g._start(frozenset({g.col[out0]}))
+    g.apply(x, None, tap0)
+    assert k.calls == []  # a step that uses none of the tap's columns
+    g._start(frozenset({g.col[p0[1]]}))
+    g.apply(x, None, tap0)
+    assert k.calls == [((5, 3), g.col[p0[0]])]
+    k.calls.clear()
+    g._start(frozenset(g.col.values()))
+    g.apply(x, None, tap1)
+    assert k.calls == [((5, 1), g.col[p1[0]]), ((5, 1), g.col[p1[1]]), ((5, 1), g.col[p1[2]])]
