@@ -139,3 +139,44 @@ def test_progress_together_equals_each_running_request_alone(redo):
             k for k in sorted({k if not (redo and k == 6) else 5 for k in range(lengths[i])}) if k >= starts[i]
         ]
     assert probe_payloads.together([asks[0][3].probes], {}, [asks[0][2]]) == [None]  # one ask: the per-request path
+
+
+@pytest.mark.parametrize("starts", [None, [0, 4, 9, 2, 30]])
+def test_requests_of_one_composition_at_their_own_positions(starts):
+    """Requests filed in the same records at different positions (their own prompt lengths), two of them
+    filing a position twice mid-batch (a preempted request's recompute) while the others rise: the group
+    reads each member's positions apart (not member 0's), leaves only those to `probes.payload` (request 3
+    repeats a position across the prefill's and the decode's records), and
+    every other payload — fetch or progress RPC (`starts`) — equals the request's own bit for bit."""
+    names = [["a", "b", "c"], ["a", "b"], ["a", "b", "c"], ["c"], ["a", "b", "c"]]
+    offsets = [0, 5, 2, 5, 0]  # request 1 and 3 at other positions than request 0; 4 at the same
+    reqs = _requests(names)
+    live = list(range(len(reqs)))
+    g = torch.Generator().manual_seed(5)
+    gp = _stage(reqs, live, 3)
+    probes.scores_from_stage(
+        gp, torch.randn(gp.total, D, generator=g), 0, np.concatenate([o + np.arange(3) for o in offsets])
+    )
+    gp = _stage(reqs, live, 1)
+    for step in range(3, 12):
+        pos = np.array([o + step for o in offsets], dtype=np.int64)
+        if step == 7:
+            pos[2] -= 1  # request 2 files its previous position again
+        if step == 3:
+            pos[3] -= 1  # request 3 its prefill's last one (across the records: the group's parts)
+        probes.scores_from_stage(gp, torch.randn(gp.total, D, generator=g), 0, pos)
+    got = [r.store.probes for r in reqs]
+    together = probe_payloads.together(got, fetch.shared_records(len(reqs)) or {}, starts)
+    for i, r in enumerate(reqs):
+        if starts is None:
+            alone = probes.payload(r.store.probes)
+        else:
+            alone = probes.payload(r.store.probes, starts[i], running=True, cache={})
+        assert (together[i] is None) == (i in (2, 3)), i
+        if together[i] is not None:
+            assert together[i] == alone, i  # the same bytes, shapes and dtypes
+            assert list(together[i]) == names[i]  # type: ignore[arg-type]
+        pos = probe_wire.arrays(alone[names[i][0]], "p")[0].tolist()
+        if i not in (2, 3):
+            want = sorted({offsets[i] + k for k in range(12)})
+            assert pos == [p for p in want if starts is None or p >= starts[i]], i

@@ -95,6 +95,7 @@ def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]]
             if len(raws) > first:
                 decoded += _decoded(raws[first:], ns[first:], ks[first:])
     seen: dict[bytes, tuple[np.ndarray, int]] = {}  # positions by their bytes (often the same ones)
+    picks: dict[tuple[int, int, str], slice | torch.Tensor] = {}  # `chosen` of a named choice, by (n, prompt)
     out: list[Outputs] = []
     series: list[torch.Tensor] = []  # each (sample, wanted probe)'s scores by position,
     wanted_aggs: list[list[str]] = []  # its aggregates,
@@ -106,15 +107,25 @@ def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]]
         item: dict[str, int] = {}
         for part in parts:
             for name in part.get("probes") or ():
-                s = scores[name] = _dense(*_positions(poss[k], seen), decoded[k])
-                if s.shape[0] == ns[k]:
+                arr, n = _positions(poss[k], seen)
+                if len(arr) == n:  # `_dense` as it is: the item's own scores
+                    scores[name] = decoded[k]
                     item[name] = k
+                else:
+                    scores[name] = _dense(arr, n, decoded[k])
                 k += 1
         for name, opts in wanted.items():
             s = scores.get(name)
             if s is None:
                 raise RuntimeError(f"inspect-lens: no worker returned the scores of probe {name!r}")
-            sel = chosen(s.shape[0], prompt_len, opts.get("positions", "generated"))
+            choice = opts.get("positions", "generated")
+            if type(choice) is str:  # a range: the same slice for every series of its length and prompt
+                pk = (s.shape[0], prompt_len, choice)
+                sel = picks.get(pk)
+                if sel is None:
+                    sel = picks[pk] = chosen(s.shape[0], prompt_len, choice)
+            else:
+                sel = chosen(s.shape[0], prompt_len, choice)
             series.append(s)
             wanted_aggs.append(opts["aggregate"])
             at.append(item.get(name, -1) if type(sel) is slice else -1)

@@ -18,6 +18,13 @@ def pack(positions: bytes, scores: bytes, n_out: int) -> dict[str, Any]:
     return {"positions": positions, "scores": scores, "n_out": n_out}
 
 
+def pack_rows(positions: bytes, scores: bytes, n: int, n_out: int) -> list[dict[str, Any]]:
+    """`pack` of `n` items with the same `positions` whose scores are consecutive equal-sized slices of
+    `scores` (a group's one copy), in one comprehension rather than a call per item."""
+    size = len(scores) // n if n else 0
+    return [{"positions": positions, "scores": scores[k * size : (k + 1) * size], "n_out": n_out} for k in range(n)]
+
+
 def pack_arrays(positions: np.ndarray, scores: np.ndarray) -> dict[str, Any]:
     """`pack` of a (n,) int64 and a (n, n_out) float32 array (little-endian hosts: the wire's byte order)."""
     pos = np.ascontiguousarray(positions, dtype=np.int64).tobytes() if positions.size else b""

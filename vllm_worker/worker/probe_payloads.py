@@ -81,7 +81,7 @@ def _group(key: tuple, members: list[Member], cache: dict, done: list[dict], sta
     """The payloads of one group's members into `done`; returns the requests left to `probes.payload` (a
     position filed twice, or not rising). `starts`: each request's first position wanted (rising positions:
     a suffix of its rows)."""
-    pos_parts, val_parts = [], []
+    pos_parts, val_parts = [], []  # positions as gathered (steps, members, rows): never member-major
     n = len(members)
     firsts = np.array([m[4] for m in members], dtype=np.int64).reshape(n, len(key), 2)
     for j, (_, rows, width) in enumerate(key):
@@ -93,32 +93,34 @@ def _group(key: tuple, members: list[Member], cache: dict, done: list[dict], sta
         steps, n_rows, n_cols = all_vals.shape
         at = (r[:, :, None] * n_cols + (c[:, None] + np.arange(width))[:, None, :]).reshape(-1)
         # (flat `take`s: the same elements as fancy indexing over (rows, columns), several times faster)
-        got_pos = np.take(all_pos.reshape(steps, n_rows), r.reshape(-1), axis=1)  # (steps, members * rows)
-        pos_parts.append(got_pos.reshape(steps, n, rows).transpose(1, 0, 2).reshape(n, steps * rows))
+        if steps * rows:
+            pos_parts.append(np.take(all_pos.reshape(steps, n_rows), r.reshape(-1), axis=1).reshape(steps, n, rows))
         vals = np.take(all_vals.reshape(steps, n_rows * n_cols), at, axis=1).reshape(steps, n, rows, width)
         val_parts.append(vals.transpose(1, 0, 2, 3).reshape(n, steps * rows, width))
-    pos = np.concatenate(pos_parts, axis=1) if len(pos_parts) > 1 else np.ascontiguousarray(pos_parts[0])
     vals = np.concatenate(val_parts, axis=1) if len(val_parts) > 1 else np.ascontiguousarray(val_parts[0])
-    rising: list[bool] = [True] * n
-    if pos.shape[1] > 1:
-        rising = np.asarray((pos[:, 1:] > pos[:, :-1]).all(axis=1)).tolist()
+    rising, same = _rising_same(pos_parts, n)
     which: dict[int, int] = {}  # each probe's row of `bias`, by id
     at = [which.setdefault(id(m[2].probe), len(which)) for m in members]
     by_row = {v: m[2].probe for m, v in zip(members, at)}
     bias = np.stack([by_row[v].bias.numpy() for v in range(len(which))])
     vals += bias[at][:, None, :]  # (as payload: bias after the sum)
-    # positions: one bytes object for the members with the same ones (a composition's requests often have)
-    same = (pos == pos[0]).all(axis=1).tolist() if n > 1 else [True]
     k_out = int(vals.shape[2])
     row_vals = vals.shape[1] * k_out * 4  # bytes of a member's scores
     flat = vals.tobytes()  # (one copy; each member's bytes a slice of it, not an array and a copy each)
+    p0 = _member_positions(pos_parts, 0)
+    # positions: one bytes object for the members with the same ones (a composition's requests often have)
+    suffix: dict[int, bytes] = {0: p0.tobytes()}  # the shared positions' bytes from a row on
+    if starts is None and all(rising) and all(same) and not any(p.sigmoid for p in by_row.values()):
+        for m, item in zip(members, probe_wire.pack_rows(suffix[0], flat, n, k_out)):  # (a fetch's usual case)
+            done[m[0]][m[1]] = item
+        return set()
     left = set()
-    suffix: dict[int, bytes] = {0: pos[0].tobytes()}  # the shared positions' bytes from a row on
     for k, (i, name, slot, _, _) in enumerate(members):
         if not rising[k]:
             left.add(i)
             continue
-        lo = int(np.searchsorted(pos[k], starts[i])) if starts is not None and starts[i] > 0 else 0
+        mine = p0 if same[k] else _member_positions(pos_parts, k)
+        lo = int(np.searchsorted(mine, starts[i])) if starts is not None and starts[i] > 0 else 0
         if slot.probe.sigmoid:  # one sample's own call, as payload makes it (the same elementwise loop)
             got_vals = torch.sigmoid(torch.from_numpy(vals[k, lo:])).numpy().tobytes()
         else:
@@ -126,11 +128,38 @@ def _group(key: tuple, members: list[Member], cache: dict, done: list[dict], sta
         if same[k]:
             got = suffix.get(lo)
             if got is None:
-                got = suffix[lo] = pos[0, lo:].tobytes()
+                got = suffix[lo] = p0[lo:].tobytes()
         else:
-            got = pos[k, lo:].tobytes()
+            got = mine[lo:].tobytes()
         done[i][name] = probe_wire.pack(got, got_vals, k_out)
     return left
+
+
+def _rising_same(parts: list[np.ndarray], n: int) -> tuple[list[bool], list[bool]]:
+    """Per member: whether its positions (each part's (steps, members, rows) in turn, steps then rows) rise,
+    and whether they equal member 0's — read in the gathered layout, not from a member-major copy of them
+    (that transposed copy was the group's largest cost, and only member 0's and odd members' are needed)."""
+    rising = np.ones(n, dtype=bool)
+    same = np.ones(n, dtype=bool)
+    last = None
+    for p in parts:
+        if p.shape[2] > 1:  # within a step
+            rising &= (p[:, :, 1:] > p[:, :, :-1]).all(axis=(0, 2))
+        if p.shape[0] > 1:  # from a step's last row to the next step's first
+            rising &= (p[1:, :, 0] > p[:-1, :, -1]).all(axis=0)
+        if last is not None:  # from the previous part's last position
+            rising &= p[0, :, 0] > last
+        last = p[-1, :, -1]
+        same &= (p == p[:, :1]).all(axis=(0, 2))
+    return rising.tolist(), same.tolist()
+
+
+def _member_positions(parts: list[np.ndarray], k: int) -> np.ndarray:
+    """Member k's positions in order (steps then rows, part after part)."""
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    got = [p[:, k].reshape(-1) for p in parts]
+    return np.concatenate(got) if len(got) > 1 else np.ascontiguousarray(got[0])
 
 
 def together(
