@@ -55,6 +55,7 @@ class SteeringEntries:
         self._chains: dict[Hashable, list[int]] = {}  # content key -> its chain's entries, head first
         self._key_at: dict[int, Hashable] = {}  # a shared chain's head -> its key
         self.shared_hits = 0  # chains found already stored (`lens_status`)
+        self.dropped = 0  # counts chains that left `_chains`: a `share` recorded before one may be stale
         self.full = 0  # requests refused because the table was full (`lens_status`)
         self.layouts: dict = {}  # request layouts by content (`interventions.chain_entries`; no tensors)
         self._rows_memo: dict[Hashable, Rows] = {}  # chains' rows by content (`_chain_rows`)
@@ -186,6 +187,15 @@ class SteeringEntries:
             taken += ids
         return heads, taken
 
+    def share(self, ids: list[int], hits: int) -> None:
+        """One more user of stored chains' entries `ids` (as `add_chains` returned them for a request that
+        found all its chains stored, `hits` of them; valid while `dropped` has not moved since): what
+        `add_chains` does for such a request, without building its keys (`admit_templates`)."""
+        refs = self._refs
+        for j in ids:
+            refs[j] += 1
+        self.shared_hits += hits
+
     def _chain_rows(self, key: Hashable | None, steps: Any) -> Rows | None:
         """A chain's rows as the table stores them (`steps`: its `Step`s or a function making them; None:
         no steps), remembered by content (`key`; LRU, `ROWS_KEPT`): requests whose chains are never shared
@@ -246,6 +256,7 @@ class SteeringEntries:
                 key = self._key_at.pop(j, None)
                 if key is not None:
                     self._chains.pop(key, None)
+                    self.dropped += 1
 
     def clear(self) -> None:
         """Drop the queued entries (their requests failed: `Admission.abandon`, which frees them next): no
@@ -254,6 +265,7 @@ class SteeringEntries:
             key = self._key_at.pop(j, None)
             if key is not None:
                 self._chains.pop(key, None)
+                self.dropped += 1
         self._new = {}
 
 
