@@ -165,6 +165,8 @@ def test_a_template_admitted_batch_equals_per_request_admission_bit_for_bit():
         _same_tables(a, b)
     assert with_t.templates.hits > len(payloads) // 2  # (most requests came from a template)
     assert without.templates.hits == 0
+    kept = list(with_t.templates._memo.values())
+    assert any(t.shared for t in kept) and any(t.gated for t in kept)  # (both shortcuts were taken)
     bad = got[0][11]
     assert bad["error"] is not None and "steer.vec.data" in bad["error"][1]
     assert sum(s["error"] is not None for s in got[0]) == 1  # (the bad request fails alone)

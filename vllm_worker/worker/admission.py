@@ -22,7 +22,7 @@ from vllm_worker.protocol import errors
 from vllm_worker.protocol.points import describe, site_layer, site_point
 from vllm_worker.protocol.recent import recall, remember
 from vllm_worker.protocol.spec import RequestSpec, decode
-from vllm_worker.worker import admit_templates, faults, graph, seams, vector_refs
+from vllm_worker.worker import admit_templates, faults, graph, graph_entries, seams, vector_refs
 from vllm_worker.worker.actions import ActionRefused
 from vllm_worker.worker.content_digests import RecentDigests
 from vllm_worker.worker.device_copy import to_device
@@ -387,8 +387,10 @@ class Admission:
         Ungated entries of a template's content, all found stored by an earlier request: shared again
         (`SteeringEntries.share`) while no chain has left the table since."""
         table = self.graph.entries
-        if tmpl is None or any(st.gate is not None for st in steers):
+        if tmpl is None:
             return self._grouped(steers, uses)
+        if any(st.gate is not None for st in steers):
+            return self._gated(steers, uses, tmpl)
         if tmpl.shared is not None and tmpl.shared[0] == table.dropped:
             _, entries, ids, hits = tmpl.shared
             table.share(ids, hits)
@@ -398,6 +400,27 @@ class Admission:
         if got is not None and table.in_use() == in_use:  # (every chain found stored: nothing new to record)
             tmpl.shared = (table.dropped, got[0], list(got[1]), table.shared_hits - hits)
         return got
+
+    def _gated(
+        self, steers: list[DeviceSteer], uses: list, tmpl: admit_templates.Template
+    ) -> tuple[dict, list[int]] | None:
+        """A template's steering gated by one probe action: its rows made once (`graph_entries.gated_rows`),
+        fresh entries per request (`put_gated`); other gated steering: `_grouped`."""
+        gates = {st.gate.data_ptr() for st in steers if st.gate is not None}
+        if len(gates) != 1 or any(st.gate is None for st in steers):
+            return self._grouped(steers, uses)
+        if tmpl.gated is None:
+            tmpl.gated = graph_entries.gated_rows(self.graph.entries, self.graph.col, steers) or False
+        if tmpl.gated is False:
+            return self._grouped(steers, uses)
+        got = graph_entries.put_gated(self.graph.entries, tmpl.gated)
+        if got is not None:
+            key = gates.pop()
+            for u in uses:  # (the gate of a vector with no layer here belongs to no action)
+                if self.actions.gate[u.slot : u.slot + 1].data_ptr() == key:
+                    u.entries = got[1]
+            return got[0], list(got[1])
+        return None
 
     def _grouped(self, steers: list[DeviceSteer], uses: list) -> tuple[dict, list[int]] | None:
         groups: dict[int, list[DeviceSteer]] = {}  # gate's address (-1: not gated) -> vectors

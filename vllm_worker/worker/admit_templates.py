@@ -43,6 +43,7 @@ class Template:
     # the shared (ungated) steering entries of the latest admission that took no new entry: (the table's
     # `dropped` then, the entries, their ids, the chains found) — valid while no chain has left the table
     shared: tuple | None = None
+    gated: Any = None  # a probe action's steering rows per site (`graph_entries.gated_rows`; False: not covered)
 
 
 def split(payload: Any) -> tuple[bytes, list[Any]] | None:

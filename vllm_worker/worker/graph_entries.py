@@ -350,6 +350,44 @@ def entries_for(
     return out, ids
 
 
+_NONE_NAMED = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)  # (read-only: no named positions)
+for _a in _NONE_NAMED:
+    _a.flags.writeable = False
+
+
+def gated_rows(table: SteeringEntries, sites: dict[int, int], steers: list[Any]) -> list[tuple[int, Rows]] | None:
+    """The rows of a probe action's steering (`steers`: plain, 2-D, one gate) per site, as `entries_for`
+    stores them for it (`put_gated`), made from content only: a template keeps them for equal requests
+    (`admit_templates`). None: steering this shortcut does not cover (then `entries_for`)."""
+    if not all(st.plain and st.positions is None for st in steers):
+        return None
+    out: list[tuple[int, Rows]] = []
+    for layer in sorted({l for st in steers for l in st.layers if l in sites}):
+        defaults = [(st, st.layers[layer]) for st in steers if layer in st.layers]
+        key = ("add", tuple(item_key(st, row) for st, row in defaults), ())
+        rows = table._chain_rows(key, functools.partial(_plain_step, table.d, defaults, []))
+        assert rows is not None  # (a plain step is one entry)
+        out.append((layer, rows))
+    return out
+
+
+def put_gated(table: SteeringEntries, rows: list[tuple[int, Rows]]) -> tuple[dict, list[int]] | None:
+    """`gated_rows`' entries for one request (gated entries are never shared: fresh ones, gate 0), as
+    `entries_for(..., gated=True)` takes them; None when the table is full (nothing taken)."""
+    if not rows:
+        return {}, []
+    if sum(len(r[3]) for _, r in rows) > len(table._free):
+        table.refused()
+        return None
+    out: dict[int, tuple[int, np.ndarray, np.ndarray, int, int]] = {}
+    ids: list[int] = []
+    for layer, r in rows:
+        got = table._put(r, True)
+        out[layer] = (got[0], *_NONE_NAMED, -1, -1)
+        ids += got
+    return out, ids
+
+
 def _plain_step(d: int, defaults: list, named: list) -> list[Step]:
     """One entry adding the position-independent rows (`defaults`: (steer, row)) and a position's rows
     (`named`: (steer, row, k)): `A` the plain sum, `B` the norm-matched one."""
