@@ -10,6 +10,7 @@ import types
 import numpy as np
 import torch
 
+from vllm_worker import counters
 from vllm_worker.api.steering import SteeringVector
 from vllm_worker.frontend.validation import parse_request
 from vllm_worker.protocol.ops import ABLATE, CAP
@@ -178,7 +179,12 @@ def test_a_template_admitted_batch_equals_per_request_admission_bit_for_bit():
 def test_requests_of_one_template_share_nothing_they_may_write():
     payloads = _payloads()
     adm = _make(len(payloads), 8)
+    before = dict(counters.STEP_TIMINGS)
     states = [adm.admit(f"r{i}", p) for i, p in enumerate(payloads)]
+    adm.flush()
+    adm.flush()  # (no admission since: not a step that admitted)
+    assert counters.STEP_TIMINGS["admit_steps"] - before["admit_steps"] == 1
+    assert counters.STEP_TIMINGS["admitted"] - before["admitted"] == len(payloads)
     a, b = states[0], states[3]  # (two W12-like requests of one vector)
     assert a.steers[0] is not b.steers[0] and a.steers[0].layers is not b.steers[0].layers
     assert a.entry_ids is not b.entry_ids

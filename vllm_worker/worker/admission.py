@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_worker import compat
+from vllm_worker import compat, counters
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors
 from vllm_worker.protocol.points import describe, site_layer, site_point
@@ -100,6 +100,7 @@ class Admission:
         self._queued: dict[bytes, list[Callable[[torch.Tensor], Any]]] = {}
         self._converted: dict[bytes, torch.Tensor] = {}  # content -> host copy in the model's dtype (LRU)
         self._digests = RecentDigests()  # contents of recent payloads' vectors
+        self._since = 0  # requests admitted since the last flush (`counters.STEP_TIMINGS["admit_steps"]`)
         self.templates = admit_templates.Templates()  # recent payloads' derived admission (`admit_templates`)
 
     def flush(self) -> None:
@@ -107,6 +108,10 @@ class Admission:
         dtype for all of them, and so do the graph-safe table's new entries (no device work or stream sync
         per request; what admission still costs is host Python: docs/decisions.md). On failure the caller fails `abandon()`'s
         requests (inside its per-request failure handling: never vLLM's step)."""
+        if self._since:  # (counted first: a failed flush still admitted them)
+            counters.STEP_TIMINGS["admit_steps"] += 1
+            counters.STEP_TIMINGS["admitted"] += self._since
+            self._since = 0
         faults.check("flush")
         self._moves.flush()
         if self.graph is not None:
@@ -125,6 +130,7 @@ class Admission:
         return failed
 
     def admit(self, req_id: str, payload: Any) -> RequestState:
+        self._since += 1
         try:
             faults.check("admission")
             return self._new(req_id, payload)
