@@ -20,7 +20,7 @@ from vllm_worker.protocol.recent import recall, remember
 from vllm_worker.worker.content_digests import same_bytes
 
 KEPT = 8  # templates remembered (least recently used dropped) ...
-MAX_BYTES = 16 << 20  # ... each holding at most this many bytes of tensors
+MAX_BYTES = 4 << 20  # ... each holding at most this many bytes of tensors (larger: admitted as before)
 # payload keys a template may cover: the rest of a payload (hooks, SAEs, probes) is admitted as before
 _FIELDS = frozenset({"v", "key", "capture", "steer", "actions", "n", "release", "fetch", "shm"})
 _PER_REQUEST = ("key", "capture", "n", "release", "fetch", "shm")  # never part of the key
