@@ -288,6 +288,8 @@ class Admission:
             return None
         key, blobs = got
         tmpl = self.templates.find(key, blobs)
+        if tmpl is None and not self.templates.seen(key, blobs):  # (a first sighting: admitted as before)
+            return None
         if tmpl is None:  # (a failure here fails this request: nothing is remembered)
             tmpl = admit_templates.make(payload, blobs)
             spec = decode(tmpl.payload, view=True)

@@ -23,6 +23,7 @@ KEPT = 8  # templates remembered (least recently used dropped) ...
 MAX_BYTES = 4 << 20  # ... each holding at most this many bytes of tensors (larger: admitted as before)
 # payload keys a template may cover: the rest of a payload (hooks, SAEs, probes) is admitted as before
 _FIELDS = frozenset({"v", "key", "capture", "steer", "actions", "n", "release", "fetch", "shm"})
+_EDGE = 64  # bytes from each end of a tensor in `Templates.seen`'s mark
 _PER_REQUEST = ("key", "capture", "n", "release", "fetch", "shm")  # never part of the key
 
 
@@ -103,6 +104,7 @@ class Templates:
     def __init__(self, kept: int = KEPT) -> None:
         self.kept = kept
         self._memo: dict[bytes, Template] = {}
+        self._seen: dict[tuple, bool] = {}  # recent (key, tensors' edges) without a template (`seen`)
         self.hits = 0  # requests admitted from a template made by an earlier one (`lens_status`)
 
     def find(self, key: bytes, blobs: list[Any]) -> Template | None:
@@ -112,6 +114,16 @@ class Templates:
             return None
         self.hits += 1
         return got
+
+    def seen(self, key: bytes, blobs: list[Any]) -> bool:
+        """Whether a recent payload had these fields and tensors with these first and last bytes: a template
+        is made at the second sighting, so requests that each send their own vectors pay no template (a
+        guess only: `find` compares every byte)."""
+        mark = (key, *(bytes(b[:_EDGE]) + bytes(b[-_EDGE:]) for b in blobs))
+        if recall(self._seen, mark) is not None:
+            return True
+        remember(self._seen, mark, True, 4 * self.kept)
+        return False
 
     def keep(self, key: bytes, t: Template) -> None:
         """Remember `t` (once admission has filled it without failing) under `key`, in place of any other."""
