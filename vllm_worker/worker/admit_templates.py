@@ -105,7 +105,7 @@ class Templates:
         self.kept = kept
         self._memo: dict[bytes, Template] = {}
         self._seen: dict[tuple, bool] = {}  # recent (key, tensors' edges) without a template (`seen`)
-        self.hits = 0  # requests admitted from a template made by an earlier one (`lens_status`)
+        self.hits = 0  # requests admitted from a template made by an earlier one (tests, probes)
 
     def find(self, key: bytes, blobs: list[Any]) -> Template | None:
         """The template of exactly these fields and bytes, or None."""
