@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 # step counters shown per round (cumulative in the worker; worker.py records each run's difference)
-STEP_KEYS = ("graph_steps", "python_steps", "plan_s", "forward_s", "after_s", "admit_s")
+STEP_KEYS = ("graph_steps", "python_steps", "plan_s", "forward_s", "after_s", "admit_s", "admit_steps")
 DEVICE_KEYS = ("dev_fwd_s", "dev_between_s", "med_step_ms", "med_host_fwd_ms", "med_dev_fwd_ms", "med_dev_between_ms")
 # what the worker holds for live requests (each back to 0 once they leave, seen at the next step)
 HELD_KEYS = ("request_states", "steering_entries", "probe_score_chunks", "action_slots", "stored_requests")

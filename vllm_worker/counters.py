@@ -62,6 +62,10 @@ STEP_TIMINGS = {
     "deferred_sites": 0,  # taps whose read-only hooks ran after the forward (`StepPlan.defer_hooks`)
     "reused_tables": 0,  # graph-path steps whose table was already on the device (`GraphTaps.reuse`)
     "admit_s": 0.0,  # admitting new requests (decoding their specs, steering entries) at their first step
+    # batch compositions that admitted requests, and the requests admitted (a batch of n requests reaching
+    # the engine core together: 1 and n; spread over k steps: k)
+    "admit_steps": 0,
+    "admitted": 0,
 }
 
 # `lens_forward_clock`: (start, end, CPU seconds of the calling thread at

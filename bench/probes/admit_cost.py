@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import types
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -108,15 +109,30 @@ def main() -> None:
         counts = Counts()
         with counts:
             one_run(workload, msgs)
+        calls = python_calls(workload, msgs)
         print(
             f"{workload}: {n} requests, admit {admit[0]:.3f} ms/request (min of {REPEATS}; median "
             f"{admit[REPEATS // 2]:.3f}), flush {flush[0]:.1f} ms (min), {runs[-1][2]}; a batch: "
-            f"{counts.ops} aten ops, {counts.bytes} bytes to the device"
+            f"{counts.ops} aten ops, {counts.bytes} bytes to the device, {calls / n:.0f} Python calls a request"
         )
 
 
-def one_run(workload: str, msgs: list[dict]) -> tuple[float, float, str]:
-    """One batch of admissions into fresh tables: ms per request, the flush's ms, and what they hold."""
+def python_calls(workload: str, msgs: list[dict]) -> int:
+    """Python-level function calls (and calls into C) of one batch's admissions and flush: a count that
+    does not depend on the machine's load."""
+    got = [0]
+
+    def count(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event in ("call", "c_call"):
+            got[0] += 1
+
+    one_run(workload, msgs, count)
+    return got[0]
+
+
+def one_run(workload: str, msgs: list[dict], profile: Any = None) -> tuple[float, float, str]:
+    """One batch of admissions into fresh tables: ms per request, the flush's ms, and what they hold;
+    `profile`: a `sys.setprofile` function for the admissions and the flush."""
     n = len(msgs)
     g = graph.GraphTaps([site(l, OUT) for l in range(LAYERS)], D, torch.bfloat16, torch.device("cpu"), 256, None)
     actions = ActionTable(D, torch.device("cpu")) if workload == "W11" else None
@@ -124,11 +140,13 @@ def one_run(workload: str, msgs: list[dict]) -> tuple[float, float, str]:
     if STEADY:
         gc.collect()
         gc.disable()
+    sys.setprofile(profile)
     t0 = time.perf_counter()
     states = [adm.admit(f"r{i}", m) for i, m in enumerate(msgs)]
     t1 = time.perf_counter()
     adm.flush()
     t2 = time.perf_counter()
+    sys.setprofile(None)
     gc.enable()
     failed = [s.store.error for s in states if s.store is not None and s.store.error is not None]
     assert not failed, failed[0]

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import types
 import weakref
 from typing import Any, Callable
 
 import torch
 
-from vllm_worker import compat
+from vllm_worker import compat, counters
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors
 from vllm_worker.protocol.points import describe, site_layer, site_point
 from vllm_worker.protocol.recent import recall, remember
-from vllm_worker.protocol.spec import decode
-from vllm_worker.worker import faults, graph, seams, vector_refs
+from vllm_worker.protocol.spec import RequestSpec, decode
+from vllm_worker.worker import admit_templates, faults, graph, graph_entries, seams, vector_refs
 from vllm_worker.worker.actions import ActionRefused
 from vllm_worker.worker.content_digests import RecentDigests
 from vllm_worker.worker.device_copy import to_device
@@ -99,12 +100,18 @@ class Admission:
         self._queued: dict[bytes, list[Callable[[torch.Tensor], Any]]] = {}
         self._converted: dict[bytes, torch.Tensor] = {}  # content -> host copy in the model's dtype (LRU)
         self._digests = RecentDigests()  # contents of recent payloads' vectors
+        self._since = 0  # requests admitted since the last flush (`counters.STEP_TIMINGS["admit_steps"]`)
+        self.templates = admit_templates.Templates()  # recent payloads' derived admission (`admit_templates`)
 
     def flush(self) -> None:
         """After a step's admissions, before it is planned: their steering reaches the device, one copy per
         dtype for all of them, and so do the graph-safe table's new entries (no device work or stream sync
         per request; what admission still costs is host Python: docs/decisions.md). On failure the caller fails `abandon()`'s
         requests (inside its per-request failure handling: never vLLM's step)."""
+        if self._since:  # (counted first: a failed flush still admitted them)
+            counters.STEP_TIMINGS["admit_steps"] += 1
+            counters.STEP_TIMINGS["admitted"] += self._since
+            self._since = 0
         faults.check("flush")
         self._moves.flush()
         if self.graph is not None:
@@ -123,6 +130,7 @@ class Admission:
         return failed
 
     def admit(self, req_id: str, payload: Any) -> RequestState:
+        self._since += 1
         try:
             faults.check("admission")
             return self._new(req_id, payload)
@@ -148,7 +156,13 @@ class Admission:
         import cloudpickle
 
         payload = vector_refs.HELD.resolve(payload)  # (named vectors sent by reference: their bytes)
-        spec = None if payload is None else decode(payload, view=True)  # (vectors: `_host_vectors` copies)
+        tmpl = None if payload is None else self._template(payload)  # (equal content: decoded once)
+        spec: RequestSpec | None
+        if tmpl is not None:
+            capture = list(payload.get("capture") or ())
+            spec = RequestSpec(payload["key"], capture, steers=list(tmpl.steers), actions=list(tmpl.actions))
+        else:
+            spec = None if payload is None else decode(payload, view=True)  # (vectors: `_host_vectors` copies)
         n = 1 if payload is None else int(payload.get("n", 1))
         child = compat.child_index(req_id, n)
         external = compat.external_request_id(req_id, n)
@@ -165,20 +179,13 @@ class Admission:
                 probe_uses = self.probes.uses(spec.probes)
             if spec.actions:
                 act_uses = self._action_uses(req_id, spec)
-            for s, sent in zip(spec.steers, payload.get("steer") or ()):
-                # (entries shared by content; the bytes as sent: `content_digests`)
-                content = None if self.graph is None else self._digests.of(sent["vec"].get("data"), s.vectors)
-                lut = keep = None
-                if s.cols is not None:
-                    keep = torch.ones(s.vectors.shape[-1], dtype=self.dtype)
-                    keep[torch.tensor(s.cols, dtype=torch.long)] = 0
-                if s.positions is not None:
-                    lut = torch.full((max(s.positions) + 1,), -1, dtype=torch.long)
-                    lut[torch.tensor(s.positions)] = torch.arange(len(s.positions))
+            derived = tmpl if tmpl is not None else self._derive(spec, payload)
+            for i, s in enumerate(spec.steers):
+                content, lut, keep = derived.contents[i], derived.luts[i], derived.keeps[i]
                 steers.append(
                     DeviceSteer(
-                        {l: i for i, l in enumerate(s.layers)},
-                        self._host_vectors(content, s.vectors),
+                        dict(derived.layers[i]),
+                        derived.host[i],
                         lut,
                         s.scale,
                         s.norm_match,
@@ -222,7 +229,8 @@ class Admission:
                     else None
                 )
                 hooks.append(HookRun(fn, at, h.point, self.ctx(saved, external), i, False, h.batched, key, h.read_only))
-            self._check_sites(spec, hooks, store, probe_uses)
+            if tmpl is None or not (self.local.issuperset(tmpl.sites) and self.local.issuperset(spec.capture)):
+                self._check_sites(spec, hooks, store, probe_uses)
         if self.persistent:
             if store is None:
                 store = RequestResults([])
@@ -234,7 +242,7 @@ class Admission:
         # hooks: on the graph path too when their steps can run them at seams (`plan.RequestState.seam_ok`)
         graph_ok = not hooks or seams.enabled()
         if self.graph is not None and graph_ok and not any(st.mul for st in steers):  # multiplications: Python path
-            got = self._entries(steers, act_uses) if steers else ({}, [])
+            got = self._entries(steers, act_uses, tmpl) if steers else ({}, [])
             if got is not None:
                 entries, entry_ids = got
         try:
@@ -269,6 +277,49 @@ class Admission:
             if entry_ids:
                 self.graph.free_entries(entry_ids)
             raise
+
+    def _template(self, payload: Any) -> admit_templates.Template | None:
+        """The template of a payload whose steering and actions equal a recent one's byte for byte (made
+        and filled now if none is remembered); None: a payload templates do not cover (`admit_templates`)."""
+        if self.templates.kept <= 0:
+            return None
+        got = admit_templates.split(payload)
+        if got is None:
+            return None
+        key, blobs = got
+        tmpl = self.templates.find(key, blobs)
+        if tmpl is None and not self.templates.seen(key, blobs):  # (a first sighting: admitted as before)
+            return None
+        if tmpl is None:  # (a failure here fails this request: nothing is remembered)
+            tmpl = admit_templates.make(payload, blobs)
+            spec = decode(tmpl.payload, view=True)
+            tmpl.steers, tmpl.actions = spec.steers, spec.actions
+            d = self._derive(spec, tmpl.payload)
+            tmpl.contents, tmpl.host, tmpl.luts, tmpl.keeps, tmpl.layers = d.contents, d.host, d.luts, d.keeps, d.layers
+            tmpl.sites = frozenset(l for s in spec.steers for l in s.layers)
+            self.templates.keep(key, tmpl)
+        return tmpl
+
+    def _derive(self, spec: Any, payload: dict) -> Any:
+        """Per steer, what admission makes of its content: digest, vectors in the model's dtype, position
+        table, kept columns, site -> row (a template keeps them for requests of equal content)."""
+        out = types.SimpleNamespace(contents=[], host=[], luts=[], keeps=[], layers=[])
+        for s, sent in zip(spec.steers, payload.get("steer") or ()):
+            # (entries shared by content; the bytes as sent: `content_digests`)
+            content = None if self.graph is None else self._digests.of(sent["vec"].get("data"), s.vectors)
+            lut = keep = None
+            if s.cols is not None:
+                keep = torch.ones(s.vectors.shape[-1], dtype=self.dtype)
+                keep[torch.tensor(s.cols, dtype=torch.long)] = 0
+            if s.positions is not None:
+                lut = torch.full((max(s.positions) + 1,), -1, dtype=torch.long)
+                lut[torch.tensor(s.positions)] = torch.arange(len(s.positions))
+            out.contents.append(content)
+            out.host.append(self._host_vectors(content, s.vectors))
+            out.luts.append(lut)
+            out.keeps.append(keep)
+            out.layers.append({l: i for i, l in enumerate(s.layers)})
+        return out
 
     def _host_vectors(self, key: bytes | None, t: torch.Tensor) -> torch.Tensor:
         """`t` in the model's dtype, converted once for the last few contents (`HOST_VECTORS_KEPT`): a batch
@@ -336,9 +387,50 @@ class Admission:
             "unsupported", f"probe_actions[{index}]: its steering needs the probe's layer on the same pipeline stage"
         )
 
-    def _entries(self, steers: list[DeviceSteer], uses: list) -> tuple[dict, list[int]] | None:
+    def _entries(
+        self, steers: list[DeviceSteer], uses: list, tmpl: admit_templates.Template | None = None
+    ) -> tuple[dict, list[int]] | None:
         """Graph-path entries: one group for the plain vectors, one per gating action (its entries' gate
-        follows the action). A row has one entry per site, so groups sharing a site take the Python path."""
+        follows the action). A row has one entry per site, so groups sharing a site take the Python path.
+        Ungated entries of a template's content, all found stored by an earlier request: shared again
+        (`SteeringEntries.share`) while no chain has left the table since."""
+        table = self.graph.entries
+        if tmpl is None:
+            return self._grouped(steers, uses)
+        if any(st.gate is not None for st in steers):
+            return self._gated(steers, uses, tmpl)
+        if tmpl.shared is not None and tmpl.shared[0] == table.dropped:
+            _, entries, ids, hits = tmpl.shared
+            table.share(ids, hits)
+            return entries, list(ids)
+        in_use, hits = table.in_use(), table.shared_hits
+        got = self._grouped(steers, uses)
+        if got is not None and table.in_use() == in_use:  # (every chain found stored: nothing new to record)
+            tmpl.shared = (table.dropped, got[0], list(got[1]), table.shared_hits - hits)
+        return got
+
+    def _gated(
+        self, steers: list[DeviceSteer], uses: list, tmpl: admit_templates.Template
+    ) -> tuple[dict, list[int]] | None:
+        """A template's steering gated by one probe action: its rows made once (`graph_entries.gated_rows`),
+        fresh entries per request (`put_gated`); other gated steering: `_grouped`."""
+        gates = {st.gate.data_ptr() for st in steers if st.gate is not None}
+        if len(gates) != 1 or any(st.gate is None for st in steers):
+            return self._grouped(steers, uses)
+        if tmpl.gated is None:
+            tmpl.gated = graph_entries.gated_rows(self.graph.entries, self.graph.col, steers) or False
+        if tmpl.gated is False:
+            return self._grouped(steers, uses)
+        got = graph_entries.put_gated(self.graph.entries, tmpl.gated)
+        if got is not None:
+            key = gates.pop()
+            for u in uses:  # (the gate of a vector with no layer here belongs to no action)
+                if self.actions.gate[u.slot : u.slot + 1].data_ptr() == key:
+                    u.entries = got[1]
+            return got[0], list(got[1])
+        return None
+
+    def _grouped(self, steers: list[DeviceSteer], uses: list) -> tuple[dict, list[int]] | None:
         groups: dict[int, list[DeviceSteer]] = {}  # gate's address (-1: not gated) -> vectors
         for st in steers:
             groups.setdefault(-1 if st.gate is None else st.gate.data_ptr(), []).append(st)

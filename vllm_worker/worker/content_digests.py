@@ -39,13 +39,13 @@ class RecentDigests:
             return digest(t)
         key = (t.dtype, tuple(t.shape), bytes(raw[:_EDGE]), bytes(raw[-_EDGE:]))
         got = recall(self._memo, key)
-        if got is None or not _same(got[0], raw):  # (bytes comparison: exact)
+        if got is None or not same_bytes(got[0], raw):  # (bytes comparison: exact)
             got = (raw if isinstance(raw, bytes) else raw.tobytes(), digest(t))
             remember(self._memo, key, got, KEPT)
         return got[1]
 
 
-def _same(kept: bytes, raw: bytes | memoryview) -> bool:
+def same_bytes(kept: bytes, raw: bytes | memoryview) -> bool:
     """Exact byte equality, a memcmp for a memoryview too (`bytes.startswith` takes any buffer; `memoryview
     .__eq__` unpacks item by item, ~80x slower at 512 KB)."""
     return len(kept) == len(raw) and (kept == raw if isinstance(raw, bytes) else kept.startswith(raw))

@@ -55,6 +55,7 @@ class SteeringEntries:
         self._chains: dict[Hashable, list[int]] = {}  # content key -> its chain's entries, head first
         self._key_at: dict[int, Hashable] = {}  # a shared chain's head -> its key
         self.shared_hits = 0  # chains found already stored (`lens_status`)
+        self.dropped = 0  # counts chains that left `_chains`: a `share` recorded before one may be stale
         self.full = 0  # requests refused because the table was full (`lens_status`)
         self.layouts: dict = {}  # request layouts by content (`interventions.chain_entries`; no tensors)
         self._rows_memo: dict[Hashable, Rows] = {}  # chains' rows by content (`_chain_rows`)
@@ -186,6 +187,15 @@ class SteeringEntries:
             taken += ids
         return heads, taken
 
+    def share(self, ids: list[int], hits: int) -> None:
+        """One more user of stored chains' entries `ids` (as `add_chains` returned them for a request that
+        found all its chains stored, `hits` of them; valid while `dropped` has not moved since): what
+        `add_chains` does for such a request, without building its keys (`admit_templates`)."""
+        refs = self._refs
+        for j in ids:
+            refs[j] += 1
+        self.shared_hits += hits
+
     def _chain_rows(self, key: Hashable | None, steps: Any) -> Rows | None:
         """A chain's rows as the table stores them (`steps`: its `Step`s or a function making them; None:
         no steps), remembered by content (`key`; LRU, `ROWS_KEPT`): requests whose chains are never shared
@@ -246,6 +256,7 @@ class SteeringEntries:
                 key = self._key_at.pop(j, None)
                 if key is not None:
                     self._chains.pop(key, None)
+                    self.dropped += 1
 
     def clear(self) -> None:
         """Drop the queued entries (their requests failed: `Admission.abandon`, which frees them next): no
@@ -254,6 +265,7 @@ class SteeringEntries:
             key = self._key_at.pop(j, None)
             if key is not None:
                 self._chains.pop(key, None)
+                self.dropped += 1
         self._new = {}
 
 
@@ -335,6 +347,44 @@ def entries_for(
         ents = np.array(heads[k : k + len(positions)], dtype=np.int32)
         k += len(positions)
         out[layer] = (default, np.array(positions, dtype=np.int64), ents, -1, -1)  # (no phase: `interventions`)
+    return out, ids
+
+
+_NONE_NAMED = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)  # (read-only: no named positions)
+for _a in _NONE_NAMED:
+    _a.flags.writeable = False
+
+
+def gated_rows(table: SteeringEntries, sites: dict[int, int], steers: list[Any]) -> list[tuple[int, Rows]] | None:
+    """The rows of a probe action's steering (`steers`: plain, 2-D, one gate) per site, as `entries_for`
+    stores them for it (`put_gated`), made from content only: a template keeps them for equal requests
+    (`admit_templates`). None: steering this shortcut does not cover (then `entries_for`)."""
+    if not all(st.plain and st.positions is None for st in steers):
+        return None
+    out: list[tuple[int, Rows]] = []
+    for layer in sorted({l for st in steers for l in st.layers if l in sites}):
+        defaults = [(st, st.layers[layer]) for st in steers if layer in st.layers]
+        key = ("add", tuple(item_key(st, row) for st, row in defaults), ())
+        rows = table._chain_rows(key, functools.partial(_plain_step, table.d, defaults, []))
+        assert rows is not None  # (a plain step is one entry)
+        out.append((layer, rows))
+    return out
+
+
+def put_gated(table: SteeringEntries, rows: list[tuple[int, Rows]]) -> tuple[dict, list[int]] | None:
+    """`gated_rows`' entries for one request (gated entries are never shared: fresh ones, gate 0), as
+    `entries_for(..., gated=True)` takes them; None when the table is full (nothing taken)."""
+    if not rows:
+        return {}, []
+    if sum(len(r[3]) for _, r in rows) > len(table._free):
+        table.refused()
+        return None
+    out: dict[int, tuple[int, np.ndarray, np.ndarray, int, int]] = {}
+    ids: list[int] = []
+    for layer, r in rows:
+        got = table._put(r, True)
+        out[layer] = (got[0], *_NONE_NAMED, -1, -1)
+        ids += got
     return out, ids
 
 
