@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_worker.protocol.recent import recall, remember
+from vllm_worker.protocol.recent import by_bytes
 from vllm_worker.protocol.wire import tensor_from_bytes
 from vllm_worker.worker import faults
 from vllm_worker.worker.device_copy import distinct_rows, to_device
@@ -165,12 +165,8 @@ class ActionTable:
         raw = obj.get("data") if isinstance(obj, dict) else None
         if not isinstance(raw, bytes) or len(raw) > WEIGHTS_MAX_BYTES:
             return tensor_from_bytes(obj, field).to(torch.float32)
-        key = (obj.get("dtype"), repr(obj.get("shape")), raw[:64], raw[-64:])
-        got = recall(self._decoded, key)
-        if got is None or got[0] != raw:  # (bytes comparison: exact)
-            got = (raw, tensor_from_bytes(obj, field).to(torch.float32))
-            remember(self._decoded, key, got, WEIGHTS_KEPT)
-        return got[1]
+        tag = (obj.get("dtype"), repr(obj.get("shape")))
+        return by_bytes(self._decoded, tag, raw, lambda: tensor_from_bytes(obj, field).to(torch.float32), WEIGHTS_KEPT)
 
     def flush(self) -> None:
         """The slots taken since the last flush reach the device: their constants and fresh state, for all

@@ -16,14 +16,12 @@ from typing import Any
 
 import msgspec
 
-from vllm_worker.protocol.recent import recall, remember
-from vllm_worker.worker.content_digests import same_bytes
+from vllm_worker.protocol.recent import EDGE, recall, remember, same_bytes
 
 KEPT = 8  # templates remembered (least recently used dropped) ...
 MAX_BYTES = 4 << 20  # ... each holding at most this many bytes of tensors (larger: admitted as before)
 # payload keys a template may cover: the rest of a payload (hooks, SAEs, probes) is admitted as before
 _FIELDS = frozenset({"v", "key", "capture", "steer", "actions", "n", "release", "fetch", "shm"})
-_EDGE = 64  # bytes from each end of a tensor in `Templates.seen`'s mark
 _PER_REQUEST = ("key", "capture", "n", "release", "fetch", "shm")  # never part of the key
 
 
@@ -119,7 +117,7 @@ class Templates:
         """Whether a recent payload had these fields and tensors with these first and last bytes: a template
         is made at the second sighting, so requests that each send their own vectors pay no template (a
         guess only: `find` compares every byte)."""
-        mark = (key, *(bytes(b[:_EDGE]) + bytes(b[-_EDGE:]) for b in blobs))
+        mark = (key, *(bytes(b[:EDGE]) + bytes(b[-EDGE:]) for b in blobs))
         if recall(self._seen, mark) is not None:
             return True
         remember(self._seen, mark, True, 4 * self.kept)

@@ -12,20 +12,19 @@ from typing import Any
 import msgspec
 import torch
 
-from vllm_worker.protocol.recent import recall, remember
+from vllm_worker.protocol.recent import by_bytes
 from vllm_worker.worker.graph_entries import digest
 
 KEPT = 8  # recent payload byte strings remembered ...
 MAX_BYTES = 16 << 20  # ... each at most this large
 MIN_BYTES = 4096  # below this, hashing is as cheap as the lookup
-_EDGE = 64  # bytes from each end in the lookup key (a cheap first test before the full comparison)
 
 
 class RecentDigests:
     """`digest` of a payload tensor, remembered for its bytes."""
 
     def __init__(self) -> None:
-        self._memo: dict[tuple, tuple[bytes, bytes]] = {}  # (dtype, shape, edges) -> (the bytes, their digest)
+        self._memo: dict[tuple, tuple[bytes, bytes]] = {}  # `recent.by_bytes`: (the bytes, their digest)
 
     def of(self, raw: Any, t: torch.Tensor) -> bytes:
         """The digest of `t` (`graph_entries.digest`), where `raw` is the payload's bytes `t` was read from
@@ -37,15 +36,4 @@ class RecentDigests:
             return digest(t)
         if isinstance(raw, memoryview) and (raw.format != "B" or raw.ndim != 1):
             return digest(t)
-        key = (t.dtype, tuple(t.shape), bytes(raw[:_EDGE]), bytes(raw[-_EDGE:]))
-        got = recall(self._memo, key)
-        if got is None or not same_bytes(got[0], raw):  # (bytes comparison: exact)
-            got = (raw if isinstance(raw, bytes) else raw.tobytes(), digest(t))
-            remember(self._memo, key, got, KEPT)
-        return got[1]
-
-
-def same_bytes(kept: bytes, raw: bytes | memoryview) -> bool:
-    """Exact byte equality, a memcmp for a memoryview too (`bytes.startswith` takes any buffer; `memoryview
-    .__eq__` unpacks item by item, ~80x slower at 512 KB)."""
-    return len(kept) == len(raw) and (kept == raw if isinstance(raw, bytes) else kept.startswith(raw))
+        return by_bytes(self._memo, (t.dtype, tuple(t.shape)), raw, lambda: digest(t), KEPT)
