@@ -108,4 +108,17 @@ def test_memo_is_bounded():
     for i in range(steer_rows.KEPT + 3):
         _spec(torch.full((L, D), float(i + 1)), "add")
     assert len(steer_rows._memo) == steer_rows.KEPT
-    assert all(isinstance(got[0], np.ndarray) for got in steer_rows._memo.values())
+    assert all(type(got[0]) is bytes for got in steer_rows._memo.values())  # a copy of the bytes, no tensor
+
+
+def test_byte_comparison_is_exact_at_every_byte():
+    """The memo's test (one memcmp) agrees with numpy's element comparison: any single flipped bit in the
+    first, a middle or the last byte, or a length that differs, is a miss."""
+    src = torch.randn(L, D).numpy().reshape(-1).view(np.uint8)
+    kept = src.tobytes()
+    assert steer_rows._same_bytes(kept, src)
+    for at in (0, src.nbytes // 2 + 1, src.nbytes - 1):
+        other = src.copy()
+        other[at] ^= 1
+        assert not steer_rows._same_bytes(kept, other) and not np.array_equal(np.frombuffer(kept, np.uint8), other)
+    assert not steer_rows._same_bytes(kept, src[:-4]) and not steer_rows._same_bytes(kept[:-4], src)
