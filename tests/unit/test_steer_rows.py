@@ -108,4 +108,38 @@ def test_memo_is_bounded():
     for i in range(steer_rows.KEPT + 3):
         _spec(torch.full((L, D), float(i + 1)), "add")
     assert len(steer_rows._memo) == steer_rows.KEPT
-    assert all(isinstance(got[0], np.ndarray) for got in steer_rows._memo.values())
+    assert all(type(got[0]) is bytes for got in steer_rows._memo.values())  # a copy of the bytes, no tensor
+
+
+def test_byte_comparison_is_exact_at_every_byte():
+    """The memo's test (one memcmp) agrees with numpy's element comparison: any single flipped bit in the
+    first, a middle or the last byte, or a length that differs, is a miss."""
+    src = torch.randn(L, D).numpy().reshape(-1).view(np.uint8)
+    kept = src.tobytes()
+    assert steer_rows._same_bytes(kept, src)
+    for at in (0, src.nbytes // 2 + 1, src.nbytes - 1):
+        other = src.copy()
+        other[at] ^= 1
+        assert not steer_rows._same_bytes(kept, other) and not np.array_equal(np.frombuffer(kept, np.uint8), other)
+    assert not steer_rows._same_bytes(kept, src[:-4]) and not steer_rows._same_bytes(kept[:-4], src)
+
+
+@pytest.mark.parametrize("op", ["add", "ablate"])
+def test_an_expanded_vector_is_decided_by_its_row_and_gets_the_dense_bits(op):
+    """A registered vector arrives expanded over its layers (stride 0): the memo compares its one row, and its
+    rows, wire bytes and digest are those of the same values as a dense tensor; a row one bit off misses."""
+    v = torch.randn(D)
+    dense = steer_rows.checked_rows(v.expand(L, D).clone(), op, "f")
+    first = steer_rows.checked_rows(v.clone().expand(L, D), op, "f")
+    again = steer_rows.checked_rows(v.clone().expand(L, D), op, "f")  # another object, same values: a hit
+    assert len(steer_rows._memo) == 2  # the dense and the expanded forms, one entry each
+    for got in (first, again):
+        assert got.raw == dense.raw and got.digest == dense.digest
+        assert torch.equal(got.rows, dense.rows) and got.rows.is_contiguous()
+    assert first.rows.data_ptr() != again.rows.data_ptr()  # each request its own rows
+    assert torch.equal(first.rows, _fresh(v.expand(L, D), op))
+    off = v.clone()
+    off.view(torch.int32)[-1] ^= 1
+    miss = steer_rows.checked_rows(off.expand(L, D), op, "f")
+    assert miss.raw != dense.raw and torch.equal(miss.rows, _fresh(off.expand(L, D), op))
+    assert len(steer_rows._memo) == 3

@@ -35,7 +35,7 @@ class Rows(NamedTuple):
 
 
 # (unit rows?, dtype, shape, edges) -> (input bytes, the rows' shape, wire bytes, digest): no tensor kept
-_memo: dict[tuple, tuple[np.ndarray, tuple[int, ...], bytes, bytes]] = {}
+_memo: dict[tuple, tuple[bytes, tuple[int, ...], bytes, bytes]] = {}
 _lock = threading.Lock()  # (AsyncLLM and the HTTP server may admit from more than one thread)
 
 
@@ -44,20 +44,27 @@ def checked_rows(acts: torch.Tensor, op: str, f: str) -> Rows:
     or a zero direction. Bit-identical to the passes it replaces (`host_float32`, `all_finite`,
     `check_directions` and a division in place)."""
     unit = op in ("ablate", "cap")
-    src = _input_bytes(acts)
-    if src is None:
+    got_src = _input_bytes(acts)
+    if got_src is None:
         return _make(acts, op, f)
-    key = (unit, acts.dtype, tuple(acts.shape), src[:_EDGE].tobytes(), src[-_EDGE:].tobytes())
+    repeated, src = got_src
+    key = (unit, acts.dtype, tuple(acts.shape), repeated, src[:_EDGE].tobytes(), src[-_EDGE:].tobytes())
     with _lock:
         got = recall(_memo, key)
-    if got is not None and np.array_equal(got[0], src):  # (uint8 against uint8: exact bytes)
+    if got is not None and _same_bytes(got[0], src):
         _, shape, raw, digest = got
         rows = torch.from_numpy(np.frombuffer(raw, dtype=np.float32).reshape(shape).copy())
         return Rows(rows, raw, digest)
     done = _make(acts, op, f)
     with _lock:
-        remember(_memo, key, (src.copy(), tuple(done.rows.shape), done.raw, done.digest), KEPT)
+        remember(_memo, key, (src.tobytes(), tuple(done.rows.shape), done.raw, done.digest), KEPT)
     return done
+
+
+def _same_bytes(kept: bytes, src: np.ndarray) -> bool:
+    """Exact byte equality of a remembered input and the caller's bytes, as one memcmp (`bytes.startswith`
+    over the buffer, lengths equal): `np.array_equal` builds a boolean array first (2.5x slower at 512 KB)."""
+    return len(kept) == src.nbytes and kept.startswith(src.data)
 
 
 def _make(acts: torch.Tensor, op: str, f: str) -> Rows:
@@ -71,13 +78,16 @@ def _make(acts: torch.Tensor, op: str, f: str) -> Rows:
     return Rows(rows, raw, hashlib.sha256(raw).digest())
 
 
-def _input_bytes(acts: torch.Tensor) -> np.ndarray | None:
-    """The caller's tensor's bytes as a uint8 view (a copy only of a strided one), or None where the memo does not apply (not a
-    dense float32 / float64 host tensor, or outside the sizes kept)."""
+def _input_bytes(acts: torch.Tensor) -> tuple[bool, np.ndarray] | None:
+    """The bytes that decide the caller's tensor as a uint8 view (a copy only of a strided one), or None where
+    the memo does not apply (not a float32 / float64 host tensor, or outside the sizes kept). A tensor whose
+    first dimension has stride 0 (a registered vector expanded over its layers) is all copies of its first
+    row: (True, that row's bytes) — its content exactly, without a dense copy of every row to compare."""
     t = acts.detach()
     if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64):
         return None
     if not MIN_BYTES <= t.numel() * t.element_size() <= MAX_BYTES:
         return None
-    # (a 1-D registered vector arrives expanded over its layers: one dense copy to compare)
-    return t.contiguous().numpy().reshape(-1).view(np.uint8)
+    if t.ndim >= 2 and t.shape[0] > 1 and t.stride(0) == 0:
+        return True, t[0].contiguous().numpy().reshape(-1).view(np.uint8)
+    return False, t.contiguous().numpy().reshape(-1).view(np.uint8)
