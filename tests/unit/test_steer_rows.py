@@ -10,6 +10,7 @@ from vllm_worker.api.steering import SteeringVector
 from vllm_worker.frontend import steer_rows
 from vllm_worker.frontend.validation import parse_request
 from vllm_worker.protocol.checks import host_float32
+from vllm_worker.protocol.recent import same_bytes
 from vllm_worker.protocol.spec import ModelShape, cache_salt, decode, encode
 
 D, L = 1024, 4
@@ -112,16 +113,16 @@ def test_memo_is_bounded():
 
 
 def test_byte_comparison_is_exact_at_every_byte():
-    """The memo's test (one memcmp) agrees with numpy's element comparison: any single flipped bit in the
+    """The memo's test (`recent.same_bytes`, one memcmp) agrees with numpy's element comparison: any single flipped bit in the
     first, a middle or the last byte, or a length that differs, is a miss."""
     src = torch.randn(L, D).numpy().reshape(-1).view(np.uint8)
     kept = src.tobytes()
-    assert steer_rows._same_bytes(kept, src)
+    assert same_bytes(kept, src.data)
     for at in (0, src.nbytes // 2 + 1, src.nbytes - 1):
         other = src.copy()
         other[at] ^= 1
-        assert not steer_rows._same_bytes(kept, other) and not np.array_equal(np.frombuffer(kept, np.uint8), other)
-    assert not steer_rows._same_bytes(kept, src[:-4]) and not steer_rows._same_bytes(kept[:-4], src)
+        assert not same_bytes(kept, other.data) and not np.array_equal(np.frombuffer(kept, np.uint8), other)
+    assert not same_bytes(kept, src[:-4].data) and not same_bytes(kept[:-4], src.data)
 
 
 @pytest.mark.parametrize("op", ["add", "ablate"])
