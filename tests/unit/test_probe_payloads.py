@@ -180,3 +180,57 @@ def test_requests_of_one_composition_at_their_own_positions(starts):
         if i not in (2, 3):
             want = sorted({offsets[i] + k for k in range(12)})
             assert pos == [p for p in want if starts is None or p >= starts[i]], i
+
+
+def test_the_index_kept_as_spans_are_filed_is_the_walk():
+    """Each slot's index (`ProbeScores.add`, kept as compositions are filed) is what `_walk` reads at a fetch,
+    and a fetch takes it: no span walked (so the tests above run the indexed path)."""
+    lengths = [4, 9, 9, 20, 7, 30, 3, 20]
+    names = [["a", "b", "c"]] * 6 + [["a", "two"], ["c"]]
+    reqs = _requests(names)
+    _run(reqs, lengths, False)
+    cache = fetch.shared_records(len(reqs)) or {}
+    for r in reqs:
+        for slot in r.store.probes.values():
+            spans = slot.spans[slot.probe.sites[0]]
+            assert len(slot.key) == len(spans) > 0
+            key, walked, firsts = probe_payloads._walk(slot, cache, {})
+            assert (key, firsts) == (slot.key, slot.firsts) and walked == spans
+    calls = []
+    walk = probe_payloads._walk
+    probe_payloads._walk = lambda *a: calls.append(a) or walk(*a)  # type: ignore[assignment]
+    try:
+        got = probe_payloads.payloads([r.store.probes for r in reqs[:6]], cache)
+    finally:
+        probe_payloads._walk = walk  # type: ignore[assignment]
+    assert calls == [] and got == [probes.payload(r.store.probes) for r in reqs[:6]]
+
+
+def test_spans_the_index_does_not_cover_are_walked():
+    """Spans added without the index (here a position filed twice: left to `probes.payload`), or a record
+    with nothing filed (which `_walk` skips but an index counts: those slots walked and regrouped): every
+    payload made here still equals the request's own bit for bit, each request's probes in its own order."""
+    lengths = [4, 9, 9, 20, 7]
+    names = [["c", "a", "b"], ["a", "b", "c"], ["b", "c", "a"], ["a", "b", "c"], ["a", "c", "b"]]
+    reqs = _requests(names)
+    _run(reqs, lengths, False)
+    empty = probes.StepRecord(1, {"scores": (3, torch.float32)}, torch.device("cpu"))  # nothing filed
+    for i, r in enumerate(reqs):
+        slot = r.store.probes["a"]
+        if i % 2 == 0:  # indexed, but its record has nothing filed: `_walk` skips the span
+            slot.add(slot.probe.sites[0], probes.Span(empty, 0, 1, "scores", slice(0, 1)))
+            assert len(slot.key) == len(slot.spans[slot.probe.sites[0]])
+        else:  # appended past the index (its last span again: positions filed twice): walked, and left
+            spans = slot.spans[slot.probe.sites[0]]
+            spans.append(spans[-1])
+    together = probe_payloads.payloads([r.store.probes for r in reqs], fetch.shared_records(len(reqs)) or {})
+    for i, r in enumerate(reqs):
+        alone = probes.payload(r.store.probes)
+        assert (together[i] is None) == (i % 2 == 1), i
+        if together[i] is not None:
+            assert together[i] == alone, i
+            assert list(together[i]) == list(alone) == list(r.store.probes), i  # type: ignore[arg-type]
+    slot = reqs[0].store.probes["c"]
+    n = len(slot.key)
+    slot.add(slot.probe.sites[0], probes.Span(empty, 0, 1, "scores", torch.tensor([0])))  # column indices
+    assert len(slot.key) == n < len(slot.spans[slot.probe.sites[0]])  # not indexed: walked (and left) from now on

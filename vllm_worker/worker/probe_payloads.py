@@ -3,7 +3,9 @@ shape (the same records, as many rows and columns in each — a batch compositio
 group, and the group's positions and scores are gathered from the records' host copies by a few array
 operations for all of them, not a few per request and probe. What this does not cover (a probe over
 several layers, column indices, a preempted request's recompute) is left to `probes.payload`, whose
-results these equal bit for bit (tests/unit/test_probe_payloads.py)."""
+results these equal bit for bit (tests/unit/test_probe_payloads.py). A request's group key is kept as its
+spans are filed (`ProbeScores.key`, once per composition, while the device runs the step) rather than
+walked here: the walk was the fetch's largest Python cost, and the fetch is on the result's critical path."""
 
 from __future__ import annotations
 
@@ -34,18 +36,33 @@ def payloads(
     filed: dict[int, bool] = {}  # records with something filed, by id
     for i, got in enumerate(requests):
         for name, slot in got.items():
-            found = _walk(slot, cache, filed) if len(slot.probe.sites) == 1 else None
+            sites = slot.probe.sites
+            if len(sites) != 1:
+                left.add(i)
+                break
+            spans = slot.spans.get(sites[0])
+            key = slot.key  # the index kept as the spans were filed (`ProbeScores.add`): usually all of them
+            if spans and len(key) == len(spans):
+                groups.setdefault(key, []).append((i, name, slot, spans, slot.firsts))
+                continue
+            found = _walk(slot, cache, filed)
             if found is None:
                 left.add(i)
                 break
             key, spans, firsts = found
             groups.setdefault(key, []).append((i, name, slot, spans, firsts))
+    # an index counts every span, `_walk` only those of records with something filed (a group's records are
+    # its key's: one member's tell)
+    unfiled = [k for k, m in groups.items() if not all(_filed(sp, cache, filed) for sp in m[0][3])]
+    for key in unfiled:
+        _rewalk(groups, key, cache, filed, left)
+    regrouped = bool(unfiled)
     done: list[dict[str, dict[str, Any]]] = [{} for _ in requests]  # each request's payloads by probe
     for key, members in groups.items():
         members = [m for m in members if m[0] not in left] if left else members
         if members:
             left |= _group(key, members, cache, done, starts)
-    if len(groups) > 1:  # each request's probes in its own order (one group: filed in that order)
+    if len(groups) > 1 or regrouped:  # each request's probes in its own order (one group: filed in that order)
         done = [{name: d[name] for name in got} if len(d) == len(got) else d for d, got in zip(done, requests)]
     return [None if i in left else d for i, d in enumerate(done)]
 
@@ -54,7 +71,7 @@ def _walk(slot: ProbeScores, cache: dict, filed: dict[int, bool]) -> tuple[tuple
     """(shape, spans, their first rows and columns) of the spans `probes.payload` reads (those of records
     with something filed): the shape is (record, rows, columns) per span, columns `slice(c0, c1)` as the
     filing makes them; None when not covered here (no spans: a probe over several sites, or nothing scored
-    — `probes.payload` says which). One pass per (request, probe): the span walk is the fetch's Python."""
+    — `probes.payload` says which). For slots whose index does not cover their spans (`ProbeScores.key`)."""
     key: list[tuple[int, int, int]] = []
     spans: list[Span] = []
     firsts: list[int] = []
@@ -75,6 +92,27 @@ def _walk(slot: ProbeScores, cache: dict, filed: dict[int, bool]) -> tuple[tuple
         spans.append(sp)
         firsts += (sp.r0, c0)
     return (tuple(key), spans, tuple(firsts)) if key else None
+
+
+def _filed(sp: Span, cache: dict, filed: dict[int, bool]) -> bool:
+    """Whether `sp`'s record has something filed (read once per record and fetch)."""
+    got = filed.get(id(sp.record))
+    if got is None:
+        got = filed[id(sp.record)] = sp.filed(cache)
+    return got
+
+
+def _rewalk(groups: dict[tuple, list[Member]], key: tuple, cache: dict, filed: dict[int, bool], left: set[int]) -> None:
+    """The members of an indexed group one of whose records has nothing filed, walked as `_walk` reads them
+    (regrouped by the spans it keeps; a member with none left to `probes.payload`)."""
+    members = groups.pop(key)
+    for i, name, slot, _, _ in members:
+        found = _walk(slot, cache, filed)
+        if found is None:
+            left.add(i)
+            continue
+        k, spans, firsts = found
+        groups.setdefault(k, []).append((i, name, slot, spans, firsts))
 
 
 def _group(key: tuple, members: list[Member], cache: dict, done: list[dict], starts: list[int] | None) -> set[int]:

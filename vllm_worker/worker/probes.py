@@ -130,17 +130,29 @@ class SiteProbes:
 
     def spans(self, rec: StepRecord, row0: int) -> None:
         """Each request's spans of `rec`, whose rows from `row0` on are this site's (once per composition)."""
-        off = row0
+        off, site, rid = row0, self.site, id(rec)
+        of: dict[int, tuple] = {}  # per probe, once: (columns, their first, width, whether `site` is its first)
         for r, s, e in self.items:
             n = e - s
             if r.store is not None:
+                got = r.store.probes
                 for u in r.probes:
-                    if self.site in u.weights:
+                    col = of.get(id(u))
+                    if col is None:
+                        if site not in u.weights:
+                            continue
                         c0, c1 = self.cols[(u.name, u.uid)]
-                        slot = r.store.probes.get(u.name)
-                        if slot is None:
-                            slot = r.store.probes[u.name] = ProbeScores(u)
-                        slot.spans.setdefault(self.site, []).append(Span(rec, off, off + n, "scores", slice(c0, c1)))
+                        col = of[id(u)] = (slice(c0, c1), c0, c1 - c0, u.sites[0] == site)
+                    slot = got.get(u.name)
+                    if slot is None:
+                        slot = got[u.name] = ProbeScores(u)
+                    spans = slot.spans.get(site)
+                    if spans is None:
+                        spans = slot.spans[site] = []
+                    spans.append(Span(rec, off, off + n, "scores", col[0]))
+                    if col[3] and len(slot.key) == len(spans) - 1:  # (`ProbeScores.add`'s index, inline)
+                        slot.key += ((rid, n, col[2]),)
+                        slot.firsts += (off, col[1])
             off += n
 
 
@@ -226,6 +238,28 @@ class ProbeScores:
 
     probe: DeviceProbe
     spans: dict[int, list[Span]] = field(default_factory=dict)
+    # `probe_payloads`' index of the spans at the probe's first site, kept as they are added (once per
+    # composition) so that a fetch does not walk them: per span (record id, rows, columns), and its first
+    # row and column; as many as there are spans when every one is indexed (else the fetch walks them)
+    key: tuple = ()
+    firsts: tuple = ()
+
+    def add(self, site: int, span: Span) -> None:
+        """File `span` at `site`, indexing it when it is a plain column slice (as `probe_payloads` reads)."""
+        spans = self.spans.setdefault(site, [])
+        spans.append(span)
+        if site != self.probe.sites[0] or len(self.key) != len(spans) - 1:
+            return
+        c = span.cols
+        if (
+            type(c) is slice
+            and c.step is None
+            and type(c.start) is int
+            and type(c.stop) is int
+            and 0 <= c.start <= c.stop
+        ):
+            self.key += ((id(span.record), span.r1 - span.r0, c.stop - c.start),)
+            self.firsts += (span.r0, c.start)
 
 
 # ---------------------------------------------------------------- per step
