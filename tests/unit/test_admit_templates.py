@@ -207,3 +207,27 @@ def test_requests_of_one_template_share_nothing_they_may_write():
     again = adm.admit("r5", payloads[5])
     assert again.steers[0].digest != states[5].steers[0].digest
     assert np.array_equal(states[5].steers[0].vectors.float().numpy(), states[0].steers[0].vectors.float().numpy())
+
+
+def test_requests_alternating_between_two_vectors_each_reuse_their_own_template():
+    """Two contents with equal fields, interleaved (a batch steering with +v and -v): each keeps its
+    template. Keyed by the fields alone, each replaced the other's and every request made a new template
+    (more work than no template: 38 made, no hit, for these 40 requests)."""
+    gen = torch.Generator().manual_seed(1)
+    units = [torch.nn.functional.normalize(torch.randn(D, generator=gen), dim=0) for _ in range(2)]
+
+    def payloads() -> list[dict]:
+        out = []
+        for i in range(40):
+            st = Steer(list(SITES), units[i % 2].expand(LAYERS, D).clone(), None, 1.0, False, op=ABLATE)
+            out.append(encode(RequestSpec(key=f"k{i}", steers=[st])))
+        return out
+
+    with_t, without = _make(40, 8), _make(40, 0)
+    got, got_tables = _run(with_t, payloads(), 2)
+    want, want_tables = _run(without, payloads(), 2)
+    assert got == want
+    for a, b in zip(got_tables, want_tables):
+        _same_tables(a, b)
+    assert len(with_t.templates._memo) == 2
+    assert with_t.templates.hits == 40 + 20 + 40 - 4  # (all but each content's first two: seen, then made)
