@@ -231,3 +231,54 @@ def test_requests_alternating_between_two_vectors_each_reuse_their_own_template(
         _same_tables(a, b)
     assert len(with_t.templates._memo) == 2
     assert with_t.templates.hits == 40 + 20 + 40 - 4  # (all but each content's first two: seen, then made)
+
+
+def test_a_request_failing_after_sharing_a_templates_entries_gives_its_counts_back():
+    """A request admitted from a template's shared entries that then fails (here: moving its vectors) gives
+    back exactly the counts it took: the tables, refcounts and later requests equal per-request admission."""
+    gen = torch.Generator().manual_seed(2)
+    u = torch.nn.functional.normalize(torch.randn(D, generator=gen), dim=0)
+
+    def payloads() -> list[dict]:
+        return [
+            encode(
+                RequestSpec(
+                    key=f"k{i}", steers=[Steer(list(SITES), u.expand(LAYERS, D).clone(), None, 1.0, False, op=ABLATE)]
+                )
+            )
+            for i in range(8)
+        ]
+
+    def run(adm: Admission) -> tuple[list, list]:
+        real, calls = adm._move_vectors, [0]
+        adm.states = []  # type: ignore[attr-defined]
+
+        def move(st):  # (the fifth request's move fails, after its entries were taken)
+            calls[0] += 1
+            if calls[0] == 5:
+                raise RuntimeError("injected")
+            real(st)
+
+        adm._move_vectors = move  # type: ignore[method-assign]
+        admit = adm.admit
+
+        def kept(req_id: str, p: dict):
+            s = admit(req_id, p)
+            adm.states.append(s)  # type: ignore[attr-defined]
+            return s
+
+        adm.admit = kept  # type: ignore[method-assign]
+        return _run(adm, payloads(), 2)
+
+    with_t, without = _make(8, 8), _make(8, 0)
+    got, got_tables = run(with_t)
+    want, want_tables = run(without)
+    assert got == want
+    for a, b in zip(got_tables, want_tables):
+        _same_tables(a, b)
+    assert [s["error"] is not None for s in got[0]] == [i == 4 for i in range(8)]
+    assert with_t.templates.hits >= 5 and any(t.shared for t in with_t.templates._memo.values())
+    live = {id(s): s for s in with_t.states[-8:]}  # type: ignore[attr-defined]  (the last round's states)
+    for s in live.values():
+        with_t.graph.entries.free(s.entry_ids)
+    assert with_t.graph.entries.in_use() == 0 and not with_t.graph.entries._chains  # (no count left behind)
