@@ -282,3 +282,41 @@ def test_a_request_failing_after_sharing_a_templates_entries_gives_its_counts_ba
     for s in live.values():
         with_t.graph.entries.free(s.entry_ids)
     assert with_t.graph.entries.in_use() == 0 and not with_t.graph.entries._chains  # (no count left behind)
+
+
+def test_a_failed_flush_leaves_no_shared_record_pointing_at_entries_never_sent():
+    """A step's flush fails after a template recorded shared entries queued in that step: its requests are
+    failed (`abandon`, as the runtime does), and the next step's equal requests store the chains again —
+    tables and states equal per-request admission, never a count on entries that never reached the device."""
+    from vllm_worker.worker import faults
+
+    gen = torch.Generator().manual_seed(3)
+    u = torch.nn.functional.normalize(torch.randn(D, generator=gen), dim=0)
+
+    def payload(i: int) -> dict:
+        st = Steer(list(SITES), u.expand(LAYERS, D).clone(), None, 1.0, False, op=ABLATE)
+        return encode(RequestSpec(key=f"k{i}", steers=[st]))
+
+    def run(adm: Admission) -> tuple[list, dict]:
+        first = [adm.admit(f"r{i}", payload(i)) for i in range(4)]
+        faults.STAGE = "flush"
+        try:
+            try:
+                adm.flush()
+                raise AssertionError("the injected fault did not fire")
+            except faults.InjectedFault:
+                for s in adm.abandon():  # (what `runtime._fail` gives back for them)
+                    adm.graph.free_entries(s.entry_ids)
+        finally:
+            faults.STAGE = None
+        assert len(first) == 4 and adm.graph.entries.in_use() == 0
+        again = [adm.admit(f"r{i}", payload(i)) for i in range(4, 8)]
+        adm.flush()
+        return [_state(adm, s) for s in again], _tables(adm)
+
+    with_t, without = _make(8, 8), _make(8, 0)
+    got, got_table = run(with_t)
+    want, want_table = run(without)
+    assert got == want
+    _same_tables(got_table, want_table)
+    assert with_t.graph.entries.in_use() == without.graph.entries.in_use() > 0
