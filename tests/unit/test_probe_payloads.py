@@ -180,3 +180,26 @@ def test_requests_of_one_composition_at_their_own_positions(starts):
         if i not in (2, 3):
             want = sorted({offsets[i] + k for k in range(12)})
             assert pos == [p for p in want if starts is None or p >= starts[i]], i
+
+
+def test_rising_same_read_in_the_gathered_layout_equals_the_member_major_reading():
+    """`_rising_same` / `_member_positions` read each member's positions across steps and parts without a
+    member-major copy: random groups (members whose positions differ, fall, repeat) against that copy."""
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        n = int(rng.integers(1, 5))
+        parts = []
+        for _ in range(int(rng.integers(1, 4))):
+            steps, rows = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+            base = np.sort(rng.integers(0, 12, size=steps * rows)).reshape(steps, 1, rows)
+            p = np.repeat(base, n, axis=1)  # (steps, members, rows)
+            for k in range(n):
+                if rng.random() < 0.3:
+                    p[rng.integers(0, steps), k, rng.integers(0, rows)] = rng.integers(0, 12)
+            parts.append(p)
+        full = np.concatenate([p.transpose(1, 0, 2).reshape(n, -1) for p in parts], axis=1)
+        rising, same = probe_payloads._rising_same(parts, n)
+        assert rising == [bool((f[1:] > f[:-1]).all()) for f in full]
+        assert same == [bool((f == full[0]).all()) for f in full]
+        for k in range(n):
+            assert np.array_equal(probe_payloads._member_positions(parts, k), full[k])
