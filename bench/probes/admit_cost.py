@@ -5,6 +5,7 @@ admitted through the worker's `Admission` (payload decode, action slots, entries
 tables like the H200 run's. Prints ms per request (min and median of `ADMIT_REPEATS` batches, default 5)
 and the table's entries in use; then, load-independent, the aten ops of one batch (admissions and flush: on
 a GPU the flush's are launches, the others host work) and the bytes it hands to the device (`to_device`).
+`ADMIT_CONTENTS=k`: requests alternate between k vectors; `ADMIT_TEMPLATES=0`: no admission templates.
 Run: `[ADMIT_STEADY=1] python bench/probes/admit_cost.py [n_requests] [workloads, e.g. W11,W12]`."""
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from vllm_worker.worker.store import CaptureStore
 D, LAYERS = 4096, 32
 REPEATS = int(os.environ.get("ADMIT_REPEATS", "5"))  # batches per workload (min and median reported)
 STEADY = os.environ.get("ADMIT_STEADY") == "1"  # one torch thread, no garbage collection inside a batch
+CONTENTS = int(os.environ.get("ADMIT_CONTENTS", "1"))  # distinct vectors, request i sends number i % CONTENTS
+TEMPLATES = os.environ.get("ADMIT_TEMPLATES") != "0"  # 0: admission templates off (`Templates.kept = 0`)
 
 
 class Counts(TorchDispatchMode):
@@ -99,10 +102,11 @@ def main() -> None:
     os.environ.setdefault("VLLM_LENS_STEER_MB", "64")
     if STEADY:  # (on a shared VM: a collection over vLLM's objects, ~0.3 s here, lands in some batch)
         torch.set_num_threads(1)
-    unit = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(0)), dim=0)
+    gen = torch.Generator().manual_seed(0)
+    units = [torch.nn.functional.normalize(torch.randn(D, generator=gen), dim=0) for _ in range(CONTENTS)]
     compat.pp_last_stage()  # (its first call imports vLLM's distributed modules: not a request's cost)
     for workload in workloads:
-        msgs = [payload(workload, i, unit) for i in range(n)]
+        msgs = [payload(workload, i, units[i % CONTENTS]) for i in range(n)]
         runs = [one_run(workload, msgs) for _ in range(REPEATS)]
         admit = sorted(r[0] for r in runs)
         flush = sorted(r[1] for r in runs)
@@ -137,6 +141,8 @@ def one_run(workload: str, msgs: list[dict], profile: Any = None) -> tuple[float
     g = graph.GraphTaps([site(l, OUT) for l in range(LAYERS)], D, torch.bfloat16, torch.device("cpu"), 256, None)
     actions = ActionTable(D, torch.device("cpu")) if workload == "W11" else None
     adm = admission(g, n, actions)
+    if not TEMPLATES:
+        adm.templates.kept = 0
     if STEADY:
         gc.collect()
         gc.disable()

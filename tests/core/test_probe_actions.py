@@ -403,3 +403,33 @@ def test_each_sample_of_n_acts_on_its_own(llama, plain):
             assert first is not None and first in (len(got) - 1, len(got) - 2) and rep["token_index"] == first
         else:
             assert o.finish_reason == "length" and (first is None or first == len(got) - 1)
+
+
+def test_equal_gated_steer_actions_from_admission_templates_each_fire_on_their_own(llama, plain):
+    """Three requests with one `then: steer` action (equal payloads: the second batch is admitted from an
+    admission template, `put_gated` taking fresh gated entries per request) and a batch-mate steering with
+    the same vector plainly: each action fires and steers as alone (HF), the plain steer applies throughout,
+    and no request's gate or entries reach another's."""
+    hf, prompt_ids, tokens, k, v, act = _steer_firing_at_the_first_rise(plain)
+    rt = llama.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner._lens_runtime
+    fire_pos = len(prompt_ids) - 1 + k
+    positions = list(range(fire_pos + 1, len(prompt_ids) + N_NEW))
+    want = greedy(hf, prompt_ids, N_NEW, steer_edit({1: v[0].expand(len(positions), D)}, positions=positions))
+    assert want != tokens, "the vector is strong enough to change the continuation"
+    mate = {"apply_steering_vectors": [SteeringVector(v.clone(), [1])]}
+    mate_ids = plain[0][0]
+    all_pos = list(range(len(mate_ids) + N_NEW))
+    mate_want = greedy(hf, mate_ids, N_NEW, steer_edit({1: v[0].expand(len(all_pos), D)}, positions=all_pos))
+    hits = rt.admission.templates.hits
+    for _ in range(2):
+        prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[2], PROMPTS[2]]
+        sps = [_sp({"probe_actions": [dict(act)]}), _sp(mate), _sp({"probe_actions": [dict(act)]})]
+        sps.append(_sp({"probe_actions": [dict(act)]}))
+        outs = llama.generate(prompts, sps, use_tqdm=False)
+        for i in (0, 2, 3):
+            assert list(outs[i].outputs[0].token_ids) == want, f"request {i}"
+            (rep,) = outs[i].activations["probe_actions"]
+            assert rep["fired"] and rep["position"] == fire_pos
+        assert list(outs[1].outputs[0].token_ids) == mate_want
+    assert rt.admission.templates.hits - hits >= 3  # (the second batch's actions came from a template)
+    assert any(t.gated for t in rt.admission.templates._memo.values())  # (their rows made once: `put_gated`)

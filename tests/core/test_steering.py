@@ -210,3 +210,30 @@ def test_hook_round_trips_through_model_dump(llama):
     ]
     a, b = llama.generate([PROMPTS[1], PROMPTS[1]], sps, use_tqdm=False)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.hook_results == b.hook_results
+
+
+def test_requests_alternating_two_vectors_from_admission_templates_equal_hf(llama):
+    """Eight requests alternating between two steering vectors (equal fields, different bytes), twice: the
+    second batch is admitted from admission templates (`admit_templates`, kept per content), and every
+    request still steers with its own vector, token for token and activation for activation as HF does."""
+    va, vb = _vec(11, norm=6.0), _vec(12, norm=6.0)
+    rt = llama.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner._lens_runtime
+    hits = rt.admission.templates.hits
+    for _ in range(2):
+        vecs = [va if i % 2 else vb for i in range(8)]
+        sps = [
+            SamplingParams(
+                max_tokens=6,
+                temperature=0,
+                ignore_eos=True,
+                extra_args={
+                    "apply_steering_vectors": [SteeringVector(v.clone(), [1])],
+                    "output_residual_stream": [1, 3],
+                },
+            )
+            for v in vecs
+        ]
+        outs = llama.generate(PROMPTS, sps, use_tqdm=False)
+        for out, v in zip(outs, vecs):
+            _check_against_hf(out, {1: v[0]}, [1, 3])
+    assert rt.admission.templates.hits - hits >= 8  # (the second batch: every request from its template)

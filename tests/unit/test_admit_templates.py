@@ -207,3 +207,116 @@ def test_requests_of_one_template_share_nothing_they_may_write():
     again = adm.admit("r5", payloads[5])
     assert again.steers[0].digest != states[5].steers[0].digest
     assert np.array_equal(states[5].steers[0].vectors.float().numpy(), states[0].steers[0].vectors.float().numpy())
+
+
+def test_requests_alternating_between_two_vectors_each_reuse_their_own_template():
+    """Two contents with equal fields, interleaved (a batch steering with +v and -v): each keeps its
+    template. Keyed by the fields alone, each replaced the other's and every request made a new template
+    (more work than no template: 38 made, no hit, for these 40 requests)."""
+    gen = torch.Generator().manual_seed(1)
+    units = [torch.nn.functional.normalize(torch.randn(D, generator=gen), dim=0) for _ in range(2)]
+
+    def payloads() -> list[dict]:
+        out = []
+        for i in range(40):
+            st = Steer(list(SITES), units[i % 2].expand(LAYERS, D).clone(), None, 1.0, False, op=ABLATE)
+            out.append(encode(RequestSpec(key=f"k{i}", steers=[st])))
+        return out
+
+    with_t, without = _make(40, 8), _make(40, 0)
+    got, got_tables = _run(with_t, payloads(), 2)
+    want, want_tables = _run(without, payloads(), 2)
+    assert got == want
+    for a, b in zip(got_tables, want_tables):
+        _same_tables(a, b)
+    assert len(with_t.templates._memo) == 2
+    assert with_t.templates.hits == 40 + 20 + 40 - 4  # (all but each content's first two: seen, then made)
+
+
+def test_a_request_failing_after_sharing_a_templates_entries_gives_its_counts_back():
+    """A request admitted from a template's shared entries that then fails (here: moving its vectors) gives
+    back exactly the counts it took: the tables, refcounts and later requests equal per-request admission."""
+    gen = torch.Generator().manual_seed(2)
+    u = torch.nn.functional.normalize(torch.randn(D, generator=gen), dim=0)
+
+    def payloads() -> list[dict]:
+        return [
+            encode(
+                RequestSpec(
+                    key=f"k{i}", steers=[Steer(list(SITES), u.expand(LAYERS, D).clone(), None, 1.0, False, op=ABLATE)]
+                )
+            )
+            for i in range(8)
+        ]
+
+    def run(adm: Admission) -> tuple[list, list]:
+        real, calls = adm._move_vectors, [0]
+        adm.states = []  # type: ignore[attr-defined]
+
+        def move(st):  # (the fifth request's move fails, after its entries were taken)
+            calls[0] += 1
+            if calls[0] == 5:
+                raise RuntimeError("injected")
+            real(st)
+
+        adm._move_vectors = move  # type: ignore[method-assign]
+        admit = adm.admit
+
+        def kept(req_id: str, p: dict):
+            s = admit(req_id, p)
+            adm.states.append(s)  # type: ignore[attr-defined]
+            return s
+
+        adm.admit = kept  # type: ignore[method-assign]
+        return _run(adm, payloads(), 2)
+
+    with_t, without = _make(8, 8), _make(8, 0)
+    got, got_tables = run(with_t)
+    want, want_tables = run(without)
+    assert got == want
+    for a, b in zip(got_tables, want_tables):
+        _same_tables(a, b)
+    assert [s["error"] is not None for s in got[0]] == [i == 4 for i in range(8)]
+    assert with_t.templates.hits >= 5 and any(t.shared for t in with_t.templates._memo.values())
+    live = {id(s): s for s in with_t.states[-8:]}  # type: ignore[attr-defined]  (the last round's states)
+    for s in live.values():
+        with_t.graph.entries.free(s.entry_ids)
+    assert with_t.graph.entries.in_use() == 0 and not with_t.graph.entries._chains  # (no count left behind)
+
+
+def test_a_failed_flush_leaves_no_shared_record_pointing_at_entries_never_sent():
+    """A step's flush fails after a template recorded shared entries queued in that step: its requests are
+    failed (`abandon`, as the runtime does), and the next step's equal requests store the chains again —
+    tables and states equal per-request admission, never a count on entries that never reached the device."""
+    from vllm_worker.worker import faults
+
+    gen = torch.Generator().manual_seed(3)
+    u = torch.nn.functional.normalize(torch.randn(D, generator=gen), dim=0)
+
+    def payload(i: int) -> dict:
+        st = Steer(list(SITES), u.expand(LAYERS, D).clone(), None, 1.0, False, op=ABLATE)
+        return encode(RequestSpec(key=f"k{i}", steers=[st]))
+
+    def run(adm: Admission) -> tuple[list, dict]:
+        first = [adm.admit(f"r{i}", payload(i)) for i in range(4)]
+        faults.STAGE = "flush"
+        try:
+            try:
+                adm.flush()
+                raise AssertionError("the injected fault did not fire")
+            except faults.InjectedFault:
+                for s in adm.abandon():  # (what `runtime._fail` gives back for them)
+                    adm.graph.free_entries(s.entry_ids)
+        finally:
+            faults.STAGE = None
+        assert len(first) == 4 and adm.graph.entries.in_use() == 0
+        again = [adm.admit(f"r{i}", payload(i)) for i in range(4, 8)]
+        adm.flush()
+        return [_state(adm, s) for s in again], _tables(adm)
+
+    with_t, without = _make(8, 8), _make(8, 0)
+    got, got_table = run(with_t)
+    want, want_table = run(without)
+    assert got == want
+    _same_tables(got_table, want_table)
+    assert with_t.graph.entries.in_use() == without.graph.entries.in_use() > 0

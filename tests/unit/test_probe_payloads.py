@@ -234,3 +234,26 @@ def test_spans_the_index_does_not_cover_are_walked():
     n = len(slot.key)
     slot.add(slot.probe.sites[0], probes.Span(empty, 0, 1, "scores", torch.tensor([0])))  # column indices
     assert len(slot.key) == n < len(slot.spans[slot.probe.sites[0]])  # not indexed: walked (and left) from now on
+
+
+def test_rising_same_read_in_the_gathered_layout_equals_the_member_major_reading():
+    """`_rising_same` / `_member_positions` read each member's positions across steps and parts without a
+    member-major copy: random groups (members whose positions differ, fall, repeat) against that copy."""
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        n = int(rng.integers(1, 5))
+        parts = []
+        for _ in range(int(rng.integers(1, 4))):
+            steps, rows = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+            base = np.sort(rng.integers(0, 12, size=steps * rows)).reshape(steps, 1, rows)
+            p = np.repeat(base, n, axis=1)  # (steps, members, rows)
+            for k in range(n):
+                if rng.random() < 0.3:
+                    p[rng.integers(0, steps), k, rng.integers(0, rows)] = rng.integers(0, 12)
+            parts.append(p)
+        full = np.concatenate([p.transpose(1, 0, 2).reshape(n, -1) for p in parts], axis=1)
+        rising, same = probe_payloads._rising_same(parts, n)
+        assert rising == [bool((f[1:] > f[:-1]).all()) for f in full]
+        assert same == [bool((f == full[0]).all()) for f in full]
+        for k in range(n):
+            assert np.array_equal(probe_payloads._member_positions(parts, k), full[k])

@@ -286,9 +286,10 @@ class Admission:
         got = admit_templates.split(payload)
         if got is None:
             return None
-        key, blobs = got
-        tmpl = self.templates.find(key, blobs)
-        if tmpl is None and not self.templates.seen(key, blobs):  # (a first sighting: admitted as before)
+        mark = admit_templates.mark(*got)
+        blobs = got[1]
+        tmpl = self.templates.find(mark, blobs)
+        if tmpl is None and not self.templates.seen(mark):  # (a first sighting: admitted as before)
             return None
         if tmpl is None:  # (a failure here fails this request: nothing is remembered)
             tmpl = admit_templates.make(payload, blobs)
@@ -297,7 +298,7 @@ class Admission:
             d = self._derive(spec, tmpl.payload)
             tmpl.contents, tmpl.host, tmpl.luts, tmpl.keeps, tmpl.layers = d.contents, d.host, d.luts, d.keeps, d.layers
             tmpl.sites = frozenset(l for s in spec.steers for l in s.layers)
-            self.templates.keep(key, tmpl)
+            self.templates.keep(mark, tmpl)
         return tmpl
 
     def _derive(self, spec: Any, payload: dict) -> Any:

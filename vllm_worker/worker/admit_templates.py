@@ -101,31 +101,37 @@ class Templates:
 
     def __init__(self, kept: int = KEPT) -> None:
         self.kept = kept
-        self._memo: dict[bytes, Template] = {}
+        self._memo: dict[tuple, Template] = {}  # by `mark`
         self._seen: dict[tuple, bool] = {}  # recent (key, tensors' edges) without a template (`seen`)
         self.hits = 0  # requests admitted from a template made by an earlier one (tests, probes)
 
-    def find(self, key: bytes, blobs: list[Any]) -> Template | None:
-        """The template of exactly these fields and bytes, or None."""
-        got = recall(self._memo, key)
+    def find(self, mark: tuple, blobs: list[Any]) -> Template | None:
+        """The template of exactly these fields and bytes (`mark`: `mark(key, blobs)`), or None."""
+        got = recall(self._memo, mark)
         if got is None or len(got.blobs) != len(blobs) or not all(map(same_bytes, got.blobs, blobs)):
             return None
         self.hits += 1
         return got
 
-    def seen(self, key: bytes, blobs: list[Any]) -> bool:
+    def seen(self, mark: tuple) -> bool:
         """Whether a recent payload had these fields and tensors with these first and last bytes: a template
         is made at the second sighting, so requests that each send their own vectors pay no template (a
         guess only: `find` compares every byte)."""
-        mark = (key, *(bytes(b[:EDGE]) + bytes(b[-EDGE:]) for b in blobs))
         if recall(self._seen, mark) is not None:
             return True
         remember(self._seen, mark, True, 4 * self.kept)
         return False
 
-    def keep(self, key: bytes, t: Template) -> None:
-        """Remember `t` (once admission has filled it without failing) under `key`, in place of any other."""
-        remember(self._memo, key, t, self.kept)
+    def keep(self, mark: tuple, t: Template) -> None:
+        """Remember `t` (once admission has filled it without failing) under `mark`, in place of any other."""
+        remember(self._memo, mark, t, self.kept)
+
+
+def mark(key: bytes, blobs: list[Any]) -> tuple:
+    """A template's memo key: the fields and each tensor's first and last bytes. Keyed by the fields alone,
+    requests alternating between two vectors (equal fields) would each replace the other's template and
+    make a new one every time, costlier than no template; the full bytes are compared after (`find`)."""
+    return (key, *(bytes(b[:EDGE]) + bytes(b[-EDGE:]) for b in blobs))
 
 
 def make(payload: dict, blobs: list[Any]) -> Template:
