@@ -19,7 +19,8 @@ import msgspec
 from vllm_worker.protocol.recent import EDGE, recall, remember, same_bytes
 
 KEPT = 8  # templates remembered (least recently used dropped) ...
-MAX_BYTES = 4 << 20  # ... each holding at most this many bytes of tensors (larger: admitted as before)
+MAX_BYTES = 4 << 20  # ... each from a payload with at most this many bytes of tensors (larger: admitted as before);
+# a template also keeps the vectors in the model's dtype and a probe action's gated rows: up to ~4x this
 # payload keys a template may cover: the rest of a payload (hooks, SAEs, probes) is admitted as before
 _FIELDS = frozenset({"v", "key", "capture", "steer", "actions", "n", "release", "fetch", "shm"})
 _PER_REQUEST = ("key", "capture", "n", "release", "fetch", "shm")  # never part of the key
