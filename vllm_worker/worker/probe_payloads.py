@@ -21,7 +21,7 @@ from vllm_worker.worker.step_records import Span
 
 logger = logging.getLogger("vllm_worker")
 
-Member = tuple[int, str, ProbeScores, list[Span], tuple]  # (request index, probe name, its scores, spans read,
+Member = tuple[int, str, ProbeScores, list[Span], tuple | list]  # (request index, probe name, its scores, spans read,
 # each span's first row and column: r0, c0, r0, c0, ...)
 
 
@@ -41,9 +41,9 @@ def payloads(
                 left.add(i)
                 break
             spans = slot.spans.get(sites[0])
-            key = slot.key  # the index kept as the spans were filed (`ProbeScores.add`): usually all of them
-            if spans and len(key) == len(spans):
-                groups.setdefault(key, []).append((i, name, slot, spans, slot.firsts))
+            index = slot.key  # the index kept as the spans were filed (`ProbeScores.add`): usually all of them
+            if spans and len(index) == len(spans):
+                groups.setdefault(tuple(index), []).append((i, name, slot, spans, slot.firsts))
                 continue
             found = _walk(slot, cache, filed)
             if found is None:

@@ -151,8 +151,8 @@ class SiteProbes:
                         spans = slot.spans[site] = []
                     spans.append(Span(rec, off, off + n, "scores", col[0]))
                     if col[3] and len(slot.key) == len(spans) - 1:  # (`ProbeScores.add`'s index, inline)
-                        slot.key += ((rid, n, col[2]),)
-                        slot.firsts += (off, col[1])
+                        slot.key.append((rid, n, col[2]))
+                        slot.firsts += (off, col[1])  # (a list: extended in place)
             off += n
 
 
@@ -240,9 +240,10 @@ class ProbeScores:
     spans: dict[int, list[Span]] = field(default_factory=dict)
     # `probe_payloads`' index of the spans at the probe's first site, kept as they are added (once per
     # composition) so that a fetch does not walk them: per span (record id, rows, columns), and its first
-    # row and column; as many as there are spans when every one is indexed (else the fetch walks them)
-    key: tuple = ()
-    firsts: tuple = ()
+    # row and column; as many as there are spans when every one is indexed (else the fetch walks them).
+    # Lists appended in place: a tuple re-made per composition grew a long request's filing quadratically
+    key: list[tuple[int, int, int]] = field(default_factory=list)
+    firsts: list[int] = field(default_factory=list)
 
     def add(self, site: int, span: Span) -> None:
         """File `span` at `site`, indexing it when it is a plain column slice (as `probe_payloads` reads)."""
@@ -258,7 +259,7 @@ class ProbeScores:
             and type(c.stop) is int
             and 0 <= c.start <= c.stop
         ):
-            self.key += ((id(span.record), span.r1 - span.r0, c.stop - c.start),)
+            self.key.append((id(span.record), span.r1 - span.r0, c.stop - c.start))
             self.firsts += (span.r0, c.start)
 
 
