@@ -209,3 +209,15 @@ def test_the_repeated_form_survives_vllm_ipc_and_pickle():
     plain["steer"][0]["vec"]["data"] = bytes(plain["steer"][0]["vec"]["data"])  # (bytes where it pickles)
     again = pickle.loads(pickle.dumps(plain))
     assert torch.equal(decode(again, view=True).steers[0].vectors, got)
+
+
+def test_a_3d_patch_repeated_over_layers_sends_one_block():
+    """(layers, positions, d) with equal blocks per layer: one (positions, d) block crosses, the same rows."""
+    block = torch.randn(3, D, generator=torch.Generator().manual_seed(4))
+    sv = SteeringVector(activations=block.expand(2, 3, D).clone(), layer_indices=[1, 2], position_indices=[0, 1, 2])
+    spec = parse_request({"apply_steering_vectors": [sv]}, SHAPE, 30)
+    assert spec is not None
+    vec = encode(spec)["steer"][0]["vec"]
+    assert vec["repeat"] == 2 and vec["shape"] == [2, 3, D] and len(vec["data"]) == 3 * D * 4
+    for view in (True, False):
+        assert torch.equal(decode(encode(spec), view=view).steers[0].vectors, block.expand(2, 3, D))
