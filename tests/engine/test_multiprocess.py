@@ -79,5 +79,11 @@ def test_named_vector_by_reference_across_processes(mp_llama, llama):
         assert torch.equal(named.activations["residual_stream"], inline.activations["residual_stream"])
         after = mp_llama.collective_rpc("lens_status")[0]
         assert after["vector_refs_resolved"] == before["vector_refs_resolved"] + 1  # by reference, not bytes
+        # the same rows inline cross the real IPC as one row and the count (`spec._wire`): the numbers of
+        # the dense rows the reference resolved to
+        again = mp_llama.generate(["the water of people will come"], sp(SteeringVector(v.expand(2, 128).clone(), [1, 2], op="ablate")), use_tqdm=False)[0]  # fmt: skip
+        assert again.outputs[0].token_ids == named.outputs[0].token_ids
+        assert torch.equal(again.activations["residual_stream"], named.activations["residual_stream"])
+        assert mp_llama.collective_rpc("lens_status")[0]["vector_refs_resolved"] == after["vector_refs_resolved"]
     finally:
         mp_llama.delete_vector("mp-dir")

@@ -130,3 +130,19 @@ def test_hook_points_under_tp2_and_pp2_equal_hf(engine, request):
     (res,) = llm.collect_hook_results().values()
     assert sorted({(p, l) for p, l, _ in res["0"]["at"]}) == [("attn_out", 1), ("attn_out", 3)]
     llm.clear_hooks()
+
+
+def test_pp2_one_vector_at_layers_of_both_stages_equal_hf(pp2):
+    """Equal rows at layers of both stages cross as one row and its count (`spec._wire`), pickled by the
+    multiprocess executor: each stage rebuilds its rows, and the numbers are HF's."""
+    v = torch.randn(128, generator=torch.Generator().manual_seed(9)) * 4
+    extra = {
+        "output_residual_stream": [0, 1, 2, 3],
+        "apply_steering_vectors": [SteeringVector(v.expand(2, 128), [1, 2])],
+    }
+    out = pp2.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args=extra))[0]
+    edit = steer_edit({1: v, 2: v})
+    hf = hf_model("llama")
+    assert list(out.outputs[0].token_ids) == greedy(hf, list(out.prompt_token_ids), 5, edit)
+    ref, _ = residuals(hf, list(out.prompt_token_ids) + list(out.outputs[0].token_ids)[:-1], edit)
+    assert (out.activations["residual_stream"] - ref).abs().max() <= 1e-4

@@ -135,8 +135,8 @@ def test_an_expanded_vector_is_decided_by_its_row_and_gets_the_dense_bits(op):
     again = steer_rows.checked_rows(v.clone().expand(L, D), op, "f")  # another object, same values: a hit
     assert len(steer_rows._memo) == 2  # the dense and the expanded forms, one entry each
     for got in (first, again):
-        assert got.raw == dense.raw and got.digest == dense.digest
-        assert torch.equal(got.rows, dense.rows) and got.rows.is_contiguous()
+        assert got.raw == dense.raw and got.digest == dense.digest and got.repeat == dense.repeat == L
+        assert torch.equal(got.rows, dense.rows)  # (a hit's equal rows: its own row, expanded, never written)
     assert first.rows.data_ptr() != again.rows.data_ptr()  # each request its own rows
     assert torch.equal(first.rows, _fresh(v.expand(L, D), op))
     off = v.clone()

@@ -46,7 +46,7 @@ def split_steers(steers: list[Steer], shape: ModelShape, field: str) -> list[Ste
         for j in range(n):
             sites = [pts.mlp_piece_sites(pts.site_layer(s), n)[j] for s in st.layers]
             piece = v[..., j * d : (j + 1) * d].contiguous()  # (new rows: not the whole row's bytes / digest)
-            out.append(replace(st, layers=sites, vectors=piece, raw=None, digest=None))
+            out.append(replace(st, layers=sites, vectors=piece, raw=None, digest=None, repeat=0))
     return out
 
 

@@ -128,7 +128,7 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
     intervention.check_fields(op, phase, lo, hi, scale, item.norm_match, True, acts.ndim == 3, f)
     # float32 rows, finite, unit rows for ablate / cap (with heads: the direction within those heads);
     # remembered by content: an input equal to a recent one skips the passes (`steer_rows`)
-    acts, raw, digest = checked_rows(acts, op, f)
+    acts, raw, digest, repeat = checked_rows(acts, op, f)
     positions = None
     if acts.ndim == 3:
         n_pos = acts.shape[1]
@@ -163,6 +163,7 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
         cols=cols if op == "set" else None,
         raw=raw,
         digest=digest,
+        repeat=repeat,
     )
 
 

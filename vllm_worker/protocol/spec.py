@@ -118,6 +118,8 @@ class Steer:
     # `encode` sends: shared by requests of equal content) and their SHA-256 (what `cache_salt` hashes)
     raw: bytes | None = field(default=None, repr=False, compare=False)
     digest: bytes | None = field(default=None, repr=False, compare=False)
+    # > 0: `raw` is the first row along dim 0 only, every row being equal to it (one row a layer crosses)
+    repeat: int = field(default=0, repr=False, compare=False)
 
     @property
     def plain(self) -> bool:
@@ -239,7 +241,7 @@ def encode(spec: RequestSpec) -> dict[str, Any]:
         payload["steer"] = [
             {
                 "layers": s.layers,
-                "vec": tensor_to_bytes(s.vectors) if s.raw is None else _float32_wire(s.vectors, s.raw),
+                "vec": _wire(s),
                 "positions": s.positions,
                 "scale": s.scale,
                 "norm_match": s.norm_match,
@@ -279,7 +281,7 @@ def decode(payload: Mapping[str, Any], view: bool = False) -> RequestSpec:
         steers=[
             Steer(
                 list(s["layers"]),
-                tensor_from_bytes(s["vec"], "steer.vec", view),
+                _rows(s["vec"], view, len(s["layers"])),
                 None if s.get("positions") is None else list(s["positions"]),
                 float(s["scale"]),
                 bool(s["norm_match"]),
@@ -331,8 +333,40 @@ def cache_salt(spec: RequestSpec) -> str | None:
     return "inspect-lens:" + h.hexdigest()
 
 
-def _float32_wire(vectors: torch.Tensor, raw: bytes) -> dict[str, Any]:
-    """`wire.tensor_to_bytes(vectors)` where `raw` already holds those float32 rows' bytes."""
-    if vectors.dtype != torch.float32 or len(raw) != vectors.numel() * 4:  # (a steer remade without them)
+def _wire(s: Steer) -> dict[str, Any]:
+    """The steer's rows as sent: `wire.tensor_to_bytes(vectors)`, with the bytes `raw` already holds; rows
+    all equal (`repeat`, one per layer) as the one row and the count (`_rows` rebuilds them)."""
+    vectors, raw, repeat = s.vectors, s.raw, s.repeat
+    if raw is None:
+        return tensor_to_bytes(vectors)
+    if repeat and (repeat != vectors.shape[0] or repeat != len(s.layers)):  # (a steer remade without them)
+        raise AssertionError(f"steering rows {tuple(vectors.shape)} are not {repeat} rows, one a layer")
+    if vectors.dtype != torch.float32 or len(raw) * max(repeat, 1) != vectors.numel() * 4:
         raise AssertionError(f"steering rows {tuple(vectors.shape)} do not match their {len(raw)} wire bytes")
-    return {"dtype": "float32", "shape": list(vectors.shape), "data": raw}
+    out: dict[str, Any] = {"dtype": "float32", "shape": list(vectors.shape), "data": raw}
+    if repeat:
+        out["repeat"] = repeat
+    return out
+
+
+def _rows(vec: Any, view: bool, n_layers: int) -> torch.Tensor:
+    """A steer's rows from `_wire`'s form. Repeated: the one row, expanded over dim 0 where `view` (never
+    written) or copied into dense rows; the count must be the rows' first dimension and the steer's layers
+    (anything else is refused naming the field, never broadcast)."""
+    repeat = vec.get("repeat") if isinstance(vec, dict) else None
+    if repeat is None:
+        return tensor_from_bytes(vec, "steer.vec", view)
+    shape = vec.get("shape")
+    if (
+        isinstance(repeat, bool)
+        or not isinstance(repeat, int)
+        or repeat < 1
+        or not isinstance(shape, (list, tuple))
+        or len(shape) < 2
+        or shape[0] != repeat
+        or repeat != n_layers
+    ):
+        raise ValueError(f"steer.vec.repeat: {repeat!r} does not match rows of shape {shape!r} at {n_layers} layers")
+    row = tensor_from_bytes({**vec, "shape": list(shape[1:])}, "steer.vec", view)  # (its size checked there)
+    rows = row.unsqueeze(0).expand(repeat, *row.shape)
+    return rows if view else rows.contiguous()
