@@ -45,12 +45,8 @@ def payloads(
             if spans and len(index) == len(spans):
                 groups.setdefault(tuple(index), []).append((i, name, slot, spans, slot.firsts))
                 continue
-            found = _walk(slot, cache, filed)
-            if found is None:
-                left.add(i)
+            if not _file_walked(groups, left, (i, name, slot), cache, filed):
                 break
-            key, spans, firsts = found
-            groups.setdefault(key, []).append((i, name, slot, spans, firsts))
     # an index counts every span, `_walk` only those of records with something filed (a group's records are
     # its key's: one member's tell)
     unfiled = [k for k, m in groups.items() if not all(_filed(sp, cache, filed) for sp in m[0][3])]
@@ -105,14 +101,22 @@ def _filed(sp: Span, cache: dict, filed: dict[int, bool]) -> bool:
 def _rewalk(groups: dict[tuple, list[Member]], key: tuple, cache: dict, filed: dict[int, bool], left: set[int]) -> None:
     """The members of an indexed group one of whose records has nothing filed, walked as `_walk` reads them
     (regrouped by the spans it keeps; a member with none left to `probes.payload`)."""
-    members = groups.pop(key)
-    for i, name, slot, _, _ in members:
-        found = _walk(slot, cache, filed)
-        if found is None:
-            left.add(i)
-            continue
-        k, spans, firsts = found
-        groups.setdefault(k, []).append((i, name, slot, spans, firsts))
+    for i, name, slot, _, _ in groups.pop(key):
+        _file_walked(groups, left, (i, name, slot), cache, filed)
+
+
+def _file_walked(
+    groups: dict[tuple, list[Member]], left: set[int], who: tuple[int, str, ProbeScores], cache: dict, filed: dict
+) -> bool:
+    """File the (request index, probe name, slot) `who` in its group as `_walk` reads its spans; False (its
+    request left to `probes.payload`) when the walk does not cover it."""
+    found = _walk(who[2], cache, filed)
+    if found is None:
+        left.add(who[0])
+        return False
+    key, spans, firsts = found
+    groups.setdefault(key, []).append((*who, spans, firsts))
+    return True
 
 
 def _group(key: tuple, members: list[Member], cache: dict, done: list[dict], starts: list[int] | None) -> set[int]:
