@@ -183,7 +183,7 @@ def test_requests_of_one_composition_at_their_own_positions(starts):
 
 
 def test_the_index_kept_as_spans_are_filed_is_the_walk():
-    """Each slot's index (`ProbeScores.add`, kept as compositions are filed) is what `_walk` reads at a fetch,
+    """Each slot's index (`ProbeScores.index`, kept as compositions are filed) is what `_walk` reads at a fetch,
     and a fetch takes it: no span walked (so the tests above run the indexed path)."""
     lengths = [4, 9, 9, 20, 7, 30, 3, 20]
     names = [["a", "b", "c"]] * 6 + [["a", "two"], ["c"]]
@@ -218,8 +218,10 @@ def test_spans_the_index_does_not_cover_are_walked():
     for i, r in enumerate(reqs):
         slot = r.store.probes["a"]
         if i % 2 == 0:  # indexed, but its record has nothing filed: `_walk` skips the span
-            slot.add(slot.probe.sites[0], probes.Span(empty, 0, 1, "scores", slice(0, 1)))
-            assert len(slot.key) == len(slot.spans[slot.probe.sites[0]])
+            spans = slot.spans[slot.probe.sites[0]]
+            spans.append(probes.Span(empty, 0, 1, "scores", slice(0, 1)))
+            slot.index(len(spans), id(empty), 1, 1, 0, 0)
+            assert len(slot.key) == len(spans)
         else:  # appended past the index (its last span again: positions filed twice): walked, and left
             spans = slot.spans[slot.probe.sites[0]]
             spans.append(spans[-1])
@@ -231,9 +233,11 @@ def test_spans_the_index_does_not_cover_are_walked():
             assert together[i] == alone, i
             assert list(together[i]) == list(alone) == list(r.store.probes), i  # type: ignore[arg-type]
     slot = reqs[0].store.probes["c"]
+    spans = slot.spans[slot.probe.sites[0]]
     n = len(slot.key)
-    slot.add(slot.probe.sites[0], probes.Span(empty, 0, 1, "scores", torch.tensor([0])))  # column indices
-    assert len(slot.key) == n < len(slot.spans[slot.probe.sites[0]])  # not indexed: walked (and left) from now on
+    spans.append(probes.Span(empty, 0, 1, "scores", slice(0, 1)))  # filed without the index
+    slot.index(len(spans) + 1, id(empty), 1, 1, 0, 0)  # a later one: not indexed either (the index has a gap)
+    assert len(slot.key) == n < len(spans)  # not indexed: walked from now on
 
 
 def test_rising_same_read_in_the_gathered_layout_equals_the_member_major_reading():

@@ -41,7 +41,7 @@ def payloads(
                 left.add(i)
                 break
             spans = slot.spans.get(sites[0])
-            index = slot.key  # the index kept as the spans were filed (`ProbeScores.add`): usually all of them
+            index = slot.key  # the index kept as the spans were filed (`ProbeScores.index`): usually all of them
             if spans and len(index) == len(spans):
                 groups.setdefault(tuple(index), []).append((i, name, slot, spans, slot.firsts))
                 continue

@@ -150,9 +150,8 @@ class SiteProbes:
                     if spans is None:
                         spans = slot.spans[site] = []
                     spans.append(Span(rec, off, off + n, "scores", col[0]))
-                    if col[3] and len(slot.key) == len(spans) - 1:  # (`ProbeScores.add`'s index, inline)
-                        slot.key.append((rid, n, col[2]))
-                        slot.firsts += (off, col[1])  # (a list: extended in place)
+                    if col[3]:
+                        slot.index(len(spans), rid, n, col[2], off, col[1])
             off += n
 
 
@@ -245,22 +244,13 @@ class ProbeScores:
     key: list[tuple[int, int, int]] = field(default_factory=list)
     firsts: list[int] = field(default_factory=list)
 
-    def add(self, site: int, span: Span) -> None:
-        """File `span` at `site`, indexing it when it is a plain column slice (as `probe_payloads` reads)."""
-        spans = self.spans.setdefault(site, [])
-        spans.append(span)
-        if site != self.probe.sites[0] or len(self.key) != len(spans) - 1:
-            return
-        c = span.cols
-        if (
-            type(c) is slice
-            and c.step is None
-            and type(c.start) is int
-            and type(c.stop) is int
-            and 0 <= c.start <= c.stop
-        ):
-            self.key.append((id(span.record), span.r1 - span.r0, c.stop - c.start))
-            self.firsts += (span.r0, c.start)
+    def index(self, filed: int, record: int, rows: int, cols: int, r0: int, c0: int) -> None:
+        """Index the span just filed at the probe's first site (the `filed`-th there: record id, rows, columns
+        `[c0, c0 + cols)`, first row `r0`) — only while every earlier one is indexed, so that an index is
+        either all of the spans or, once one was filed without it, never used again for this slot."""
+        if len(self.key) == filed - 1:
+            self.key.append((record, rows, cols))
+            self.firsts += (r0, c0)  # (a list: extended in place)
 
 
 # ---------------------------------------------------------------- per step
