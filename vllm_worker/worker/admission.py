@@ -178,7 +178,7 @@ class Admission:
             if spec.probes:
                 probe_uses = self.probes.uses(spec.probes)
             if spec.actions:
-                act_uses = self._action_uses(req_id, spec)
+                act_uses = self._action_uses(req_id, spec, tmpl)
             derived = tmpl if tmpl is not None else self._derive(spec, payload)
             for i, s in enumerate(spec.steers):
                 content, lut, keep = derived.contents[i], derived.luts[i], derived.keeps[i]
@@ -357,10 +357,21 @@ class Admission:
         for put in self._queued.pop(key):
             put(t)
 
-    def _action_uses(self, req_id: str, spec: Any) -> list:
-        """Slots for the request's probe actions at this stage's layers (`actions.ActionTable`)."""
+    def _action_uses(self, req_id: str, spec: Any, tmpl: admit_templates.Template | None = None) -> list:
+        """Slots for the request's probe actions at this stage's layers (`actions.ActionTable`); a template's
+        actions are prepared once (`ActionTable.prepare`), its requests only take slots."""
         if self.actions is None:
             raise ValueError("probe_actions: this worker has no action table")
+        if tmpl is not None:
+            if tmpl.prepared is None:
+                tmpl.stops = any(a["stop"] for a in spec.actions)
+                try:
+                    tmpl.prepared = self.actions.prepare(spec.actions, self.local)
+                except Exception:  # noqa: BLE001 - (what `uses` refuses: it fails the request, in its order)
+                    tmpl.prepared = False
+            if tmpl.prepared is not False and not tmpl.stops and tmpl.prepared.local is self.local:
+                first = compat.runner_prompt_len(self.runner, req_id) - 1
+                return self.actions.uses_prepared(req_id, tmpl.prepared, first)
         if any(a["stop"] for a in spec.actions) and not compat.runner_stops_installed(self.runner):
             raise ActionRefused(
                 "unsupported", "probe_actions: a stop is not supported on this model runner (vLLM's V2)"

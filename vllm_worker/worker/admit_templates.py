@@ -44,6 +44,8 @@ class Template:
     # `dropped` then, the entries, their ids, the chains found) — valid while no chain has left the table
     shared: tuple | None = None
     gated: Any = None  # a probe action's steering rows per site (`graph_entries.gated_rows`; False: not covered)
+    prepared: Any = None  # its actions as slots need them (`ActionTable.prepare`; False: not covered)
+    stops: bool = False  # an action of it stops the request
 
 
 def split(payload: Any) -> tuple[bytes, list[Any]] | None:
