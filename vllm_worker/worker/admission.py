@@ -409,7 +409,9 @@ class Admission:
         table = self.graph.entries
         if tmpl is None:
             return self._grouped(steers, uses)
-        if any(st.gate is not None for st in steers):
+        if tmpl.gate_index is None:  # (its steers' action: one with layers here, none, or several)
+            tmpl.gate_index = _gate_index(tmpl.steers, self.local)
+        if tmpl.gate_index != -1:
             return self._gated(steers, uses, tmpl)
         if tmpl.shared is not None and tmpl.shared[0] == table.dropped:
             _, entries, ids, hits = tmpl.shared
@@ -426,14 +428,21 @@ class Admission:
     ) -> tuple[dict, list[int]] | None:
         """A template's steering gated by one probe action: its rows made once (`graph_entries.gated_rows`),
         fresh entries per request (`put_gated`); other gated steering: `_grouped`."""
-        gates = {st.gate.data_ptr() for st in steers if st.gate is not None}
-        if len(gates) != 1 or any(st.gate is None for st in steers):
+        index = -2 if tmpl.gate_index is None else tmpl.gate_index
+        one = index >= 0  # (then every steer's gate is that action's: `_gate_index`)
+        gates = set() if one else {st.gate.data_ptr() for st in steers if st.gate is not None}
+        if not one and (len(gates) != 1 or any(st.gate is None for st in steers)):
             return self._grouped(steers, uses)
         if tmpl.gated is None:
             tmpl.gated = graph_entries.gated_rows(self.graph.entries, self.graph.col, steers) or False
         if tmpl.gated is False:
             return self._grouped(steers, uses)
         got = graph_entries.put_gated(self.graph.entries, tmpl.gated)
+        if got is not None and one:
+            for u in uses:
+                if u.index == index:
+                    u.entries = got[1]
+            return got[0], list(got[1])
         if got is not None:
             key = gates.pop()
             for u in uses:  # (the gate of a vector with no layer here belongs to no action)
@@ -503,3 +512,14 @@ class Admission:
         if pool is not None and local and n_pos:
             store.expected = pool.expect(len(local) * n_pos * self.d_model * self.esize)
             store.mine, store.max_pos = local, n_pos  # early assembly's region shape (`transport.early`)
+
+
+def _gate_index(steers: list, local: frozenset) -> int:
+    """A template's gating (`Admission._entries`): the action index every steer is gated by when each has a
+    layer here (its gate is that action's: `Admission._gate`); -1: none is gated; -2: anything else."""
+    gates = {s.gate for s in steers}
+    if not steers or max(gates) < 0:
+        return -1
+    if len(gates) == 1 and min(gates) >= 0 and all(local.intersection(s.layers) for s in steers):
+        return gates.pop()
+    return -2

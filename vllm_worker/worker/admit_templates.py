@@ -46,6 +46,7 @@ class Template:
     gated: Any = None  # a probe action's steering rows per site (`graph_entries.gated_rows`; False: not covered)
     prepared: Any = None  # its actions as slots need them (`ActionTable.prepare`; False: not covered)
     stops: bool = False  # an action of it stops the request
+    gate_index: int | None = None  # its steering's gating (`admission._gate_index`; None: not yet known)
 
 
 def split(payload: Any) -> tuple[bytes, list[Any]] | None:
