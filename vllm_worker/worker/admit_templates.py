@@ -60,7 +60,7 @@ def split(payload: Any) -> tuple[bytes, list[Any]] | None:
     blobs: list[Any] = []
     try:
         parts = [[_strip(s, blobs) for s in steer or ()], [_strip(a, blobs) for a in actions or ()]]
-        if sum(len(b) for b in blobs) > MAX_BYTES:
+        if sum(map(len, blobs)) > MAX_BYTES:
             return None
         return msgspec.msgpack.encode([payload.get("v"), parts]), blobs
     except (TypeError, ValueError, AttributeError, msgspec.EncodeError):  # (not a payload `encode` makes)
@@ -135,7 +135,7 @@ def mark(key: bytes, blobs: list[Any]) -> tuple:
     """A template's memo key: the fields and each tensor's first and last bytes. Keyed by the fields alone,
     requests alternating between two vectors (equal fields) would each replace the other's template and
     make a new one every time, costlier than no template; the full bytes are compared after (`find`)."""
-    return (key, *(bytes(b[:EDGE]) + bytes(b[-EDGE:]) for b in blobs))
+    return (key, *[bytes(b[:EDGE]) + bytes(b[-EDGE:]) for b in blobs])
 
 
 def make(payload: dict, blobs: list[Any]) -> Template:
