@@ -14,7 +14,7 @@ copied back without waiting, and read when the step's output is built (`stops`, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -52,6 +52,15 @@ class ActionUse:
     entries: list[int] | None = None  # graph-path steering entries this action gates
     freed: bool = False  # its slot went back
     final: bool = False  # a "token" action that fired: its outcome, gate and stop flag stay (`action_step`)
+
+
+@dataclass(eq=False)
+class Prepared:
+    """A template's actions as `ActionTable.uses` derives them (`ActionTable.prepare`; read-only once made)."""
+
+    local: frozenset  # the sites it was prepared for
+    acts: list  # per action here: (index, name, sites, weight rows, floats, ints, open ranges, fixed lo, stop)
+    n_rows: int
 
 
 @dataclass
@@ -116,7 +125,7 @@ class ActionTable:
         self._by_req: dict[str, list[ActionUse]] = {}  # request id -> its actions (slots held)
         # slots / weight rows taken since the last `flush`, on the host: slot -> ((b, threshold, param),
         # [kind, sigmoid, firsts..., untils...]); weight row -> its (d,) row (a slot taken again: the last wins)
-        self._new: dict[int, tuple[tuple[float, float, float], list[int]]] = {}
+        self._new: dict[int, tuple[tuple[float, float, float], Sequence[int]]] = {}
         self._new_w: dict[int, torch.Tensor] = {}
         self._decoded: dict[tuple, tuple[bytes, torch.Tensor]] = {}  # recent weights by payload bytes (`_weights`)
 
@@ -154,6 +163,58 @@ class ActionTable:
             sites = {int(site): r for site, r in zip(a["sites"], rows)}
             use = ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched, lo < first_watched)
             use.kind, use.sigmoid, use.rows = int(a["kind"]), sigmoid, self.rows_per_step
+            out.append(use)
+            self.open += 1
+        return out
+
+    def prepare(self, actions: list[dict], local: frozenset) -> Prepared:
+        """What `uses` derives from `actions` alone (slots aside), once for an admission template's content:
+        its requests then only take slots and copy constants (`uses_prepared`). Raises for anything `uses`
+        would refuse; the caller then admits through `uses`, which fails the request as before."""
+        out = []
+        for i, a in enumerate(actions):
+            if not local.intersection(a["sites"]):
+                continue
+            if not local.issuperset(a["sites"]) or not a["ranges"] or len(a["ranges"]) > MAX_RANGES:
+                raise ValueError("not prepared")
+            w = self._weights(a["w"], f"probe_actions[{i}].w").reshape(len(a["sites"]), -1)
+            if w.shape[1] != self.d:
+                raise ValueError("not prepared")
+            ranges = [(lo, NO_END if hi < 0 else hi) for lo, hi in a["ranges"]]
+            ints = [int(a["kind"]), int(bool(a.get("sigmoid", False)))] + [0] * (2 * MAX_RANGES)
+            for j, (lo, hi) in enumerate(ranges):
+                ints[2 + j], ints[2 + MAX_RANGES + j] = lo, hi
+            opens = tuple(2 + j for j, (lo, _) in enumerate(ranges) if lo < 0)  # (set to first_watched)
+            fixed_lo = min((lo for lo, _ in ranges if lo >= 0), default=None)
+            floats = (float(a["b"]), float(a["threshold"]), float(a["param"]))
+            sites = tuple(int(x) for x in a["sites"])
+            rows = tuple(w[k] for k in range(len(sites)))
+            out.append((i, str(a["name"]), sites, rows, floats, tuple(ints), opens, fixed_lo, bool(a["stop"])))
+        return Prepared(local, out, sum(len(p[2]) for p in out))
+
+    def uses_prepared(self, req_id: str, prep: Prepared, first_watched: int) -> list[ActionUse]:
+        """`uses` for actions `prepare`d once: the same slots, rows, constants and uses, bit for bit."""
+        acts = prep.acts
+        if len(acts) > len(self._free) or prep.n_rows > len(self._wfree):
+            raise ActionRefused("limit", f"probe_actions: the worker's action table is full ({N_SLOTS} live actions)")
+        out: list[ActionUse] = []
+        self._by_req[req_id] = out  # (filled as slots are taken, as in `uses`)
+        free, wfree, new_w = self._free, self._wfree, self._new_w
+        for i, name, sites, rows, floats, ints, opens, fixed_lo, stop in acts:
+            slot = free.pop()
+            taken = [wfree.pop() for _ in sites]
+            for r, row in zip(taken, rows):
+                new_w[r] = row
+            if opens:
+                ints = list(ints)
+                for j in opens:
+                    ints[j] = first_watched
+                lo = first_watched if fixed_lo is None else min(first_watched, fixed_lo)
+            else:
+                lo = fixed_lo
+            self._new[slot] = (floats, ints)  # (a tuple shared by the template's requests: `flush` only reads it)
+            use = ActionUse(i, name, req_id, dict(zip(sites, taken)), slot, stop, first_watched, lo < first_watched)
+            use.kind, use.sigmoid, use.rows = ints[0], bool(ints[1]), self.rows_per_step
             out.append(use)
             self.open += 1
         return out

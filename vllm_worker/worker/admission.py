@@ -178,7 +178,7 @@ class Admission:
             if spec.probes:
                 probe_uses = self.probes.uses(spec.probes)
             if spec.actions:
-                act_uses = self._action_uses(req_id, spec)
+                act_uses = self._action_uses(req_id, spec, tmpl)
             derived = tmpl if tmpl is not None else self._derive(spec, payload)
             for i, s in enumerate(spec.steers):
                 content, lut, keep = derived.contents[i], derived.luts[i], derived.keeps[i]
@@ -357,10 +357,21 @@ class Admission:
         for put in self._queued.pop(key):
             put(t)
 
-    def _action_uses(self, req_id: str, spec: Any) -> list:
-        """Slots for the request's probe actions at this stage's layers (`actions.ActionTable`)."""
+    def _action_uses(self, req_id: str, spec: Any, tmpl: admit_templates.Template | None = None) -> list:
+        """Slots for the request's probe actions at this stage's layers (`actions.ActionTable`); a template's
+        actions are prepared once (`ActionTable.prepare`), its requests only take slots."""
         if self.actions is None:
             raise ValueError("probe_actions: this worker has no action table")
+        if tmpl is not None:
+            if tmpl.prepared is None:
+                tmpl.stops = any(a["stop"] for a in spec.actions)
+                try:
+                    tmpl.prepared = self.actions.prepare(spec.actions, self.local)
+                except Exception:  # noqa: BLE001 - (what `uses` refuses: it fails the request, in its order)
+                    tmpl.prepared = False
+            if tmpl.prepared is not False and not tmpl.stops and tmpl.prepared.local is self.local:
+                first = compat.runner_prompt_len(self.runner, req_id) - 1
+                return self.actions.uses_prepared(req_id, tmpl.prepared, first)
         if any(a["stop"] for a in spec.actions) and not compat.runner_stops_installed(self.runner):
             raise ActionRefused(
                 "unsupported", "probe_actions: a stop is not supported on this model runner (vLLM's V2)"
@@ -398,7 +409,9 @@ class Admission:
         table = self.graph.entries
         if tmpl is None:
             return self._grouped(steers, uses)
-        if any(st.gate is not None for st in steers):
+        if tmpl.gate_index is None:  # (its steers' action: one with layers here, none, or several)
+            tmpl.gate_index = _gate_index(tmpl.steers, self.local)
+        if tmpl.gate_index != -1:
             return self._gated(steers, uses, tmpl)
         if tmpl.shared is not None and tmpl.shared[0] == table.dropped:
             _, entries, ids, hits = tmpl.shared
@@ -415,14 +428,21 @@ class Admission:
     ) -> tuple[dict, list[int]] | None:
         """A template's steering gated by one probe action: its rows made once (`graph_entries.gated_rows`),
         fresh entries per request (`put_gated`); other gated steering: `_grouped`."""
-        gates = {st.gate.data_ptr() for st in steers if st.gate is not None}
-        if len(gates) != 1 or any(st.gate is None for st in steers):
+        index = -2 if tmpl.gate_index is None else tmpl.gate_index
+        one = index >= 0  # (then every steer's gate is that action's: `_gate_index`)
+        gates = set() if one else {st.gate.data_ptr() for st in steers if st.gate is not None}
+        if not one and (len(gates) != 1 or any(st.gate is None for st in steers)):
             return self._grouped(steers, uses)
         if tmpl.gated is None:
             tmpl.gated = graph_entries.gated_rows(self.graph.entries, self.graph.col, steers) or False
         if tmpl.gated is False:
             return self._grouped(steers, uses)
         got = graph_entries.put_gated(self.graph.entries, tmpl.gated)
+        if got is not None and one:
+            for u in uses:
+                if u.index == index:
+                    u.entries = got[1]
+            return got[0], list(got[1])
         if got is not None:
             key = gates.pop()
             for u in uses:  # (the gate of a vector with no layer here belongs to no action)
@@ -492,3 +512,14 @@ class Admission:
         if pool is not None and local and n_pos:
             store.expected = pool.expect(len(local) * n_pos * self.d_model * self.esize)
             store.mine, store.max_pos = local, n_pos  # early assembly's region shape (`transport.early`)
+
+
+def _gate_index(steers: list, local: frozenset) -> int:
+    """A template's gating (`Admission._entries`): the action index every steer is gated by when each has a
+    layer here (its gate is that action's: `Admission._gate`); -1: none is gated; -2: anything else."""
+    gates = {s.gate for s in steers}
+    if not steers or max(gates) < 0:
+        return -1
+    if len(gates) == 1 and min(gates) >= 0 and all(local.intersection(s.layers) for s in steers):
+        return gates.pop()
+    return -2

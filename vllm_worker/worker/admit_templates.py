@@ -44,6 +44,9 @@ class Template:
     # `dropped` then, the entries, their ids, the chains found) — valid while no chain has left the table
     shared: tuple | None = None
     gated: Any = None  # a probe action's steering rows per site (`graph_entries.gated_rows`; False: not covered)
+    prepared: Any = None  # its actions as slots need them (`ActionTable.prepare`; False: not covered)
+    stops: bool = False  # an action of it stops the request
+    gate_index: int | None = None  # its steering's gating (`admission._gate_index`; None: not yet known)
 
 
 def split(payload: Any) -> tuple[bytes, list[Any]] | None:
@@ -57,7 +60,7 @@ def split(payload: Any) -> tuple[bytes, list[Any]] | None:
     blobs: list[Any] = []
     try:
         parts = [[_strip(s, blobs) for s in steer or ()], [_strip(a, blobs) for a in actions or ()]]
-        if sum(len(b) for b in blobs) > MAX_BYTES:
+        if sum(map(len, blobs)) > MAX_BYTES:
             return None
         return msgspec.msgpack.encode([payload.get("v"), parts]), blobs
     except (TypeError, ValueError, AttributeError, msgspec.EncodeError):  # (not a payload `encode` makes)
@@ -132,7 +135,7 @@ def mark(key: bytes, blobs: list[Any]) -> tuple:
     """A template's memo key: the fields and each tensor's first and last bytes. Keyed by the fields alone,
     requests alternating between two vectors (equal fields) would each replace the other's template and
     make a new one every time, costlier than no template; the full bytes are compared after (`find`)."""
-    return (key, *(bytes(b[:EDGE]) + bytes(b[-EDGE:]) for b in blobs))
+    return (key, *[bytes(b[:EDGE]) + bytes(b[-EDGE:]) for b in blobs])
 
 
 def make(payload: dict, blobs: list[Any]) -> Template:
