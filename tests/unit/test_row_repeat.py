@@ -158,8 +158,9 @@ def test_repeated_and_dense_forms_admit_to_identical_entries_and_rows():
     assert got[4] == got[7] != got[0]
     assert got[4][0][2] != got[0][0][2]  # (other content, other digest)
     # templates (made at a content's second sighting) were used; the forms have different keys (the count is
-    # a field), while the other content shares the repeated form's key and is told apart by its bytes
-    assert mixed.templates.hits == 2 and len(mixed.templates._memo) == 2
+    # a field), and the other content its own (templates are kept by fields and tensors' edges: `mark`),
+    # made at its second sighting and told apart from the repeated form's by its bytes
+    assert mixed.templates.hits == 2 and len(mixed.templates._memo) == 3
 
 
 def test_content_digest_memo_keeps_the_forms_apart():
