@@ -9,12 +9,12 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-import zmq
 from vllm import SamplingParams
 from vllm.config import ParallelConfig
 from vllm.v1.engine import EngineCoreRequest
-from vllm.v1.serial_utils import CUSTOM_TYPE_RAW_VIEW, MsgpackDecoder, MsgpackEncoder
+from vllm.v1.serial_utils import CUSTOM_TYPE_RAW_VIEW
 
+from support.engine_ipc import through_zmq
 from vllm_worker import compat
 from vllm_worker.api.steering import SteeringVector
 from vllm_worker.frontend.requests import on_new_request
@@ -42,19 +42,6 @@ def _request(acts: torch.Tensor, by_view: bool, op: str = "ablate") -> EngineCor
         pooling_params=None, arrival_time=time.time(), lora_request=None, cache_salt=None, data_parallel_rank=None,
     )  # fmt: skip
     return on_new_request(_processor(by_view), "r0", req)
-
-
-def _through_zmq(req: EngineCoreRequest) -> tuple[EngineCoreRequest, list]:
-    """The request as the engine core's input thread gets it: sent and received as vLLM does (copy=False)."""
-    ctx = zmq.Context()
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    pull.bind("inproc://ipc-rows")
-    push.connect("inproc://ipc-rows")
-    push.send_multipart(MsgpackEncoder().encode(req), copy=False)
-    frames = pull.recv_multipart(copy=False)
-    push.close(linger=0)
-    pull.close(linger=0)
-    return MsgpackDecoder(EngineCoreRequest).decode(frames), frames
 
 
 def _rows() -> torch.Tensor:
@@ -93,7 +80,7 @@ def test_vllm_decodes_the_rows_as_a_view_of_the_received_frame():
     """If this fails, vLLM changed how `extra_args` cross its IPC: `compat.ipc` must follow."""
     assert compat.raw_view_code() == CUSTOM_TYPE_RAW_VIEW
     sent = _request(_rows(), by_view=True)
-    got, frames = _through_zmq(sent)
+    got, frames = through_zmq(sent)
     data = got.sampling_params.extra_args[PAYLOAD_KEY]["steer"][0]["vec"]["data"]
     assert isinstance(data, memoryview)  # (writable: a zmq frame's memory; the worker never writes it)
     want = sent.sampling_params.extra_args[PAYLOAD_KEY]["steer"][0]["vec"]["data"].data
@@ -103,14 +90,14 @@ def test_vllm_decodes_the_rows_as_a_view_of_the_received_frame():
     del frames, frame
     assert data.tobytes() == want  # (the view keeps the message alive)
     # as `bytes` the same field is copied into a new object (what the view saves)
-    got_plain, _ = _through_zmq(_request(_rows(), by_view=False))
+    got_plain, _ = through_zmq(_request(_rows(), by_view=False))
     assert isinstance(got_plain.sampling_params.extra_args[PAYLOAD_KEY]["steer"][0]["vec"]["data"], bytes)
 
 
 @pytest.mark.parametrize("view", [True, False])
 def test_worker_reads_the_view_as_bytes_and_copies_on_request(view):
     sent = _request(_rows(), by_view=True)
-    got, _ = _through_zmq(sent)
+    got, _ = through_zmq(sent)
     payload = got.sampling_params.extra_args[PAYLOAD_KEY]
     want = sent.sampling_params.extra_args[PAYLOAD_KEY]["steer"][0]["vec"]["data"].data
     rows = decode(payload, view=view).steers[0].vectors
@@ -123,7 +110,7 @@ def test_worker_reads_the_view_as_bytes_and_copies_on_request(view):
 
 
 def test_digests_of_a_view_equal_and_never_kept():
-    got, _ = _through_zmq(_request(_rows(), by_view=True))
+    got, _ = through_zmq(_request(_rows(), by_view=True))
     mv = got.sampling_params.extra_args[PAYLOAD_KEY]["steer"][0]["vec"]["data"]
     t = decode(got.sampling_params.extra_args[PAYLOAD_KEY], view=True).steers[0].vectors
     memo = RecentDigests()

@@ -11,11 +11,10 @@ import types
 
 import pytest
 import torch
-import zmq
 from vllm import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
-from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+from support.engine_ipc import through_zmq
 from vllm_worker.api.steering import SteeringVector
 from vllm_worker.frontend import steer_rows
 from vllm_worker.frontend.requests import on_new_request
@@ -189,16 +188,9 @@ def test_the_repeated_form_survives_vllm_ipc_and_pickle():
         pooling_params=None, arrival_time=time.time(), lora_request=None, cache_salt=None, data_parallel_rank=None,
     )  # fmt: skip
     sent = on_new_request(proc, "r0", req)
-    ctx = zmq.Context()
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    pull.bind("inproc://row-repeat")
-    push.connect("inproc://row-repeat")
-    push.send_multipart(MsgpackEncoder().encode(sent), copy=False)
-    frames = pull.recv_multipart(copy=False)
-    push.close(linger=0)
-    pull.close(linger=0)
+    got, frames = through_zmq(sent)
     assert sum(len(f.buffer) for f in frames) < 2 * D * 4  # (one row crossed, not L)
-    payload = MsgpackDecoder(EngineCoreRequest).decode(frames).sampling_params.extra_args[PAYLOAD_KEY]
+    payload = got.sampling_params.extra_args[PAYLOAD_KEY]
     assert payload["steer"][0]["vec"]["repeat"] == L and isinstance(payload["steer"][0]["vec"]["data"], memoryview)
     want = _vec() / _vec().norm()
     got = decode(payload, view=True).steers[0].vectors
