@@ -411,8 +411,10 @@ class Admission:
             return self._grouped(steers, uses)
         if tmpl.gate_index is None:  # (its steers' action: one with layers here, none, or several)
             tmpl.gate_index = _gate_index(tmpl.steers, self.local)
-        if tmpl.gate_index != -1:
+        if tmpl.gate_index >= 0:
             return self._gated(steers, uses, tmpl)
+        if tmpl.gate_index == -2:  # (several actions' gates, some vectors ungated or without a layer here)
+            return self._grouped(steers, uses)
         if tmpl.shared is not None and tmpl.shared[0] == table.dropped:
             _, entries, ids, hits = tmpl.shared
             table.share(ids, hits)
@@ -426,30 +428,20 @@ class Admission:
     def _gated(
         self, steers: list[DeviceSteer], uses: list, tmpl: admit_templates.Template
     ) -> tuple[dict, list[int]] | None:
-        """A template's steering gated by one probe action: its rows made once (`graph_entries.gated_rows`),
-        fresh entries per request (`put_gated`); other gated steering: `_grouped`."""
-        index = -2 if tmpl.gate_index is None else tmpl.gate_index
-        one = index >= 0  # (then every steer's gate is that action's: `_gate_index`)
-        gates = set() if one else {st.gate.data_ptr() for st in steers if st.gate is not None}
-        if not one and (len(gates) != 1 or any(st.gate is None for st in steers)):
-            return self._grouped(steers, uses)
+        """A template's steering, every vector gated by the one probe action `tmpl.gate_index`: its rows made
+        once (`graph_entries.gated_rows`), fresh entries per request (`put_gated`), which that action's use
+        gates; steering those rows do not cover: `_grouped`."""
         if tmpl.gated is None:
             tmpl.gated = graph_entries.gated_rows(self.graph.entries, self.graph.col, steers) or False
         if tmpl.gated is False:
             return self._grouped(steers, uses)
         got = graph_entries.put_gated(self.graph.entries, tmpl.gated)
-        if got is not None and one:
-            for u in uses:
-                if u.index == index:
-                    u.entries = got[1]
-            return got[0], list(got[1])
-        if got is not None:
-            key = gates.pop()
-            for u in uses:  # (the gate of a vector with no layer here belongs to no action)
-                if self.actions.gate[u.slot : u.slot + 1].data_ptr() == key:
-                    u.entries = got[1]
-            return got[0], list(got[1])
-        return None
+        if got is None:
+            return None
+        for u in uses:
+            if u.index == tmpl.gate_index:
+                u.entries = got[1]
+        return got[0], list(got[1])
 
     def _grouped(self, steers: list[DeviceSteer], uses: list) -> tuple[dict, list[int]] | None:
         groups: dict[int, list[DeviceSteer]] = {}  # gate's address (-1: not gated) -> vectors
