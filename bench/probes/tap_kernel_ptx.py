@@ -27,6 +27,7 @@ SIG = {
     **{p: "*i8" for p in ("bflag_ptr", "op_ptr")},
     **{p: "i32" for p in ("col", "max_rows", "d", "w", "stride_h", "stride_r")},
     "HAS_R": "constexpr",
+    "WIDE": "constexpr",
     "BLOCK": "constexpr",
 }
 FLOAT_OP = re.compile(r"^\s+((?:fma|add|mul|sub|sqrt|min|max|div|cvt)\.[\w.]*f(?:32|16)[\w.]*)", re.M)
@@ -35,10 +36,12 @@ FLOAT_OP = re.compile(r"^\s+((?:fma|add|mul|sub|sqrt|min|max|div|cvt)\.[\w.]*f(?
 def main() -> None:
     k = make_tap_kernel()
     out = {}
-    for has_r in (False, True):
-        src = ASTSource(fn=k, signature=dict(SIG), constexprs={"HAS_R": has_r, "BLOCK": 4096})
+    # (WIDE: the variant of mlp_post taps, whose programs also serve whole rows: `interventions.WHOLE`)
+    for has_r, wide in ((False, False), (True, False), (False, True)):
+        src = ASTSource(fn=k, signature=dict(SIG), constexprs={"HAS_R": has_r, "WIDE": wide, "BLOCK": 4096})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        out[f"HAS_R={has_r}"] = dict(sorted(collections.Counter(m.group(1) for m in FLOAT_OP.finditer(ptx)).items()))
+        counts = collections.Counter(m.group(1) for m in FLOAT_OP.finditer(ptx))
+        out[f"HAS_R={has_r}" + (" WIDE" if wide else "")] = dict(sorted(counts.items()))
     print(json.dumps(out))
 
 

@@ -16,6 +16,7 @@ from support.points import refused as _refused
 from support.points import vec as _vec
 from support.reference import hf_model, point_activations
 from vllm_worker import Hook, SteeringVector
+from vllm_worker.counters import STEP_TIMINGS
 
 
 def test_mlp_post_refusals_name_the_field():
@@ -136,7 +137,7 @@ def _row_op(x: torch.Tensor, sv: SteeringVector, rows: torch.Tensor) -> torch.Te
 def test_mlp_post_whole_row_ops_equal_hf():
     """ablate (prompt) then add at layer 1, cap (generated) at layer 2, and a norm-matched addition: each a
     projection or norm over the whole d_mlp = 320 row (three pieces, the last narrower), in the order given,
-    equal to HF; a plain batch-mate is untouched."""
+    equal to HF; a plain batch-mate is untouched; every step ran on the graph path."""
     llm = make_engine("llama_odd")
     u, w, c = _vec(31, 320), _vec(32, 320), _vec(33, 320)
     a_svs = [
@@ -152,7 +153,11 @@ def test_mlp_post_whole_row_ops_equal_hf():
         SamplingParams(**base, extra_args={"output_activations": capture, "apply_steering_vectors": b_svs}),
         SamplingParams(**base, extra_args={"output_activations": capture}),
     ]
+    before = dict(STEP_TIMINGS)
     outs = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[0]], sps, use_tqdm=False)
+    steps = {k: STEP_TIMINGS[k] - before[k] for k in ("graph_steps", "python_steps")}
+    # served by the graph path (device tables: `interventions.WHOLE` chains), not the Python path
+    assert steps["graph_steps"] >= 4 and steps["python_steps"] == 0, steps
 
     def edit_for(svs: list, n: int):
         def fn(where, layer, h):

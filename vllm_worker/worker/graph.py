@@ -45,7 +45,7 @@ from vllm_worker.worker.graph_entries import SteeringEntries, entries_for
 from vllm_worker.worker.graph_kernels import make_tap_kernel
 from vllm_worker.worker.graph_ring import StagingRing
 from vllm_worker.worker.graph_table import ControlTable
-from vllm_worker.worker.interventions import apply_entries
+from vllm_worker.worker.interventions import WHOLE, apply_entries
 
 logger = logging.getLogger("vllm_worker")
 _NONE: frozenset = frozenset()
@@ -88,6 +88,8 @@ class GraphTaps:
         self.op, self.nxt, self.lo, self.hi = self.entries.op, self.entries.nxt, self.entries.lo, self.entries.hi
         self._wide: dict[int, list[tuple[int, int, int]]] = {}
         self._merged: dict[int, tuple[int, int, frozenset]] = {}  # (set through `wide`)
+        # mlp_post taps served in one launch -> their pieces' sites: whole-row edits on this path (`whole`)
+        self.whole: dict[int, list[int]] = {}
         self.active = False  # a step planned for this path is running (the op acts outside graphs)
         self.fired = 0  # kernel calls outside graph capture during the running step
         self.launches_in_capture = 0  # kernel calls recorded into CUDA graphs
@@ -101,6 +103,8 @@ class GraphTaps:
             for has_r in (True, False):
                 z = torch.zeros((1, d), dtype=dtype, device=device)
                 self._launch(z, z if has_r else None, 0)
+            if self.n_cols > 1:  # (the variant of mlp_post taps: whole rows over several pieces)
+                self._launch(torch.zeros((1, 2 * d), dtype=dtype, device=device), None, 0, 2)
             torch.cuda.synchronize(device)
         logger.info(
             "inspect-lens: graph-safe taps: %d rows x %d sites, staging ring %d rows (%.0f MB), %d steering entries",
@@ -134,13 +138,17 @@ class GraphTaps:
             if cols and cols[0] is not None and cols == list(range(cols[0], cols[0] + len(cols))):
                 if all(lo == j * self.d for j, (_, lo, _) in enumerate(pieces)):
                     self._merged[s] = (cols[0], len(cols), frozenset(cols))
+        self.whole = {s: [p for p, _, _ in wide[s]] for s in self._merged}
 
     def apply(self, hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
         merged = self._merged.get(site)
-        if merged is not None and self._kernel is not None:  # mlp_post: every piece in one launch
+        if merged is not None:  # mlp_post: every piece in one launch
             first, n_pieces, cols = merged
             if self._acts(hidden, cols, None):
-                self._launch(hidden, None, first, n_pieces)
+                if self._kernel is not None:
+                    self._launch(hidden, None, first, n_pieces)
+                else:
+                    self._apply_torch_wide(hidden, first, n_pieces)
             return
         pieces = self._wide.get(site)
         if pieces is not None:  # mlp_post: each d_model-wide piece of the row is a site of its own
@@ -212,14 +220,28 @@ class GraphTaps:
             hidden.stride(0),
             r.stride(0),
             HAS_R=residual is not None,
+            WIDE=pieces > 1,
             BLOCK=self._block,
         )
+
+    def _apply_torch_wide(self, hidden: torch.Tensor, first: int, pieces: int) -> None:
+        """The kernel's launch over an mlp_post row's pieces (columns from `first`), as torch ops: rows
+        whose chain is a whole row's (`interventions.WHOLE`) edited over the whole row, then each piece."""
+        n, d = hidden.shape[0], self.d
+        ent = self.ctl[first, :n, 1]
+        whole = (ent >= 0) & ((self.op[ent.clamp(min=0).long()] & WHOLE) != 0)
+        rows = torch.nonzero(whole).squeeze(1)
+        if rows.numel():
+            apply_entries(hidden, None, rows, ent[rows], self.entries, pieces)
+        for j in range(pieces):
+            self._apply_torch(hidden[:, j * d : (j + 1) * d], None, first + j)
 
     def _apply_torch(self, hidden: torch.Tensor, residual: torch.Tensor | None, col: int) -> None:
         n = hidden.shape[0]
         c = self.ctl[col, :n]
         ent = c[:, 1]
-        rows = torch.nonzero(ent >= 0).squeeze(1)
+        # (a whole row's chain was applied over every piece: `_apply_torch_wide`)
+        rows = torch.nonzero((ent >= 0) & ((self.op[ent.clamp(min=0).long()] & WHOLE) == 0)).squeeze(1)
         if rows.numel():
             apply_entries(hidden, residual, rows, ent[rows], self.entries)
         slot = c[:, 0]
@@ -285,4 +307,4 @@ class GraphTaps:
 def request_entries(g: GraphTaps, steers: list, gated: bool = False) -> tuple[dict, list[int]] | None:
     """A request's steering as entries of `g` (`graph_entries.entries_for`); None when the table is full.
     `gated`: the entries' gate starts at 0 (a probe action's steering)."""
-    return entries_for(g.entries, g.col, steers, gated)
+    return entries_for(g.entries, g.col, steers, gated, g.whole)

@@ -24,7 +24,7 @@ import torch
 from vllm_worker.protocol.ops import ADD
 from vllm_worker.protocol.recent import recall, remember
 from vllm_worker.worker.device_copy import distinct_rows, to_device
-from vllm_worker.worker.interventions import chain_entries
+from vllm_worker.worker.interventions import TAIL, WHOLE, chain_entries
 
 logger = logging.getLogger("vllm_worker")
 
@@ -104,16 +104,39 @@ class SteeringEntries:
         ]
         return a.to(self.dtype), b.to(self.dtype), flags, extras
 
-    def _put(self, rows: Rows, gated: bool) -> list[int]:
-        """Take free entries for `rows` (room checked by the caller), queued for the next `flush`."""
+    def _put(self, rows: Rows, gated: bool, idx: list[int] | None = None) -> list[int]:
+        """Take free entries for `rows` (room checked by the caller; `idx`: taken already, `_take`), queued
+        for the next `flush`."""
         a, b, flags, extras = rows
-        idx = [self._free.pop() for _ in extras]
+        if idx is None:
+            idx = [self._free.pop() for _ in extras]
         for j in idx:
             self._refs[j] = 1
         for i, j in enumerate(idx):  # (a later entry at the same index replaces an earlier one)
             op, nx, lo, hi = extras[i]
             self._new[j] = (a[i], b[i], flags[i], (op, -1 if nx < 0 else idx[nx], lo, hi), gated)
         return idx
+
+    def _take(self, rows: Rows) -> list[int] | None:
+        """Free entries for `rows`: a whole row's chain (`interventions.WHOLE`) takes consecutive ones (the
+        kernel finds piece j of a step at its head + j); None: no such run is free."""
+        k = len(rows[3])
+        if k > len(self._free):
+            return None
+        if not any(x[0] & WHOLE for x in rows[3]):
+            return [self._free.pop() for _ in range(k)]
+        free = sorted(self._free)
+        for i in range(len(free) - k + 1):
+            if free[i + k - 1] - free[i] == k - 1:
+                run = free[i : i + k]
+                taken = set(run)
+                self._free = [j for j in self._free if j not in taken]
+                return run
+        return None
+
+    def _give_back(self, idx: list[int]) -> None:
+        """Entries `_take` handed out that were never used (a later chain of the call found no room)."""
+        self._free.extend(reversed(idx))
 
     def flush(self) -> None:
         """The entries stored since the last flush, to the device (before any step reads them). They leave
@@ -165,12 +188,21 @@ class SteeringEntries:
         if sum(len(r[3]) for _, r in fresh if r is not None) > len(self._free):
             self.refused()
             return None
+        got: list[list[int]] = []
+        for _, rows in fresh:
+            ids = [] if rows is None else self._take(rows)
+            if ids is None:  # (a whole row's run of consecutive entries: none free)
+                for done in reversed(got):
+                    self._give_back(done)
+                self.refused()
+                return None
+            got.append(ids)
         stored: dict[int, list[int]] = {}
-        for i, rows in fresh:
+        for (i, rows), ids in zip(fresh, got):
             if rows is None:
                 stored[i] = []
                 continue
-            stored[i] = self._put(rows, gated)
+            stored[i] = self._put(rows, gated, ids)
             if keys[i] is not None:  # (found by later requests until its last user leaves)
                 self._chains[keys[i]] = stored[i]
                 self._key_at[stored[i][0]] = keys[i]
@@ -206,15 +238,22 @@ class SteeringEntries:
             steps = steps() if callable(steps) else steps
             if not steps:
                 return None
-            n = len(steps)
+            # each entry's next step: the one after it, or — whole rows — the next step's first piece
+            heads = [j for j, s in enumerate(steps) if not s[0] & TAIL] + [-1]
+            nxt = [-1] * len(steps)
+            for h, h2 in zip(heads, heads[1:]):
+                nxt[h] = h2
             got = self._rows(
                 torch.stack([s[1] for s in steps]),
                 torch.stack([s[2] for s in steps]),
                 [s[0] for s in steps],
                 [s[3] for s in steps],
                 [s[4] for s in steps],
-                [j + 1 if j + 1 < n else -1 for j in range(n)],
+                nxt,
             )
+            flags = got[2]
+            for h, h2 in zip(heads, heads[1:]):  # a whole step's B: used when any of its pieces is
+                flags[h] = any(flags[h : h2 if h2 >= 0 else len(flags)])
             if key is not None and 2 * got[0].numel() * got[0].element_size() <= ROWS_MAX_BYTES:
                 remember(self._rows_memo, key, got, ROWS_KEPT)
         return got
@@ -302,17 +341,23 @@ def item_key(st: Any, row: int, k: int = -1) -> tuple:
 
 
 def entries_for(
-    table: SteeringEntries, sites: dict[int, int], steers: list[Any], gated: bool = False
+    table: SteeringEntries,
+    sites: dict[int, int],
+    steers: list[Any],
+    gated: bool = False,
+    wide: dict[int, list[int]] | None = None,
 ) -> tuple[dict, list[int]] | None:
     """A request's steering (`plan.DeviceSteer`s) as entries of `table`: per site this stage holds (`sites`:
     site -> column), one default entry (its position-independent vectors) and one per position its 3-D
     vectors name (the default plus those). None when the table is full (the request then takes the Python
-    path). Steering beyond plain addition: `interventions.chain_entries`. Entries with the same content
-    as stored ones are shared (`SteeringEntries.add_chains`)."""
-    if not all(st.plain for st in steers):
+    path). Steering beyond plain addition, and whole rows at an mlp_post tap's own site (`wide`: tap ->
+    its pieces' sites; ungated only): `interventions.chain_entries`. Entries with the same content as
+    stored ones are shared (`SteeringEntries.add_chains`)."""
+    whole = wide is not None and not gated and any(l in wide for st in steers for l in st.layers)
+    if whole or not all(st.plain for st in steers):
         if gated:  # (validation keeps a probe action's steering to plain additions)
             raise ValueError("a probe action's steering is a plain addition")
-        return chain_entries(table, sites, steers, item_key)
+        return chain_entries(table, sites, steers, item_key, wide if whole else None)
     chains: list[tuple[Hashable, Any]] = []
     layout: list[tuple[int, bool, list[int]]] = []
     for layer in sorted({l for st in steers for l in st.layers if l in sites}):  # `layer`: a site

@@ -16,84 +16,11 @@ SCATTER_PROGRAMS = 64
 
 
 def make_tap_kernel() -> Any:
+    """The tap kernel (`tap_kernel`), or None where Triton is not importable."""
     try:
-        import triton
-        import triton.language as tl
+        from vllm_worker.worker.tap_kernel import tap_kernel
     except ImportError:
         return None
-
-    @triton.jit
-    def tap_kernel(
-        h_ptr,
-        r_ptr,
-        ctl_ptr,
-        base_ptr,
-        stage_ptr,
-        a_ptr,
-        b_ptr,
-        bflag_ptr,
-        gate_ptr,
-        op_ptr,
-        nxt_ptr,
-        lo_ptr,
-        hi_ptr,
-        col,
-        max_rows,
-        d,
-        w,
-        stride_h,
-        stride_r,
-        HAS_R: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        i = tl.program_id(0)
-        # piece j of a row wider than d (mlp_post): values [j*d, j*d + d) are site column col + j, so one
-        # launch serves every piece of the tap (a launch per piece cost every step, idle ones too); 0 elsewhere
-        j = tl.program_id(1)
-        c = ((col + j) * max_rows + i) * 2
-        slot = tl.load(ctl_ptr + c)
-        ent = tl.load(ctl_ptr + c + 1)
-        if (slot >= 0) | (ent >= 0):
-            offs = tl.arange(0, BLOCK)
-            # the piece's width: d, fewer values (router logits, an mlp_post row's last piece) in a d-wide row
-            m = offs < tl.minimum(w - j * d, d)
-            hp = h_ptr + i.to(tl.int64) * stride_h + j * d + offs
-            h = tl.load(hp, mask=m, other=0.0)
-            if HAS_R:  # (single-piece sites only: j is 0)
-                r = tl.load(r_ptr + i.to(tl.int64) * stride_r + offs, mask=m, other=0.0).to(tl.float32)
-            else:
-                r = tl.zeros([BLOCK], dtype=tl.float32)
-            if ent >= 0:
-                # the entry's chain, in order (`interventions`): float32 throughout, rounded once
-                x = h.to(tl.float32)
-                while ent >= 0:
-                    e = ent.to(tl.int64) * d
-                    a = tl.load(a_ptr + e + offs, mask=m, other=0.0).to(tl.float32)
-                    op = tl.load(op_ptr + ent)
-                    if op == 0:  # add: A + B * |stream|
-                        if tl.load(bflag_ptr + ent) != 0:
-                            s = x + r
-                            nrm = tl.sqrt(tl.sum(s * s, axis=0))
-                            a += tl.load(b_ptr + e + offs, mask=m, other=0.0).to(tl.float32) * nrm
-                        x = x + a * tl.load(gate_ptr + ent)  # 1, or a probe action's gate (0 until fired)
-                    elif op == 3:  # set: A + B * stream (B: 1 where kept)
-                        keep = tl.load(b_ptr + e + offs, mask=m, other=0.0).to(tl.float32)
-                        x = a + keep * (x + r) - r
-                    else:  # ablate (1) / cap (2): the projection on the unit direction A moved
-                        s = x + r
-                        p = tl.sum(s * a, axis=0)
-                        q = p * 0.0
-                        if op == 2:
-                            q = tl.minimum(tl.maximum(p, tl.load(lo_ptr + ent)), tl.load(hi_ptr + ent))
-                        x = x + (q - p) * a
-                    ent = tl.load(nxt_ptr + ent)
-                h = x.to(h.dtype)
-                tl.store(hp, h, mask=m)
-            if slot >= 0:
-                out = (h.to(tl.float32) + r).to(stage_ptr.dtype.element_ty)
-                at = slot.to(tl.int64) + tl.load(base_ptr).to(tl.int64)
-                tl.store(stage_ptr + at * d + offs, out, mask=m)
-
     return tap_kernel
 
 

@@ -11,6 +11,12 @@ the activation is rounded to the model's dtype once, after the last step.
   next entry), which the tap kernel (`graph_kernels`) or its torch twin (`apply_entries`) walks.
   An add entry adds `A + B * |x|`; ablate and cap use A as the unit direction; set writes `A + B * x`
   (B: 1 where the value is kept, 0 where it is written).
+- Whole rows (mlp_post, d_mlp wide, carried as d_model-wide pieces): a request's steering at the tap's own
+  site is one chain whose every step is `pieces` consecutive entries (piece j of A and B at head + j, op
+  flagged `WHOLE`, the pieces after the first also `TAIL`); the row's every piece column points at the head,
+  and the program of piece 0 serves the whole row (a projection or norm needs every piece), the others skip
+  it. At most `MAX_WHOLE_STEPS` steps: the kernel keeps each step's scalar in registers (longer chains take
+  the Python path).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from vllm_worker.protocol.ops import ABLATE, ADD, CAP, SET
 from vllm_worker.protocol.recent import recall, remember
 
 INF = math.inf
+WHOLE, TAIL = 8, 16  # op flags of whole-row entries (`protocol.ops` codes are below 8)
+OP_MASK = 7
+MAX_WHOLE_STEPS = 8  # (the tap kernel's scalars per whole-row chain: `graph_kernels`)
 
 
 def _unit(v: torch.Tensor) -> torch.Tensor:
@@ -134,29 +143,37 @@ LAYOUTS_KEPT = 64  # request layouts remembered per table (`chain_entries`), lea
 
 
 def chain_entries(
-    table: Any, sites: dict[int, int], steers: list, key_of: Callable[..., Hashable]
+    table: Any,
+    sites: dict[int, int],
+    steers: list,
+    key_of: Callable[..., Hashable],
+    wide: dict[int, list[int]] | None = None,
 ) -> tuple[dict, list[int]] | None:
     """A request's steering (some of it beyond plain addition) as chains of entries of `table`
     (`graph_entries.SteeringEntries`), per site this stage holds: `{site: (prompt entry, named positions,
     their entries, generated entry, split)}` — rows at positions >= split (its phases' boundary; -1: none)
-    take the generated chain. A chain is keyed by what it is made of (`key_of(steer, row, k)` per item), so
-    the table stores one copy of chains several requests (or sites) share. None when the table is full.
+    take the generated chain. `wide`: mlp_post tap sites whose whole rows the kernel serves -> their
+    pieces' sites (each piece site gets the tap's whole-row chains). A chain is keyed by what it is made of
+    (`key_of(steer, row, k)` per item), so the table stores one copy of chains several requests (or sites)
+    share. None when the table is full.
 
     The layout (which chains, their keys, which site takes which) depends only on the steering's content
     and fields, so it is remembered per table by that content (`table.layouts`, LRU): a request equal to
     an earlier one costs a lookup and the table's refcounts. The memo holds keys and indexes only, never
     a request's tensors; chains not stored are built from the current request's vectors. The result is
     shared by such requests (read-only)."""
-    local = sorted({l for st in steers for l in st.layers if l in sites})
-    rkey = (tuple(_steer_key(st, key_of) for st in steers), tuple(local))
+    wide = wide or {}
+    local = sorted({l for st in steers for l in st.layers if l in sites or l in wide})
+    rkey = (tuple(_steer_key(st, key_of) for st in steers), tuple(local), tuple(len(wide.get(l, ())) for l in local))
     got = recall(table.layouts, rkey)
     if got is None:
-        got = _layout(local, steers, key_of)
+        got = _layout(local, steers, key_of, wide)
         remember(table.layouts, rkey, got, LAYOUTS_KEPT)
     specs, layout, last = got
     if not specs:
         return {}, []
-    chains = [(key, functools.partial(_chain_at, steers, items)) for key, items in specs]
+    d = table.d
+    chains = [(key, functools.partial(_chain_at, steers, items, n, d)) for key, items, n in specs]
     taken = table.add_chains(chains)
     if taken is None:
         return None
@@ -168,11 +185,12 @@ def chain_entries(
         return -1 if i < 0 else heads[i]
 
     out: dict[int, tuple] = {}
-    for layer, default, pos, per_pos, gen, split in layout:
+    for targets, default, pos, per_pos, gen, split in layout:
         # (-1: a named position without steps of its own; the plan falls back to the prompt chain)
         ents = np.array([first(c) for c in per_pos], dtype=np.int32)
         ents.flags.writeable = False
-        out[layer] = (first(default), pos, ents, first(gen), split)
+        for target in targets:  # (a whole row: every piece's column points at the chain's head)
+            out[target] = (first(default), pos, ents, first(gen), split)
     last[:] = [heads, out]
     return out, ids
 
@@ -183,34 +201,40 @@ def _steer_key(st: Any, key_of: Callable[..., Hashable]) -> Hashable:
     return (key_of(st, -1, -1), tuple(st.layers.items()), pos, None if st.span is None else tuple(st.span))
 
 
-def _layout(local: list[int], steers: list, key_of: Callable[..., Hashable]) -> tuple[list, list, list]:
-    """The chains a request's steering makes at `local` sites: (key, items as (steer index, row, k)) each,
-    and per site (site, prompt chain, named positions, their chains, generated chain, split) as indexes
-    into those chains (-1: none); and an empty slot for `chain_entries`' last result."""
+def _n_steps(steers: list, items: list[tuple[int, int, int]]) -> int:
+    """How many entries (`_chain`'s steps) a chain of `items` makes: a run of additions is one."""
+    n, prev_add = 0, False
+    for i, _, _ in items:
+        is_add = steers[i].op == ADD
+        n += not (is_add and prev_add)
+        prev_add = is_add
+    return n
+
+
+def _layout(
+    local: list[int], steers: list, key_of: Callable[..., Hashable], wide: dict[int, list[int]]
+) -> tuple[list, list, list]:
+    """The chains a request's steering makes at `local` sites: (key, items as (steer index, row, k), pieces)
+    each, and per site (the sites taking it, prompt chain, named positions, their chains, generated chain,
+    split) as indexes into those chains (-1: none); and an empty slot for `chain_entries`' last result. A
+    whole-row site (`wide`) with a chain longer than `MAX_WHOLE_STEPS` gets none: its request takes the
+    Python path (`python_path.wide_needs_python`)."""
     splits = {st.span[0] if st.span[0] > 0 else st.span[1] for st in steers if st.span is not None}
     split = max(splits) if splits else -1  # (one prompt length per request)
-    specs: list[tuple[Hashable, tuple]] = []
+    specs: list[tuple[Hashable, tuple, int]] = []
     layout: list[tuple] = []
-
-    def add_chain(items: list[tuple[int, int, int]]) -> int:
-        """`items`: (steer index, row, k: its position row of a 3-D vector or -1), in order."""
-        if not items:
-            return -1
-        specs.append((("chain", tuple(key_of(steers[i], row, k) for i, row, k in items)), tuple(items)))
-        return len(specs) - 1
 
     def applies(st: Any, p: int) -> bool:
         return st.span is None or st.span[0] <= p < st.span[1]
 
     for layer in local:
+        pieces = len(wide.get(layer, ()))
         mine = [(i, st, st.layers[layer]) for i, st in enumerate(steers) if layer in st.layers]
         named = sorted({p for _, st, _ in mine if st.positions is not None for p in st.positions})
         prompt_p = 0 if split < 0 else split - 1  # any position of the class does
-        default = add_chain([(i, row, -1) for i, st, row in mine if st.positions is None and applies(st, prompt_p)])
-        gen = -1
+        classes = [[(i, row, -1) for i, st, row in mine if st.positions is None and applies(st, prompt_p)]]
         if split >= 0:
-            gen = add_chain([(i, row, -1) for i, st, row in mine if st.positions is None and applies(st, split)])
-        per_pos = []
+            classes.append([(i, row, -1) for i, st, row in mine if st.positions is None and applies(st, split)])
         for p in named:
             items = []
             for i, st, row in mine:
@@ -221,36 +245,72 @@ def _layout(local: list[int], steers: list, key_of: Callable[..., Hashable]) -> 
                 elif p in st.positions:
                     k = len(st.positions) - 1 - st.positions[::-1].index(p)  # a repeated position: the last row
                     items.append((i, row, k))
-            per_pos.append(add_chain(items))
+            classes.append(items)
+        if pieces and any(_n_steps(steers, c) > MAX_WHOLE_STEPS for c in classes):
+            continue
+        made = []
+        for items in classes:
+            if not items:
+                made.append(-1)
+                continue
+            key = ("chain", pieces, tuple(key_of(steers[i], row, k) for i, row, k in items))
+            specs.append((key, tuple(items), pieces))
+            made.append(len(specs) - 1)
+        default, gen = made[0], (made[1] if split >= 0 else -1)
+        per_pos = made[1 + (split >= 0) :]
         pos = np.array(named, dtype=np.int64)
         pos.flags.writeable = False
-        layout.append((layer, default, pos, per_pos, gen, split))
+        layout.append((tuple(wide[layer]) if pieces else (layer,), default, pos, per_pos, gen, split))
     return specs, layout, []
 
 
-def _chain_at(steers: list, items: tuple) -> list[tuple[int, torch.Tensor, torch.Tensor, float, float]]:
-    """The entries of one chain (`_layout`'s items) from this request's vectors."""
-    return _chain([(steers[i], steers[i].vectors[row] if k < 0 else steers[i].vectors[row][k]) for i, row, k in items])
+def _chain_at(
+    steers: list, items: tuple, pieces: int, d: int
+) -> list[tuple[int, torch.Tensor, torch.Tensor, float, float]]:
+    """The entries of one chain (`_layout`'s items) from this request's vectors; `pieces` > 0: a whole row's,
+    each step cut into that many d-wide entries (the last padded), flagged `WHOLE` when more than one."""
+    steps = _chain([(steers[i], steers[i].vectors[row] if k < 0 else steers[i].vectors[row][k]) for i, row, k in items])
+    if not pieces:
+        return steps
+    out = []
+    for op, a, b, lo, hi in steps:
+        a, b = (torch.nn.functional.pad(v, (0, pieces * d - v.shape[-1])) for v in (a, b))
+        for j in range(pieces):
+            flag = 0 if pieces == 1 else WHOLE | (TAIL if j else 0)
+            out.append((op | flag, a[j * d : (j + 1) * d], b[j * d : (j + 1) * d], lo, hi))
+    return out
 
 
 def apply_entries(
-    hidden: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor, ent: torch.Tensor, t: Any
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    rows: torch.Tensor,
+    ent: torch.Tensor,
+    t: Any,
+    pieces: int = 1,
 ) -> None:
     """What the tap kernel does to `rows` (each with its first entry `ent`), as torch ops (CPU engines);
-    `t`: the entry table (`graph_entries.SteeringEntries`)."""
+    `t`: the entry table (`graph_entries.SteeringEntries`); `pieces` > 1: whole rows (`WHOLE` chains), a
+    step's A and B the rows of its `pieces` consecutive entries."""
     x = hidden[rows].float()
     r = None if residual is None else residual[rows].float()
     e = ent.long()
     live = torch.arange(len(rows), device=rows.device)
+    span = torch.arange(pieces, device=rows.device)
     while live.numel():
         ee = e[live]
         xs = x[live]
         rs = None if r is None else r[live]
         s = xs if rs is None else xs + rs
-        w = xs.shape[1]  # d, or the narrower last piece of an mlp_post row
-        a = t.A[ee, :w].float()
-        b = t.B[ee, :w].float()
-        op = t.op[ee].unsqueeze(1)
+        w = xs.shape[1]  # d, the narrower last piece of an mlp_post row, or a whole row
+        if pieces == 1:
+            a = t.A[ee, :w].float()
+            b = t.B[ee, :w].float()
+        else:
+            at = (ee.unsqueeze(1) + span).flatten()
+            a = t.A[at].reshape(len(ee), -1)[:, :w].float()
+            b = t.B[at].reshape(len(ee), -1)[:, :w].float()
+        op = (t.op[ee] & OP_MASK).unsqueeze(1)
         nb = s.norm(dim=-1, keepdim=True) * (t.bflag[ee] != 0).unsqueeze(1)
         added = xs + (a + b * nb) * t.gate[ee].unsqueeze(1)  # gate: 1, or a probe action's (0 until fired)
         written = a + b * s

@@ -216,11 +216,14 @@ def _touches(r: RequestState, sites: frozenset) -> bool:
 
 
 def wide_needs_python(r: RequestState, wide: dict[int, list[tuple[int, int, int]]]) -> bool:
-    """mlp_post work the graph-safe kernel cannot do for request `r`: whole-row edits (at the tap's own site:
-    a projection or norm over every piece), or a hook at the tap that must run before the request's capture
-    of the pieces (the kernel captures before a seam's hooks run: `plan.RequestState.seam_ok` sees only the
-    tap's site, not its pieces')."""
-    if any(s in wide for st in r.steers for s in st.layers):
+    """mlp_post work the graph-safe kernel cannot do for request `r`: whole-row edits (at the tap's own site)
+    that got no entries at its pieces (`graph.GraphTaps.whole`: not served under TP, for a probe action's
+    gated steering, or beyond `interventions.MAX_WHOLE_STEPS` steps), or a hook at the tap that must run
+    before the request's capture of the pieces (the kernel captures before a seam's hooks run:
+    `plan.RequestState.seam_ok` sees only the tap's site, not its pieces')."""
+    own = r.entries or {}
+    whole = {s for st in r.steers for s in st.layers if s in wide} | {s for s in r.simple_add if s in wide}
+    if any(wide[s][0][0] not in own for s in whole):
         return True
     early = {s for h in r.hooks for s, late in h.at if not late and s in wide}
     caps = set(r.capture)
