@@ -183,3 +183,93 @@ def test_mlp_post_whole_row_ops_equal_hf():
     assert ablated.abs().max() <= 1e-4 * outs[0].activations["mlp_post"].abs().max()
     capped = outs[0].activations["mlp_post"][1, n:] @ (c[0] / c.norm())
     assert capped.abs().max() <= 0.05 + 1e-4
+
+
+def _edit_chain(svs: list, n: int):
+    """HF reference: `svs` at mlp_post in order, each over whole rows (2-D: every row of its phase; 3-D:
+    the rows its positions name), `n` the prompt's length."""
+
+    def fn(where, layer, h):
+        if where != "mlp_post" or not any(layer in sv.layer_indices for sv in svs):
+            return None
+        x = h.clone()
+        t = torch.arange(h.shape[0])
+        for sv in svs:
+            if layer not in sv.layer_indices:
+                continue
+            li = sv.layer_indices.index(layer)
+            phase = {"all": t >= 0, "prompt": t < n, "generated": t >= n}[sv.phase]
+            if sv.position_indices is None:
+                rows = [(r, sv.activations[li].float()) for r in torch.nonzero(phase).squeeze(1).tolist()]
+            else:
+                rows = [(p, sv.activations[li][k].float()) for k, p in enumerate(sv.position_indices) if phase[p]]
+            for r, v in rows:
+                cur = x[r]
+                if sv.op == "set":
+                    x[r] = v
+                elif sv.op == "add":
+                    x[r] = cur + sv.scale * (v / v.norm() * cur.norm() if sv.norm_match else v)
+                else:
+                    u = v / v.norm()
+                    p = cur @ u
+                    q = 0.0 if sv.op == "ablate" else p.clamp(min=sv.lo, max=sv.hi)
+                    x[r] = cur + (q - p) * u
+        return x
+
+    return fn
+
+
+def test_mlp_post_whole_row_chain_on_both_paths_equals_hf(monkeypatch):
+    """A request's chain at mlp_post mixing per-value ops with whole-row ones — add, ablate (prompt), cap, a
+    3-D set at two prompt positions, a norm-matched add (generated), an ablation at two layers — in the
+    order given: the graph path (every step: device tables) and the Python path agree to 1e-5 and both
+    equal HF fp32 at prompt and generated positions; a capture-only batch-mate equals its solo run."""
+    llm = make_engine("llama_odd")
+    u, c, x = _vec(41, 320), _vec(42, 320), _vec(43, 320)
+    sets = torch.randn(1, 2, 320, generator=torch.Generator().manual_seed(44))
+    chain = [
+        SteeringVector(_vec(45, 320), [1], scale=2.0, point="mlp_post"),
+        SteeringVector(u, [1], op="ablate", point="mlp_post", phase="prompt"),
+        SteeringVector(c, [1], op="cap", lo=-0.1, hi=0.2, point="mlp_post"),
+        SteeringVector(sets, [1], op="set", position_indices=[1, 3], point="mlp_post"),
+        SteeringVector(x, [1], scale=0.5, norm_match=True, point="mlp_post", phase="generated"),
+        SteeringVector(torch.cat([u, x]), [1, 2], op="ablate", point="mlp_post"),
+    ]
+    capture = {"mlp_post": [1, 2], "resid_post": [3]}
+    base = dict(max_tokens=5, temperature=0, ignore_eos=True)
+
+    def run(python: bool):
+        extras = [{"output_activations": capture, "apply_steering_vectors": chain}, {"output_activations": capture}]
+        if python:  # a no-op hook: the step's features from Python
+            for e in extras:
+                e["apply_hooks"] = [Hook(_noop, [3])]
+        before = dict(STEP_TIMINGS)
+        outs = llm.generate([PROMPTS[0], PROMPTS[1]], [SamplingParams(**base, extra_args=e) for e in extras])
+        return outs, {k: STEP_TIMINGS[k] - before[k] for k in ("graph_steps", "python_steps")}
+
+    fast, s1 = run(False)
+    monkeypatch.setenv("VLLM_LENS_SEAMS", "0")  # hooks send the whole step to the Python path
+    slow, s2 = run(True)
+    assert s1["graph_steps"] >= base["max_tokens"] and s1["python_steps"] == 0, s1
+    assert s2["graph_steps"] == 0 and s2["python_steps"] >= base["max_tokens"], s2
+    for a, b in zip(fast, slow):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        for p in capture:
+            got, ref = a.activations[p], b.activations[p]
+            assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), p
+    out = fast[0]
+    ref, _ = point_activations(hf_model("llama_odd"), "llama", _ids(out), _edit_chain(chain, len(out.prompt_token_ids)))
+    for p, layers in capture.items():
+        got, want = out.activations[p], ref[p][layers]
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max(), p
+    ablated = out.activations["mlp_post"][0] @ (u[0] / u.norm())  # the chain's last step, at layer 1
+    assert ablated.abs().max() <= 1e-5 * out.activations["mlp_post"].abs().max()
+    solo = llm.generate([PROMPTS[1]], SamplingParams(**base, extra_args={"output_activations": capture}))[0]
+    mate = fast[1]
+    assert list(mate.outputs[0].token_ids) == list(solo.outputs[0].token_ids)
+    for p in capture:
+        assert torch.equal(mate.activations[p], solo.activations[p]), p
+
+
+def _noop(ctx, h):
+    return None
