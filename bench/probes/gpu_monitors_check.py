@@ -7,7 +7,8 @@ reads first (a hook before its own request's capture at that site sends the whol
 path; the step counters printed say which path ran). Cases: ablate at every layer, cap at one layer, set
 with 3-D positions, an add with phase="generated", probe scores (also against a torch projection of the
 captured residual), a probe action `then: stop` and `then: {steer: ...}`, mlp_in / mlp_post capture,
-mlp_post steering. Tokens must be equal, captures equal to bf16 rounding; plain batch-mates equal to
+mlp_post steering, and whole-row edits at mlp_post (ablate, norm-matched add, cap: on the graph path since
+wholerow, 2026-12-05). Tokens must be equal, captures equal to bf16 rounding; plain batch-mates equal to
 themselves alone. Prints `PASS|FAIL <case> <numbers>` per item and one JSON line `CHECK {...}`.
 
     python3 bench/probes/gpu_monitors_check.py MODEL      # the 8B-shaped dummy folder (.gpu/model)
@@ -109,6 +110,8 @@ def main() -> None:
     vgen = torch.randn(1, d, generator=g) * 4.0
     vsteer = torch.randn(1, d, generator=g)
     vmlp = torch.randn(1, d_mlp, generator=g) * 4.0
+    umlp = torch.randn(2, d_mlp, generator=g)  # whole-row edits' directions (unit: the ops normalise)
+    umlp = umlp / umlp.norm(dim=-1, keepdim=True)
     cases: dict[int, tuple[str, dict, tuple[int, str]]] = {
         # index: (name, extra_args, (layer, point) of the twin's no-op hook)
         0: (
@@ -181,6 +184,18 @@ def main() -> None:
             "mlp_post_steer",
             {
                 "apply_steering_vectors": [SteeringVector(vmlp, [mid], point="mlp_post")],
+                "output_activations": {"mlp_post": [mid], "resid_post": [mid]},
+            },
+            (mid, "mlp_post"),
+        ),
+        9: (
+            "mlp_post_whole_row",
+            {
+                "apply_steering_vectors": [
+                    SteeringVector(umlp[:1], [mid], op="ablate", point="mlp_post"),
+                    SteeringVector(vmlp, [mid], scale=0.5, norm_match=True, point="mlp_post"),
+                    SteeringVector(umlp[1:], [mid], op="cap", lo=-0.05, hi=0.05, point="mlp_post"),
+                ],
                 "output_activations": {"mlp_post": [mid], "resid_post": [mid]},
             },
             (mid, "mlp_post"),
@@ -321,6 +336,11 @@ def main() -> None:
         if name == "mlp_post_steer":
             item["mlp_post_width"] = list(a.activations["mlp_post"].shape)
             ok = ok and a.activations["mlp_post"].shape[-1] == d_mlp
+        if name == "mlp_post_whole_row":  # the cap's projection in range on the row the capture saw
+            pr = a.activations["mlp_post"][0].float() @ umlp[1]
+            item["cap_proj_after"] = [round(float(pr.min()), 4), round(float(pr.max()), 4)]
+            tol = 0.02 * float(a.activations["mlp_post"][0].float().norm(dim=-1).mean())
+            ok = ok and a.activations["mlp_post"].shape[-1] == d_mlp and float(pr.abs().max()) <= 0.05 + tol
         if name == "mlp_in_mlp_post_capture":
             item["shapes"] = {k: list(v.shape) for k, v in acts(a).items()}
             ok = ok and a.activations["mlp_post"].shape[-1] == d_mlp and a.activations["mlp_in"].shape[-1] == d

@@ -15,7 +15,8 @@ from vllm_worker.protocol import points as pts
 from vllm_worker.protocol.spec import ModelShape, Steer
 
 # operations that act on each value alone survive the cut; ones that read the whole row (a projection on a
-# direction, a norm) stay whole at the tap's own site, where the worker's Python path steers the whole row
+# direction, a norm) stay whole at the tap's own site: the worker steers the whole row there (graph path:
+# `interventions.WHOLE` chains; under TP, the Python path)
 _PER_VALUE_OPS = (ops.ADD, ops.SET)
 
 
@@ -30,7 +31,7 @@ def _reads_row(st: Steer) -> bool:
 def split_steers(steers: list[Steer], shape: ModelShape, field: str) -> list[Steer]:
     """Each steer at mlp_post (vectors d_mlp wide) as one steer per d_model-wide piece (the last padded) —
     unless the request also edits the whole row there (ablate, cap, norm_match): then all its mlp_post
-    steers stay whole at the tap's site, so they still apply in the order given (`worker.python_path`)."""
+    steers stay whole at the tap's site, so they still apply in the order given (`worker.interventions`)."""
     for i, st in enumerate(steers):
         if _is_mlp_post(st) and st.mul:
             raise ValueError(f"{field}[{i}]: at point 'mlp_post' a multiplication is not supported")

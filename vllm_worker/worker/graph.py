@@ -22,7 +22,9 @@ fills before the forward runs:
   generated positions, chosen by the plan from the step's positions.
 
 On CUDA the kernel is Triton (one program per row, and per piece of an mlp_post row: one launch per tap;
-a row with nothing to do returns at once, so a tap nobody uses costs one small launch inside the graph). Elsewhere (CPU) the same semantics run as torch ops.
+a row with nothing to do returns at once, so a tap nobody uses costs one small launch inside the graph; a
+whole-row edit of an mlp_post row is served by its first piece's program: `interventions.WHOLE`).
+Elsewhere (CPU) the same semantics run as torch ops.
 Steps this path cannot serve (Python hooks, a ring or entry table too small) run the Python path of
 `python_path.PythonPath.on_tap` in a step without CUDA graphs.
 
