@@ -236,14 +236,16 @@ class GraphTaps:
         if rows.numel():
             apply_entries(hidden, None, rows, ent[rows], self.entries, pieces)
         for j in range(pieces):
-            self._apply_torch(hidden[:, j * d : (j + 1) * d], None, first + j)
+            self._apply_torch(hidden[:, j * d : (j + 1) * d], None, first + j, ~whole)
 
-    def _apply_torch(self, hidden: torch.Tensor, residual: torch.Tensor | None, col: int) -> None:
+    def _apply_torch(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, col: int, own: torch.Tensor | None = None
+    ) -> None:
+        """`own`: rows whose chain is this piece's (the others' whole row was steered: `_apply_torch_wide`)."""
         n = hidden.shape[0]
         c = self.ctl[col, :n]
         ent = c[:, 1]
-        # (a whole row's chain was applied over every piece: `_apply_torch_wide`)
-        rows = torch.nonzero((ent >= 0) & ((self.op[ent.clamp(min=0).long()] & WHOLE) == 0)).squeeze(1)
+        rows = torch.nonzero(ent >= 0 if own is None else (ent >= 0) & own).squeeze(1)
         if rows.numel():
             apply_entries(hidden, residual, rows, ent[rows], self.entries)
         slot = c[:, 0]
