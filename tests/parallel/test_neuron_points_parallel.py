@@ -108,3 +108,33 @@ def test_pp2_mlp_post_on_both_stages_equals_hf(pp2):
     ref, _ = point_activations(hf_model("llama"), "llama", ids(out))
     for p, layers in capture.items():
         close(out.activations[p], ref[p][layers], f"pp2 {p}")
+
+
+def test_pp2_mlp_post_whole_row_edits_on_both_stages_equal_hf(pp2):
+    """PP=2 (no TP: each stage's graph path serves whole rows, `interventions.WHOLE`): an ablation at a layer
+    of the first stage and a cap at one of the second, each over the whole row, equal HF."""
+    u, c = vec(51, 256), vec(52, 256)
+    svs = [
+        SteeringVector(u, [1], op="ablate", point="mlp_post"),
+        SteeringVector(c, [3], op="cap", lo=-0.05, hi=0.05, point="mlp_post"),
+    ]
+    capture = {"mlp_post": [1, 3], "resid_post": [3]}
+    sp = SamplingParams(
+        max_tokens=4,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"output_activations": capture, "apply_steering_vectors": svs},
+    )
+    out = pp2.generate([PROMPT], sp, use_tqdm=False)[0]
+
+    def edit(where, layer, h):
+        if where != "mlp_post" or layer not in (1, 3):
+            return None
+        d = (u if layer == 1 else c)[0] / (u if layer == 1 else c).norm()
+        p = h @ d
+        q = torch.zeros_like(p) if layer == 1 else p.clamp(-0.05, 0.05)
+        return h + (q - p).unsqueeze(1) * d
+
+    ref, _ = point_activations(hf_model("llama"), "llama", ids(out), edit)
+    for p, layers in capture.items():
+        close(out.activations[p], ref[p][layers], f"pp2 whole-row ops {p}")
