@@ -311,15 +311,24 @@ def apply_entries(
             a = t.A[at].reshape(len(ee), -1)[:, :w].float()
             b = t.B[at].reshape(len(ee), -1)[:, :w].float()
         op = (t.op[ee] & OP_MASK).unsqueeze(1)
-        nb = s.norm(dim=-1, keepdim=True) * (t.bflag[ee] != 0).unsqueeze(1)
-        added = xs + (a + b * nb) * t.gate[ee].unsqueeze(1)  # gate: 1, or a probe action's (0 until fired)
-        written = a + b * s
-        if rs is not None:
-            written = written - rs
-        p = (s * a).sum(dim=-1, keepdim=True)
-        q = torch.where(op == CAP, torch.clamp(p, min=t.lo[ee].unsqueeze(1), max=t.hi[ee].unsqueeze(1)), 0.0)
-        moved = xs + (q - p) * a
-        x[live] = torch.where(op == ADD, added, torch.where(op == SET, written, moved))
+        kinds = set(op.unique().tolist())  # (only the ops present are computed: the same values, fewer ops)
+        got: dict[int, torch.Tensor] = {}
+        if ADD in kinds:
+            nb = s.norm(dim=-1, keepdim=True) * (t.bflag[ee] != 0).unsqueeze(1)
+            got[ADD] = xs + (a + b * nb) * t.gate[ee].unsqueeze(1)  # gate: 1, or a probe action's (0 until fired)
+        if SET in kinds:
+            written = a + b * s
+            got[SET] = written if rs is None else written - rs
+        if kinds - {ADD, SET}:  # ablate / cap
+            p = (s * a).sum(dim=-1, keepdim=True)
+            q = torch.where(op == CAP, torch.clamp(p, min=t.lo[ee].unsqueeze(1), max=t.hi[ee].unsqueeze(1)), 0.0)
+            got[CAP] = xs + (q - p) * a
+        if len(got) == 1:
+            x[live] = next(iter(got.values()))
+        else:
+            other = next(iter(got.values()))  # (never selected: stands in for an op no row has)
+            moved = got.get(CAP, other)
+            x[live] = torch.where(op == ADD, got.get(ADD, other), torch.where(op == SET, got.get(SET, other), moved))
         e[live] = t.nxt[ee].long()
         live = live[e[live] >= 0]
     hidden[rows] = x.to(hidden.dtype)
