@@ -212,8 +212,11 @@ def _whole_row(
     every piece, then its capture (each piece's slot from its column). Nothing is written before the
     last pass: pass k replays steps 0..k-1 from the row as it came, with their scalars (a norm, a
     projection moved) kept in registers, to find step k's — float32 throughout, rounded once, no scratch
-    memory; at most 8 steps (`interventions.MAX_WHOLE_STEPS`)."""
-    offs = tl.arange(0, BLOCK)
+    memory; at most 8 steps (`interventions.MAX_WHOLE_STEPS`). Each piece is read in two halves
+    (`HALF`): whole d-wide vectors held 11 more registers than the per-piece path, in every program of
+    the launch, idle ones included (fewer programs per SM)."""
+    HALF: tl.constexpr = BLOCK // 2
+    offs = tl.arange(0, HALF)
     sidx = tl.arange(0, 8)
     coef = tl.zeros([8], dtype=tl.float32)
     n_steps = head * 0
@@ -233,14 +236,16 @@ def _whole_row(
             need = (opk == 1) | (opk == 2) | ((opk == 0) & (tl.load(bflag_ptr + e) != 0))
         if need:
             acc = tl.sum(coef * 0.0, axis=0)
-            for jj in range(0, pieces):
-                m = offs < tl.minimum(w - jj * d, d)
-                x = tl.load(row_ptr + jj * d + offs, mask=m, other=0.0).to(tl.float32)
+            for sp in range(0, 2 * pieces):  # (piece jj's half from value lo)
+                jj = sp // 2
+                lo = (sp % 2) * HALF
+                m = lo + offs < tl.minimum(w - jj * d, d)
+                x = tl.load(row_ptr + jj * d + lo + offs, mask=m, other=0.0).to(tl.float32)
                 e2 = head
                 k = head * 0
                 while k < t:  # steps 0..t-1 (`graph_kernels`' chain walk, each scalar from its pass)
                     o2 = tl.load(op_ptr + e2).to(tl.int32) & 7
-                    pe = (e2 + jj).to(tl.int64) * d
+                    pe = (e2 + jj).to(tl.int64) * d + lo
                     a = tl.load(a_ptr + pe + offs, mask=m, other=0.0).to(tl.float32)
                     cf = tl.sum(tl.where(sidx == k, coef, 0.0), axis=0)
                     if o2 == 0:  # add: A + B * |row| (the norm: its pass's scalar)
@@ -255,15 +260,15 @@ def _whole_row(
                     k += 1
                 if last:
                     h = x.to(row_ptr.dtype.element_ty)
-                    tl.store(row_ptr + jj * d + offs, h, mask=m)
+                    tl.store(row_ptr + jj * d + lo + offs, h, mask=m)
                     slot = tl.load(ctl_ptr + jj * max_rows * 2)
                     if slot >= 0:
                         at = slot.to(tl.int64) + tl.load(base_ptr).to(tl.int64)
-                        tl.store(stage_ptr + at * d + offs, h.to(stage_ptr.dtype.element_ty), mask=m)
+                        tl.store(stage_ptr + at * d + lo + offs, h.to(stage_ptr.dtype.element_ty), mask=m)
                 elif opk == 0:
                     acc += tl.sum(x * x, axis=0)
                 else:
-                    pe = (e + jj).to(tl.int64) * d
+                    pe = (e + jj).to(tl.int64) * d + lo
                     acc += tl.sum(x * tl.load(a_ptr + pe + offs, mask=m, other=0.0).to(tl.float32), axis=0)
             if more:
                 if opk == 0:
