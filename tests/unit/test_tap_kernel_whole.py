@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
 
     dtype = getattr(torch, sys.argv[1])
     torch.manual_seed(0)
-    d, n, pieces = 32, 7, 3  # an 80-wide row: pieces of 32, 32, 16
+    d, n, pieces = int(sys.argv[2]), 7, 3  # d 32: an 80-wide row, pieces of 32, 32, 16 (d 24: 24, 24, 12)
     w = 2 * d + d // 2
     tap = points.site(0, points.MLPPOST)
     ps = points.mlp_piece_sites(0, pieces)
@@ -95,7 +95,7 @@ SCRIPT = textwrap.dedent(
     k = make_tap_kernel()
     h1, s1 = h.clone(), stage0.clone()
     k[(n, pieces)](h1, h1, ctl, g.base, s1, g.A, g.B, g.bflag, g.gate, g.op, g.nxt, g.lo, g.hi, first, n, d, w,
-        h1.stride(0), h1.stride(0), HAS_R=False, WIDE=True, BLOCK=d)
+        h1.stride(0), h1.stride(0), HAS_R=False, WIDE=True, BLOCK=g._block)
     # the torch twin (CPU engines)
     h2 = h.clone()
     g.stage.copy_(stage0)
@@ -133,19 +133,22 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(dtype: str) -> dict[str, list[str]]:
+def _run(dtype: str, d: int = 32) -> dict[str, list[str]]:
     pytest.importorskip("triton")
     env = {"TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath(None)}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, dtype], env={**os.environ, **env}, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", SCRIPT, dtype, str(d)], env={**os.environ, **env}, capture_output=True, text=True, timeout=600
     )
     out = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.strip()}
     assert "OK" in out, proc.stdout[-2000:] + proc.stderr[-4000:]
     return out
 
 
-def test_whole_row_chains_in_the_kernel_equal_the_twin_and_the_python_path_fp32():
-    out = _run("float32")
+@pytest.mark.parametrize("d", [32, 24], ids=["d32", "d24-not-a-power-of-2"])
+def test_whole_row_chains_in_the_kernel_equal_the_twin_and_the_python_path_fp32(d):
+    """(d 24: a block of 32, read in halves of 16 — the second half of a piece partly masked, the last
+    piece, 12 wide, inside the first half.)"""
+    out = _run("float32", d)
     assert all(float(x) <= 1e-5 for x in out["KERNEL_TWIN"]), out
     assert float(out["KERNEL_PY"][0]) <= 1e-5, out
 
