@@ -11,7 +11,7 @@ from vllm import SamplingParams
 from support.engines import model_path
 from support.servers import KEY, PROBE_DIR
 from vllm_worker import envs
-from vllm_worker.api.client import decode_activations
+from vllm_worker.api.client import decode_activations, decode_stream_chunk
 from vllm_worker.probes import save_probe
 
 PROMPT = "the water of people will come down to the side"
@@ -132,6 +132,14 @@ def test_streamed_chunks_carry_their_scores(server):
     assert n_tokens == 6 and len(pos) >= 2
     assert torch.equal(torch.cat(pos), torch.arange(n_prompt + 5))
     assert torch.equal(torch.cat(scores), full)
+    # the client's decoder gives the same: each chunk's scores, then the final chunk's full scores
+    decoded = [decode_stream_chunk(c) for c in chunks]
+    per_chunk = [d[0]["probe_scores"]["p2s"] for d in decoded if d and "probe_scores" in d[0]]
+    assert len(per_chunk) == len(pos) and all("probe_scores_error" not in d.get(0, {}) for d in decoded)
+    assert torch.equal(torch.cat([c["positions"] for c in per_chunk]), torch.arange(n_prompt + 5))
+    assert torch.equal(torch.cat([c["scores"] for c in per_chunk]), full)
+    (last,) = [d[0]["activations"] for d in decoded if d and "activations" in d[0]]
+    assert torch.equal(last["probe_scores"]["p2s"], full) and set(last["probe_aggregates"]["p2s"]) >= {"mean"}
 
 
 def test_concurrent_streams_share_progress_rpcs(server):
