@@ -191,3 +191,32 @@ def test_set_at_mlp_post_patches_neurons_equal_hf():
     assert list(outs[2].outputs[0].token_ids) == list(solo.outputs[0].token_ids)
     for p in capture:
         assert torch.equal(outs[2].activations[p], solo.activations[p])
+
+
+def test_ablate_and_cap_at_z_and_set_at_attn_out_equal_hf(llama):
+    """`z` takes every op over its whole n_heads * d_head row (docs/hook-points.md), not only head `set`:
+    ablate (prompt) then cap (generated) at z of layer 1, and a 2-D `set` of attn_out at layer 2 (all
+    positions) — equal to HF with the same edits, on the graph-safe path; the captured z rows flattened."""
+    svs = [
+        SteeringVector(_vec(71), [1], op="ablate", point="z", phase="prompt"),
+        SteeringVector(_vec(72), [1], op="cap", lo=-0.02, hi=0.02, point="z", phase="generated"),
+        SteeringVector(_vec(73, norm=1.5), [2], op="set", point="attn_out"),
+    ]
+    capture = {"z": [1], "attn_out": [2], "resid_post": [3]}
+    extra = {"apply_steering_vectors": svs, "output_activations": capture}
+    before = dict(STEP_TIMINGS)
+    out = llama.generate([PROMPTS[1]], [_sp(extra)], use_tqdm=False)[0]
+    assert _steps(before)["graph_steps"] >= N and _steps(before)["python_steps"] == 0
+    n = len(out.prompt_token_ids)
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref, logits = point_activations(hf_model("llama"), "llama", ids, _edit(svs, n))
+    assert logits[n - 1 : -1].argmax(-1).tolist() == ids[n:]
+    z = out.activations["z"].flatten(-2)  # (1, n_pos, n_heads * d_head)
+    close(z, ref["z"][[1]][:, : len(ids) - 1], "llama z")
+    for p in ("attn_out", "resid_post"):
+        close(out.activations[p], ref[p][capture[p]][:, : len(ids) - 1], f"llama {p}")
+    u = svs[0].activations[0] / svs[0].activations[0].norm()
+    assert (z[0, :n] @ u).abs().max() <= 1e-4 * z.abs().max()
+    c = svs[1].activations[0] / svs[1].activations[0].norm()
+    assert (z[0, n:] @ c).abs().max() <= 0.02 + 1e-5
+    assert torch.allclose(out.activations["attn_out"][0], svs[2].activations[0].expand(len(ids) - 1, -1), atol=1e-6)
