@@ -123,6 +123,18 @@ def test_scores_with_captures_and_chosen_positions(llm):
     sp = _sp(output_probe_scores={"pr_l2": {"positions": "all"}})
     out = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0]
     assert (out.activations["probe_aggregates"]["pr_l2"]["mean"] - _ref("pr_l2", out).mean(0)).abs().max() <= 1e-5
+    # "prompt": the prompt's positions (the last one included); positions the request never reached: NaN
+    sps = [
+        _sp(output_probe_scores={"pr_l2": {"positions": "prompt", "aggregate": ["rolling_max:2"]}}),
+        _sp(output_probe_scores={"pr_l2": {"positions": [100], "aggregate": ["ema:0.5"]}}),
+    ]
+    a, b = llm.generate(PROMPTS[1:], sps, use_tqdm=False)
+    ref = _ref("pr_l2", a)[: len(a.prompt_token_ids)]
+    for k, v in a.activations["probe_aggregates"]["pr_l2"].items():
+        assert (v - aggregate(ref, k)).abs().max() <= 1e-5, k
+    got = b.activations["probe_aggregates"]["pr_l2"]
+    assert list(got) == ["mean", "max", "last", "ema:0.5"] and all(bool(v.isnan().all()) for v in got.values())
+    _check(b.activations["probe_scores"]["pr_l2"], _ref("pr_l2", b))
 
 
 def test_python_path_a_request_that_also_hooks(llm):
