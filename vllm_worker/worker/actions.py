@@ -59,7 +59,7 @@ class Prepared:
     """A template's actions as `ActionTable.uses` derives them (`ActionTable.prepare`; read-only once made)."""
 
     local: frozenset  # the sites it was prepared for
-    acts: list  # per action here: (index, name, sites, weight rows, floats, ints, open ranges, fixed lo, stop)
+    acts: list  # per action here: `ActionTable._derive`'s tuple
     n_rows: int
 
 
@@ -152,7 +152,7 @@ class ActionTable:
         """What action `a` (`probe_actions[i]`) puts in its slot but the request's prompt end: (index, name,
         sites, weight rows as (d,) views, (b, threshold, param), ints: kind, sigmoid, the ranges' firsts (an
         open one -1) then untils, the open firsts' places in ints, the lowest fixed first (None: all open),
-        stop)."""
+        stop, number of sites)."""
         w = self._weights(a["w"], f"probe_actions[{i}].w").reshape(len(a["sites"]), -1)
         if w.shape[1] != self.d:  # (checked here: a bad row must fail its request, not the step's flush)
             raise ValueError(f"probe_actions[{i}].w: {w.shape[1]} columns, the model's width is {self.d}")
@@ -171,7 +171,8 @@ class ActionTable:
         sites = tuple([int(x) for x in a["sites"]])
         rows = tuple([w[k] for k in range(len(sites))])  # (indexing: iterating a tensor unbinds it, slower)
         fixed_lo = min(fixed) if fixed else None
-        return (i, str(a["name"]), sites, rows, floats, tuple(ints), tuple(opens), fixed_lo, bool(a["stop"]))
+        consts, stop = tuple(ints), bool(a["stop"])
+        return (i, str(a["name"]), sites, rows, floats, consts, tuple(opens), fixed_lo, stop, len(sites))
 
     def uses_prepared(self, req_id: str, prep: Prepared, first_watched: int) -> list[ActionUse]:
         """`uses` for actions `prepare`d once (`uses` itself ends here): slots and weight rows taken in order,
@@ -182,9 +183,10 @@ class ActionTable:
         out: list[ActionUse] = []
         self._by_req[req_id] = out  # (filled as slots are taken, as in `uses`)
         free, wfree, new_w = self._free, self._wfree, self._new_w
-        for i, name, sites, rows, floats, ints, opens, fixed_lo, stop in acts:
+        for i, name, sites, rows, floats, ints, opens, fixed_lo, stop, n in acts:
             slot = free.pop()
-            taken = [wfree.pop() for _ in sites]
+            taken = wfree[-n:][::-1]  # (as n pops; n >= 1: an action here has a site here)
+            del wfree[-n:]
             for r, row in zip(taken, rows):
                 new_w[r] = row
             if opens:
