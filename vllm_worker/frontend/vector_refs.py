@@ -29,6 +29,7 @@ from vllm_worker.protocol.spec import RequestSpec
 
 logger = logging.getLogger(__name__)
 DROPS_KEY = "drop_vectors"  # in a payload: registrations the workers may forget
+REFS_KEY = "vec_refs"  # in a payload: how many of its steers name a vector (the workers look no further without)
 
 
 @dataclass
@@ -100,7 +101,8 @@ async def push_async(engine_client: Any, processor: Any, registry: VectorRegistr
 
 def by_reference(processor: Any, spec: RequestSpec, payload: dict[str, Any], used: list[Entry]) -> tuple[str, ...]:
     """Each steer of `payload` whose rows equal a held registration's, sent by reference (`{"ref": vid,
-    "unit": ..., "repeat": n}` in place of the bytes); the registrations pinned for the request."""
+    "unit": ..., "repeat": n}` in place of the bytes, the payload marked: `REFS_KEY`); the registrations
+    pinned for the request."""
     registry = engine_state(processor).vectors
     steers = payload.get("steer")
     if registry is None or not steers:
@@ -125,6 +127,7 @@ def by_reference(processor: Any, spec: RequestSpec, payload: dict[str, Any], use
         return ()
     for j, vid, unit, repeat in swaps:
         steers[j]["vec"] = {"ref": vid, "unit": unit, "repeat": repeat}
+    payload[REFS_KEY] = len(swaps)
     VECTOR_REFS["sent"] += len(swaps)
     return tuple(vids)
 
