@@ -179,6 +179,8 @@ class Admission:
                 probe_uses = self.probes.uses(spec.probes)
             if spec.actions:
                 act_uses = self._action_uses(req_id, spec, tmpl)
+                if not act_uses:  # (no action at this stage's layers: nothing held here, nothing to give back)
+                    self.actions.drop(req_id)
             derived = tmpl if tmpl is not None else self._derive(spec, payload)
             for i, s in enumerate(spec.steers):
                 content, lut, keep = derived.contents[i], derived.luts[i], derived.keeps[i]
