@@ -5,6 +5,7 @@ actions (review3). Batch-mates keep HF float32's numbers."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -81,3 +82,14 @@ def test_the_largest_position_allowed_is_admitted(llama):
     reps = [o.activations["probe_actions"][0] for o in outs]
     assert reps[0]["fired"] and reps[0] == reps[1]
     assert [list(o.outputs[0].token_ids) for o in outs][0] == list(outs[1].outputs[0].token_ids)
+
+
+def test_a_direction_value_past_a_float_is_refused_naming_the_field(llama):
+    """An int too large for a float in `direction` (JSON allows it, and in a JSON string — as `vllm_xargs`
+    carries it — vLLM's 64-bit check of extra_args never sees it) is a ValueError naming the field, not an
+    OverflowError out of validation (an HTTP 500)."""
+    act = {"direction": [10**400] + [0.0] * (D - 1), "layer": 2, "threshold": 1.0, "then": "stop"}
+    with pytest.raises(ValueError, match=r"probe_actions\[0\]\.direction"):
+        llama.generate([PROMPTS[0]], [_sp({"probe_actions": json.dumps([act])})], use_tqdm=False)
+    out = llama.generate([PROMPTS[0]], [_sp()], use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == N_NEW

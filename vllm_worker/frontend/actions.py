@@ -150,7 +150,7 @@ def _direction(item: Mapping[str, Any], f: str, shape: ModelShape) -> tuple[int,
         d = tensor_from_json(d, f"{f}.direction")
     try:
         w = torch.as_tensor(d, dtype=torch.float32).detach().to("cpu").clone()
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # (OverflowError: an int past float, from JSON)
         raise ValueError(f"{f}.direction: expected a list of {shape.d_model} numbers or a tensor") from None
     if w.ndim != 1 or w.shape[0] != shape.d_model:
         raise ValueError(f"{f}.direction: expected shape ({shape.d_model},), got {tuple(w.shape)}")
