@@ -60,12 +60,18 @@ def forms(entry: Entry) -> Held:
     """The rows validation makes of `entry` (`steer_rows.checked_rows`: the same passes, the same bits)."""
     t = entry.tensor
     rows = t.reshape(1, -1) if t.ndim == 1 else t
-    plain = checked_rows(rows, "add", "activations").raw
+    plain = _dense(checked_rows(rows, "add", "activations"))
     try:
-        unit = checked_rows(rows, "ablate", "activations").raw
+        unit = _dense(checked_rows(rows, "ablate", "activations"))
     except ValueError:  # a zero row: ablate / cap refuse it by bytes, with the error naming the request's field
         unit = None
     return Held(plain, unit, tuple(rows.shape))
+
+
+def _dense(got: Any) -> bytes:
+    """All of `checked_rows`' rows as bytes: rows all equal come with only their first row's (`repeat`), and
+    `Held` keeps every row of its shape (its digests are of them, as a request's are)."""
+    return got.raw * got.repeat if got.repeat else got.raw
 
 
 def push(llm: Any, processor: Any, registry: VectorRegistry, entry: Entry) -> None:
