@@ -15,12 +15,13 @@ __all__ = [
     "SteeringVector",
     "VLLMLensClient",
     "decode_activations",
+    "decode_stream_chunk",
 ]
 
 
 def __getattr__(name: str):
     # the HTTP client needs httpx: imported on first use, not by the worker processes
-    if name in ("LensClient", "AsyncLensClient", "VLLMLensClient", "decode_activations"):
+    if name in ("LensClient", "AsyncLensClient", "VLLMLensClient", "decode_activations", "decode_stream_chunk"):
         from vllm_worker.api import client
 
         return getattr(client, name)

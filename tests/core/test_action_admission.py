@@ -80,7 +80,7 @@ def test_flush_writes_every_slot_of_the_step_with_fresh_state():
 def test_a_wrong_width_weight_fails_its_request_not_the_flush():
     table = ActionTable(D, torch.device("cpu"), n_slots=4)
     ok = Req(table.uses("A", [_action(torch.ones(D), -1e9)], frozenset({SITE}), 10))
-    with pytest.raises(ValueError, match=r"probe_actions\[1\]\.w"):  # (its action 0 took a slot first)
+    with pytest.raises(ValueError, match=r"probe_actions\[1\]\.w"):  # (read before its action 0 takes a slot)
         table.uses("B", [_action(torch.ones(D), -1e9), _action(torch.ones(D + 1), -1e9)], frozenset({SITE}), 10)
     table.drop("B")
     assert table.status()["action_slots"] == 1  # (B took no slot)

@@ -12,7 +12,7 @@ import torch
 from vllm import SamplingParams
 
 from support.hook_fns import ablate
-from support.reference import greedy, hf_model, residuals, zero_dim_edit
+from support.reference import greedy, hf_model, point_activations, residuals, zero_dim_edit
 from vllm_worker import Hook, HookError, counters
 from vllm_worker.probes import aggregate, save_probe
 from vllm_worker.worker import faults
@@ -123,6 +123,18 @@ def test_scores_with_captures_and_chosen_positions(llm):
     sp = _sp(output_probe_scores={"pr_l2": {"positions": "all"}})
     out = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0]
     assert (out.activations["probe_aggregates"]["pr_l2"]["mean"] - _ref("pr_l2", out).mean(0)).abs().max() <= 1e-5
+    # "prompt": the prompt's positions (the last one included); positions the request never reached: NaN
+    sps = [
+        _sp(output_probe_scores={"pr_l2": {"positions": "prompt", "aggregate": ["rolling_max:2"]}}),
+        _sp(output_probe_scores={"pr_l2": {"positions": [100], "aggregate": ["ema:0.5"]}}),
+    ]
+    a, b = llm.generate(PROMPTS[1:], sps, use_tqdm=False)
+    ref = _ref("pr_l2", a)[: len(a.prompt_token_ids)]
+    for k, v in a.activations["probe_aggregates"]["pr_l2"].items():
+        assert (v - aggregate(ref, k)).abs().max() <= 1e-5, k
+    got = b.activations["probe_aggregates"]["pr_l2"]
+    assert list(got) == ["mean", "max", "last", "ema:0.5"] and all(bool(v.isnan().all()) for v in got.values())
+    _check(b.activations["probe_scores"]["pr_l2"], _ref("pr_l2", b))
 
 
 def test_python_path_a_request_that_also_hooks(llm):
@@ -171,6 +183,9 @@ def test_n_samples_and_replacing_a_probe(llm):
         (dict(weight=torch.ones(1, D), layers=[1], output="softmax"), "output"),
         (dict(layers=[1]), "weight"),
         (dict(weight=torch.ones(1, D), layers=[1], layer=2), "layer"),
+        (dict(weight=torch.ones(1, D), layers=[1], point="mlp_post"), "point"),  # d_mlp wide (it failed mid-request)
+        (dict(weight=torch.ones(1, 256), layers=[1], point="mlp_post"), "point"),
+        (dict(weight=torch.ones(1, D), layers=[1], point="k"), "point"),  # 2 kv heads x 32: was scored over 128
     ],
 )
 def test_bad_probes_are_refused_naming_the_field(llm, kwargs, field):
@@ -178,6 +193,24 @@ def test_bad_probes_are_refused_naming_the_field(llm, kwargs, field):
         llm.load_probe("bad", **kwargs)
     assert str(e.value).startswith(field + ":"), str(e.value)
     assert "bad" not in {p["name"] for p in llm.list_probes()}
+
+
+def test_probes_at_inner_points_equal_hf(llm):
+    """A probe reads the point it names: mlp_out, z (heads flattened) and mlp_in at layer 1, each equal to
+    HF's value there through the probe's formula (only resid_post probes were tested)."""
+    g = torch.Generator().manual_seed(9)
+    ws = {p: torch.randn(2, D, generator=g) / D**0.5 for p in ("mlp_out", "z", "mlp_in")}
+    try:
+        for p, w in ws.items():
+            llm.load_probe(f"at_{p}", weight=w, bias=torch.tensor([0.5, -0.5]), layers=[1], point=p)
+        out = llm.generate([PROMPTS[2]], _sp(output_probe_scores=[f"at_{p}" for p in ws]), use_tqdm=False)[0]
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        ref, _ = point_activations(hf_model("llama"), "llama", ids[:-1])
+        for p, w in ws.items():
+            _check(out.activations["probe_scores"][f"at_{p}"], ref[p][1] @ w.T + torch.tensor([0.5, -0.5]))
+    finally:
+        for p in ws:
+            llm.delete_probe(f"at_{p}")
 
 
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(llm, tmp_path):

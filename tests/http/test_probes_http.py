@@ -11,7 +11,7 @@ from vllm import SamplingParams
 from support.engines import model_path
 from support.servers import KEY, PROBE_DIR
 from vllm_worker import envs
-from vllm_worker.api.client import decode_activations
+from vllm_worker.api.client import decode_activations, decode_stream_chunk
 from vllm_worker.probes import save_probe
 
 PROMPT = "the water of people will come down to the side"
@@ -132,6 +132,14 @@ def test_streamed_chunks_carry_their_scores(server):
     assert n_tokens == 6 and len(pos) >= 2
     assert torch.equal(torch.cat(pos), torch.arange(n_prompt + 5))
     assert torch.equal(torch.cat(scores), full)
+    # the client's decoder gives the same: each chunk's scores, then the final chunk's full scores
+    decoded = [decode_stream_chunk(c) for c in chunks]
+    per_chunk = [d[0]["probe_scores"]["p2s"] for d in decoded if d and "probe_scores" in d[0]]
+    assert len(per_chunk) == len(pos) and all("probe_scores_error" not in d.get(0, {}) for d in decoded)
+    assert torch.equal(torch.cat([c["positions"] for c in per_chunk]), torch.arange(n_prompt + 5))
+    assert torch.equal(torch.cat([c["scores"] for c in per_chunk]), full)
+    (last,) = [d[0]["activations"] for d in decoded if d and "activations" in d[0]]
+    assert torch.equal(last["probe_scores"]["p2s"], full) and set(last["probe_aggregates"]["p2s"]) >= {"mean"}
 
 
 def test_concurrent_streams_share_progress_rpcs(server):
@@ -229,3 +237,53 @@ def test_load_without_replace_never_swaps_a_different_probe(server):
     r = httpx.post(url, json={"name": "pr", "path": "p1r"}, headers=h, timeout=60)  # replace: true by default
     assert r.status_code == 200 and r.json()["probe"]["layers"] == [1]
     assert httpx.delete(f"{url}/pr", headers=h).status_code == 200
+
+
+def test_bad_probe_folders_are_400_naming_the_field_and_the_server_keeps_serving(server):
+    """Issue #42 §1 over HTTP: a width that is not the model's, a layer out of range, an unknown point, NaN
+    weights, a mean of the wrong shape, a damaged probe.json — each a 400 whose `param` names the field, nothing
+    loaded under the name; then a good probe loads and scores."""
+    import json
+
+    from safetensors.torch import save_file
+
+    h = {"Authorization": f"Bearer {KEY}"}
+    url = f"{server}/v1/lens/probes"
+    w = torch.ones(1, 128)
+    save_probe(PROBE_DIR / "bad-width", torch.ones(1, 129), layers=[1])
+    save_probe(PROBE_DIR / "bad-layer", w, layers=[9])
+    folder = save_probe(PROBE_DIR / "bad-point", w, layers=[1])
+    cfg = json.loads((folder / "probe.json").read_text())
+    (folder / "probe.json").write_text(json.dumps({**cfg, "point": "resid_pots"}))
+    folder = save_probe(PROBE_DIR / "bad-nan", w, layers=[1])
+    save_file({"weight": torch.full((1, 128), float("nan")), "bias": torch.zeros(1)}, str(folder / "probe.safetensors"))
+    folder = save_probe(PROBE_DIR / "bad-mean", w, layers=[1])
+    save_file({"weight": w, "bias": torch.zeros(1), "mean": torch.zeros(64)}, str(folder / "probe.safetensors"))
+    folder = save_probe(PROBE_DIR / "bad-json", w, layers=[1])
+    (folder / "probe.json").write_text(json.dumps({**cfg, "layers": [1], "thresold": 1.0}))
+    cases = [
+        ("bad-width", "weight", "d_model 128"),
+        ("bad-layer", "layers[0]", "out of range"),
+        ("bad-point", "point", "resid_pots"),
+        ("bad-nan", "weight", "NaN"),
+        ("bad-mean", "mean", "(128,)"),
+        ("bad-json", "probe.json", "thresold"),
+    ]
+    for path, param, words in cases:
+        r = httpx.post(url, json={"name": "badp", "path": path}, headers=h, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], (path, err)
+    assert "badp" not in {p["name"] for p in httpx.get(url, headers=h).json()["probes"]}
+    _save("p2ok", [2], "logit")
+    assert httpx.post(url, json={"name": "badp", "path": "p2ok"}, headers=h, timeout=60).status_code == 200
+    body = {"model": str(model_path("llama")), "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    r = httpx.post(
+        f"{server}/v1/completions",
+        json={**body, "vllm_xargs": {"output_probe_scores": ["badp"]}},
+        headers=h,
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert decode_activations(r.json())[0]["probe_scores"]["badp"].shape[1] == 2
+    assert httpx.delete(f"{url}/badp", headers=h).status_code == 200

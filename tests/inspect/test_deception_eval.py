@@ -59,6 +59,16 @@ def test_deception_probe_eval_end_to_end(probe_eval):
     assert len(probe_files) == 1 and probe_files[0].name.startswith(Path(log.location).stem)
     probe = json.loads(probe_files[0].read_text())
     assert probe["layer"] == 2 and probe["meta"]["train_samples"] == 24 and len(probe["coef"]) == 128
+    # ... and in the served format beside it (issue #42 §1: the eval's probe can be served as is): the
+    # engine's reader takes the folder, and its formula gives the JSON probe's scores
+    from inspect_lens import LinearProbe
+    from vllm_worker.probes.format import load_probe_files
+
+    served = load_probe_files(probe_files[0].with_suffix(""))
+    assert served.layers == [2] and served.d_model == 128 and served.output == "logit" and served.aggregate == ["mean"]
+    x = np.random.default_rng(0).normal(size=(16, 128)) * 3
+    want = LinearProbe.load(probe_files[0]).score_tokens(x)
+    np.testing.assert_allclose(served.score(torch.as_tensor(x, dtype=torch.float32))[:, 0].numpy(), want, atol=1e-4)
     for s in samples:
         sc = next(iter(s.scores.values()))
         start, end = sc.metadata["window"]

@@ -21,4 +21,5 @@ def through_zmq(req: EngineCoreRequest) -> tuple[EngineCoreRequest, list]:
     finally:
         push.close(linger=0)
         pull.close(linger=0)
+        ctx.term()  # (the received frames own their memory; left to the collector it warns "Unclosed context")
     return MsgpackDecoder(EngineCoreRequest).decode(frames), frames

@@ -155,3 +155,82 @@ def test_prepared_rows_are_never_written_and_fit_the_table():
     adm.actions.W.add_(1.0)  # (a write to the table must not reach the template's rows)
     assert all(torch.equal(x, r) for x, r in zip(before, (r for a in prep.acts for r in a[3])))
     assert all(r.shape == (D,) for a in prep.acts for r in a[3])
+
+
+def _doubly_bad() -> dict[str, list[dict]]:
+    """Sequences whose requests are wrong twice over: a weight of the wrong width (or whose bytes do not
+    match its shape) sent while the table is full (after it filled, and before), and a request whose second
+    action has it, with room for its first action only and with room for both."""
+    shape = ModelShape(n_layers=LAYERS, d_model=D)
+    u = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(3)), dim=0)
+
+    def act(layer: int) -> dict:
+        then = {"steer": SteeringVector(activations=u.view(1, D).clone(), layer_indices=[2], scale=1.0)}
+        return {"direction": u.tolist(), "layer": layer, "threshold": -1e9, "then": then}
+
+    def narrow(a: dict, bytes_too: bool) -> None:  # (half the model's width; `bytes_too`: data and shape agree)
+        a["w"] = {**a["w"], "shape": [1, D // 2], "data": a["w"]["data"][: 2 * D] if bytes_too else a["w"]["data"]}
+
+    good = encode(parse_request({"probe_actions": [act(1)]}, shape, 7))
+    out = {}
+    for bytes_too, what in ((True, "width"), (False, "bytes")):
+        bad = encode(parse_request({"probe_actions": [act(1)]}, shape, 7))
+        narrow(bad["actions"][0], bytes_too)
+        two = encode(parse_request({"probe_actions": [act(1), act(2)]}, shape, 7))
+        narrow(two["actions"][1], bytes_too)
+        out[f"full, then wrong {what}"] = [good, good, bad, bad, bad]
+        out[f"wrong {what}, then full"] = [bad, bad, good, good, bad, bad]
+        out[f"second action's wrong {what}, room for one"] = [good, good, two, two, two]
+        out[f"second action's wrong {what}, room for both"] = [two, two, two]
+    return out
+
+
+def test_a_doubly_bad_request_is_refused_alike_with_and_without_templates():
+    """The table-full refusal comes before any action is read, on both paths (`prepare` does find the wrong
+    width first, but only to leave the template unprepared: the request is then refused by `uses`); a
+    refused request takes no slot, not even its good action's."""
+    for name, seq in _doubly_bad().items():
+        got = {}
+        for kept in (8, 0):
+            adm = _make(kept, 2)
+            states, tables = [], []
+            for i, p in enumerate(seq):
+                before = _table(adm)
+                states.append(_state(adm, adm.admit(f"r{i}", dict(p))))
+                tables.append(_table(adm))
+                if states[-1]["error"] is not None:  # (nothing taken, nothing queued)
+                    _same(before, tables[-1])
+            got[kept] = states, tables
+        assert got[8][0] == got[0][0], name
+        for a, b in zip(got[8][1], got[0][1]):
+            _same(a, b)
+        errors = [s["error"] for s in got[8][0]]
+        full = "room for both" not in name
+        want = [e for e in errors if e is not None]
+        assert want and all(e[0] == "limit" for e in want[-2:]) == full, name
+        told = "columns, the model's width is" if "width" in name else "bytes do not match"
+        if "then full" in name:
+            assert errors[0][0] == "internal" and "probe_actions[0].w" in errors[0][1] and told in errors[0][1]
+        if "room for both" in name:
+            assert all(e[0] == "internal" and "probe_actions[1].w" in e[1] and told in e[1] for e in errors)
+
+
+def test_an_action_watching_no_range_or_too_many_is_refused_before_a_slot_is_taken():
+    """(the frontend sends 1..MAX_RANGES: a payload it did not make must fail by the field, not leak the
+    slot it took before `min()` / an index failed, as it did)"""
+    from vllm_worker.worker.actions import MAX_RANGES
+
+    shape = ModelShape(n_layers=LAYERS, d_model=D)
+    u = torch.ones(D) / D**0.5
+    then = {"steer": SteeringVector(activations=u.view(1, D).clone(), layer_indices=[2], scale=1.0)}
+    act = {"direction": u.tolist(), "layer": 1, "threshold": 0.0, "then": then}
+    base = encode(parse_request({"probe_actions": [act]}, shape, 7))
+    for ranges in ([], [[k, k + 1] for k in range(MAX_RANGES + 1)]):
+        p = {**base, "actions": [{**base["actions"][0], "ranges": ranges}]}
+        for kept in (8, 0):
+            adm = _make(kept, 4)
+            before = _table(adm)
+            errors = [_state(adm, adm.admit(f"r{i}", dict(p)))["error"] for i in range(3)]
+            assert all(e is not None and "probe_actions[0].ranges" in e[1] for e in errors), errors
+            _same(before, _table(adm))
+            assert adm.actions.status()["action_slots"] == 0

@@ -123,3 +123,29 @@ def test_the_worker_forgets_a_payloads_drops_even_when_its_reference_fails():
     with pytest.raises(LookupError):
         worker.resolve(payload)
     assert worker.count() == 0
+
+
+def test_the_worker_reads_steers_only_of_a_payload_the_frontend_marked():
+    """`REFS_KEY` (set by `frontend.vector_refs.by_reference` with every reference it sends) is what makes the
+    worker look at a payload's steers: marked, the references are made bytes and the mark goes; unmarked, the
+    payload is handed on as it is (most name no vector: no scan of their steers per request)."""
+    from vllm_worker.worker.vector_refs import REFS_KEY
+
+    assert REFS_KEY == vector_refs.REFS_KEY and DROPS_KEY == vector_refs.DROPS_KEY
+    reg = VectorRegistry()
+    entry, held = _held(reg, "v", torch.randn(D))
+    worker = HeldVectors()
+    worker.put([held.wire(entry.vid)], [])
+    steer = {"layers": [0], "vec": {"ref": entry.vid, "unit": False, "repeat": 2}, "positions": None, "scale": 1.0,
+             "norm_match": False}  # fmt: skip
+    marked = {"v": 1, "key": "k", "capture": [], "steer": [steer], REFS_KEY: 1}
+    before = copy.deepcopy(marked)
+    out = worker.resolve(marked)
+    assert marked == before and REFS_KEY not in out and out["steer"][0]["vec"]["data"] == held.plain * 2
+    assert worker.resolved == 1 and decode(out).steers[0].vectors.shape == (2, D)
+    inline = {"v": 1, "key": "k", "capture": [], "steer": [{**steer, "vec": out["steer"][0]["vec"]}]}
+    assert worker.resolve(inline) is inline and worker.resolved == 1
+    unmarked = {k: v for k, v in marked.items() if k != REFS_KEY}  # (a payload the frontend never makes)
+    assert worker.resolve(unmarked) is unmarked
+    drops_only = {"v": 1, "key": "k", "capture": [], DROPS_KEY: [entry.vid]}
+    assert worker.resolve(drops_only) == {"v": 1, "key": "k", "capture": []} and worker.count() == 0

@@ -179,6 +179,30 @@ def decode_activations(response: dict) -> list[dict[str, Any] | None]:
     return out
 
 
+def decode_stream_chunk(chunk: dict) -> dict[int, dict[str, Any]]:
+    """Per choice index in one streamed chunk (`"stream": true`, the JSON after `data: `): `probe_scores` =
+    {probe: {"positions": Tensor (m,) int64, "scores": Tensor (m, n_out)}} for the positions whose forward
+    passes produced the chunk's tokens; `probe_scores_error` when the server could not read them for this
+    chunk (the stream goes on, the final chunk holds every score); `activations` = `decode_activations`'s
+    dict in the final chunk. Choices carrying none of these are left out."""
+    out: dict[int, dict[str, Any]] = {}
+    for c in chunk.get("choices") or []:
+        got: dict[str, Any] = {}
+        scores = c.get("probe_scores")
+        if scores:
+            got["probe_scores"] = {
+                name: {"positions": from_jsonable(v["positions"]), "scores": from_jsonable(v["scores"])}
+                for name, v in scores.items()
+            }
+        if c.get("probe_scores_error"):
+            got["probe_scores_error"] = str(c["probe_scores_error"])
+        if c.get("activations") is not None:
+            got["activations"] = _activations(c["activations"])
+        if got:
+            out[int(c.get("index", 0))] = got
+    return out
+
+
 def _activations(acts: dict) -> dict[str, Any]:
     """The same dict as offline `RequestOutput.activations`: a tensor per point, `points`, and
     `residual_stream` / `layers` (= `resid_post`)."""

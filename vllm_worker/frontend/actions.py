@@ -27,6 +27,9 @@ THEN = ("stop", "steer")
 MAX_WINDOW = 256  # rolling_max:W, the most positions a window holds (its state lives on the device)
 MAX_ACTIONS = 8  # per request
 MAX_RANGES = 16  # ranges / single positions in one action's `positions` (the workers' table holds as many)
+# positions watched lie below this (`end` at most it): the workers keep them as int64 and use it as a range's
+# open end (`worker.actions.NO_END`); a larger one, admitted, failed the action table's flush for the step
+MAX_POSITION = 1 << 62
 # the aggregate kinds as the workers know them
 TOKEN, EMA, ROLLING = 0, 1, 2
 
@@ -147,7 +150,7 @@ def _direction(item: Mapping[str, Any], f: str, shape: ModelShape) -> tuple[int,
         d = tensor_from_json(d, f"{f}.direction")
     try:
         w = torch.as_tensor(d, dtype=torch.float32).detach().to("cpu").clone()
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # (OverflowError: an int past float, from JSON)
         raise ValueError(f"{f}.direction: expected a list of {shape.d_model} numbers or a tensor") from None
     if w.ndim != 1 or w.shape[0] != shape.d_model:
         raise ValueError(f"{f}.direction: expected shape ({shape.d_model},), got {tuple(w.shape)}")
@@ -199,8 +202,8 @@ def watched(value: Any, f: str) -> list[list[int]]:
         for j, v in enumerate(value):
             if isinstance(v, Mapping):
                 out.append(_range(v, f"{f}[{j}]"))
-            elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{f}[{j}]: expected a position (an int >= 0) or a range, got {v!r}")
+            elif isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < MAX_POSITION:
+                raise ValueError(f"{f}[{j}]: expected a position (an int in [0, 2**62)) or a range, got {v!r}")
             else:
                 out.append([v, v + 1])
         return out
@@ -214,9 +217,9 @@ def _range(value: Mapping[str, Any], f: str) -> list[int]:
     if not set(value) or not set(value) <= {"start", "end"} or "start" not in value:
         raise ValueError(f'{f}: expected a range {{"start": position, "end": position (optional)}}, got {value!r}')
     lo, hi = value["start"], value.get("end", None)
-    for k, v in (("start", lo), ("end", hi)):
-        if (v is not None or k == "start") and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"{f}.{k}: expected a position (an int >= 0), got {v!r}")
+    for k, v, top, said in (("start", lo, MAX_POSITION - 1, ")"), ("end", hi, MAX_POSITION, "]")):
+        if (v is not None or k == "start") and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top):
+            raise ValueError(f"{f}.{k}: expected a position (an int in [0, 2**62{said}), got {v!r}")
     if hi is not None and hi <= lo:
         raise ValueError(f"{f}.end: expected a position after start ({lo}), got {hi!r}")
     return [int(lo), -1 if hi is None else int(hi)]

@@ -109,6 +109,7 @@ def prepare(name: Any, path: Any, shape: ModelShape, parts: Mapping[str, Any] | 
         if layer >= shape.n_layers:
             raise ValueError(f"layers[{i}]: layer {layer} is out of range for a model with {shape.n_layers} layers")
     pts.check_available(probe.point, "point", shape.missing)
+    _check_row_width(probe.point, shape)
     if probe.d_model != shape.d_model:
         raise ValueError(
             f"weight: probe {name!r} reads {probe.d_model} values per token and layer, but {probe.point} of this "
@@ -116,6 +117,21 @@ def prepare(name: Any, path: Any, shape: ModelShape, parts: Mapping[str, Any] | 
         )
     sites = [pts.canonical_site(probe.point, layer) for layer in probe.layers]
     return LoadedProbe(name, folder, probe_uid(probe), probe, sites)
+
+
+def _check_row_width(point: str, shape: ModelShape) -> None:
+    """The workers score one d_model-wide staged row per position and site: a point whose rows have another
+    width (mlp_post's d_mlp, carried in pieces; the router's n_experts; q / k / z where the heads' width is
+    not d_model) would be scored over the wrong values or fail mid-request, so it is refused at load."""
+    if point in (pts.MLP_POST, pts.ROUTER_LOGITS):
+        what = "d_mlp wide, carried in d_model-wide pieces" if point == pts.MLP_POST else "n_experts wide"
+        raise ValueError(f"point: probes read rows d_model wide; {point} is {what} (not supported by probes)")
+    heads = {pts.Q: shape.n_heads, pts.Z: shape.n_heads, pts.K: shape.n_kv_heads}.get(point)
+    if heads is not None and heads * shape.d_head != shape.d_model:
+        raise ValueError(
+            f"point: probes read rows d_model ({shape.d_model}) wide; {point} of this model is {heads} heads x "
+            f"{shape.d_head} = {heads * shape.d_head} wide (not supported by probes)"
+        )
 
 
 def _positions(value: Any, f: str) -> Any:

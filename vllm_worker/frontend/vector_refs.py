@@ -29,6 +29,7 @@ from vllm_worker.protocol.spec import RequestSpec
 
 logger = logging.getLogger(__name__)
 DROPS_KEY = "drop_vectors"  # in a payload: registrations the workers may forget
+REFS_KEY = "vec_refs"  # in a payload: how many of its steers name a vector (the workers look no further without)
 
 
 @dataclass
@@ -59,12 +60,18 @@ def forms(entry: Entry) -> Held:
     """The rows validation makes of `entry` (`steer_rows.checked_rows`: the same passes, the same bits)."""
     t = entry.tensor
     rows = t.reshape(1, -1) if t.ndim == 1 else t
-    plain = checked_rows(rows, "add", "activations").raw
+    plain = _dense(checked_rows(rows, "add", "activations"))
     try:
-        unit = checked_rows(rows, "ablate", "activations").raw
+        unit = _dense(checked_rows(rows, "ablate", "activations"))
     except ValueError:  # a zero row: ablate / cap refuse it by bytes, with the error naming the request's field
         unit = None
     return Held(plain, unit, tuple(rows.shape))
+
+
+def _dense(got: Any) -> bytes:
+    """All of `checked_rows`' rows as bytes: rows all equal come with only their first row's (`repeat`), and
+    `Held` keeps every row of its shape (its digests are of them, as a request's are)."""
+    return got.raw * got.repeat if got.repeat else got.raw
 
 
 def push(llm: Any, processor: Any, registry: VectorRegistry, entry: Entry) -> None:
@@ -100,7 +107,8 @@ async def push_async(engine_client: Any, processor: Any, registry: VectorRegistr
 
 def by_reference(processor: Any, spec: RequestSpec, payload: dict[str, Any], used: list[Entry]) -> tuple[str, ...]:
     """Each steer of `payload` whose rows equal a held registration's, sent by reference (`{"ref": vid,
-    "unit": ..., "repeat": n}` in place of the bytes); the registrations pinned for the request."""
+    "unit": ..., "repeat": n}` in place of the bytes, the payload marked: `REFS_KEY`); the registrations
+    pinned for the request."""
     registry = engine_state(processor).vectors
     steers = payload.get("steer")
     if registry is None or not steers:
@@ -125,6 +133,7 @@ def by_reference(processor: Any, spec: RequestSpec, payload: dict[str, Any], use
         return ()
     for j, vid, unit, repeat in swaps:
         steers[j]["vec"] = {"ref": vid, "unit": unit, "repeat": repeat}
+    payload[REFS_KEY] = len(swaps)
     VECTOR_REFS["sent"] += len(swaps)
     return tuple(vids)
 

@@ -59,7 +59,7 @@ class Prepared:
     """A template's actions as `ActionTable.uses` derives them (`ActionTable.prepare`; read-only once made)."""
 
     local: frozenset  # the sites it was prepared for
-    acts: list  # per action here: (index, name, sites, weight rows, floats, ints, open ranges, fixed lo, stop)
+    acts: list  # per action here: `ActionTable._derive`'s tuple
     n_rows: int
 
 
@@ -132,77 +132,61 @@ class ActionTable:
     # ------------------------------------------------------------ per request
 
     def uses(self, req_id: str, actions: list[dict], local: frozenset, first_watched: int) -> list[ActionUse]:
-        """Slots for a request's actions at this stage's sites; `ValueError` when the table is full."""
-        mine = [(i, a) for i, a in enumerate(actions) if local.intersection(a["sites"])]
-        for i, a in mine:
-            if not local.issuperset(a["sites"]):
-                raise ActionRefused(
-                    "unsupported", f"probe_actions[{i}].probe: its layers lie on several pipeline stages"
-                )
+        """Slots for a request's actions at this stage's sites: `ActionRefused` when an action's layers lie on
+        several stages, then when the table is full (before any action is read: that is the refusal whatever
+        else is wrong), then `ValueError` for the first malformed action; a refused request takes nothing."""
+        mine = _mine(actions, local)
         n_rows = sum(len(a["sites"]) for _, a in mine)
         if len(mine) > len(self._free) or n_rows > len(self._wfree):
-            raise ActionRefused("limit", f"probe_actions: the worker's action table is full ({N_SLOTS} live actions)")
-        out: list[ActionUse] = []
-        self._by_req[req_id] = out  # (filled as slots are taken: `drop` gives back those of a failure midway)
-        for i, a in mine:
-            w = self._weights(a["w"], f"probe_actions[{i}].w").reshape(len(a["sites"]), -1)
-            if w.shape[1] != self.d:  # (checked here: a bad row must fail its request, not the step's flush)
-                raise ValueError(f"probe_actions[{i}].w: {w.shape[1]} columns, the model's width is {self.d}")
-            slot = self._free.pop()
-            rows = [self._wfree.pop() for _ in a["sites"]]
-            for k, r in enumerate(rows):  # (indexing: iterating a tensor unbinds it, several times the cost)
-                self._new_w[r] = w[k]
-            ranges = [(first_watched if lo < 0 else lo, NO_END if hi < 0 else hi) for lo, hi in a["ranges"]]
-            firsts, untils = [0] * MAX_RANGES, [0] * MAX_RANGES  # (`frontend.actions.watched`; -1: generated / open)
-            for j, (lo, hi) in enumerate(ranges):
-                firsts[j], untils[j] = lo, hi
-            sigmoid = bool(a.get("sigmoid", False))
-            floats = (float(a["b"]), float(a["threshold"]), float(a["param"]))
-            self._new[slot] = (floats, [int(a["kind"]), int(sigmoid), *firsts, *untils])
-            lo = min(r[0] for r in ranges)
-            sites = {int(site): r for site, r in zip(a["sites"], rows)}
-            use = ActionUse(i, str(a["name"]), req_id, sites, slot, bool(a["stop"]), first_watched, lo < first_watched)
-            use.kind, use.sigmoid, use.rows = int(a["kind"]), sigmoid, self.rows_per_step
-            out.append(use)
-            self.open += 1
-        return out
+            raise _full()
+        return self.uses_prepared(req_id, Prepared(local, [self._derive(i, a) for i, a in mine], n_rows), first_watched)
 
     def prepare(self, actions: list[dict], local: frozenset) -> Prepared:
         """What `uses` derives from `actions` alone (slots aside), once for an admission template's content:
         its requests then only take slots and copy constants (`uses_prepared`). Raises for anything `uses`
-        would refuse; the caller then admits through `uses`, which fails the request as before."""
-        out = []
-        for i, a in enumerate(actions):
-            if not local.intersection(a["sites"]):
-                continue
-            if not local.issuperset(a["sites"]) or not a["ranges"] or len(a["ranges"]) > MAX_RANGES:
-                raise ValueError("not prepared")
-            w = self._weights(a["w"], f"probe_actions[{i}].w").reshape(len(a["sites"]), -1)
-            if w.shape[1] != self.d:
-                raise ValueError("not prepared")
-            ranges = [(lo, NO_END if hi < 0 else hi) for lo, hi in a["ranges"]]
-            ints = [int(a["kind"]), int(bool(a.get("sigmoid", False)))] + [0] * (2 * MAX_RANGES)
-            for j, (lo, hi) in enumerate(ranges):
-                ints[2 + j], ints[2 + MAX_RANGES + j] = lo, hi
-            opens = tuple(2 + j for j, (lo, _) in enumerate(ranges) if lo < 0)  # (set to first_watched)
-            fixed_lo = min((lo for lo, _ in ranges if lo >= 0), default=None)
-            floats = (float(a["b"]), float(a["threshold"]), float(a["param"]))
-            sites = tuple(int(x) for x in a["sites"])
-            rows = tuple(w[k] for k in range(len(sites)))
-            out.append((i, str(a["name"]), sites, rows, floats, tuple(ints), opens, fixed_lo, bool(a["stop"])))
-        return Prepared(local, out, sum(len(p[2]) for p in out))
+        would refuse; the caller then admits through `uses`, which fails the request (in `uses`' order)."""
+        acts = [self._derive(i, a) for i, a in _mine(actions, local)]
+        return Prepared(local, acts, sum(len(p[2]) for p in acts))
+
+    def _derive(self, i: int, a: dict) -> tuple:
+        """What action `a` (`probe_actions[i]`) puts in its slot but the request's prompt end: (index, name,
+        sites, weight rows as (d,) views, (b, threshold, param), ints: kind, sigmoid, the ranges' firsts (an
+        open one -1) then untils, the open firsts' places in ints, the lowest fixed first (None: all open),
+        stop, number of sites)."""
+        w = self._weights(a["w"], f"probe_actions[{i}].w").reshape(len(a["sites"]), -1)
+        if w.shape[1] != self.d:  # (checked here: a bad row must fail its request, not the step's flush)
+            raise ValueError(f"probe_actions[{i}].w: {w.shape[1]} columns, the model's width is {self.d}")
+        ranges = a["ranges"]
+        if not 0 < len(ranges) <= MAX_RANGES:  # (`frontend.actions.watched` sends 1..MAX_RANGES)
+            raise ValueError(f"probe_actions[{i}].ranges: {len(ranges)} ranges, expected 1 to {MAX_RANGES}")
+        ints = [int(a["kind"]), int(bool(a.get("sigmoid", False)))] + [0] * (2 * MAX_RANGES)
+        opens, fixed = [], []  # (the open firsts' places in ints: set to first_watched; the fixed firsts)
+        for j, (lo, hi) in enumerate(ranges):  # (`frontend.actions.watched`; -1: generated / open)
+            ints[2 + j], ints[2 + MAX_RANGES + j] = lo, NO_END if hi < 0 else hi
+            if lo < 0:
+                opens.append(2 + j)
+            else:
+                fixed.append(lo)
+        floats = (float(a["b"]), float(a["threshold"]), float(a["param"]))
+        sites = tuple([int(x) for x in a["sites"]])
+        rows = tuple([w[k] for k in range(len(sites))])  # (indexing: iterating a tensor unbinds it, slower)
+        fixed_lo = min(fixed) if fixed else None
+        consts, stop = tuple(ints), bool(a["stop"])
+        return (i, str(a["name"]), sites, rows, floats, consts, tuple(opens), fixed_lo, stop, len(sites))
 
     def uses_prepared(self, req_id: str, prep: Prepared, first_watched: int) -> list[ActionUse]:
-        """`uses` for actions `prepare`d once: the same slots, rows, constants and uses, bit for bit."""
+        """`uses` for actions `prepare`d once (`uses` itself ends here): slots and weight rows taken in order,
+        open ranges given the request's prompt end, the constants queued for `flush`."""
         acts = prep.acts
         if len(acts) > len(self._free) or prep.n_rows > len(self._wfree):
-            raise ActionRefused("limit", f"probe_actions: the worker's action table is full ({N_SLOTS} live actions)")
+            raise _full()
         out: list[ActionUse] = []
         self._by_req[req_id] = out  # (filled as slots are taken, as in `uses`)
         free, wfree, new_w = self._free, self._wfree, self._new_w
-        for i, name, sites, rows, floats, ints, opens, fixed_lo, stop in acts:
+        for i, name, sites, rows, floats, ints, opens, fixed_lo, stop, n in acts:
             slot = free.pop()
-            taken = [wfree.pop() for _ in sites]
+            taken = wfree[-n:][::-1]  # (as n pops; n >= 1: an action here has a site here)
+            del wfree[-n:]
             for r, row in zip(taken, rows):
                 new_w[r] = row
             if opens:
@@ -455,6 +439,20 @@ class ActionTable:
                 if not u.freed:  # (it left before its flag was read)
                     self.stopping.setdefault(u.req_id, f"probe:{u.name}")
         return dict(self.stopping)
+
+
+def _mine(actions: list[dict], local: frozenset) -> list[tuple[int, dict]]:
+    """(index, action) of the actions with a layer at this stage's sites; `ActionRefused` for one whose
+    layers lie on several stages."""
+    mine = [(i, a) for i, a in enumerate(actions) if local.intersection(a["sites"])]
+    for i, a in mine:
+        if not local.issuperset(a["sites"]):
+            raise ActionRefused("unsupported", f"probe_actions[{i}].probe: its layers lie on several pipeline stages")
+    return mine
+
+
+def _full() -> ActionRefused:
+    return ActionRefused("limit", f"probe_actions: the worker's action table is full ({N_SLOTS} live actions)")
 
 
 def staged_rows(r: Any, s: int, e: int) -> np.ndarray:

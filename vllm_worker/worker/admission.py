@@ -179,6 +179,8 @@ class Admission:
                 probe_uses = self.probes.uses(spec.probes)
             if spec.actions:
                 act_uses = self._action_uses(req_id, spec, tmpl)
+                if not act_uses:  # (no action at this stage's layers: nothing held here, nothing to give back)
+                    self.actions.drop(req_id)
             derived = tmpl if tmpl is not None else self._derive(spec, payload)
             for i, s in enumerate(spec.steers):
                 content, lut, keep = derived.contents[i], derived.luts[i], derived.keeps[i]
@@ -453,19 +455,22 @@ class Admission:
         by_gate = {} if self.actions is None else {self.actions.gate[u.slot : u.slot + 1].data_ptr(): u for u in uses}
         entries: dict = {}
         ids: list[int] = []
+        gates: list[tuple[Any, list[int]]] = []  # (an action, the entries it gates): set once every group fits
         for key, group in groups.items():
             try:
                 got = graph.request_entries(self.graph, group, gated=key != -1)
             except BaseException:  # (the groups before it give their entries back, as when one does not fit)
                 self.graph.free_entries(ids)
                 raise
-            if got is None:
+            if got is None:  # (an action must never gate entries given back: another request takes them next)
                 self.graph.free_entries(ids)
                 return None
             entries.update(got[0])
             ids += got[1]
             if key in by_gate:  # (the gate of a vector with no layer here belongs to no action)
-                by_gate[key].entries = got[1]
+                gates.append((by_gate[key], got[1]))
+        for u, got_ids in gates:
+            u.entries = got_ids
         return entries, ids
 
     def _check_sites(self, spec: Any, hooks: list[HookRun], store: RequestResults | None, probes: list) -> None:

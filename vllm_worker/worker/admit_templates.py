@@ -19,7 +19,7 @@ import msgspec
 from vllm_worker.protocol.recent import EDGE, recall, remember, same_bytes
 
 KEPT = 8  # templates remembered (least recently used dropped) ...
-MAX_BYTES = 4 << 20  # ... each from a payload with at most this many bytes of tensors (larger: admitted as before);
+MAX_BYTES = 4 << 20  # ... each from a payload with at most this many bytes of tensors (rows repeated: `_strip`);
 # a template also keeps the vectors in the model's dtype and a probe action's gated rows: up to ~4x this
 # payload keys a template may cover: the rest of a payload (hooks, SAEs, probes) is admitted as before
 _FIELDS = frozenset({"v", "key", "capture", "steer", "actions", "n", "release", "fetch", "shm"})
@@ -58,17 +58,20 @@ def split(payload: Any) -> tuple[bytes, list[Any]] | None:
     if not steer and not actions:
         return None
     blobs: list[Any] = []
+    more: list[int] = []  # (rows sent once with a `repeat`: the bytes of the others, which the template holds)
     try:
-        parts = [[_strip(s, blobs) for s in steer or ()], [_strip(a, blobs) for a in actions or ()]]
-        if sum(map(len, blobs)) > MAX_BYTES:
+        parts = [[_strip(s, blobs, more) for s in steer or ()], [_strip(a, blobs, more) for a in actions or ()]]
+        if sum(map(len, blobs)) + (sum(more) if more else 0) > MAX_BYTES:
             return None
         return msgspec.msgpack.encode([payload.get("v"), parts]), blobs
     except (TypeError, ValueError, AttributeError, msgspec.EncodeError):  # (not a payload `encode` makes)
         return None
 
 
-def _strip(item: dict, blobs: list[Any]) -> dict:
-    """`item` with each tensor's bytes replaced by None (appended to `blobs`, as contiguous bytes views)."""
+def _strip(item: dict, blobs: list[Any], more: list[int]) -> dict:
+    """`item` with each tensor's bytes replaced by None (appended to `blobs`, as contiguous bytes views). A row
+    sent once with a `repeat` (`spec._wire`) is that many rows in the template's host copies (`Template.host`):
+    the other rows' bytes go to `more`, so that `MAX_BYTES` bounds what a template holds, not what was sent."""
     out = {}
     for k, v in item.items():
         if type(v) is dict and "data" in v:
@@ -81,6 +84,8 @@ def _strip(item: dict, blobs: list[Any]) -> dict:
             elif not isinstance(raw, bytes):
                 raise ValueError("not bytes")
             blobs.append(raw)
+            if "repeat" in v:
+                more.append(len(raw) * (v["repeat"] - 1))
             v = {**v, "data": None}
         out[k] = v
     return out

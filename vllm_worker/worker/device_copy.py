@@ -21,9 +21,11 @@ def distinct_rows(rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[in
     seen: dict[tuple[int, int], int] = {}  # (address, stride): live tensors never give two contents one
     out: list[torch.Tensor] = []
     which: list[int] = []
+    n = 0  # len(out)
     for row in rows:
-        j = seen.setdefault((row.data_ptr(), row.stride(0)), len(out))
-        if j == len(out):
+        j = seen.setdefault((row.data_ptr(), row.stride(0)), n)
+        if j == n:
             out.append(row)
+            n += 1
         which.append(j)
     return out, which

@@ -72,11 +72,7 @@ def _walk(slot: ProbeScores, cache: dict, filed: dict[int, bool]) -> tuple[tuple
     spans: list[Span] = []
     firsts: list[int] = []
     for sp in slot.spans.get(slot.probe.sites[0], ()):
-        rec = id(sp.record)
-        got = filed.get(rec)
-        if got is None:
-            got = filed[rec] = sp.filed(cache)
-        if not got:
+        if not _filed(sp, cache, filed):
             continue
         c = sp.cols
         if type(c) is not slice or c.step is not None:
@@ -84,7 +80,7 @@ def _walk(slot: ProbeScores, cache: dict, filed: dict[int, bool]) -> tuple[tuple
         c0, c1 = c.start, c.stop
         if type(c0) is not int or type(c1) is not int or not 0 <= c0 <= c1:
             return None
-        key.append((rec, sp.r1 - sp.r0, c1 - c0))
+        key.append((id(sp.record), sp.r1 - sp.r0, c1 - c0))
         spans.append(sp)
         firsts += (sp.r0, c0)
     return (tuple(key), spans, tuple(firsts)) if key else None

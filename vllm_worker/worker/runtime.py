@@ -221,10 +221,13 @@ class LensRuntime:
         self._plan_key = None  # re-plan without them
 
     def _free_entries(self, r: RequestState) -> None:
-        """Give the request's steering entries back to the graph-safe table."""
+        """Give the request's steering entries back to the graph-safe table; its actions then gate none (each
+        step copies an action's gate into the entries it names: given back, they may be another request's)."""
         if r.entry_ids and self.graph is not None:
             self.graph.free_entries(r.entry_ids)
         r.entry_ids = []
+        for u in r.acts:
+            u.entries = None
 
     def _prune(self) -> None:
         """Release the requests that left. Checked by id, not by count: the new requests of this batch are

@@ -12,6 +12,7 @@ from typing import Any
 from vllm_worker.protocol.recent import recall, remember
 
 DROPS_KEY = "drop_vectors"  # (`frontend.vector_refs.DROPS_KEY`)
+REFS_KEY = "vec_refs"  # (`frontend.vector_refs.REFS_KEY`: the payload names a vector)
 ROWS_KEPT = 16  # repeated rows remembered (a registration named with several layer counts and ops)
 
 
@@ -31,15 +32,15 @@ class HeldVectors:
 
     def resolve(self, payload: Any) -> Any:
         """`payload` with its references made bytes (a new dict; vLLM's is never edited), and its drops
-        done; `payload` itself when it has neither."""
-        if not isinstance(payload, dict):
+        done; `payload` itself when it has neither. Its steers are looked at only when the frontend marked
+        it (`REFS_KEY`, set wherever it sends one by reference): most payloads name no vector."""
+        if not isinstance(payload, dict) or (REFS_KEY not in payload and DROPS_KEY not in payload):
             return payload
         steers = payload.get("steer")
         refs = [i for i, s in enumerate(steers or ()) if isinstance(s, dict) and "ref" in (s.get("vec") or {})]
         drop = payload.get(DROPS_KEY)
-        if not refs and not drop:
-            return payload
         out = dict(payload)
+        out.pop(REFS_KEY, None)
         with self._lock:
             if drop:  # (first: a reference this request cannot resolve must not keep them)
                 self._forget(drop)
