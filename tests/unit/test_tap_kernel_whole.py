@@ -137,7 +137,11 @@ def _run(dtype: str, d: int = 32) -> dict[str, list[str]]:
     pytest.importorskip("triton")
     env = {"TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath(None)}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, dtype, str(d)], env={**os.environ, **env}, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", SCRIPT, dtype, str(d)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     out = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.strip()}
     assert "OK" in out, proc.stdout[-2000:] + proc.stderr[-4000:]
