@@ -7,8 +7,9 @@ reads first (a hook before its own request's capture at that site sends the whol
 path; the step counters printed say which path ran). Cases: ablate at every layer, cap at one layer, set
 with 3-D positions, an add with phase="generated", probe scores (also against a torch projection of the
 captured residual), a probe action `then: stop` and `then: {steer: ...}`, mlp_in / mlp_post capture,
-mlp_post steering, and whole-row edits at mlp_post (ablate, norm-matched add, cap: on the graph path since
-wholerow, 2026-12-05). Tokens must be equal, captures equal to bf16 rounding; plain batch-mates equal to
+mlp_post steering, whole-row edits at mlp_post (ablate, norm-matched add, cap: on the graph path since
+wholerow, 2026-12-05), an op chain at mlp_in (ablate, then an add by phase) and a 2-D `set` at mlp_post
+(phase "prompt": neuron patching). Tokens must be equal, captures equal to bf16 rounding; plain batch-mates equal to
 themselves alone. Prints `PASS|FAIL <case> <numbers>` per item and one JSON line `CHECK {...}`.
 
     python3 bench/probes/gpu_monitors_check.py MODEL      # the 8B-shaped dummy folder (.gpu/model)
@@ -112,6 +113,9 @@ def main() -> None:
     vmlp = torch.randn(1, d_mlp, generator=g) * 4.0
     umlp = torch.randn(2, d_mlp, generator=g)  # whole-row edits' directions (unit: the ops normalise)
     umlp = umlp / umlp.norm(dim=-1, keepdim=True)
+    uin = torch.randn(1, d, generator=g)  # mlp_in's ablated direction
+    uin = uin / uin.norm()
+    vpost = torch.randn(1, d_mlp, generator=g)  # mlp_post's set rows (neuron patching)
     cases: dict[int, tuple[str, dict, tuple[int, str]]] = {
         # index: (name, extra_args, (layer, point) of the twin's no-op hook)
         0: (
@@ -196,6 +200,25 @@ def main() -> None:
                     SteeringVector(vmlp, [mid], scale=0.5, norm_match=True, point="mlp_post"),
                     SteeringVector(umlp[1:], [mid], op="cap", lo=-0.05, hi=0.05, point="mlp_post"),
                 ],
+                "output_activations": {"mlp_post": [mid], "resid_post": [mid]},
+            },
+            (mid, "mlp_post"),
+        ),
+        10: (
+            "mlp_in_op_chain",
+            {
+                "apply_steering_vectors": [
+                    SteeringVector(uin, [mid], op="ablate", point="mlp_in"),
+                    SteeringVector(vgen, [mid], scale=0.5, phase="generated", point="mlp_in"),
+                ],
+                "output_activations": {"mlp_in": [mid], "resid_post": [mid]},
+            },
+            (mid, "mlp_in"),
+        ),
+        11: (
+            "mlp_post_set_prompt",
+            {
+                "apply_steering_vectors": [SteeringVector(vpost, [mid], op="set", phase="prompt", point="mlp_post")],
                 "output_activations": {"mlp_post": [mid], "resid_post": [mid]},
             },
             (mid, "mlp_post"),
@@ -341,6 +364,17 @@ def main() -> None:
             item["cap_proj_after"] = [round(float(pr.min()), 4), round(float(pr.max()), 4)]
             tol = 0.02 * float(a.activations["mlp_post"][0].float().norm(dim=-1).mean())
             ok = ok and a.activations["mlp_post"].shape[-1] == d_mlp and float(pr.abs().max()) <= 0.05 + tol
+        if name == "mlp_in_op_chain":  # prompt rows: the direction gone; generated rows: + 0.5 vgen after it
+            x = a.activations["mlp_in"][0].float()
+            left = (x[: PROMPT - 1] @ uin[0]).abs().max()
+            item["ablated_component_max_prompt"] = round(float(left), 5)
+            ok = ok and float(left) < 0.02 * float(x.norm(dim=-1).mean())
+        if name == "mlp_post_set_prompt":  # prompt rows are the vector; generated rows are not
+            x = a.activations["mlp_post"][0].float()
+            r, m = rel(x[: PROMPT - 1], vpost.expand(PROMPT - 1, -1))
+            item["set_rows_vs_vector_rel"] = round(r, 6)
+            item["generated_rows_differ"] = bool(rel(x[PROMPT:], vpost.expand(x.shape[0] - PROMPT, -1))[0] > 0.5)
+            ok = ok and r < REL_TOL and item["generated_rows_differ"]
         if name == "mlp_in_mlp_post_capture":
             item["shapes"] = {k: list(v.shape) for k, v in acts(a).items()}
             ok = ok and a.activations["mlp_post"].shape[-1] == d_mlp and a.activations["mlp_in"].shape[-1] == d
