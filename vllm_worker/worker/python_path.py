@@ -220,10 +220,13 @@ def wide_needs_python(r: RequestState, wide: dict[int, list[tuple[int, int, int]
     that got no entries at its pieces (`graph.GraphTaps.whole`: not served under TP, for a probe action's
     gated steering, or beyond `interventions.MAX_WHOLE_STEPS` steps), or a hook at the tap that must run
     before the request's capture of the pieces (the kernel captures before a seam's hooks run:
-    `plan.RequestState.seam_ok` sees only the tap's site, not its pieces')."""
+    `plan.RequestState.seam_ok` sees only the tap's site, not its pieces'). A gated steer at a tap is never
+    served here, even where the request's plain steering (cut into pieces) holds entries at its pieces."""
     own = r.entries or {}
     whole = {s for st in r.steers for s in st.layers if s in wide} | {s for s in r.simple_add if s in wide}
     if any(wide[s][0][0] not in own for s in whole):
+        return True
+    if any(st.gate is not None and any(s in wide for s in st.layers) for st in r.steers):
         return True
     early = {s for h in r.hooks for s, late in h.at if not late and s in wide}
     caps = set(r.capture)
