@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
 
     dtype = getattr(torch, sys.argv[1])
     torch.manual_seed(0)
-    d, n, pieces = int(sys.argv[2]), 7, 3  # d 32: an 80-wide row, pieces of 32, 32, 16 (d 24: 24, 24, 12)
+    d, n, pieces = int(sys.argv[2]), 8, 3  # d 32: an 80-wide row, pieces of 32, 32, 16 (d 24: 24, 24, 12)
     w = 2 * d + d // 2
     tap = points.site(0, points.MLPPOST)
     ps = points.mlp_piece_sites(0, pieces)
@@ -57,9 +57,18 @@ SCRIPT = textwrap.dedent(
         steer(unit(5) * 2, op=SET, keep=keep),
     ]
     chain_b = [steer(unit(6) * 2, scale=0.7, norm_match=True)]  # a norm-matched add alone
+    # chain C: MAX_WHOLE_STEPS (8) steps, each with a scalar of its own (a projection or a norm): the kernel
+    # keeps every one in registers (review4: a kernel keeping 4 passed the tests above)
+    chain_c = []
+    for k in range(4):
+        chain_c.append(steer(unit(20 + k), op=ABLATE) if k % 2 else steer(unit(20 + k), op=CAP, lo=-0.1, hi=0.1))
+        chain_c.append(steer(unit(30 + k), scale=0.3 + 0.2 * k, norm_match=True))
     got_a = graph.request_entries(g, chain_a)
     got_b = graph.request_entries(g, chain_b)
-    assert got_a is not None and got_b is not None
+    got_c = graph.request_entries(g, chain_c)
+    assert got_a is not None and got_b is not None and got_c is not None
+    head_c = got_c[0][ps[0]][0]
+    assert len(got_c[1]) == 8 * pieces, got_c[1]
     ent_a, ids_a = got_a
     ent_b, ids_b = got_b
     assert set(ent_a) == set(ps) and len({ent_a[p][0] for p in ps}) == 1, ent_a
@@ -76,7 +85,7 @@ SCRIPT = textwrap.dedent(
     ctl = g.ctl
     # row 0: per-piece chain at piece 1, capture of piece 0 | row 1: chain A, capture of every piece
     # row 2: idle | row 3: chain B, no capture | row 4: chain A, capture of the last piece only
-    # row 5: gated adds at pieces 0 (gate 0) and 2 (gate 1), capture of both | row 6: capture only
+    # row 5: gated adds at pieces 0 (gate 0) and 2 (gate 1), capture of both | row 6: capture only | row 7: chain C
     ctl[first + 1, 0, 1] = per[0]
     ctl[first, 0, 0] = 0
     for j in range(pieces):
@@ -84,6 +93,7 @@ SCRIPT = textwrap.dedent(
         ctl[first + j, 3, 1] = head_b
         ctl[first + j, 4, 1] = head_a
         ctl[first + j, 6, 0] = 8 + j
+        ctl[first + j, 7, 1] = head_c
     ctl[first + 2, 4, 0] = 4
     ctl[first, 5] = torch.tensor([5, gated[0]])
     ctl[first + 2, 5] = torch.tensor([6, gated[1]])
@@ -104,13 +114,13 @@ SCRIPT = textwrap.dedent(
     s2 = g.stage.clone()
     # the Python path: the request's steering on the whole row, float32 throughout, rounded once
     h3 = h.clone()
-    for rows, chain in (((1, 2), chain_a), ((3, 4), chain_b), ((4, 5), chain_a)):
+    for rows, chain in (((1, 2), chain_a), ((3, 4), chain_b), ((4, 5), chain_a), ((7, 8), chain_c)):
         steer_rows(chain, tap, None, h3, None, *rows)
 
     untouched = [2, 6]
     assert all(torch.equal(h1[r], h[r]) for r in untouched)
     assert torch.equal(h1[5, :d], h[5, :d]) and not torch.equal(h1[5, 2 * d :], h[5, 2 * d :])  # gate 0 / 1
-    whole = [1, 3, 4]
+    whole = [1, 3, 4, 7]
     f = lambda x: x.float()
     print("KERNEL_TWIN", float((f(h1) - f(h2)).abs().max()), float((f(s1) - f(s2)).nan_to_num(0).abs().max()))
     print("KERNEL_PY", float((f(h1[whole]) - f(h3[whole])).abs().max()))
