@@ -15,7 +15,7 @@ import torch
 from vllm_worker.protocol import points
 from vllm_worker.protocol.ops import ABLATE, ADD, CAP, SET
 from vllm_worker.worker import graph
-from vllm_worker.worker.interventions import MAX_WHOLE_STEPS, TAIL, WHOLE
+from vllm_worker.worker.interventions import MAX_WHOLE_STEPS, TAIL, WHOLE, steer_rows
 from vllm_worker.worker.plan import DeviceSteer, RequestState
 from vllm_worker.worker.python_path import wide_needs_python
 
@@ -124,3 +124,29 @@ def test_a_one_piece_row_is_an_ordinary_chain(monkeypatch):
     g.flush_entries()
     (head, *_), ids = got[0][p0], got[1]
     assert ids == [head] and int(g.entries.op[head]) == CAP and torch.equal(g.A[head, :12], v[0])
+
+
+def test_a_norm_matched_add_zero_over_the_first_piece_keeps_its_norm(monkeypatch):
+    """A norm-matched add touching only neurons past the first piece (B zero over piece 0): the step's flag
+    (on its head, which the kernel and twin read) still says B is used — the twin's row equals the Python
+    path's. (review4: with the flag taken from piece 0's B alone every test passed, and such an add
+    silently added nothing.)"""
+    g = _taps(monkeypatch)
+    v = torch.zeros(1, W)
+    v[0, 2 * D + 1] = 1.0  # a neuron of the last piece
+    steers = [_st(v, scale=0.5, norm_match=True)]
+    got = graph.request_entries(g, steers)
+    assert got is not None
+    g.flush_entries()
+    head = got[0][PS[0]][0]
+    assert int(g.entries.bflag[head]) == 1
+    h = torch.randn(2, W, generator=torch.Generator().manual_seed(9))
+    first = g.col[PS[0]]
+    for j in range(PIECES):
+        g.ctl[first + j, 0, 1] = head
+    g._start(frozenset(range(g.n_cols)))
+    twin, ref = h.clone(), h.clone()
+    g.apply(twin, None, TAP)
+    steer_rows(steers, TAP, None, ref, None, 0, 1)
+    assert torch.equal(twin[1], h[1])  # (row 1: no entry)
+    assert (twin - ref).abs().max() <= 1e-6 and (twin[0] - h[0]).abs().max() > 0.1
