@@ -8,8 +8,9 @@ path; the step counters printed say which path ran). Cases: ablate at every laye
 with 3-D positions, an add with phase="generated", probe scores (also against a torch projection of the
 captured residual), a probe action `then: stop` and `then: {steer: ...}`, mlp_in / mlp_post capture,
 mlp_post steering, whole-row edits at mlp_post (ablate, norm-matched add, cap: on the graph path since
-wholerow, 2026-12-05), an op chain at mlp_in (ablate, then an add by phase) and a 2-D `set` at mlp_post
-(phase "prompt": neuron patching). Tokens must be equal, captures equal to bf16 rounding; plain batch-mates equal to
+wholerow, 2026-12-05), an op chain at mlp_in (ablate, then an add by phase), a 2-D `set` at mlp_post
+(phase "prompt": neuron patching) and an 8-step whole-row chain at mlp_post (the longest a chain holds on the
+graph path: every step's scalars). Tokens must be equal, captures equal to bf16 rounding; plain batch-mates equal to
 themselves alone. Prints `PASS|FAIL <case> <numbers>` per item and one JSON line `CHECK {...}`.
 
     python3 bench/probes/gpu_monitors_check.py MODEL      # the 8B-shaped dummy folder (.gpu/model)
@@ -116,6 +117,8 @@ def main() -> None:
     uin = torch.randn(1, d, generator=g)  # mlp_in's ablated direction
     uin = uin / uin.norm()
     vpost = torch.randn(1, d_mlp, generator=g)  # mlp_post's set rows (neuron patching)
+    u8 = torch.randn(6, d_mlp, generator=g)  # an 8-step whole-row chain (the most a chain holds on the graph path)
+    u8 = u8 / u8.norm(dim=-1, keepdim=True)
     cases: dict[int, tuple[str, dict, tuple[int, str]]] = {
         # index: (name, extra_args, (layer, point) of the twin's no-op hook)
         0: (
@@ -222,6 +225,22 @@ def main() -> None:
                 "output_activations": {"mlp_post": [mid], "resid_post": [mid]},
             },
             (mid, "mlp_post"),
+        ),
+        12: (
+            "mlp_post_whole_row_8_steps",
+            {
+                "apply_steering_vectors": [
+                    *[SteeringVector(u8[k : k + 1], [mid + 1], op="ablate", point="mlp_post") for k in range(3)],
+                    *[
+                        SteeringVector(u8[k : k + 1], [mid + 1], op="cap", lo=-0.01 * k, hi=0.02 * k, point="mlp_post")
+                        for k in range(3, 6)
+                    ],
+                    SteeringVector(vmlp, [mid + 1], scale=0.25, norm_match=True, point="mlp_post"),
+                    SteeringVector(-vmlp, [mid + 1], scale=0.5, norm_match=True, point="mlp_post"),
+                ],
+                "output_activations": {"mlp_post": [mid + 1], "resid_post": [mid + 1]},
+            },
+            (mid + 1, "mlp_post"),
         ),
     }
     plain = [i for i in range(n_req) if i not in cases]
