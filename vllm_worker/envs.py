@@ -237,6 +237,13 @@ SETTINGS: dict[str, Setting] = {
             unit="GB",
         ),
         Setting(
+            "VLLM_LENS_FETCH_OVERLAP",
+            int,
+            4,
+            "round trips a fetch of small results (no captures) of many requests is split into, all sent at "
+            "once, each decoded while the engine core assembles the next; 1: one round trip",
+        ),
+        Setting(
             "VLLM_LENS_ASSEMBLY_THREADS",
             int,
             _assembly_threads,
