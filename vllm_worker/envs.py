@@ -239,9 +239,10 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "VLLM_LENS_FETCH_OVERLAP",
             int,
-            4,
-            "round trips a fetch of small results (no captures) of many requests is split into, all sent at "
-            "once, each decoded while the engine core assembles the next; 1: one round trip",
+            1,
+            "round trips an offline fetch of small results (no captures) of many requests is split into, all "
+            "sent at once to an engine core in another process, each decoded while it assembles the next "
+            "(e.g. 4; to be measured on a multi-core host); 1: one round trip",
         ),
         Setting(
             "VLLM_LENS_ASSEMBLY_THREADS",

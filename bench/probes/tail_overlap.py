@@ -2,7 +2,9 @@
 fetch (`VLLM_LENS_FETCH_OVERLAP`: round trips sent at once, each decoded while the engine core assembles the
 next), interleaved round by round (1, N, 1, N ...) on one `LLM`. Per round: wall, the tail (the last forward
 pass's end to `generate`'s return, on the worker's clock: `lens_forward_clock`, as bench/worker.py splits a
-round), the frontend's fetch wait / decoding (`FRONTEND_TIMINGS`), the worker's assembly and the round trips;
+round), the frontend's fetch wait / decoding (`FRONTEND_TIMINGS`), the whole fetch-and-decode's wall and the
+frontend thread's CPU time in it (wall - CPU: the frontend waiting, for the engine core or for a core on a busy
+machine), the worker's assembly and the round trips;
 every round's probe scores and aggregates are compared with the first round's of its workload (`torch.equal`,
 dtype, shape). That check is only as strong as the engine is deterministic round to round (on CPU a batch's
 prefill may be split differently); tests/unit/test_fetch_overlap.py is the exact one. Prints one JSON line per round, then a summary line.
@@ -62,6 +64,20 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_worker.counters import FETCH_OVERLAP, FRONTEND_TIMINGS
+    from vllm_worker.frontend import fetch as frontend_fetch
+
+    attach = {"wall_s": 0.0, "cpu_s": 0.0}
+    orig = frontend_fetch._fetch_apply
+
+    def timed(*args: object) -> object:  # the fetch and decoding of a generate: wall and this thread's CPU
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            return orig(*args)  # type: ignore[arg-type]
+        finally:
+            attach["wall_s"] += time.perf_counter() - t
+            attach["cpu_s"] += time.thread_time() - c
+
+    frontend_fetch._fetch_apply = timed  # type: ignore[assignment]  # (attach_outputs looks it up at each call)
 
     llm = LLM(a.model, dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 28, seed=0, enforce_eager=True)
     cfg = llm.llm_engine.model_config.hf_config
@@ -93,7 +109,7 @@ def main() -> None:
         for w in workloads:
             overlap = (1, a.overlap)[r % 2]
             os.environ["VLLM_LENS_FETCH_OVERLAP"] = str(overlap)
-            t0, o0 = dict(FRONTEND_TIMINGS), dict(FETCH_OVERLAP)
+            t0, o0, x0 = dict(FRONTEND_TIMINGS), dict(FETCH_OVERLAP), dict(attach)
             a0 = llm.collective_rpc("lens_status")[0]["fetch_timings"]["assemble_s"]
             start = time.monotonic()
             outs = llm.generate(prompts, params(w), use_tqdm=False)
@@ -111,6 +127,8 @@ def main() -> None:
                 "fetch_wait_s": round(FRONTEND_TIMINGS["fetch_rpc_s"] - t0["fetch_rpc_s"], 4),
                 "decode_s": round(FRONTEND_TIMINGS["decode_s"] - t0["decode_s"], 4),
                 "worker_assemble_s": round(a1 - a0, 4),
+                "attach_wall_s": round(attach["wall_s"] - x0["wall_s"], 4),
+                "attach_cpu_s": round(attach["cpu_s"] - x0["cpu_s"], 4),
                 "round_trips": FETCH_OVERLAP["round_trips"] - o0["round_trips"] or 1,
                 "same_bits_as_first": same,
             }
@@ -120,8 +138,15 @@ def main() -> None:
     summary = {}
     for w in workloads:
         for overlap in (1, a.overlap):
-            tails = [x["tail_s"] for x in rows if x["workload"] == w and x["overlap"] == overlap]
-            summary[f"{w}_overlap{overlap}_tail_s"] = {"best": min(tails), "median": statistics.median(tails)}
+            mine = [x for x in rows if x["workload"] == w and x["overlap"] == overlap]
+            for k in ("tail_s", "attach_wall_s", "attach_cpu_s", "fetch_wait_s", "worker_assemble_s"):
+                v = [x[k] for x in mine]
+                summary[f"{w}_overlap{overlap}_{k}"] = {"best": min(v), "median": round(statistics.median(v), 4)}
+            idle = [x["attach_wall_s"] - x["attach_cpu_s"] for x in mine]  # the frontend not running: waiting
+            summary[f"{w}_overlap{overlap}_attach_idle_s"] = {
+                "best": round(min(idle), 4),
+                "median": round(statistics.median(idle), 4),
+            }
     summary["all_same_bits"] = all(x["same_bits_as_first"] for x in rows)
     print(json.dumps(summary), flush=True)
 
