@@ -10,6 +10,8 @@ dtype, shape). That check is only as strong as the engine is deterministic round
 prefill may be split differently); tests/unit/test_fetch_overlap.py is the exact one. Prints one JSON line per round, then a summary line.
 
     python bench/probes/tail_overlap.py MODEL [--rounds 8] [--requests 256] [--new 128] [--overlap 4]
+        [--workloads W9,W10] [--dtype float32] [--load-format auto] [--kv-gb 0.25] [--graphs]
+    (on the H200: --dtype bfloat16 --load-format dummy --graphs --kv-gb 8)
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--overlap", type=int, default=4)
     ap.add_argument("--workloads", default="W9,W10")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--load-format", default="auto")  # "dummy" for the H200's 8B-shaped .gpu/model
+    ap.add_argument("--kv-gb", type=float, default=0.25)
+    ap.add_argument("--graphs", action="store_true")  # vLLM's default compiled mode (else eager)
     a = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     import torch
@@ -79,7 +85,15 @@ def main() -> None:
 
     frontend_fetch._fetch_apply = timed  # type: ignore[assignment]  # (attach_outputs looks it up at each call)
 
-    llm = LLM(a.model, dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 28, seed=0, enforce_eager=True)
+    llm = LLM(
+        a.model,
+        dtype=a.dtype,
+        load_format=a.load_format,
+        max_model_len=256,
+        kv_cache_memory_bytes=int(a.kv_gb * (1 << 30)),
+        seed=0,
+        enforce_eager=not a.graphs,
+    )
     cfg = llm.llm_engine.model_config.hf_config
     n_layers, d = cfg.num_hidden_layers, cfg.hidden_size
     if len(set(probe_layers(n_layers))) == 4:
