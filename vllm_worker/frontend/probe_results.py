@@ -86,12 +86,9 @@ def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]]
     for parts, _, _ in samples:
         for part in parts:
             first = len(raws)
-            for name, got in (part.get("probes") or {}).items():
-                pos, vals, n, k_out = probe_wire.unpack(got, f"probe_scores.{name}")
-                poss.append(pos)
-                raws.append(vals)
-                ns.append(n)
-                ks.append(k_out)
+            got = part.get("probes")
+            if got:
+                probe_wire.unpack_into(got, "probe_scores", poss, raws, ns, ks)
             if len(raws) > first:
                 decoded += _decoded(raws[first:], ns[first:], ks[first:])
     seen: dict[bytes, tuple[np.ndarray, int]] = {}  # positions by their bytes (often the same ones)

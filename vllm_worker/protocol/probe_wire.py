@@ -51,6 +51,28 @@ def unpack(item: Any, field: str) -> tuple[bytes, bytes, int, int]:
     return bytes(pos), bytes(vals), n, n_out
 
 
+def unpack_into(items: dict, field: str, poss: list, raws: list, ns: list, ks: list) -> None:
+    """`unpack` of each `{name: item}` of a part, appended to the four lists: the usual item (a dict of two
+    bytes objects and an int whose sizes agree) is checked here without a call; anything else goes through
+    `unpack` (the same checks, its ValueError naming `field.name`)."""
+    for name, item in items.items():
+        if type(item) is dict:
+            pos, vals, n_out = item.get("positions"), item.get("scores"), item.get("n_out")
+            if type(pos) is bytes and type(vals) is bytes and type(n_out) is int and n_out >= 0:
+                n = len(pos) >> 3
+                if n << 3 == len(pos) and len(vals) == 4 * n * n_out:
+                    poss.append(pos)
+                    raws.append(vals)
+                    ns.append(n)
+                    ks.append(n_out)
+                    continue
+        pos, vals, n, n_out = unpack(item, f"{field}.{name}")
+        poss.append(pos)
+        raws.append(vals)
+        ns.append(n)
+        ks.append(n_out)
+
+
 def arrays(item: Any, field: str) -> tuple[np.ndarray, np.ndarray]:
     """(positions (n,) int64, scores (n, n_out) float32) of an item as read-only views of its bytes."""
     pos, vals, n, n_out = unpack(item, field)
