@@ -184,7 +184,8 @@ class SteeringVector(BaseModel):
             if acts is not None and _plain(acts) and id(acts) not in memo:
                 # (vLLM's own clone, read and dropped by our frontend in the same call: `clone_scope`)
                 memo[id(acts)] = acts if tensors_shared() else acts.clone()
-            fields = _copied_fields(self.__dict__, memo)
+            plain = self.__pydantic_private__ is None and self.__pydantic_extra__ is None
+            fields = _copied_fields(self.__dict__, memo) if plain else None
             if fields is None:  # (anything but the validated plain values: pydantic's own deep copy)
                 return super().__deepcopy__(memo)
             m = type(self).__new__(type(self))
