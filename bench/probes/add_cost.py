@@ -1,5 +1,5 @@
 """The frontend's cost of adding a batch to a real engine, per request, W0 against the steering workloads
-(W12, W12n, W13), on CPU with vLLM's multiprocess engine core (the H200 bench's `BENCH_MP=1`): the time
+(W11, W12, W12n, W13), on CPU with vLLM's multiprocess engine core (the H200 bench's `BENCH_MP=1`): the time
 `LLM.generate` spends in `_render_and_add_requests` (vLLM's `process_inputs` with its params clone, our
 `on_new_request`, the `EngineCoreRequest`'s msgpack encode and zmq send), i.e. how long the engine core
 waits for the batch's last request. The model has the 8B shape where steering's bytes depend on it
@@ -75,6 +75,7 @@ def main() -> None:
     )  # fmt: skip
     vec = torch.randn(1, D, generator=torch.Generator().manual_seed(0))
     monitor_workloads.register_vectors(llm, vec)
+    monitor_workloads.load_probes(llm, LAYERS, D)  # (W11's "m1")
     adds: list[float] = []
     orig = llm._render_and_add_requests
 

@@ -65,6 +65,29 @@ def no_unknown_fields(cls: type[BaseModel], data: Any) -> Any:
     return data
 
 
+_ATOMIC = (type(None), str, float, int, bool)  # what `copy.deepcopy` returns as it is
+_INTS = {int}
+
+
+def _copied_fields(fields: dict[str, Any], memo: dict[int, Any]) -> dict[str, Any] | None:
+    """A validated vector's fields as `copy.deepcopy` makes them, without its walk: values it returns as they
+    are, lists of plain ints copied (recorded in `memo` as it records them), the tensor as `memo` holds it.
+    None for anything else (a tensor not in `memo`, other containers): the caller then takes the full walk."""
+    out: dict[str, Any] = {}
+    for k, v in fields.items():
+        t = type(v)
+        if t in _ATOMIC:
+            out[k] = v
+        elif id(v) in memo:
+            out[k] = memo[id(v)]
+        elif t is list and set(map(type, v)) <= _INTS:
+            out[k] = memo[id(v)] = v.copy()
+            memo.setdefault(id(memo), []).append(v)  # (deepcopy's `_keep_alive`: the id stays this list's)
+        else:
+            return None
+    return out
+
+
 def _plain(t: Any) -> bool:
     """A dense tensor without autograd state or attributes of its own: `clone()` copies all it holds."""
     return (
@@ -161,7 +184,17 @@ class SteeringVector(BaseModel):
             if acts is not None and _plain(acts) and id(acts) not in memo:
                 # (vLLM's own clone, read and dropped by our frontend in the same call: `clone_scope`)
                 memo[id(acts)] = acts if tensors_shared() else acts.clone()
-            return super().__deepcopy__(memo)
+            plain = self.__pydantic_private__ is None and self.__pydantic_extra__ is None
+            fields = _copied_fields(self.__dict__, memo) if plain else None
+            if fields is None:  # (anything but the validated plain values: pydantic's own deep copy)
+                return super().__deepcopy__(memo)
+            m = type(self).__new__(type(self))
+            memo[id(self)] = m
+            object.__setattr__(m, "__dict__", fields)
+            object.__setattr__(m, "__pydantic_extra__", None)
+            object.__setattr__(m, "__pydantic_fields_set__", set(self.__pydantic_fields_set__))
+            object.__setattr__(m, "__pydantic_private__", None)
+            return m
 
     @field_validator("activations", mode="before")
     @classmethod

@@ -80,7 +80,7 @@ def _action(
         for k in ("layer", "bias"):
             if k in item:
                 raise ValueError(f"{f}.{k}: only with 'direction' (a probe brings its own)")
-        name, sites, w, b, sigmoid = probe_condition(
+        name, sites, wire, b, sigmoid = probe_wire(
             item["probe"], f"{f}.probe", probes, item.get("output"), f"{f}.output"
         )
     else:
@@ -88,7 +88,7 @@ def _action(
             raise ValueError(f"{f}.output: only with 'probe' (a direction has one output)")
         layer, w, b = _direction(item, f, shape)
         name, sites, sigmoid = item.get("name", "direction"), [pts.canonical_site(pts.RESID_POST, layer)], False
-        w = w.unsqueeze(0)
+        wire = tensor_to_bytes(w.unsqueeze(0))
     if "name" in item and "probe" in item:
         raise ValueError(f"{f}.name: only with 'direction' (a probe's action is named for the probe)")
     if not isinstance(name, str) or not name or len(name) > 128:
@@ -102,7 +102,7 @@ def _action(
     out: dict[str, Any] = {
         "name": name,
         "sites": sites,
-        "w": tensor_to_bytes(w),
+        "w": wire,
         "b": float(b),
         "sigmoid": sigmoid,
         "threshold": float(thr),
@@ -158,6 +158,25 @@ def _direction(item: Mapping[str, Any], f: str, shape: ModelShape) -> tuple[int,
         raise ValueError(f"{f}.direction: contains NaN or inf")
     b = finite_number(item.get("bias", 0.0), f"{f}.bias")
     return layer % shape.n_layers, w, float(b)
+
+
+def probe_wire(
+    name: Any, f: str, probes: Mapping[str, Any], output: Any = None, fo: str = "output"
+) -> tuple[str, list[int], dict[str, Any], float, bool]:
+    """`probe_condition` with its weight rows in wire form, worked out once per loaded probe and output: a
+    loaded probe's tensors are its own and never change (`frontend.probes.prepare`), so every request
+    naming it gets equal values (its own lists and dict; the bytes, immutable, shared)."""
+    loaded = probes.get(name) if isinstance(name, str) else None
+    # (a memo key only for the outputs that can be valid: None or an exact int; others are checked every time)
+    memo = getattr(loaded, "conditions", None) if output is None or type(output) is int else None
+    got = None if memo is None else memo.get(output)
+    if got is None:
+        label, rows, w, b, sigmoid = probe_condition(name, f, probes, output, fo)
+        got = (label, tuple(rows), tensor_to_bytes(w), b, sigmoid)
+        if memo is not None:
+            memo[output] = got
+    label, kept, wire, b, sigmoid = got
+    return label, list(kept), {**wire, "shape": list(wire["shape"])}, b, sigmoid
 
 
 def probe_condition(

@@ -32,8 +32,11 @@ def split_steers(steers: list[Steer], shape: ModelShape, field: str) -> list[Ste
     """Each steer at mlp_post (vectors d_mlp wide) as one steer per d_model-wide piece (the last padded) —
     unless the request also edits the whole row there (ablate, cap, norm_match): then all its mlp_post
     steers stay whole at the tap's site, so they still apply in the order given (`worker.interventions`)."""
+    at = [_is_mlp_post(st) for st in steers]
+    if not any(at):  # (no steer at mlp_post: nothing to cut)
+        return list(steers)
     for i, st in enumerate(steers):
-        if _is_mlp_post(st) and st.mul:
+        if at[i] and st.mul:
             raise ValueError(f"{field}[{i}]: at point 'mlp_post' a multiplication is not supported")
     if any(_is_mlp_post(st) and _reads_row(st) for st in steers):
         return list(steers)

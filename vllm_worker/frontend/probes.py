@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
+
+import torch
 
 from vllm_worker import compat
 from vllm_worker.frontend.state import engine_shape, engine_state
@@ -45,6 +47,8 @@ class LoadedProbe:
     uid: str  # hash of its tensors and fields: workers check it, logs record it (provenance)
     probe: Probe
     sites: list[int]  # one per layer, in the order of `probe.layers`
+    # an action's condition per output, as sent (`frontend.actions.probe_wire`): the tensors never change
+    conditions: dict[Any, tuple] = field(default_factory=dict, repr=False, compare=False)
 
     def describe(self) -> dict[str, Any]:
         p = self.probe
@@ -104,7 +108,7 @@ def prepare(name: Any, path: Any, shape: ModelShape, parts: Mapping[str, Any] | 
         if not parts or parts.get("weight") is None:
             raise ValueError("weight: needed (or the path of a probe folder)")
         folder = None
-        probe = check_probe(**parts)
+        probe = _owned(check_probe(**parts), parts)
     for i, layer in enumerate(probe.layers):
         if layer >= shape.n_layers:
             raise ValueError(f"layers[{i}]: layer {layer} is out of range for a model with {shape.n_layers} layers")
@@ -117,6 +121,20 @@ def prepare(name: Any, path: Any, shape: ModelShape, parts: Mapping[str, Any] | 
         )
     sites = [pts.canonical_site(probe.point, layer) for layer in probe.layers]
     return LoadedProbe(name, folder, probe_uid(probe), probe, sites)
+
+
+def _owned(probe: Probe, parts: Mapping[str, Any]) -> Probe:
+    """The probe with tensors of its own: `check_probe` keeps a caller's float32 CPU tensor as it is, and a
+    loaded probe must not change when the caller later writes into theirs (the workers hold a copy; the
+    actions' conditions are worked out once, `probe_wire`)."""
+    given = [t for t in parts.values() if isinstance(t, torch.Tensor)]
+    ptrs = {t.untyped_storage().data_ptr() for t in given}
+    swap = {}
+    for key in ("weight", "bias", "mean", "std"):
+        t = getattr(probe, key)
+        if t is not None and t.untyped_storage().data_ptr() in ptrs:
+            swap[key] = t.clone()
+    return replace(probe, **swap) if swap else probe
 
 
 def _check_row_width(point: str, shape: ModelShape) -> None:

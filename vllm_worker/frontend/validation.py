@@ -149,7 +149,7 @@ def _steering_item(item: Any, i: int | str, shape: ModelShape, prompt_len: int) 
             raise ValueError(f"{f}.position_indices: duplicate positions")
     elif item.position_indices is not None:
         raise ValueError(f"{f}.position_indices: only valid with 3-D activations")
-    sites = [pts.canonical_site(point, l) for l in layers]
+    sites = pts.canonical_sites(point, layers)
     return Steer(
         sites,
         acts,

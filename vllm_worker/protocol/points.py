@@ -109,6 +109,14 @@ def canonical_site(point: str, layer: int) -> int:
     return site(layer, CODE[point])
 
 
+def canonical_sites(point: str, layers: list[int]) -> list[int]:
+    """`[canonical_site(point, l) for l in layers]` in one pass (a request steering every layer)."""
+    if point == RESID_PRE:
+        return [canonical_site(point, layer) for layer in layers]
+    code = CODE[point]
+    return [layer * SITES_PER_LAYER + code for layer in layers]
+
+
 POINTS_ENV = "VLLM_LENS_POINTS"
 
 

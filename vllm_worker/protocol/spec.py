@@ -172,6 +172,9 @@ def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
     return bool(extra_args) and any(isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES) for k in extra_args or ())
 
 
+_INTS = {int}
+
+
 def layer_list(value: Any, field_name: str, n_layers: int, unique: bool = False) -> list[int]:
     if isinstance(value, (int,)) and not isinstance(value, bool):
         value = [value]
@@ -181,6 +184,11 @@ def layer_list(value: Any, field_name: str, n_layers: int, unique: bool = False)
         value = list(value)
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"{field_name}: expected a non-empty list of layer indices, got {value!r}")
+    if set(map(type, value)) == _INTS and 0 <= min(value) and max(value) < n_layers:
+        out = list(value)  # (plain ints in range, as `% n_layers` leaves them: the loop below, in C)
+        if unique and len(set(out)) != len(out):
+            raise ValueError(f"{field_name}: duplicate layers {list(value)}")
+        return out
     out = []
     for v in int_list(value, field_name, "layer indices"):
         if not -n_layers <= v < n_layers:

@@ -413,9 +413,6 @@ def make_plan(
                 (sae_clamp if u.clamp else sae_feat).setdefault(u.site, []).append(item)
             if u.clamp and u.out_site is not None and u.out_site in local:  # a transcoder writes there
                 sae_clamp.setdefault(u.out_site, []).append(item)
-        for st in r.steers:
-            for layer in st.layers:
-                steer.setdefault(layer, []).append(item)
         for layer in r.simple_add:
             simple.setdefault(layer, []).append(item)
         for h in r.hooks:
@@ -468,6 +465,10 @@ def make_plan(
                 groups=hook_groups(),
             )
 
+    for item in active:  # (per-request steering by layer: only this path reads it, W12's 32 a request)
+        for st in item[0].steers:
+            for layer in st.layers:
+                steer.setdefault(layer, []).append(item)
     capture = {layer: (on_device(rows_of(items)), items) for layer, items in cap_rows.items()}
     steer_batched = {}
     for layer, items in simple.items():
