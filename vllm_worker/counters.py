@@ -82,9 +82,6 @@ HOOK_TIMINGS = {"calls": 0, "in_hooks_s": 0.0, "around_hooks_s": 0.0}
 
 # where time goes after generation (offline, `frontend.fetch`): seconds in worker RPCs and in decoding
 FRONTEND_TIMINGS = {"fetch_rpc_s": 0.0, "decode_s": 0.0}
-# offline fetches split into round trips sent at once and decoded as each answer comes
-# (`frontend.fetch._overlapped`), and those round trips
-FETCH_OVERLAP = {"fetches": 0, "round_trips": 0}
 
 # ---------------------------------------------------------------- API server process
 

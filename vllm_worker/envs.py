@@ -237,14 +237,6 @@ SETTINGS: dict[str, Setting] = {
             unit="GB",
         ),
         Setting(
-            "VLLM_LENS_FETCH_OVERLAP",
-            int,
-            1,
-            "round trips an offline fetch of small results (no captures) of many requests is split into, all "
-            "sent at once to an engine core in another process, each decoded while it assembles the next "
-            "(e.g. 4; to be measured on a multi-core host); 1: one round trip",
-        ),
-        Setting(
             "VLLM_LENS_ASSEMBLY_THREADS",
             int,
             _assembly_threads,

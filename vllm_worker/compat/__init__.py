@@ -8,7 +8,7 @@ worker's model runner and CUDA-graph dispatch; `runner_v2`: vLLM's V2 runner, wh
 `offline` (what `vllm-lens extract` reads from and builds with vLLM), `cpu_lora` (a vLLM-CPU LoRA fix),
 `data_parallel` (which of several engine cores ran a request, RPC to one or all of them), `stops` (a
 worker ending a request: `probe_actions`), `provenance` (the serving set-up a score depends on), `ipc` (steering rows as views of the engine core's
-received frame), `utility_calls` (an RPC to an engine core in another process sent without waiting).
+received frame).
 `tests/core/test_adapter.py` exercises each against the installed vLLM.
 """
 
@@ -135,7 +135,6 @@ from vllm_worker.compat.stops import (  # noqa: F401
     patch_scheduler_stops,
     runner_stops_installed,
 )
-from vllm_worker.compat.utility_calls import rpc_elsewhere, send_rpc  # noqa: F401
 from vllm_worker.compat.version import (  # noqa: F401
     SUPPORTED,
     TESTED,

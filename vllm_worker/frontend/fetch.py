@@ -5,16 +5,15 @@ the outputs of `LLM.generate`, `LLMEngine.step` and `AsyncLLM.generate`."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from typing import Any, Callable, Generator
+from typing import Any, Generator
 
 import torch
 
 from vllm_worker import compat
 from vllm_worker.api.hooks import HookError, UnsupportedError
-from vllm_worker.counters import FETCH_BATCHES, FETCH_OVERLAP, FRONTEND_TIMINGS
-from vllm_worker.envs import get, limit
+from vllm_worker.counters import FETCH_BATCHES, FRONTEND_TIMINGS
+from vllm_worker.envs import limit
 from vllm_worker.frontend import mlp_post
 from vllm_worker.frontend.probe_results import Outputs, probe_outputs, probe_outputs_many
 from vllm_worker.frontend.round_trips import RoundTrips
@@ -342,69 +341,11 @@ def attach_outputs(llm: Any, outputs: list) -> list:
             if f is not None:
                 o.hook_error = f["message"]
     todo = _todo(pending, outputs)
-    failures.update(_fetch_apply(llm, todo) if todo else _apply(todo, {}))
+    fetched = _fetch(llm, [(p, ch) for _, p, _, ch in todo]) if todo else {}
+    failures.update(_apply(todo, fetched))
     if failures:
         raise _hook_error(failures, outputs)
     return outputs
-
-
-OVERLAP_MIN_ITEMS = 64  # (request, probe) items a round trip of an overlapped fetch carries at least
-
-
-def _overlap_chunks(engine: Any, todo: list) -> list[list]:
-    """`todo` split into the round trips of an overlapped fetch (`VLLM_LENS_FETCH_OVERLAP`), else `[todo]`:
-    only small results that travel inside the RPC reply (no captures: probe scores, SAE features, fired
-    actions, hook state) of one engine core in another process, once it is known whether its workers share
-    this machine (the first fetch asks), and at least `OVERLAP_MIN_ITEMS` a round trip."""
-    parts = int(get("VLLM_LENS_FETCH_OVERLAP"))
-    if parts <= 1 or any(p.layers for _, p, _, _ in todo):
-        return [todo]
-    items = sum(max(len(p.probes or ()), 1) * len(ch) for _, p, _, ch in todo)
-    parts = min(parts, items // OVERLAP_MIN_ITEMS, len(todo))
-    if parts <= 1 or compat.engine_count(engine) > 1 or not compat.rpc_elsewhere(engine):
-        return [todo]
-    if shm.host_id() is not None and engine_state(engine).shm_everywhere is None:
-        return [todo]
-    size = -(-len(todo) // parts)
-    return [todo[i : i + size] for i in range(0, len(todo), size)]
-
-
-def _fetch_apply(engine: Any, todo: list) -> dict[str, Failure]:
-    """Fetch `todo`'s results and decode them onto its outputs; returns {request id: hook failure}."""
-    chunks = _overlap_chunks(engine, todo)
-    if len(chunks) == 1:
-        return _apply(todo, _fetch(engine, [(p, ch) for _, p, _, ch in todo]))
-    return _overlapped(engine, chunks)
-
-
-def _overlapped(engine: Any, chunks: list[list]) -> dict[str, Failure]:
-    """Every chunk's fetch sent at once (the engine core answers them in turn, back to back), each decoded as
-    its answer arrives while the engine core assembles the next: of the engine core's share of the tail only
-    the first chunk's stays in front of the frontend's decoding. Each request is in one chunk and its results
-    do not depend on the others fetched with it, so every result is what one round trip gives."""
-    t = time.perf_counter()
-    state = engine_state(engine)
-    pools = state.pools_of(None)
-    host = shm.host_id()
-    waits: list[Callable[[], list]] = []
-    for i, chunk in enumerate(chunks):
-        released = result_views.take_released(pools) if i == 0 else []
-        args = ([(p.key, ch) for _, p, _, ch in chunk], host, released)
-        wait = compat.send_rpc(engine, rpc.FETCH, *args)
-        waits.append(wait if wait is not None else functools.partial(compat.rpc, engine, rpc.FETCH, *args))
-    FETCH_OVERLAP["fetches"] += 1
-    FETCH_OVERLAP["round_trips"] += len(chunks)
-    failures: dict[str, Failure] = {}
-    for chunk, wait in zip(chunks, waits):
-        got: dict[str, dict] = {}
-        merge_fetched(got, wait())
-        found = result_views.pools_of(got)
-        pools |= found
-        state.pools |= found
-        FRONTEND_TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
-        failures.update(_apply(chunk, got))
-        t = time.perf_counter()
-    return failures
 
 
 def _todo(pending: dict[str, Pending], outputs: list) -> list:
@@ -481,7 +422,7 @@ def attach_engine_outputs(engine: Any, outputs: list) -> list:
     todo = _todo(pending_of(processor), finished)
     if not todo:
         return outputs
-    failures = _fetch_apply(engine, todo)
+    failures = _apply(todo, _fetch(engine, [(p, ch) for _, p, _, ch in todo]))
     if failures:
         raise _hook_error(failures, outputs)
     return outputs
