@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping
-
-import torch
 
 from vllm_worker import compat
 from vllm_worker.frontend.state import engine_shape, engine_state
@@ -108,7 +106,7 @@ def prepare(name: Any, path: Any, shape: ModelShape, parts: Mapping[str, Any] | 
         if not parts or parts.get("weight") is None:
             raise ValueError("weight: needed (or the path of a probe folder)")
         folder = None
-        probe = _owned(check_probe(**parts), parts)
+        probe = check_probe(**parts)
     for i, layer in enumerate(probe.layers):
         if layer >= shape.n_layers:
             raise ValueError(f"layers[{i}]: layer {layer} is out of range for a model with {shape.n_layers} layers")
@@ -121,20 +119,6 @@ def prepare(name: Any, path: Any, shape: ModelShape, parts: Mapping[str, Any] | 
         )
     sites = [pts.canonical_site(probe.point, layer) for layer in probe.layers]
     return LoadedProbe(name, folder, probe_uid(probe), probe, sites)
-
-
-def _owned(probe: Probe, parts: Mapping[str, Any]) -> Probe:
-    """The probe with tensors of its own: `check_probe` keeps a caller's float32 CPU tensor as it is, and a
-    loaded probe must not change when the caller later writes into theirs (the workers hold a copy; the
-    actions' conditions are worked out once, `probe_wire`)."""
-    given = [t for t in parts.values() if isinstance(t, torch.Tensor)]
-    ptrs = {t.untyped_storage().data_ptr() for t in given}
-    swap = {}
-    for key in ("weight", "bias", "mean", "std"):
-        t = getattr(probe, key)
-        if t is not None and t.untyped_storage().data_ptr() in ptrs:
-            swap[key] = t.clone()
-    return replace(probe, **swap) if swap else probe
 
 
 def _check_row_width(point: str, shape: ModelShape) -> None:

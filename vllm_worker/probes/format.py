@@ -80,7 +80,8 @@ def _tensor(value: Any, f: str) -> torch.Tensor:
             raise ValueError(f"{f}: expected a tensor of numbers, got {type(value).__name__}") from None
     if not (value.is_floating_point() or value.dtype in (torch.int32, torch.int64)):
         raise ValueError(f"{f}: expected a floating-point tensor, got {value.dtype}")
-    t = value.detach().to("cpu", torch.float32).contiguous()
+    # a copy of its own: a loaded probe must not change when the caller later writes into their tensor
+    t = value.detach().to("cpu", torch.float32, copy=True).contiguous()
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{f}: contains NaN or inf values")
     return t
