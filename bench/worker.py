@@ -65,7 +65,8 @@ _SPY_RUNS: dict[str, int] = {}
 def profiler(system: str, workload: str) -> subprocess.Popen | None:
     """py-spy sampling this process and its children (vLLM's engine core) during one timed run, when
     BENCH_PYSPY (an output folder) is set and the workload is in BENCH_PYSPY_WORKLOADS (default W2). Host-side
-    profile of where a step's time goes; non-blocking sampling, so the run is not paused."""
+    profile of where a step's time goes; non-blocking sampling, so the run is not paused (BENCH_PYSPY_NATIVE=1:
+    native frames too, which py-spy samples by pausing the process: for where a C call waits, not for timing)."""
     out = os.environ.get("BENCH_PYSPY")
     wanted = os.environ.get("BENCH_PYSPY_WORKLOADS", "W2").split(",")
     if not out or workload not in wanted:
@@ -73,7 +74,9 @@ def profiler(system: str, workload: str) -> subprocess.Popen | None:
     k = _SPY_RUNS[workload] = _SPY_RUNS.get(workload, -1) + 1
     path = os.path.join(out, f"pyspy-{system}-{workload}-{k}.txt")
     exe = os.environ.get("BENCH_PYSPY_BIN", "py-spy")
-    cmd = [exe, "record", "--pid", str(os.getpid()), "--subprocesses", "--threads", "--idle", "--nonblocking"]
+    native = os.environ.get("BENCH_PYSPY_NATIVE") == "1"
+    cmd = [exe, "record", "--pid", str(os.getpid()), "--subprocesses", "--threads", "--idle"]
+    cmd += ["--native"] if native else ["--nonblocking"]
     cmd += ["--rate", "200", "--format", "raw", "--output", path]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(path + ".log", "w"))
     time.sleep(1.0)  # py-spy attaches before the run starts
