@@ -202,3 +202,33 @@ def test_the_outcomes_of_requests_leaving_together_are_read_at_once_and_equal_ea
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
     assert table.outcomes(groups) == alone
     assert len(reads) == 1  # (on a GPU each read waits for the device)
+
+
+def test_a_fetch_reads_its_live_requests_outcomes_at_once_each_as_read_alone(monkeypatch):
+    """Requests fetched before they leave the batch (the run's last step: no step after it prunes them) hold
+    `OutcomeLater`; `read_together` reads them in one device read, each equal to its own read, and a failing
+    read leaves them to be read one by one (where a failure is that request's own error)."""
+    g = torch.Generator().manual_seed(6)
+    w, x = torch.randn(D, generator=g), torch.randn(8, D, generator=g)
+    table = ActionTable(D, torch.device("cpu"), n_slots=16)
+    reqs = [Req(table.uses(f"r{i}", [_action(w, t)], frozenset({SITE}), 7)) for i, t in enumerate((-1e9, 1e9, -1e9))]
+    table.flush()
+    plan = _plan(reqs)
+    for p in (7, 8):
+        _observe(table, plan, x, p)
+    alone = [table.outcome(r.acts) for r in reqs]
+    stores = [SimpleNamespace(actions=actions.OutcomeLater(table, r.acts)) for r in reqs]
+    stores.append(SimpleNamespace(actions=[{"already": "read"}]))  # (read when it left: kept as it is)
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
+    actions.read_together(stores)
+    assert len(reads) == 1
+    assert [st.actions for st in stores] == [*alone, [{"already": "read"}]]
+
+    later = [SimpleNamespace(actions=actions.OutcomeLater(table, r.acts)) for r in reqs]
+    monkeypatch.setattr(table, "outcomes", lambda groups: (_ for _ in ()).throw(RuntimeError("read failed")))
+    actions.read_together(later)
+    assert all(type(st.actions) is actions.OutcomeLater for st in later)  # still to read, one by one
+    monkeypatch.undo()
+    assert [st.actions() for st in later] == alone

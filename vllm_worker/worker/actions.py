@@ -80,6 +80,37 @@ class Round:
     rolling: bool
 
 
+class OutcomeLater:
+    """A live request's action outcome, read from the device when its results are fetched: a fetch reads all
+    of its requests' in one go (`read_together`), since every read waits for the device; called alone, it
+    reads this request's only."""
+
+    __slots__ = ("table", "uses")
+
+    def __init__(self, table: ActionTable, uses: list[ActionUse]) -> None:
+        self.table, self.uses = table, uses
+
+    def __call__(self) -> list[dict[str, Any]]:
+        return self.table.outcome(self.uses)
+
+
+def read_together(stores: list[Any]) -> None:
+    """The outcomes still to read (`OutcomeLater`) of a fetch's request results, one device read per table;
+    each result's `actions` becomes its outcome. If the read fails, they stay to read one by one, where a
+    failure is that request's error (never an outcome silently missing)."""
+    later: dict[int, list[Any]] = {}
+    for st in stores:
+        if type(st.actions) is OutcomeLater:
+            later.setdefault(id(st.actions.table), []).append(st)
+    for sts in later.values():
+        try:
+            outs = sts[0].actions.table.outcomes([st.actions.uses for st in sts])
+        except Exception:  # noqa: BLE001 - read again one by one (`_prelude`): each request told there
+            continue
+        for st, out in zip(sts, outs):
+            st.actions = out
+
+
 class ActionRefused(ValueError):
     """A request's probe actions cannot run on this worker (`kind`: a `protocol.errors` kind: the action
     table is full, a layer on another pipeline stage): its failure is the caller's 400, not our bug."""

@@ -23,7 +23,7 @@ from vllm_worker.protocol.points import describe, site_layer, site_point
 from vllm_worker.protocol.recent import recall, remember
 from vllm_worker.protocol.spec import RequestSpec, decode
 from vllm_worker.worker import admit_templates, faults, graph, graph_entries, seams, vector_refs
-from vllm_worker.worker.actions import ActionRefused
+from vllm_worker.worker.actions import ActionRefused, OutcomeLater
 from vllm_worker.worker.content_digests import RecentDigests
 from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.persistent_hooks import PersistentHooks
@@ -271,7 +271,7 @@ class Admission:
                 probes=probe_uses,
             )
             if act_uses and store is not None and self.capturing_rank:  # read at fetch unless it left first
-                store.actions = functools.partial(self.actions.outcome, act_uses)
+                store.actions = OutcomeLater(self.actions, act_uses)
             if per_request or simple or entry_ids or act_uses:
                 self._pending.append(state)
             return state

@@ -20,7 +20,7 @@ from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.transport import assembly, early
 from vllm_worker.transport.early_regions import State
 from vllm_worker.transport.result_pool import ResultPool, host_array
-from vllm_worker.worker import faults, probe_payloads, probes, saes, step_records
+from vllm_worker.worker import actions, faults, probe_payloads, probes, saes, step_records
 from vllm_worker.worker.request_results import RequestResults
 
 logger = logging.getLogger("vllm_worker")
@@ -62,6 +62,7 @@ def assemble_all(
     items, where = [], []
     records = shared_records(len(todo))
     scored = _probes_together(todo, records)
+    actions.read_together([st for _, _, st, _ in todo if st.error is None])
     for i, (_, _, st, n) in enumerate(todo if pool is not None else ()):
         dest = claimed.pop(id(st), None)
         used = False
