@@ -4,7 +4,8 @@ the finished outputs (`frontend.fetch._apply`, as `LLM.generate` does: scores by
 aggregates), reported apart. W10's shape by default: 256 requests x 8 probes (2 a site at 4 sites), a
 30-token prompt's prefill then 128 decode steps (158 positions), the default aggregates mean, max, last over
 the generated positions (`AGGREGATES` adds rolling_max:16 and ema:0.9). Best of `REPEATS` (5) passes.
-Prints one JSON line.
+Prints one JSON line. `RESULT_TAIL_THREADS=0`: torch's default thread count (as a frontend has), else that
+many (default 1).
 
     python bench/probes/result_tail.py [requests] [probes] [more]   (probes 1: W9's shape; more 1: AGGREGATES)
 """
@@ -12,6 +13,7 @@ Prints one JSON line.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from types import SimpleNamespace
@@ -60,7 +62,9 @@ def _outputs(n_req: int, wanted: dict) -> list[tuple]:
 
 
 def main(n_req: int, n_probes: int, more: int = 0) -> dict:
-    torch.set_num_threads(1)
+    threads = int(os.environ.get("RESULT_TAIL_THREADS", "1"))
+    if threads:
+        torch.set_num_threads(threads)
     reqs = _filed(n_req, n_probes)
     todo = [(None, None, r.store, PROMPT + STEPS) for r in reqs]
     aggs = ["mean", "max", "last"] + (AGGREGATES if more else [])
@@ -86,6 +90,7 @@ def main(n_req: int, n_probes: int, more: int = 0) -> dict:
         "worker_fetch_ms_per_request": round(1e3 * min(worker) / n_req, 3),
         "frontend_ms_per_request": round(1e3 * min(frontend) / n_req, 3),
         "tail_s": round(min(worker) + min(frontend), 4),
+        "torch_threads": torch.get_num_threads(),
     }
 
 
