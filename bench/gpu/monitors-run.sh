@@ -29,6 +29,15 @@ O=${OUT:-/tmp/monitors-run}
 mkdir -p "$O"
 cd "$HERE"
 
+# Each engine's share of the GPU (bench/system_base.py's BENCH_GPU_UTIL, default 0.2: the engines run side by side):
+# 0.2 of an H200 holds the 8B model and its KV cache; of an 80 GB H100 it leaves no room for the KV cache
+# (the weights alone are 16 GB), so a card under 100 GiB gets 0.3 unless the caller sets BENCH_GPU_UTIL.
+gpu_util() {
+  local mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  if [ -n "$mib" ] && [ "$mib" -lt 100000 ]; then echo 0.3; else echo 0.2; fi
+}
+
 case "$MODE" in
 stage)
   C=${2:?COMMIT}
@@ -81,6 +90,8 @@ bench)
   rm -rf /root/lens && python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/lens . >/dev/null || exit 1
   # device time per forward in the lens engines' clock (bench/worker.py device_split), for where the time goes
   export VLLM_LENS_GPU_CLOCK=${VLLM_LENS_GPU_CLOCK:-1}
+  BENCH_GPU_UTIL=${BENCH_GPU_UTIL:-$(gpu_util)}
+  export BENCH_GPU_UTIL
   export BENCH_LENS_POINTS=mlp_post BENCH_W0_END=${BENCH_W0_END:-2} REPEATS=${REPEATS:-3} OUT="$O"
   T0=$(date +%s)
   timeout "${BENCH_TIMEOUT:-560}" bash bench/gpu.sh --models "gpu-monitors=$PWD/.gpu/model" > "$O/bench.log" 2>&1
@@ -100,6 +111,8 @@ profile)
   export PYTHONPATH=/root/lens:$PYTHONPATH
   mkdir -p "$O/spy"
   export BENCH_LENS_POINTS=mlp_post BENCH_W0_END=0 REPEATS=1 OUT="$O"
+  BENCH_GPU_UTIL=${BENCH_GPU_UTIL:-$(gpu_util)}
+  export BENCH_GPU_UTIL
   export BENCH_PYSPY="$O/spy" BENCH_PYSPY_BIN=/root/pyspy/bin/py-spy BENCH_PYSPY_WORKLOADS=W0,W9,W10,W11,W12,W13,W14
   T0=$(date +%s)
   timeout "${BENCH_TIMEOUT:-400}" bash bench/gpu.sh --models "gpu-monitors=$PWD/.gpu/model" > "$O/bench.log" 2>&1

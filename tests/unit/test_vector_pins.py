@@ -9,8 +9,9 @@ import torch
 
 from vllm_worker.frontend import vector_refs
 from vllm_worker.frontend.vectors import VectorRegistry
+from vllm_worker.protocol.spec import VECTOR_DROPS_KEY as DROPS_KEY
 from vllm_worker.protocol.spec import decode
-from vllm_worker.worker.vector_refs import DROPS_KEY, HeldVectors
+from vllm_worker.worker.vector_refs import HeldVectors
 
 D = 1024
 
@@ -126,12 +127,11 @@ def test_the_worker_forgets_a_payloads_drops_even_when_its_reference_fails():
 
 
 def test_the_worker_reads_steers_only_of_a_payload_the_frontend_marked():
-    """`REFS_KEY` (set by `frontend.vector_refs.by_reference` with every reference it sends) is what makes the
+    """`VECTOR_REFS_KEY` (set by `frontend.vector_refs.by_reference` with every reference it sends) is what makes the
     worker look at a payload's steers: marked, the references are made bytes and the mark goes; unmarked, the
     payload is handed on as it is (most name no vector: no scan of their steers per request)."""
-    from vllm_worker.worker.vector_refs import REFS_KEY
+    from vllm_worker.protocol.spec import VECTOR_REFS_KEY as REFS_KEY
 
-    assert REFS_KEY == vector_refs.REFS_KEY and DROPS_KEY == vector_refs.DROPS_KEY
     reg = VectorRegistry()
     entry, held = _held(reg, "v", torch.randn(D))
     worker = HeldVectors()

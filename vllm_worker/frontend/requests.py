@@ -19,6 +19,7 @@ from vllm_worker.protocol.spec import (
     CAPTURE_KEY,
     NAMESPACE_PREFIXES,
     PAYLOAD_KEY,
+    VECTOR_DROPS_KEY,
     ModelShape,
     RequestSpec,
     cache_salt,
@@ -118,7 +119,7 @@ def _on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     if engines == 1 and state.vectors is not None:
         gone = vector_refs.drops(processor)  # (last: a request refused above would lose them)
         if gone:
-            payload[vector_refs.DROPS_KEY] = gone
+            payload[VECTOR_DROPS_KEY] = gone
     if payload.get("steer") and _rows_by_view(processor, state):
         payload["steer"] = [_viewed(s) for s in payload["steer"]]
     return req

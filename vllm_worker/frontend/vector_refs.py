@@ -25,11 +25,9 @@ from vllm_worker.frontend.steer_rows import checked_rows
 from vllm_worker.frontend.vectors import Entry, VectorRegistry
 from vllm_worker.protocol import rpc
 from vllm_worker.protocol.ops import ABLATE, CAP
-from vllm_worker.protocol.spec import RequestSpec
+from vllm_worker.protocol.spec import VECTOR_REFS_KEY, RequestSpec
 
 logger = logging.getLogger(__name__)
-DROPS_KEY = "drop_vectors"  # in a payload: registrations the workers may forget
-REFS_KEY = "vec_refs"  # in a payload: how many of its steers name a vector (the workers look no further without)
 
 
 @dataclass
@@ -107,7 +105,7 @@ async def push_async(engine_client: Any, processor: Any, registry: VectorRegistr
 
 def by_reference(processor: Any, spec: RequestSpec, payload: dict[str, Any], used: list[Entry]) -> tuple[str, ...]:
     """Each steer of `payload` whose rows equal a held registration's, sent by reference (`{"ref": vid,
-    "unit": ..., "repeat": n}` in place of the bytes, the payload marked: `REFS_KEY`); the registrations
+    "unit": ..., "repeat": n}` in place of the bytes, the payload marked: `VECTOR_REFS_KEY`); the registrations
     pinned for the request."""
     registry = engine_state(processor).vectors
     steers = payload.get("steer")
@@ -133,7 +131,7 @@ def by_reference(processor: Any, spec: RequestSpec, payload: dict[str, Any], use
         return ()
     for j, vid, unit, repeat in swaps:
         steers[j]["vec"] = {"ref": vid, "unit": unit, "repeat": repeat}
-    payload[REFS_KEY] = len(swaps)
+    payload[VECTOR_REFS_KEY] = len(swaps)
     VECTOR_REFS["sent"] += len(swaps)
     return tuple(vids)
 

@@ -28,6 +28,8 @@ SAE_CLAMP_KEY = "apply_sae_clamp"  # [{"sae": name, "features": [ids], "values":
 SAE_KEYS = (SAE_FEATURES_KEY, SAE_STEER_KEY, SAE_CLAMP_KEY)
 # act on a probe's score in the same generation (docs/probes.md, "Acting on a score")
 ACTIONS_KEY = "probe_actions"
+VECTOR_DROPS_KEY = "drop_vectors"  # in a payload: registered vectors the workers may forget (`frontend.vector_refs`)
+VECTOR_REFS_KEY = "vec_refs"  # in a payload: how many of its steers name a registered vector by reference
 # linear probes loaded with `llm.load_probe` / `POST /v1/lens/probes` (docs/probes.md)
 PROBE_SCORES_KEY = "output_probe_scores"  # [names] or {name: {"aggregate": [...], "positions": ...}}
 PROBE_KEYS = (PROBE_SCORES_KEY,)

@@ -10,9 +10,8 @@ import threading
 from typing import Any
 
 from vllm_worker.protocol.recent import recall, remember
+from vllm_worker.protocol.spec import VECTOR_DROPS_KEY, VECTOR_REFS_KEY
 
-DROPS_KEY = "drop_vectors"  # (`frontend.vector_refs.DROPS_KEY`)
-REFS_KEY = "vec_refs"  # (`frontend.vector_refs.REFS_KEY`: the payload names a vector)
 ROWS_KEPT = 16  # repeated rows remembered (a registration named with several layer counts and ops)
 
 
@@ -33,14 +32,14 @@ class HeldVectors:
     def resolve(self, payload: Any) -> Any:
         """`payload` with its references made bytes (a new dict; vLLM's is never edited), and its drops
         done; `payload` itself when it has neither. Its steers are looked at only when the frontend marked
-        it (`REFS_KEY`, set wherever it sends one by reference): most payloads name no vector."""
-        if not isinstance(payload, dict) or (REFS_KEY not in payload and DROPS_KEY not in payload):
+        it (`VECTOR_REFS_KEY`, set wherever it sends one by reference): most payloads name no vector."""
+        if not isinstance(payload, dict) or (VECTOR_REFS_KEY not in payload and VECTOR_DROPS_KEY not in payload):
             return payload
         steers = payload.get("steer")
         refs = [i for i, s in enumerate(steers or ()) if isinstance(s, dict) and "ref" in (s.get("vec") or {})]
-        drop = payload.get(DROPS_KEY)
+        drop = payload.get(VECTOR_DROPS_KEY)
         out = dict(payload)
-        out.pop(REFS_KEY, None)
+        out.pop(VECTOR_REFS_KEY, None)
         with self._lock:
             if drop:  # (first: a reference this request cannot resolve must not keep them)
                 self._forget(drop)
@@ -50,7 +49,7 @@ class HeldVectors:
                 for i in refs:
                     out["steer"][i] = {**steers[i], "vec": self._vec(steers[i]["vec"])}
                 self.resolved += len(refs)
-        out.pop(DROPS_KEY, None)
+        out.pop(VECTOR_DROPS_KEY, None)
         return out
 
     def _vec(self, ref: dict) -> dict[str, Any]:
