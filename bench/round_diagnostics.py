@@ -67,12 +67,23 @@ def _tok_s(r: dict) -> float | None:
     return r["out_tokens"] / r["wall"] if r.get("wall") else None
 
 
+def _outlier_row(w: str, i: int, span: dict) -> str:
+    def cells(items: list) -> str:
+        return " ".join(f"{x[0]}:{x[1]}" + (f"(+{x[2]})" if len(x) > 2 and x[2] else "") for x in items) or "-"
+
+    gaps = f"{_num(span.get('dev_gap_ms_replanned'))} / {_num(span.get('dev_gap_ms_other'))}"
+    return (
+        f"| {w} | {i} | {cells(span['replan_steps'])} | {cells(span.get('top_host_fwd', []))} | "
+        f"{cells(span.get('top_dev_gaps', []))} | {gaps if 'top_dev_gaps' in span else '-'} |"
+    )
+
+
 def render(result: dict) -> list[str]:
     """Markdown lines: per lens system and workload, one row per round (wall, step loop split, step
     counters, what is held after the run and after a flush step); then W0 at the end of the call."""
     lines: list[str] = []
     for system, entry in result.get("systems", {}).items():
-        rows = []
+        rows, odd = [], []
         for w, runs in entry.get("runs", {}).items():
             for i, r in enumerate(runs):
                 lt = r.get("lens_timings")
@@ -94,6 +105,8 @@ def render(result: dict) -> list[str]:
                     f"| {w} | {i} | {_num(r.get('wall'))} | {split} | {steps} | {dev} | {held} | {held2} | "
                     f"{_num(fe.get('pending'))} / {_num(fe.get('py_objects'))} | {gc2} |"
                 )
+                if "replan_steps" in span:
+                    odd.append(_outlier_row(w, i, span))
         if not rows:
             continue
         lines += [
@@ -113,6 +126,17 @@ def render(result: dict) -> list[str]:
             *rows,
             "",
         ]
+        if odd:
+            lines += [
+                f"Outliers ({system}): each re-plan's step and host ms (a batch composition changed); the largest "
+                "host ms inside a forward and device gaps before one, as step:ms(+ms of a re-plan before it); "
+                "device gap ms summed before re-planned steps / elsewhere.",
+                "",
+                "| workload | round | re-plans | top host in forward | top device gaps | gap ms re-planned / other |",
+                "|---|---|---|---|---|---|",
+                *odd,
+                "",
+            ]
     end = []
     for system, entry in result.get("systems", {}).items():
         runs = [x for x in (_tok_s(r) for r in entry.get("runs", {}).get("W0", [])) if x]

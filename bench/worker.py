@@ -158,6 +158,13 @@ class VLLMSystem:
         except Exception:  # noqa: BLE001 - diagnostics only (an older tree, e.g. lens-before)
             return None
 
+    def _replans(self) -> list | None:
+        """The worker's latest re-plans (`lens_replan_clock`; None: a tree without it)."""
+        try:
+            return self.llm.collective_rpc("lens_replan_clock")[0]
+        except Exception:  # noqa: BLE001 - diagnostics only (an older tree)
+            return None
+
     def extra(self, workload: str, i: int, n: int) -> dict:
         mid = self.n_layers // 2
         if workload == "W0":
@@ -352,7 +359,7 @@ class VLLMSystem:
                     last = self._last_status.get(k, {})
                     self.timings[k] = {x: round(y - last.get(x, 0), 4) for x, y in v.items()}
                 self._last_status = now
-                span = split_wall(self.llm.collective_rpc("lens_forward_clock")[0], t_gen, t_end)
+                span = split_wall(self.llm.collective_rpc("lens_forward_clock")[0], t_gen, t_end, self._replans())
                 if span:
                     self.timings["span"] = span
                 use1 = self._rusage()
@@ -406,11 +413,12 @@ def _delta(a: dict, b: dict) -> dict:
     return out
 
 
-def split_wall(clock: list, t0: float, t1: float) -> dict | None:
+def split_wall(clock: list, t0: float, t1: float, replans: list | None = None) -> dict | None:
     """A generate call's wall time (`time.monotonic` t0..t1) split by the worker's forward passes (their
     (start, end) on the same clock): before the first forward (requests admitted, scheduled), the step loop
     (first forward's start to the last one's end) with the host seconds inside forwards, and after the last
-    forward (outputs processed, results fetched)."""
+    forward (outputs processed, results fetched); with `replans` (`lens_replan_clock`), the steps whose
+    batch changed and the outliers among steps (`outliers`)."""
     mine = [tuple(c) for c in clock if t0 <= c[0] and c[1] <= t1]
     if not mine:
         return None
@@ -427,6 +435,33 @@ def split_wall(clock: list, t0: float, t1: float) -> dict | None:
         out["loop_cpu_s"] = round(mine[-1][2] - mine[0][2], 4)
         out["loop_to_last_start_s"] = round(mine[-1][0] - first, 4)
     out.update(device_split(mine))
+    if replans is not None:
+        out.update(outliers(mine, [r for r in replans if t0 <= r[0] <= t1]))
+    return out
+
+
+def outliers(mine: list, replans: list) -> dict:
+    """Where a loop's extra time sits: each re-plan's step (the first forward starting after it) and host
+    ms; the 5 largest host times inside a forward and (device clock) device gaps before a forward, each as
+    [step, ms, ms of the re-plan before that step or 0]; the device gaps summed before re-planned steps and
+    elsewhere. A cost paid once per batch composition shows at the re-planned steps, a per-step one does not."""
+    starts = [c[0] for c in mine]
+    at: dict[int, float] = {}
+    for t, dt, _ in replans:
+        i = next((k for k, s in enumerate(starts) if s >= t), None)
+        if i is not None:
+            at[i] = at.get(i, 0.0) + dt * 1e3
+    host = sorted(((round((c[1] - c[0]) * 1e3, 2), i) for i, c in enumerate(mine)), reverse=True)[:5]
+    out = {
+        "replan_steps": [[i, round(ms, 2)] for i, ms in sorted(at.items())],
+        "top_host_fwd": [[i, ms, round(at.get(i, 0.0), 2)] for ms, i in host],
+    }
+    if mine and len(mine[0]) >= 5:  # gap k: after forward k, before forward k + 1
+        gaps = [(c[4], k + 1) for k, c in enumerate(mine[:-1]) if c[4] is not None]
+        top = sorted(gaps, reverse=True)[:5]
+        out["top_dev_gaps"] = [[i, round(ms, 2), round(at.get(i, 0.0), 2)] for ms, i in top]
+        out["dev_gap_ms_replanned"] = round(sum(ms for ms, i in gaps if i in at), 2)
+        out["dev_gap_ms_other"] = round(sum(ms for ms, i in gaps if i not in at), 2)
     return out
 
 

@@ -6,6 +6,7 @@ frontend's are read in the frontend (bench/worker.py)."""
 from __future__ import annotations
 
 import collections
+import time
 
 # ---------------------------------------------------------------- worker processes
 
@@ -66,6 +67,8 @@ STEP_TIMINGS = {
     # the engine core together: 1 and n; spread over k steps: k)
     "admit_steps": 0,
     "admitted": 0,
+    "replans": 0,  # batch compositions planned (`REPLANS`), and their host seconds
+    "replan_s": 0.0,
 }
 
 # `lens_forward_clock`: (start, end, CPU seconds of the calling thread at
@@ -73,6 +76,20 @@ STEP_TIMINGS = {
 # machine), so a benchmark can split a call's wall time into before the first step, the step loop and after
 # the last step, and tell a step loop that computes from one that waits (for the GIL, for the device).
 FORWARD_CLOCK: collections.deque = collections.deque(maxlen=4096)
+
+# `lens_replan_clock`: (start on the same clock, seconds, batch requests) of each re-plan (a batch
+# composition changed: requests pruned, admitted, the plan made), which runs after the previous forward and
+# before the next one starts — host time the device may wait through, not inside any forward's entry
+REPLANS: collections.deque = collections.deque(maxlen=4096)
+
+
+def replanned(t0: float, requests: int) -> None:
+    """A re-plan that started at `t0` (`time.monotonic`) ends now."""
+    dt = time.monotonic() - t0
+    REPLANS.append((t0, dt, requests))
+    STEP_TIMINGS["replans"] += 1
+    STEP_TIMINGS["replan_s"] += dt
+
 
 # where the time of Python hooks goes, cumulative host
 # seconds — inside the users' functions, and around them (slicing, the stream sum, checks).

@@ -273,6 +273,11 @@ def test_diagnostics_split_a_run_and_count_its_cpu(llama):
     assert u1["process"]["user_s"] + u1["process"]["sys_s"] > u0["process"]["user_s"] + u0["process"]["sys_s"]
     assert u1["step_thread"]["user_s"] >= u0["step_thread"]["user_s"]
     assert u1["pool"]["bytes"] > 0 and u1["pool"]["allocs"] > u0["pool"].get("allocs", 0)
+    # re-plans (a batch composition changed) sit between forwards, each before the forward it planned
+    replans = [r for r in llama.collective_rpc("lens_replan_clock")[0] if t0 <= r[0] <= t1]
+    assert replans and all(dt > 0 and n >= 1 for _, dt, n in replans)
+    starts = [c[0] for c in mine]
+    assert all(any(s >= t + dt for s in starts) for t, dt, _ in replans)
 
 
 def _direct_batch(llama) -> tuple[list[str], list[SamplingParams]]:

@@ -195,6 +195,10 @@ class LensWorkerExtension:
         forward passes (diagnostics: `counters.FORWARD_CLOCK`, `gpu_clock`)."""
         return gpu_clock.resolve(list(counters.FORWARD_CLOCK))
 
+    def lens_replan_clock(self) -> list:
+        """(start, seconds, batch requests) of the latest re-plans (diagnostics: `counters.REPLANS`)."""
+        return list(counters.REPLANS)
+
     def lens_rusage(self) -> dict:
         """Cumulative CPU use of this worker (diagnostics for benchmarks): the process, the thread that runs
         the steps (RPCs run on it), and the result pool's growth."""

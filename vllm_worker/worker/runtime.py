@@ -212,8 +212,7 @@ class LensRuntime:
             if r.store is None:
                 r.store = RequestResults([])
             r.store.fail(msg)
-            r.capture, r.capture_slot, r.steers, r.simple_add, r.hooks, r.sae = [], {}, [], {}, [], []
-            r.probes = []
+            r.capture, r.capture_slot, r.steers, r.simple_add, r.hooks, r.sae, r.probes = [], {}, [], {}, [], [], []
             self._free_entries(r)
             r.entries = {}
             self.actions.free(r.acts)
@@ -302,6 +301,7 @@ class LensRuntime:
         req_ids, qsl = compat.batch_layout(self.runner)
         key = (tuple(req_ids), qsl.tobytes())
         if key != self._plan_key:  # batch composition changed: plan again
+            t0 = time.monotonic()
             self._prune()
             t = time.perf_counter()
             active = self._active(req_ids, qsl)
@@ -334,6 +334,7 @@ class LensRuntime:
             except Exception as e:  # noqa: BLE001 - fail these requests; the step runs plain
                 self._fail([r for r, _, _ in active], "planning", e)
                 self._cached_plan = None
+            counters.replanned(t0, len(req_ids))
         self._layout = (req_ids, qsl)
         return self._cached_plan
 
