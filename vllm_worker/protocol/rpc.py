@@ -43,6 +43,10 @@ class LensWorkerRpc(Protocol):
         """(start, end, thread CPU at start) of the latest forward passes (benchmarks)."""
         ...
 
+    def lens_replan_clock(self) -> list:
+        """(start, seconds, batch requests) of the latest re-plans (benchmarks)."""
+        ...
+
     def lens_rusage(self) -> dict:
         """Cumulative CPU use of this worker (benchmarks)."""
         ...

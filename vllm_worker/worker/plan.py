@@ -101,6 +101,7 @@ class RequestState:
     acts: list = field(default_factory=list)  # `actions.ActionUse`s: probe actions at this stage's sites
     probes: list = field(default_factory=list)  # `probes.DeviceProbe`s scored for this request
     graph_parts: Any = None  # (column map, entries, their split): `_entry_parts`, made once
+    probe_sites: Any = None  # (probes, sites held here, the sites they read): `_probe_sites`, made once
 
     @property
     def failed(self) -> bool:
@@ -259,6 +260,17 @@ def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, i
     return GraphPlan(n, cat(cr), cat(cc), sr, sc, se, pos, ph=phase)
 
 
+def _probe_sites(r: RequestState, local: frozenset) -> tuple[int, ...]:
+    """The sites held here that a request's probes read, each once. Made once per request (a plan is made at
+    every change of the batch; W10's request has 8 probes)."""
+    got = r.probe_sites
+    if got is not None and got[0] is r.probes and got[1] is local:
+        return got[2]
+    sites = tuple(dict.fromkeys(s for u in r.probes for s in u.weights if s in local))
+    r.probe_sites = (r.probes, local, sites)
+    return sites
+
+
 def _entry_parts(r: RequestState, col: dict[int, int]) -> tuple:
     """A request's graph-path entries at this stage's columns, split by how a step picks them: fixed
     (columns, entries), by named position, by phase. Made once per request (a plan is made at every change
@@ -401,13 +413,12 @@ def make_plan(
     probe_rows: dict[int, Rows] = {}
     for item in active:
         r = item[0]
-        for at in dict.fromkeys(s for u in r.acts for s in u.sites):
-            act.setdefault(at, []).append(item)
-        if capturing_rank:  # scores: only the reporting rank
-            for u in r.probes:
-                for s in u.weights:
-                    if s in local:
-                        probe_rows.setdefault(s, []).append(item)
+        if r.acts:
+            for at in dict.fromkeys(s for u in r.acts for s in u.sites):
+                act.setdefault(at, []).append(item)
+        if capturing_rank and r.probes:  # scores: only the reporting rank
+            for s in _probe_sites(r, local):
+                probe_rows.setdefault(s, []).append(item)
         for u in r.sae:
             if u.site in local and (u.clamp or capturing_rank):  # features: only the reporting rank
                 (sae_clamp if u.clamp else sae_feat).setdefault(u.site, []).append(item)
@@ -449,7 +460,7 @@ def make_plan(
     ):
         gp = graph_plan(active, cap_rows, n_rows, graph.col)
         stage_features(gp, cap_rows, {s: list(dict.fromkeys(v)) for s, v in sae_feat.items()}, graph.col)
-        stage_probes(gp, {s: list(dict.fromkeys(v)) for s, v in probe_rows.items()}, graph.col, rows_of)
+        stage_probes(gp, probe_rows, graph.col, rows_of)
         stage_actions(gp, cap_rows, act, graph.col)  # last: it reuses any cell staged before it
         if gp.total <= graph.stage_rows:
             capture = {layer: (None, items) for layer, items in cap_rows.items()}
@@ -479,7 +490,6 @@ def make_plan(
         steer_batched[layer] = (on_device(rows), adds)
     steer = {l: list(dict.fromkeys(v)) for l, v in steer.items()}
     feat = {s: list(dict.fromkeys(v)) for s, v in sae_feat.items()}
-    probed = {s: list(dict.fromkeys(v)) for s, v in probe_rows.items()}
     return StepPlan(
         None,
         steer,
@@ -491,7 +501,7 @@ def make_plan(
         sae_feat={s: (on_device(rows_of(items)), SiteFeatures(s, items)) for s, items in feat.items()},
         sae_clamp={s: list(dict.fromkeys(v)) for s, v in sae_clamp.items()},
         act_rows={s: (on_device(rw), rw, items) for s, items in act.items() for rw in [action_rows(items)]},
-        probe_rows={s: (on_device(rows_of(items)), SiteProbes.of(s, items)) for s, items in probed.items()},
+        probe_rows={s: (on_device(rows_of(items)), SiteProbes.of(s, items)) for s, items in probe_rows.items()},
     )
 
 

@@ -100,8 +100,13 @@ class SiteProbes:
     @classmethod
     def of(cls, site: int, items: list) -> "SiteProbes":
         used: dict[tuple[str, str], DeviceProbe] = {}
+        seen: set[tuple] = set()  # the requests' probe lists, each walked once (often all alike)
         for r, _, _ in items:
-            for u in r.probes:
+            ps = tuple(r.probes)
+            if ps in seen:
+                continue
+            seen.add(ps)
+            for u in ps:
                 if site in u.weights:
                     used.setdefault((u.name, u.uid), u)
         cols, c = {}, 0
