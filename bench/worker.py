@@ -119,6 +119,8 @@ class VLLMSystem:
                 "enforce_eager": self.llm.llm_engine.model_config.enforce_eager,
                 "cudagraph_mode": str(comp.cudagraph_mode),
                 "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
+                # with it the engine core plans step N + 1 while the device runs step N (host work hides)
+                "async_scheduling": getattr(self.llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", None),
             }
             self.engine_mode.update(kv_cache_tokens(self.llm))
         except Exception as e:  # informative only
