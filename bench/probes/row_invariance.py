@@ -179,6 +179,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--only", default="", help="comma list of candidates")
     ap.add_argument("--no-cost", action="store_true")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1, help="cost rounds, candidates interleaved")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -187,19 +189,22 @@ def main() -> None:
     if a.device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     print(json.dumps(info), flush=True)
-    for name in names:
-        print(json.dumps({"candidate": name, **invariance(CANDIDATES[name], a.device, a.quick)}), flush=True)
-    print(json.dumps({"candidate": "mulsum_chunked", "check": "sites", **sites_invariance(a.device)}), flush=True)
-    for name in ("mulsum_chunked", "mulsum_whole", "vecdot"):
-        print(json.dumps({"candidate": name, **long_row(CANDIDATES[name], a.device)}), flush=True)
+    if not a.no_check:
+        for name in names:
+            print(json.dumps({"candidate": name, **invariance(CANDIDATES[name], a.device, a.quick)}), flush=True)
+        print(json.dumps({"candidate": "mulsum_chunked", "check": "sites", **sites_invariance(a.device)}), flush=True)
+        for name in ("mulsum_chunked", "mulsum_whole", "vecdot"):
+            print(json.dumps({"candidate": name, **long_row(CANDIDATES[name], a.device)}), flush=True)
     if a.no_cost:
         return
-    for rows, d, reps in ((256, 4096, 20), (7680, 4096, 3), (256, 128, 50)):
-        for name in names:
-            if name in ("mm_fp64", "mv_cols", "mm_blocks64") and rows > 1000 and a.device == "cpu":
-                continue
-            r = cost(CANDIDATES[name], rows, d, a.device, reps)
-            print(json.dumps({"candidate": name, "cost": "4 sites x 2 probes", **r}), flush=True)
+    shapes = ((256, 128, 200), (256, 576, 100), (256, 4096, 20), (7680, 576, 5), (7680, 4096, 3))
+    for rnd in range(a.rounds):
+        for rows, d, reps in shapes:
+            for name in names:
+                if name in ("mm_fp64", "mv_cols", "mm_blocks64") and rows > 1000 and a.device == "cpu":
+                    continue
+                r = cost(CANDIDATES[name], rows, d, a.device, reps)
+                print(json.dumps({"candidate": name, "round": rnd, "cost": "4 sites x 2 probes", **r}), flush=True)
 
 
 if __name__ == "__main__":

@@ -30,23 +30,24 @@ def project(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rowwise: bool |
         else:
             torch.bmm(x, w.transpose(1, 2), out=out)
         return
-    if torch.promote_types(x.dtype, torch.float32) != torch.float32:
+    if x.dtype == torch.float64:
         x = x.to(torch.float32)
-    if x.dim() == 2:
-        x, w, out = x.unsqueeze(0), w.unsqueeze(0), out.unsqueeze(0)
-    s, m, d = x.shape
-    n = w.shape[1]
-    wb = w.unsqueeze(1)  # (s, 1, n, d)
-    step = max(1, _CHUNK // max(1, s * n * d))
+    m, d, n = x.shape[-2], x.shape[-1], w.shape[-2]
+    per_row = n * d * (1 if x.dim() == 2 else x.shape[0])
+    wb = w.unsqueeze(-3)  # (1, n, d) or (s, 1, n, d)
+    step = max(1, _CHUNK // per_row)
+    if m <= step and m * per_row > d:  # one chunk (a step's decode rows, mostly)
+        torch.sum(x.unsqueeze(-2) * wb, dim=-1, out=out)
+        return
     for r0 in range(0, m, step):
-        r1 = min(m, r0 + step)
-        prod = x[:, r0:r1].unsqueeze(2) * wb  # (s, rows, n, d) float32 (a bf16 x cast exactly, chunk by chunk)
-        if s * (r1 - r0) * n == 1:
+        k = min(step, m - r0)
+        prod = x.narrow(-2, r0, k).unsqueeze(-2) * wb  # ([s,] rows, n, d) float32 (a bf16 x cast exactly)
+        if k * per_row == d:
             # one output: torch.sum would split a long reduction across threads (another order); two
             # outputs (the same row twice) keep it one thread's
-            out[:, r0:r1].copy_(prod.expand(2, 1, 1, d).sum(-1)[:1])
+            out.narrow(-2, r0, k).copy_(prod.reshape(1, d).expand(2, d).sum(-1)[:1])
         else:
-            torch.sum(prod, dim=-1, out=out[:, r0:r1])
+            torch.sum(prod, dim=-1, out=out.narrow(-2, r0, k))
 
 
 def rowdot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
