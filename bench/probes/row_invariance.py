@@ -5,7 +5,13 @@ are), each checked for row-invariance over many row counts m, offsets and shapes
 their cost at W10's shape (256 decode rows, 8 probes: 2 a site at 4 sites) and a prefill shape (7680 rows).
 Torch only (no vLLM), so the same file runs on a lent GPU:
 
-    python bench/probes/row_invariance.py [--device cpu|cuda] [--quick] [--threads N]
+    PYTHONPATH=. python bench/probes/row_invariance.py [--device cpu|cuda] [--quick] [--threads N]
+        [--only mm,mulsum_chunked,...] [--no-check] [--no-cost] [--rounds N]
+
+On a GPU (`--device cuda`): does `torch.mm`'s row depend on the row count there (what the worker runs on
+CUDA), does the CPU method (`mulsum_chunked`: `projection.project` with `rowwise=True`) or another candidate
+fix it, and what each costs (synchronised walls). It imports `vllm_worker.worker.projection`, which needs
+torch only (not vLLM).
 
 Prints one JSON line per (candidate, check) and per (candidate, cost shape).
 """

@@ -55,6 +55,6 @@ def rowdot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     `torch.linalg.vecdot`, a product and one sum over d per row; on CPU a single row is summed as two
     (torch.sum splits one output's long reduction across threads), so that it is the same row among others."""
     x = x.float()
-    if x.shape[0] == 1 and x.device.type == "cpu":
+    if x.shape[0] == 1 and w.shape[0] == 1 and x.device.type == "cpu":
         return torch.linalg.vecdot(x.expand(2, -1), w.expand(2, -1))[:1]
     return torch.linalg.vecdot(x, w)
