@@ -1,7 +1,8 @@
 """`probes.StagedProbes`: on the graph-safe path the probe sites of a composition with as many rows and
 columns are scored by one batched projection a step into one record (their rows one site after another);
 every request's scores equal one projection per site (the Python path's `SiteProbes.file`, the layout
-before) to float32 rounding, positions exactly, whether the sites' slots are consecutive (a slice of the ring) or some are lent by
+before) bit for bit on CPU (a row's projection does not depend on the others: `worker/projection`), and
+positions exactly, whether the sites' slots are consecutive (a slice of the ring) or some are lent by
 captures (a gather), and sites of other shapes get groups of their own."""
 
 from __future__ import annotations
@@ -78,15 +79,15 @@ def _run(uses: list, captured: dict[int, np.ndarray], steps: int = 5) -> tuple[l
 
 
 def _same(staged: list, alone: list) -> None:
-    """Positions equal; scores equal to float32 rounding (a batched GEMM sums in its own blocking, as one
-    GEMM of another batch size already does: docs/decisions.md)."""
+    """Positions and scores equal, bit for bit (on CPU a row's projection does not depend on the rows
+    projected with it, nor on the sites projected at once: `projection.project`)."""
     for a, b in zip(staged, alone):
         got, want = probes.payload(a.store.probes), probes.payload(b.store.probes)
         assert set(got) == set(want) == {u.name for u in a.probes}
         for name in got:
             assert got[name]["positions"] == want[name]["positions"]
             g, w = (torch.from_numpy(probe_wire.arrays(x[name], name)[1].copy()) for x in (got, want))
-            assert g.shape == w.shape and (g - w).abs().max() <= 1e-6 * max(1.0, float(w.abs().max())), name
+            assert g.shape == w.shape and torch.equal(g, w), (name, (g - w).abs().max())
 
 
 def test_sites_alike_share_one_batched_projection_a_step_with_the_same_scores():
@@ -96,7 +97,7 @@ def test_sites_alike_share_one_batched_projection_a_step_with_the_same_scores():
     assert list(groups) == [SITES]  # one group, ...
     (group,) = groups.values()
     assert group.first == 0 and group.dev_slots is None  # ... its rows one slice of the ring
-    assert group.weight.shape == (4, D, 3)
+    assert group.weight.shape == (4, 3, D)
     # 5 steps: one projection each staged, one per site and step alone
     assert probes.PROBE_COUNTS["projections"] - before["projections"] == 5 + 4 * 5
     records = {id(sp.record) for r in staged for p in r.store.probes.values() for v in p.spans.values() for sp in v}

@@ -20,6 +20,7 @@ import torch
 
 from vllm_worker.worker.actions import TOKEN, ActionTable, ActionUse, Round
 from vllm_worker.worker.device_copy import to_device
+from vllm_worker.worker.projection import rowdot
 
 
 @dataclass
@@ -169,7 +170,7 @@ def observe(
                 raise RuntimeError(f"probe actions: no rows were staged at site {sp.site} this step")
             if sp.xrow is not None:
                 x = x.index_select(0, sp.xrow)
-            part = torch.linalg.vecdot(x.float(), sp.w)
+            part = rowdot(x, sp.w)
             if sp.pair is None:
                 scores = part
             else:

@@ -6,12 +6,13 @@ and scored each step on the rows of the requests that name them, as SAE features
   `stage_probes`); after the step they are projected there, on the device (`scores_from_stage`).
 - Python path: projected from the rows at the tap (`scores_at`).
 
-Either way one matmul per site serves every request and probe of the step, written into the batch
-composition's record for that site (`SiteProbes`, `step_records`): a step's host work does not grow with
-requests or probes. On the graph-safe path sites alike in rows and columns share one batched matmul and
-one record (`StagedProbes`): nor does it grow with sites. A multi-layer probe is a sum of one projection
-per layer (mean / std folded into the weights: `Probe.folded`); the per-site parts are added, the bias
-added and the sigmoid applied when the request's scores are fetched (`payload`). Scores wait on the device (n_out floats a token) until then.
+Either way one projection per site (`projection.project`: on CPU a row's scores do not depend on the other
+rows) serves every request and probe of the step, written into the batch composition's record for that site
+(`SiteProbes`, `step_records`): a step's host work does not grow with requests or probes. On the graph-safe
+path sites alike in rows and columns share one batched projection and one record (`StagedProbes`): nor
+does it grow with sites. A multi-layer probe is a sum of one projection per layer (mean / std folded into the
+weights: `Probe.folded`); the per-site parts are added, the bias added and the sigmoid applied when the
+request's scores are fetched (`payload`). Scores wait on the device (n_out floats a token) until then.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from vllm_worker.protocol import probe_wire
 from vllm_worker.protocol.points import canonical_site
 from vllm_worker.protocol.wire import tensor_from_bytes
 from vllm_worker.worker.device_copy import to_device
+from vllm_worker.worker.projection import project
 from vllm_worker.worker.step_records import Span, StepRecord, latest_order
 from vllm_worker.worker.stream_rows import stream_rows
 
-PROBE_COUNTS = {"rows": 0, "projections": 0}  # rows this process scored, matmuls it ran (tests, benchmarks)
+PROBE_COUNTS = {"rows": 0, "projections": 0}  # rows this process scored, projections it ran (tests, benchmarks)
 
 
 @dataclass(eq=False)
@@ -125,7 +127,7 @@ class SiteProbes:
             rec = self.record = StepRecord(self.rows, {"scores": (self.weight.shape[0], torch.float32)}, x.device)
             self.spans(rec, 0)
         out = rec.next(pos)["scores"]
-        torch.mm(x.to(torch.float32), self.weight.T, out=out)
+        project(x, self.weight, out)
         PROBE_COUNTS["rows"] += x.shape[0]
         PROBE_COUNTS["projections"] += 1
 
@@ -172,7 +174,7 @@ class StagedProbes:
         n = len(slots)
         self.first: int | None = int(slots[0]) if n and np.array_equal(slots, slots[0] + np.arange(n)) else None
         self.dev_slots: torch.Tensor | None = None  # (slots not consecutive) on the device, once
-        self.weight = _stacked_sites(parts)  # (cols, d) for one site; (sites, d, cols) for several
+        self.weight = _stacked_sites(parts)  # (cols, d) for one site; (sites, cols, d) for several
         self.record: StepRecord | None = None
 
     def file(self, stage: torch.Tensor, base: int, total: int, positions: np.ndarray) -> None:
@@ -188,10 +190,10 @@ class StagedProbes:
             rec = self.record = self._open(stage.device)
         out = rec.next(positions[self.rows])["scores"]
         if len(self.parts) == 1:
-            torch.mm(x.to(torch.float32), self.weight.T, out=out)
+            project(x, self.weight, out)
         else:
-            s, c = self.weight.shape[0], self.weight.shape[2]
-            torch.bmm(x.to(torch.float32).view(s, -1, x.shape[-1]), self.weight, out=out.view(s, -1, c))
+            s, c = self.weight.shape[0], self.weight.shape[1]
+            project(x.view(s, -1, x.shape[-1]), self.weight, out.view(s, -1, c))
         PROBE_COUNTS["rows"] += x.shape[0]
         PROBE_COUNTS["projections"] += 1
 
@@ -222,8 +224,8 @@ def _stacked(key: tuple, used: tuple[DeviceProbe, ...]) -> torch.Tensor:
 
 
 def _stacked_sites(parts: list[SiteProbes]) -> torch.Tensor:
-    """The parts' weights as `StagedProbes.file` multiplies by them: one site's (cols, d); several sites'
-    (sites, d, cols), stacked once per set of sites and probes."""
+    """The parts' weights as `StagedProbes.file` projects on them: one site's (cols, d); several sites'
+    (sites, cols, d), stacked once per set of sites and probes."""
     if len(parts) == 1:
         return parts[0].weight
     key = ("sites", *(sp.key for sp in parts))
@@ -231,7 +233,7 @@ def _stacked_sites(parts: list[SiteProbes]) -> torch.Tensor:
     if w is None:
         if len(_STACKS) >= _MAX_STACKS:
             _STACKS.clear()
-        w = _STACKS[key] = torch.stack([sp.weight for sp in parts]).transpose(1, 2)
+        w = _STACKS[key] = torch.stack([sp.weight for sp in parts])
     return w
 
 

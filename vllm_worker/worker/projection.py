@@ -1,0 +1,60 @@
+"""The probe projection `x @ W.T` of a step's rows, one site or several at once, in float32 — on CPU with a
+result per row that does not depend on the other rows (bit for bit), so that a request's scores do not
+change with the batch around it.
+
+A matmul's row can change in its last bits with how many rows run with it (the BLAS library picks its
+blocking and threading by size). On CPU each score is instead an elementwise product and one `torch.sum`
+over d: the sum reduces a contiguous last dimension with one thread per output, in an order set only by d
+(and the machine's vector width). On CUDA it stays `torch.mm` / `torch.bmm`: vLLM's own GPU activations
+depend on the batch there unless its batch-invariant mode is on, and cuBLAS's row may depend on the row
+count too (docs/probes.md; bench/probes/row_invariance.py measures both on a lent GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CHUNK = 1 << 18  # product elements a chunk of rows holds at most (1 MiB of float32)
+
+
+def project(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rowwise: bool | None = None) -> None:
+    """`out = x @ w.T` in float32, for one site (x (m, d), w (n, d), out (m, n)) or several
+    (x (s, m, d), w (s, n, d), out (s, m, n)). `rowwise` (default: on CPU): each row's result independent
+    of the other rows, computed in chunks of rows (bounded temporary memory); else one matmul."""
+    if rowwise is None:
+        rowwise = x.device.type == "cpu"
+    if not rowwise:
+        x = x.to(torch.float32)
+        if x.dim() == 2:
+            torch.mm(x, w.T, out=out)
+        else:
+            torch.bmm(x, w.transpose(1, 2), out=out)
+        return
+    if x.dtype == torch.float64:
+        x = x.to(torch.float32)
+    m, d, n = x.shape[-2], x.shape[-1], w.shape[-2]
+    per_row = n * d * (1 if x.dim() == 2 else x.shape[0])
+    wb = w.unsqueeze(-3)  # (1, n, d) or (s, 1, n, d)
+    step = max(1, _CHUNK // per_row)
+    if m <= step and m * per_row > d:  # one chunk (a step's decode rows, mostly)
+        torch.sum(x.unsqueeze(-2) * wb, dim=-1, out=out)
+        return
+    for r0 in range(0, m, step):
+        k = min(step, m - r0)
+        prod = x.narrow(-2, r0, k).unsqueeze(-2) * wb  # ([s,] rows, n, d) float32 (a bf16 x cast exactly)
+        if k * per_row == d:
+            # one output: torch.sum would split a long reduction across threads (another order); two
+            # outputs (the same row twice) keep it one thread's
+            out.narrow(-2, r0, k).copy_(prod.reshape(1, d).expand(2, d).sum(-1)[:1])
+        else:
+            torch.sum(prod, dim=-1, out=out.narrow(-2, r0, k))
+
+
+def rowdot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per row `x[i] . w[i]` in float32 (x, w (m, d)): probe actions' scores, one per (action, row) pair —
+    `torch.linalg.vecdot`, a product and one sum over d per row; on CPU a single row is summed as two
+    (torch.sum splits one output's long reduction across threads), so that it is the same row among others."""
+    x = x.float()
+    if x.shape[0] == 1 and w.shape[0] == 1 and x.device.type == "cpu":
+        return torch.linalg.vecdot(x.expand(2, -1), w.expand(2, -1))[:1]
+    return torch.linalg.vecdot(x, w)
