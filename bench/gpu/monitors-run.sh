@@ -21,6 +21,7 @@
 # bench: plan gpu-monitors (REPEATS, default 3; BENCH_W0_END, default 2: W0 again on every engine at the end),
 # the lens-points engine tapping mlp_post; VLLM_LENS_STEER_MB only when set by the caller. Writes the results'
 # .md/.json/.png, $OUT/bench.log and $OUT/logs.tgz (each engine's log). BENCH_WORKLOADS / BENCH_SYSTEMS narrow it.
+# Before it (ROW_CHECK=0: not), bench/probes/row_invariance.py --device cuda --quick ($OUT/row_invariance.jsonl, < 90 s).
 # cpu-smoke (here, on the CPU engine, the shipped tiny model): the same Python parts, small sizes.
 set -uo pipefail
 MODE=${1:?"check | bench | cpu-smoke"}
@@ -93,6 +94,13 @@ bench)
   BENCH_GPU_UTIL=${BENCH_GPU_UTIL:-$(gpu_util)}
   export BENCH_GPU_UTIL
   export BENCH_LENS_POINTS=mlp_post BENCH_W0_END=${BENCH_W0_END:-2} REPEATS=${REPEATS:-3} OUT="$O"
+  if [ "${ROW_CHECK:-1}" = 1 ] && [ -f bench/probes/row_invariance.py ]; then
+    # does a probe score's row depend on the batch on this GPU (torch.mm), and does the CPU method fix it
+    T0=$(date +%s)
+    PYTHONPATH=/root/lens:$PYTHONPATH timeout 90 python3 bench/probes/row_invariance.py --device cuda --quick \
+      > "$O/row_invariance.jsonl" 2>&1
+    echo "row_invariance rc=$? in $(( $(date +%s) - T0 )) s"
+  fi
   T0=$(date +%s)
   timeout "${BENCH_TIMEOUT:-560}" bash bench/gpu.sh --models "gpu-monitors=$PWD/.gpu/model" > "$O/bench.log" 2>&1
   echo "bench rc=$? in $(( $(date +%s) - T0 )) s"
