@@ -100,3 +100,16 @@ def test_the_modes_path_runs_only_ops_the_mode_replaces(monkeypatch):
     with _Ops() as plain:
         project(x, w, torch.empty(300, 3), rowwise=False)
     assert "aten::mm.out" in plain.names and "aten::mean.dim" not in plain.names
+
+
+def test_a_worker_reads_the_mode_once_and_only_for_a_gpu(monkeypatch):
+    from vllm_worker import compat
+    from vllm_worker.worker import probes
+
+    reads = []
+    monkeypatch.setattr(compat, "batch_invariant_mode", lambda: reads.append(1) or True)
+    monkeypatch.setattr(projection, "_BATCH_INVARIANT", False)  # restored after the test
+    probes.WorkerProbes(torch.device("cpu"), frozenset())
+    assert projection._BATCH_INVARIANT is False and not reads  # a CPU worker never asks vLLM
+    probes.WorkerProbes(torch.device("cuda"), frozenset())  # (no CUDA needed: nothing is allocated)
+    assert projection._BATCH_INVARIANT is True and len(reads) == 1
