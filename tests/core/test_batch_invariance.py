@@ -46,6 +46,11 @@ def test_a_moved_module_or_switch_is_a_loud_error(monkeypatch):
     v = compat.vllm_version()
     monkeypatch.setitem(bi.SEEN, v, "vllm.model_executor.nowhere.batch_invariant")
     with pytest.raises(compat.LensIncompatibleVLLM, match="no batch-invariance module"):
+        bi.bi_module()
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert compat.batch_invariant_mode() is False  # not asked for: a worker serves as without it
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")  # asked for: never a silent "off"
+    with pytest.raises(compat.LensIncompatibleVLLM, match="no batch-invariance module"):
         compat.batch_invariant_mode()
     monkeypatch.delitem(bi.SEEN, v)
     mod = bi.bi_module()  # an unlisted release finds it by trying both places

@@ -40,8 +40,15 @@ def bi_module() -> ModuleType:
 
 
 def batch_invariant_mode() -> bool:
-    """Whether vLLM's batch-invariant mode is on in this process (its overrides installed)."""
-    return bool(getattr(bi_module(), FLAG))
+    """Whether vLLM's batch-invariant mode is on in this process (its overrides installed). A moved module
+    is an error only where the mode was asked for (`VLLM_BATCH_INVARIANT`): without it nothing turns it on."""
+    try:
+        mod = bi_module()
+    except LensIncompatibleVLLM:
+        if os.environ.get("VLLM_BATCH_INVARIANT", "0").strip() in ("", "0"):
+            return False
+        raise
+    return bool(getattr(mod, FLAG))
 
 
 def enable_batch_invariant_mode() -> None:
