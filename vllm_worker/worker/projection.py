@@ -7,7 +7,10 @@ blocking and threading by size). On CPU each score is instead an elementwise pro
 over d: the sum reduces a contiguous last dimension with one thread per output, in an order set only by d
 (and the machine's vector width). On CUDA it stays `torch.mm` / `torch.bmm`: vLLM's own GPU activations
 depend on the batch there unless its batch-invariant mode is on, and cuBLAS's row may depend on the row
-count too (docs/probes.md; bench/probes/row_invariance.py measures both on a lent GPU).
+count too (docs/probes.md; bench/probes/row_invariance.py measures both on a lent GPU). With that mode on
+(`VLLM_BATCH_INVARIANT=1`; the worker says so once: `use_batch_invariant`) a GPU score is a product, `mean`
+over d and times d instead: the mode replaces `mean.dim` with a kernel that sums each output alone, in
+float32, in a fixed order (not its matmuls: on Hopper `mm` stays cuBLAS, its `bmm` is TF32; docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ def use_batch_invariant(on: bool) -> None:
 def project(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rowwise: bool | None = None) -> None:
     """`out = x @ w.T` in float32, for one site (x (m, d), w (n, d), out (m, n)) or several
     (x (s, m, d), w (s, n, d), out (s, m, n)). `rowwise` (default: on CPU): each row's result independent
-    of the other rows, computed in chunks of rows (bounded temporary memory); else one matmul."""
+    of the other rows, computed in chunks of rows (bounded temporary memory); else one matmul, or under
+    vLLM's batch-invariant mode `_project_mode`."""
     if rowwise is None:
         rowwise = x.device.type == "cpu"
     if not rowwise:
