@@ -22,6 +22,10 @@
 # the lens-points engine tapping mlp_post; VLLM_LENS_STEER_MB only when set by the caller. Writes the results'
 # .md/.json/.png, $OUT/bench.log and $OUT/logs.tgz (each engine's log). BENCH_WORKLOADS / BENCH_SYSTEMS narrow it.
 # Before it (ROW_CHECK=0: not), bench/probes/row_invariance.py --device cuda --quick ($OUT/row_invariance.jsonl, < 90 s).
+# BI_CHECK=1 (default off): then, vLLM's batch-invariant mode: row_invariance.py --vllm-batch-invariant
+# ($OUT/row_invariance_bi.jsonl) and one engine with VLLM_BATCH_INVARIANT=1, a request's probe scores / tokens
+# alone and among 256 others (bench/probes/gpu_batch_invariant.py: $OUT/batch_invariant.jsonl, ~3 min);
+# BI_ONLY=1: stop there (with the bench after it a call passes the device's 600 s).
 # cpu-smoke (here, on the CPU engine, the shipped tiny model): the same Python parts, small sizes.
 set -uo pipefail
 MODE=${1:?"check | bench | cpu-smoke"}
@@ -100,6 +104,21 @@ bench)
     PYTHONPATH=/root/lens:$PYTHONPATH timeout 90 python3 bench/probes/row_invariance.py --device cuda --quick \
       > "$O/row_invariance.jsonl" 2>&1
     echo "row_invariance rc=$? in $(( $(date +%s) - T0 )) s"
+  fi
+  if [ "${BI_CHECK:-0}" = 1 ] && [ -f bench/probes/gpu_batch_invariant.py ]; then
+    # vLLM's batch-invariant mode: the projection candidates under it, then one engine with it on
+    T0=$(date +%s)
+    PYTHONPATH=/root/lens:$PYTHONPATH timeout 150 python3 bench/probes/row_invariance.py --device cuda --quick \
+      --vllm-batch-invariant > "$O/row_invariance_bi.jsonl" 2>&1
+    echo "row_invariance --vllm-batch-invariant rc=$? in $(( $(date +%s) - T0 )) s"
+    T0=$(date +%s)
+    PYTHONPATH=/root/lens:$PYTHONPATH VLLM_CACHE_ROOT=/root/vcache/bi timeout "${BI_TIMEOUT:-300}" \
+      python3 bench/probes/gpu_batch_invariant.py "$PWD/.gpu/model" > "$O/batch_invariant.log" 2>&1
+    echo "batch_invariant rc=$? in $(( $(date +%s) - T0 )) s"
+    grep '^{' "$O/batch_invariant.log" > "$O/batch_invariant.jsonl"
+    grep -h '"check": "\(engine\|summary\)"' "$O/batch_invariant.jsonl" | cut -c1-600
+    [ -s "$O/batch_invariant.jsonl" ] || tail -30 "$O/batch_invariant.log"
+    [ "${BI_ONLY:-0}" = 1 ] && exit 0
   fi
   T0=$(date +%s)
   timeout "${BENCH_TIMEOUT:-560}" bash bench/gpu.sh --models "gpu-monitors=$PWD/.gpu/model" > "$O/bench.log" 2>&1

@@ -6,12 +6,18 @@ their cost at W10's shape (256 decode rows, 8 probes: 2 a site at 4 sites) and a
 Torch only (no vLLM), so the same file runs on a lent GPU:
 
     PYTHONPATH=. python bench/probes/row_invariance.py [--device cpu|cuda] [--quick] [--threads N]
-        [--only mm,mulsum_chunked,...] [--no-check] [--no-cost] [--rounds N]
+        [--only mm,mulsum_chunked,...] [--no-check] [--no-cost] [--rounds N] [--vllm-batch-invariant]
 
 On a GPU (`--device cuda`): does `torch.mm`'s row depend on the row count there (what the worker runs on
 CUDA), does the CPU method (`mulsum_chunked`: `projection.project` with `rowwise=True`) or another candidate
 fix it, and what each costs (synchronised walls). It imports `vllm_worker.worker.projection`, which needs
-torch only (not vLLM).
+torch only (not vLLM). Each check also gives the largest error against a float64 matmul (relative to the
+largest score): TF32 shows there.
+
+`--vllm-batch-invariant` (needs vLLM importable; on a GPU): turns vLLM's batch-invariant mode on in this
+process first, as its worker does (`compat.enable_batch_invariant_mode`: aten overrides, cuBLAS settings),
+so every candidate runs under it, and adds the worker's own `project` / `rowdot` as the worker calls them
+with the mode read on (`project`, `rowdot`) and a single `bmm` (`bmm_one`: the mode's Triton bmm there).
 
 Prints one JSON line per (candidate, check) and per (candidate, cost shape).
 """
@@ -58,6 +64,27 @@ def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.unsqueeze(1), w.T.unsqueeze(0).expand(x.shape[0], -1, -1)).squeeze(1)
 
 
+def bmm_one(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One batched matmul of one item (vLLM's batch-invariant mode replaces `bmm` on every GPU)."""
+    return torch.bmm(x.unsqueeze(0), w.T.unsqueeze(0))[0]
+
+
+def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The worker's projection as it calls it (`projection.project`, its default path for the device)."""
+    from vllm_worker.worker.projection import project as worker_project
+
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    worker_project(x, w, out)
+    return out
+
+
+def rowdot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Probe actions' per-row scores as the worker computes them (`projection.rowdot`), one column a call."""
+    from vllm_worker.worker.projection import rowdot as worker_rowdot
+
+    return torch.stack([worker_rowdot(x, w[j].expand_as(x)) for j in range(w.shape[0])], dim=1)
+
+
 def mv_cols(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.mv(x, w[j]) for j in range(w.shape[0])], dim=1)
 
@@ -79,7 +106,11 @@ CANDIDATES: dict[str, Fn] = {
     "bmm_rows": bmm_rows,
     "mv_cols": mv_cols,
     "mm_blocks64": mm_blocks,
+    "bmm_one": bmm_one,
+    "project": project,
+    "rowdot": rowdot,
 }
+MODE_CANDIDATES = ("bmm_one", "project", "rowdot")  # checked by default with --vllm-batch-invariant
 
 
 def invariance(fn: Fn, device: str, quick: bool) -> dict:
@@ -91,7 +122,7 @@ def invariance(fn: Fn, device: str, quick: bool) -> dict:
     big = 2048
     g = torch.Generator().manual_seed(0)
     checked = differ = 0
-    worst = 0.0
+    worst = err = 0.0
     shapes_differ: list[str] = []
     for d in ds:
         for n in ns:
@@ -102,6 +133,8 @@ def invariance(fn: Fn, device: str, quick: bool) -> dict:
                 w = torch.randn(n, d, generator=g) / d**0.5
                 x, w = x.to(device), w.to(device)
                 full = fn(x, w)
+                ref = x.double().cpu() @ w.double().cpu().T  # (on the host: out of the mode's reach)
+                err = max(err, float((full.double().cpu() - ref).abs().max() / ref.abs().max()))
                 bad = 0
                 subsets = [(0, m) for m in ms] + [(j, m) for j in (1, 5, 300) for m in (1, 7, 255)]
                 subsets += [(i, 1) for i in (0, 17, 1023, big - 1)]
@@ -117,12 +150,18 @@ def invariance(fn: Fn, device: str, quick: bool) -> dict:
                 differ += bad
                 if bad:
                     shapes_differ.append(f"d{d}n{n}{cast[0]}")
-    return {"rows_checked": checked, "rows_differ": differ, "max_abs_diff": worst, "shapes_differ": shapes_differ[:12]}
+    return {
+        "rows_checked": checked,
+        "rows_differ": differ,
+        "max_abs_diff": worst,
+        "shapes_differ": shapes_differ[:12],
+        "max_rel_err_vs_fp64": err,
+    }
 
 
-def sites_invariance(device: str) -> dict:
-    """The CPU projection over several sites at once ((sites, m, d) x (sites, n, d)) against each site alone
-    and each row alone."""
+def sites_invariance(device: str, rowwise: bool | None = True) -> dict:
+    """The CPU projection (`rowwise=None`: the worker's default for the device) over several sites at once
+    ((sites, m, d) x (sites, n, d)) against each site alone and each row alone."""
     from vllm_worker.worker.projection import project
 
     g = torch.Generator().manual_seed(1)
@@ -130,12 +169,12 @@ def sites_invariance(device: str) -> dict:
     x = torch.randn(s, big, d, generator=g).bfloat16().float().to(device)
     w = (torch.randn(s, n, d, generator=g) / d**0.5).to(device)
     full = torch.empty(s, big, n, device=device)
-    project(x, w, full, rowwise=True)
+    project(x, w, full, rowwise=rowwise)
     differ = 0
     for k in range(s):
         for j, m in ((0, big), (0, 1), (3, 7), (100, 255), (699, 1)):
             out = torch.empty(m, n, device=device)
-            project(x[k, j : j + m], w[k], out, rowwise=True)
+            project(x[k, j : j + m], w[k], out, rowwise=rowwise)
             differ += int((out != full[k, j : j + m]).any(dim=1).sum())
     return {"sites": s, "rows_differ": differ}
 
@@ -178,6 +217,24 @@ def cost(fn: Fn, rows: int, d: int, device: str, reps: int) -> dict:
     }
 
 
+def _vllm_mode() -> dict:
+    """vLLM's batch-invariant mode on in this process (before any matmul), and the worker told so as its
+    `WorkerProbes` tells it (`projection.use_batch_invariant`)."""
+    import vllm
+
+    from vllm_worker import compat
+    from vllm_worker.worker import projection
+
+    compat.enable_batch_invariant_mode()
+    on = compat.batch_invariant_mode()
+    projection.use_batch_invariant(on)
+    return {
+        "vllm": vllm.__version__,
+        "vllm_batch_invariant": on,
+        "mode_module": compat.batch_invariance.bi_module().__name__,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -187,11 +244,19 @@ def main() -> None:
     ap.add_argument("--no-cost", action="store_true")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--rounds", type=int, default=1, help="cost rounds, candidates interleaved")
+    ap.add_argument("--vllm-batch-invariant", action="store_true", help="vLLM's batch-invariant mode on first")
     a = ap.parse_args()
+    if a.vllm_batch_invariant and a.device != "cuda":
+        ap.error(
+            "--vllm-batch-invariant: GPU only (the mode's kernels are Triton; on CPU they replace ops they cannot run)"
+        )
+    mode = _vllm_mode() if a.vllm_batch_invariant else None
     if a.threads:
         torch.set_num_threads(a.threads)
-    names = a.only.split(",") if a.only else list(CANDIDATES)
-    info = {"torch": torch.__version__, "device": a.device, "threads": torch.get_num_threads()}
+    names = a.only.split(",") if a.only else [n for n in CANDIDATES if n not in MODE_CANDIDATES]
+    if mode and not a.only:
+        names = ["mm", "mm_fp64", "mulsum_chunked", "vecdot", *MODE_CANDIDATES]
+    info = {"torch": torch.__version__, "device": a.device, "threads": torch.get_num_threads(), **(mode or {})}
     if a.device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     print(json.dumps(info), flush=True)
@@ -199,7 +264,11 @@ def main() -> None:
         for name in names:
             print(json.dumps({"candidate": name, **invariance(CANDIDATES[name], a.device, a.quick)}), flush=True)
         print(json.dumps({"candidate": "mulsum_chunked", "check": "sites", **sites_invariance(a.device)}), flush=True)
-        for name in ("mulsum_chunked", "mulsum_whole", "vecdot"):
+        if mode:
+            print(
+                json.dumps({"candidate": "project", "check": "sites", **sites_invariance(a.device, None)}), flush=True
+            )
+        for name in ("mulsum_chunked", "mulsum_whole", "vecdot", *(("project", "rowdot") if mode else ())):
             print(json.dumps({"candidate": name, **long_row(CANDIDATES[name], a.device)}), flush=True)
     if a.no_cost:
         return

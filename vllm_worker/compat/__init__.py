@@ -9,9 +9,14 @@ worker's model runner and CUDA-graph dispatch; `runner_v2`: vLLM's V2 runner, wh
 `data_parallel` (which of several engine cores ran a request, RPC to one or all of them), `stops` (a
 worker ending a request: `probe_actions`), `provenance` (the serving set-up a score depends on), `ipc` (steering rows as views of the engine core's
 received frame).
-`tests/core/test_adapter.py` exercises each against the installed vLLM.
+`batch_invariance` (whether vLLM's batch-invariant mode is on, and
+the ops it replaces). `tests/core/test_adapter.py` exercises each against the installed vLLM.
 """
 
+from vllm_worker.compat.batch_invariance import (  # noqa: F401
+    batch_invariant_mode,
+    enable_batch_invariant_mode,
+)
 from vllm_worker.compat.cpu_lora import (  # noqa: F401
     patch_cpu_lora_no_adapter_rows,
 )

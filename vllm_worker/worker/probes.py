@@ -23,10 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_worker import compat
 from vllm_worker.probes.format import Probe, check_probe
 from vllm_worker.protocol import probe_wire
 from vllm_worker.protocol.points import canonical_site
 from vllm_worker.protocol.wire import tensor_from_bytes
+from vllm_worker.worker import projection
 from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.projection import project
 from vllm_worker.worker.step_records import Span, StepRecord, latest_order
@@ -51,6 +53,9 @@ class WorkerProbes:
     def __init__(self, device: torch.device, local_layers: frozenset) -> None:
         self.device, self.local_layers = device, local_layers
         self.loaded: dict[str, DeviceProbe] = {}
+        # once a worker (vLLM turned its batch-invariant mode on, or not, before the model loaded): GPU scores
+        # (these probes' and probe actions') then go through the ops the mode replaces
+        projection.use_batch_invariant(device.type == "cuda" and compat.batch_invariant_mode())
 
     def load(self, name: str, uid: str, wire: dict[str, Any]) -> dict[str, Any]:
         parts = {k: None if wire.get(k) is None else tensor_from_bytes(wire[k], f"probe.{k}") for k in _TENSORS}
