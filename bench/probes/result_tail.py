@@ -26,7 +26,7 @@ from vllm_worker.frontend import fetch as frontend_fetch
 from vllm_worker.frontend.state import Pending
 from vllm_worker.worker import fetch, probes
 
-PROMPT, STEPS, REPEATS = 30, 128, 5
+PROMPT, STEPS, REPEATS = 30, int(os.environ.get("RESULT_TAIL_STEPS", "128")), 5
 AGGREGATES = ["rolling_max:16", "ema:0.9"]
 
 
