@@ -77,3 +77,19 @@ def test_aggregates_are_the_same_bits_in_one_thread_and_in_the_pool(shape):
         torch.set_num_threads(before)
     assert len(got[1]) == len(got[4])
     assert all(_same(a, b) for a, b in zip(got[1], got[4]))
+
+
+@pool
+def test_a_lone_long_series_aggregates_as_it_does_batched():
+    """One output summed over 32768+ positions is split across torch's pool (other bits than one thread,
+    and than the same series among others, each output of which one thread sums): decoded in one thread, a
+    lone request's aggregates are the bits it gets in a batch."""
+    many = _samples(3, 1, 40000, 1, 4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone = probe_results.probe_outputs_many(many[:1])[0][1]["p0"]
+        batched = probe_results.probe_outputs_many(many)[0][1]["p0"]
+    finally:
+        torch.set_num_threads(before)
+    assert list(alone) == NAMES and all(_same(alone[k], batched[k]) for k in NAMES)

@@ -80,7 +80,8 @@ def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]]
     item only flat lists (of bytes, ints, tensors): no tuple per (request, probe) that lives through the
     call's young collections (docs/decisions.md, tailgc). In one torch thread (`host_threads`): the copies
     and reductions are small, and waking torch's pool for each cost more than the work (docs/decisions.md,
-    coltail); a reduction computes each output in one thread either way (the same bits)."""
+    coltail). The same bits as in the pool, where each output is one thread's sum — except a lone output over
+    32768+ positions, which the pool split: in one thread it gets the bits it gets in a batch."""
     with one_thread():
         return _outputs_many(samples)
 
