@@ -26,27 +26,45 @@ from vllm_worker.frontend import fetch as frontend_fetch
 from vllm_worker.frontend.state import Pending
 from vllm_worker.worker import fetch, probes
 
-PROMPT, STEPS, REPEATS = 30, 128, 5
+PROMPT, STEPS, REPEATS = 30, int(os.environ.get("RESULT_TAIL_STEPS", "128")), 5
 AGGREGATES = ["rolling_max:16", "ema:0.9"]
 
 
 def _filed(n_req: int, n_probes: int) -> list[SimpleNamespace]:
     """Requests whose scores were filed as the engine does: one prefill composition (PROMPT rows each),
-    then one decode composition (a row each) for STEPS steps."""
+    then one decode composition (a row each) for STEPS steps. `RESULT_TAIL_CHUNKS=c` (> 1): admitted in c
+    chunks as a real engine's token budget admits them, one composition per chunk (the requests admitted so
+    far decoding, the chunk's prefilling), then all of them decoding: c + 1 spans a request, c groups."""
     g = torch.Generator().manual_seed(1)
     reqs, sites = probe_requests(n_req, n_probes, g)
     col = {s: i for i, s in enumerate(sites)}
-    for width in (PROMPT, 1):
-        items = [(r, i * width, (i + 1) * width) for i, r in enumerate(reqs)]
-        gp = empty_plan(n_req * width)
+    chunks = int(os.environ.get("RESULT_TAIL_CHUNKS", "1"))
+    size = -(-n_req // chunks)
+    steps_done = [0] * n_req  # decode steps filed per request
+    if chunks > 1:
+        comps = [(range(0, k * size), range(k * size, min((k + 1) * size, n_req)), 1) for k in range(chunks)]
+        comps.append((range(n_req), range(0), STEPS - chunks + 1))
+    else:
+        comps = [(range(0), range(n_req), 1), (range(n_req), range(0), STEPS)]
+    for decoding, prefilling, n_steps in comps:
+        widths = [(r, 1) for r in decoding] + [(r, PROMPT) for r in prefilling]
+        items, at = [], 0
+        for r, w in widths:
+            items.append((reqs[r], at, at + w))
+            at += w
+        gp = empty_plan(at)
         probes.stage_probes(
             gp, {s: list(items) for s in sites}, col, lambda it: np.concatenate([np.arange(a, b) for _, a, b in it])
         )
         total = gp.total = len(gp.cap_rows)
-        for k in range(1 if width > 1 else STEPS):
+        for _ in range(n_steps):
             stage = torch.randn(total, D, generator=g)
-            pos = np.tile(np.arange(PROMPT), n_req) if width > 1 else np.full(n_req, PROMPT + k, dtype=np.int64)
+            pos = np.concatenate(
+                [np.array([PROMPT + steps_done[r]]) for r in decoding] + [np.arange(PROMPT) for _ in prefilling]
+            ).astype(np.int64)
             probes.scores_from_stage(gp, stage, 0, pos)
+            for r in decoding:
+                steps_done[r] += 1
     return reqs
 
 

@@ -14,6 +14,7 @@ import torch
 
 from vllm_worker.probes.aggregation import aggregates_many, aggregates_stacked
 from vllm_worker.protocol import probe_wire
+from vllm_worker.protocol.host_threads import one_thread
 
 
 def _dense(pos: np.ndarray, n: int, scores: torch.Tensor) -> torch.Tensor:
@@ -77,7 +78,15 @@ def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]]
     from one buffer, then every sample's and probe's aggregates computed together (`aggregates_stacked`
     reading that buffer in place when every series has one shape and span; else `aggregates_many`). Per
     item only flat lists (of bytes, ints, tensors): no tuple per (request, probe) that lives through the
-    call's young collections (docs/decisions.md, tailgc)."""
+    call's young collections (docs/decisions.md, tailgc). In one torch thread (`host_threads`): the copies
+    and reductions are small, and waking torch's pool for each cost more than the work (docs/decisions.md,
+    coltail). The same bits as in the pool, where each output is one thread's sum — except a lone output over
+    32768+ positions, which the pool split: in one thread it gets the bits it gets in a batch."""
+    with one_thread():
+        return _outputs_many(samples)
+
+
+def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int]]) -> list[Outputs]:
     poss: list[bytes] = []
     raws: list[bytes] = []
     ns: list[int] = []
