@@ -93,28 +93,21 @@ def main() -> None:
 
     prof = cProfile.Profile()
     if a.profile:
-        orig_fetch, orig_apply = ffetch._fetch, ffetch._apply
         on = {"yes": False}
 
-        def _fetch(*args):  # type: ignore[no-untyped-def]
-            if not on["yes"]:
-                return orig_fetch(*args)
-            prof.enable()
-            try:
-                return orig_fetch(*args)
-            finally:
-                prof.disable()
+        def profiled(orig):  # type: ignore[no-untyped-def]
+            def call(*args):  # type: ignore[no-untyped-def]
+                if not on["yes"]:
+                    return orig(*args)
+                prof.enable()
+                try:
+                    return orig(*args)
+                finally:
+                    prof.disable()
 
-        def _apply(*args):  # type: ignore[no-untyped-def]
-            if not on["yes"]:
-                return orig_apply(*args)
-            prof.enable()
-            try:
-                return orig_apply(*args)
-            finally:
-                prof.disable()
+            return call
 
-        ffetch._fetch, ffetch._apply = _fetch, _apply
+        ffetch._fetch, ffetch._apply = profiled(ffetch._fetch), profiled(ffetch._apply)
 
     works = a.workloads.split(",")
     for w in works:  # warm-up, not recorded
