@@ -17,6 +17,7 @@ from support.browser import browser  # noqa: F401  (headless Chromium, one per m
 from support.engines import make_engine, shutdown_all  # sets the environment the engines need (before vLLM is imported)
 from support.oracle import tiny_oracle  # noqa: F401  (a tiny activation oracle, session-wide)
 from support.servers import _stop_servers, locked_server, lora_server, server  # noqa: F401  (HTTP, session-wide)
+from support.threads import resizable_pool  # noqa: F401  (torch's pool resizable where vLLM replaced it)
 
 
 def pytest_configure(config):

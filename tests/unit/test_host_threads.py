@@ -22,12 +22,8 @@ def _pool(n: int) -> None:
 
 
 @pytest.fixture()
-def two_threads(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)  # as in a GPU server's frontend
-    before = torch.get_num_threads()
-    _pool(2)
-    yield
-    _pool(before)
+def two_threads(resizable_pool: None) -> None:
+    _pool(2)  # (the pool's size before comes back after the test: `resizable_pool`)
 
 
 def test_one_thread_restores_the_pool_even_on_error(two_threads: None) -> None:

@@ -5,11 +5,6 @@ caller's thread count back."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from types import BuiltinFunctionType
-
 import numpy as np
 import pytest
 import torch
@@ -20,20 +15,9 @@ from vllm_worker.protocol import host_threads, probe_wire
 
 NAMES = ["mean", "max", "last", "rolling_max:16", "ema:0.9"]
 pool = pytest.mark.skipif(not host_threads._OPENMP, reason="torch's pool is resized only with OpenMP")
-
-
-def _elsewhere(request: pytest.FixtureRequest) -> bool:
-    """True when this test ran (and passed) in a fresh pytest process instead: vLLM's CPU worker replaces
-    `torch.set_num_threads` in its process (an in-process engine an earlier test started), and there the pool
-    cannot be resized — the checks below would compare a pool with itself."""
-    if isinstance(torch.set_num_threads, BuiltinFunctionType):
-        return False
-    assert not os.environ.get("LENS_FRESH_PYTEST"), "torch.set_num_threads replaced in a fresh process"
-    env = {**os.environ, "LENS_FRESH_PYTEST": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid]
-    r = subprocess.run(cmd, cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
-    return True
+# torch.set_num_threads as a GPU server's frontend has it, also after an in-process CPU engine replaced it
+# (tests/core/test_compiled.py's runs first in CI's unit + core + engine process)
+resizable = pytest.mark.usefixtures("resizable_pool")
 
 
 def _samples(n_req: int, n_probes: int, n: int, n_out: int, seed: int) -> list:
@@ -59,9 +43,8 @@ def _flat(outs: list) -> list[torch.Tensor]:
 
 
 @pool
-def test_decoding_in_one_thread_restores_the_callers_pool(monkeypatch, request):
-    if _elsewhere(request):
-        return
+@resizable
+def test_decoding_in_one_thread_restores_the_callers_pool(monkeypatch):
     seen = []
     real = aggregation.aggregates_stacked
 
@@ -81,10 +64,9 @@ def test_decoding_in_one_thread_restores_the_callers_pool(monkeypatch, request):
 
 
 @pool
+@resizable
 @pytest.mark.parametrize("shape", [(256, 8, 158, 1), (64, 1, 158, 1), (3, 2, 1000, 3), (1, 1, 5000, 1), (2, 3, 7, 2)])
-def test_aggregates_are_the_same_bits_in_one_thread_and_in_the_pool(shape, request):
-    if _elsewhere(request):
-        return
+def test_aggregates_are_the_same_bits_in_one_thread_and_in_the_pool(shape):
     n_req, n_probes, n, n_out = shape
     samples = _samples(n_req, n_probes, n, n_out, 1)
     before = torch.get_num_threads()
@@ -103,12 +85,11 @@ def test_aggregates_are_the_same_bits_in_one_thread_and_in_the_pool(shape, reque
 
 
 @pool
-def test_a_lone_long_series_aggregates_as_it_does_batched(request):
+@resizable
+def test_a_lone_long_series_aggregates_as_it_does_batched():
     """One output summed over 32768+ positions is split across torch's pool (other bits than one thread,
     and than the same series among others, each output of which one thread sums): decoded in one thread, a
     lone request's aggregates are the bits it gets in a batch."""
-    if _elsewhere(request):
-        return
     many = _samples(3, 1, 40000, 1, 4)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
