@@ -387,18 +387,19 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
     for ax, res in zip(axes[0], results):
-        rows = [r for r in summarize(res) if "error" not in r and r["vs_eager"] is not None]
+        ok = [r for r in summarize(res) if "error" not in r]
+        # against plain eager W0 where the run has it, else against plain vLLM with CUDA graphs (the GPU runs)
+        key, base = ("vs_eager", "eager") if any(r["vs_eager"] is not None for r in ok) else ("vs_graphs", "graphs")
+        rows = [r for r in ok if r[key] is not None]
         systems = list(dict.fromkeys(r["system"] for r in rows))
         workloads = [w for w in ALL if any(r["workload"] == w for r in rows)]
         width = 0.8 / max(len(systems), 1)
         for i, s in enumerate(systems):
-            vals = [
-                next((r["vs_eager"] for r in rows if r["system"] == s and r["workload"] == w), 0) for w in workloads
-            ]
+            vals = [next((r[key] for r in rows if r["system"] == s and r["workload"] == w), 0) for w in workloads]
             ax.bar([x + i * width for x in range(len(workloads))], vals, width, label=s, color=COLORS.get(s))
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads)
-        ax.set_ylabel("throughput vs plain vLLM eager (W0)")
+        ax.set_ylabel(f"throughput vs plain vLLM {base} (W0)")
         ax.set_title(f"{res['label']}: {Path(res['model']).name}")
         ax.legend(fontsize=7)
     fig.tight_layout()
