@@ -52,7 +52,6 @@ def test_installed_vllm_has_everything_we_need(llama):
         AsyncLLM.generate,
         *([DPLBAsyncMPClient.get_core_engine_for_request] if routing else []),  # which DP engine ran a request
         Scheduler.update_from_output,  # probe actions' stops (compat.stops)
-        Scheduler._update_request_with_output,
         GPUModelRunner.sample_tokens,
     ):
         assert getattr(fn, "__lens_wrapped__", False), fn
@@ -106,9 +105,19 @@ def test_worker_stops_reach_the_scheduler_as_vllm_moves_them(llama, monkeypatch)
     assert getattr(pickle.loads(pickle.dumps(out)), compat.STOPS_ATTR) == {"a": "probe:x"}
     own = AsyncScheduler.__dict__.get("_update_request_with_output")
     assert own is None or "_update_request_with_output" in own.__code__.co_names  # super() call
+    # the stops shadow the per-request method on the instance for one call: vLLM must call it by that name,
+    # and only the output-wide method is wrapped at class level (no Python call per request per step)
+    assert compat.scheduler_calls_per_request()
+    assert not getattr(Scheduler._update_request_with_output, "__lens_wrapped__", False)
+    sched = llama.llm_engine.engine_core.engine_core.scheduler
+    assert "_update_request_with_output" not in vars(sched)
     runner = llama.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     assert compat.runner_stops_installed(runner)
     assert compat.pp_last_stage()  # one stage: it samples, so its stops reach the scheduler
+    # a scheduler that no longer reaches requests by that name: stop actions are refused, not ignored
+    monkeypatch.setattr(Scheduler, "update_from_output", lambda self, so, mro: {})
+    assert not compat.scheduler_calls_per_request()
+    assert not compat.runner_stops_installed(runner)
     monkeypatch.delattr(Scheduler, "_update_request_with_output")
     with pytest.raises(compat.LensIncompatibleVLLM, match="moved"):
         compat.patch_scheduler_stops()

@@ -139,6 +139,7 @@ from vllm_worker.compat.stops import (  # noqa: F401
     patch_runner_stops,
     patch_scheduler_stops,
     runner_stops_installed,
+    scheduler_calls_per_request,
 )
 from vllm_worker.compat.version import (  # noqa: F401
     SUPPORTED,
