@@ -139,6 +139,7 @@ class ActionTable:
         self.fire_pos = torch.full((n_slots,), -1, dtype=torch.long, device=device)
         self.fire_value = torch.zeros(n_slots, **f32)
         self.gate = torch.zeros(n_slots, **f32)  # 1.0 once fired: what gated steering multiplies by
+        self.gates = self.gate.split(1)  # each slot's gate as a (1,) view, made once (`Admission._gate`)
         # positions watched: any of MAX_RANGES ranges [first, until) (unused ones empty)
         self.first = torch.zeros((n_slots, MAX_RANGES), dtype=torch.long, device=device)
         self.until = torch.zeros((n_slots, MAX_RANGES), dtype=torch.long, device=device)
