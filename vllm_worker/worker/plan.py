@@ -18,9 +18,8 @@ import torch
 
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol.points import CODE, IN, OUT, READ_ONLY, RESID_PRE, site
-from vllm_worker.protocol.recent import remember
 from vllm_worker.worker.actions import stage as stage_actions
-from vllm_worker.worker.actions import staged_rows
+from vllm_worker.worker.actions import staged_rows_of
 from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.graph import GraphTaps
 from vllm_worker.worker.probes import SiteProbes, stage_probes
@@ -105,6 +104,7 @@ class RequestState:
     probes: list = field(default_factory=list)  # `probes.DeviceProbe`s scored for this request
     graph_parts: Any = None  # (column map, entries, their split): `_entry_parts`, made once
     probe_sites: Any = None  # (probes, sites held here, the sites they read): `_probe_sites`, made once
+    staged: Any = None  # (acts, last rows its actions stage a step; -1: all): `actions.staged_rows_of`, made once
 
     @property
     def failed(self) -> bool:
@@ -287,7 +287,7 @@ def _entry_parts(r: RequestState, col: dict[int, int], memo: dict | None = None)
     of the batch, and a request ablating at 32 layers has 32 of them), and once per entries object: requests
     sharing one (equal steering: `admit_templates`, `interventions.chain_entries`) share its parts through
     `memo` (the graph taps' `parts_memo`: id -> (entries, col, parts), the entries held so the id stays
-    theirs). Parts are read-only."""
+    theirs; bounded by `PARTS_KEPT`). Parts are read-only."""
     got = r.graph_parts
     ents = r.entries
     if got is not None and got[0] is col and got[1] is ents:
@@ -298,8 +298,10 @@ def _entry_parts(r: RequestState, col: dict[int, int], memo: dict | None = None)
         r.graph_parts = (col, ents, hit[2])
         return hit[2]
     parts = _parts_of(ents, col)
-    if memo is not None:
-        remember(memo, id(ents), (ents, col, parts), PARTS_KEPT)
+    if memo is not None:  # (a request's own entries, e.g. gated ones, are never found: emptied when full)
+        if len(memo) >= PARTS_KEPT:
+            memo.clear()
+        memo[id(ents)] = (ents, col, parts)
     r.graph_parts = (col, ents, parts)
     return parts
 
@@ -539,4 +541,4 @@ def group_rows(members: list) -> np.ndarray:
 
 def action_rows(items: Rows) -> np.ndarray:
     """The batch rows staged for the actions of `items` (`actions.staged_rows`), in order."""
-    return np.concatenate([staged_rows(r, s, e) for r, s, e in items])
+    return staged_rows_of(items)
