@@ -139,6 +139,7 @@ class ActionTable:
         self.fire_pos = torch.full((n_slots,), -1, dtype=torch.long, device=device)
         self.fire_value = torch.zeros(n_slots, **f32)
         self.gate = torch.zeros(n_slots, **f32)  # 1.0 once fired: what gated steering multiplies by
+        self.gates = self.gate.split(1)  # each slot's gate as a (1,) view, made once (`Admission._gate`)
         # positions watched: any of MAX_RANGES ranges [first, until) (unused ones empty)
         self.first = torch.zeros((n_slots, MAX_RANGES), dtype=torch.long, device=device)
         self.until = torch.zeros((n_slots, MAX_RANGES), dtype=torch.long, device=device)
@@ -496,6 +497,24 @@ def staged_rows(r: Any, s: int, e: int) -> np.ndarray:
     return np.arange(max(s, e - max((u.rows for u in r.acts), default=1)), e, dtype=np.int64)
 
 
+def staged_rows_of(items: list) -> np.ndarray:
+    """`staged_rows` of every (request, start, end) item, in order, in one pass of numpy: each request's
+    count of last rows (-1: all) worked out once (`RequestState.staged`, for its `acts` list)."""
+    if not items:
+        return np.zeros(0, dtype=np.int64)
+    spans = []
+    for r, s, e in items:
+        got = r.staged
+        if got is None or got[0] is not r.acts:
+            every = any(u.every_row for u in r.acts)
+            got = r.staged = (r.acts, -1 if every else max((u.rows for u in r.acts), default=1))
+        spans.append((s, e, got[1]))
+    s, e, k = np.array(spans, dtype=np.int64).reshape(-1, 3).T
+    lo = np.where(k < 0, s, np.maximum(s, e - k))
+    lens = e - lo
+    return np.repeat(lo - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
+
+
 def stage(gp: Any, cap_rows: dict, act_rows: dict, col: dict[int, int]) -> None:
     """Graph-safe plan: the action rows are staged by the kernel like captures (a table cell holds one
     slot: a row the plan already stages at that site — a capture, SAE features — lends its slot; the others
@@ -509,7 +528,7 @@ def stage(gp: Any, cap_rows: dict, act_rows: dict, col: dict[int, int]) -> None:
     off = len(gp.cap_rows)
     rows_all, cols_all = [gp.cap_rows], [gp.cap_cols]
     for site, items in act_rows.items():
-        rows = np.concatenate([staged_rows(r, s, e) for r, s, e in items])
+        rows = staged_rows_of(items)
         keys = col[site] * n + rows
         i = np.minimum(np.searchsorted(have, keys, sorter=order), max(len(have) - 1, 0))
         found = (have[order[i]] == keys) if len(have) else np.zeros(len(rows), dtype=bool)

@@ -237,7 +237,13 @@ class Admission:
             if store is None:
                 store = RequestResults([])
             self.persistent.attach(hooks, store, external, self.ctx)
-        per_request, simple = split_steers(steers)
+        simple: dict[int, torch.Tensor]
+        if tmpl is not None and tmpl.all_per_request:  # (what `split_steers` gives its content: known)
+            per_request, simple = steers, {}
+        else:
+            per_request, simple = split_steers(steers)
+            if tmpl is not None and tmpl.all_per_request is None:
+                tmpl.all_per_request = not simple and len(per_request) == len(steers)
         capture = [] if spec is None else spec.capture
         entries = None
         entry_ids: list[int] = []
@@ -396,7 +402,7 @@ class Admission:
             return self.actions.never
         for u in uses:
             if u.index == index:
-                return self.actions.gate[u.slot : u.slot + 1]
+                return self.actions.gates[u.slot]
         raise ActionRefused(
             "unsupported", f"probe_actions[{index}]: its steering needs the probe's layer on the same pipeline stage"
         )
@@ -452,7 +458,7 @@ class Admission:
         sites = [{l for st in g for l in st.layers} for g in groups.values()]
         if sum(len(x) for x in sites) != len(set().union(*sites)):
             return None
-        by_gate = {} if self.actions is None else {self.actions.gate[u.slot : u.slot + 1].data_ptr(): u for u in uses}
+        by_gate = {} if self.actions is None else {self.actions.gates[u.slot].data_ptr(): u for u in uses}
         entries: dict = {}
         ids: list[int] = []
         gates: list[tuple[Any, list[int]]] = []  # (an action, the entries it gates): set once every group fits

@@ -47,6 +47,9 @@ class Template:
     prepared: Any = None  # its actions as slots need them (`ActionTable.prepare`; False: not covered)
     stops: bool = False  # an action of it stops the request
     gate_index: int | None = None  # its steering's gating (`admission._gate_index`; None: not yet known)
+    # every steer needs per-request work (`plan.split_steers` keeps them all, no simple add): its requests
+    # skip the split (it reads only what the content fixes: positions, norm_match, op, phase, gated or not)
+    all_per_request: bool | None = None
 
 
 def split(payload: Any) -> tuple[bytes, list[Any]] | None:

@@ -92,6 +92,7 @@ class GraphTaps:
         self._merged: dict[int, tuple[int, int, frozenset]] = {}  # (set through `wide`)
         # mlp_post taps served in one launch -> their pieces' sites: whole-row edits on this path (`whole`)
         self.whole: dict[int, list[int]] = {}
+        self.parts_memo: dict = {}  # requests' entry parts by entries object (`plan._entry_parts`)
         self.active = False  # a step planned for this path is running (the op acts outside graphs)
         self.fired = 0  # kernel calls outside graph capture during the running step
         self.launches_in_capture = 0  # kernel calls recorded into CUDA graphs

@@ -29,8 +29,11 @@ from vllm_worker.worker.interventions import TAIL, WHOLE, chain_entries
 logger = logging.getLogger("vllm_worker")
 
 Step = tuple[int, torch.Tensor, torch.Tensor, float, float]  # (op, A row, B row, lo, hi): one entry
-# a chain's entries as stored: A, B (k, d) in the table's dtype, B's flags, (op, next of these k, lo, hi) each
-Rows = tuple[torch.Tensor, torch.Tensor, list[bool], list[tuple[int, int, float, float]]]
+# a chain's entries as stored: A, B (k, d) in the table's dtype, B's flags, (op, next of these k, lo, hi) each,
+# and A's and B's rows as views (made once: a memo's rows queued for many requests cost no op each)
+Rows = tuple[
+    torch.Tensor, torch.Tensor, list[bool], list[tuple[int, int, float, float]], tuple[tuple[torch.Tensor, ...], ...]
+]
 ROWS_KEPT = 64  # chains' rows remembered by content (`SteeringEntries._chain_rows`) ...
 ROWS_MAX_BYTES = 256 << 10  # ... each at most this large
 
@@ -102,12 +105,13 @@ class SteeringEntries:
             )
             for i in range(a.shape[0])
         ]
-        return a.to(self.dtype), b.to(self.dtype), flags, extras
+        a, b = a.to(self.dtype), b.to(self.dtype)
+        return a, b, flags, extras, (a.unbind(0), b.unbind(0))
 
     def _put(self, rows: Rows, gated: bool, idx: list[int] | None = None) -> list[int]:
         """Take free entries for `rows` (room checked by the caller; `idx`: taken already, `_take`), queued
         for the next `flush`."""
-        a, b, flags, extras = rows
+        _, _, flags, extras, (a, b) = rows
         if idx is None:
             idx = [self._free.pop() for _ in extras]
         for j in idx:

@@ -19,12 +19,14 @@ import torch
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol.points import CODE, IN, OUT, READ_ONLY, RESID_PRE, site
 from vllm_worker.worker.actions import stage as stage_actions
-from vllm_worker.worker.actions import staged_rows
+from vllm_worker.worker.actions import staged_rows_of
 from vllm_worker.worker.device_copy import to_device
 from vllm_worker.worker.graph import GraphTaps
 from vllm_worker.worker.probes import SiteProbes, stage_probes
 from vllm_worker.worker.request_results import CaptureLog, RequestResults, StepArena
 from vllm_worker.worker.saes import SiteFeatures, stage_features
+
+PARTS_KEPT = 16  # entry parts remembered by entries object (`_entry_parts`)
 
 
 @dataclass
@@ -102,6 +104,7 @@ class RequestState:
     probes: list = field(default_factory=list)  # `probes.DeviceProbe`s scored for this request
     graph_parts: Any = None  # (column map, entries, their split): `_entry_parts`, made once
     probe_sites: Any = None  # (probes, sites held here, the sites they read): `_probe_sites`, made once
+    staged: Any = None  # (acts, last rows its actions stage a step; -1: all): `actions.staged_rows_of`, made once
 
     @property
     def failed(self) -> bool:
@@ -171,13 +174,17 @@ class GraphPlan:
 
     @functools.cached_property
     def live_cols(self) -> frozenset:
-        """Site columns this step uses (calls from Python skip the others)."""
-        return (
-            frozenset(self.cap_cols.tolist())
-            | frozenset(self.st_cols.tolist())
-            | frozenset(c for _, _, c, *_ in self.st_pos)
-            | (frozenset(self.ph[1].tolist()) if self.ph else frozenset())
-        )
+        """Site columns this step uses (calls from Python skip the others). Marked in a mask, not made into
+        Python ints cell by cell: an all-layer plan's arrays hold a column per (row, site) cell."""
+        parts = [self.cap_cols, self.st_cols, np.array([c for _, _, c, *_ in self.st_pos], dtype=np.int64)]
+        if self.ph:
+            parts.append(self.ph[1])
+        cols = np.concatenate(parts).astype(np.int64, copy=False)
+        if not len(cols):
+            return frozenset()
+        seen = np.zeros(int(cols.max()) + 1, dtype=bool)
+        seen[cols] = True
+        return frozenset(np.flatnonzero(seen).tolist())
 
     @property
     def steady(self) -> bool:
@@ -220,7 +227,10 @@ def rows_of(items: Rows) -> np.ndarray:
     return np.repeat(se[:, 0] - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
 
 
-def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, int]) -> GraphPlan:
+def graph_plan(
+    active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, int], memo: dict | None = None
+) -> GraphPlan:
+    """The graph path's plan of a batch; `memo`: requests' entry parts by entries object (`_entry_parts`)."""
     cr, cc = [], []
     for layer, items in cap_rows.items():
         rows = rows_of(items)
@@ -231,7 +241,7 @@ def graph_plan(active: Rows, cap_rows: dict[int, Rows], n: int, col: dict[int, i
     spans, cols, ents = [], [], []  # requests with fixed entries: (start, rows, columns), their columns, entries
     for r, s, e in active:
         assert r.entries is not None, "a request whose entries did not fit the table is not graph-safe"
-        fixed_cols, fixed_ents, by_pos, by_phase = _entry_parts(r, col)
+        fixed_cols, fixed_ents, by_pos, by_phase = _entry_parts(r, col, memo)
         if len(fixed_cols):
             spans.append((s, e - s, len(fixed_cols)))
             cols.append(fixed_cols)
@@ -271,16 +281,34 @@ def _probe_sites(r: RequestState, local: frozenset) -> tuple[int, ...]:
     return sites
 
 
-def _entry_parts(r: RequestState, col: dict[int, int]) -> tuple:
+def _entry_parts(r: RequestState, col: dict[int, int], memo: dict | None = None) -> tuple:
     """A request's graph-path entries at this stage's columns, split by how a step picks them: fixed
     (columns, entries), by named position, by phase. Made once per request (a plan is made at every change
-    of the batch, and a request ablating at 32 layers has 32 of them)."""
+    of the batch, and a request ablating at 32 layers has 32 of them), and once per entries object: requests
+    sharing one (equal steering: `admit_templates`, `interventions.chain_entries`) share its parts through
+    `memo` (the graph taps' `parts_memo`: id -> (entries, col, parts), the entries held so the id stays
+    theirs; bounded by `PARTS_KEPT`). Parts are read-only."""
     got = r.graph_parts
-    if got is not None and got[0] is col and got[1] is r.entries:
+    ents = r.entries
+    if got is not None and got[0] is col and got[1] is ents:
         return got[2]
+    assert ents is not None
+    hit = None if memo is None else memo.get(id(ents))
+    if hit is not None and hit[0] is ents and hit[1] is col:
+        r.graph_parts = (col, ents, hit[2])
+        return hit[2]
+    parts = _parts_of(ents, col)
+    if memo is not None:  # (a request's own entries, e.g. gated ones, are never found: emptied when full)
+        if len(memo) >= PARTS_KEPT:
+            memo.clear()
+        memo[id(ents)] = (ents, col, parts)
+    r.graph_parts = (col, ents, parts)
+    return parts
+
+
+def _parts_of(entries: dict, col: dict[int, int]) -> tuple:
     cols, ents, by_pos, by_phase = [], [], [], []
-    assert r.entries is not None
-    for layer, (default, ps, pe, gen, split) in r.entries.items():
+    for layer, (default, ps, pe, gen, split) in entries.items():
         c = col.get(layer)
         if c is None:
             continue
@@ -291,9 +319,10 @@ def _entry_parts(r: RequestState, col: dict[int, int]) -> tuple:
         elif default >= 0:
             cols.append(c)
             ents.append(default)
-    parts = (np.array(cols, dtype=np.int64), np.array(ents, dtype=np.int32), by_pos, by_phase)
-    r.graph_parts = (col, r.entries, parts)
-    return parts
+    fixed = np.array(cols, dtype=np.int64), np.array(ents, dtype=np.int32)
+    for a in fixed:
+        a.flags.writeable = False
+    return (*fixed, tuple(by_pos), tuple(by_phase))
 
 
 @dataclass
@@ -458,7 +487,7 @@ def make_plan(
         and n_rows <= graph.max_rows
         and all(r.graph_ok or (seams and r.seam_ok) for r, _, _ in active)
     ):
-        gp = graph_plan(active, cap_rows, n_rows, graph.col)
+        gp = graph_plan(active, cap_rows, n_rows, graph.col, graph.parts_memo)
         stage_features(gp, cap_rows, {s: list(dict.fromkeys(v)) for s, v in sae_feat.items()}, graph.col)
         stage_probes(gp, probe_rows, graph.col, rows_of)
         stage_actions(gp, cap_rows, act, graph.col)  # last: it reuses any cell staged before it
@@ -512,4 +541,4 @@ def group_rows(members: list) -> np.ndarray:
 
 def action_rows(items: Rows) -> np.ndarray:
     """The batch rows staged for the actions of `items` (`actions.staged_rows`), in order."""
-    return np.concatenate([staged_rows(r, s, e) for r, s, e in items])
+    return staged_rows_of(items)
