@@ -204,6 +204,23 @@ def test_ring_never_hands_out_rows_still_in_use(monkeypatch):
     assert a == 0 and b == 0
 
 
+def test_steps_that_copy_nothing_out_keep_the_ring_and_its_base(monkeypatch):
+    """Rows read only on the device, in the stream's order (probe scores, SAE features, action rows), may be
+    taken again by the next step: the ring stays and so does the base (no device write a step); a step whose
+    rows are copied out moves it, and the next step never takes rows of a copy still pending."""
+    g = _graph_taps(monkeypatch)
+    a = g.ring_alloc(4)  # captures: copied out after the step
+    b = g.ring_alloc(4, copied=False)
+    c = g.ring_alloc(4, copied=False)
+    assert (a, b, c) == (0, 4, 4)
+    g.set_base(b)
+    filled = g.table.base.clone()
+    g.table.base.fill_(-7)  # (a write of the base by the step before would show here)
+    g.set_base(c)
+    assert int(g.table.base) == -7 and int(filled) == 4
+    assert g.ring_alloc(4) == 4 and g.ring_alloc(4, copied=False) == 8
+
+
 def test_a_step_resets_what_the_step_before_used_and_touches_no_other_column(monkeypatch):
     """The table is column-major and a step uploads only its own columns and the last step's: a row
     the last step pointed somewhere must never point there in the next (another request may sit in it)."""

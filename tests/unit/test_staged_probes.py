@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_worker.protocol import probe_wire
 from vllm_worker.protocol.points import canonical_site
@@ -51,9 +52,23 @@ def _rows(items: list) -> np.ndarray:
     return np.concatenate([np.arange(s, e) for _, s, e in items])
 
 
-def _run(uses: list, captured: dict[int, np.ndarray], steps: int = 5) -> tuple[list, list, dict]:
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _run(
+    uses: list, captured: dict[int, np.ndarray], steps: int = 5, still: bool = False, ops: list | None = None
+) -> tuple[list, list, dict]:
     """The same rows scored both ways: staged (`stage_probes` on a plan whose captures lend `captured`'s
-    rows at their sites, then `scores_from_stage`) and per site (`SiteProbes.file`); both sets' requests."""
+    rows at their sites, then `scores_from_stage`) and per site (`SiteProbes.file`); both sets' requests.
+    `still`: one ring whose base stays (steps that copy nothing out: `StagingRing.alloc`), else the base
+    moves; `ops`: each step's aten ops in `scores_from_stage`, appended."""
     sites = sorted({s for u in uses for s in u.weights})
     col = {s: i for i, s in enumerate(sites)}
     cap_rows = np.concatenate([captured.get(s, np.zeros(0, np.int64)) for s in sites]).astype(np.int64)
@@ -65,14 +80,18 @@ def _run(uses: list, captured: dict[int, np.ndarray], steps: int = 5) -> tuple[l
     per_site = {s: probes.SiteProbes.of(s, [(r, i, i + 1) for i, r in enumerate(alone)]) for s in sites}
     g = torch.Generator().manual_seed(6)
     inv = {c: s for s, c in col.items()}
+    still_ring = torch.zeros(3 + len(gp.cap_rows) + 2, D, dtype=torch.bfloat16)
     for k in range(steps):
         x = {s: torch.randn(N, D, generator=g).to(torch.bfloat16) for s in sites}  # the site's rows this step
         stage = torch.stack([x[inv[int(c)]][int(r)] for r, c in zip(gp.cap_rows, gp.cap_cols)])
-        base = 3 * (k % 2)  # the ring's base moves from step to step
-        ring = torch.zeros(base + len(stage) + 2, D, dtype=torch.bfloat16)
+        base = 3 if still else 3 * (k % 2)  # the ring's base moves from step to step, or stays
+        ring = still_ring if still else torch.zeros(base + len(stage) + 2, D, dtype=torch.bfloat16)
         ring[base : base + len(stage)] = stage
         pos = np.arange(N, dtype=np.int64) * 10 + k
-        probes.scores_from_stage(gp, ring, base, pos)
+        with _Ops() as counted:
+            probes.scores_from_stage(gp, ring, base, pos)
+        if ops is not None:
+            ops.append(counted.names)
         for s, sp in per_site.items():
             sp.file(x[s], pos)
     return staged, alone, gp.probes
@@ -121,3 +140,18 @@ def test_one_site_is_one_plain_projection():
     staged, alone, groups = _run(uses, {})
     assert list(groups) == [(site(4),)] and groups[(site(4),)].weight.shape == (2, D)
     _same(staged, alone)
+
+
+def test_a_step_at_the_same_base_dispatches_only_the_projection():
+    """Steps whose ring base stays (nothing copied out) reuse the staged rows' view, the weights' views and
+    the record's views of the step (made with its chunk: chunks of 1, 2, 4 ... steps): such a step dispatches
+    the projection's own ops only (on CPU a product and a sum; no view, slice or position copy through
+    torch), with the scores of one projection per site, bit for bit."""
+    for n_cols in ({l: [1, 2] for l in LAYERS}, {4: [2]}):
+        ops: list = []
+        staged, alone, groups = _run(_uses(n_cols), {}, steps=7, still=True, ops=ops)
+        (group,) = groups.values()
+        assert group.first == 0
+        for k in (2, 4, 5, 6):  # steps inside a chunk (steps 0, 1 and 3 open one)
+            assert ops[k] == ["unsqueeze", "mul", "sum"], (k, ops[k])
+        _same(staged, alone)

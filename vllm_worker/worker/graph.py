@@ -271,8 +271,8 @@ class GraphTaps:
 
     # ------------------------------------------------------------ per step
 
-    def ring_alloc(self, n: int) -> int | None:
-        return self.ring.alloc(n)
+    def ring_alloc(self, n: int, copied: bool = True) -> int | None:
+        return self.ring.alloc(n, copied)
 
     def host_ctl(self, n: int, live_cols: frozenset) -> np.ndarray:
         return self.table.host(n, live_cols)

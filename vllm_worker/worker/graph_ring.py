@@ -67,8 +67,11 @@ class StagingRing:
         except Exception as e:  # noqa: BLE001 - captures are copied on the host instead
             logger.error("inspect-lens: direct writes into the result pool are off (%s: %s)", type(e).__name__, e)
 
-    def alloc(self, n: int) -> int | None:
-        """First slot of `n` consecutive staging rows for this step (waits for old copies of them)."""
+    def alloc(self, n: int, copied: bool = True) -> int | None:
+        """First slot of `n` consecutive staging rows for this step (waits for old copies of them). `copied`
+        False: the step copies none of them out (probe scores, SAE features, action rows: read on the device
+        in the stream's order, before the next step's kernels), so the next step may take the same rows —
+        the ring stays where it is, and so does the step's base (`ControlTable.set_base` writes nothing)."""
         if n > self.rows:
             return None
         base = self._pos if self._pos + n <= self.rows else 0
@@ -80,7 +83,8 @@ class StagingRing:
             elif s < end and base < e:
                 ev.synchronize()
                 self._pending.remove(item)
-        self._pos = end
+        if copied:
+            self._pos = end
         return base
 
     def copy_out(self, base: int, n: int, dst: torch.Tensor | None, direct: tuple | None = None) -> None:

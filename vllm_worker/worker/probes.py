@@ -180,31 +180,41 @@ class StagedProbes:
         self.first: int | None = int(slots[0]) if n and np.array_equal(slots, slots[0] + np.arange(n)) else None
         self.dev_slots: torch.Tensor | None = None  # (slots not consecutive) on the device, once
         self.weight = _stacked_sites(parts)  # (cols, d) for one site; (sites, cols, d) for several
+        self.views = projection.weight_views(self.weight)  # its views `project` takes, made once
         self.record: StepRecord | None = None
+        # (stage, base, the staged rows as projected): the view a step at the same base reuses (consecutive
+        # slots; the ring keeps its base over steps that copy nothing out: `StagingRing.alloc`)
+        self._x: tuple[torch.Tensor, int, torch.Tensor] | None = None
 
     def file(self, stage: torch.Tensor, base: int, total: int, positions: np.ndarray) -> None:
         """This step's scores of every part's staged rows (ring rows from `base`; `total` staged a step)."""
-        if self.first is not None:
-            x = stage.narrow(0, base + self.first, len(self.slots))
+        several = len(self.parts) > 1
+        got = self._x
+        if got is not None and got[0] is stage and got[1] == base:
+            x = got[2]
         else:
-            if self.dev_slots is None:  # once per composition: a step only moves the ring's base
-                self.dev_slots = to_device(torch.from_numpy(self.slots), stage.device)
-            x = stage.narrow(0, base, total).index_select(0, self.dev_slots)
+            if self.first is not None:
+                x = stage.narrow(0, base + self.first, len(self.slots))
+            else:
+                if self.dev_slots is None:  # once per composition: a step only moves the ring's base
+                    self.dev_slots = to_device(torch.from_numpy(self.slots), stage.device)
+                x = stage.narrow(0, base, total).index_select(0, self.dev_slots)
+            if several:
+                x = x.view(len(self.parts), -1, x.shape[-1])
+            if self.first is not None:
+                self._x = (stage, base, x)
         rec = self.record
         if rec is None:
             rec = self.record = self._open(stage.device)
-        out = rec.next(positions[self.rows])["scores"]
-        if len(self.parts) == 1:
-            project(x, self.weight, out)
-        else:
-            s, c = self.weight.shape[0], self.weight.shape[1]
-            project(x.view(s, -1, x.shape[-1]), self.weight, out.view(s, -1, c))
-        PROBE_COUNTS["rows"] += x.shape[0]
+        out = rec.next(positions[self.rows])["scores"]  # ((sites, rows, columns) for several: `_open`)
+        project(x, self.weight, out, views=self.views)
+        PROBE_COUNTS["rows"] += len(self.rows)
         PROBE_COUNTS["projections"] += 1
 
     def _open(self, device: torch.device) -> StepRecord:
         """The composition's record, and each request's spans of it at each site (once per composition)."""
-        rec = StepRecord(len(self.rows), {"scores": (self.parts[0].weight.shape[0], torch.float32)}, device)
+        cols = self.parts[0].weight.shape[0]
+        rec = StepRecord(len(self.rows), {"scores": (cols, torch.float32)}, device, len(self.parts))
         row0 = 0
         for sp in self.parts:
             sp.spans(rec, row0)

@@ -29,27 +29,40 @@ def use_batch_invariant(on: bool) -> None:
     _BATCH_INVARIANT = on
 
 
-def project(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rowwise: bool | None = None) -> None:
+def weight_views(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The views of `w` that `project` works on (transposed for a matmul, a broadcast dimension for the
+    product), made once by a caller projecting on the same weights every step: no view op a step."""
+    return (w.T if w.dim() == 2 else w.transpose(1, 2)), w.unsqueeze(-3)
+
+
+def project(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    rowwise: bool | None = None,
+    views: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """`out = x @ w.T` in float32, for one site (x (m, d), w (n, d), out (m, n)) or several
     (x (s, m, d), w (s, n, d), out (s, m, n)). `rowwise` (default: on CPU): each row's result independent
     of the other rows, computed in chunks of rows (bounded temporary memory); else one matmul, or under
-    vLLM's batch-invariant mode `_project_mode`."""
+    vLLM's batch-invariant mode `_project_mode`. `views`: `weight_views(w)`, kept by the caller."""
     if rowwise is None:
         rowwise = x.device.type == "cpu"
     if not rowwise:
-        x = x.to(torch.float32)
+        if x.dtype != torch.float32:
+            x = x.to(torch.float32)
         if _BATCH_INVARIANT:
             _project_mode(x, w, out)
         elif x.dim() == 2:
-            torch.mm(x, w.T, out=out)
+            torch.mm(x, w.T if views is None else views[0], out=out)
         else:
-            torch.bmm(x, w.transpose(1, 2), out=out)
+            torch.bmm(x, w.transpose(1, 2) if views is None else views[0], out=out)
         return
     if x.dtype == torch.float64:
         x = x.to(torch.float32)
     m, d, n = x.shape[-2], x.shape[-1], w.shape[-2]
     per_row = n * d * (1 if x.dim() == 2 else x.shape[0])
-    wb = w.unsqueeze(-3)  # (1, n, d) or (s, 1, n, d)
+    wb = w.unsqueeze(-3) if views is None else views[1]  # (1, n, d) or (s, 1, n, d)
     step = max(1, _CHUNK // per_row)
     if m <= step and m * per_row > d:  # one chunk (a step's decode rows, mostly)
         torch.sum(x.unsqueeze(-2) * wb, dim=-1, out=out)

@@ -430,7 +430,7 @@ class LensRuntime:
                 ctl = g.host_ctl(gp.n, gp.live_cols)
                 gp.fill(ctl, pos)
                 g.upload(gp.n, gp.live_cols, gp if gp.steady else None)
-            base = g.ring_alloc(gp.total) if gp.total else 0
+            base = g.ring_alloc(gp.total, gp.n_capture > 0) if gp.total else 0
             assert base is not None  # plans fit the ring (make_plan checks stage_rows)
             g.set_base(base)
         except Exception as e:  # noqa: BLE001 - fail these requests; the step runs plain

@@ -24,36 +24,44 @@ class StepRecord:
     """One site's outputs over the steps of one batch composition: positions (steps, rows) and named
     blocks (steps, rows, columns)."""
 
-    __slots__ = ("rows", "blocks", "device", "chunks")
+    __slots__ = ("rows", "blocks", "device", "chunks", "groups", "_host_pos", "_steps")
     MAX_CHUNK_STEPS = 64
 
-    def __init__(self, rows: int, blocks: dict[Any, Block], device: torch.device) -> None:
+    def __init__(self, rows: int, blocks: dict[Any, Block], device: torch.device, groups: int = 1) -> None:
         self.rows, self.blocks, self.device = rows, blocks, device
         self.chunks: list[list] = []  # [positions (steps, rows), {key: (steps, rows, cols)}, steps filled]
+        # `next` hands out each step's blocks as (groups, rows / groups, cols) views (sites scored together)
+        self.groups = groups
+        # the last chunk's positions as a numpy array over its memory (host positions), and each of its
+        # steps' views per block, made with the chunk: a step writes there without a torch call
+        self._host_pos: np.ndarray | None = None
+        self._steps: list[dict[Any, torch.Tensor]] = []
 
     def next(self, pos: np.ndarray | torch.Tensor) -> dict[Any, torch.Tensor]:
-        """Record this step's positions (rows,); returns its (rows, cols) views per block to write into."""
+        """Record this step's positions (rows,); returns its (rows, cols) views per block to write into
+        ((groups, rows / groups, cols) with `groups`; the same dict object is not handed out twice)."""
         if not self.chunks or self.chunks[-1][2] == self.chunks[-1][0].shape[0]:
             c = min(self.MAX_CHUNK_STEPS, 1 << len(self.chunks))
             pos_dev = pos.device if isinstance(pos, torch.Tensor) else torch.device("cpu")
-            self.chunks.append(
-                [
-                    torch.empty((c, self.rows), dtype=torch.int64, device=pos_dev),
-                    {
-                        k: torch.empty((c, self.rows, n), dtype=dt, device=self.device)
-                        for k, (n, dt) in self.blocks.items()
-                    },
-                    0,
-                ]
-            )
+            positions = torch.empty((c, self.rows), dtype=torch.int64, device=pos_dev)
+            blocks = {
+                k: torch.empty((c, self.rows, n), dtype=dt, device=self.device) for k, (n, dt) in self.blocks.items()
+            }
+            self.chunks.append([positions, blocks, 0])
+            self._host_pos = positions.numpy() if pos_dev.type == "cpu" else None
+            g = self.groups
+            views = {k: (t if g == 1 else t.view(c, g, -1, t.shape[-1])).unbind(0) for k, t in blocks.items()}
+            self._steps = [{k: v[i] for k, v in views.items()} for i in range(c)]
         ch = self.chunks[-1]
         k = ch[2]
         ch[2] += 1
         if isinstance(pos, torch.Tensor):
             ch[0][k].copy_(pos, non_blocking=True)
         else:
-            ch[0].numpy()[k] = pos
-        return {key: t[k] for key, t in ch[1].items()}
+            host = self._host_pos
+            assert host is not None  # (a record's positions stay on one side: host arrays or device tensors)
+            host[k] = pos
+        return self._steps[k]
 
     @property
     def steps(self) -> int:
