@@ -300,15 +300,16 @@ def test_the_index_grows_in_place_over_many_compositions():
             [["a", "d"], ["d", "a"], ["a", "d"], ["a", "d"], ["d", "a"], ["a", "d"], ["a", "d"], ["two", "a"]],
             ["block", "block", "block", "block", "block", "block", "block", "left"],
         ),
-        (  # e beside a at site 1: site 3 narrower (records apart), e wider than a (groups apart)
+        (  # e beside a at site 1: site 3 narrower (records apart), e wider than a (groups apart); a lone
+            # probe's request: items (a block of one saves nothing)
             [["a", "d"], ["a", "e"], ["a", "d"], ["e"], ["d"], ["a"], ["d", "a"], ["two", "a"]],
-            ["items", "items", "items", "block", "block", "block", "items", "left"],
+            ["items", "items", "items", "items", "items", "items", "items", "left"],
         ),
     ],
 )
 def test_a_fetch_sends_a_request_s_probes_as_one_block_with_the_bytes_of_its_items(names, kinds):
-    """`blocks`: a request whose probes are all in one group's usual case (logit, rising, member 0's
-    positions) gets one block — its items' bytes, in its order; a request whose probes fall in two groups
+    """`blocks`: a request of several probes, all in one group's usual case (logit, rising, member 0's
+    positions), gets one block — its items' bytes, in its order; a request whose probes fall in two groups
     (another record, or outputs of another width) gets items, one over two layers is left to
     `probes.payload`; every one equals the request's own `probes.payload`. Several groups (requests of different
     lengths)."""

@@ -35,7 +35,7 @@ def payloads(
     """Each request's `probes.payload(got, cache=cache)`, or None where `probes.payload` must make it (some
     probe not covered here). `starts`: running requests (a progress RPC): request i's positions from
     `starts[i]` on, as `probes.payload(got, starts[i], running=True, cache=cache)`. `blocks` (a fetch): a
-    request whose probes are all in one group's usual case gets them as one block (`probe_wire.pack_block`:
+    request of several probes, all in one group's usual case, gets them as one block (`probe_wire.pack_block`:
     the same bytes as its items, `probe_wire.items_of`)."""
     groups: dict[tuple, list[Member]] = {}
     left: set[int] = set()
@@ -134,7 +134,7 @@ def _group(
 ) -> set[int]:
     """The payloads of one group's members into `done`; returns the requests left to `probes.payload` (a
     position filed twice, or not rising). `starts`: each request's first position wanted (rising positions:
-    a suffix of its rows). `requests` (a fetch's, for blocks): a request all of whose probes are members here,
+    a suffix of its rows). `requests` (a fetch's, for blocks): a request of several probes, all members here,
     one after another in its order, gets one block in the usual case (`_blocks`)."""
     pos_parts: list[Part] = []  # positions per span: never member-major (`_rising_same`)
     val_parts = []
@@ -174,7 +174,7 @@ def _group(
     # positions: one bytes object for the members with the same ones (a composition's requests often have)
     suffix: dict[int, bytes] = {0: p0.tobytes()}  # the shared positions' bytes from a row on
     if starts is None and all(rising) and all(same) and not any(p.sigmoid for p in by_row.values()):
-        if requests is not None:  # (a fetch's usual case)
+        if requests is not None and len(requests[members[0][0]]) > 1:  # (a fetch's usual case, W10's)
             _blocks(members, requests, suffix[0], flat, row_vals, k_out, done)
             return set()
         for m, item in zip(members, probe_wire.pack_rows(suffix[0], flat, n, k_out)):
@@ -210,8 +210,9 @@ def _blocks(
     k_out: int,
     done: list,
 ) -> None:
-    """The usual case's payloads into `done`: a request whose probes are all members here, one after another
-    in its own order, as one block (its rows of `flat`, one slice); any other member as its item."""
+    """The usual case's payloads into `done`: a request of several probes all members here, one after another
+    in its own order, as one block (its rows of `flat`, one slice); any other member as its item (a lone
+    probe's block would save nothing: `_group` gives a group of such requests `pack_rows`)."""
     who = [m[0] for m in members]
     names = [m[1] for m in members]
     n, a = len(members), 0
@@ -219,7 +220,7 @@ def _blocks(
         i = who[a]
         got = requests[i]
         b = a + len(got)
-        if b <= n and who[b - 1] == i and who[a:b].count(i) == b - a and names[a:b] == list(got):
+        if b - a > 1 and b <= n and who[b - 1] == i and who[a:b].count(i) == b - a and names[a:b] == list(got):
             done[i] = probe_wire.pack_block(positions, flat[a * row_vals : b * row_vals], names[a:b], k_out)
             a = b
             continue
