@@ -40,6 +40,8 @@ def payloads(
     groups: dict[tuple, list[Member]] = {}
     left: set[int] = set()
     filed: dict[int, bool] = {}  # records with something filed, by id
+    last_index: list | None = None
+    bucket: list[Member] = []
     for i, got in enumerate(requests):
         for name, slot in got.items():
             sites = slot.probe.sites
@@ -49,7 +51,9 @@ def payloads(
             spans = slot.spans.get(sites[0])
             index = slot.key  # the index kept as the spans were filed (`ProbeScores.index`): usually all of them
             if spans and len(index) == len(spans):
-                groups.setdefault(tuple(index), []).append((i, name, slot, spans, slot.firsts))
+                if index != last_index:  # (a composition's slots have equal ones: the last slot's group)
+                    last_index, bucket = index, groups.setdefault(tuple(index), [])
+                bucket.append((i, name, slot, spans, slot.firsts))
                 continue
             if not _file_walked(groups, left, (i, name, slot), cache, filed):
                 break
