@@ -97,9 +97,8 @@ def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int
             got = part.get("probes")
             if not got:
                 continue
-            block = part.get(probe_wire.BLOCK)
-            if block is not None:  # the part's probes in one block (`probe_wire.pack_block`)
-                pos, raw, n, got_ks = probe_wire.unpack_block(got, block, "probe_scores")
+            if probe_wire.BLOCK in part:  # the part's probes in one block (`probe_wire.pack_block`)
+                pos, raw, n, got_ks = probe_wire.unpack_block(got, part[probe_wire.BLOCK], "probe_scores")
                 poss += [pos] * len(got_ks)
                 ns += [n] * len(got_ks)
                 ks += got_ks
