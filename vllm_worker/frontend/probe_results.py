@@ -118,10 +118,12 @@ def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int
     wanted_aggs: list[list[str]] = []  # its aggregates,
     at: list[int] = []  # the item it is when read in place (-1: not),
     sels: list[Any] = []  # and its positions chosen
+    plans: dict[int, tuple | None] = {}  # `_plan` of each `wanted` (equal asks share one object)
     k = 0
     for parts, wanted, prompt_len in samples:
         scores: dict[str, torch.Tensor] = {}
         item: dict[str, int] = {}
+        rows = -1  # a sample of one block read in place: its probes' rows
         for part in parts:
             names = part.get("probes") or ()
             if names and probe_wire.BLOCK in part:  # a block: its probes' positions are the same ones
@@ -130,6 +132,7 @@ def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int
                 if len(arr) == n:
                     scores.update(zip(names, decoded[k : k + m]))
                     item.update(zip(names, range(k, k + m)))
+                    rows = n if len(parts) == 1 else -1
                 else:
                     scores.update((name, _dense(arr, n, d)) for name, d in zip(names, decoded[k : k + m]))
                 k += m
@@ -142,6 +145,20 @@ def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int
                 else:
                     scores[name] = _dense(arr, n, decoded[k])
                 k += 1
+        plan = plans[id(wanted)] if id(wanted) in plans else plans.setdefault(id(wanted), _plan(wanted))
+        if rows >= 0 and plan is not None and all(name in item for name in plan[0]):
+            # (every probe one named choice over the block's rows: the walk below, per sample not per probe)
+            names, aggs, choice = plan
+            pk = (rows, prompt_len, choice)
+            sel = picks.get(pk)
+            if sel is None:
+                sel = picks[pk] = chosen(rows, prompt_len, choice)
+            series += [scores[name] for name in names]
+            wanted_aggs += aggs
+            at += [item[name] for name in names] if type(sel) is slice else [-1] * len(names)
+            sels += [sel] * len(names)
+            out.append((scores, {}))
+            continue
         for name, opts in wanted.items():
             s = scores.get(name)
             if s is None:
@@ -164,6 +181,15 @@ def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int
         for name in wanted:
             aggs[name] = next(done)
     return out
+
+
+def _plan(wanted: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]], str] | None:
+    """(names, their aggregates, the named choice of positions) when every probe of `wanted` takes the same
+    named choice (`generated`, `prompt`, `all`); None otherwise."""
+    choices = [opts.get("positions", "generated") for opts in wanted.values()]
+    if not choices or type(choices[0]) is not str or choices.count(choices[0]) != len(choices):
+        return None
+    return list(wanted), [opts["aggregate"] for opts in wanted.values()], choices[0]
 
 
 def _aggregates(
