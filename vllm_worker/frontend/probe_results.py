@@ -145,8 +145,11 @@ def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int
                 else:
                     scores[name] = _dense(arr, n, decoded[k])
                 k += 1
-        plan = plans[id(wanted)] if id(wanted) in plans else plans.setdefault(id(wanted), _plan(wanted))
-        if rows >= 0 and plan is not None and all(name in item for name in plan[0]):
+        plan = None
+        if rows >= 0:
+            wid = id(wanted)
+            plan = plans[wid] if wid in plans else plans.setdefault(wid, _plan(wanted))
+        if plan is not None and all(name in item for name in plan[0]):
             # (every probe one named choice over the block's rows: the walk below, per sample not per probe)
             names, aggs, choice = plan
             pk = (rows, prompt_len, choice)
