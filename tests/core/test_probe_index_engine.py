@@ -10,6 +10,7 @@ import torch
 from vllm import SamplingParams
 
 from support.engines import make_engine
+from vllm_worker.protocol import probe_wire
 from vllm_worker.worker import probe_payloads, probes
 
 D = 128
@@ -68,13 +69,15 @@ def test_fetches_use_the_index_and_equal_each_request_alone(monkeypatch):
         seen["walks"] += 1
         return walk(*a)
 
-    def checked(requests, cache, starts=None):
-        got = made(requests, cache, starts)
+    def checked(requests, cache, starts=None, blocks=False):
+        got = made(requests, cache, starts, blocks)
         for i, (req, p) in enumerate(zip(requests, got)):
             if p is None:
                 seen["left"] += 1
                 continue
             seen["covered"] += 1
+            if isinstance(p, tuple):  # a request's probes as one block: as its items
+                p = probe_wire.items_of({"probes": p[0], probe_wire.BLOCK: p[1]})
             alone = (
                 probes.payload(req, cache={})
                 if starts is None

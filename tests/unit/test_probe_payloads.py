@@ -2,7 +2,8 @@
 `probes.payload` bit for bit — requests of different lengths (compositions changing as requests finish, so
 requests' rows span different records: several groups), logit and sigmoid probes of one and two outputs —
 and what it does not cover is left to `probes.payload` (None): a probe over two layers, a position filed
-twice; `fetch.assemble_all` gives every request the same payload either way."""
+twice; `fetch.assemble_all` gives every request the same payload either way, a request's probes as one block
+(`probe_wire.pack_block`) or as items, and the frontend decodes a block to the same tensors as its items."""
 
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ from vllm_worker.worker import fetch, probe_payloads, probes
 from vllm_worker.worker.request_results import RequestResults
 
 D = 16
-PROBES = {"a": ([1], "logit", 1), "b": ([1], "sigmoid", 2), "c": ([3], "sigmoid", 1), "two": ([1, 3], "logit", 1)}
+PROBES = {
+    "a": ([1], "logit", 1),
+    "b": ([1], "sigmoid", 2),
+    "c": ([3], "sigmoid", 1),
+    "two": ([1, 3], "logit", 1),
+    "d": ([3], "logit", 1),
+    "e": ([1], "logit", 2),
+}
 
 
 def _requests(names_of: list[list[str]]) -> list[SimpleNamespace]:
@@ -283,3 +291,100 @@ def test_the_index_grows_in_place_over_many_compositions():
         assert all(s.key is kept[id(s)][0] and s.firsts is kept[id(s)][1] for s in reqs[0].store.probes.values())
     got = probe_payloads.payloads([r.store.probes for r in reqs], fetch.shared_records(len(reqs)) or {})
     assert got == [probes.payload(r.store.probes) for r in reqs] and all(p is not None for p in got)
+
+
+@pytest.mark.parametrize(
+    "names, kinds",
+    [
+        (  # a and d at sites with as many rows and columns (two's beside each): one record a composition
+            [["a", "d"], ["d", "a"], ["a", "d"], ["a", "d"], ["d", "a"], ["a", "d"], ["a", "d"], ["two", "a"]],
+            ["block", "block", "block", "block", "block", "block", "block", "left"],
+        ),
+        (  # e beside a at site 1: site 3 narrower (records apart), e wider than a (groups apart); a lone
+            # probe's request: items (a block of one saves nothing)
+            [["a", "d"], ["a", "e"], ["a", "d"], ["e"], ["d"], ["a"], ["d", "a"], ["two", "a"]],
+            ["items", "items", "items", "items", "items", "items", "items", "left"],
+        ),
+    ],
+)
+def test_a_fetch_sends_a_request_s_probes_as_one_block_with_the_bytes_of_its_items(names, kinds):
+    """`blocks`: a request of several probes, all in one group's usual case (logit, rising, member 0's
+    positions), gets one block — its items' bytes, in its order; a request whose probes fall in two groups
+    (another record, or outputs of another width) gets items, one over two layers is left to
+    `probes.payload`; every one equals the request's own `probes.payload`. Several groups (requests of different
+    lengths)."""
+    lengths = [4, 9, 9, 20, 7, 30, 3, 20]
+    reqs = _requests(names)
+    _run(reqs, lengths, False)
+    got = probe_payloads.payloads([r.store.probes for r in reqs], fetch.shared_records(len(reqs)) or {}, blocks=True)
+    seen = []
+    for i, r in enumerate(reqs):
+        alone = probes.payload(r.store.probes)
+        if got[i] is None:
+            seen.append("left")
+            continue
+        if isinstance(got[i], tuple):
+            seen.append("block")
+            part = {"probes": got[i][0], probe_wire.BLOCK: got[i][1]}  # type: ignore[index]
+        else:
+            seen.append("items")
+            part = {"probes": got[i]}
+        assert probe_wire.items_of(part) == alone, i
+        assert list(part["probes"]) == list(alone) == list(r.store.probes), i
+    assert seen == kinds
+    todo = [(None, None, r.store, n) for r, n in zip(reqs, lengths)]
+    parts = fetch.assemble_all(todo, [], None, None)
+    assert [probe_wire.BLOCK in p for p in parts] == [k == "block" for k in kinds]
+    for i, part in enumerate(parts):
+        (alone,) = fetch.assemble_all([todo[i]], [], None, None)  # (a lone request: items)
+        assert probe_wire.BLOCK not in alone and probe_wire.items_of(part) == alone["probes"], i
+
+
+def test_the_frontend_decodes_a_block_as_its_items():
+    """Every score and aggregate decoded from blocks equals those decoded from the same parts as items
+    (`torch.equal`); each sample's scores are views of its own buffer (one kept sample pins no other's);
+    a malformed block is a ValueError naming the field."""
+    from vllm_worker.frontend.probe_results import probe_outputs, probe_outputs_many
+
+    lengths = [9, 9, 20, 7, 30]
+    names = [["a", "d"], ["d", "a"], ["a", "d"], ["d", "a"], ["a", "d"]]
+    reqs = _requests(names)
+    _run(reqs, lengths, False)
+    parts = fetch.assemble_all([(None, None, r.store, n) for r, n in zip(reqs, lengths)], [], None, None)
+    assert all(probe_wire.BLOCK in p for p in parts)
+    opts = {"aggregate": ["mean", "max", "last", "ema:0.5"], "positions": "generated"}
+    wanted = [{n: opts for n in ns} for ns in names]
+    as_items = [{"probes": probe_wire.items_of(p)} for p in parts]
+    got = probe_outputs_many([([p], w, 3) for p, w in zip(parts, wanted)])
+    want = probe_outputs_many([([p], w, 3) for p, w in zip(as_items, wanted)])
+    for (s1, a1), (s2, a2) in zip(got, want):
+        assert list(s1) == list(s2) and list(a1) == list(a2)
+        for name in s1:
+            assert torch.equal(s1[name], s2[name]) and list(a1[name]) == list(a2[name])
+            assert all(torch.equal(a1[name][k], a2[name][k]) for k in a1[name])
+    ptrs = [{t.untyped_storage().data_ptr() for t in s.values()} for s, _ in got]
+    assert all(len(p) == 1 for p in ptrs) and len(set.union(*ptrs)) == len(parts)
+    bad = {**parts[0], probe_wire.BLOCK: {**parts[0][probe_wire.BLOCK], "scores": b"1234"}}
+    with pytest.raises(ValueError, match=r"^probe_scores\.scores"):
+        probe_outputs([bad], wanted[0], 3)
+
+
+def test_rising_same_by_record_row_equals_the_gathered_reading():
+    """A one-row span's positions read by record row (`(record positions, each member's row)`) give the
+    same `_rising_same` / `_member_positions` as gathered per member: random records (rows falling,
+    repeating, members sharing rows), beside gathered parts."""
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        n, n_rows = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        parts, gathered = [], []
+        for _ in range(int(rng.integers(1, 4))):
+            steps = int(rng.integers(1, 5))
+            rec = np.cumsum(rng.integers(0, 3, size=(steps, n_rows)), axis=0) + rng.integers(0, 3, size=n_rows)
+            r0 = rng.integers(0, n_rows, size=n)
+            parts.append((rec, r0))
+            gathered.append(np.take(rec, r0, axis=1).reshape(steps, n, 1))
+        assert probe_payloads._rising_same(parts, n) == probe_payloads._rising_same(gathered, n)
+        for k in range(n):
+            assert np.array_equal(
+                probe_payloads._member_positions(parts, k), probe_payloads._member_positions(gathered, k)
+            )

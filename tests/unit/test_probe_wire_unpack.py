@@ -51,3 +51,50 @@ def test_a_malformed_item_raises_as_unpack_does(bad):
     with pytest.raises(ValueError) as got:
         probe_wire.unpack_into(items, "probe_scores", [], [], [], [])
     assert str(got.value) == str(want.value) and "probe_scores.bad" in str(got.value)
+
+
+def _block() -> tuple[dict, dict, dict]:
+    """A part's probes as one block and as items: a (2 outputs) and b (1), over the same 5 positions."""
+    g = np.random.default_rng(2)
+    pos = np.arange(5, dtype=np.int64)
+    a, b = g.standard_normal((5, 2), dtype=np.float32), g.standard_normal((5, 1), dtype=np.float32)
+    items = {"a": probe_wire.pack_arrays(pos, a), "b": probe_wire.pack_arrays(pos, b)}
+    names = {"a": 2, "b": 1}
+    return names, {"positions": pos.tobytes(), "scores": a.tobytes() + b.tobytes()}, items
+
+
+def test_a_block_reads_as_its_items():
+    names, block, items = _block()
+    part = {"probes": names, probe_wire.BLOCK: block}
+    assert probe_wire.items_of(part) == items and list(probe_wire.items_of(part)) == ["a", "b"]
+    assert probe_wire.items_of({"probes": items}) == items  # (items: as they are)
+    pos, vals, n, ks = probe_wire.unpack_block(names, {k: memoryview(v) for k, v in block.items()}, "probe_scores")
+    assert (pos, vals, n, ks) == (block["positions"], block["scores"], 5, [2, 1])
+    assert type(pos) is bytes and type(vals) is bytes
+    names1, block1 = probe_wire.pack_block(block["positions"], items["a"]["scores"] * 2, ["x", "y"], 2)
+    assert names1 == {"x": 2, "y": 2} and probe_wire.items_of({"probes": names1, probe_wire.BLOCK: block1}) == {
+        "x": items["a"],
+        "y": items["a"],
+    }
+
+
+@pytest.mark.parametrize(
+    "names, block, field",
+    [
+        ([2, 1], None, "probe_scores"),
+        ({"a": 2, "b": 1.0}, None, "probe_scores.b.n_out"),
+        ({"a": -1, "b": 1}, None, "probe_scores.a.n_out"),
+        (None, {"positions": b"1234567"}, "probe_scores.positions"),
+        (None, {"positions": "x"}, "probe_scores.positions"),
+        (None, {"scores": b"1234"}, "probe_scores.scores"),
+        (None, {"scores": None}, "probe_scores.scores"),
+        (None, [1], "probe_scores"),
+    ],
+)
+def test_a_malformed_block_is_a_value_error_naming_the_field(names, block, field):
+    good_names, good_block, _ = _block()
+    names = good_names if names is None else names
+    block = {**good_block, **block} if isinstance(block, dict) else good_block if block is None else block
+    with pytest.raises(ValueError) as got:
+        probe_wire.unpack_block(names, block, "probe_scores")
+    assert str(got.value).startswith(field)

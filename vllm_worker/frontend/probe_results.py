@@ -48,11 +48,11 @@ def chosen(n: int, prompt_len: int, positions: Any) -> torch.Tensor | slice:
     return torch.tensor([p for p in positions if p < n], dtype=torch.long)
 
 
-def _decoded(raws: list[bytes], ns: list[int], ks: list[int]) -> list[torch.Tensor]:
-    """Each `(n, n_out)` scores of one part's probe items (their bytes, rows and widths) as a view of one
-    writable buffer for the part (one copy of its bytes, one tensor made), not a buffer and a tensor per
-    probe; a part's own buffer, so a caller keeping one request's outputs keeps no other request's."""
-    raw = b"".join(raws)
+def _decoded(raw: bytes, ns: list[int], ks: list[int]) -> list[torch.Tensor]:
+    """Each `(n, n_out)` scores of one part's probes (their bytes one after another, rows and widths) as a
+    view of one writable buffer for the part (one copy of its bytes, one tensor made), not a buffer and a
+    tensor per probe; a part's own buffer, so a caller keeping one request's outputs keeps no other
+    request's."""
     if not raw:
         return [torch.empty((n, k), dtype=torch.float32) for n, k in zip(ns, ks)]
     flat = torch.frombuffer(bytearray(raw), dtype=torch.float32)
@@ -87,19 +87,30 @@ def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]]
 
 
 def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int]]) -> list[Outputs]:
-    poss: list[bytes] = []
-    raws: list[bytes] = []
-    ns: list[int] = []
-    ks: list[int] = []
+    poss: list[bytes] = []  # per item (a probe of a part): its positions' bytes,
+    ns: list[int] = []  # rows
+    ks: list[int] = []  # and width;
+    raws: list[bytes] = []  # per part, its items' scores one after another
     decoded: list[torch.Tensor] = []
     for parts, _, _ in samples:
         for part in parts:
-            first = len(raws)
             got = part.get("probes")
-            if got:
-                probe_wire.unpack_into(got, "probe_scores", poss, raws, ns, ks)
-            if len(raws) > first:
-                decoded += _decoded(raws[first:], ns[first:], ks[first:])
+            if not got:
+                continue
+            if probe_wire.BLOCK in part:  # the part's probes in one block (`probe_wire.pack_block`)
+                pos, raw, n, got_ks = probe_wire.unpack_block(got, part[probe_wire.BLOCK], "probe_scores")
+                poss += [pos] * len(got_ks)
+                ns += [n] * len(got_ks)
+                ks += got_ks
+                raws.append(raw)
+                decoded += _decoded(raw, ns[-len(got_ks) :], got_ks)
+                continue
+            first = len(ns)
+            item_raws: list[bytes] = []
+            probe_wire.unpack_into(got, "probe_scores", poss, item_raws, ns, ks)
+            if item_raws:
+                raws.append(b"".join(item_raws))
+                decoded += _decoded(raws[-1], ns[first:], ks[first:])
     seen: dict[bytes, tuple[np.ndarray, int]] = {}  # positions by their bytes (often the same ones)
     picks: dict[tuple[int, int, str], slice | torch.Tensor] = {}  # `chosen` of a named choice, by (n, prompt)
     out: list[Outputs] = []
@@ -107,12 +118,26 @@ def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int
     wanted_aggs: list[list[str]] = []  # its aggregates,
     at: list[int] = []  # the item it is when read in place (-1: not),
     sels: list[Any] = []  # and its positions chosen
+    plans: dict[int, tuple | None] = {}  # `_plan` of each `wanted` (equal asks share one object)
     k = 0
     for parts, wanted, prompt_len in samples:
         scores: dict[str, torch.Tensor] = {}
         item: dict[str, int] = {}
+        rows = -1  # a sample of one block read in place: its probes' rows
         for part in parts:
-            for name in part.get("probes") or ():
+            names = part.get("probes") or ()
+            if names and probe_wire.BLOCK in part:  # a block: its probes' positions are the same ones
+                m = len(names)
+                arr, n = _positions(poss[k], seen)
+                if len(arr) == n:
+                    scores.update(zip(names, decoded[k : k + m]))
+                    item.update(zip(names, range(k, k + m)))
+                    rows = n if len(parts) == 1 else -1
+                else:
+                    scores.update((name, _dense(arr, n, d)) for name, d in zip(names, decoded[k : k + m]))
+                k += m
+                continue
+            for name in names:
                 arr, n = _positions(poss[k], seen)
                 if len(arr) == n:  # `_dense` as it is: the item's own scores
                     scores[name] = decoded[k]
@@ -120,6 +145,23 @@ def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int
                 else:
                     scores[name] = _dense(arr, n, decoded[k])
                 k += 1
+        plan = None
+        if rows >= 0:
+            wid = id(wanted)
+            plan = plans[wid] if wid in plans else plans.setdefault(wid, _plan(wanted))
+        if plan is not None and all(name in item for name in plan[0]):
+            # (every probe one named choice over the block's rows: the walk below, per sample not per probe)
+            names, aggs, choice = plan
+            pk = (rows, prompt_len, choice)
+            sel = picks.get(pk)
+            if sel is None:
+                sel = picks[pk] = chosen(rows, prompt_len, choice)
+            series += [scores[name] for name in names]
+            wanted_aggs += aggs
+            at += [item[name] for name in names] if type(sel) is slice else [-1] * len(names)
+            sels += [sel] * len(names)
+            out.append((scores, {}))
+            continue
         for name, opts in wanted.items():
             s = scores.get(name)
             if s is None:
@@ -144,19 +186,28 @@ def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int
     return out
 
 
+def _plan(wanted: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]], str] | None:
+    """(names, their aggregates, the named choice of positions) when every probe of `wanted` takes the same
+    named choice (`generated`, `prompt`, `all`); None otherwise."""
+    choices = [opts.get("positions", "generated") for opts in wanted.values()]
+    if not choices or type(choices[0]) is not str or choices.count(choices[0]) != len(choices):
+        return None
+    return list(wanted), [opts["aggregate"] for opts in wanted.values()], choices[0]
+
+
 def _aggregates(
     series: list[torch.Tensor], wanted: list[list[str]], at: list[int], sels: list[Any], items: tuple[list, ...]
 ) -> list[dict[str, torch.Tensor]]:
-    """The aggregates `wanted` of each series over its chosen positions `sels` (`at`: the item of `items` —
-    bytes, rows, widths — it is, -1 if none): when every series is an item of one shape with the same slice
-    of positions, the stacked series are that slice of the items' bytes read as one `(items, n, n_out)`
-    array, copied once — the tensor `aggregates_many` would stack, so the same bits — instead of a slice
-    per series and a stack of them."""
+    """The aggregates `wanted` of each series over its chosen positions `sels` (`at`: the item it is, -1 if
+    none; `items`: the parts' scores' bytes, each item's rows and widths): when every series is an item of
+    one shape with the same slice of positions, the stacked series are that slice of the items' bytes read
+    as one `(items, n, n_out)` array, copied once — the tensor `aggregates_many` would stack, so the same
+    bits — instead of a slice per series and a stack of them."""
     raws, ns, ks = items
     sl = sels[0] if sels else None
     one_shape = bool(ns) and ks[0] > 0 and ns.count(ns[0]) == len(ns) and ks.count(ks[0]) == len(ks)
     if one_shape and type(sl) is slice and -1 not in at and sels.count(sl) == len(sels):
-        whole = torch.frombuffer(bytearray(b"".join(raws)), dtype=torch.float32).view(len(raws), ns[0], ks[0])
-        x = whole[:, sl] if at == list(range(len(raws))) else whole[torch.tensor(at)][:, sl]
+        whole = torch.frombuffer(bytearray(b"".join(raws)), dtype=torch.float32).view(len(ns), ns[0], ks[0])
+        x = whole[:, sl] if at == list(range(len(ns))) else whole[torch.tensor(at)][:, sl]
         return aggregates_stacked(x.contiguous(), wanted)
     return aggregates_many([(s[sel], w) for s, w, sel in zip(series, wanted, sels)])

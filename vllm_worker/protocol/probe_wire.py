@@ -4,7 +4,13 @@ progress RPC's answer): `{"positions": <int64 bytes>, "scores": <float32 bytes, 
 Flat on purpose: a dict holding only ints and bytes is never tracked by Python's garbage collector (nor
 once decoded by msgspec or pickle), so a fetch of many requests x probes adds no tracked objects for it;
 `wire.tensor_to_bytes`'s form (a dict per tensor with a `shape` list) made five per probe and request,
-which a frontend's next full collection walks (docs/decisions.md, tailgc)."""
+which a frontend's next full collection walks (docs/decisions.md, tailgc).
+
+A fetch's part may carry a request's probes as one block instead (`pack_block`): `part["probes"]` is then
+`{name: n_out}` in the request's order and `part[BLOCK]` `{"positions": <int64 bytes>, "scores": <float32
+bytes>}`, the probes' `(n, n_out)` scores one after another over the same positions — one item a request,
+not one a probe, on both sides and over the engine's IPC (docs/decisions.md, tail6). Progress RPCs and a
+lone request's fetch keep the item per probe; `items_of` reads either form."""
 
 from __future__ import annotations
 
@@ -30,6 +36,50 @@ def pack_arrays(positions: np.ndarray, scores: np.ndarray) -> dict[str, Any]:
     pos = np.ascontiguousarray(positions, dtype=np.int64).tobytes() if positions.size else b""
     vals = np.ascontiguousarray(scores, dtype=np.float32).tobytes() if scores.size else b""
     return pack(pos, vals, int(scores.shape[1]))
+
+
+BLOCK = "probe_block"  # a part's key holding its probes' block (`pack_block`)
+
+
+def pack_block(positions: bytes, scores: bytes, names: list[str], n_out: int) -> tuple[dict[str, int], dict[str, Any]]:
+    """(`part["probes"]`, `part[BLOCK]`) of a request whose probes `names` (in its order) all have `n_out`
+    outputs over the same `positions`, their scores `scores` (each probe's `(n, n_out)` rows in turn)."""
+    return dict.fromkeys(names, n_out), {"positions": positions, "scores": scores}
+
+
+def unpack_block(names: Any, block: Any, field: str) -> tuple[bytes, bytes, int, list[int]]:
+    """(positions' bytes, scores' bytes, n, each probe's n_out) of a part's block, checked: a ValueError
+    names `field`."""
+    if not isinstance(names, dict) or not isinstance(block, dict):
+        raise ValueError(f"{field}: expected {{name: n_out}} and {{positions, scores}}")
+    ks = list(names.values())
+    for name, k in names.items():
+        if type(k) is not int or k < 0:
+            raise ValueError(f"{field}.{name}.n_out: expected a non-negative int, got {k!r}")
+    pos, vals = block.get("positions"), block.get("scores")
+    if isinstance(pos, (memoryview, bytearray)):
+        pos = bytes(pos)
+    if isinstance(vals, (memoryview, bytearray)):
+        vals = bytes(vals)
+    if type(pos) is not bytes or len(pos) % 8:
+        raise ValueError(f"{field}.positions: expected int64 bytes")
+    n = len(pos) >> 3
+    if type(vals) is not bytes or len(vals) != 4 * n * sum(ks):
+        raise ValueError(f"{field}.scores: expected {n} x {sum(ks)} float32 bytes")
+    return pos, vals, n, ks
+
+
+def items_of(part: dict, field: str = "probe_scores") -> dict[str, dict[str, Any]]:
+    """A part's probes as one item per probe (`pack`), whichever form it came in (checked as `unpack_block`)."""
+    names = part.get("probes") or {}
+    if BLOCK not in part:
+        return dict(names)
+    pos, vals, n, ks = unpack_block(names, part[BLOCK], field)
+    out, at = {}, 0
+    for name, k in zip(names, ks):
+        out[name] = pack(pos, vals[at : at + 4 * n * k], k)
+        at += 4 * n * k
+    return out
 
 
 def unpack(item: Any, field: str) -> tuple[bytes, bytes, int, int]:

@@ -15,7 +15,7 @@ import torch
 
 from vllm_worker.counters import FETCH_TIMINGS
 from vllm_worker.envs import get
-from vllm_worker.protocol import errors
+from vllm_worker.protocol import errors, probe_wire
 from vllm_worker.protocol.wire import tensor_to_bytes
 from vllm_worker.transport import assembly, early
 from vllm_worker.transport.early_regions import State
@@ -109,14 +109,14 @@ def assemble_all(
     return out
 
 
-def _probes_together(todo: list, records: dict | None) -> dict[int, dict]:
+def _probes_together(todo: list, records: dict | None) -> dict[int, Any]:
     """{id(request results): probe payload} of the fetch's requests whose probe scores are computed together
     (`probe_payloads`); the others' are made one request at a time (`probes.payload`) in `_prelude`. A
     failure here leaves every request to that path (where a failure is that request's error)."""
     if records is None:
         return {}
     sts = [st for _, _, st, _ in todo if st.probes and st.error is None]
-    got = probe_payloads.together([st.probes for st in sts], records)
+    got = probe_payloads.together([st.probes for st in sts], records, blocks=True)
     return {id(st): p for st, p in zip(sts, got) if p is not None}
 
 
@@ -151,11 +151,12 @@ def _prelude(
     layer_ids: list[int],
     assemble_saved: Any,
     records: dict | None = None,
-    scored: dict | None = None,
+    scored: Any = None,
 ) -> tuple[dict, list[int] | None, dict]:
     """The payload without captures (error, hook state), the captured layers this rank holds (None: no
     captures to assemble) and capture slot -> output index. `records`: the fetch's step-record cache;
-    `scored`: the request's probe payload when the fetch made it with others' (`_probes_together`)."""
+    `scored`: the request's probe payload when the fetch made it with others' (`_probes_together`: items
+    by probe, or a block)."""
     if st.layers:
         faults.check("assemble")
     payload: dict[str, Any] = {}
@@ -176,7 +177,10 @@ def _prelude(
     if st.actions is not None and st.error is None:
         payload["actions"] = st.actions() if callable(st.actions) else st.actions
     if st.probes and st.error is None:
-        payload["probes"] = scored if scored is not None else probes.payload(st.probes, cache=records)
+        if type(scored) is tuple:  # its probes as one block (`probe_wire.pack_block`)
+            payload["probes"], payload[probe_wire.BLOCK] = scored
+        else:
+            payload["probes"] = scored if scored is not None else probes.payload(st.probes, cache=records)
     mine = [l for l in st.layers if l in layer_ids]
     if not mine:  # no captures, or (pipeline parallelism) all of them on other stages: theirs to report
         return payload, None, {}
@@ -199,7 +203,7 @@ def _assemble(
     layer_ids: list[int],
     assemble_saved: Any,
     records: dict | None = None,
-    scored: dict | None = None,
+    scored: Any = None,
 ) -> dict[str, Any]:
     """One request, as bytes (no result pool: a frontend on another machine)."""
     payload, mine, out_of_slot = _prelude(st, layer_ids, assemble_saved, records, scored)

@@ -10,6 +10,7 @@ walked here: the walk was the fetch's largest Python cost, and the fetch is on t
 from __future__ import annotations
 
 import logging
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -25,15 +26,22 @@ Member = tuple[int, str, ProbeScores, list[Span], tuple | list]  # (request inde
 # each span's first row and column: r0, c0, r0, c0, ...)
 
 
+Payload = dict[str, dict[str, Any]] | tuple[dict[str, int], dict[str, Any]]  # items by probe, or a block
+
+
 def payloads(
-    requests: list[dict[str, ProbeScores]], cache: dict, starts: list[int] | None = None
-) -> list[dict[str, dict[str, Any]] | None]:
+    requests: list[dict[str, ProbeScores]], cache: dict, starts: list[int] | None = None, blocks: bool = False
+) -> list[Payload | None]:
     """Each request's `probes.payload(got, cache=cache)`, or None where `probes.payload` must make it (some
     probe not covered here). `starts`: running requests (a progress RPC): request i's positions from
-    `starts[i]` on, as `probes.payload(got, starts[i], running=True, cache=cache)`."""
+    `starts[i]` on, as `probes.payload(got, starts[i], running=True, cache=cache)`. `blocks` (a fetch): a
+    request of several probes, all in one group's usual case, gets them as one block (`probe_wire.pack_block`:
+    the same bytes as its items, `probe_wire.items_of`)."""
     groups: dict[tuple, list[Member]] = {}
     left: set[int] = set()
     filed: dict[int, bool] = {}  # records with something filed, by id
+    last_index: list | None = None
+    bucket: list[Member] = []
     for i, got in enumerate(requests):
         for name, slot in got.items():
             sites = slot.probe.sites
@@ -43,7 +51,9 @@ def payloads(
             spans = slot.spans.get(sites[0])
             index = slot.key  # the index kept as the spans were filed (`ProbeScores.index`): usually all of them
             if spans and len(index) == len(spans):
-                groups.setdefault(tuple(index), []).append((i, name, slot, spans, slot.firsts))
+                if index != last_index:  # (a composition's slots have equal ones: the last slot's group)
+                    last_index, bucket = index, groups.setdefault(tuple(index), [])
+                bucket.append((i, name, slot, spans, slot.firsts))
                 continue
             if not _file_walked(groups, left, (i, name, slot), cache, filed):
                 break
@@ -53,13 +63,16 @@ def payloads(
     for key in unfiled:
         _rewalk(groups, key, cache, filed, left)
     regrouped = bool(unfiled)
-    done: list[dict[str, dict[str, Any]]] = [{} for _ in requests]  # each request's payloads by probe
+    done: list[Any] = [{} for _ in requests]  # each request's payloads by probe (or its block)
     for key, members in groups.items():
         members = [m for m in members if m[0] not in left] if left else members
         if members:
-            left |= _group(key, members, cache, done, starts)
+            left |= _group(key, members, cache, done, starts, requests if blocks else None)
     if len(groups) > 1 or regrouped:  # each request's probes in its own order (one group: filed in that order)
-        done = [{name: d[name] for name in got} if len(d) == len(got) else d for d, got in zip(done, requests)]
+        done = [
+            {name: d[name] for name in got} if type(d) is dict and len(d) == len(got) else d
+            for d, got in zip(done, requests)
+        ]
     return [None if i in left else d for i, d in enumerate(done)]
 
 
@@ -115,13 +128,23 @@ def _file_walked(
     return True
 
 
-def _group(key: tuple, members: list[Member], cache: dict, done: list[dict], starts: list[int] | None) -> set[int]:
+def _group(
+    key: tuple,
+    members: list[Member],
+    cache: dict,
+    done: list,
+    starts: list[int] | None,
+    requests: list[dict[str, ProbeScores]] | None = None,
+) -> set[int]:
     """The payloads of one group's members into `done`; returns the requests left to `probes.payload` (a
     position filed twice, or not rising). `starts`: each request's first position wanted (rising positions:
-    a suffix of its rows)."""
-    pos_parts, val_parts = [], []  # positions as gathered (steps, members, rows): never member-major
+    a suffix of its rows). `requests` (a fetch's, for blocks): a request of several probes, all members here,
+    one after another in its order, gets one block in the usual case (`_blocks`)."""
+    pos_parts: list[Part] = []  # positions per span: never member-major (`_rising_same`)
+    val_parts = []
     n = len(members)
-    firsts = np.array([m[4] for m in members], dtype=np.int64).reshape(n, len(key), 2)
+    # (one flat list for numpy: converting nested lists cost a call per member)
+    firsts = np.array(list(chain.from_iterable([m[4] for m in members])), dtype=np.int64).reshape(n, len(key), 2)
     for j, (_, rows, width) in enumerate(key):
         all_pos, all_vals = members[0][3][j].host_copy(cache)
         c = firsts[:, j, 1]
@@ -131,16 +154,27 @@ def _group(key: tuple, members: list[Member], cache: dict, done: list[dict], sta
         steps, n_rows, n_cols = all_vals.shape
         at = (r[:, :, None] * n_cols + (c[:, None] + np.arange(width))[:, None, :]).reshape(-1)
         # (flat `take`s: the same elements as fancy indexing over (rows, columns), several times faster)
-        if steps * rows:
+        if steps * rows == 0:
+            pass
+        elif rows == 1 and n_rows <= n:  # read by record row, not gathered per member (`_rising_same`)
+            pos_parts.append((all_pos.reshape(steps, n_rows), r[:, 0]))
+        else:
             pos_parts.append(np.take(all_pos.reshape(steps, n_rows), r.reshape(-1), axis=1).reshape(steps, n, rows))
         vals = np.take(all_vals.reshape(steps, n_rows * n_cols), at, axis=1).reshape(steps, n, rows, width)
-        val_parts.append(vals.transpose(1, 0, 2, 3).reshape(n, steps * rows, width))
+        if rows * width == 1 and steps > 1:  # (steps, members) member-major by torch's blocked 2-D transpose:
+            # numpy's strided copy of it was ~5x slower (a decode span of one output: W9's, W10's)
+            t = torch.from_numpy(vals.reshape(steps, n)).t().contiguous()
+            val_parts.append(t.numpy().reshape(n, steps, 1))
+        else:
+            val_parts.append(vals.transpose(1, 0, 2, 3).reshape(n, steps * rows, width))
     vals = np.concatenate(val_parts, axis=1) if len(val_parts) > 1 else np.ascontiguousarray(val_parts[0])
     rising, same = _rising_same(pos_parts, n)
-    which: dict[int, int] = {}  # each probe's row of `bias`, by id
-    at = [which.setdefault(id(m[2].probe), len(which)) for m in members]
-    by_row = {v: m[2].probe for m, v in zip(members, at)}
-    bias = np.stack([by_row[v].bias.numpy() for v in range(len(which))])
+    member_probes = [m[2].probe for m in members]
+    ids = list(map(id, member_probes))
+    row_of = {pid: r for r, pid in enumerate(dict.fromkeys(ids))}  # each probe's row of `bias`, by id
+    at = list(map(row_of.__getitem__, ids))
+    by_row = dict(zip(at, member_probes))
+    bias = np.stack([by_row[v].bias.numpy() for v in range(len(row_of))])
     vals += bias[at][:, None, :]  # (as payload: bias after the sum)
     k_out = int(vals.shape[2])
     row_vals = vals.shape[1] * k_out * 4  # bytes of a member's scores
@@ -149,7 +183,10 @@ def _group(key: tuple, members: list[Member], cache: dict, done: list[dict], sta
     # positions: one bytes object for the members with the same ones (a composition's requests often have)
     suffix: dict[int, bytes] = {0: p0.tobytes()}  # the shared positions' bytes from a row on
     if starts is None and all(rising) and all(same) and not any(p.sigmoid for p in by_row.values()):
-        for m, item in zip(members, probe_wire.pack_rows(suffix[0], flat, n, k_out)):  # (a fetch's usual case)
+        if requests is not None and len(requests[members[0][0]]) > 1:  # (a fetch's usual case, W10's)
+            _blocks(members, requests, suffix[0], flat, row_vals, k_out, done)
+            return set()
+        for m, item in zip(members, probe_wire.pack_rows(suffix[0], flat, n, k_out)):
             done[m[0]][m[1]] = item
         return set()
     left = set()
@@ -173,14 +210,59 @@ def _group(key: tuple, members: list[Member], cache: dict, done: list[dict], sta
     return left
 
 
-def _rising_same(parts: list[np.ndarray], n: int) -> tuple[list[bool], list[bool]]:
-    """Per member: whether its positions (each part's (steps, members, rows) in turn, steps then rows) rise,
-    and whether they equal member 0's — read in the gathered layout, not from a member-major copy of them
-    (that transposed copy was the group's largest cost, and only member 0's and odd members' are needed)."""
+def _blocks(
+    members: list[Member],
+    requests: list[dict[str, ProbeScores]],
+    positions: bytes,
+    flat: bytes,
+    row_vals: int,
+    k_out: int,
+    done: list,
+) -> None:
+    """The usual case's payloads into `done`: a request of several probes all members here, one after another
+    in its own order, as one block (its rows of `flat`, one slice); any other member as its item (a lone
+    probe's block would save nothing: `_group` gives a group of such requests `pack_rows`)."""
+    who = [m[0] for m in members]
+    names = [m[1] for m in members]
+    n, a = len(members), 0
+    while a < n:
+        i = who[a]
+        got = requests[i]
+        b = a + len(got)
+        if b - a > 1 and b <= n and who[b - 1] == i and who[a:b].count(i) == b - a and names[a:b] == list(got):
+            done[i] = probe_wire.pack_block(positions, flat[a * row_vals : b * row_vals], names[a:b], k_out)
+            a = b
+            continue
+        done[i][names[a]] = probe_wire.pack(positions, flat[a * row_vals : (a + 1) * row_vals], k_out)
+        a += 1
+
+
+# a span's positions for `_rising_same`: as gathered, (steps, members, rows); or, for one-row spans of a
+# record with no more rows than members, the record's (steps, record rows) and each member's row
+Part = np.ndarray | tuple[np.ndarray, np.ndarray]
+
+
+def _rising_same(parts: list[Part], n: int) -> tuple[list[bool], list[bool]]:
+    """Per member: whether its positions (each part in turn, steps then rows) rise, and whether they equal
+    member 0's — read in the gathered layout or by record row, never from a member-major copy (that
+    transposed copy was the group's largest cost, and only member 0's and odd members' are needed). By
+    record row, each check is one pass over the record's rows, read per member by its row: a request's
+    probes at a site share its row, so the record has fewer rows than the group has members (W10: half)."""
     rising = np.ones(n, dtype=bool)
     same = np.ones(n, dtype=bool)
     last = None
     for p in parts:
+        if isinstance(p, tuple):
+            rec, r0 = p
+            if rec.shape[0] > 1:  # from a step to the next
+                up = np.asarray((rec[1:] > rec[:-1]).all(axis=0))
+                rising &= up[r0]
+            if last is not None:
+                rising &= rec[0, r0] > last
+            last = rec[-1, r0]
+            eq: np.ndarray = (rec == rec[:, r0[0] : r0[0] + 1]).all(axis=0)
+            same &= eq[r0]
+            continue
         if p.shape[2] > 1:  # within a step
             rising &= (p[:, :, 1:] > p[:, :, :-1]).all(axis=(0, 2))
         if p.shape[0] > 1:  # from a step's last row to the next step's first
@@ -192,24 +274,24 @@ def _rising_same(parts: list[np.ndarray], n: int) -> tuple[list[bool], list[bool
     return rising.tolist(), same.tolist()
 
 
-def _member_positions(parts: list[np.ndarray], k: int) -> np.ndarray:
+def _member_positions(parts: list[Part], k: int) -> np.ndarray:
     """Member k's positions in order (steps then rows, part after part)."""
     if not parts:
         return np.zeros(0, dtype=np.int64)
-    got = [p[:, k].reshape(-1) for p in parts]
+    got = [p[0][:, p[1][k]] if isinstance(p, tuple) else p[:, k].reshape(-1) for p in parts]
     return np.concatenate(got) if len(got) > 1 else np.ascontiguousarray(got[0])
 
 
 def together(
-    requests: list[dict[str, ProbeScores]], cache: dict, starts: list[int] | None = None
-) -> list[dict[str, dict[str, Any]] | None]:
-    """`payloads` for a fetch's requests or a progress RPC's asks (`starts`), or None for each where
-    `probes.payload` makes it: a lone request, or all of them when this pass fails (logged; there a failure
-    is that request's own)."""
+    requests: list[dict[str, ProbeScores]], cache: dict, starts: list[int] | None = None, blocks: bool = False
+) -> list[Payload | None]:
+    """`payloads` for a fetch's requests (`blocks`: as `payloads`) or a progress RPC's asks (`starts`), or
+    None for each where `probes.payload` makes it: a lone request, or all of them when this pass fails
+    (logged; there a failure is that request's own)."""
     if len(requests) < 2:
         return [None] * len(requests)
     try:
-        return payloads(requests, cache, starts)
+        return payloads(requests, cache, starts, blocks)
     except Exception as e:  # noqa: BLE001 - our own failure: the per-request path decides each request's fate
         logger.warning("inspect-lens: probe payloads together failed (%s: %s)", type(e).__name__, e)
         return [None] * len(requests)
