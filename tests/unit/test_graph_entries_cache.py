@@ -265,8 +265,8 @@ def test_gated_chains_are_never_shared_and_reuse_only_their_rows(monkeypatch):
     for h in heads:
         assert torch.equal(g.A[h], g.A[p[0][1][0]]) and torch.equal(g.A[h], 2.0 * v[0])
     ptrs = {st.vectors.untyped_storage().data_ptr() for st in gated} | {plain.vectors.untyped_storage().data_ptr()}
-    for a, b, *_ in g.entries._rows_memo.values():
-        assert a.untyped_storage().data_ptr() not in ptrs and b.untyped_storage().data_ptr() not in ptrs
+    for a, b, *_ in g.entries._rows_memo.values():  # (each a tuple of row views of one tensor)
+        assert a[0].untyped_storage().data_ptr() not in ptrs and b[0].untyped_storage().data_ptr() not in ptrs
     monkeypatch.setattr(graph_entries, "ROWS_KEPT", 2)
     for seed in range(6):
         st = DeviceSteer({0: 0}, _unit(seed + 20, 1), None, 1.0, False)

@@ -29,11 +29,9 @@ from vllm_worker.worker.interventions import TAIL, WHOLE, chain_entries
 logger = logging.getLogger("vllm_worker")
 
 Step = tuple[int, torch.Tensor, torch.Tensor, float, float]  # (op, A row, B row, lo, hi): one entry
-# a chain's entries as stored: A, B (k, d) in the table's dtype, B's flags, (op, next of these k, lo, hi) each,
-# and A's and B's rows as views (made once: a memo's rows queued for many requests cost no op each)
-Rows = tuple[
-    torch.Tensor, torch.Tensor, list[bool], list[tuple[int, int, float, float]], tuple[tuple[torch.Tensor, ...], ...]
-]
+# a chain's entries as stored: A's and B's k rows in the table's dtype (views of one (k, d) tensor each, made
+# once: a memo's rows queued for many requests cost no op each), B's flags, (op, next of these k, lo, hi) each
+Rows = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], list[bool], list[tuple[int, int, float, float]]]
 ROWS_KEPT = 64  # chains' rows remembered by content (`SteeringEntries._chain_rows`) ...
 ROWS_MAX_BYTES = 256 << 10  # ... each at most this large
 
@@ -105,13 +103,12 @@ class SteeringEntries:
             )
             for i in range(a.shape[0])
         ]
-        a, b = a.to(self.dtype), b.to(self.dtype)
-        return a, b, flags, extras, (a.unbind(0), b.unbind(0))
+        return a.to(self.dtype).unbind(0), b.to(self.dtype).unbind(0), flags, extras
 
     def _put(self, rows: Rows, gated: bool, idx: list[int] | None = None) -> list[int]:
         """Take free entries for `rows` (room checked by the caller; `idx`: taken already, `_take`), queued
         for the next `flush`."""
-        _, _, flags, extras, (a, b) = rows
+        a, b, flags, extras = rows
         if idx is None:
             idx = [self._free.pop() for _ in extras]
         for j in idx:
@@ -258,7 +255,8 @@ class SteeringEntries:
             flags = got[2]
             for h, h2 in zip(heads, heads[1:]):  # a whole step's B: used when any of its pieces is
                 flags[h] = any(flags[h : h2 if h2 >= 0 else len(flags)])
-            if key is not None and 2 * got[0].numel() * got[0].element_size() <= ROWS_MAX_BYTES:
+            row = got[0][0]  # (A and B: as many rows, each d wide)
+            if key is not None and 2 * len(got[0]) * row.numel() * row.element_size() <= ROWS_MAX_BYTES:
                 remember(self._rows_memo, key, got, ROWS_KEPT)
         return got
 
