@@ -1,0 +1,152 @@
+"""Where the worker's host time goes at the steps whose batch composition changes (a batch's admission steps,
+the steps its requests leave at), per workload, in a real in-process engine (GPU with CUDA graphs, or the CPU
+engine): the bench's batch (256 prompts x 30 tokens -> `--new` tokens, greedy) run `--rounds` times; for the
+last round, per step, the wall ms of `execute_model` and the ms spent in named parts of ours (timers around
+them: `PARTS`), then the functions of ours with the most own time over the round's changed steps (cProfile
+of those steps only, in a further round: the timers are read without it). The bench gives the rounds' ratios;
+this says which of our functions a changed step pays for, on the host that runs it.
+
+    python bench/probes/step_host.py MODEL [--device cuda] [--workloads W9,W10,W11,W12,W13] [--new 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+# (module, owner attribute or "", function): the parts timed per step
+PARTS = [
+    ("vllm_worker.worker.runtime", "LensRuntime", "_current_plan"),
+    ("vllm_worker.worker.runtime", "LensRuntime", "_active"),
+    ("vllm_worker.worker.plan", "", "make_plan"),
+    ("vllm_worker.worker.admission", "Admission", "admit"),
+    ("vllm_worker.worker.admission", "Admission", "flush"),
+    ("vllm_worker.worker.graph", "GraphTaps", "host_ctl"),
+    ("vllm_worker.worker.graph", "GraphTaps", "upload"),
+    ("vllm_worker.worker.probes", "", "scores_from_stage"),
+    ("vllm_worker.worker.probes", "StagedProbes", "_open"),
+    ("vllm_worker.worker.runtime", "LensRuntime", "_observe"),
+]
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.t: collections.Counter = collections.Counter()
+
+    def install(self) -> None:
+        import importlib
+
+        for mod, owner, name in PARTS:
+            m = importlib.import_module(mod)
+            where = getattr(m, owner) if owner else m
+            f = getattr(where, name, None)
+            if f is None:
+                continue
+            setattr(where, name, self._wrap(f, f"{owner or mod.rsplit('.', 1)[-1]}.{name}"))
+
+    def _wrap(self, f: Any, label: str) -> Any:
+        t = self.t
+
+        def timed(*a: Any, **k: Any) -> Any:
+            s = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                t[label] += (time.perf_counter() - s) * 1e3
+
+        return timed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--workloads", default="W9,W10,W11,W12,W13")
+    ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--top", type=int, default=18)
+    a = ap.parse_args()
+    import monitor_workloads as mw
+    import torch
+    from system_base import engine_room
+    from vllm import LLM, SamplingParams
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_worker.api import SteeringVector
+
+    gpu = a.device != "cpu"
+    kw: dict = dict(model=a.model, seed=0, max_model_len=1024, enable_prefix_caching=False, **engine_room(a.device))
+    kw["dtype"] = "bfloat16" if gpu else "float32"
+    if gpu:
+        kw["load_format"] = "dummy"
+    llm = LLM(**kw)
+    cfg = llm.llm_engine.model_config.hf_config
+    n_layers, d = cfg.num_hidden_layers, cfg.hidden_size
+    mw.load_probes(llm, n_layers, d)
+    vec = torch.randn(1, d, generator=torch.Generator().manual_seed(5))
+    prompts = [{"prompt_token_ids": [(i * 7 + k) % 5000 + 3 for k in range(30)]} for i in range(a.n)]
+    timers = Timers()
+    timers.install()
+    steps: list[tuple[float, int, int, dict]] = []  # (ms, new requests, finished requests, parts)
+    prof: dict[str, Any] = {"p": None}
+    exe = GPUModelRunner.execute_model
+
+    def execute_model(runner: Any, so: Any, *args: Any, **kw2: Any) -> Any:
+        changed = bool(so.scheduled_new_reqs) or bool(so.finished_req_ids)
+        p = prof["p"] if changed else None
+        timers.t.clear()
+        t = time.perf_counter()
+        if p is not None:
+            p.enable()
+        try:
+            return exe(runner, so, *args, **kw2)
+        finally:
+            if p is not None:
+                p.disable()
+            steps.append(
+                ((time.perf_counter() - t) * 1e3, len(so.scheduled_new_reqs), len(so.finished_req_ids), dict(timers.t))
+            )
+
+    GPUModelRunner.execute_model = execute_model
+    print(f"STEP_HOST device={a.device} model={a.model} n={a.n} new={a.new}", flush=True)
+    for w in a.workloads.split(","):
+        xa = None if w == "W0" else mw.extra(w, n_layers, d, vec, SteeringVector)
+        sp = SamplingParams(max_tokens=a.new, temperature=0, ignore_eos=True, extra_args=xa)
+        walls = []
+        for r in range(a.rounds + 1):
+            steps.clear()
+            prof["p"] = cProfile.Profile() if r == a.rounds else None
+            t = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            walls.append(round(time.perf_counter() - t, 3))
+            if r == a.rounds - 1:
+                timed = list(steps)
+        print(f"== {w} walls {walls} (the last with cProfile)", flush=True)
+        for i, (ms, new, fin, parts) in enumerate(timed):
+            if new or fin or i < 2:
+                cells = " ".join(f"{k}={v:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+                print(f"  step {i:3d} exec {ms:7.2f} ms new {new:3d} left {fin:3d} | {cells}", flush=True)
+        steady = sorted(ms for ms, new, fin, _ in timed[5:-5] if not new and not fin)
+        if steady:
+            print(f"  steady steps: {len(steady)}, exec median {steady[len(steady) // 2]:.2f} ms", flush=True)
+        s = io.StringIO()
+        pstats.Stats(prof["p"], stream=s).sort_stats("tottime").print_stats("vllm_worker", a.top)
+        print("\n".join(line for line in s.getvalue().splitlines() if "vllm_worker" in line or "ncalls" in line))
+
+
+if __name__ == "__main__":
+    main()
