@@ -7,6 +7,10 @@ of those steps only, in a further round: the timers are read without it). The be
 this says which of our functions a changed step pays for, on the host that runs it.
 
     python bench/probes/step_host.py MODEL [--device cuda] [--workloads W9,W10,W11,W12,W13] [--new 128]
+        [--stagger 4]
+
+`--stagger k`: request i asks for `new - i % k` tokens, so that the batch leaves over k steps (each a new
+composition of those left), as the bench's engine, admitting over k steps, sees its requests leave.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--stagger", type=int, default=1)
     a = ap.parse_args()
     import monitor_workloads as mw
     import torch
@@ -125,7 +130,10 @@ def main() -> None:
     print(f"STEP_HOST device={a.device} model={a.model} n={a.n} new={a.new}", flush=True)
     for w in a.workloads.split(","):
         xa = None if w == "W0" else mw.extra(w, n_layers, d, vec, SteeringVector)
-        sp = SamplingParams(max_tokens=a.new, temperature=0, ignore_eos=True, extra_args=xa)
+        sp = [
+            SamplingParams(max_tokens=a.new - i % a.stagger, temperature=0, ignore_eos=True, extra_args=xa)
+            for i in range(a.n)
+        ]
         walls = []
         for r in range(a.rounds + 1):
             steps.clear()

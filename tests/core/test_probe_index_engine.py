@@ -1,5 +1,6 @@
-"""A real engine's fetches group probe slots by the index kept as their spans were filed
-(`ProbeScores.key`), never walking them, and every payload made that way equals the request's own
+"""A real engine's fetches group requests by their filed entries (`probe_filing`) or, once a request's
+`ProbeScores` were made, by the index kept with them (`ProbeScores.key`), never walking spans, and every
+payload made either way equals the request's own
 `probes.payload` bit for bit: a batch changing under its requests (4 sequences at a time for 8 requests,
 requests finishing while others keep going), requests preempted and recomputed (a 128-token KV cache), a
 request stopped by a string and one by a stop token (EOS's path), and a probe over several layers."""
@@ -61,7 +62,7 @@ def test_fetches_use_the_index_and_equal_each_request_alone(monkeypatch):
         extra = {"output_probe_scores": probe_names}
         kw = {"stop": [stop_text]} if i == 0 else {"stop_token_ids": [stop_token]} if i == 1 else {"ignore_eos": True}
         sps.append(SamplingParams(max_tokens=n, temperature=0, extra_args=extra, **kw))
-    seen = {"covered": 0, "left": 0, "walks": 0}
+    seen = {"covered": 0, "left": 0, "walks": 0, "entries": 0}
     made = probe_payloads.payloads
     walk = probe_payloads._walk
 
@@ -78,6 +79,9 @@ def test_fetches_use_the_index_and_equal_each_request_alone(monkeypatch):
             seen["covered"] += 1
             if isinstance(p, tuple):  # a request's probes as one block: as its items
                 p = probe_wire.items_of({"probes": p[0], probe_wire.BLOCK: p[1]})
+            if type(req) is not dict:  # its `RequestResults`: read from its filed entries unless slots were made
+                seen["entries"] += req._expanded == 0
+                req = req.probes  # (made now: this request's later reads take its slots' index)
             alone = (
                 probes.payload(req, cache={})
                 if starts is None
@@ -96,3 +100,4 @@ def test_fetches_use_the_index_and_equal_each_request_alone(monkeypatch):
     print("\n[figures] index engine:", seen)
     assert seen["walks"] == 0  # every slot's spans covered by its index
     assert seen["covered"] > 0 and seen["left"] > 0, seen  # (the several-layer probe's request: left)
+    assert seen["entries"] > 0, seen  # (fetches read requests from their entries)

@@ -2,7 +2,8 @@
 `probes.payload` bit for bit — requests of different lengths (compositions changing as requests finish, so
 requests' rows span different records: several groups), logit and sigmoid probes of one and two outputs —
 and what it does not cover is left to `probes.payload` (None): a probe over two layers, a position filed
-twice; `fetch.assemble_all` gives every request the same payload either way, a request's probes as one block
+twice; read from the requests' filed entries (`probe_filing`) or from their `ProbeScores` alike;
+`fetch.assemble_all` gives every request the same payload either way, a request's probes as one block
 (`probe_wire.pack_block`) or as items, and the frontend decodes a block to the same tensors as its items."""
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def _stage(reqs: list, live: list[int], width: int) -> SimpleNamespace:
     return gp
 
 
+def _read(reqs: list, read: str) -> list:
+    """What a fetch hands `probe_payloads`: each request's `RequestResults` (read from its filed entries while
+    none of its `ProbeScores` were made) or, `slots`, its `ProbeScores` (made here: the slots' path)."""
+    return [r.store for r in reqs] if read == "entries" else [r.store.probes for r in reqs]
+
+
 def _run(reqs: list, lengths: list[int], redo: bool) -> None:
     """A prefill of positions 0..2 (three rows a request), then decode steps; `redo`: position 5 is filed
     twice (a preempted request's recompute)."""
@@ -74,15 +81,17 @@ def _run(reqs: list, lengths: list[int], redo: bool) -> None:
     file_steps(lambda live, rows: _stage(reqs, live, rows), file, lengths, 3, (6, 5) if redo else None)
 
 
+@pytest.mark.parametrize("read", ["entries", "slots"])
 @pytest.mark.parametrize("redo", [False, True])
-def test_payloads_together_equal_each_request_alone(redo):
+def test_payloads_together_equal_each_request_alone(redo, read):
     lengths = [4, 9, 9, 20, 7, 30, 3, 20]
     names = [["a", "b", "c"]] * 6 + [["a", "two"], ["c"]]
     reqs = _requests(names)
     _run(reqs, lengths, redo)
     cache = fetch.shared_records(len(reqs))
     assert cache is not None
-    together = probe_payloads.payloads([r.store.probes for r in reqs], cache)
+    together = probe_payloads.payloads(_read(reqs, read), cache)
+    assert all(r.store._expanded == 0 for r in reqs) or read == "slots"  # (read from the entries: no slot made)
     for i, r in enumerate(reqs):
         alone = probes.payload(r.store.probes)
         covered = "two" not in names[i] and not (redo and lengths[i] > 6)
@@ -149,8 +158,9 @@ def test_progress_together_equals_each_running_request_alone(redo):
     assert probe_payloads.together([asks[0][3].probes], {}, [asks[0][2]]) == [None]  # one ask: the per-request path
 
 
+@pytest.mark.parametrize("read", ["entries", "slots"])
 @pytest.mark.parametrize("starts", [None, [0, 4, 9, 2, 30]])
-def test_requests_of_one_composition_at_their_own_positions(starts):
+def test_requests_of_one_composition_at_their_own_positions(starts, read):
     """Requests filed in the same records at different positions (their own prompt lengths), two of them
     filing a position twice mid-batch (a preempted request's recompute) while the others rise: the group
     reads each member's positions apart (not member 0's), leaves only those to `probes.payload` (request 3
@@ -173,8 +183,7 @@ def test_requests_of_one_composition_at_their_own_positions(starts):
         if step == 3:
             pos[3] -= 1  # request 3 its prefill's last one (across the records: the group's parts)
         probes.scores_from_stage(gp, torch.randn(gp.total, D, generator=g), 0, pos)
-    got = [r.store.probes for r in reqs]
-    together = probe_payloads.together(got, fetch.shared_records(len(reqs)) or {}, starts)
+    together = probe_payloads.together(_read(reqs, read), fetch.shared_records(len(reqs)) or {}, starts)
     for i, r in enumerate(reqs):
         if starts is None:
             alone = probes.payload(r.store.probes)
@@ -307,7 +316,8 @@ def test_the_index_grows_in_place_over_many_compositions():
         ),
     ],
 )
-def test_a_fetch_sends_a_request_s_probes_as_one_block_with_the_bytes_of_its_items(names, kinds):
+@pytest.mark.parametrize("read", ["entries", "slots"])
+def test_a_fetch_sends_a_request_s_probes_as_one_block_with_the_bytes_of_its_items(names, kinds, read):
     """`blocks`: a request of several probes, all in one group's usual case (logit, rising, member 0's
     positions), gets one block — its items' bytes, in its order; a request whose probes fall in two groups
     (another record, or outputs of another width) gets items, one over two layers is left to
@@ -316,7 +326,7 @@ def test_a_fetch_sends_a_request_s_probes_as_one_block_with_the_bytes_of_its_ite
     lengths = [4, 9, 9, 20, 7, 30, 3, 20]
     reqs = _requests(names)
     _run(reqs, lengths, False)
-    got = probe_payloads.payloads([r.store.probes for r in reqs], fetch.shared_records(len(reqs)) or {}, blocks=True)
+    got = probe_payloads.payloads(_read(reqs, read), fetch.shared_records(len(reqs)) or {}, blocks=True)
     seen = []
     for i, r in enumerate(reqs):
         alone = probes.payload(r.store.probes)

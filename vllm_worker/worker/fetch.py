@@ -115,8 +115,8 @@ def _probes_together(todo: list, records: dict | None) -> dict[int, Any]:
     failure here leaves every request to that path (where a failure is that request's error)."""
     if records is None:
         return {}
-    sts = [st for _, _, st, _ in todo if st.probes and st.error is None]
-    got = probe_payloads.together([st.probes for st in sts], records, blocks=True)
+    sts = [st for _, _, st, _ in todo if st.has_probes and st.error is None]
+    got = probe_payloads.together(sts, records, blocks=True)
     return {id(st): p for st, p in zip(sts, got) if p is not None}
 
 
@@ -176,7 +176,7 @@ def _prelude(
         payload["sae"] = saes.payload(st.sae, records)
     if st.actions is not None and st.error is None:
         payload["actions"] = st.actions() if callable(st.actions) else st.actions
-    if st.probes and st.error is None:
+    if st.has_probes and st.error is None:
         if type(scored) is tuple:  # its probes as one block (`probe_wire.pack_block`)
             payload["probes"], payload[probe_wire.BLOCK] = scored
         else:

@@ -3,9 +3,11 @@ shape (the same records, as many rows and columns in each — a batch compositio
 group, and the group's positions and scores are gathered from the records' host copies by a few array
 operations for all of them, not a few per request and probe. What this does not cover (a probe over
 several layers, column indices, a preempted request's recompute) is left to `probes.payload`, whose
-results these equal bit for bit (tests/unit/test_probe_payloads.py). A request's group key is kept as its
-spans are filed (`ProbeScores.key`, once per composition, while the device runs the step) rather than
-walked here: the walk was the fetch's largest Python cost, and the fetch is on the result's critical path."""
+results these equal bit for bit (tests/unit/test_probe_payloads.py). A request is read from its filed
+entries (`probe_filing`: one per composition and site) while none of its `ProbeScores` were made — requests
+filed in the same places grouped by those places, their rows read as one array — or else from its
+`ProbeScores`' index (`ProbeScores.key`): neither walks spans, the fetch's largest Python cost once, on
+the result's critical path."""
 
 from __future__ import annotations
 
@@ -22,28 +24,42 @@ from vllm_worker.worker.step_records import Span
 
 logger = logging.getLogger("vllm_worker")
 
-Member = tuple[int, str, ProbeScores, list[Span], tuple | list]  # (request index, probe name, its scores, spans read,
-# each span's first row and column: r0, c0, r0, c0, ...)
+Member = tuple[int, str, Any, list[Span], Any]  # (request index, probe name, its `ProbeScores` (or `_Probe`),
+# spans read (a member's; the group's records), each span's first row and column r0, c0, r0, c0, ... (or None))
 
 
 Payload = dict[str, dict[str, Any]] | tuple[dict[str, int], dict[str, Any]]  # items by probe, or a block
 
 
 def payloads(
-    requests: list[dict[str, ProbeScores]], cache: dict, starts: list[int] | None = None, blocks: bool = False
+    requests: list[Any], cache: dict, starts: list[int] | None = None, blocks: bool = False
 ) -> list[Payload | None]:
     """Each request's `probes.payload(got, cache=cache)`, or None where `probes.payload` must make it (some
-    probe not covered here). `starts`: running requests (a progress RPC): request i's positions from
-    `starts[i]` on, as `probes.payload(got, starts[i], running=True, cache=cache)`. `blocks` (a fetch): a
-    request of several probes, all in one group's usual case, gets them as one block (`probe_wire.pack_block`:
-    the same bytes as its items, `probe_wire.items_of`)."""
+    probe not covered here). A request is its `RequestResults` (read from its filed entries while none of its
+    `ProbeScores` were made: `_entry_groups`) or its probe name -> `ProbeScores` dict. `starts`: running
+    requests (a progress RPC): request i's positions from `starts[i]` on, as
+    `probes.payload(got, starts[i], running=True, cache=cache)`. `blocks` (a fetch): a request of several
+    probes, all in one group's usual case, gets them as one block (`probe_wire.pack_block`: the same bytes as
+    its items, `probe_wire.items_of`)."""
     groups: dict[tuple, list[Member]] = {}
     left: set[int] = set()
     filed: dict[int, bool] = {}  # records with something filed, by id
     last_index: list | None = None
     bucket: list[Member] = []
-    for i, got in enumerate(requests):
-        for name, slot in got.items():
+    order: list[Any] = [None] * len(requests)  # each request's probe names in its own order
+    by_entries: dict[tuple, list[int]] = {}  # requests read from their entries, by what they were filed in
+    entries: dict[int, list] = {}  # their entries
+    for i, req in enumerate(requests):
+        if type(req) is not dict:
+            ents = req.probe_filed[:]  # (as they are now: a step may file more meanwhile)
+            if req._expanded == 0 and ents and all(e[3] is ents[0][3] for e in ents):
+                sig = (tuple([e[0] for e in ents]), tuple([e[2] for e in ents]), tuple(ents[0][3]))
+                by_entries.setdefault(sig, []).append(i)
+                entries[i] = ents
+                continue
+            req = req.probes
+        order[i] = req
+        for name, slot in req.items():
             sites = slot.probe.sites
             if len(sites) != 1:
                 left.add(i)
@@ -64,16 +80,96 @@ def payloads(
         _rewalk(groups, key, cache, filed, left)
     regrouped = bool(unfiled)
     done: list[Any] = [{} for _ in requests]  # each request's payloads by probe (or its block)
-    for key, members in groups.items():
-        members = [m for m in members if m[0] not in left] if left else members
+    todo = [(key, members, _firsts(members, len(key))) for key, members in groups.items()]
+    for sig, who in by_entries.items():
+        todo += _entry_groups(sig, [entries[i] for i in who], who, cache, filed, order, left)
+    for key, members, firsts in todo:
+        keep = [k for k, m in enumerate(members) if m[0] not in left] if left else None
+        if keep is not None and len(keep) < len(members):
+            members, firsts = [members[k] for k in keep], firsts[keep]
         if members:
-            left |= _group(key, members, cache, done, starts, requests if blocks else None)
-    if len(groups) > 1 or regrouped:  # each request's probes in its own order (one group: filed in that order)
+            left |= _group(key, members, firsts, cache, done, starts, order if blocks else None)
+    if len(todo) > 1 or regrouped:  # each request's probes in its own order (one group: filed in that order)
         done = [
-            {name: d[name] for name in got} if type(d) is dict and len(d) == len(got) else d
-            for d, got in zip(done, requests)
+            {name: d[name] for name in got} if type(d) is dict and got is not None and len(d) == len(got) else d
+            for d, got in zip(done, order)
         ]
     return [None if i in left else d for i, d in enumerate(done)]
+
+
+def _firsts(members: list[Member], spans: int) -> np.ndarray:
+    """(members, spans, 2): each member's spans' first row and column (from its flat r0, c0, r0, c0 list)."""
+    flat = list(chain.from_iterable([m[4] for m in members]))  # (one flat list for numpy: a call per member else)
+    return np.array(flat, dtype=np.int64).reshape(len(members), spans, 2)
+
+
+class _Probe:
+    """What `_group` reads of a member's slot (its probe), for members read from entries (no slot made)."""
+
+    __slots__ = ("probe",)
+
+    def __init__(self, probe: Any) -> None:
+        self.probe = probe
+
+
+def _entry_groups(
+    sig: tuple, ents: list[list], who: list[int], cache: dict, filed: dict[int, bool], order: list, left: set[int]
+) -> list[tuple[tuple, list[Member], np.ndarray]]:
+    """The groups of requests `who`, filed in the same records with as many rows each (`sig`: their entries'
+    places and rows, and their probes; `ents`: each one's entries), read from their entries: per probe its
+    spans' shape (the group key, as `ProbeScores.key`) and first rows and columns as arrays for all the
+    requests at once. Members are request-major (a request's probes one after another, in the order its
+    `ProbeScores` would have). Probes over several sites, and records with nothing filed, are left to
+    `probes.payload`."""
+    wheres, ns, uses = sig
+    rows_at: dict[int, list[int]] = {}  # site -> its entries, in filing order
+    for j, w in enumerate(wheres):
+        rows_at.setdefault(w.site, []).append(j)
+    if any(len(u.sites) != 1 for u in uses) or not all(_filed_record(w.record, cache, filed) for w in wheres):
+        left.update(who)
+        return []
+    scored = []  # (probe, its entries) of the probes scored here, in the order `expand` makes their slots:
+    for u in uses:  # by their first entry, then as the request lists them
+        site = u.sites[0]
+        js = rows_at.get(site) if site in u.weights else None
+        if js:  # (a probe never scored here has no `ProbeScores` either)
+            scored.append((u, js))
+    scored.sort(key=lambda p: p[1][0])
+    if len({u.name for u, _ in scored}) < len(scored):  # two probes of one name share a slot: not here
+        left.update(who)
+        return []
+    names = [u.name for u, _ in scored]
+    for i in who:
+        order[i] = names
+    shapes: dict[tuple, list] = {}  # key -> [(probe, its entries, their first columns)]
+    for u, js in scored:
+        cols = [wheres[j].cols[(u.name, u.uid)] for j in js]
+        key = tuple((id(wheres[j].record), ns[j], c1 - c0) for j, (c0, c1) in zip(js, cols))
+        shapes.setdefault(key, []).append((u, js, [c0 for c0, _ in cols]))
+    offs = np.array([[e[1] for e in mine] for mine in ents], dtype=np.int64)  # (requests, entries): first rows
+    out: list[tuple[tuple, list[Member], np.ndarray]] = []
+    for key, probes in shapes.items():
+        at = np.array([p[1] for p in probes], dtype=np.int64)  # (probes, spans): the entries read
+        firsts = np.empty((len(who), len(probes), len(key), 2), dtype=np.int64)
+        firsts[..., 0] = offs[:, at]
+        firsts[..., 1] = np.array([p[2] for p in probes], dtype=np.int64)
+        _, js0, c00 = probes[0]
+        spans0 = [
+            Span(wheres[j].record, int(offs[0, j]), int(offs[0, j]) + ns[j], "scores", slice(c0, c0 + k[2]))
+            for j, c0, k in zip(js0, c00, key)
+        ]
+        slots = [_Probe(p[0]) for p in probes]
+        members: list[Member] = [(i, p[0].name, slot, spans0, None) for i in who for p, slot in zip(probes, slots)]
+        out.append((key, members, firsts.reshape(len(who) * len(probes), len(key), 2)))
+    return out
+
+
+def _filed_record(record: Any, cache: dict, filed: dict[int, bool]) -> bool:
+    """Whether `record` has something filed (read once per record and fetch, as `_filed`)."""
+    got = filed.get(id(record))
+    if got is None:
+        got = filed[id(record)] = Span(record, 0, 0, "scores", slice(0, 0)).filed(cache)
+    return got
 
 
 def _walk(slot: ProbeScores, cache: dict, filed: dict[int, bool]) -> tuple[tuple, list[Span], tuple] | None:
@@ -131,20 +227,20 @@ def _file_walked(
 def _group(
     key: tuple,
     members: list[Member],
+    firsts: np.ndarray,
     cache: dict,
     done: list,
     starts: list[int] | None,
-    requests: list[dict[str, ProbeScores]] | None = None,
+    order: list | None = None,
 ) -> set[int]:
     """The payloads of one group's members into `done`; returns the requests left to `probes.payload` (a
-    position filed twice, or not rising). `starts`: each request's first position wanted (rising positions:
-    a suffix of its rows). `requests` (a fetch's, for blocks): a request of several probes, all members here,
-    one after another in its order, gets one block in the usual case (`_blocks`)."""
+    position filed twice, or not rising). `firsts`: (members, spans, 2), each member's spans' first row and
+    column. `starts`: each request's first position wanted (rising positions: a suffix of its rows). `order`
+    (a fetch's, for blocks: each request's probe names in its order): a request of several probes, all
+    members here, one after another in its order, gets one block in the usual case (`_blocks`)."""
     pos_parts: list[Part] = []  # positions per span: never member-major (`_rising_same`)
     val_parts = []
     n = len(members)
-    # (one flat list for numpy: converting nested lists cost a call per member)
-    firsts = np.array(list(chain.from_iterable([m[4] for m in members])), dtype=np.int64).reshape(n, len(key), 2)
     for j, (_, rows, width) in enumerate(key):
         all_pos, all_vals = members[0][3][j].host_copy(cache)
         c = firsts[:, j, 1]
@@ -183,8 +279,8 @@ def _group(
     # positions: one bytes object for the members with the same ones (a composition's requests often have)
     suffix: dict[int, bytes] = {0: p0.tobytes()}  # the shared positions' bytes from a row on
     if starts is None and all(rising) and all(same) and not any(p.sigmoid for p in by_row.values()):
-        if requests is not None and len(requests[members[0][0]]) > 1:  # (a fetch's usual case, W10's)
-            _blocks(members, requests, suffix[0], flat, row_vals, k_out, done)
+        if order is not None and len(order[members[0][0]]) > 1:  # (a fetch's usual case, W10's)
+            _blocks(members, order, suffix[0], flat, row_vals, k_out, done)
             return set()
         for m, item in zip(members, probe_wire.pack_rows(suffix[0], flat, n, k_out)):
             done[m[0]][m[1]] = item
@@ -212,7 +308,7 @@ def _group(
 
 def _blocks(
     members: list[Member],
-    requests: list[dict[str, ProbeScores]],
+    order: list,
     positions: bytes,
     flat: bytes,
     row_vals: int,
@@ -227,7 +323,7 @@ def _blocks(
     n, a = len(members), 0
     while a < n:
         i = who[a]
-        got = requests[i]
+        got = order[i]  # the request's probe names, in its order
         b = a + len(got)
         if b - a > 1 and b <= n and who[b - 1] == i and who[a:b].count(i) == b - a and names[a:b] == list(got):
             done[i] = probe_wire.pack_block(positions, flat[a * row_vals : b * row_vals], names[a:b], k_out)
@@ -283,7 +379,7 @@ def _member_positions(parts: list[Part], k: int) -> np.ndarray:
 
 
 def together(
-    requests: list[dict[str, ProbeScores]], cache: dict, starts: list[int] | None = None, blocks: bool = False
+    requests: list[Any], cache: dict, starts: list[int] | None = None, blocks: bool = False
 ) -> list[Payload | None]:
     """`payloads` for a fetch's requests (`blocks`: as `payloads`) or a progress RPC's asks (`starts`), or
     None for each where `probes.payload` makes it: a lone request, or all of them when this pass fails

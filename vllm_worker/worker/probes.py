@@ -17,7 +17,7 @@ request's scores are fetched (`payload`). Scores wait on the device (n_out float
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from vllm_worker.protocol.points import canonical_site
 from vllm_worker.protocol.wire import tensor_from_bytes
 from vllm_worker.worker import projection
 from vllm_worker.worker.device_copy import to_device
+from vllm_worker.worker.probe_filing import Filed, ProbeScores
 from vllm_worker.worker.projection import project
 from vllm_worker.worker.step_records import Span, StepRecord, latest_order
 from vllm_worker.worker.stream_rows import stream_rows
@@ -141,30 +142,14 @@ class SiteProbes:
         return sum(e - s for _, s, e in self.items)
 
     def spans(self, rec: StepRecord, row0: int) -> None:
-        """Each request's spans of `rec`, whose rows from `row0` on are this site's (once per composition)."""
-        off, site, rid = row0, self.site, id(rec)
-        of: dict[int, tuple] = {}  # per probe, once: (columns, their first, width, whether `site` is its first)
+        """File each request's rows of `rec` (this site's from `row0` on) once per composition: one entry
+        a request (`probe_filing`), its spans made from it when read."""
+        where = Filed(rec, self.site, self.cols)
+        off = row0
         for r, s, e in self.items:
-            n = e - s
             if r.store is not None:
-                got = r.store.probes
-                for u in r.probes:
-                    col = of.get(id(u))
-                    if col is None:
-                        if site not in u.weights:
-                            continue
-                        c0, c1 = self.cols[(u.name, u.uid)]
-                        col = of[id(u)] = (slice(c0, c1), c0, c1 - c0, u.sites[0] == site)
-                    slot = got.get(u.name)
-                    if slot is None:
-                        slot = got[u.name] = ProbeScores(u)
-                    spans = slot.spans.get(site)
-                    if spans is None:
-                        spans = slot.spans[site] = []
-                    spans.append(Span(rec, off, off + n, "scores", col[0]))
-                    if col[3]:
-                        slot.index(len(spans), rid, n, col[2], off, col[1])
-            off += n
+                r.store.probe_filed.append((where, off, e - s, r.probes))
+            off += e - s
 
 
 class StagedProbes:
@@ -250,29 +235,6 @@ def _stacked_sites(parts: list[SiteProbes]) -> torch.Tensor:
             _STACKS.clear()
         w = _STACKS[key] = torch.stack([sp.weight for sp in parts])
     return w
-
-
-@dataclass
-class ProbeScores:
-    """A request's scores of one probe on this worker: per site, its spans of the records of the batch
-    compositions it was scored in, in order."""
-
-    probe: DeviceProbe
-    spans: dict[int, list[Span]] = field(default_factory=dict)
-    # `probe_payloads`' index of the spans at the probe's first site, kept as they are added (once per
-    # composition) so that a fetch does not walk them: per span (record id, rows, columns), and its first
-    # row and column; as many as there are spans when every one is indexed (else the fetch walks them).
-    # Lists appended in place: a tuple re-made per composition grew a long request's filing quadratically
-    key: list[tuple[int, int, int]] = field(default_factory=list)
-    firsts: list[int] = field(default_factory=list)
-
-    def index(self, filed: int, record: int, rows: int, cols: int, r0: int, c0: int) -> None:
-        """Index the span just filed at the probe's first site (the `filed`-th there: record id, rows, columns
-        `[c0, c0 + cols)`, first row `r0`) — only while every earlier one is indexed, so that an index is
-        either all of the spans or, once one was filed without it, never used again for this slot."""
-        if len(self.key) == filed - 1:
-            self.key.append((record, rows, cols))
-            self.firsts += (r0, c0)  # (a list: extended in place)
 
 
 # ---------------------------------------------------------------- per step

@@ -13,6 +13,7 @@ import torch
 from vllm_worker.counters import FETCH_TIMINGS
 from vllm_worker.protocol import errors
 from vllm_worker.transport.early_regions import EarlyRegion, State
+from vllm_worker.worker.probe_filing import ProbeScores, expand
 
 
 class StepArena:
@@ -120,7 +121,11 @@ class RequestResults:
     sae: dict = field(default_factory=dict)  # SAE name -> {"ids", "spans": [`step_records.Span`]}
     # probe actions' outcome (`actions.ActionTable.outcome`), or how to read it while the request is live
     actions: Any = None
-    probes: dict = field(default_factory=dict)  # probe name -> `worker.probes.ProbeScores`
+    # probe scores as filed, one entry per batch composition and site (`probe_filing.Entry`); `probes` makes
+    # the per-probe `ProbeScores` from them when read (`_slots`: those made, from `_expanded` entries)
+    probe_filed: list = field(default_factory=list)
+    _slots: dict = field(default_factory=dict)
+    _expanded: int = 0
     # set with `expected` at admission: the sites this rank captures (in `layers` order) and the most
     # positions the request can reach (prompt + max_tokens - 1): the early-assembly region's shape
     mine: list[int] = field(default_factory=list)
@@ -128,6 +133,18 @@ class RequestResults:
     # early assembly (`transport.early_regions`): the request's state, and its region while it holds one
     early: State = State.UNDECIDED
     dest: EarlyRegion | None = None
+
+    @property
+    def probes(self) -> dict[str, ProbeScores]:
+        """probe name -> its `ProbeScores` on this worker, made from the entries filed since the last read."""
+        if self._expanded < len(self.probe_filed):
+            self._expanded = expand(self.probe_filed, self._expanded, self._slots)
+        return self._slots
+
+    @property
+    def has_probes(self) -> bool:
+        """Whether any probe of the request was scored here (what `probes` being non-empty says, unmade)."""
+        return bool(self.probe_filed) or bool(self._slots)
 
     def fail(self, f: errors.Failure) -> None:
         """One rule for every failure of a request (its hooks', our own code's): the first one is reported;

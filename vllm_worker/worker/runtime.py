@@ -505,9 +505,9 @@ class LensRuntime:
         asks = []
         for key, child, start in wanted:
             st = self.store.peek(key, child)
-            if st is not None and st.probes and st.error is None:
+            if st is not None and st.has_probes and st.error is None:
                 asks.append((key, child, start, st))
-        together = probe_payloads.together([a[3].probes for a in asks], cache, [a[2] for a in asks])
+        together = probe_payloads.together([a[3] for a in asks], cache, [a[2] for a in asks])
         for (key, child, start, st), got in zip(asks, together):
             if got is None:
                 got = probes.payload(st.probes, start, running=True, cache=cache)

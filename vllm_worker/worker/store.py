@@ -72,13 +72,7 @@ class CaptureStore:
         """Probe score records (one per site and batch composition: `worker.step_records`) the stored
         requests hold on the device (`lens_status` "probe_score_chunks")."""
         with self.lock:
-            held = {
-                id(sp.record)
-                for st in self._stores.values()
-                for p in st.probes.values()
-                for spans in p.spans.values()
-                for sp in spans
-            }
+            held = {id(e[0].record) for st in self._stores.values() for e in st.probe_filed}
             return len(held)
 
     def add(self, key: str, child: int, store: RequestResults) -> None:
