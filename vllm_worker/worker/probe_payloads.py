@@ -250,12 +250,11 @@ def _group(
         steps, n_rows, n_cols = all_vals.shape
         at = (r[:, :, None] * n_cols + (c[:, None] + np.arange(width))[:, None, :]).reshape(-1)
         # (flat `take`s: the same elements as fancy indexing over (rows, columns), several times faster)
-        if steps * rows == 0:
-            pass
-        elif rows == 1 and n_rows <= n:  # read by record row, not gathered per member (`_rising_same`)
-            pos_parts.append((all_pos.reshape(steps, n_rows), r[:, 0]))
-        else:
-            pos_parts.append(np.take(all_pos.reshape(steps, n_rows), r.reshape(-1), axis=1).reshape(steps, n, rows))
+        if steps * rows:  # (an empty span adds no positions)
+            if rows == 1 and n_rows <= n:  # read by record row, not gathered per member (`_rising_same`)
+                pos_parts.append((all_pos.reshape(steps, n_rows), r[:, 0]))
+            else:
+                pos_parts.append(np.take(all_pos.reshape(steps, n_rows), r.reshape(-1), axis=1).reshape(steps, n, rows))
         vals = np.take(all_vals.reshape(steps, n_rows * n_cols), at, axis=1).reshape(steps, n, rows, width)
         if rows * width == 1 and steps > 1:  # (steps, members) member-major by torch's blocked 2-D transpose:
             # numpy's strided copy of it was ~5x slower (a decode span of one output: W9's, W10's)
