@@ -24,8 +24,8 @@ from vllm_worker.worker.step_records import Span
 
 logger = logging.getLogger("vllm_worker")
 
-Member = tuple[int, str, Any, list[Span], Any]  # (request index, probe name, its `ProbeScores` (or `_Probe`),
-# spans read (a member's; the group's records), each span's first row and column r0, c0, r0, c0, ... (or None))
+Member = tuple[int, str, ProbeScores, list[Span], Any]  # (request index, probe name, its scores, spans read (a
+# member's; the group's records), each span's first row and column r0, c0, r0, c0, ... (None: read from entries))
 
 
 Payload = dict[str, dict[str, Any]] | tuple[dict[str, int], dict[str, Any]]  # items by probe, or a block
@@ -75,7 +75,7 @@ def payloads(
                 break
     # an index counts every span, `_walk` only those of records with something filed (a group's records are
     # its key's: one member's tell)
-    unfiled = [k for k, m in groups.items() if not all(_filed(sp, cache, filed) for sp in m[0][3])]
+    unfiled = [k for k, m in groups.items() if not all(_filed(sp.record, cache, filed) for sp in m[0][3])]
     for key in unfiled:
         _rewalk(groups, key, cache, filed, left)
     regrouped = bool(unfiled)
@@ -103,15 +103,6 @@ def _firsts(members: list[Member], spans: int) -> np.ndarray:
     return np.array(flat, dtype=np.int64).reshape(len(members), spans, 2)
 
 
-class _Probe:
-    """What `_group` reads of a member's slot (its probe), for members read from entries (no slot made)."""
-
-    __slots__ = ("probe",)
-
-    def __init__(self, probe: Any) -> None:
-        self.probe = probe
-
-
 def _entry_groups(
     sig: tuple, ents: list[list], who: list[int], cache: dict, filed: dict[int, bool], order: list, left: set[int]
 ) -> list[tuple[tuple, list[Member], np.ndarray]]:
@@ -125,7 +116,7 @@ def _entry_groups(
     rows_at: dict[int, list[int]] = {}  # site -> its entries, in filing order
     for j, w in enumerate(wheres):
         rows_at.setdefault(w.site, []).append(j)
-    if any(len(u.sites) != 1 for u in uses) or not all(_filed_record(w.record, cache, filed) for w in wheres):
+    if any(len(u.sites) != 1 for u in uses) or not all(_filed(w.record, cache, filed) for w in wheres):
         left.update(who)
         return []
     scored = []  # (probe, its entries) of the probes scored here, in the order `expand` makes their slots:
@@ -158,18 +149,10 @@ def _entry_groups(
             Span(wheres[j].record, int(offs[0, j]), int(offs[0, j]) + ns[j], "scores", slice(c0, c0 + k[2]))
             for j, c0, k in zip(js0, c00, key)
         ]
-        slots = [_Probe(p[0]) for p in probes]
+        slots = [ProbeScores(p[0]) for p in probes]  # (what `_group` reads of a slot: its probe)
         members: list[Member] = [(i, p[0].name, slot, spans0, None) for i in who for p, slot in zip(probes, slots)]
         out.append((key, members, firsts.reshape(len(who) * len(probes), len(key), 2)))
     return out
-
-
-def _filed_record(record: Any, cache: dict, filed: dict[int, bool]) -> bool:
-    """Whether `record` has something filed (read once per record and fetch, as `_filed`)."""
-    got = filed.get(id(record))
-    if got is None:
-        got = filed[id(record)] = Span(record, 0, 0, "scores", slice(0, 0)).filed(cache)
-    return got
 
 
 def _walk(slot: ProbeScores, cache: dict, filed: dict[int, bool]) -> tuple[tuple, list[Span], tuple] | None:
@@ -181,7 +164,7 @@ def _walk(slot: ProbeScores, cache: dict, filed: dict[int, bool]) -> tuple[tuple
     spans: list[Span] = []
     firsts: list[int] = []
     for sp in slot.spans.get(slot.probe.sites[0], ()):
-        if not _filed(sp, cache, filed):
+        if not _filed(sp.record, cache, filed):
             continue
         c = sp.cols
         if type(c) is not slice or c.step is not None:
@@ -195,11 +178,11 @@ def _walk(slot: ProbeScores, cache: dict, filed: dict[int, bool]) -> tuple[tuple
     return (tuple(key), spans, tuple(firsts)) if key else None
 
 
-def _filed(sp: Span, cache: dict, filed: dict[int, bool]) -> bool:
-    """Whether `sp`'s record has something filed (read once per record and fetch)."""
-    got = filed.get(id(sp.record))
+def _filed(record: Any, cache: dict, filed: dict[int, bool]) -> bool:
+    """Whether `record` has probe scores filed (read once per record and fetch: `Span.filed`)."""
+    got = filed.get(id(record))
     if got is None:
-        got = filed[id(sp.record)] = sp.filed(cache)
+        got = filed[id(record)] = Span(record, 0, 0, "scores", slice(0, 0)).filed(cache)
     return got
 
 

@@ -143,8 +143,9 @@ class RequestResults:
 
     @property
     def has_probes(self) -> bool:
-        """Whether any probe of the request was scored here (what `probes` being non-empty says, unmade)."""
-        return bool(self.probe_filed) or bool(self._slots)
+        """Whether any probe of the request was scored here (what `probes` being non-empty says, unmade: every
+        slot is made from an entry)."""
+        return bool(self.probe_filed)
 
     def fail(self, f: errors.Failure) -> None:
         """One rule for every failure of a request (its hooks', our own code's): the first one is reported;
