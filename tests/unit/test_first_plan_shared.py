@@ -1,7 +1,7 @@
 """The first plan of a batch takes shortcuts where requests share content; each must give what the plain
 computation gives, array for array: entry parts shared by requests holding one entries object
 (`plan._entry_parts` with the graph taps' memo), the live columns marked in a mask (`GraphPlan.live_cols`),
-the action rows of all items in one numpy pass (`actions.staged_rows_of` against `staged_rows`)."""
+the action rows of all items in one numpy pass (`actions.staged_rows_of` against each request's own)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from vllm_worker.worker import plan
-from vllm_worker.worker.actions import staged_rows, staged_rows_of
+from vllm_worker.worker.actions import staged_rows_of
 from vllm_worker.worker.plan import PARTS_KEPT, RequestState, graph_plan
 
 
@@ -114,8 +114,16 @@ def test_live_cols_mask_equals_sets() -> None:
         assert gp.live_cols == _old_live_cols(gp)
 
 
+def _staged_rows(r: SimpleNamespace, s: int, e: int) -> np.ndarray:
+    """One request's action rows: its last `max(rows)` of [s, e), or all of them when an action watches
+    every row."""
+    if any(u.every_row for u in r.acts):
+        return np.arange(s, e, dtype=np.int64)
+    return np.arange(max(s, e - max((u.rows for u in r.acts), default=1)), e, dtype=np.int64)
+
+
 def test_staged_rows_of_equals_each() -> None:
-    """All items' action rows at once: every request's `staged_rows`, in order, the same dtype; a request's
+    """All items' action rows at once: every request's own (`_staged_rows`), in order, the same dtype; a request's
     count is remade when its actions list is replaced."""
     rng = random.Random(7)
     for _ in range(200):
@@ -128,7 +136,7 @@ def test_staged_rows_of_equals_each() -> None:
             n = rng.choice([1, 2, 3, 7, 30])
             items.append((SimpleNamespace(acts=acts, staged=None), row, row + n))
             row += n + rng.randrange(0, 3)
-        want = np.concatenate([staged_rows(r, s, e) for r, s, e in items])
+        want = np.concatenate([_staged_rows(r, s, e) for r, s, e in items])
         for _ in range(2):  # (the second time from each request's remembered count)
             got = staged_rows_of(items)
             assert got.dtype == want.dtype and np.array_equal(got, want)

@@ -46,7 +46,7 @@ class ActionUse:
     stop: bool
     first_watched: int  # the last prompt position (it produces generated token 0)
     every_row: bool = False  # it watches prompt positions: every row of a prefill chunk is staged
-    rows: int = 1  # else a request's last rows staged per step: its next token's, and drafts' (`staged_rows`)
+    rows: int = 1  # else a request's last rows staged per step: its next token's, and drafts' (`staged_rows_of`)
     kind: int = TOKEN  # its aggregate (a step computes only the aggregates its actions use)
     sigmoid: bool = False
     entries: list[int] | None = None  # graph-path steering entries this action gates
@@ -487,19 +487,12 @@ def _full() -> ActionRefused:
     return ActionRefused("limit", f"probe_actions: the worker's action table is full ({N_SLOTS} live actions)")
 
 
-def staged_rows(r: Any, s: int, e: int) -> np.ndarray:
-    """The rows of request `r` (its batch rows [s, e)) staged for its actions: the step's last one (the one
-    that produces its next token) and drafts' rows — all of them when an action watches prompt positions.
-    No more: in a prefill chunk only the last row can be a generated position not yet folded (a
-    recompute after preemption folds again nothing but its last row)."""
-    if any(u.every_row for u in r.acts):
-        return np.arange(s, e, dtype=np.int64)
-    return np.arange(max(s, e - max((u.rows for u in r.acts), default=1)), e, dtype=np.int64)
-
-
 def staged_rows_of(items: list) -> np.ndarray:
-    """`staged_rows` of every (request, start, end) item, in order, in one pass of numpy: each request's
-    count of last rows (-1: all) worked out once (`RequestState.staged`, for its `acts` list)."""
+    """The batch rows staged for the actions of each (request, start, end) item, in order: a request's last
+    row (the one that produces its next token) and drafts' rows — all of its rows when an action watches
+    prompt positions. No more: in a prefill chunk only the last row can be a generated position not yet
+    folded (a recompute after preemption folds again nothing but its last row). One pass of numpy; each
+    request's count of last rows (-1: all) worked out once (`RequestState.staged`, for its `acts` list)."""
     if not items:
         return np.zeros(0, dtype=np.int64)
     spans = []

@@ -529,7 +529,7 @@ def make_plan(
         groups=hook_groups(),
         sae_feat={s: (on_device(rows_of(items)), SiteFeatures(s, items)) for s, items in feat.items()},
         sae_clamp={s: list(dict.fromkeys(v)) for s, v in sae_clamp.items()},
-        act_rows={s: (on_device(rw), rw, items) for s, items in act.items() for rw in [action_rows(items)]},
+        act_rows={s: (on_device(rw), rw, items) for s, items in act.items() for rw in [staged_rows_of(items)]},
         probe_rows={s: (on_device(rows_of(items)), SiteProbes.of(s, items)) for s, items in probe_rows.items()},
     )
 
@@ -537,8 +537,3 @@ def make_plan(
 def group_rows(members: list) -> np.ndarray:
     """The batch rows of a batched hook's members, stacked in member order."""
     return np.concatenate([np.arange(s, e) for _, _, s, e in members])
-
-
-def action_rows(items: Rows) -> np.ndarray:
-    """The batch rows staged for the actions of `items` (`actions.staged_rows`), in order."""
-    return staged_rows_of(items)
