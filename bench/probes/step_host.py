@@ -74,6 +74,30 @@ class Timers:
         return timed
 
 
+def bench_engine(model: str, device: str, n: int) -> tuple[Any, Any, list[dict]]:
+    """(in-process `LLM` with the monitor probes loaded, workload -> its `extra_args`, the bench's `n`
+    prompts of 30 tokens): the bench's engine and batch (bfloat16 dummy weights on a GPU, float32 on CPU)."""
+    import monitor_workloads as mw
+    import torch
+    from system_base import engine_room
+    from vllm import LLM
+
+    from vllm_worker.api import SteeringVector
+
+    gpu = device != "cpu"
+    kw: dict = dict(model=model, seed=0, max_model_len=1024, enable_prefix_caching=False, **engine_room(device))
+    kw["dtype"] = "bfloat16" if gpu else "float32"
+    if gpu:
+        kw["load_format"] = "dummy"
+    llm = LLM(**kw)
+    cfg = llm.llm_engine.model_config.hf_config
+    n_layers, d = cfg.num_hidden_layers, cfg.hidden_size
+    mw.load_probes(llm, n_layers, d)
+    vec = torch.randn(1, d, generator=torch.Generator().manual_seed(5))
+    prompts = [{"prompt_token_ids": [(i * 7 + k) % 5000 + 3 for k in range(30)]} for i in range(n)]
+    return llm, (lambda w: None if w == "W0" else mw.extra(w, n_layers, d, vec, SteeringVector)), prompts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -85,25 +109,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--stagger", type=int, default=1)
     a = ap.parse_args()
-    import monitor_workloads as mw
-    import torch
-    from system_base import engine_room
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_worker.api import SteeringVector
-
-    gpu = a.device != "cpu"
-    kw: dict = dict(model=a.model, seed=0, max_model_len=1024, enable_prefix_caching=False, **engine_room(a.device))
-    kw["dtype"] = "bfloat16" if gpu else "float32"
-    if gpu:
-        kw["load_format"] = "dummy"
-    llm = LLM(**kw)
-    cfg = llm.llm_engine.model_config.hf_config
-    n_layers, d = cfg.num_hidden_layers, cfg.hidden_size
-    mw.load_probes(llm, n_layers, d)
-    vec = torch.randn(1, d, generator=torch.Generator().manual_seed(5))
-    prompts = [{"prompt_token_ids": [(i * 7 + k) % 5000 + 3 for k in range(30)]} for i in range(a.n)]
+    llm, extra, prompts = bench_engine(a.model, a.device, a.n)
     timers = Timers()
     timers.install()
     steps: list[tuple[float, int, int, dict]] = []  # (ms, new requests, finished requests, parts)
@@ -129,7 +138,7 @@ def main() -> None:
     GPUModelRunner.execute_model = execute_model
     print(f"STEP_HOST device={a.device} model={a.model} n={a.n} new={a.new}", flush=True)
     for w in a.workloads.split(","):
-        xa = None if w == "W0" else mw.extra(w, n_layers, d, vec, SteeringVector)
+        xa = extra(w)
         sp = [
             SamplingParams(max_tokens=a.new - i % a.stagger, temperature=0, ignore_eos=True, extra_args=xa)
             for i in range(a.n)
