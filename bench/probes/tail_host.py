@@ -8,7 +8,10 @@ inside them, then `_apply` again on the same fetched results (warm: the data jus
 the first touch of the reply from the work itself. A last round runs under cProfile (the fetch and the
 decoding only) and prints the functions with the most own time, torch's included.
 
-    python bench/probes/tail_host.py MODEL [--device cuda] [--workloads W0,W9,W10] [--rounds 3]
+    python bench/probes/tail_host.py MODEL [--device cuda] [--workloads W0,W9,W10] [--rounds 3] [--alternate-gc]
+
+`--alternate-gc`: odd rounds run the fetch and the decoding with the collector off (its deferred young
+collections then run after them, outside the tail's timers).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class Tail:
         self.gcs: collections.Counter = collections.Counter()
         self._gc_t = 0.0
         self.depth = 0  # inside a timed part: its collections counted
+        self.gc_off = False  # the collector off inside `PROFILED` (`--alternate-gc`)
+        self.replaying = False  # timers off (the replay is timed whole)
         gc.callbacks.append(self._gc)
 
     def _gc(self, phase: str, info: dict) -> None:
@@ -76,17 +81,24 @@ class Tail:
 
     def _wrap(self, f: Any, label: str) -> Any:
         def timed(*a: Any, **k: Any) -> Any:
+            if self.replaying:
+                return f(*a, **k)
             if label == "apply":
                 self.applied = a
             p = self.prof if label in PROFILED else None
             if p is not None:
                 p.enable()
+            off = self.gc_off and label in PROFILED and gc.isenabled()
+            if off:
+                gc.disable()
             s, c = time.perf_counter(), time.thread_time()
             self.depth += 1
             try:
                 return f(*a, **k)
             finally:
                 self.depth -= 1
+                if off:
+                    gc.enable()
                 self.wall[label] += (time.perf_counter() - s) * 1e3
                 self.cpu[label] += (time.thread_time() - c) * 1e3
                 self.calls[label] += 1
@@ -100,12 +112,22 @@ class Tail:
             c.clear()
 
     def replay(self, times: int = 3) -> list[float]:
-        """Wall ms of `_apply` run again on the last round's arguments (their data just read)."""
+        """Wall ms of `_apply` run again on the last round's arguments (their data just read), the collector
+        as in the round's tail."""
         out = []
-        for _ in range(times):
-            s = time.perf_counter()
-            self.apply(*self.applied)
-            out.append(round((time.perf_counter() - s) * 1e3, 2))
+        self.replaying = True
+        off = self.gc_off and gc.isenabled()
+        if off:
+            gc.disable()
+        try:
+            for _ in range(times):
+                s = time.perf_counter()
+                self.apply(*self.applied)
+                out.append(round((time.perf_counter() - s) * 1e3, 2))
+        finally:
+            self.replaying = False
+            if off:
+                gc.enable()
         return out
 
 
@@ -118,6 +140,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--alternate-gc", action="store_true", help="odd rounds: the collector off in the tail")
     a = ap.parse_args()
     from vllm import SamplingParams
 
@@ -133,6 +156,7 @@ def main() -> None:
             tail.clear()
             tail.applied = None
             tail.prof = cProfile.Profile() if r == a.rounds else None
+            tail.gc_off = a.alternate_gc and r % 2 == 1
             t = time.perf_counter()
             llm.generate(prompts, sp, use_tqdm=False)
             wall = (time.perf_counter() - t) * 1e3
@@ -153,7 +177,8 @@ def main() -> None:
             )
             warm = tail.replay() if tail.applied is not None else []
             gcs = " ".join(f"{k}={v:.2f}" if k == "ms" else f"{k}={v}" for k, v in sorted(tail.gcs.items()))
-            print(f"  round {r} wall {wall:.1f} ms | wall/cpu ms: {cells} | apply warm {warm} | gc {gcs}", flush=True)
+            off = " (gc off in the tail)" if tail.gc_off else ""
+            print(f"  round {r}{off} wall {wall:.1f} ms | wall/cpu ms: {cells} | apply warm {warm} | gc {gcs}", flush=True)
 
 
 if __name__ == "__main__":
