@@ -178,7 +178,9 @@ def main() -> None:
             warm = tail.replay() if tail.applied is not None else []
             gcs = " ".join(f"{k}={v:.2f}" if k == "ms" else f"{k}={v}" for k, v in sorted(tail.gcs.items()))
             off = " (gc off in the tail)" if tail.gc_off else ""
-            print(f"  round {r}{off} wall {wall:.1f} ms | wall/cpu ms: {cells} | apply warm {warm} | gc {gcs}", flush=True)
+            print(
+                f"  round {r}{off} wall {wall:.1f} ms | wall/cpu ms: {cells} | apply warm {warm} | gc {gcs}", flush=True
+            )
 
 
 if __name__ == "__main__":
