@@ -8,7 +8,11 @@ inside them, then `_apply` again on the same fetched results (warm: the data jus
 the first touch of the reply from the work itself. A last round runs under cProfile (the fetch and the
 decoding only) and prints the functions with the most own time, torch's included.
 
-    python bench/probes/tail_host.py MODEL [--device cuda] [--workloads W0,W9,W10] [--rounds 3] [--alternate-gc]
+    [VLLM_ENABLE_V1_MULTIPROCESSING=1] python bench/probes/tail_host.py MODEL [--device cuda]
+        [--workloads W0,W9,W10] [--rounds 3] [--alternate-gc]
+
+With `VLLM_ENABLE_V1_MULTIPROCESSING=1` the engine core runs in its own process, as in the bench: the worker's
+parts are then not timed here (its assembly is read from `lens_status`), the fetch is the round trip.
 
 `--alternate-gc`: odd rounds run the fetch and the decoding with the collector off (its deferred young
 collections then run after them, outside the tail's timers).
@@ -149,6 +153,7 @@ def main() -> None:
     tail.install()
     print(f"TAIL_HOST device={a.device} model={a.model} n={a.n} new={a.new}", flush=True)
     frozen = False
+    last: dict = {}  # the worker's cumulative fetch timings (its process's in a multiprocess engine)
     for w in a.workloads.split(","):
         sp = [SamplingParams(max_tokens=a.new, temperature=0, ignore_eos=True, extra_args=extra(w)) for _ in prompts]
         print(f"== {w}", flush=True)
@@ -160,6 +165,9 @@ def main() -> None:
             t = time.perf_counter()
             llm.generate(prompts, sp, use_tqdm=False)
             wall = (time.perf_counter() - t) * 1e3
+            fetch_t = llm.collective_rpc("lens_status")[0]["fetch_timings"]
+            worker = f"worker assemble {(fetch_t['assemble_s'] - last.get('assemble_s', 0)) * 1e3:.2f} ms"
+            last = fetch_t
             if not frozen:  # (after the first round, as the bench freezes its processes' heaps after warm-up)
                 gc.collect()
                 gc.freeze()
@@ -179,7 +187,8 @@ def main() -> None:
             gcs = " ".join(f"{k}={v:.2f}" if k == "ms" else f"{k}={v}" for k, v in sorted(tail.gcs.items()))
             off = " (gc off in the tail)" if tail.gc_off else ""
             print(
-                f"  round {r}{off} wall {wall:.1f} ms | wall/cpu ms: {cells} | apply warm {warm} | gc {gcs}", flush=True
+                f"  round {r}{off} wall {wall:.1f} ms | wall/cpu ms: {cells} | {worker} | apply warm {warm} | gc {gcs}",
+                flush=True,
             )
 
 
