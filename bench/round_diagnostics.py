@@ -103,7 +103,7 @@ def render(result: dict) -> list[str]:
                 gc2 = f"{_num(gcs.get('gen2', 0))} / {_num(gcs.get('gen2_s', 0.0))}" if "gc" in lt else "-"
                 rows.append(
                     f"| {w} | {i} | {_num(r.get('wall'))} | {split} | {steps} | {dev} | {held} | {held2} | "
-                    f"{_num(fe.get('pending'))} / {_num(fe.get('py_objects'))} | {gc2} |"
+                    f"{_num(fe.get('pending'))} / {_num(fe.get('py_objects'))} | {gc2} | {_worker_host(lt)} |"
                 )
                 if "replan_steps" in span:
                     odd.append(_outlier_row(w, i, span))
@@ -121,8 +121,8 @@ def render(result: dict) -> list[str]:
             + " after the run,"
             " then after one plain 1-token request (settled: should be 0 / 0 / 0 / 0 / 0 or the one request).",
             "",
-            "| workload | round | wall s | lead/loop/tail s | steps | device | held after | held settled | frontend pending / objects | full GCs / s |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| workload | round | wall s | lead/loop/tail s | steps | device | held after | held settled | frontend pending / objects | full GCs / s | worker threads CPU s; worker GCs |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
             "",
         ]
@@ -156,6 +156,20 @@ def render(result: dict) -> list[str]:
             "",
         ]
     return lines
+
+
+def _worker_host(lt: dict) -> str:
+    """The worker process's threads with the most CPU in the run (`lens_rusage`'s "threads": the step thread
+    is one of them) and its collections as thread:gen<g>xN/seconds (`VLLM_LENS_HOST_CLOCK`)."""
+    ru = lt.get("rusage") if isinstance(lt.get("rusage"), dict) else {}
+    threads = sorted((ru.get("threads") or {}).items(), key=lambda kv: -kv[1])
+    cells = " ".join(f"{name}:{cpu:.3f}" for name, cpu in threads[:3] if cpu > 0)
+    gcs = []
+    for name, got in (ru.get("gc") or {}).items():
+        for g in (0, 1, 2):
+            if got.get(f"gen{g}"):
+                gcs.append(f"{name}:gen{g}x{_num(got[f'gen{g}'])}/{got.get(f'gen{g}_s', 0.0):.4f}")
+    return f"{cells or '-'}; {' '.join(gcs) or '-'}"
 
 
 def _num(v: Any) -> str:

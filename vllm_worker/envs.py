@@ -292,6 +292,14 @@ SETTINGS: dict[str, Setting] = {
             "host work (read at start-up)",
         ),
         Setting(
+            "VLLM_LENS_HOST_CLOCK",
+            bool,
+            False,
+            "benchmarks only: count each worker process's garbage collections by the thread that ran them "
+            "(`lens_rusage` reports them beside every thread's CPU), so host time taken from the step thread "
+            "can be told apart (read at start-up)",
+        ),
+        Setting(
             "VLLM_LENS_INJECT_FAULT",
             str,
             None,

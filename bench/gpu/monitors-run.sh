@@ -95,6 +95,8 @@ bench)
   rm -rf /root/lens && python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/lens . >/dev/null || exit 1
   # device time per forward in the lens engines' clock (bench/worker.py device_split), for where the time goes
   export VLLM_LENS_GPU_CLOCK=${VLLM_LENS_GPU_CLOCK:-1}
+  # the engine core's collections by thread, beside every thread's CPU (lens_rusage: the round table's last column)
+  export VLLM_LENS_HOST_CLOCK=${VLLM_LENS_HOST_CLOCK:-1}
   BENCH_GPU_UTIL=${BENCH_GPU_UTIL:-$(gpu_util)}
   export BENCH_GPU_UTIL
   export BENCH_LENS_POINTS=mlp_post BENCH_W0_END=${BENCH_W0_END:-2} REPEATS=${REPEATS:-3} OUT="$O"

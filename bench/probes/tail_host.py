@@ -28,6 +28,7 @@ import importlib
 import io
 import pstats
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--idle-replay", type=float, default=0.0, help="replay again after sleeping this many s")
     ap.add_argument("--alternate-gc", action="store_true", help="odd rounds: the collector off in the tail")
     a = ap.parse_args()
     from vllm import SamplingParams
@@ -152,6 +154,7 @@ def main() -> None:
     tail = Tail()
     tail.install()
     print(f"TAIL_HOST device={a.device} model={a.model} n={a.n} new={a.new}", flush=True)
+    print("  threads:", sorted(t.name for t in threading.enumerate()), flush=True)
     frozen = False
     last: dict = {}  # the worker's cumulative fetch timings (its process's in a multiprocess engine)
     for w in a.workloads.split(","):
@@ -184,6 +187,9 @@ def main() -> None:
                 if tail.calls[k]
             )
             warm = tail.replay() if tail.applied is not None else []
+            if tail.applied is not None and a.idle_replay:
+                time.sleep(a.idle_replay)  # (the host's other threads gone idle: a replay not contended)
+                warm += ["idle"] + tail.replay(2)
             gcs = " ".join(f"{k}={v:.2f}" if k == "ms" else f"{k}={v}" for k, v in sorted(tail.gcs.items()))
             off = " (gc off in the tail)" if tail.gc_off else ""
             print(

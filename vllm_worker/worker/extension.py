@@ -13,7 +13,7 @@ from typing import Any, Callable
 from vllm_worker import compat, counters
 from vllm_worker.protocol import errors, rpc
 from vllm_worker.transport import shm
-from vllm_worker.worker import gpu_clock, seams, vector_refs
+from vllm_worker.worker import gpu_clock, host_clock, seams, vector_refs
 from vllm_worker.worker.params import UnknownParameter
 from vllm_worker.worker.runtime import LensRuntime
 
@@ -118,6 +118,7 @@ class _NoProbes:
 
 def _on_loaded(runner: Any) -> None:
     compat.ensure_pp_buffers(runner)
+    host_clock.start()
     if getattr(runner, "_lens_runtime", None) is None:
         try:
             runner._lens_runtime = LensRuntime(runner)
@@ -218,6 +219,7 @@ class LensWorkerExtension:
         out = {"process": use(resource.RUSAGE_SELF)}
         if hasattr(resource, "RUSAGE_THREAD"):
             out["step_thread"] = use(resource.RUSAGE_THREAD)
+        out.update(host_clock.report())  # every thread's CPU; the collections by thread (VLLM_LENS_HOST_CLOCK)
         pool = self._lens_rt().store.pool_status()
         if pool is not None:
             out["pool"] = {k: v for k, v in pool.items() if isinstance(v, (int, float))}
