@@ -9,11 +9,13 @@ the first touch of the reply from the work itself. A last round runs under cProf
 decoding only) and prints the functions with the most own time, torch's included.
 
     [VLLM_ENABLE_V1_MULTIPROCESSING=1] python bench/probes/tail_host.py MODEL [--device cuda]
-        [--workloads W0,W9,W10] [--rounds 3] [--alternate-gc]
+        [--workloads W0,W9,W10] [--rounds 3] [--idle-replay 1] [--alternate-gc]
 
 With `VLLM_ENABLE_V1_MULTIPROCESSING=1` the engine core runs in its own process, as in the bench: the worker's
 parts are then not timed here (its assembly is read from `lens_status`), the fetch is the round trip.
 
+`--idle-replay s`: `_apply` replayed once more after `s` seconds asleep — slower than the warm replay right
+after the round when the host's cores clock down while idle (a tail is a burst after the steps' waits).
 `--alternate-gc`: odd rounds run the fetch and the decoding with the collector off (its deferred young
 collections then run after them, outside the tail's timers).
 """
