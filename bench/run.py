@@ -214,7 +214,10 @@ def bench_model(
         if "error" in warm:
             entry["error"] = warm["error"]
         elif GC_FREEZE:  # every system alike, after its warm-up (as vLLM's serving benchmark does)
-            entry["gc_frozen"] = p.ask(freeze_gc=True).get("frozen")
+            got = p.ask(freeze_gc=True)
+            entry["gc_frozen"] = got.get("frozen")
+            if "engine_frozen" in got:
+                entry["engine_gc_frozen"] = got["engine_frozen"]
         procs[system] = p
         print(f"[{label}] {system} ready in {time.time() - t:.0f}s", flush=True)
     # BENCH_ORDER: the workloads' order within a round (e.g. W2 last: a round's other workloads run after
@@ -314,6 +317,11 @@ def write_results(results: list[dict], args, started: float) -> Path:
             " Each bench process's garbage-collector heap is frozen after its warm-up (`BENCH_GC_FREEZE=1`, "
             "every system alike, as `vllm bench serve` does): a full collection then walks only what the "
             "rounds made, not the ~800k objects vLLM and torch hold."
+            + (
+                " So is each vLLM engine core's (`BENCH_ENGINE_GC_FREEZE=1`; vLLM itself freezes it at start-up only)."
+                if os.environ.get("BENCH_ENGINE_GC_FREEZE") == "1"
+                else ""
+            )
             if GC_FREEZE
             else " The bench processes' garbage collectors are left as they are (`BENCH_GC_FREEZE=0`)."
         ),

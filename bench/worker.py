@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import Any
 
 import monitor_workloads
 import round_diagnostics
@@ -527,6 +528,15 @@ def _norm_hook_on_device(ctx, h):
     return None
 
 
+def _freeze_engine_heap(_worker: Any = None) -> int:
+    """Run in each vLLM worker (`collective_rpc`): its heap frozen as this process's is after the warm-up
+    (`BENCH_ENGINE_GC_FREEZE=1`): vLLM freezes an engine core's heap at start-up only, so a full collection
+    there walks everything the warm-up made."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -534,6 +544,9 @@ def main() -> None:
     kind, model = sys.argv[1], sys.argv[2]
     device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
     dtype = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "float32"
+    engine_freeze = os.environ.get("BENCH_ENGINE_GC_FREEZE") == "1"
+    if engine_freeze:  # (a callable crosses to the engine core's workers: vLLM pickles it only when allowed)
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     t0 = time.perf_counter()
     try:
         cls = {"hf": HFSystem, "nnsight": HFSystem, "transformer-lens": HFSystem, "nnsight-vllm": NNsightVLLMSystem}
@@ -550,7 +563,11 @@ def main() -> None:
         if cmd.get("freeze_gc"):  # after the warm-up (bench/run.py: BENCH_GC_FREEZE)
             gc.collect()
             gc.freeze()
-            send({"frozen": gc.get_freeze_count()})
+            frozen: dict[str, Any] = {"frozen": gc.get_freeze_count()}
+            llm = getattr(system, "llm", None)
+            if engine_freeze and llm is not None:  # every vLLM system alike (BENCH_ENGINE_GC_FREEZE)
+                frozen["engine_frozen"] = llm.collective_rpc(_freeze_engine_heap)
+            send(frozen)
             continue
         try:
             if device == "cuda":
