@@ -3,7 +3,9 @@ vLLM-based one sizes its engine (engines run side by side, so each is given its 
 
 from __future__ import annotations
 
+import gc
 import os
+from typing import Any
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -27,3 +29,12 @@ def kv_cache_tokens(llm) -> dict:
     """The engine's KV cache in tokens: engines started side by side can starve one of it (run.py checks)."""
     cc = llm.llm_engine.vllm_config.cache_config
     return {"kv_cache_tokens": int(cc.num_gpu_blocks) * int(cc.block_size)} if cc.num_gpu_blocks else {}
+
+
+def freeze_engine_heap(_worker: Any = None) -> int:
+    """Run in each vLLM worker (`collective_rpc`): its heap frozen as this process's is after the warm-up
+    (`BENCH_ENGINE_GC_FREEZE=1`): vLLM freezes an engine core's heap at start-up only, so a full collection
+    there walks everything the warm-up made."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

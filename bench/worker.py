@@ -33,7 +33,7 @@ import monitor_workloads
 import round_diagnostics
 from hf_system import HFSystem
 from nnsight_vllm_system import NNsightVLLMSystem
-from system_base import engine_room, kv_cache_tokens, prompts
+from system_base import engine_room, freeze_engine_heap, kv_cache_tokens, prompts
 
 WORKLOADS = ("W0", "W1", "W2", "W3", "W4", "W4n", "W4b", "W4m", "W4r", "W4rb", "W5", "W6", "W7", "W8")
 WORKLOADS += monitor_workloads.MONITOR_WORKLOADS  # W9-W14: probes, probe actions, ops, mlp_post (#42, #43)
@@ -528,15 +528,6 @@ def _norm_hook_on_device(ctx, h):
     return None
 
 
-def _freeze_engine_heap(_worker: Any = None) -> int:
-    """Run in each vLLM worker (`collective_rpc`): its heap frozen as this process's is after the warm-up
-    (`BENCH_ENGINE_GC_FREEZE=1`): vLLM freezes an engine core's heap at start-up only, so a full collection
-    there walks everything the warm-up made."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -566,7 +557,7 @@ def main() -> None:
             frozen: dict[str, Any] = {"frozen": gc.get_freeze_count()}
             llm = getattr(system, "llm", None)
             if engine_freeze and llm is not None:  # every vLLM system alike (BENCH_ENGINE_GC_FREEZE)
-                frozen["engine_frozen"] = llm.collective_rpc(_freeze_engine_heap)
+                frozen["engine_frozen"] = llm.collective_rpc(freeze_engine_heap)
             send(frozen)
             continue
         try:
