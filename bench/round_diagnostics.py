@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import statistics
 import sys
-import time
 from typing import Any
 
 # step counters shown per round (cumulative in the worker; worker.py records each run's difference)
@@ -181,28 +180,26 @@ def _num(v: Any) -> str:
 
 
 class GcClock:
-    """This process's garbage collections during a run (`gc.callbacks`): count and seconds per generation —
-    a full collection over the frontend's live objects can stall a run's tail (W10: `decode_s` 0.5 s in one
-    round, 0.06 in the next)."""
+    """This process's garbage collections during a run: count and seconds per generation, every thread
+    together (the worker's clock, `host_clock.GcClock`, read as differences) — a full collection over the
+    frontend's live objects can stall a run's tail (W10: `decode_s` 0.5 s in one round, 0.06 in the next)."""
 
     def __init__(self) -> None:
-        self._t0: float | None = None
-        self._by: dict[int, list] = {}
-        gc.callbacks.append(self._on)
+        from vllm_worker.worker.host_clock import GcClock as ByThread  # (lens systems only: the plugin is there)
 
-    def _on(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        elif self._t0 is not None:
-            got = self._by.setdefault(int(info.get("generation", -1)), [0, 0.0])
-            got[0] += 1
-            got[1] += time.perf_counter() - self._t0
-            self._t0 = None
+        self._clock = ByThread()
+        self._last: dict[str, float] = {}
 
     def take(self) -> dict[str, Any]:
-        """{"gen<g>": collections, "gen<g>_s": seconds} since the last call."""
+        """{"gen<g>": collections, "gen<g>_s": seconds} since the last call, generations that ran only."""
+        now: dict[str, float] = {}
+        for per_thread in self._clock.snapshot().values():
+            for k, v in per_thread.items():
+                now[k] = now.get(k, 0) + v
         out: dict[str, Any] = {}
-        for g, (n, s) in sorted(self._by.items()):
-            out[f"gen{g}"], out[f"gen{g}_s"] = n, round(s, 4)
-        self._by = {}
+        for k in sorted(k for k in now if not k.endswith("_s")):  # gen-1 < gen0 < gen1 < gen2
+            n = int(now[k] - self._last.get(k, 0))
+            if n:
+                out[k], out[f"{k}_s"] = n, round(now[f"{k}_s"] - self._last.get(f"{k}_s", 0.0), 4)
+        self._last = now
         return out

@@ -98,15 +98,22 @@ def bench_engine(model: str, device: str, n: int) -> tuple[Any, Any, list[dict]]
     return llm, (lambda w: None if w == "W0" else mw.extra(w, n_layers, d, vec, SteeringVector)), prompts
 
 
-def main() -> None:
+def bench_args(workloads: str, rounds: int, top: int) -> argparse.ArgumentParser:
+    """The options of a probe over `bench_engine`'s engine: the model, device, batch (`--n` prompts ->
+    `--new` tokens), workloads, rounds and how many profiled functions to print."""
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--workloads", default="W9,W10,W11,W12,W13")
+    ap.add_argument("--workloads", default=workloads)
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--top", type=int, default=top)
+    return ap
+
+
+def main() -> None:
+    ap = bench_args("W9,W10,W11,W12,W13", rounds=2, top=18)
     ap.add_argument("--stagger", type=int, default=1)
     a = ap.parse_args()
     from vllm import SamplingParams

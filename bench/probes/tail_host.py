@@ -22,7 +22,6 @@ collections then run after them, outside the tail's timers).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import cProfile
 import gc
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_host import bench_engine  # noqa: E402  (bench/probes: beside this script; sets up sys.path)
+from step_host import bench_args, bench_engine  # noqa: E402  (bench/probes: beside this script; sets up sys.path)
 
 # (module, owner attribute or "", function, label): the parts timed in a round's tail
 PARTS = [
@@ -139,14 +138,7 @@ class Tail:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--workloads", default="W0,W9,W10")
-    ap.add_argument("--n", type=int, default=256)
-    ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--top", type=int, default=25)
+    ap = bench_args("W0,W9,W10", rounds=3, top=25)
     ap.add_argument("--idle-replay", type=float, default=0.0, help="replay again after sleeping this many s")
     ap.add_argument("--alternate-gc", action="store_true", help="odd rounds: the collector off in the tail")
     a = ap.parse_args()
