@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Here, once per machine: the staged parts monitors-run.sh carries (G, default .gpu/mon), made from
-# ../shared/gpu/prepare.sh's .gpu (run first when missing): vLLM 0.26's stripped archive re-split 56 + 15 MB,
+# ../shared/gpu/prepare.sh's .gpu (run first when missing): vLLM 0.26's stripped archive re-split 50 + 18 MB (call 1 also carries the ~9.5 MB tree),
 # and the server's wheels (srvwhl) unpacked into one site folder and xz'd (srvx: 10.6 MB instead of 21.3),
 # so that no device call carries more than ~62 MB of the 67.1 MB allowed. Then `monitors-run.sh stage COMMIT`.
 set -euo pipefail
@@ -15,7 +15,7 @@ fi
 mkdir -p "$G"
 rm -rf "$G/p1" "$G/p2" "$G/whl" "$G/dev" "$G/model" "$G/srvx"
 mkdir -p "$G/p1" "$G/p2" "$G/srvx"
-(cd "$G" && split -b 56M -d -a 2 "$S/vllm026s.tar.xz" vpart. && mv vpart.00 p1/ && mv vpart.01 p2/)
+(cd "$G" && split -b 50M -d -a 2 "$S/vllm026s.tar.xz" vpart. && mv vpart.00 p1/ && mv vpart.01 p2/)
 cp "$S/vllm026s.sha256" "$G/"
 cp -r "$S/whl" "$S/dev" "$S/model" "$G/"
 SITE=$(mktemp -d)

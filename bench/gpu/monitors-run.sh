@@ -12,7 +12,7 @@
 #   call 3, carry [G/dev G/model G/code]:
 #                           bash .gpu/mon/code/bench/gpu/monitors-run.sh bench
 #
-# p1 / p2: vLLM 0.26's stripped .tar.xz (../../shared/gpu/prepare.sh) split 56 MB + 15 MB, so that each call has room.
+# p1 / p2: vLLM 0.26's stripped .tar.xz (../../shared/gpu/prepare.sh) split 50 MB + 18 MB (monitors-prepare.sh), so that each call, the ~9.5 MB tree included, has room.
 # srvx/srv.tar.xz: the wheels `vllm-lens serve` needs beyond whl/ (../../shared/gpu/prepare.sh's srvwhl list),
 # unpacked into one site folder and xz'd (10.6 MB instead of 21.3: calls 1 and 2 each carry ~65 MB otherwise).
 # check: joins and installs vLLM 0.26 (+ the server's packages) into /root/site, this code into /root/lens, runs
