@@ -1,6 +1,6 @@
 """Which threads of the host burn CPU while a bench runs beside it: every `--every` s, each thread (of any
-process) that used more than `--min` % of a core over the interval, with its process, thread name and the
-core it last ran on; and once per process the cores it may run on. It tells a busy-polling neighbour, a
+process) that used more than `--min` % of a core over the interval, as pid/tid/name@last core:percent (the
+tid matches `lens_rusage`'s thread names); and once per process the cores it may run on. It tells a busy-polling neighbour, a
 torch pool spinning after its region or two processes pinned to one core from the tail's own work.
 
     python bench/probes/thread_top.py [--every 1] [--min 5] [--seconds 600] > threads.log &
@@ -71,7 +71,9 @@ def main() -> None:
         for pid in sorted({k[0] for _, k, _, _ in busy} - seen):
             seen.add(pid)
             print("PROC", _process(pid), flush=True)
-        cells = " ".join(f"{pid}/{name}@{core}:{pct:.0f}" for pct, (pid, _), name, core in sorted(busy, reverse=True))
+        cells = " ".join(
+            f"{pid}/{tid}/{name}@{core}:{pct:.0f}" for pct, (pid, tid), name, core in sorted(busy, reverse=True)
+        )
         print(f"T {time.strftime('%H:%M:%S')} {cells}", flush=True)
         prev, t_prev = cur, t
 
