@@ -7,22 +7,29 @@ of those steps only, in a further round: the timers are read without it). The be
 this says which of our functions a changed step pays for, on the host that runs it.
 
     python bench/probes/step_host.py MODEL [--device cuda] [--workloads W9,W10,W11,W12,W13] [--new 128]
-        [--stagger 4]
+        [--stagger 4] [--sync-debug]
 
 `--stagger k`: request i asks for `new - i % k` tokens, so that the batch leaves over k steps (each a new
 composition of those left), as the bench's engine, admitting over k steps, sees its requests leave.
+`--sync-debug` (CUDA): the changed steps of the timed round run under `torch.cuda.set_sync_debug_mode("warn")`,
+and every host-device synchronisation there is counted by where it was called (the innermost frames of ours or
+vLLM's): a step whose host waits for the step still on the device shows it (vLLM's own syncs included).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import io
 import os
 import pstats
 import sys
 import time
+import traceback
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +122,7 @@ def bench_args(workloads: str, rounds: int, top: int) -> argparse.ArgumentParser
 def main() -> None:
     ap = bench_args("W9,W10,W11,W12,W13", rounds=2, top=18)
     ap.add_argument("--stagger", type=int, default=1)
+    ap.add_argument("--sync-debug", action="store_true", help="count host-device syncs in changed steps (CUDA)")
     a = ap.parse_args()
     from vllm import SamplingParams
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -124,6 +132,7 @@ def main() -> None:
     timers.install()
     steps: list[tuple[float, int, int, dict]] = []  # (ms, new requests, finished requests, parts)
     prof: dict[str, Any] = {"p": None}
+    syncs = SyncSites() if a.sync_debug and a.device == "cuda" else None
     exe = GPUModelRunner.execute_model
 
     def execute_model(runner: Any, so: Any, *args: Any, **kw2: Any) -> Any:
@@ -131,9 +140,13 @@ def main() -> None:
         p = prof["p"] if changed else None
         timers.t.clear()
         t = time.perf_counter()
+        watch = syncs is not None and changed and syncs.on
         if p is not None:
             p.enable()
         try:
+            if watch:
+                with syncs.watching(len(steps)):
+                    return exe(runner, so, *args, **kw2)
             return exe(runner, so, *args, **kw2)
         finally:
             if p is not None:
@@ -154,6 +167,8 @@ def main() -> None:
         for r in range(a.rounds + 1):
             steps.clear()
             prof["p"] = cProfile.Profile() if r == a.rounds else None
+            if syncs is not None:  # (the round before the timed one, which `--rounds` >= 2 leaves: its waits)
+                syncs.on = r == a.rounds - 2
             t = time.perf_counter()
             llm.generate(prompts, sp, use_tqdm=False)
             walls.append(round(time.perf_counter() - t, 3))
@@ -164,12 +179,55 @@ def main() -> None:
             if new or fin or i < 2:
                 cells = " ".join(f"{k}={v:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
                 print(f"  step {i:3d} exec {ms:7.2f} ms new {new:3d} left {fin:3d} | {cells}", flush=True)
+        if syncs is not None:
+            syncs.report()
         steady = sorted(ms for ms, new, fin, _ in timed[5:-5] if not new and not fin)
         if steady:
             print(f"  steady steps: {len(steady)}, exec median {steady[len(steady) // 2]:.2f} ms", flush=True)
         s = io.StringIO()
         pstats.Stats(prof["p"], stream=s).sort_stats("tottime").print_stats("vllm_worker", a.top)
         print("\n".join(line for line in s.getvalue().splitlines() if "vllm_worker" in line or "ncalls" in line))
+
+
+class SyncSites:
+    """Host-device synchronisations inside chosen steps, by the step and the frames that called them
+    (torch's sync debug mode warns at each; the warning's Python stack names the caller)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.by_step: dict[int, collections.Counter] = {}
+
+    @contextlib.contextmanager
+    def watching(self, step: int) -> Iterator[None]:
+        import torch
+
+        seen = self.by_step.setdefault(step, collections.Counter())
+        shown = warnings.showwarning
+
+        def record(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+            frames = [
+                f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                for f in traceback.extract_stack()[:-1]
+                if "vllm_worker" in f.filename or "/vllm/" in f.filename
+            ]
+            seen[" <- ".join(reversed(frames[-3:])) or str(message)[:80]] += 1
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                warnings.showwarning = shown
+
+    def report(self) -> None:
+        print("  host-device syncs in the changed steps (step: count x innermost frames):", flush=True)
+        for step, seen in sorted(self.by_step.items()):
+            for where, n in seen.most_common(6):
+                print(f"   step {step:3d}: {n} x {where}", flush=True)
+        self.by_step.clear()
 
 
 if __name__ == "__main__":
