@@ -11,9 +11,10 @@ this says which of our functions a changed step pays for, on the host that runs 
 
 `--stagger k`: request i asks for `new - i % k` tokens, so that the batch leaves over k steps (each a new
 composition of those left), as the bench's engine, admitting over k steps, sees its requests leave.
-`--sync-debug` (CUDA): the changed steps of the timed round run under `torch.cuda.set_sync_debug_mode("warn")`,
-and every host-device synchronisation there is counted by where it was called (the innermost frames of ours or
-vLLM's): a step whose host waits for the step still on the device shows it (vLLM's own syncs included).
+`--sync-debug` (CUDA, `--rounds` >= 2): the changed steps of the round before the timed one run under
+`torch.cuda.set_sync_debug_mode("warn")`, and every host-device synchronisation there is counted by where it was
+called (the innermost frames of ours or vLLM's): a step whose host waits for the step still on the device shows
+it (vLLM's own syncs included).
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ def main() -> None:
     ap.add_argument("--stagger", type=int, default=1)
     ap.add_argument("--sync-debug", action="store_true", help="count host-device syncs in changed steps (CUDA)")
     a = ap.parse_args()
+    if a.sync_debug and (a.device != "cuda" or a.rounds < 2):
+        ap.error("--sync-debug needs --device cuda and --rounds 2 or more (it watches the round before the timed one)")
     from vllm import SamplingParams
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -132,7 +135,7 @@ def main() -> None:
     timers.install()
     steps: list[tuple[float, int, int, dict]] = []  # (ms, new requests, finished requests, parts)
     prof: dict[str, Any] = {"p": None}
-    syncs = SyncSites() if a.sync_debug and a.device == "cuda" else None
+    syncs = SyncSites() if a.sync_debug else None
     exe = GPUModelRunner.execute_model
 
     def execute_model(runner: Any, so: Any, *args: Any, **kw2: Any) -> Any:
@@ -167,7 +170,7 @@ def main() -> None:
         for r in range(a.rounds + 1):
             steps.clear()
             prof["p"] = cProfile.Profile() if r == a.rounds else None
-            if syncs is not None:  # (the round before the timed one, which `--rounds` >= 2 leaves: its waits)
+            if syncs is not None:  # (the round before the timed one: its waits, not their cost in the timings)
                 syncs.on = r == a.rounds - 2
             t = time.perf_counter()
             llm.generate(prompts, sp, use_tqdm=False)
@@ -202,7 +205,6 @@ class SyncSites:
         import torch
 
         seen = self.by_step.setdefault(step, collections.Counter())
-        shown = warnings.showwarning
 
         def record(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
             frames = [
@@ -212,7 +214,7 @@ class SyncSites:
             ]
             seen[" <- ".join(reversed(frames[-3:])) or str(message)[:80]] += 1
 
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # (restores `showwarning` and the filters on the way out)
             warnings.simplefilter("always")
             warnings.showwarning = record
             torch.cuda.set_sync_debug_mode("warn")
@@ -220,11 +222,12 @@ class SyncSites:
                 yield
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-                warnings.showwarning = shown
 
     def report(self) -> None:
         print("  host-device syncs in the changed steps (step: count x innermost frames):", flush=True)
         for step, seen in sorted(self.by_step.items()):
+            if not seen:
+                print(f"   step {step:3d}: none", flush=True)
             for where, n in seen.most_common(6):
                 print(f"   step {step:3d}: {n} x {where}", flush=True)
         self.by_step.clear()

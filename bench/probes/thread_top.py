@@ -1,7 +1,8 @@
 """Which threads of the host burn CPU while a bench runs beside it: every `--every` s, each thread (of any
 process) that used more than `--min` % of a core over the interval, as pid/tid/name@last core:percent (the
-tid matches `lens_rusage`'s thread names); and once per process the cores it may run on. It tells a busy-polling neighbour, a
-torch pool spinning after its region or two processes pinned to one core from the tail's own work.
+tid matches `lens_rusage`'s thread names); and once per process the cores it may run on. It tells a
+busy-polling neighbour, a torch pool spinning after its region or two processes pinned to one core from the
+tail's own work.
 
     python bench/probes/thread_top.py [--every 1] [--min 5] [--seconds 600] > threads.log &
 """
