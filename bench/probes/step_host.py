@@ -7,10 +7,13 @@ of those steps only, in a further round: the timers are read without it). The be
 this says which of our functions a changed step pays for, on the host that runs it.
 
     python bench/probes/step_host.py MODEL [--device cuda] [--workloads W9,W10,W11,W12,W13] [--new 128]
-        [--stagger 4] [--sync-debug]
+        [--stagger 4] [--arrive 4] [--sync-debug]
 
 `--stagger k`: request i asks for `new - i % k` tokens, so that the batch leaves over k steps (each a new
 composition of those left), as the bench's engine, admitting over k steps, sees its requests leave.
+`--arrive k`: the batch is added in k equal groups, one before each of the engine's first k steps
+(`LLMEngine.add_request` / `step`), as the bench's engine in its own process receives it: admissions while
+an earlier group's prefill is still on the device (async scheduling), which `generate` in one process never shows.
 `--sync-debug` (CUDA, `--rounds` >= 2): the changed steps of the round before the timed one run under
 `torch.cuda.set_sync_debug_mode("warn")`, and every host-device synchronisation there is counted by where it was
 called (the innermost frames of ours or vLLM's): a step whose host waits for the step still on the device shows
@@ -123,6 +126,7 @@ def bench_args(workloads: str, rounds: int, top: int) -> argparse.ArgumentParser
 def main() -> None:
     ap = bench_args("W9,W10,W11,W12,W13", rounds=2, top=18)
     ap.add_argument("--stagger", type=int, default=1)
+    ap.add_argument("--arrive", type=int, default=1, help="add the batch in this many groups, one a step")
     ap.add_argument("--sync-debug", action="store_true", help="count host-device syncs in changed steps (CUDA)")
     a = ap.parse_args()
     if a.sync_debug and (a.device != "cuda" or a.rounds < 2):
@@ -173,7 +177,7 @@ def main() -> None:
             if syncs is not None:  # (the round before the timed one: its waits, not their cost in the timings)
                 syncs.on = r == a.rounds - 2
             t = time.perf_counter()
-            llm.generate(prompts, sp, use_tqdm=False)
+            run_round(llm, prompts, sp, a.arrive, f"{w}-{r}")
             walls.append(round(time.perf_counter() - t, 3))
             if r == a.rounds - 1:
                 timed = list(steps)
@@ -190,6 +194,25 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(prof["p"], stream=s).sort_stats("tottime").print_stats("vllm_worker", a.top)
         print("\n".join(line for line in s.getvalue().splitlines() if "vllm_worker" in line or "ncalls" in line))
+
+
+def run_round(llm: Any, prompts: list[dict], sps: list, arrive: int, tag: str) -> None:
+    """One round of the batch: `generate` at once, or (`arrive` > 1) in `arrive` groups, each added before
+    one engine step, then stepped until every request is done."""
+    if arrive <= 1:
+        llm.generate(prompts, sps, use_tqdm=False)
+        return
+    eng = llm.llm_engine
+    n = len(prompts)
+    per = -(-n // arrive)
+    i = done = 0
+    while i < n or eng.has_unfinished_requests():
+        for j in range(i, min(i + per, n)):
+            eng.add_request(f"sh-{tag}-{j}", prompts[j], sps[j])
+        i = min(i + per, n)
+        done += sum(1 for o in eng.step() if o.finished)
+    if done != n:
+        raise RuntimeError(f"run_round {tag}: {done} of {n} requests finished")
 
 
 class SyncSites:
