@@ -70,9 +70,12 @@ def _outlier_row(w: str, i: int, span: dict) -> str:
     def cells(items: list) -> str:
         return " ".join(f"{x[0]}:{x[1]}" + (f"(+{x[2]})" if len(x) > 2 and x[2] else "") for x in items) or "-"
 
+    def replans(items: list) -> str:  # step:ms, then [requests in the batch] where recorded
+        return " ".join(f"{x[0]}:{x[1]}" + (f"[{x[2]}]" if len(x) > 2 else "") for x in items) or "-"
+
     gaps = f"{_num(span.get('dev_gap_ms_replanned'))} / {_num(span.get('dev_gap_ms_other'))}"
     return (
-        f"| {w} | {i} | {cells(span['replan_steps'])} | {cells(span.get('top_host_fwd', []))} | "
+        f"| {w} | {i} | {replans(span['replan_steps'])} | {cells(span.get('top_host_fwd', []))} | "
         f"{cells(span.get('top_dev_gaps', []))} | {gaps if 'top_dev_gaps' in span else '-'} |"
     )
 
@@ -127,7 +130,8 @@ def render(result: dict) -> list[str]:
         ]
         if odd:
             lines += [
-                f"Outliers ({system}): each re-plan's step and host ms (a batch composition changed); the largest "
+                f"Outliers ({system}): each re-plan's step and host ms (a batch composition changed), [the batch's "
+                "requests then]; the largest "
                 "host ms inside a forward and device gaps before one, as step:ms(+ms of a re-plan before it); "
                 "device gap ms summed before re-planned steps / elsewhere.",
                 "",

@@ -444,19 +444,21 @@ def split_wall(clock: list, t0: float, t1: float, replans: list | None = None) -
 
 
 def outliers(mine: list, replans: list) -> dict:
-    """Where a loop's extra time sits: each re-plan's step (the first forward starting after it) and host
-    ms; the 5 largest host times inside a forward and (device clock) device gaps before a forward, each as
+    """Where a loop's extra time sits: each re-plan's step (the first forward starting after it), host
+    ms and the batch's requests then (its growth from the step before: the requests admitted); the 5 largest host times inside a forward and (device clock) device gaps before a forward, each as
     [step, ms, ms of the re-plan before that step or 0]; the device gaps summed before re-planned steps and
     elsewhere. A cost paid once per batch composition shows at the re-planned steps, a per-step one does not."""
     starts = [c[0] for c in mine]
     at: dict[int, float] = {}
-    for t, dt, _ in replans:
+    size: dict[int, int] = {}  # the batch's requests at the step's (last) re-plan
+    for t, dt, n in replans:
         i = next((k for k, s in enumerate(starts) if s >= t), None)
         if i is not None:
             at[i] = at.get(i, 0.0) + dt * 1e3
+            size[i] = int(n)
     host = sorted(((round((c[1] - c[0]) * 1e3, 2), i) for i, c in enumerate(mine)), reverse=True)[:5]
     out = {
-        "replan_steps": [[i, round(ms, 2)] for i, ms in sorted(at.items())],
+        "replan_steps": [[i, round(ms, 2), size[i]] for i, ms in sorted(at.items())],
         "top_host_fwd": [[i, ms, round(at.get(i, 0.0), 2)] for ms, i in host],
     }
     if mine and len(mine[0]) >= 5:  # gap k: after forward k, before forward k + 1
