@@ -7,13 +7,16 @@ of those steps only, in a further round: the timers are read without it). The be
 this says which of our functions a changed step pays for, on the host that runs it.
 
     python bench/probes/step_host.py MODEL [--device cuda] [--workloads W9,W10,W11,W12,W13] [--new 128]
-        [--stagger 4] [--arrive 4] [--sync-debug]
+        [--stagger 4] [--arrive 4] [--settle] [--sync-debug]
 
 `--stagger k`: request i asks for `new - i % k` tokens, so that the batch leaves over k steps (each a new
 composition of those left), as the bench's engine, admitting over k steps, sees its requests leave.
 `--arrive k`: the batch is added in k equal groups, one before each of the engine's first k steps
 (`LLMEngine.add_request` / `step`), as the bench's engine in its own process receives it: admissions while
 an earlier group's prefill is still on the device (async scheduling), which `generate` in one process never shows.
+`--settle`: after every round, one plain 1-token request, as the bench runs between rounds (its `held settled`
+check): the round's requests leave in that step, their steering chains with them, so the next round's first
+admission adds its chains to the table again, as each of the bench's rounds does.
 `--sync-debug` (CUDA, `--rounds` >= 2): the changed steps of the round before the timed one run under
 `torch.cuda.set_sync_debug_mode("warn")`, and every host-device synchronisation there is counted by where it was
 called (the innermost frames of ours or vLLM's): a step whose host waits for the step still on the device shows
@@ -127,6 +130,7 @@ def main() -> None:
     ap = bench_args("W9,W10,W11,W12,W13", rounds=2, top=18)
     ap.add_argument("--stagger", type=int, default=1)
     ap.add_argument("--arrive", type=int, default=1, help="add the batch in this many groups, one a step")
+    ap.add_argument("--settle", action="store_true", help="one plain 1-token request after every round")
     ap.add_argument("--sync-debug", action="store_true", help="count host-device syncs in changed steps (CUDA)")
     a = ap.parse_args()
     if a.sync_debug and (a.device != "cuda" or a.rounds < 2):
@@ -179,6 +183,8 @@ def main() -> None:
             t = time.perf_counter()
             run_round(llm, prompts, sp, a.arrive, f"{w}-{r}")
             walls.append(round(time.perf_counter() - t, 3))
+            if a.settle:  # (its step is the last of this round's `steps`: the round's requests leave there)
+                llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)
             if r == a.rounds - 1:
                 timed = list(steps)
         print(f"== {w} walls {walls} (the last with cProfile)", flush=True)
