@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Here, once per machine: the staged parts monitors-run.sh carries (G, default .gpu/mon), made from
-# ../shared/gpu/prepare.sh's .gpu (run first when missing): vLLM 0.26's stripped archive re-split 50 + 18 MB (call 1 also carries the ~9.5 MB tree),
-# and the server's wheels (srvwhl) unpacked into one site folder and xz'd (srvx: 10.6 MB instead of 21.3),
-# so that no device call carries more than ~62 MB of the 67.1 MB allowed. Then `monitors-run.sh stage COMMIT`.
+# ../shared/gpu/prepare.sh's .gpu (run first when missing): vLLM 0.26's stripped archive re-split 53 + 15 MiB (call 1 also carries the ~9.7 MB tree; call 2 the server packages),
+# the server's wheels (srvwhl) unpacked into one site folder and xz'd (srvx: 10.6 MB instead of 21.3), and py-spy (spy),
+# so that no device call carries more than ~65 MB of the 67.1 MB allowed. Then `monitors-run.sh stage COMMIT`.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 S=${S:-$ROOT/.gpu}
@@ -15,7 +15,7 @@ fi
 mkdir -p "$G"
 rm -rf "$G/p1" "$G/p2" "$G/whl" "$G/dev" "$G/model" "$G/srvx"
 mkdir -p "$G/p1" "$G/p2" "$G/srvx"
-(cd "$G" && split -b 50M -d -a 2 "$S/vllm026s.tar.xz" vpart. && mv vpart.00 p1/ && mv vpart.01 p2/)
+(cd "$G" && split -b 53M -d -a 2 "$S/vllm026s.tar.xz" vpart. && mv vpart.00 p1/ && mv vpart.01 p2/)
 cp "$S/vllm026s.sha256" "$G/"
 cp -r "$S/whl" "$S/dev" "$S/model" "$G/"
 SITE=$(mktemp -d)
@@ -23,4 +23,7 @@ for w in "$S"/srvwhl/*.whl; do unzip -q -o "$w" -d "$SITE"; done
 tar -cf - -C "$SITE" . | xz -9 -T2 > "$G/srvx/srv.tar.xz"
 (cd "$G/srvx" && sha256sum srv.tar.xz > srv.sha256)
 rm -rf "$SITE"
-du -sh "$G"/{p1,p2,whl,srvx,dev,model}
+# py-spy's wheel (2.8 MB) for `monitors-run.sh profile`: host-side profiles of the bench's engines
+mkdir -p "$G/spy"
+ls "$G"/spy/py_spy-*.whl > /dev/null 2>&1 || .venv/bin/python -m pip download -q --no-deps -d "$G/spy" py-spy==0.4.1
+du -sh "$G"/{p1,p2,whl,srvx,dev,model,spy}

@@ -11,8 +11,9 @@
 #                           bash .gpu/mon/code/bench/gpu/monitors-run.sh check
 #   call 3, carry [G/dev G/model G/code]:
 #                           bash .gpu/mon/code/bench/gpu/monitors-run.sh bench
+#   (or, after `install` in call 2, carry [G/dev G/model G/code G/spy]: ... monitors-run.sh profile)
 #
-# p1 / p2: vLLM 0.26's stripped .tar.xz (../../shared/gpu/prepare.sh) split 50 MB + 18 MB (monitors-prepare.sh), so that each call, the ~9.5 MB tree included, has room.
+# p1 / p2: vLLM 0.26's stripped .tar.xz (../../shared/gpu/prepare.sh) split 53 + 15 MiB (monitors-prepare.sh), so that each call, the ~9.7 MB tree included, has room.
 # srvx/srv.tar.xz: the wheels `vllm-lens serve` needs beyond whl/ (../../shared/gpu/prepare.sh's srvwhl list),
 # unpacked into one site folder and xz'd (10.6 MB instead of 21.3: calls 1 and 2 each carry ~65 MB otherwise).
 # check: joins and installs vLLM 0.26 (+ the server's packages) into /root/site, this code into /root/lens, runs
@@ -57,6 +58,7 @@ stage)
   echo "tree $((TREE / 1000)) kB; call 1: $(mb "$G/p1")"
   echo "call 2: $(mb "$G"/{p2,whl,srvx,dev,model,code,vllm026s.sha256})"
   echo "call 3: $(mb "$G"/{dev,model,code})"
+  [ -d "$G/spy" ] && echo "profile call: $(mb "$G"/{dev,model,code,spy})"
   ;;
 check | install)
   ln -sfn .. .gpu  # code/.gpu -> G: the staged parts under the names setup.sh and gpu.sh use
