@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from vllm_worker import compat, counters
 from vllm_worker.protocol import errors, rpc
+from vllm_worker.protocol.host_threads import one_thread
 from vllm_worker.transport import shm
 from vllm_worker.worker import gpu_clock, host_clock, seams, vector_refs
 from vllm_worker.worker.params import UnknownParameter
@@ -140,8 +141,14 @@ def _stops(runner: Any) -> dict[str, str] | None:
 
 
 def _needs_python(runner: Any) -> int:
+    """The step's plan, made here (admission, its steering's flush to the device, the plan), in one torch
+    thread: a GPU engine core keeps torch's intra-op pool at one thread a core, and waking it for a request's
+    few rows cost more than the work (`host_threads`; docs/decisions.md, "sixteenth session")."""
     rt = getattr(runner, "_lens_runtime", None)
-    return 0 if rt is None or isinstance(rt, Unsupported) else rt.prepare_step()
+    if rt is None or isinstance(rt, Unsupported):
+        return 0
+    with one_thread():
+        return rt.prepare_step()
 
 
 compat.check_version()
@@ -168,11 +175,13 @@ class LensWorkerExtension:
         return rt
 
     def lens_fetch(self, wanted: list, shm_host: str | None = None, released: list | None = None) -> dict:
-        return self._lens_rt().fetch(
-            [(k, {int(c): int(n) for c, n in ch.items()}) for k, ch in wanted],
-            None if shm_host is None else str(shm_host),
-            released,
-        )
+        rt = self._lens_rt()
+        with one_thread():  # (the results' copies: as `_needs_python`)
+            return rt.fetch(
+                [(k, {int(c): int(n) for c, n in ch.items()}) for k, ch in wanted],
+                None if shm_host is None else str(shm_host),
+                released,
+            )
 
     def lens_release(self, released: list) -> int:
         return self._lens_rt().store.release(released)
@@ -255,7 +264,8 @@ class LensWorkerExtension:
         rt = self._lens_rt()
         if isinstance(rt, Unsupported):
             return []
-        return rt.probe_progress([(str(k), int(c), int(s)) for k, c, s in wanted])
+        with one_thread():
+            return rt.probe_progress([(str(k), int(c), int(s)) for k, c, s in wanted])
 
     def lens_prefetch(self, names: list, report: bool = False) -> list | dict:
         """`report`: {"prefetched": names} or {"error": Failure} for a parameter no stage has (the HTTP
