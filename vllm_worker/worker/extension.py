@@ -175,13 +175,11 @@ class LensWorkerExtension:
         return rt
 
     def lens_fetch(self, wanted: list, shm_host: str | None = None, released: list | None = None) -> dict:
-        rt = self._lens_rt()
-        with one_thread():  # (the results' copies: as `_needs_python`)
-            return rt.fetch(
-                [(k, {int(c): int(n) for c, n in ch.items()}) for k, ch in wanted],
-                None if shm_host is None else str(shm_host),
-                released,
-            )
+        return self._lens_rt().fetch(
+            [(k, {int(c): int(n) for c, n in ch.items()}) for k, ch in wanted],
+            None if shm_host is None else str(shm_host),
+            released,
+        )
 
     def lens_release(self, released: list) -> int:
         return self._lens_rt().store.release(released)
@@ -264,8 +262,7 @@ class LensWorkerExtension:
         rt = self._lens_rt()
         if isinstance(rt, Unsupported):
             return []
-        with one_thread():
-            return rt.probe_progress([(str(k), int(c), int(s)) for k, c, s in wanted])
+        return rt.probe_progress([(str(k), int(c), int(s)) for k, c, s in wanted])
 
     def lens_prefetch(self, names: list, report: bool = False) -> list | dict:
         """`report`: {"prefetched": names} or {"error": Failure} for a parameter no stage has (the HTTP
