@@ -444,8 +444,9 @@ def split_wall(clock: list, t0: float, t1: float, replans: list | None = None) -
 
 
 def outliers(mine: list, replans: list) -> dict:
-    """Where a loop's extra time sits: each re-plan's step (the first forward starting after it), host
-    ms and the batch's requests then (its growth from the step before: the requests admitted); the 5 largest host times inside a forward and (device clock) device gaps before a forward, each as
+    """Where a loop's extra time sits: each re-plan's step (the first forward starting after it), host ms
+    and the batch's requests then (while the batch grows, the rise from the step before is what it admitted);
+    the 5 largest host times inside a forward and (device clock) device gaps before a forward, each as
     [step, ms, ms of the re-plan before that step or 0]; the device gaps summed before re-planned steps and
     elsewhere. A cost paid once per batch composition shows at the re-planned steps, a per-step one does not."""
     starts = [c[0] for c in mine]
