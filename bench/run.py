@@ -468,6 +468,12 @@ def main() -> None:
             "lens": ("W0", "W9", "W10", "W11", "W12", "W12n", "W13"),
             "lens-points": ("W0", "W14"),
         },
+        # the same against this tree with other settings (lens-x: BENCH_LENS_X_ENV), in one call: an A/B of a knob
+        "gpu-monitors-ab": {
+            "vllm-compiled": ("W0",),
+            "lens": ("W0", "W9", "W10", "W11", "W12", "W13"),
+            "lens-x": ("W0", "W9", "W10", "W11", "W12", "W13"),
+        },
         "gpu-before": {
             "vllm-eager": ("W0",),
             "vllm-compiled": ("W0",),

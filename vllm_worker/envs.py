@@ -243,6 +243,14 @@ SETTINGS: dict[str, Setting] = {
             "most threads copying one fetch's captures into the result pool",
         ),
         Setting(
+            "VLLM_LENS_PLAN_ONE_THREAD",
+            bool,
+            True,
+            "a step whose batch changed makes its plan (admission, the steering's flush, the plan) with torch's "
+            "intra-op pool limited to the step's thread (0: the pool as vLLM set it); steps whose batch is "
+            "unchanged never resize it",
+        ),
+        Setting(
             "VLLM_LENS_EARLY_ASSEMBLY",
             bool,
             True,

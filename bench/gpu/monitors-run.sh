@@ -125,10 +125,10 @@ bench)
     [ "${BI_ONLY:-0}" = 1 ] && exit 0
   fi
   T0=$(date +%s)
-  timeout "${BENCH_TIMEOUT:-560}" bash bench/gpu.sh --models "gpu-monitors=$PWD/.gpu/model" > "$O/bench.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-560}" bash bench/gpu.sh --models "${BENCH_PLAN:-gpu-monitors}=$PWD/.gpu/model" > "$O/bench.log" 2>&1
   echo "bench rc=$? in $(( $(date +%s) - T0 )) s"
   tar -czf "$O/logs.tgz" bench/logs 2>/dev/null
-  grep -E '^\[gpu-monitors\] (rep|end|WARNING)|ready in|Error|error' "$O/bench.log" | cut -c1-300 | tail -80
+  grep -E '^\[gpu-monitors[a-z-]*\] (rep|end|WARNING)|ready in|Error|error' "$O/bench.log" | cut -c1-300 | tail -80
   ;;
 profile)
   # host-side py-spy of one round of each workload (plain vLLM beside it for the ratios; BENCH_SYSTEMS narrows),

@@ -18,13 +18,14 @@ _OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 @contextmanager
-def one_thread() -> Iterator[None]:
-    """torch's intra-op pool limited to this thread while the block runs (restored after, even on error).
-    OpenMP builds only: torch's native pool cannot be resized once used (it warns and keeps its size)."""
+def one_thread(enabled: bool = True) -> Iterator[None]:
+    """torch's intra-op pool limited to this thread while the block runs (restored after, even on error;
+    `enabled` False: as it is). OpenMP builds only: torch's native pool cannot be resized once used (it
+    warns and keeps its size)."""
     n = torch.get_num_threads()
     # vLLM's CPU worker replaces `torch.set_num_threads` in its process (its threads are bound to cores):
     # an in-process CPU engine keeps its pool as vLLM set it
-    if n == 1 or not _OPENMP or not isinstance(torch.set_num_threads, BuiltinFunctionType):
+    if not enabled or n == 1 or not _OPENMP or not isinstance(torch.set_num_threads, BuiltinFunctionType):
         yield
         return
     torch.set_num_threads(1)

@@ -226,7 +226,7 @@ class _Cell:
 class SavedRow:
     """What `ctx.save_rows(name, values)` leaves in one request's saved dict: row `i` of the values last
     saved under `name` for that request's batch. Split off when the results leave the worker
-    (`runtime._to_cpu`: a tensor of its own); `.value` reads it inside a hook."""
+    (`saved_state.to_cpu`: a tensor of its own); `.value` reads it inside a hook."""
 
     __slots__ = ("cell", "i")
 

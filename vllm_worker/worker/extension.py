@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 from vllm_worker import compat, counters
 from vllm_worker.protocol import errors, rpc
-from vllm_worker.protocol.host_threads import one_thread
 from vllm_worker.transport import shm
 from vllm_worker.worker import gpu_clock, host_clock, seams, vector_refs
 from vllm_worker.worker.params import UnknownParameter
@@ -141,14 +140,8 @@ def _stops(runner: Any) -> dict[str, str] | None:
 
 
 def _needs_python(runner: Any) -> int:
-    """The step's plan, made here (admission, its steering's flush to the device, the plan), in one torch
-    thread: a GPU engine core keeps torch's intra-op pool at one thread a core, and waking it for a request's
-    few rows cost more than the work (`host_threads`; docs/decisions.md, "sixteenth session")."""
     rt = getattr(runner, "_lens_runtime", None)
-    if rt is None or isinstance(rt, Unsupported):
-        return 0
-    with one_thread():
-        return rt.prepare_step()
+    return 0 if rt is None or isinstance(rt, Unsupported) else rt.prepare_step()
 
 
 compat.check_version()

@@ -19,15 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_worker import compat, counters
+from vllm_worker import compat, counters, envs
 from vllm_worker.api.hooks import HookContext
 from vllm_worker.protocol import errors, points
+from vllm_worker.protocol.host_threads import one_thread
 from vllm_worker.protocol.spec import PAYLOAD_KEY
 from vllm_worker.transport import shm
 from vllm_worker.worker import (
     action_step,
     actions,
-    edits,
     faults,
     gpu_clock,
     graph,
@@ -45,6 +45,7 @@ from vllm_worker.worker.persistent_hooks import PersistentHooks
 from vllm_worker.worker.plan import RequestState, Rows, StepPlan, make_plan
 from vllm_worker.worker.python_path import PythonPath, wide_needs_python
 from vllm_worker.worker.request_results import RequestResults
+from vllm_worker.worker.saved_state import pickle_saved
 from vllm_worker.worker.store import CaptureStore
 
 logger = logging.getLogger("vllm_worker")
@@ -301,42 +302,48 @@ class LensRuntime:
         req_ids, qsl = compat.batch_layout(self.runner)
         key = (tuple(req_ids), qsl.tobytes())
         if key != self._plan_key:  # batch composition changed: plan again
-            t0 = time.monotonic()
-            self._prune()
-            t = time.perf_counter()
-            active = self._active(req_ids, qsl)
-            try:
-                self.admission.flush()  # the new requests' steering to the device, in one copy
-            except Exception as e:  # noqa: BLE001 - the requests it was moving fail; the step goes on
-                self._fail(self.admission.abandon(), "moving steering to the device", e)
-                active = [a for a in active if not a[0].failed]
-            counters.STEP_TIMINGS["admit_s"] += time.perf_counter() - t
-            try:
-                plan = None
-                gather = self._gather_taps(req_ids)
-                if active:
-                    faults.check("plan")
-                    plan = make_plan(
-                        active,
-                        self.device,
-                        self.capturing_rank,
-                        self._local,
-                        None if gather else self.graph,  # (a collective: Python path, every rank alike)
-                        int(qsl[-1]),
-                        seams.enabled(),
-                    )
-                if gather:  # every rank gathers at these taps, even one whose requests all failed here
-                    plan = plan or StepPlan(None, {}, {}, {}, {})
-                    plan.gather = gather
-                if plan is not None and plan.capture:
-                    self.store.open_plan(plan)
-                self._cached_plan, self._plan_key = plan, key
-            except Exception as e:  # noqa: BLE001 - fail these requests; the step runs plain
-                self._fail([r for r, _, _ in active], "planning", e)
-                self._cached_plan = None
-            counters.replanned(t0, len(req_ids))
+            # in one torch thread (`host_threads`; docs/decisions.md, "seventeenth session")
+            with one_thread(envs.get("VLLM_LENS_PLAN_ONE_THREAD")):
+                self._replan(req_ids, qsl, key)
         self._layout = (req_ids, qsl)
         return self._cached_plan
+
+    def _replan(self, req_ids: list, qsl: np.ndarray, key: tuple) -> None:
+        """The plan of a new batch composition (admission, the flush, the plan), kept for its steps."""
+        t0 = time.monotonic()
+        self._prune()
+        t = time.perf_counter()
+        active = self._active(req_ids, qsl)
+        try:
+            self.admission.flush()  # the new requests' steering to the device, in one copy
+        except Exception as e:  # noqa: BLE001 - the requests it was moving fail; the step goes on
+            self._fail(self.admission.abandon(), "moving steering to the device", e)
+            active = [a for a in active if not a[0].failed]
+        counters.STEP_TIMINGS["admit_s"] += time.perf_counter() - t
+        try:
+            plan = None
+            gather = self._gather_taps(req_ids)
+            if active:
+                faults.check("plan")
+                plan = make_plan(
+                    active,
+                    self.device,
+                    self.capturing_rank,
+                    self._local,
+                    None if gather else self.graph,  # (a collective: Python path, every rank alike)
+                    int(qsl[-1]),
+                    seams.enabled(),
+                )
+            if gather:  # every rank gathers at these taps, even one whose requests all failed here
+                plan = plan or StepPlan(None, {}, {}, {}, {})
+                plan.gather = gather
+            if plan is not None and plan.capture:
+                self.store.open_plan(plan)
+            self._cached_plan, self._plan_key = plan, key
+        except Exception as e:  # noqa: BLE001 - fail these requests; the step runs plain
+            self._fail([r for r, _, _ in active], "planning", e)
+            self._cached_plan = None
+        counters.replanned(t0, len(req_ids))
 
     def prepare_step(self) -> int:
         """Asked before vLLM picks the step's CUDA-graph mode (`compat.patch_cudagraph_dispatch`): 0 when
@@ -493,7 +500,7 @@ class LensRuntime:
         """`shm_host`: the frontend's machine id; on the same machine, captures travel through the shared
         memory result pool. `released`: pool regions the frontend no longer uses."""
         use_shm = shm_host is not None and shm_host == shm.host_id()
-        return self.store.fetch(wanted, self.capturing_rank, self.sites, _pickle_saved, use_shm, released)
+        return self.store.fetch(wanted, self.capturing_rank, self.sites, pickle_saved, use_shm, released)
 
     def probe_progress(self, wanted: list[tuple[str, int, int]]) -> list:
         """Running requests' probe scores from a position on (`lens_probe_progress`): [key, child, payload]
@@ -525,7 +532,7 @@ class LensRuntime:
         return n
 
     def collect_hook_results(self) -> bytes | None:
-        return _pickle_saved(self.persistent.results) if self.capturing_rank else None
+        return pickle_saved(self.persistent.results) if self.capturing_rank else None
 
     def pop_persistent_errors(self, request_ids: list[str]) -> dict[str, errors.Failure]:
         return self.persistent.pop_errors(request_ids) if self.capturing_rank else {}
@@ -576,25 +583,3 @@ class LensRuntime:
             "vector_refs_resolved": vector_refs.HELD.resolved,
             **self.actions.status(),
         }
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().to("cpu")
-        # a view of a larger tensor (a hook's `h` is one of the tap's stream sum) would pickle all of it
-        return t.clone() if t.untyped_storage().nbytes() > t.nbytes else t
-    if isinstance(obj, edits.SavedRow):  # `ctx.save_rows`: this request's row, split off here
-        return obj.to_cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _pickle_saved(obj: Any) -> bytes:
-    """Hook state, tensors on CPU, as cloudpickle bytes: produced by our own worker, read by the
-    frontend that owns it (the HTTP layer converts to JSON before anything leaves the server)."""
-    import cloudpickle
-
-    return cloudpickle.dumps(_to_cpu(obj))
