@@ -243,12 +243,12 @@ SETTINGS: dict[str, Setting] = {
             "most threads copying one fetch's captures into the result pool",
         ),
         Setting(
-            "VLLM_LENS_PLAN_ONE_THREAD",
+            "VLLM_LENS_WORKER_ONE_THREAD",
             bool,
             True,
-            "a step whose batch changed makes its plan (admission, the steering's flush, the plan) with torch's "
-            "intra-op pool limited to the step's thread (0: the pool as vLLM set it); steps whose batch is "
-            "unchanged never resize it",
+            "the worker's per-request host work runs with torch's intra-op pool limited to the calling thread: "
+            "a new batch's plan (admission, the steering's flush, the plan) and the probe scores' assembly at a "
+            "fetch or progress call (0: the pool as vLLM set it); steps whose batch is unchanged never resize it",
         ),
         Setting(
             "VLLM_LENS_EARLY_ASSEMBLY",

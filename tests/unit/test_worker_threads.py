@@ -1,7 +1,7 @@
-"""A worker makes a new batch composition's plan (admission, the steering's flush, the plan) in one torch
-thread, and torch's pool is as it was after it (`host_threads.one_thread`); a step whose batch is unchanged
-never resizes the pool (a resize at every step slowed every step: docs/decisions.md, "seventeenth
-session"); `VLLM_LENS_PLAN_ONE_THREAD=0` leaves the pool alone."""
+"""A worker makes a new batch composition's plan (admission, the steering's flush, the plan) and a fetch's
+probe scores in one torch thread, and torch's pool is as it was after it (`host_threads.one_thread`); a step
+whose batch is unchanged never resizes the pool (docs/decisions.md, "seventeenth session");
+`VLLM_LENS_WORKER_ONE_THREAD=0` leaves the pool alone."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from vllm_worker import compat
 from vllm_worker.protocol import host_threads
-from vllm_worker.worker import extension, runtime
+from vllm_worker.worker import extension, probe_payloads, runtime
 from vllm_worker.worker.runtime import LensRuntime
 
 pytestmark = pytest.mark.skipif(not host_threads._OPENMP, reason="torch's pool is resized only with OpenMP")
@@ -71,7 +71,7 @@ def test_a_new_batch_is_planned_in_one_thread_and_an_unchanged_one_resizes_nothi
 
 
 def test_the_setting_off_leaves_the_pool_alone(steps: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_LENS_PLAN_ONE_THREAD", "0")
+    monkeypatch.setenv("VLLM_LENS_WORKER_ONE_THREAD", "0")
     torch._C.set_num_threads(2)
     rt = _Planned()
     _step(rt, ["a"])
@@ -91,3 +91,20 @@ def test_the_step_hook_asks_the_runtime_and_a_runner_without_one_plans_nothing()
 
     assert extension._needs_python(Runner()) == 7
     assert extension._needs_python(Bare()) == 0
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_a_fetchs_probe_scores_are_assembled_in_one_thread(
+    setting: str, monkeypatch: pytest.MonkeyPatch, resizable_pool: None
+) -> None:
+    monkeypatch.setenv("VLLM_LENS_WORKER_ONE_THREAD", setting)
+    seen: list[int] = []
+
+    def payloads(requests: list, cache: dict, starts: Any, blocks: bool) -> list:
+        seen.append(torch.get_num_threads())
+        return [b"p"] * len(requests)
+
+    monkeypatch.setattr(probe_payloads, "payloads", payloads)
+    torch._C.set_num_threads(2)
+    assert probe_payloads.together(["a", "b"], {}) == [b"p", b"p"]
+    assert seen == [1 if setting == "1" else 2] and torch.get_num_threads() == 2

@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_worker import envs
 from vllm_worker.protocol import probe_wire
+from vllm_worker.protocol.host_threads import one_thread
 from vllm_worker.worker.probes import ProbeScores
 from vllm_worker.worker.step_records import Span
 
@@ -368,8 +370,9 @@ def together(
     (logged; there a failure is that request's own)."""
     if len(requests) < 2:
         return [None] * len(requests)
-    try:
-        return payloads(requests, cache, starts, blocks)
+    try:  # (in one torch thread: its transposes and conversions would wake the pool, `host_threads`)
+        with one_thread(envs.get("VLLM_LENS_WORKER_ONE_THREAD")):
+            return payloads(requests, cache, starts, blocks)
     except Exception as e:  # noqa: BLE001 - our own failure: the per-request path decides each request's fate
         logger.warning("inspect-lens: probe payloads together failed (%s: %s)", type(e).__name__, e)
         return [None] * len(requests)

@@ -303,7 +303,7 @@ class LensRuntime:
         key = (tuple(req_ids), qsl.tobytes())
         if key != self._plan_key:  # batch composition changed: plan again
             # in one torch thread (`host_threads`; docs/decisions.md, "seventeenth session")
-            with one_thread(envs.get("VLLM_LENS_PLAN_ONE_THREAD")):
+            with one_thread(envs.get("VLLM_LENS_WORKER_ONE_THREAD")):
                 self._replan(req_ids, qsl, key)
         self._layout = (req_ids, qsl)
         return self._cached_plan
