@@ -304,7 +304,7 @@ def write_results(results: list[dict], args, started: float) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = args.machine or f"{platform.node() or 'cpu'}-{os.cpu_count()}cpu"
     stem = out_dir / f"{dt.date.today().isoformat()}-{machine}"
-    Path(f"{stem}.json").write_text(json.dumps(results, indent=1))
+    Path(f"{stem}.json").write_text(json.dumps(results, separators=(",", ":")))
     lines = [
         f"# Benchmark {dt.date.today().isoformat()} on {machine}",
         "",
