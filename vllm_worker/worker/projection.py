@@ -55,8 +55,9 @@ def project(
             _project_mode(x, w, out)
         elif x.dim() == 2:
             torch.mm(x, w.T if views is None else views[0], out=out)
-        else:
-            torch.bmm(x, w.transpose(1, 2) if views is None else views[0], out=out)
+        else:  # as (s, n, m), then into `out`: cuBLAS's batched x @ w.T with a few outputs a site is
+            # several times slower on the device than w @ x.T (docs/decisions.md, "seventeenth session")
+            out.copy_(torch.bmm(w, x.transpose(1, 2)).transpose(1, 2))
         return
     if x.dtype == torch.float64:
         x = x.to(torch.float32)
