@@ -163,6 +163,8 @@ def bench_model(
     label: str, model: str, plan: dict[str, tuple[str, ...]], args, log_dir: Path, progress=lambda result: None
 ) -> dict:
     """Start each system (alone, timed), warm up, then repeats × workloads × systems interleaved."""
+    from bench import host_speed  # (as `write_results` imports its renderers)
+
     size = dict(n=args.n, new=args.new, prompt_len=args.prompt_len)
     procs: dict[str, Proc] = {}
     out: dict = {"model": model, "label": label, "size": size, "systems": {}}
@@ -229,7 +231,9 @@ def bench_model(
             order = [s for s in procs if w in plan[s]]
             order = order[rep % max(len(order), 1) :] + order[: rep % max(len(order), 1)]  # rotate: drift cancels
             for s in order:
+                rate = host_speed.loop_rate()
                 r = procs[s].ask(workload=w, **size)
+                r["host_mips"] = round(rate, 2)
                 out["systems"][s]["runs"].setdefault(w, []).append(r)
                 tag = r.get("error") or f"{r['out_tokens'] / r['wall']:.0f} tok/s"
                 print(f"[{label}] rep {rep} {w} {s}: {tag}", flush=True)
@@ -298,7 +302,7 @@ def fmt(v, spec: str) -> str:
 
 
 def write_results(results: list[dict], args, started: float) -> Path:
-    from bench import round_diagnostics  # the repo root is on the path (main, or an importer of bench.run)
+    from bench import host_speed, round_diagnostics  # the repo root is on the path (main, or an importer)
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -357,6 +361,7 @@ def write_results(results: list[dict], args, started: float) -> Path:
                 lines.append(f"- check {s} {w}: {c}")
         lines.append("")
         lines += round_diagnostics.render(res)
+        lines += host_speed.render(res)
         if res.get("bulk"):
             b = res["bulk"]
             lines += [f"Bulk capture (this project): {b.get('error') or b.get('detail')}", ""]
