@@ -5,7 +5,8 @@ One batch mixes every case below with plain requests; it runs twice: as it is (t
 inside vLLM's CUDA graphs) and with a no-op Python hook added to each feature request at the site it
 reads first (a hook before its own request's capture at that site sends the whole step to the Python
 path; the step counters printed say which path ran). Cases: ablate at every layer, cap at one layer, set
-with 3-D positions, an add with phase="generated", probe scores (also against a torch projection of the
+with 3-D positions, an add with phase="generated", probe scores (three probes at three layers, two of them
+scored together by one batched projection on the graph path; each against a torch projection of the
 captured residual), a probe action `then: stop` and `then: {steer: ...}`, mlp_in / mlp_post capture,
 mlp_post steering, whole-row edits at mlp_post (ablate, norm-matched add, cap: on the graph path since
 wholerow, 2026-12-05), an op chain at mlp_in (ablate, then an add by phase), a 2-D `set` at mlp_post
@@ -95,6 +96,15 @@ def main() -> None:
     w = torch.randn(1, d, generator=g)
     b = torch.randn(1, generator=g)
     llm.load_probe("p1", weight=w, bias=b, layers=[lp], point="resid_post")
+    # two more, one layer either side, read by the probe case only: their sites have as many rows and
+    # columns, so the graph path scores them together (`StagedProbes`: one batched projection)
+    g2 = torch.Generator().manual_seed(11)
+    extra_probes = {}
+    for name, layer in (("p2", lp - 1), ("p3", lp + 1)):
+        extra_probes[name] = (torch.randn(1, d, generator=g2), torch.randn(1, generator=g2), layer)
+        llm.load_probe(
+            name, weight=extra_probes[name][0], bias=extra_probes[name][1], layers=[layer], point="resid_post"
+        )
 
     # preliminary (graph path): the cap range from the projections at lc, the action thresholds from scores
     dcap = torch.randn(d, generator=g)
@@ -155,7 +165,7 @@ def main() -> None:
         ),
         4: (
             "probe_scores",
-            {"output_probe_scores": ["p1"], "output_residual_stream": [lp]},
+            {"output_probe_scores": ["p1", "p2", "p3"], "output_residual_stream": [lp - 1, lp, lp + 1]},
             (lp, "resid_post"),
         ),
         5: (
@@ -330,18 +340,22 @@ def main() -> None:
             ok = ok and r < REL_TOL
         if name == "add_phase_generated":
             item["prompt_tokens_unchanged_first_token_equal"] = ta[0] == base[i][0]
-        if name == "probe_scores":
+        if name == "probe_scores":  # (residual_stream: layers lp - 1, lp, lp + 1)
+            probes_here = {"p1": (w, b, lp), **extra_probes}
             for tag, o in (("graph", a), ("python", p)):
-                sc = o.activations["probe_scores"]["p1"].float()
-                x = o.activations["residual_stream"][0].float()
-                want = x @ w.T.float() + b.float()
-                r, m = rel(sc, want)
-                item[f"{tag}_vs_torch_rel"], item[f"{tag}_vs_torch_max_abs"] = round(r, 6), round(m, 5)
-                item[f"{tag}_scores_shape"] = list(sc.shape)
-                ok = ok and r < REL_TOL and sc.shape[0] == PROMPT + len(list(o.outputs[0].token_ids)) - 1
-            r, m = rel(a.activations["probe_scores"]["p1"], p.activations["probe_scores"]["p1"])
-            item["scores_graph_vs_python_rel"], item["scores_graph_vs_python_max_abs"] = round(r, 6), round(m, 5)
-            ok = ok and r < REL_TOL
+                for pname, (pw, pb, layer) in probes_here.items():
+                    key = tag if pname == "p1" else f"{tag}_{pname}"
+                    sc = o.activations["probe_scores"][pname].float()
+                    x = o.activations["residual_stream"][layer - (lp - 1)].float()
+                    r, m = rel(sc, x @ pw.T.float() + pb.float())
+                    item[f"{key}_vs_torch_rel"], item[f"{key}_vs_torch_max_abs"] = round(r, 6), round(m, 5)
+                    item[f"{key}_scores_shape"] = list(sc.shape)
+                    ok = ok and r < REL_TOL and sc.shape[0] == PROMPT + len(list(o.outputs[0].token_ids)) - 1
+            for pname in probes_here:
+                key = "scores" if pname == "p1" else f"scores_{pname}"
+                r, m = rel(a.activations["probe_scores"][pname], p.activations["probe_scores"][pname])
+                item[f"{key}_graph_vs_python_rel"], item[f"{key}_graph_vs_python_max_abs"] = round(r, 6), round(m, 5)
+                ok = ok and r < REL_TOL
         if name in ("action_stop", "action_steer"):
             pos = pos_stop if name == "action_stop" else pos_steer
             k = pos - (PROMPT - 1)
