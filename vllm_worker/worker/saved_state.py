@@ -11,6 +11,7 @@ from vllm_worker.worker import edits
 
 
 def to_cpu(obj: Any) -> Any:
+    """`obj` with every tensor on the host, each in storage of its own (dicts, lists and tuples walked)."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach().to("cpu")
         # a view of a larger tensor (a hook's `h` is one of the tap's stream sum) would pickle all of it
