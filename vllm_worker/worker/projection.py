@@ -30,8 +30,9 @@ def use_batch_invariant(on: bool) -> None:
 
 
 def weight_views(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The views of `w` that `project` works on (transposed for a matmul, a broadcast dimension for the
-    product), made once by a caller projecting on the same weights every step: no view op a step."""
+    """The views of `w` that `project` works on (transposed for one site's matmul, a broadcast dimension for
+    the product; several sites' device branch reads `w` itself), made once by a caller projecting on the same
+    weights every step: no view op a step."""
     return (w.T if w.dim() == 2 else w.transpose(1, 2)), w.unsqueeze(-3)
 
 
