@@ -22,6 +22,7 @@
 # bench: plan gpu-monitors (REPEATS, default 3; BENCH_W0_END, default 2: W0 again on every engine at the end),
 # the lens-points engine tapping mlp_post; VLLM_LENS_STEER_MB only when set by the caller. Writes the results'
 # .md/.json/.png, $OUT/bench.log and $OUT/logs.tgz (each engine's log). BENCH_WORKLOADS / BENCH_SYSTEMS narrow it.
+# BENCH_CPUS (taskset's list, e.g. 0-7): the whole bench, every system alike, on those cores only.
 # Before it (ROW_CHECK=0: not), bench/probes/row_invariance.py --device cuda --quick ($OUT/row_invariance.jsonl, < 90 s).
 # BI_CHECK=1 (default off): then, vLLM's batch-invariant mode: row_invariance.py --vllm-batch-invariant
 # ($OUT/row_invariance_bi.jsonl) and one engine with VLLM_BATCH_INVARIANT=1, a request's probe scores / tokens
@@ -125,7 +126,10 @@ bench)
     [ "${BI_ONLY:-0}" = 1 ] && exit 0
   fi
   T0=$(date +%s)
-  timeout "${BENCH_TIMEOUT:-560}" bash bench/gpu.sh --models "${BENCH_PLAN:-gpu-monitors}=$PWD/.gpu/model" > "$O/bench.log" 2>&1
+  # BENCH_CPUS: every process of the bench (driver and engines, plain and ours alike) on these cores only
+  PIN=()
+  [ -n "${BENCH_CPUS:-}" ] && PIN=(taskset -c "$BENCH_CPUS")
+  timeout "${BENCH_TIMEOUT:-560}" "${PIN[@]}" bash bench/gpu.sh --models "${BENCH_PLAN:-gpu-monitors}=$PWD/.gpu/model" > "$O/bench.log" 2>&1
   echo "bench rc=$? in $(( $(date +%s) - T0 )) s"
   tar -czf "$O/logs.tgz" bench/logs 2>/dev/null
   grep -E '^\[gpu-monitors[a-z-]*\] (rep|end|WARNING)|ready in|Error|error' "$O/bench.log" | cut -c1-300 | tail -80
