@@ -97,9 +97,8 @@ HOOK_TIMINGS = {"calls": 0, "in_hooks_s": 0.0, "around_hooks_s": 0.0}
 
 # ---------------------------------------------------------------- the frontend process
 
-# where results' time goes (offline, `frontend.fetch`): seconds in worker RPCs and in decoding, the seconds an
-# `LLM` call spends on results after its last step (`end_s`), and fetches made at the step requests finished
-FRONTEND_TIMINGS = {"fetch_rpc_s": 0.0, "decode_s": 0.0, "end_s": 0.0, "early_fetches": 0}
+# where time goes after generation (offline, `frontend.fetch`): seconds in worker RPCs and in decoding
+FRONTEND_TIMINGS = {"fetch_rpc_s": 0.0, "decode_s": 0.0}
 
 # ---------------------------------------------------------------- API server process
 

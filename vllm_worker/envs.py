@@ -201,13 +201,6 @@ SETTINGS: dict[str, Setting] = {
             unit="MB",
         ),
         Setting(
-            "VLLM_LENS_OFFLINE_EARLY_RESULTS",
-            bool,
-            True,
-            "LLM.generate / LLM.chat fetch a request's results at the step it finishes, while the others still "
-            "generate (as LLMEngine.step and AsyncLLM do); 0: every request's at the end of the call",
-        ),
-        Setting(
             "VLLM_LENS_SHM",
             bool,
             True,

@@ -10,7 +10,7 @@ from typing import Any, Generator
 
 import torch
 
-from vllm_worker import compat, envs
+from vllm_worker import compat
 from vllm_worker.api.hooks import HookError, UnsupportedError
 from vllm_worker.counters import FETCH_BATCHES, FRONTEND_TIMINGS
 from vllm_worker.envs import limit
@@ -329,16 +329,10 @@ def sae_features(parts: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def attach_outputs(llm: Any, outputs: list) -> list:
-    """Set `.activations` on finished `RequestOutput`s (and each sample's `CompletionOutput`) that did not get
-    theirs at the step they finished (`attach_early`), then raise the call's failures, wherever found."""
-    t = time.perf_counter()
-    state = engine_state(compat.processor_of_llm(llm))
-    pending = state.pending
+    """Set `.activations` on finished `RequestOutput`s (and each sample's `CompletionOutput`)."""
+    pending = pending_of(compat.processor_of_llm(llm))
     failures: dict[str, Failure] = {}
-    for o in outputs:
-        failures.update(state.early_failures.pop(getattr(o, "request_id", ""), {}))
-    state.early_failures.clear()  # (a call that raised before its end left its own: never another call's)
-    if state.persistent_hooks:
+    if engine_state(llm).persistent_hooks:
         ids = [o.request_id for o in outputs if hasattr(o, "request_id")]
         for rank_errors in compat.rpc(llm, rpc.POP_PERSISTENT_ERRORS, ids):
             failures.update(rank_errors or {})
@@ -349,38 +343,9 @@ def attach_outputs(llm: Any, outputs: list) -> list:
     todo = _todo(pending, outputs)
     fetched = _fetch(llm, [(p, ch) for _, p, _, ch in todo]) if todo else {}
     failures.update(_apply(todo, fetched))
-    FRONTEND_TIMINGS["end_s"] += time.perf_counter() - t
     if failures:
         raise _hook_error(failures, outputs)
     return outputs
-
-
-def attach_early(engine: Any, processor: Any, outputs: list) -> None:
-    """The requests of an `LLM` call that finished at this step get their results now, while the others still
-    generate: the engine core serves the round trip between steps and the decoding here overlaps the next
-    ones, so the call's end is left with the last step's requests only. Failures wait for the call's end, to
-    be raised there with every output as before; a fetch that raised is an internal failure of its requests."""
-    finished = [o for o in outputs if getattr(o, "finished", False)]
-    todo = _todo(pending_of(processor), finished) if finished else []
-    if not todo:
-        return
-    FRONTEND_TIMINGS["early_fetches"] += 1
-    try:
-        failures = _apply(todo, _fetch(engine, [(p, ch) for _, p, _, ch in todo]))
-    except Exception as e:  # noqa: BLE001 - never stops the call's other requests; raised at its end
-        msg = f"inspect-lens internal error while fetching results: {type(e).__name__}: {e}"
-        failures = {}
-        for out, *_ in todo:
-            out.hook_error = msg
-            failures[out.request_id] = failure("internal", msg, "fetch")
-        try:  # what the workers still hold for them goes (as for an aborted request)
-            compat.rpc(engine, rpc.DROP, [p.key for _, p, _, _ in todo])
-        except Exception:  # noqa: BLE001, S110 - the workers are unreachable: nothing more to do here
-            pass
-    early = engine_state(processor).early_failures
-    ids = {out.request_id for out, *_ in todo}
-    for key, f in failures.items():  # `id` or `id#child` (`_apply`)
-        early.setdefault(key if key in ids else key.rpartition("#")[0], {})[key] = f
 
 
 def _todo(pending: dict[str, Pending], outputs: list) -> list:
@@ -451,10 +416,7 @@ def attach_engine_outputs(engine: Any, outputs: list) -> list:
     """`LLMEngine.step()` driven by the caller: results land on the finished outputs it returns, with
     the same shapes as `LLM.generate` (a hook failure raises `HookError` carrying the outputs)."""
     processor = compat.processor_of_llm_engine(engine)
-    who = consumer_of(processor)
-    if who == "offline" and envs.get("VLLM_LENS_OFFLINE_EARLY_RESULTS"):
-        attach_early(engine, processor, outputs)
-    if who != "engine":
+    if consumer_of(processor) != "engine":
         return outputs  # an `LLM` (or the HTTP server) hands results back itself
     finished = [o for o in outputs if getattr(o, "finished", False)]
     todo = _todo(pending_of(processor), finished)

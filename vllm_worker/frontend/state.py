@@ -85,9 +85,6 @@ class FrontendState:
     engines_fed: int | None = None  # engine cores this frontend feeds (`compat.engines_fed`), fixed likewise
     rows_by_view: bool | None = None  # steering rows sent as views (`compat.rows_by_view`), fixed likewise
     fetches: Any = None  # concurrent async fetches sharing round trips (`frontend.fetch.FetchBatcher`)
-    # failures of an `LLM` call's requests whose results came at the step they finished (`fetch.attach_early`),
-    # by request id (`id#child` for a sample): raised with the call's outputs at its end
-    early_failures: dict[str, Any] = field(default_factory=dict)
 
 
 STATE_ATTR = "_inspect_lens"
