@@ -108,3 +108,21 @@ def test_a_model_whose_layers_cannot_be_found_serves_plain_requests_and_refuses_
         with pytest.raises(ValueError, match="LlamaForCausalLM: inspect-lens cannot act on this model"):
             llm.generate(PROMPTS[1], sp, use_tqdm=False)
     assert llm.generate(PROMPTS[0], plain, use_tqdm=False)[0].outputs[0].token_ids == ref
+
+
+def test_a_fetch_that_raises_leaves_nothing_with_the_workers(llama, monkeypatch):
+    """The frontend's round trip for results fails (a worker unreachable, say): the caller gets that error, and
+    the workers drop what they stored for the call's requests — no caller will ask for it again."""
+    from vllm_worker.frontend import fetch as frontend_fetch
+
+    def unreachable(engine, todo):
+        raise ConnectionError("worker went away")
+
+    monkeypatch.setattr(frontend_fetch, "_fetch", unreachable)
+    with pytest.raises(ConnectionError):
+        llama.generate(PROMPTS[:3], _batch(False), use_tqdm=False)
+    monkeypatch.undo()
+    assert llama.collective_rpc("lens_status")[0]["stored_requests"] == 0
+    # and the next call gets its results
+    ok = llama.generate([PROMPTS[0]], _batch()[0], use_tqdm=False)[0]
+    assert ok.activations["residual_stream"].shape[0] == 2

@@ -341,11 +341,24 @@ def attach_outputs(llm: Any, outputs: list) -> list:
             if f is not None:
                 o.hook_error = f["message"]
     todo = _todo(pending, outputs)
-    fetched = _fetch(llm, [(p, ch) for _, p, _, ch in todo]) if todo else {}
+    try:
+        fetched = _fetch(llm, [(p, ch) for _, p, _, ch in todo]) if todo else {}
+    except Exception:
+        _drop_stored(llm, [p.key for _, p, _, _ in todo])
+        raise
     failures.update(_apply(todo, fetched))
     if failures:
         raise _hook_error(failures, outputs)
     return outputs
+
+
+def _drop_stored(engine: Any, keys: list[str]) -> None:
+    """A fetch that raised leaves its requests' results with the workers, and no caller will ask for them
+    again: they go, as an aborted request's do (best effort: workers that cannot be reached hold nothing)."""
+    try:
+        compat.rpc(engine, rpc.DROP, keys)
+    except Exception:  # noqa: BLE001, S110 - the fetch's own error is the one raised
+        pass
 
 
 def _todo(pending: dict[str, Pending], outputs: list) -> list:
@@ -422,7 +435,12 @@ def attach_engine_outputs(engine: Any, outputs: list) -> list:
     todo = _todo(pending_of(processor), finished)
     if not todo:
         return outputs
-    failures = _apply(todo, _fetch(engine, [(p, ch) for _, p, _, ch in todo]))
+    try:
+        fetched = _fetch(engine, [(p, ch) for _, p, _, ch in todo])
+    except Exception:
+        _drop_stored(engine, [p.key for _, p, _, _ in todo])
+        raise
+    failures = _apply(todo, fetched)
     if failures:
         raise _hook_error(failures, outputs)
     return outputs
