@@ -151,3 +151,24 @@ def test_a_second_request_with_an_id_in_flight_is_refused(async_llm, llama):
     # once it has finished, the id is free again
     again = loop.run_until_complete(run("same-id", _params()))
     _same(again[-1], llama.generate([PROMPT], _params(), use_tqdm=False)[0])
+
+
+def test_an_async_fetch_that_raises_leaves_nothing_with_the_workers(async_llm, monkeypatch):
+    """`AsyncLLM.generate`'s round trip for results fails: the caller gets that error and the workers drop
+    what they stored for the request (the HTTP server's fetches take the same path)."""
+    from vllm_worker.frontend import fetch as frontend_fetch
+
+    engine, loop = async_llm
+
+    async def unreachable(engine_client, todo):
+        raise ConnectionError("worker went away")
+
+    async def run(rid: str):
+        return [o async for o in engine.generate(PROMPT, _params(), request_id=rid)]
+
+    monkeypatch.setattr(frontend_fetch, "fetch_async", unreachable)
+    with pytest.raises(ConnectionError):
+        loop.run_until_complete(run("req-unreachable"))
+    monkeypatch.undo()
+    assert loop.run_until_complete(engine.collective_rpc("lens_status"))[0]["stored_requests"] == 0
+    assert loop.run_until_complete(run("req-after"))[-1].activations["residual_stream"].shape[0] == 2

@@ -156,7 +156,14 @@ async def fetch_batched(engine_client: Any, todo: list[tuple[Pending, dict[int, 
     state = engine_state(engine_client)
     if state.fetches is None:
         state.fetches = FetchBatcher(engine_client)
-    return await state.fetches.submit(todo)
+    try:
+        return await state.fetches.submit(todo)
+    except Exception:
+        try:  # as `_drop_stored`: no caller will ask for these results again
+            await compat.rpc_async(engine_client, rpc.DROP, [p.key for p, _ in todo])
+        except Exception:  # noqa: BLE001, S110 - the fetch's own error is the one raised
+            pass
+        raise
 
 
 def release_results(engine: Any) -> int:
