@@ -232,10 +232,8 @@ def bench_model(
             order = order[rep % max(len(order), 1) :] + order[: rep % max(len(order), 1)]  # rotate: drift cancels
             for s in order:
                 rate = host_speed.loop_rate()
-                with host_speed.During() as during:
-                    r = procs[s].ask(workload=w, **size)
+                r = procs[s].ask(workload=w, **size)
                 r["host_mips"] = round(rate, 2)
-                r["host_mips_during"], r["host_mips_during_low"] = during.median, during.low
                 out["systems"][s]["runs"].setdefault(w, []).append(r)
                 tag = r.get("error") or f"{r['out_tokens'] / r['wall']:.0f} tok/s"
                 print(f"[{label}] rep {rep} {w} {s}: {tag}", flush=True)
