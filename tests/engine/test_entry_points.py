@@ -160,13 +160,14 @@ def test_an_async_fetch_that_raises_leaves_nothing_with_the_workers(async_llm, m
 
     engine, loop = async_llm
 
-    async def unreachable(engine_client, todo):
+    def unreachable(engine_client, todo):  # the round trips' generator, failing at its first RPC
         raise ConnectionError("worker went away")
+        yield
 
     async def run(rid: str):
         return [o async for o in engine.generate(PROMPT, _params(), request_id=rid)]
 
-    monkeypatch.setattr(frontend_fetch, "fetch_async", unreachable)
+    monkeypatch.setattr(frontend_fetch, "_fetch_rounds", unreachable)
     with pytest.raises(ConnectionError):
         loop.run_until_complete(run("req-unreachable"))
     monkeypatch.undo()

@@ -115,10 +115,11 @@ def test_a_fetch_that_raises_leaves_nothing_with_the_workers(llama, monkeypatch)
     the workers drop what they stored for the call's requests — no caller will ask for it again."""
     from vllm_worker.frontend import fetch as frontend_fetch
 
-    def unreachable(engine, todo):
+    def unreachable(engine, todo):  # the round trips' generator, failing at its first RPC
         raise ConnectionError("worker went away")
+        yield
 
-    monkeypatch.setattr(frontend_fetch, "_fetch", unreachable)
+    monkeypatch.setattr(frontend_fetch, "_fetch_rounds", unreachable)
     with pytest.raises(ConnectionError):
         llama.generate(PROMPTS[:3], _batch(False), use_tqdm=False)
     monkeypatch.undo()

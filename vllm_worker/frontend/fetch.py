@@ -108,6 +108,9 @@ def _fetch_rounds(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> Ge
 
 
 def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
+    """`_fetch_rounds` through a sync engine. A fetch that raises leaves its requests' results with the
+    workers, and no caller will ask for them again: they are dropped, as an aborted request's are (best
+    effort: workers that cannot be reached hold nothing), and the fetch's own error is raised."""
     t = time.perf_counter()
     rounds = _fetch_rounds(engine, todo)
     try:
@@ -117,12 +120,19 @@ def _fetch(engine: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str,
             target, *call = rounds.send(compat.rpc(engine, *call))
     except StopIteration as done:
         merged = done.value
+    except Exception:
+        try:
+            compat.rpc(engine, rpc.DROP, [p.key for p, _ in todo])
+        except Exception:  # noqa: BLE001, S110 - the fetch's own error is the one raised
+            pass
+        raise
     FRONTEND_TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
     return merged
 
 
 async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, int]]]) -> dict[str, dict]:
-    """`_fetch` for an async engine client (the HTTP server, `AsyncLLM` callers)."""
+    """`_fetch` for an async engine client (the HTTP server, `AsyncLLM` callers), a failed fetch's results
+    dropped alike (on every data-parallel engine)."""
     t = time.perf_counter()
     rounds = _fetch_rounds(engine_client, todo)
     try:
@@ -131,6 +141,12 @@ async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, in
             target, *call = rounds.send(await compat.rpc_async(engine_client, *call, engine=target))
     except StopIteration as done:
         merged = done.value
+    except Exception:
+        try:
+            await compat.rpc_async(engine_client, rpc.DROP, [p.key for p, _ in todo])
+        except Exception:  # noqa: BLE001, S110 - the fetch's own error is the one raised
+            pass
+        raise
     FRONTEND_TIMINGS["fetch_rpc_s"] += time.perf_counter() - t
     return merged
 
@@ -156,14 +172,7 @@ async def fetch_batched(engine_client: Any, todo: list[tuple[Pending, dict[int, 
     state = engine_state(engine_client)
     if state.fetches is None:
         state.fetches = FetchBatcher(engine_client)
-    try:
-        return await state.fetches.submit(todo)
-    except Exception:
-        try:  # as `_drop_stored`: no caller will ask for these results again
-            await compat.rpc_async(engine_client, rpc.DROP, [p.key for p, _ in todo])
-        except Exception:  # noqa: BLE001, S110 - the fetch's own error is the one raised
-            pass
-        raise
+    return await state.fetches.submit(todo)
 
 
 def release_results(engine: Any) -> int:
@@ -348,24 +357,11 @@ def attach_outputs(llm: Any, outputs: list) -> list:
             if f is not None:
                 o.hook_error = f["message"]
     todo = _todo(pending, outputs)
-    try:
-        fetched = _fetch(llm, [(p, ch) for _, p, _, ch in todo]) if todo else {}
-    except Exception:
-        _drop_stored(llm, [p.key for _, p, _, _ in todo])
-        raise
+    fetched = _fetch(llm, [(p, ch) for _, p, _, ch in todo]) if todo else {}
     failures.update(_apply(todo, fetched))
     if failures:
         raise _hook_error(failures, outputs)
     return outputs
-
-
-def _drop_stored(engine: Any, keys: list[str]) -> None:
-    """A fetch that raised leaves its requests' results with the workers, and no caller will ask for them
-    again: they go, as an aborted request's do (best effort: workers that cannot be reached hold nothing)."""
-    try:
-        compat.rpc(engine, rpc.DROP, keys)
-    except Exception:  # noqa: BLE001, S110 - the fetch's own error is the one raised
-        pass
 
 
 def _todo(pending: dict[str, Pending], outputs: list) -> list:
@@ -442,12 +438,7 @@ def attach_engine_outputs(engine: Any, outputs: list) -> list:
     todo = _todo(pending_of(processor), finished)
     if not todo:
         return outputs
-    try:
-        fetched = _fetch(engine, [(p, ch) for _, p, _, ch in todo])
-    except Exception:
-        _drop_stored(engine, [p.key for _, p, _, _ in todo])
-        raise
-    failures = _apply(todo, fetched)
+    failures = _apply(todo, _fetch(engine, [(p, ch) for _, p, _, ch in todo]))
     if failures:
         raise _hook_error(failures, outputs)
     return outputs
