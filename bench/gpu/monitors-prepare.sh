@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Here, once per machine: the staged parts monitors-run.sh carries (G, default .gpu/mon), made from
-# ../shared/gpu/prepare.sh's .gpu (run first when missing): vLLM 0.26's stripped archive re-split 53 + 15 MiB (call 1 also carries the ~9.7 MB tree; call 2 the server packages),
+# ../shared/gpu/prepare.sh's .gpu (run first when missing): vLLM 0.26's stripped archive re-split 40 + 28 MiB (each device
+# call also carries the tree, ~10.5 MB and growing with bench/results: call 1 the first part, call 2 the second and the server packages),
 # the server's wheels (srvwhl) unpacked into one site folder and xz'd (srvx: 10.6 MB instead of 21.3), and py-spy (spy),
-# so that no device call carries more than ~65 MB of the 67.1 MB allowed. Then `monitors-run.sh stage COMMIT`.
+# so that no device call carries more than ~54 MB of the 67.1 MB allowed (three calls: monitors-run.sh's header).
+# Then `monitors-run.sh stage COMMIT`.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 S=${S:-$ROOT/.gpu}
@@ -15,7 +17,7 @@ fi
 mkdir -p "$G"
 rm -rf "$G/p1" "$G/p2" "$G/whl" "$G/dev" "$G/model" "$G/srvx"
 mkdir -p "$G/p1" "$G/p2" "$G/srvx"
-(cd "$G" && split -b 53M -d -a 2 "$S/vllm026s.tar.xz" vpart. && mv vpart.00 p1/ && mv vpart.01 p2/)
+(cd "$G" && split -b 40M -d -a 2 "$S/vllm026s.tar.xz" vpart. && mv vpart.00 p1/ && mv vpart.01 p2/)
 cp "$S/vllm026s.sha256" "$G/"
 cp -r "$S/whl" "$S/dev" "$S/model" "$G/"
 SITE=$(mktemp -d)

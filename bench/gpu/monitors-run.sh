@@ -5,15 +5,18 @@
 # p1 p2 whl srvx dev model vllm026s.sha256; code = the commit measured, what the device needs of it).
 #
 # Here first:   bash bench/gpu/monitors-prepare.sh (once a machine), then bash bench/gpu/monitors-run.sh stage COMMIT   (G/code afresh; prints each call's carry size)
-# Then three device calls, back to back (the machine goes back after 30 s idle, /root with it):
-#   call 1, carry [G/p1]:   mkdir -p /root/stage && cp .gpu/mon/p1/vpart.* /root/stage/ && nvidia-smi -L
-#   call 2, carry [G/p2 G/whl G/srvx G/dev G/model G/code G/vllm026s.sha256]:
-#                           bash .gpu/mon/code/bench/gpu/monitors-run.sh check
-#   call 3, carry [G/dev G/model G/code]:
-#                           bash .gpu/mon/code/bench/gpu/monitors-run.sh bench
-#   (or, after `install` in call 2, carry [G/dev G/model G/code G/spy]: ... monitors-run.sh profile)
+# Then the device calls, back to back (the machine goes back after 30 s idle, /root with it). Calls 1 and 2 stage
+# vLLM's parts (and the server's packages) in /root/stage; every later call carries only the code and what installs it:
+#   call 1, carry [G/p1]:         mkdir -p /root/stage && cp .gpu/mon/p1/vpart.* /root/stage/ && nvidia-smi -L
+#   call 2, carry [G/p2 G/srvx]:  cp .gpu/mon/p2/vpart.* /root/stage/ && mkdir -p /root/stage/srvx && cp .gpu/mon/srvx/* /root/stage/srvx/
+#   call 3, carry [G/whl G/dev G/model G/code G/vllm026s.sha256]:
+#                                 cd .gpu/mon/code && bash bench/gpu/monitors-run.sh check   (or install, then bench in the same call)
+#   call 4, carry [G/dev G/model G/code]:
+#                                 cd .gpu/mon/code && bash bench/gpu/monitors-run.sh bench
+#   (or, after `install`, carry [G/dev G/model G/code G/spy]: ... monitors-run.sh profile)
 #
-# p1 / p2: vLLM 0.26's stripped .tar.xz (../../shared/gpu/prepare.sh) split 53 + 15 MiB (monitors-prepare.sh), so that each call, the ~9.7 MB tree included, has room.
+# p1 / p2: vLLM 0.26's stripped .tar.xz (../../shared/gpu/prepare.sh) split 40 + 28 MiB (monitors-prepare.sh), so that
+# each call, the tree included (~10.5 MB, every call), keeps 13+ MB of room (`stage` prints each call's size).
 # srvx/srv.tar.xz: the wheels `vllm-lens serve` needs beyond whl/ (../../shared/gpu/prepare.sh's srvwhl list),
 # unpacked into one site folder and xz'd (10.6 MB instead of 21.3: calls 1 and 2 each carry ~65 MB otherwise).
 # check: joins and installs vLLM 0.26 (+ the server's packages) into /root/site, this code into /root/lens, runs
@@ -57,16 +60,19 @@ stage)
   TREE=$(cd /work/main && git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
   mb() { du -sbL "$@" | awk -v t="$TREE" '{s+=$1} END {printf "%.1f MB (64 MiB = 67.1 MB)", (s+t)/1e6}'; }
   echo "tree $((TREE / 1000)) kB; call 1: $(mb "$G/p1")"
-  echo "call 2: $(mb "$G"/{p2,whl,srvx,dev,model,code,vllm026s.sha256})"
-  echo "call 3: $(mb "$G"/{dev,model,code})"
+  echo "call 2: $(mb "$G"/{p2,srvx})"
+  echo "call 3: $(mb "$G"/{whl,dev,model,code,vllm026s.sha256})"
+  echo "call 4: $(mb "$G"/{dev,model,code})"
   [ -d "$G/spy" ] && echo "profile call: $(mb "$G"/{dev,model,code,spy})"
   ;;
 check | install)
   ln -sfn .. .gpu  # code/.gpu -> G: the staged parts under the names setup.sh and gpu.sh use
   bash .gpu/dev/setup.sh || exit 1
-  if [ -f .gpu/srvx/srv.tar.xz ]; then
-    (cd .gpu/srvx && sha256sum -c srv.sha256 >/dev/null) || { echo "srvx: checksum"; exit 1; }
-    python3 -c "import tarfile; tarfile.open('.gpu/srvx/srv.tar.xz').extractall('/root/site')" && echo "server packages in /root/site"
+  SRV=.gpu/srvx  # the server's packages: carried in this call, or staged in /root/stage/srvx by call 2
+  [ -f "$SRV/srv.tar.xz" ] || SRV=/root/stage/srvx
+  if [ -f "$SRV/srv.tar.xz" ]; then
+    (cd "$SRV" && sha256sum -c srv.sha256 >/dev/null) || { echo "srvx: checksum"; exit 1; }
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('/root/site')" "$SRV/srv.tar.xz" && echo "server packages in /root/site"
   fi
   # shellcheck disable=SC1091
   source .gpu/dev/env.sh
