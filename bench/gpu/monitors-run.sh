@@ -18,7 +18,7 @@
 # p1 / p2: vLLM 0.26's stripped .tar.xz (../../shared/gpu/prepare.sh) split 40 + 28 MiB (monitors-prepare.sh), so that
 # each call, the tree included (~10.5 MB, every call), keeps 13+ MB of room (`stage` prints each call's size).
 # srvx/srv.tar.xz: the wheels `vllm-lens serve` needs beyond whl/ (../../shared/gpu/prepare.sh's srvwhl list),
-# unpacked into one site folder and xz'd (10.6 MB instead of 21.3: calls 1 and 2 each carry ~65 MB otherwise).
+# unpacked into one site folder and xz'd (10.6 MB instead of 21.3).
 # check: joins and installs vLLM 0.26 (+ the server's packages) into /root/site, this code into /root/lens, runs
 # the check (one engine, CUDA graphs; $OUT/check.log, $OUT/check.json), then W15 on one `vllm-lens serve`
 # ($OUT/w15.json, $OUT/w15.log) when bench/stream_scores.py exists.
