@@ -89,7 +89,7 @@ def test_only_some_requests_capture(llama):
 
 def test_requests_sharing_a_capture_spec_are_validated_once_and_stay_separate(llama):
     """Thousands of requests with the same capture keys (an extraction) are validated once per engine
-    (`frontend/requests._capture_spec`); each still gets its own key, lists and results, the caller's
+    (`frontend/spec_memo`); each still gets its own key, lists and results, the caller's
     params are never changed, `True` is not `1`, and a bad value is refused every time."""
     from vllm_worker import compat
     from vllm_worker.frontend.state import engine_state

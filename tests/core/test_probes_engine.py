@@ -243,3 +243,47 @@ def test_a_failure_scoring_fails_only_those_requests(llm, monkeypatch):
     assert outs[1].hook_error is None and list(outs[1].outputs[0].token_ids) == plain
     out = llm.generate([PROMPTS[0]], _sp(3, output_probe_scores=["pr_l2"]), use_tqdm=False)[0]
     _check(out.activations["probe_scores"]["pr_l2"], _ref("pr_l2", out))
+
+
+def test_probe_only_requests_are_validated_and_admitted_once_per_list(llm):
+    """A batch asking for the same probe scores and nothing else (a monitored batch) is validated once in
+    the frontend (`frontend/spec_memo`) and admitted on the workers' quick path (`worker/admit_probes`),
+    with scores equal to HF's; a probe loaded again under its name, or deleted, is seen by the next request
+    on both sides (never the remembered probe); a request that also captures takes the general path."""
+    from vllm_worker.frontend.spec_memo import Remembered
+    from vllm_worker.frontend.state import engine_state
+    from vllm_worker.worker import admit_probes
+
+    w = torch.randn(1, D, generator=torch.Generator().manual_seed(5))
+    sp = _sp(3, output_probe_scores=["memo_probe", "pr_l2"])
+
+    def run(scale: float) -> None:
+        before = admit_probes.COUNTS["admitted"]
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        assert admit_probes.COUNTS["admitted"] - before == len(PROMPTS)
+        for out in outs:
+            ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+            x, _ = residuals(hf_model("llama"), ids[:-1])
+            _check(out.activations["probe_scores"]["memo_probe"], x[1] @ (scale * w).T)
+            _check(out.activations["probe_scores"]["pr_l2"], _ref("pr_l2", out))
+        assert sp.extra_args == {"output_probe_scores": ["memo_probe", "pr_l2"]}  # the caller's, untouched
+
+    llm.load_probe("memo_probe", weight=w, layers=[1])
+    try:
+        run(1.0)
+        run(1.0)
+        memo = [r for r in engine_state(llm).capture_specs.values() if isinstance(r, Remembered) and r.used]
+        assert [name for name, _ in memo[-1].used] == ["memo_probe", "pr_l2"]
+        llm.load_probe("memo_probe", weight=3 * w, layers=[1])  # the same name, other weights
+        run(3.0)
+        before = admit_probes.COUNTS["admitted"]
+        both = _sp(3, output_probe_scores=["memo_probe"], output_residual_stream=[1])
+        out = llm.generate([PROMPTS[0]], both, use_tqdm=False)[0]
+        assert admit_probes.COUNTS["admitted"] == before  # (a capture too: the general path)
+        _check(out.activations["probe_scores"]["memo_probe"], out.activations["residual_stream"][0] @ (3 * w).T)
+    finally:
+        llm.delete_probe("memo_probe")
+    with pytest.raises(ValueError, match="output_probe_scores.memo_probe: unknown probe 'memo_probe'"):
+        llm.generate([PROMPTS[0]], sp, use_tqdm=False)
+    out = llm.generate([PROMPTS[1]], _sp(3, output_probe_scores=["pr_l2"]), use_tqdm=False)[0]
+    _check(out.activations["probe_scores"]["pr_l2"], _ref("pr_l2", out))

@@ -292,7 +292,7 @@ def extract(
     writer = _Writer(out, (done_shards[-1] + 1) if done_shards else 0, shard_bytes, meta, on_shard, out_dtype)
     tokenizer = llm.get_tokenizer()
     # the capture as its JSON string (a form the frontend takes): validated once for all the rows, as the
-    # same text (`frontend/requests._capture_spec`)
+    # same text (`frontend/spec_memo`)
     capture = json.dumps(wanted, separators=(",", ":"))
     sp = compat.shared_sampling_params(
         max_tokens=max_tokens, temperature=0.0, detokenize=False, extra_args={ACTIVATIONS_KEY: capture}

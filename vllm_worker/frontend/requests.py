@@ -4,24 +4,21 @@ and an entry in the pending map until its results are fetched (`fetch`)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from vllm_worker import compat
 from vllm_worker.envs import limit
 from vllm_worker.frontend import vector_refs
+from vllm_worker.frontend.spec_memo import remembered_spec
 from vllm_worker.frontend.state import FrontendState, Pending, engine_shape, engine_state, pending_of
 from vllm_worker.frontend.validation import parse_request
 from vllm_worker.frontend.vectors import resolve as resolve_vectors
 from vllm_worker.protocol.host_threads import one_thread
 from vllm_worker.protocol.spec import (
-    ACTIVATIONS_KEY,
     CAPTURE_KEY,
     NAMESPACE_PREFIXES,
     PAYLOAD_KEY,
     VECTOR_DROPS_KEY,
-    ModelShape,
-    RequestSpec,
     cache_salt,
     encode,
     has_lens_keys,
@@ -46,7 +43,7 @@ def _on_new_request(processor: Any, request_id: str, req: Any) -> Any:
     prompt_len = compat.request_prompt_len(req)
     named: list = []  # the registrations `apply_steering_vectors` names (which may go by reference)
     try:
-        spec = _capture_spec(state, sp.extra_args, shape)
+        spec = remembered_spec(state, sp.extra_args, shape)
         if spec is None:
             spec = parse_request(
                 resolve_vectors(sp.extra_args, state.vectors, named), shape, prompt_len, state.saes, state.probes
@@ -138,51 +135,6 @@ def _viewed(steer: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(vec, dict) or not isinstance(vec.get("data"), bytes):
         return steer  # (by reference: no bytes)
     return {**steer, "vec": {**vec, "data": compat.raw_view(vec["data"])}}
-
-
-CAPTURE_SPECS_KEPT = 64  # distinct capture specs remembered per engine (then the memo starts over)
-
-
-def _frozen(value: Any) -> Any:
-    """A hashable form of a JSON-like value that tells `True` from `1` and a list from a tuple; None for
-    anything else (tensors, ranges, objects: validated every time)."""
-    t = type(value)
-    if t is str or t is int or t is bool:
-        return (t, value)
-    if t is list or t is tuple:
-        items = tuple(_frozen(v) for v in value)
-        return None if None in items else (t, items)
-    if t is dict:
-        pairs = tuple((k, _frozen(v)) for k, v in value.items())
-        return None if any(type(k) is not str or v is None for k, v in pairs) else (t, pairs)
-    return None
-
-
-def _capture_spec(state: FrontendState, extra_args: Any, shape: ModelShape) -> RequestSpec | None:
-    """The spec of a request whose only inspect-lens keys are captures (`output_residual_stream`,
-    `output_activations`), validated once per distinct value and engine and remembered; None for any
-    other request (validated by `parse_request` every time). No caller object is kept. The spec's
-    `points` and `capture` are the remembered ones, shared by every request of that capture and never
-    changed: they are only read (`Pending`, `fetch.by_point`, which copies what it hands to callers; the
-    workers `decode` their own copy), so a request costs no new lists, which the garbage collector would
-    otherwise walk while thousands of requests are in flight."""
-    ours = [k for k in extra_args if isinstance(k, str) and k.startswith(NAMESPACE_PREFIXES)]
-    if not ours or any(k != CAPTURE_KEY and k != ACTIVATIONS_KEY for k in ours):
-        return None
-    key = tuple((k, _frozen(extra_args[k])) for k in ours)
-    if any(v is None for _, v in key):
-        return None
-    got = state.capture_specs.get(key)
-    if got is None:
-        spec = parse_request({k: extra_args[k] for k in ours}, shape, 0)  # ValueError naming the field
-        assert spec is not None  # `ours` is not empty
-        got = (spec.points, spec.capture)
-        if len(state.capture_specs) >= CAPTURE_SPECS_KEPT:
-            state.capture_specs.clear()
-        state.capture_specs[key] = got
-    points, capture = got
-    # a fresh random key, as `parse_request` makes (32 hex digits; without building a UUID object)
-    return RequestSpec(key=os.urandom(16).hex(), capture=capture, points=points)
 
 
 def _admit_capture(

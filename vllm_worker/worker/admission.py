@@ -22,7 +22,7 @@ from vllm_worker.protocol import errors
 from vllm_worker.protocol.points import describe, site_layer, site_point
 from vllm_worker.protocol.recent import recall, remember
 from vllm_worker.protocol.spec import RequestSpec, decode
-from vllm_worker.worker import admit_templates, faults, graph, graph_entries, seams, vector_refs
+from vllm_worker.worker import admit_probes, admit_templates, faults, graph, graph_entries, seams, vector_refs
 from vllm_worker.worker.actions import ActionRefused, OutcomeLater
 from vllm_worker.worker.content_digests import RecentDigests
 from vllm_worker.worker.device_copy import to_device
@@ -102,6 +102,7 @@ class Admission:
         self._digests = RecentDigests()  # contents of recent payloads' vectors
         self._since = 0  # requests admitted since the last flush (`counters.STEP_TIMINGS["admit_steps"]`)
         self.templates = admit_templates.Templates()  # recent payloads' derived admission (`admit_templates`)
+        self.probe_only = admit_probes.ProbeOnly(probes, local)  # requests asking for probe scores alone
 
     def flush(self) -> None:
         """After a step's admissions, before it is planned: their steering reaches the device, one copy per
@@ -156,6 +157,10 @@ class Admission:
         import cloudpickle
 
         payload = vector_refs.HELD.resolve(payload)  # (named vectors sent by reference: their bytes)
+        if not self.persistent and self.probe_only.covers(payload):
+            quick = admit_probes.admit(self.probe_only, self.store, self.graph is not None, req_id, payload)
+            if quick is not None:
+                return quick
         tmpl = None if payload is None else self._template(payload)  # (equal content: decoded once)
         spec: RequestSpec | None
         if tmpl is not None:

@@ -54,6 +54,7 @@ class WorkerProbes:
     def __init__(self, device: torch.device, local_layers: frozenset) -> None:
         self.device, self.local_layers = device, local_layers
         self.loaded: dict[str, DeviceProbe] = {}
+        self.version = 0  # counts loads and deletes: what was derived from `loaded` is stale once it moves
         # once a worker (vLLM turned its batch-invariant mode on, or not, before the model loaded): GPU scores
         # (these probes' and probe actions') then go through the ops the mode replaces
         projection.use_batch_invariant(device.type == "cuda" and compat.batch_invariant_mode())
@@ -70,11 +71,13 @@ class WorkerProbes:
         if len(local) == len(p.layers):
             weights = {s: w.to(self.device) for s, w in zip(sites, ws)}
         _STACKS.clear()
+        self.version += 1
         self.loaded[name] = DeviceProbe(name, uid, weights, bias, p.output == "sigmoid", sites)
         return {"name": name, "local_layers": local}
 
     def delete(self, name: str) -> bool:
         _STACKS.clear()
+        self.version += 1
         return self.loaded.pop(name, None) is not None
 
     def uses(self, entries: list[dict[str, Any]]) -> list[DeviceProbe]:
