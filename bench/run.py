@@ -558,6 +558,12 @@ def main() -> None:
             "lens-before": ("W0", "W1", "W3"),
             "lens": ("W0", "W1", "W3", "W6", "W7", "W8"),
         },
+        # the monitors of two commits in one call (BENCH_LENS_BEFORE_SRC: the older tree, installed as lens-before)
+        "gpu-monitors-before": {
+            "vllm-compiled": ("W0",),
+            "lens-before": ("W0", "W9", "W10"),
+            "lens": ("W0", "W9", "W10"),
+        },
         "large": {
             "vllm-eager": ("W0",),
             "lens": ("W0", "W1", "W2", "W3"),
