@@ -48,14 +48,15 @@ def chosen(n: int, prompt_len: int, positions: Any) -> torch.Tensor | slice:
     return torch.tensor([p for p in positions if p < n], dtype=torch.long)
 
 
-def _decoded(raw: bytes, ns: list[int], ks: list[int]) -> list[torch.Tensor]:
+def _decoded(raw: bytes, ns: list[int], ks: list[int], flats: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each `(n, n_out)` scores of one part's probes (their bytes one after another, rows and widths) as a
     view of one writable buffer for the part (one copy of its bytes, one tensor made), not a buffer and a
     tensor per probe; a part's own buffer, so a caller keeping one request's outputs keeps no other
-    request's."""
+    request's. The buffer, flat, goes to `flats` (the aggregates read them all together)."""
     if not raw:
         return [torch.empty((n, k), dtype=torch.float32) for n, k in zip(ns, ks)]
     flat = torch.frombuffer(bytearray(raw), dtype=torch.float32)
+    flats.append(flat)
     n0, k0 = ns[0], ks[0]
     if k0 and ns.count(n0) == len(ns) and ks.count(k0) == len(ks):  # one shape (W10's): views in one call
         return list(flat.view(-1, n0, k0).unbind(0))
@@ -90,7 +91,7 @@ def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int
     poss: list[bytes] = []  # per item (a probe of a part): its positions' bytes,
     ns: list[int] = []  # rows
     ks: list[int] = []  # and width;
-    raws: list[bytes] = []  # per part, its items' scores one after another
+    flats: list[torch.Tensor] = []  # per part with scores, its items' scores one after another
     decoded: list[torch.Tensor] = []
     for parts, _, _ in samples:
         for part in parts:
@@ -102,15 +103,13 @@ def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int
                 poss += [pos] * len(got_ks)
                 ns += [n] * len(got_ks)
                 ks += got_ks
-                raws.append(raw)
-                decoded += _decoded(raw, ns[-len(got_ks) :], got_ks)
+                decoded += _decoded(raw, ns[-len(got_ks) :], got_ks, flats)
                 continue
             first = len(ns)
             item_raws: list[bytes] = []
             probe_wire.unpack_into(got, "probe_scores", poss, item_raws, ns, ks)
             if item_raws:
-                raws.append(b"".join(item_raws))
-                decoded += _decoded(raws[-1], ns[first:], ks[first:])
+                decoded += _decoded(b"".join(item_raws), ns[first:], ks[first:], flats)
     seen: dict[bytes, tuple[np.ndarray, int]] = {}  # positions by their bytes (often the same ones)
     picks: dict[tuple[int, int, str], slice | torch.Tensor] = {}  # `chosen` of a named choice, by (n, prompt)
     out: list[Outputs] = []
@@ -179,7 +178,7 @@ def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int
             at.append(item.get(name, -1) if type(sel) is slice else -1)
             sels.append(sel)
         out.append((scores, {}))
-    done = iter(_aggregates(series, wanted_aggs, at, sels, (raws, ns, ks)))
+    done = iter(_aggregates(series, wanted_aggs, at, sels, (flats, ns, ks)))
     for (_, wanted, _), (_, aggs) in zip(samples, out):
         for name in wanted:
             aggs[name] = next(done)
@@ -199,15 +198,15 @@ def _aggregates(
     series: list[torch.Tensor], wanted: list[list[str]], at: list[int], sels: list[Any], items: tuple[list, ...]
 ) -> list[dict[str, torch.Tensor]]:
     """The aggregates `wanted` of each series over its chosen positions `sels` (`at`: the item it is, -1 if
-    none; `items`: the parts' scores' bytes, each item's rows and widths): when every series is an item of
-    one shape with the same slice of positions, the stacked series are that slice of the items' bytes read
-    as one `(items, n, n_out)` array, copied once — the tensor `aggregates_many` would stack, so the same
-    bits — instead of a slice per series and a stack of them."""
-    raws, ns, ks = items
+    none; `items`: the parts' score buffers (`_decoded`), each item's rows and widths): when every series is
+    an item of one shape with the same slice of positions, the stacked series are that slice of the buffers
+    joined as one `(items, n, n_out)` tensor, copied once — the tensor `aggregates_many` would stack, so the
+    same bits — instead of a slice per series and a stack of them."""
+    flats, ns, ks = items
     sl = sels[0] if sels else None
     one_shape = bool(ns) and ks[0] > 0 and ns.count(ns[0]) == len(ns) and ks.count(ks[0]) == len(ks)
-    if one_shape and type(sl) is slice and -1 not in at and sels.count(sl) == len(sels):
-        whole = torch.frombuffer(bytearray(b"".join(raws)), dtype=torch.float32).view(len(ns), ns[0], ks[0])
+    if one_shape and flats and type(sl) is slice and -1 not in at and sels.count(sl) == len(sels):
+        whole = torch.cat(flats).view(len(ns), ns[0], ks[0])
         x = whole[:, sl] if at == list(range(len(ns))) else whole[torch.tensor(at)][:, sl]
         return aggregates_stacked(x.contiguous(), wanted)
     return aggregates_many([(s[sel], w) for s, w, sel in zip(series, wanted, sels)])

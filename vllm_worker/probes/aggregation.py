@@ -130,12 +130,12 @@ def _stacked_aggregate(x: torch.Tensor, name: str) -> torch.Tensor:
         return x.mean(1)
     if kind == "last":
         return x[:, -1].clone()  # (not a view: each row would keep every series alive)
-    if kind == "max":
-        return x.max(1).values
+    if kind == "max":  # (`amax`: the same values, without the indices `max` finds: ~10x less here)
+        return x.amax(1)
     if kind == "rolling_max":
-        return _rolling_rows(x, int(arg))[:, int(arg) - 1 :].max(1).values
+        return _rolling_rows(x, int(arg))[:, int(arg) - 1 :].amax(1)
     if kind == "ema":
-        return _ema_rows(x, arg).max(1).values
+        return _ema_rows(x, arg).amax(1)
     raise ValueError("aggregate: 'token' is a series, not an aggregate (use max)")
 
 
@@ -159,8 +159,12 @@ def aggregates_stacked(x: torch.Tensor, wanted: list[list[str]]) -> list[dict[st
     (as `aggregates_many` stacks them, or read in place by a caller holding them in one buffer)."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in wanted]
     if wanted and all(w == wanted[0] for w in wanted):  # one list for every row (a fetch's usual case)
-        per_name = [_stacked_aggregate(x, name).unbind(0) for name in wanted[0]]
-        return [dict(zip(wanted[0], rows)) for rows in zip(*per_name)] if per_name else out
+        names = wanted[0]
+        per_name = [_stacked_aggregate(x, name).unbind(0) for name in names]
+        if len(names) == 3:  # (the defaults alone, a request's usual case: a dict display, not dict(zip))
+            a, b, c = names
+            return [{a: u, b: v, c: w} for u, v, w in zip(*per_name)]
+        return [dict(zip(names, rows)) for rows in zip(*per_name)] if per_name else out
     for name in dict.fromkeys(n for w in wanted for n in w):
         for i, row in enumerate(_stacked_aggregate(x, name).unbind(0)):
             if name in wanted[i]:
