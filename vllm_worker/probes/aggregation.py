@@ -130,7 +130,7 @@ def _stacked_aggregate(x: torch.Tensor, name: str) -> torch.Tensor:
         return x.mean(1)
     if kind == "last":
         return x[:, -1].clone()  # (not a view: each row would keep every series alive)
-    if kind == "max":  # (`amax`: the same values, without the indices `max` finds: ~10x less here)
+    if kind == "max":  # (`amax`: the same values, without finding the indices `max` returns)
         return x.amax(1)
     if kind == "rolling_max":
         return _rolling_rows(x, int(arg))[:, int(arg) - 1 :].amax(1)
