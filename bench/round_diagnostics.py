@@ -40,7 +40,7 @@ def frontend_counts(llm: Any) -> dict[str, Any]:
 
         st = engine_state(llm)
         out["pending"] = len(st.pending)
-        out["capture_specs"] = len(st.capture_specs)
+        out["specs"] = len(st.specs)
     except Exception as e:  # noqa: BLE001 - diagnostics only (an older tree)
         out["frontend_error"] = type(e).__name__
     try:

@@ -101,7 +101,7 @@ def test_requests_sharing_a_capture_spec_are_validated_once_and_stay_separate(ll
     )
     outs = llama.generate(prompts, sp, use_tqdm=False)
     assert sp.extra_args == {"output_activations": '{"resid_post":[1]}'}  # the caller's, untouched
-    assert engine_state(llama).capture_specs  # remembered, shared read-only; each answer gets its own lists
+    assert engine_state(llama).specs  # remembered, shared read-only; each answer gets its own lists
     ref, _ = residuals(hf_model("llama"), list(outs[1].prompt_token_ids))
     assert (outs[1].activations["resid_post"][0] - ref[1]).abs().max() <= 1e-4
     outs[0].activations["points"]["resid_post"].append(99)  # one request's objects are its own

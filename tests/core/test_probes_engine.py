@@ -272,7 +272,7 @@ def test_probe_only_requests_are_validated_and_admitted_once_per_list(llm):
     try:
         run(1.0)
         run(1.0)
-        memo = [r for r in engine_state(llm).capture_specs.values() if isinstance(r, Remembered) and r.used]
+        memo = [r for r in engine_state(llm).specs.values() if isinstance(r, Remembered) and r.used]
         assert [name for name, _ in memo[-1].used] == ["memo_probe", "pr_l2"]
         llm.load_probe("memo_probe", weight=3 * w, layers=[1])  # the same name, other weights
         run(3.0)

@@ -66,7 +66,7 @@ def remembered_spec(state: FrontendState, extra_args: Any, shape: ModelShape) ->
     key = tuple((k, frozen(extra_args[k])) for k in ours)
     if any(v is None for _, v in key):
         return None
-    got = state.capture_specs.get(key)
+    got = state.specs.get(key)
     if got is not None and got.used:
         probes = state.probes
         if not all(probes.get(name) is loaded for name, loaded in got.used):
@@ -76,9 +76,9 @@ def remembered_spec(state: FrontendState, extra_args: Any, shape: ModelShape) ->
         assert spec is not None  # `ours` is not empty
         used = tuple((u["probe"], state.probes[u["probe"]]) for u in spec.probes)
         got = Remembered(spec.points, spec.capture, spec.probes, spec.probe_outputs, used)
-        if len(state.capture_specs) >= KEPT:
-            state.capture_specs.clear()
-        state.capture_specs[key] = got
+        if len(state.specs) >= KEPT:
+            state.specs.clear()
+        state.specs[key] = got
     # a fresh random key, as `parse_request` makes (32 hex digits; without building a UUID object)
     return RequestSpec(
         key=os.urandom(16).hex(),

@@ -80,7 +80,7 @@ class FrontendState:
     probes: dict[str, Any] = field(default_factory=dict)  # loaded probes by name (`frontend/probes.LoadedProbe`)
     # validated capture / probe-score specs by the frozen form of the caller's keys (`spec_memo`): an
     # extraction or a monitored batch sends thousands of requests with the same spec, validated once
-    capture_specs: dict[Any, Any] = field(default_factory=dict)
+    specs: dict[Any, Any] = field(default_factory=dict)
     capture_limits: tuple[int, int] | None = None  # (max_model_len, bytes per value), fixed once the engine runs
     engines_fed: int | None = None  # engine cores this frontend feeds (`compat.engines_fed`), fixed likewise
     rows_by_view: bool | None = None  # steering rows sent as views (`compat.rows_by_view`), fixed likewise
