@@ -88,6 +88,87 @@ def probe_outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]]
 
 
 def _outputs_many(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int]]) -> list[Outputs]:
+    got = _uniform(samples)
+    return got if got is not None else _outputs_general(samples)
+
+
+def _uniform(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int]]) -> list[Outputs] | None:
+    """`_outputs_general`'s result for a fetch's usual case, or None (nothing made) when it is not that case:
+    each sample one part, its probes (one block, or an item each) those of the one `wanted` all samples
+    share, in its order, of one width, every probe's positions 0 .. n - 1 for the same n, one prompt length
+    and one named choice of positions. Then a sample's scores are views of its part's buffer and its probes
+    are consecutive items, so the general path's per-item lists, walk by name and item lookups are not
+    needed: one pass checks, one makes the views, the aggregates are one stacked call over the same tensor
+    (the same bits)."""
+    parts0 = samples[0][0] if samples else None
+    if not parts0 or len(parts0) != 1:
+        return None
+    wanted0, got0 = samples[0][1], parts0[0].get("probes")
+    if type(got0) is not dict or not got0:
+        return None
+    plan = _plan(wanted0)
+    if plan is None or plan[0] != list(got0) or plan[1].count(plan[1][0]) != len(plan[1]):
+        return None
+    names = plan[0]
+    m = len(names)
+    v0 = next(iter(got0.values()))
+    blocked = probe_wire.BLOCK in parts0[0]
+    k0 = v0 if blocked else v0.get("n_out") if type(v0) is dict else None
+    if type(k0) is not int or k0 <= 0 or blocked and list(got0.values()).count(k0) != m:
+        return None
+    raws: list[bytes] = []
+    poss: list[bytes] = []
+    for parts, wanted, prompt_len in samples:
+        if len(parts) != 1 or wanted is not wanted0 or prompt_len != samples[0][2]:
+            return None
+        part = parts[0]
+        got = part["probes"]
+        if blocked:  # `probe_wire.pack_block`'s form: {name: n_out} and one buffer (every part: `got0`'s)
+            block = part.get(probe_wire.BLOCK)
+            if type(block) is not dict or got != got0 or list(got) != names:  # (dicts compare without order)
+                return None
+            pos, raw = block.get("positions"), block.get("scores")
+            if type(pos) is not bytes or type(raw) is not bytes:
+                return None
+            poss.append(pos)
+            raws.append(raw)
+            continue
+        if type(got) is not dict or len(got) != m or probe_wire.BLOCK in part:  # an item a probe (`pack`)
+            return None
+        own: list[bytes] = []
+        for (name, it), want in zip(got.items(), names):
+            if name != want or type(it) is not dict:
+                return None
+            pos, raw, k = it.get("positions"), it.get("scores"), it.get("n_out")
+            if type(pos) is not bytes or type(raw) is not bytes or type(k) is not int or k != k0:
+                return None
+            poss.append(pos)
+            own.append(raw)
+        raws.append(own[0] if m == 1 else b"".join(own))
+    seen: dict[bytes, tuple[np.ndarray, int]] = {}
+    n0 = -1
+    for pos in poss:
+        if len(pos) % 8:
+            return None
+        arr, n = _positions(pos, seen)
+        if len(arr) != n or n != n0 and n0 != -1:
+            return None
+        n0 = n
+    if n0 <= 0 or any(len(raw) != 4 * n0 * m * k0 for raw in raws):
+        return None
+    sel = chosen(n0, samples[0][2], plan[2])
+    if type(sel) is not slice:
+        return None
+    flats = [torch.frombuffer(bytearray(raw), dtype=torch.float32) for raw in raws]
+    out: list[Outputs] = [(dict(zip(names, f.view(m, n0, k0).unbind(0))), {}) for f in flats]
+    whole = torch.cat(flats).view(len(flats) * m, n0, k0)
+    aggs = aggregates_stacked(whole[:, sel].contiguous(), [plan[1][0]] * len(whole))
+    for j, (_, mine) in enumerate(out):
+        mine.update(zip(names, aggs[j * m : (j + 1) * m]))
+    return out
+
+
+def _outputs_general(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int]]) -> list[Outputs]:
     poss: list[bytes] = []  # per item (a probe of a part): its positions' bytes,
     ns: list[int] = []  # rows
     ks: list[int] = []  # and width;

@@ -158,7 +158,7 @@ def aggregates_stacked(x: torch.Tensor, wanted: list[list[str]]) -> list[dict[st
     """`aggregates(x[i], wanted[i])` of every row of `x` (rows, n, ...) float32, the series already stacked
     (as `aggregates_many` stacks them, or read in place by a caller holding them in one buffer)."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in wanted]
-    if wanted and all(w == wanted[0] for w in wanted):  # one list for every row (a fetch's usual case)
+    if wanted and wanted.count(wanted[0]) == len(wanted):  # one list for every row (a fetch's usual case)
         names = wanted[0]
         per_name = [_stacked_aggregate(x, name).unbind(0) for name in names]
         if len(names) == 3:  # (the defaults alone, a request's usual case: a dict display, not dict(zip))
