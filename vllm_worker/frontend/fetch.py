@@ -142,8 +142,10 @@ async def fetch_async(engine_client: Any, todo: list[tuple[Pending, dict[int, in
     except StopIteration as done:
         merged = done.value
     except Exception:
+        keys = [p.key for p, _ in todo]
+        compat.forget_routes(engine_client, keys)  # (the routes not yet read: no engine answers for them now)
         try:
-            await compat.rpc_async(engine_client, rpc.DROP, [p.key for p, _ in todo])
+            await compat.rpc_async(engine_client, rpc.DROP, keys)
         except Exception:  # noqa: BLE001, S110 - the fetch's own error is the one raised
             pass
         raise
