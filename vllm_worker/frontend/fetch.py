@@ -18,13 +18,14 @@ from vllm_worker.frontend import mlp_post
 from vllm_worker.frontend.probe_results import Outputs, probe_outputs, probe_outputs_many
 from vllm_worker.frontend.round_trips import RoundTrips
 from vllm_worker.frontend.state import Pending, consumer_of, engine_state, pending_of, result_pools
-from vllm_worker.protocol import rpc
+from vllm_worker.protocol import probe_wire, rpc
 from vllm_worker.protocol.errors import Failure, all_internal, failure, messages
 from vllm_worker.protocol.points import MLP_POST, RESID_POST, ROUTER_LOGITS, K, Q, Z, point_sites
 from vllm_worker.protocol.spec import ModelShape
 from vllm_worker.protocol.wire import dtype_from_name, tensor_from_bytes
 from vllm_worker.transport import result_views, row_layout, shm
 
+PROBES_ONLY = frozenset({"probes", probe_wire.BLOCK})  # a part holding probe scores and nothing else
 FETCH_GROUP_BYTES = 512 << 20  # per RPC round trip when results travel inside the RPC reply
 # ... and when they travel through the shared-memory result pool (the reply holds only region names): one
 # round trip lets the worker assemble a whole batch in parallel threads (docs/decisions.md)
@@ -309,6 +310,9 @@ def decode_sample(
     parts = got.get(child)
     if not parts:
         return None, None, failure("internal", "no results came back from the workers", "fetch")
+    if probed is not None and not p.layers and len(parts) == 1 and "probes" in parts[0]:
+        if parts[0].keys() <= PROBES_ONLY:  # (what the walk below makes of it, without the walk)
+            return {"probe_scores": probed[0], "probe_aggregates": probed[1]}, None, None
     more = False  # SAE features, probe scores or hook state in some part
     for part in parts:
         if "error" in part:  # the first stage's failure
