@@ -47,6 +47,14 @@ def pack_block(positions: bytes, scores: bytes, names: list[str], n_out: int) ->
     return dict.fromkeys(names, n_out), {"positions": positions, "scores": scores}
 
 
+def pack_blocks(positions: bytes, scores: bytes, names: list[str], n_out: int, n: int) -> list[tuple[dict, dict]]:
+    """`pack_block` of `n` requests with the same probes `names` over the same `positions`, whose blocks are
+    consecutive equal-sized slices of `scores` (a group's one copy), each with its own `{name: n_out}`."""
+    size = len(scores) // n if n else 0
+    first = dict.fromkeys(names, n_out)
+    return [(first.copy(), {"positions": positions, "scores": scores[k * size : (k + 1) * size]}) for k in range(n)]
+
+
 def unpack_block(names: Any, block: Any, field: str) -> tuple[bytes, bytes, int, list[int]]:
     """(positions' bytes, scores' bytes, n, each probe's n_out) of a part's block, checked: a ValueError
     names `field`."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -249,20 +250,25 @@ def _group(
             val_parts.append(vals.transpose(1, 0, 2, 3).reshape(n, steps * rows, width))
     vals = np.concatenate(val_parts, axis=1) if len(val_parts) > 1 else np.ascontiguousarray(val_parts[0])
     rising, same = _rising_same(pos_parts, n)
-    member_probes = [m[2].probe for m in members]
-    ids = list(map(id, member_probes))
-    row_of = {pid: r for r, pid in enumerate(dict.fromkeys(ids))}  # each probe's row of `bias`, by id
-    at = list(map(row_of.__getitem__, ids))
-    by_row = dict(zip(at, member_probes))
-    bias = np.stack([by_row[v].bias.numpy() for v in range(len(row_of))])
-    vals += bias[at][:, None, :]  # (as payload: bias after the sum)
+    slot_ids = list(map(id, map(itemgetter(2), members)))
+    row_of: dict[int, int] = {}  # each slot's row of `bias` (its probe's), by id: slots first (requests filed
+    probe_row: dict[int, int] = {}  # together share theirs), then probes
+    by_row: list = []  # the probes, by row
+    for sid, slot in dict(zip(slot_ids, map(itemgetter(2), members))).items():
+        row = probe_row.get(id(slot.probe))
+        if row is None:
+            row = probe_row[id(slot.probe)] = len(by_row)
+            by_row.append(slot.probe)
+        row_of[sid] = row
+    bias = np.stack([p.bias.numpy() for p in by_row])
+    vals += bias[list(map(row_of.__getitem__, slot_ids))][:, None, :]  # (as payload: bias after the sum)
     k_out = int(vals.shape[2])
     row_vals = vals.shape[1] * k_out * 4  # bytes of a member's scores
     flat = vals.tobytes()  # (one copy; each member's bytes a slice of it, not an array and a copy each)
     p0 = _member_positions(pos_parts, 0)
     # positions: one bytes object for the members with the same ones (a composition's requests often have)
     suffix: dict[int, bytes] = {0: p0.tobytes()}  # the shared positions' bytes from a row on
-    if starts is None and all(rising) and all(same) and not any(p.sigmoid for p in by_row.values()):
+    if starts is None and all(rising) and all(same) and not any(p.sigmoid for p in by_row):
         if order is not None and len(order[members[0][0]]) > 1:  # (a fetch's usual case, W10's)
             _blocks(members, order, suffix[0], flat, row_vals, k_out, done)
             return set()
@@ -302,9 +308,19 @@ def _blocks(
     """The usual case's payloads into `done`: a request of several probes all members here, one after another
     in its own order, as one block (its rows of `flat`, one slice); any other member as its item (a lone
     probe's block would save nothing: `_group` gives a group of such requests `pack_rows`)."""
-    who = [m[0] for m in members]
-    names = [m[1] for m in members]
+    who = list(map(itemgetter(0), members))
+    names = list(map(itemgetter(1), members))
     n, a = len(members), 0
+    got = order[who[0]]  # (a request's names: a list, or its name -> slot dict)
+    first = list(got)
+    m = len(first)
+    if m > 1 and n % m == 0 and names == first * (n // m):  # every request these probes in this order:
+        reqs = who[::m]  # one slice of `flat` each (checked: each request's members together, its own order)
+        same = all(order[i] is got or list(order[i]) == first for i in reqs)
+        if same and (np.array(who).reshape(-1, m) == np.array(reqs)[:, None]).all():
+            for i, block in zip(reqs, probe_wire.pack_blocks(positions, flat, first, k_out, len(reqs))):
+                done[i] = block
+            return
     while a < n:
         i = who[a]
         got = order[i]  # the request's probe names, in its order
