@@ -110,3 +110,11 @@ def test_a_malformed_part_is_still_an_error_naming_the_field():
     assert probe_results._uniform(samples) is None
     with pytest.raises(ValueError, match=r"^probe_scores\.scores"):
         probe_results.probe_outputs_many(samples)
+
+
+def test_a_part_without_scores_is_still_the_general_paths_error():
+    samples = _samples(3, ["a", "d"], True)
+    samples[2] = ([{}], *samples[2][1:])
+    assert probe_results._uniform(samples) is None
+    with pytest.raises(RuntimeError, match="no worker returned the scores of probe 'a'"):
+        probe_results.probe_outputs_many(samples)

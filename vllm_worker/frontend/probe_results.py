@@ -122,7 +122,7 @@ def _uniform(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int]]) -
         if len(parts) != 1 or wanted is not wanted0 or prompt_len != samples[0][2]:
             return None
         part = parts[0]
-        got = part["probes"]
+        got = part.get("probes")
         if blocked:  # `probe_wire.pack_block`'s form: {name: n_out} and one buffer (every part: `got0`'s)
             block = part.get(probe_wire.BLOCK)
             if type(block) is not dict or got != got0 or list(got) != names:  # (dicts compare without order)
