@@ -111,50 +111,40 @@ def _uniform(samples: list[tuple[list[dict], dict[str, dict[str, Any]], int]]) -
         return None
     names = plan[0]
     m = len(names)
-    v0 = next(iter(got0.values()))
     blocked = probe_wire.BLOCK in parts0[0]
-    k0 = v0 if blocked else v0.get("n_out") if type(v0) is dict else None
-    if type(k0) is not int or k0 <= 0 or blocked and list(got0.values()).count(k0) != m:
-        return None
     raws: list[bytes] = []
     poss: list[bytes] = []
+    ks: list[int] = []  # every probe's width, sample after sample
     for parts, wanted, prompt_len in samples:
         if len(parts) != 1 or wanted is not wanted0 or prompt_len != samples[0][2]:
             return None
         part = parts[0]
         got = part.get("probes")
-        if blocked:  # `probe_wire.pack_block`'s form: {name: n_out} and one buffer (every part: `got0`'s)
-            block = part.get(probe_wire.BLOCK)
-            if type(block) is not dict or got != got0 or list(got) != names:  # (dicts compare without order)
-                return None
-            pos, raw = block.get("positions"), block.get("scores")
-            if type(pos) is not bytes or type(raw) is not bytes:
-                return None
-            poss.append(pos)
-            raws.append(raw)
-            continue
-        if type(got) is not dict or len(got) != m or probe_wire.BLOCK in part:  # an item a probe (`pack`)
+        if type(got) is not dict or list(got) != names or (probe_wire.BLOCK in part) is not blocked:
             return None
-        own: list[bytes] = []
-        for (name, it), want in zip(got.items(), names):
-            if name != want or type(it) is not dict:
-                return None
-            pos, raw, k = it.get("positions"), it.get("scores"), it.get("n_out")
-            if type(pos) is not bytes or type(raw) is not bytes or type(k) is not int or k != k0:
-                return None
-            poss.append(pos)
-            own.append(raw)
-        raws.append(own[0] if m == 1 else b"".join(own))
+        try:  # (the parts' own checks: the general path raises what they raise, naming the field)
+            if blocked:  # `probe_wire.pack_block`'s form: {name: n_out} and one buffer
+                pos, raw, _, got_ks = probe_wire.unpack_block(got, part[probe_wire.BLOCK], "probe_scores")
+                poss.append(pos)
+                ks += got_ks
+            else:  # an item a probe (`probe_wire.pack`)
+                own: list[bytes] = []
+                probe_wire.unpack_into(got, "probe_scores", poss, own, [], ks)
+                raw = own[0] if m == 1 else b"".join(own)
+        except ValueError:
+            return None
+        raws.append(raw)
+    k0 = ks[0]
+    if k0 <= 0 or ks.count(k0) != len(ks):
+        return None
     seen: dict[bytes, tuple[np.ndarray, int]] = {}
     n0 = -1
-    for pos in poss:
-        if len(pos) % 8:
-            return None
+    for pos in poss:  # (each probe's scores are as many rows as its positions: `unpack_*` checked)
         arr, n = _positions(pos, seen)
         if len(arr) != n or n != n0 and n0 != -1:
             return None
         n0 = n
-    if n0 <= 0 or any(len(raw) != 4 * n0 * m * k0 for raw in raws):
+    if n0 <= 0:
         return None
     sel = chosen(n0, samples[0][2], plan[2])
     if type(sel) is not slice:
