@@ -19,6 +19,10 @@ FETCH_TIMINGS = {
     "index_s": 0.0,
     "copy_s": 0.0,
     "arena_alloc_s": 0.0,  # host memory for steps' captures, allocated in the step
+    # probe payloads made while the engine was idle (`ready_probes`): requests, seconds, and those a fetch used
+    "ready_made": 0,
+    "ready_s": 0.0,
+    "ready_used": 0,
     # early assembly (`transport.early`): requests whose result was written while they ran, requests that
     # wanted it and were assembled at fetch instead, the fetch's wait for the copies not yet done, and the
     # background thread's work (batches of filed steps, bytes, index building, copies, regions of dropped

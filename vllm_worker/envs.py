@@ -251,6 +251,13 @@ SETTINGS: dict[str, Setting] = {
             "fetch or progress call (0: the pool as vLLM set it); steps whose batch is unchanged never resize it",
         ),
         Setting(
+            "VLLM_LENS_IDLE_PROBES",
+            bool,
+            True,
+            "make the probe scores' results of finished requests while the engine is idle (a step that ran "
+            "no tokens), so that their fetch finds them made (0: all at fetch)",
+        ),
+        Setting(
             "VLLM_LENS_EARLY_ASSEMBLY",
             bool,
             True,

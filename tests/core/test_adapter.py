@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -53,6 +54,8 @@ def test_installed_vllm_has_everything_we_need(llama):
         *([DPLBAsyncMPClient.get_core_engine_for_request] if routing else []),  # which DP engine ran a request
         Scheduler.update_from_output,  # probe actions' stops (compat.stops)
         GPUModelRunner.sample_tokens,
+        GPUModelRunner.execute_model,  # finished requests and idle steps (compat.patch_step_notices)
+        CPUModelRunner.execute_model,
     ):
         assert getattr(fn, "__lens_wrapped__", False), fn
     from vllm.config import ParallelConfig
@@ -89,6 +92,15 @@ def test_missing_internal_is_a_loud_error(monkeypatch):
     monkeypatch.setattr(compat.version, "vllm_version", lambda: (0, 99))
     with pytest.raises(compat.LensIncompatibleVLLM, match="supports vLLM"):
         compat.check_version()
+    import vllm.v1.core.sched.output as sched_output
+
+    @dataclasses.dataclass
+    class Bare:  # a scheduler output that no longer names the finished requests
+        total_num_scheduled_tokens: int = 0
+
+    monkeypatch.setattr(sched_output, "SchedulerOutput", Bare)
+    with pytest.raises(compat.LensIncompatibleVLLM, match="SchedulerOutput.finished_req_ids"):
+        compat.patch_step_notices(lambda runner, ids: None, lambda runner: None)
 
 
 def test_worker_stops_reach_the_scheduler_as_vllm_moves_them(llama, monkeypatch):

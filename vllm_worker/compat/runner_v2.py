@@ -179,6 +179,10 @@ def is_v2(runner: Any) -> bool:
 # ---------------------------------------------------------------- patches
 
 
+# (finished, idle) of `runner.patch_step_notices`, called by the V2 `execute_model` below as by V1's
+STEP_NOTICES: list[tuple[Callable[[Any, Any], None], Callable[[Any], None]]] = []
+
+
 def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[..., Any]) -> None:
     """As `runner.patch_runner`, on the V2 runner: `on_loaded(runner)` after `load_model` (before vLLM
     compiles or captures anything); `around_forward(runner, orig, *args, positions=..., **kw)` wraps each
@@ -192,9 +196,15 @@ def patch_runner(on_loaded: Callable[[Any], None], around_forward: Callable[...,
             dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
             if dummy or getattr(self, "_lens_runtime", None) is None:
                 return orig(self, scheduler_output, *args, **kwargs)
+            for finished, _ in STEP_NOTICES:  # (before `_track_requests` forgets them)
+                if scheduler_output.finished_req_ids:
+                    finished(self, scheduler_output.finished_req_ids)
             _track_requests(self, scheduler_output)
             if not scheduler_output.total_num_scheduled_tokens:
-                return orig(self, scheduler_output, *args, **kwargs)
+                out = orig(self, scheduler_output, *args, **kwargs)
+                for _, idle in STEP_NOTICES:
+                    idle(self)
+                return out
             global _STEP
             prev, step = _STEP, _Step(self, scheduler_output)
             _STEP = self._lens_step = step

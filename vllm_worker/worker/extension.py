@@ -139,6 +139,26 @@ def _stops(runner: Any) -> dict[str, str] | None:
     return None if rt is None or isinstance(rt, Unsupported) else rt.actions.stops()
 
 
+def _finished(runner: Any, req_ids: Any) -> None:
+    rt = getattr(runner, "_lens_runtime", None)
+    if rt is None or isinstance(rt, Unsupported):
+        return
+    try:
+        rt.note_finished(req_ids)
+    except Exception as e:  # noqa: BLE001 - only an earlier payload is lost: the fetch makes it
+        logger.warning("inspect-lens: noting finished requests failed (%s: %s)", type(e).__name__, e)
+
+
+def _idle(runner: Any) -> None:
+    rt = getattr(runner, "_lens_runtime", None)
+    if rt is None or isinstance(rt, Unsupported):
+        return
+    try:
+        rt.idle()
+    except Exception as e:  # noqa: BLE001 - as `_finished`
+        logger.warning("inspect-lens: preparing finished requests' results failed (%s: %s)", type(e).__name__, e)
+
+
 def _needs_python(runner: Any) -> int:
     rt = getattr(runner, "_lens_runtime", None)
     return 0 if rt is None or isinstance(rt, Unsupported) else rt.prepare_step()
@@ -147,6 +167,7 @@ def _needs_python(runner: Any) -> int:
 compat.check_version()
 compat.patch_runner(_on_loaded, _around_forward)
 compat.patch_runner_stops(_stops)
+compat.patch_step_notices(_finished, _idle)
 if compat.graph_taps_unsupported() is None:  # else the frontend forced eager mode (with a warning)
     compat.patch_cudagraph_dispatch(_needs_python)
     _why_not_cut = compat.full_graphs_unsupported()

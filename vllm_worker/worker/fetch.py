@@ -111,13 +111,19 @@ def assemble_all(
 
 def _probes_together(todo: list, records: dict | None) -> dict[int, Any]:
     """{id(request results): probe payload} of the fetch's requests whose probe scores are computed together
-    (`probe_payloads`); the others' are made one request at a time (`probes.payload`) in `_prelude`. A
-    failure here leaves every request to that path (where a failure is that request's error)."""
-    if records is None:
-        return {}
+    (`probe_payloads`), or were while the engine was idle (`ready_probes`); the others' are made one request
+    at a time (`probes.payload`) in `_prelude`. A failure here leaves every request to that path (where a
+    failure is that request's error)."""
     sts = [st for _, _, st, _ in todo if st.has_probes and st.error is None]
+    out = {id(st): st.ready for st in sts if st.ready is not None}  # made while the engine was idle
+    if out:
+        FETCH_TIMINGS["ready_used"] += len(out)
+        sts = [st for st in sts if st.ready is None]
+    if records is None or not sts:
+        return out
     got = probe_payloads.together(sts, records, blocks=True)
-    return {id(st): p for st, p in zip(sts, got) if p is not None}
+    out.update((id(st), p) for st, p in zip(sts, got) if p is not None)
+    return out
 
 
 def shared_records(n_requests: int) -> dict | None:

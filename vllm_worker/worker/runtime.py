@@ -502,6 +502,21 @@ class LensRuntime:
         use_shm = shm_host is not None and shm_host == shm.host_id()
         return self.store.fetch(wanted, self.capturing_rank, self.sites, pickle_saved, use_shm, released)
 
+    def note_finished(self, req_ids: Any) -> None:
+        """vLLM names these requests finished (before the step that drops them): nothing more is filed for
+        them, so their probe payloads may be made before the fetch (`idle`)."""
+        if not self.capturing_rank:
+            return
+        for rid in req_ids:
+            r = self._reqs.get(rid)
+            if r is not None and r.store is not None and r.store.probe_filed:
+                r.store.finished = True
+
+    def idle(self) -> None:
+        """A step ran no tokens: the engine has nothing to run now (`ready_probes`)."""
+        if self.capturing_rank:
+            self.store.prepare_ready()
+
     def probe_progress(self, wanted: list[tuple[str, int, int]]) -> list:
         """Running requests' probe scores from a position on (`lens_probe_progress`): [key, child, payload]
         for each request this rank scores; nothing from the other ranks."""

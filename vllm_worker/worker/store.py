@@ -25,7 +25,7 @@ from vllm_worker.transport import early, result_pool
 from vllm_worker.transport.early_regions import State
 from vllm_worker.transport.lock_order import LockOrder, Ordered
 from vllm_worker.transport.result_pool import ResultPool
-from vllm_worker.worker import faults
+from vllm_worker.worker import faults, ready_probes
 from vllm_worker.worker import fetch as fetch_mod
 from vllm_worker.worker.plan import StepPlan
 from vllm_worker.worker.request_results import ArenaSpan, CaptureLog, RequestResults, StepArena
@@ -311,6 +311,11 @@ class CaptureStore:
             for _, _, st, _ in todo:
                 self._release(st)
         return out
+
+    def prepare_ready(self) -> int:
+        """The engine is idle: make the probe payloads of the finished requests held here (`ready_probes`)."""
+        with self.lock:
+            return ready_probes.prepare(list(self._stores.values()))
 
     def drop(self, keys: list[str]) -> int:
         with self.lock:

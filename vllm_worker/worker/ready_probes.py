@@ -1,0 +1,42 @@
+"""Probe payloads of finished requests, made while the engine is idle (a step that ran no tokens) rather
+than when the fetch asks: an offline `generate` fetches only after the frontend has processed the last
+step's outputs, and the engine core has nothing to do meanwhile. The payload is what the fetch would make
+(`probe_payloads.together` as blocks, else `probes.payload`) from the same filed rows: vLLM names a request
+finished only after every step that scored it was filed, and nothing is filed for it after that. A fetch
+uses it (`fetch._probes_together`); where none was made the fetch makes it as before."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+from vllm_worker.counters import FETCH_TIMINGS
+from vllm_worker.envs import get
+from vllm_worker.worker import probe_payloads, probes, step_records
+from vllm_worker.worker.request_results import RequestResults
+
+
+def prepare(stores: Iterable[RequestResults]) -> int:
+    """Make the probe payloads of the finished requests among `stores` that have none yet, as the fetch
+    would: together (`probe_payloads`), else one request at a time (`probes.payload`); returns how many were
+    made. A request whose payload fails here has none made: its fetch makes it, where a failure is its error."""
+    if not get("VLLM_LENS_IDLE_PROBES"):
+        return 0
+    sts = [st for st in stores if st.finished and st.ready is None and st.error is None and st.probe_filed]
+    if not sts:
+        return 0
+    t = time.perf_counter()
+    records = {step_records.WHOLE_RECORDS: True} if len(sts) > 1 else None  # (as `fetch.shared_records`)
+    got = probe_payloads.together(sts, records, blocks=True) if records is not None else [None]
+    made = 0
+    for st, p in zip(sts, got):
+        if p is None:
+            try:
+                p = probes.payload(st.probes, cache=records)
+            except Exception:  # noqa: BLE001 - left to the fetch (see above)
+                continue
+        st.ready = p
+        made += 1
+    FETCH_TIMINGS["ready_made"] += made
+    FETCH_TIMINGS["ready_s"] += time.perf_counter() - t
+    return made
