@@ -513,9 +513,14 @@ class LensRuntime:
                 r.store.finished = True
 
     def idle(self) -> None:
-        """A step ran no tokens: the engine has nothing to run now (`ready_probes`)."""
-        if self.capturing_rank:
-            self.store.prepare_ready()
+        """A step ran no tokens: the engine has nothing new to run (`ready_probes`). While the device still
+        runs an earlier step (vLLM schedules ahead), nothing: reading its scores would wait for it and then
+        hold back its outputs; the engine's next idle step comes after it."""
+        if not self.capturing_rank:
+            return
+        if self.device.type == "cuda" and not torch.cuda.current_stream(self.device).query():
+            return
+        self.store.prepare_ready()
 
     def probe_progress(self, wanted: list[tuple[str, int, int]]) -> list:
         """Running requests' probe scores from a position on (`lens_probe_progress`): [key, child, payload]
