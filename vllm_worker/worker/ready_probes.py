@@ -8,12 +8,32 @@ uses it (`fetch._probes_together`); where none was made the fetch makes it as be
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Any, Iterable
+
+import torch
 
 from vllm_worker.counters import FETCH_TIMINGS
 from vllm_worker.envs import get
 from vllm_worker.worker import probe_payloads, probes, step_records
 from vllm_worker.worker.request_results import RequestResults
+
+
+def note_finished(requests: dict[str, Any], req_ids: Any) -> None:
+    """vLLM names these requests finished (`requests`: the worker's request states by vLLM's id, before the
+    step that drops them): nothing more is filed for them."""
+    for rid in req_ids:
+        r = requests.get(rid)
+        if r is not None and r.store is not None and r.store.probe_filed:
+            r.store.finished = True
+
+
+def idle(store: Any, device: torch.device) -> None:
+    """The engine has nothing new to run: `store.prepare_ready()` (`prepare` over the requests it holds).
+    Not while the device still runs an earlier step (vLLM schedules ahead): reading its scores would wait
+    for it and then hold back its outputs; the engine's next idle step comes after it."""
+    if device.type == "cuda" and not torch.cuda.current_stream(device).query():
+        return
+    store.prepare_ready()
 
 
 def prepare(stores: Iterable[RequestResults]) -> int:

@@ -33,6 +33,7 @@ from vllm_worker.worker import (
     graph,
     probe_payloads,
     probes,
+    ready_probes,
     saes,
     seams,
     taps,
@@ -503,24 +504,14 @@ class LensRuntime:
         return self.store.fetch(wanted, self.capturing_rank, self.sites, pickle_saved, use_shm, released)
 
     def note_finished(self, req_ids: Any) -> None:
-        """vLLM names these requests finished (before the step that drops them): nothing more is filed for
-        them, so their probe payloads may be made before the fetch (`idle`)."""
-        if not self.capturing_rank:
-            return
-        for rid in req_ids:
-            r = self._reqs.get(rid)
-            if r is not None and r.store is not None and r.store.probe_filed:
-                r.store.finished = True
+        """vLLM names these requests finished (before the step that drops them: `ready_probes`)."""
+        if self.capturing_rank:
+            ready_probes.note_finished(self._reqs, req_ids)
 
     def idle(self) -> None:
-        """A step ran no tokens: the engine has nothing new to run (`ready_probes`). While the device still
-        runs an earlier step (vLLM schedules ahead), nothing: reading its scores would wait for it and then
-        hold back its outputs; the engine's next idle step comes after it."""
-        if not self.capturing_rank:
-            return
-        if self.device.type == "cuda" and not torch.cuda.current_stream(self.device).query():
-            return
-        self.store.prepare_ready()
+        """A step ran no tokens: the engine has nothing new to run (`ready_probes`)."""
+        if self.capturing_rank:
+            ready_probes.idle(self.store, self.device)
 
     def probe_progress(self, wanted: list[tuple[str, int, int]]) -> list:
         """Running requests' probe scores from a position on (`lens_probe_progress`): [key, child, payload]
