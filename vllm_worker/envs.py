@@ -251,13 +251,6 @@ SETTINGS: dict[str, Setting] = {
             "fetch or progress call (0: the pool as vLLM set it); steps whose batch is unchanged never resize it",
         ),
         Setting(
-            "VLLM_LENS_PROJECTION_KERNEL",
-            bool,
-            True,
-            "on CUDA, project a step's rows on its probes with one Triton kernel that reads them in their own "
-            "dtype and sums in float32 (0: a float32 copy of the rows and cuBLAS's matmul)",
-        ),
-        Setting(
             "VLLM_LENS_IDLE_PROBES",
             bool,
             True,

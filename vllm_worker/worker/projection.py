@@ -5,10 +5,9 @@ change with the batch around it.
 A matmul's row can change in its last bits with how many rows run with it (the BLAS library picks its
 blocking and threading by size). On CPU each score is instead an elementwise product and one `torch.sum`
 over d: the sum reduces a contiguous last dimension with one thread per output, in an order set only by d
-(and the machine's vector width). On CUDA a Triton kernel (`projection_kernel`: each row's sums in a fixed
-order, so its scores do not depend on the other rows either) or, where it does not apply, `torch.mm` /
-`torch.bmm`, whose row may depend on the row count; vLLM's own GPU activations depend on the batch there
-unless its batch-invariant mode is on (docs/probes.md; bench/probes/row_invariance.py measures both). With that mode on
+(and the machine's vector width). On CUDA it stays `torch.mm` / `torch.bmm`: vLLM's own GPU activations
+depend on the batch there unless its batch-invariant mode is on, and cuBLAS's row may depend on the row
+count too (docs/probes.md; bench/probes/row_invariance.py measures both on a lent GPU). With that mode on
 (`VLLM_BATCH_INVARIANT=1`; the worker says so once: `use_batch_invariant`) a GPU score is a product, `mean`
 over d and times d instead: the mode replaces `mean.dim` with a kernel that sums each output alone, in
 float32, in a fixed order (not its matmuls: on Hopper `mm` stays cuBLAS, its `bmm` is TF32; docs/decisions.md).
@@ -16,14 +15,7 @@ float32, in a fixed order (not its matmuls: on Hopper `mm` stays cuBLAS, its `bm
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import torch
-
-from vllm_worker.envs import get
-
-logger = logging.getLogger("vllm_worker")
 
 _CHUNK = 1 << 18  # product elements a chunk of rows holds at most (1 MiB of float32)
 _MODE_CHUNK = 1 << 24  # the same under vLLM's batch-invariant mode (64 MiB: one chunk a decode step)
@@ -58,8 +50,6 @@ def project(
     if rowwise is None:
         rowwise = x.device.type == "cpu"
     if not rowwise:
-        if not _BATCH_INVARIANT and x.is_cuda and _kernel_project(x, w, out):
-            return
         if x.dtype != torch.float32:
             x = x.to(torch.float32)
         if _BATCH_INVARIANT:
@@ -88,55 +78,6 @@ def project(
             out.narrow(-2, r0, k).copy_(prod.reshape(1, d).expand(2, d).sum(-1)[:1])
         else:
             torch.sum(prod, dim=-1, out=out.narrow(-2, r0, k))
-
-
-_KERNEL: list = []  # [the Triton kernel, or None: no Triton, turned off, or it failed once (logged)]
-_KERNEL_MAX_COLUMNS = 64  # more columns a site: cuBLAS's matmul
-
-
-def _kernel_project(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
-    """`project` on CUDA through `projection_kernel` (the rows read in their own dtype, float32 sums): True
-    when it ran; False leaves it to the torch ops (no Triton, `VLLM_LENS_PROJECTION_KERNEL=0`, a layout it
-    does not take, or a failure of the kernel — logged once, then the torch ops for the worker's life)."""
-    if not _KERNEL:
-        _KERNEL.append(_load_kernel())
-    kernel = _KERNEL[0]
-    n = w.shape[-2]
-    if kernel is None or n > _KERNEL_MAX_COLUMNS or w.dtype != torch.float32 or out.dtype != torch.float32:
-        return False
-    if x.dim() == 2:
-        x, w, out = x.unsqueeze(0), w.unsqueeze(0), out.unsqueeze(0)
-    if x.stride(-1) != 1 or w.stride(-1) != 1 or out.stride(-1) != 1:
-        return False
-    s, m, d = x.shape
-    bn = _next_pow2(n)
-    bk = max(16, min(512, 8192 // (16 * bn)))
-    try:
-        kernel[(s, (m + 15) // 16)](
-            x, w, out, m, n, d, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-            BM=16, BN=bn, BK=bk,
-        )  # fmt: skip
-    except Exception as e:  # noqa: BLE001 - the torch ops compute the same; never a step without scores
-        logger.warning(
-            "inspect-lens: the projection kernel failed (%s: %s); torch's ops from now on", type(e).__name__, e
-        )
-        _KERNEL[0] = None
-        return False
-    return True
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _load_kernel() -> Any:
-    if not get("VLLM_LENS_PROJECTION_KERNEL"):
-        return None
-    try:
-        from vllm_worker.worker.projection_kernel import project_kernel
-    except ImportError:
-        return None
-    return project_kernel
 
 
 def _project_mode(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
