@@ -133,7 +133,7 @@ class RequestResults:
     # early assembly (`transport.early_regions`): the request's state, and its region while it holds one
     early: State = State.UNDECIDED
     dest: EarlyRegion | None = None
-    # vLLM said the request finished (`runtime.note_finished`): nothing more is filed; then its probe payload
+    # vLLM said the request finished (`ready_probes.note_finished`): nothing more is filed; then its probe payload
     # as a fetch makes it, made while the engine was idle (`ready_probes`), or None
     finished: bool = False
     ready: Any = None
