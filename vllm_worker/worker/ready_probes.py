@@ -10,11 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable
 
-import torch
-
 from vllm_worker.counters import FETCH_TIMINGS
 from vllm_worker.envs import get
-from vllm_worker.worker import probe_payloads, probes, step_records
+from vllm_worker.worker import fetch, probe_payloads, probes
 from vllm_worker.worker.request_results import RequestResults
 
 
@@ -27,15 +25,6 @@ def note_finished(requests: dict[str, Any], req_ids: Any) -> None:
             r.store.finished = True
 
 
-def idle(store: Any, device: torch.device) -> None:
-    """The engine has nothing new to run: `store.prepare_ready()` (`prepare` over the requests it holds).
-    Not while the device still runs an earlier step (vLLM schedules ahead): reading its scores would wait
-    for it and then hold back its outputs; the engine's next idle step comes after it."""
-    if device.type == "cuda" and not torch.cuda.current_stream(device).query():
-        return
-    store.prepare_ready()
-
-
 def prepare(stores: Iterable[RequestResults]) -> int:
     """Make the probe payloads of the finished requests among `stores` that have none yet, as the fetch
     would: together (`probe_payloads`), else one request at a time (`probes.payload`); returns how many were
@@ -46,7 +35,7 @@ def prepare(stores: Iterable[RequestResults]) -> int:
     if not sts:
         return 0
     t = time.perf_counter()
-    records = {step_records.WHOLE_RECORDS: True} if len(sts) > 1 else None  # (as `fetch.shared_records`)
+    records = fetch.shared_records(len(sts))
     got = probe_payloads.together(sts, records, blocks=True) if records is not None else [None]
     made = 0
     for st, p in zip(sts, got):

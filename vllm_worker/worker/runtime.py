@@ -511,7 +511,7 @@ class LensRuntime:
     def idle(self) -> None:
         """A step ran no tokens: the engine has nothing new to run (`ready_probes`)."""
         if self.capturing_rank:
-            ready_probes.idle(self.store, self.device)
+            self.store.prepare_ready()
 
     def probe_progress(self, wanted: list[tuple[str, int, int]]) -> list:
         """Running requests' probe scores from a position on (`lens_probe_progress`): [key, child, payload]

@@ -313,7 +313,11 @@ class CaptureStore:
         return out
 
     def prepare_ready(self) -> int:
-        """The engine is idle: make the probe payloads of the finished requests held here (`ready_probes`)."""
+        """The engine has nothing new to run: make the probe payloads of the finished requests held here
+        (`ready_probes`). Not while the device still runs an earlier step (vLLM schedules ahead): reading its
+        scores would wait for it and then hold back its outputs; the engine's next idle step comes after it."""
+        if self.side is not None and not torch.cuda.current_stream(self.side.device).query():
+            return 0
         with self.lock:
             return ready_probes.prepare(list(self._stores.values()))
 
