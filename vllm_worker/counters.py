@@ -23,6 +23,7 @@ FETCH_TIMINGS = {
     "ready_made": 0,
     "ready_s": 0.0,
     "ready_used": 0,
+    "ready_early": 0,  # of `ready_made`: made while the device still ran a step (`ready_probes.prepare`)
     # early assembly (`transport.early`): requests whose result was written while they ran, requests that
     # wanted it and were assembled at fetch instead, the fetch's wait for the copies not yet done, and the
     # background thread's work (batches of filed steps, bytes, index building, copies, regions of dropped

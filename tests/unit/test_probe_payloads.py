@@ -17,7 +17,7 @@ import torch
 from support.filing import file_steps
 from vllm_worker.protocol import probe_wire
 from vllm_worker.protocol.wire import tensor_to_bytes
-from vllm_worker.worker import fetch, probe_payloads, probes
+from vllm_worker.worker import fetch, probe_payloads, probes, ready_probes
 from vllm_worker.worker.request_results import RequestResults
 
 D = 16
@@ -398,3 +398,37 @@ def test_rising_same_by_record_row_equals_the_gathered_reading():
             assert np.array_equal(
                 probe_payloads._member_positions(parts, k), probe_payloads._member_positions(gathered, k)
             )
+
+
+class _Ran:
+    """A record's event (`StepRecord.mark`) as this test sets it: whether the steps written there have run."""
+
+    def __init__(self, ran: bool) -> None:
+        self.ran = ran
+
+    def query(self) -> bool:
+        return self.ran
+
+
+def test_results_made_while_a_step_runs_read_only_records_that_have_run(monkeypatch):
+    """`ready_probes.prepare` while the device still runs a step (`running`): a finished request is made only
+    when every record its scores were filed in has run (a record never marked is not known to have: CPU's),
+    a chunk at a time while the step runs; what it makes is what the idle pass makes."""
+    reqs = _requests([["a", "b", "c"]] * 6)
+    _run(reqs, [4, 9, 9, 20, 7, 30], False)
+    stores = [r.store for r in reqs]
+    for st in stores:
+        st.finished = True
+    assert ready_probes.prepare(stores, running=lambda: True) == 0  # (never marked)
+    last = stores[5].probe_filed[-1][0].record  # request 5 alone, its last steps: still running
+    for rec in {id(e[0].record): e[0].record for st in stores for e in st.probe_filed}.values():
+        rec.event = _Ran(rec is not last)
+    monkeypatch.setattr(ready_probes, "EARLY_CHUNK", 2)
+    looks = iter([True, True, False])  # the step ends after two chunks
+    assert ready_probes.prepare(stores, running=lambda: next(looks)) == 4
+    early = [st.ready for st in stores]
+    assert [p is not None for p in early] == [True] * 4 + [False] * 2
+    for st in stores:
+        st.ready = None
+    assert ready_probes.prepare(stores) == 6  # the device idle: every finished request
+    assert early[:4] == [st.ready for st in stores[:4]]

@@ -196,6 +196,8 @@ class StagedProbes:
             rec = self.record = self._open(stage.device)
         out = rec.next(positions[self.rows])["scores"]  # ((sites, rows, columns) for several: `_open`)
         project(x, self.weight, out, views=self.views)
+        if x.is_cuda:  # (an idle step may read the record while a later step runs: `ready_probes`)
+            rec.mark()
         PROBE_COUNTS["rows"] += len(self.rows)
         PROBE_COUNTS["projections"] += 1
 

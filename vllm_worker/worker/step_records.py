@@ -24,7 +24,7 @@ class StepRecord:
     """One site's outputs over the steps of one batch composition: positions (steps, rows) and named
     blocks (steps, rows, columns)."""
 
-    __slots__ = ("rows", "blocks", "device", "chunks", "groups", "_host_pos", "_steps")
+    __slots__ = ("rows", "blocks", "device", "chunks", "groups", "event", "_host_pos", "_steps")
     MAX_CHUNK_STEPS = 64
 
     def __init__(self, rows: int, blocks: dict[Any, Block], device: torch.device, groups: int = 1) -> None:
@@ -36,6 +36,7 @@ class StepRecord:
         # steps' views per block, made with the chunk: a step writes there without a torch call
         self._host_pos: np.ndarray | None = None
         self._steps: list[dict[Any, torch.Tensor]] = []
+        self.event: Any = None  # (`mark`)
 
     def next(self, pos: np.ndarray | torch.Tensor) -> dict[Any, torch.Tensor]:
         """Record this step's positions (rows,); returns its (rows, cols) views per block to write into
@@ -62,6 +63,18 @@ class StepRecord:
             assert host is not None  # (a record's positions stay on one side: host arrays or device tensors)
             host[k] = pos
         return self._steps[k]
+
+    def mark(self) -> None:
+        """After a step's writes here are queued (graph-safe path, CUDA): an event behind them, recorded
+        again each step, so that `ran` tells without waiting whether every step written here has run."""
+        ev = self.event
+        if ev is None:
+            ev = self.event = torch.cuda.Event()
+        ev.record()
+
+    def ran(self) -> bool:
+        """Every step written here has run on the device; False when not known (never `mark`ed)."""
+        return self.event is not None and bool(self.event.query())
 
     @property
     def steps(self) -> int:

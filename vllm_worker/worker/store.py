@@ -40,6 +40,7 @@ class CaptureStore:
         self.stored_bytes = 0
         self.lock = Ordered(threading.Lock(), LockOrder.STORE)  # (before early's condition, before the pool's)
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._ready_stream: torch.cuda.Stream | None = None  # (`prepare_ready` while a step runs)
         self._pool: ResultPool | None = None
         # copies captures into their pool regions while requests run (`transport.early`)
         self.early = early.EarlyAssembler(
@@ -314,12 +315,20 @@ class CaptureStore:
 
     def prepare_ready(self) -> int:
         """The engine has nothing new to run: make the probe payloads of the finished requests held here
-        (`ready_probes`). Not while the device still runs an earlier step (vLLM schedules ahead): reading its
-        scores would wait for it and then hold back its outputs; the engine's next idle step comes after it."""
-        if self.side is not None and not torch.cuda.current_stream(self.side.device).query():
-            return 0
-        with self.lock:
-            return ready_probes.prepare(list(self._stores.values()))
+        (`ready_probes`). While the device still runs an earlier step (vLLM schedules ahead), only those
+        whose records have run, read on a stream of their own (the step's stream would make the reads wait
+        for it, and the capture stream may wait for it too), until the step ends."""
+        if self.side is None:
+            with self.lock:
+                return ready_probes.prepare(list(self._stores.values()))
+        step = torch.cuda.current_stream(self.side.device)
+        if step.query():
+            with self.lock:
+                return ready_probes.prepare(list(self._stores.values()))
+        if self._ready_stream is None:
+            self._ready_stream = torch.cuda.Stream(self.side.device)
+        with self.lock, torch.cuda.stream(self._ready_stream):
+            return ready_probes.prepare(list(self._stores.values()), running=lambda: not step.query())
 
     def drop(self, keys: list[str]) -> int:
         with self.lock:
