@@ -2,8 +2,10 @@
 than when the fetch asks: an offline `generate` fetches only after the frontend has processed the last
 step's outputs, and the engine core has nothing to do meanwhile. The payload is what the fetch would make
 (`probe_payloads.together` as blocks, else `probes.payload`) from the same filed rows: vLLM names a request
-finished only after every step that scored it was filed, and nothing is filed for it after that. A fetch
-uses it (`fetch._probes_together`); where none was made the fetch makes it as before."""
+finished only after every step that scored it was filed, and nothing is filed for it after that. Such a step
+often comes while the device still runs the last one (vLLM schedules ahead): the requests that finished
+before it are made then, from records every step has run on. A fetch uses what was made
+(`fetch._probes_together`); where none was made the fetch makes it as before."""
 
 from __future__ import annotations
 
