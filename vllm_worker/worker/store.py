@@ -318,13 +318,12 @@ class CaptureStore:
         (`ready_probes`). While the device still runs an earlier step (vLLM schedules ahead), only those
         whose records have run, read on a stream of their own (the step's stream would make the reads wait
         for it, and the capture stream may wait for it too), until the step ends."""
-        side = self.side
-        step = None if side is None else torch.cuda.current_stream(side.device)
-        if side is None or step is None or step.query():
+        step = None if self.side is None else torch.cuda.current_stream(self.side.device)
+        if step is None or step.query():
             with self.lock:
                 return ready_probes.prepare(list(self._stores.values()))
         if self._ready_stream is None:
-            self._ready_stream = torch.cuda.Stream(side.device)
+            self._ready_stream = torch.cuda.Stream(step.device)
         with self.lock, torch.cuda.stream(self._ready_stream):
             return ready_probes.prepare(list(self._stores.values()), running=lambda: not step.query())
 
